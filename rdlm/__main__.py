@@ -1,0 +1,3 @@
+from rdlm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The `rdlm` command line: a thin layer over the Python API, one module per subcommand.
+
+Each module in COMMANDS defines `register(subparsers)`, which adds its parser and sets `func`,
+a function taking the parsed namespace and returning an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = [
+    "rdlm.cli.info",
+    "rdlm.cli.generate",
+]
+
+
+class CLIError(Exception):
+    """A user error worth one clear line, not a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rdlm", description="Recurrent-depth language models.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CLIError, ValueError, FileNotFoundError) as err:
+        print(f"rdlm {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

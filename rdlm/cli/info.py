@@ -1,0 +1,61 @@
+"""`rdlm info MODEL`: config, parameter counts and (optionally) forward-pass timing of a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from rdlm.config import PRESETS, RDLMConfig
+from rdlm.model import RecurrentDepthLM
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("info", help="show a model's config and parameter counts")
+    p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a model directory")
+    p.add_argument("--time-forward", metavar="R,R,...", default=None,
+                   help="time one forward pass (batch 1, full context) at these iteration counts")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length for --time-forward")
+    p.set_defaults(func=run)
+
+
+def describe(model: RecurrentDepthLM) -> dict:
+    groups = model.parameter_groups()
+    return {"config": model.config.to_dict(), "parameters": {**groups, "total": sum(groups.values())}}
+
+
+def time_forward(model: RecurrentDepthLM, num_steps: int, seq_len: int, repeats: int = 3) -> float:
+    """Median wall time in seconds of one no-grad forward pass on random tokens."""
+    ids = torch.randint(0, model.config.vocab_size, (1, seq_len))
+    times = []
+    with torch.inference_mode():
+        model(ids, num_steps=num_steps)  # warm-up
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(ids, num_steps=num_steps)
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.model in PRESETS:
+        config = RDLMConfig.from_preset(args.model)
+        device = "meta" if args.time_forward is None else "cpu"
+        with torch.device(device):
+            model = RecurrentDepthLM(config)
+    else:
+        from rdlm import load_model
+
+        model = load_model(args.model)
+    info = describe(model)
+    if args.time_forward:
+        seq_len = args.seq_len or model.config.context_length
+        info["forward_seconds"] = {
+            int(r): round(time_forward(model.eval(), int(r), seq_len), 4)
+            for r in args.time_forward.split(",")
+        }
+        info["forward_seq_len"] = seq_len
+    print(json.dumps(info, indent=2))
+    return 0

@@ -1,0 +1,152 @@
+"""Model configuration and named presets (SPEC section 1).
+
+A config is a small frozen dataclass of plain values. Presets are data: a dict of field overrides.
+Every field is validated on construction, and every error names the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+NORM_SCHEMES = ("sandwich", "prenorm")
+INJECTIONS = ("concat", "add")
+STATE_INITS = ("random", "zero")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RDLMConfig:
+    # Shape triplet (l_P, l_R, l_C): layers in prelude, core block, coda.
+    prelude_layers: int = 2
+    core_layers: int = 4
+    coda_layers: int = 2
+    hidden_size: int = 5280
+    num_heads: int = 55
+    intermediate_size: int = 17920
+    vocab_size: int = 65536
+    context_length: int = 4096
+    rope_base: float = 50000.0
+    norm_eps: float = 1e-6
+    qk_bias: bool = True
+    tie_embeddings: bool = True
+    # Training-time recurrence: r ~ sampler(mean_recurrence), gradients through the last backprop_depth.
+    mean_recurrence: int = 32
+    backprop_depth: int = 8
+    recurrence_sampler: str = "lognormal-poisson"
+    recurrence_sigma: float = 0.5
+    # Ablation switches of the paper.
+    norm_scheme: str = "sandwich"
+    injection: str = "concat"
+    state_init: str = "random"
+    # Memory/speed switch: recompute each core iteration in backward instead of storing activations.
+    activation_checkpointing: bool = False
+    # Free-form provenance (e.g. the preset name); not used by the model.
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        positive = ("prelude_layers", "core_layers", "coda_layers", "hidden_size", "num_heads",
+                    "intermediate_size", "vocab_size", "context_length", "mean_recurrence",
+                    "backprop_depth")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
+        # Prelude and coda may be empty (an ablation); the core block and every size may not.
+        for name in positive:
+            minimum = 0 if name in ("prelude_layers", "coda_layers") else 1
+            if getattr(self, name) < minimum:
+                raise ConfigError(f"{name} must be >= {minimum}, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads != 0:
+            raise ConfigError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"head dimension hidden_size/num_heads = {self.head_dim} must be even for RoPE")
+        for name in ("rope_base", "norm_eps", "recurrence_sigma"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        if self.rope_base <= 1:
+            raise ConfigError(f"rope_base must be > 1, got {self.rope_base}")
+        if self.norm_eps <= 0:
+            raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if self.recurrence_sigma < 0:
+            raise ConfigError(f"recurrence_sigma must be >= 0, got {self.recurrence_sigma}")
+        for name in ("qk_bias", "tie_embeddings", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name, allowed in (("norm_scheme", NORM_SCHEMES), ("injection", INJECTIONS),
+                              ("state_init", STATE_INITS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        from rdlm.recurrence import SAMPLERS  # local import: recurrence imports nothing from here
+
+        if self.recurrence_sampler not in SAMPLERS:
+            raise ConfigError(
+                f"recurrence_sampler must be one of {sorted(SAMPLERS)}, got {self.recurrence_sampler!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def effective_depth(self) -> int:
+        """Expected effective depth L = l_P + r_mean * l_R + l_C (used by the Takase init)."""
+        return self.prelude_layers + self.mean_recurrence * self.core_layers + self.coda_layers
+
+    def depth_at(self, num_steps: int) -> int:
+        return self.prelude_layers + num_steps * self.core_layers + self.coda_layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "RDLMConfig":
+        check_keys(values, cls)
+        return cls(**values)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "RDLMConfig":
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}{_suggest(name, PRESETS)}; "
+                              f"available: {', '.join(sorted(PRESETS))}")
+        values = {**PRESETS[name], "name": name, **overrides}
+        return cls.from_dict(values)
+
+    def replace(self, **changes: Any) -> "RDLMConfig":
+        check_keys(changes, type(self))
+        return dataclasses.replace(self, **changes)
+
+
+def check_keys(values: Mapping[str, Any], cls: type = RDLMConfig) -> None:
+    """Raise ConfigError naming the first key that is not a field of `cls`."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"unknown config key {key!r}{_suggest(key, known)}")
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# Presets are plain field overrides on top of the dataclass defaults (which are Huginn-0125's).
+PRESETS: dict[str, dict[str, Any]] = {
+    # The released 3.5B model: (2, 4, 2), h=5280, 55 heads of 96, MLP 17920, vocab 65536, context 4096.
+    "huginn-0125": {},
+    # For tests: about 0.2M parameters, runs anything in milliseconds.
+    "tiny": dict(prelude_layers=1, core_layers=2, coda_layers=1, hidden_size=64, num_heads=4,
+                 intermediate_size=160, vocab_size=512, context_length=256, mean_recurrence=8,
+                 backprop_depth=4),
+    # A CPU demo model: a few million parameters.
+    "small": dict(prelude_layers=1, core_layers=2, coda_layers=1, hidden_size=256, num_heads=8,
+                  intermediate_size=704, vocab_size=8192, context_length=512, mean_recurrence=8,
+                  backprop_depth=4),
+}

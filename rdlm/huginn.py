@@ -1,0 +1,349 @@
+"""Huginn-0125 checkpoint layout: the one home of conversion to and from it (SPEC section 2).
+
+A model directory holds `config.json` (the reference's keys, model_type "huginn_raven"), weights in
+safetensors (one file, or shards listed by `model.safetensors.index.json`) and optionally
+`tokenizer.json`. Weights are only ever read with safetensors: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from rdlm.config import RDLMConfig, check_keys
+from rdlm.model import RecurrentDepthLM, rope_tables
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+MODEL_TYPE = "huginn_raven"
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+class CheckpointError(ValueError):
+    """A model directory or weight file is missing, malformed, or does not fit the config."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameter names
+
+_GROUPS = {"prelude": "prelude", "core": "core_block", "coda": "coda"}
+_LAYER_PARTS = {"attn.qkv.weight": "attn.Wqkv.weight", "attn.qk_bias": "attn.qk_bias",
+                "attn.out.weight": "attn.proj.weight", "mlp.fc.weight": "mlp.fc.weight",
+                "mlp.out.weight": "mlp.proj.weight", **{f"norm_{i}.weight": f"norm_{i}.weight"
+                                                       for i in range(1, 5)}}
+_TOP = {"embedding.weight": "transformer.wte.weight", "adapter.weight": "transformer.adapter.weight",
+        "final_norm.weight": "transformer.ln_f.weight", "lm_head.weight": "lm_head.weight"}
+_LAYER_RE = re.compile(r"^(prelude|core|coda)\.(\d+)\.(.+)$")
+_HUGINN_LAYER_RE = re.compile(r"^transformer\.(prelude|core_block|coda)\.(\d+)\.(.+)$")
+
+
+def to_huginn_name(name: str) -> str:
+    if name in _TOP:
+        return _TOP[name]
+    match = _LAYER_RE.match(name)
+    if match and match.group(3) in _LAYER_PARTS:
+        group, index, part = match.groups()
+        return f"transformer.{_GROUPS[group]}.{index}.{_LAYER_PARTS[part]}"
+    raise KeyError(f"rdlm parameter {name!r} has no Huginn name")
+
+
+def from_huginn_name(name: str) -> str | None:
+    """The rdlm parameter name of a Huginn tensor name, or None if it names nothing rdlm has."""
+    for ours, theirs in _TOP.items():
+        if name == theirs:
+            return ours
+    match = _HUGINN_LAYER_RE.match(name)
+    if match:
+        group, index, part = match.groups()
+        ours_group = {v: k for k, v in _GROUPS.items()}[group]
+        for ours, theirs in _LAYER_PARTS.items():
+            if part == theirs:
+                return f"{ours_group}.{index}.{ours}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json
+
+_REQUIRED = {"n_embd": "hidden_size", "n_heads": "num_heads", "n_layers_in_prelude": "prelude_layers",
+             "n_layers_in_recurrent_block": "core_layers", "n_layers_in_coda": "coda_layers",
+             "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
+             "block_size": "context_length"}
+_OPTIONAL = {"norm_eps": "norm_eps", "rope_base": "rope_base", "qk_bias": "qk_bias",
+             "tie_embeddings": "tie_embeddings", "mean_recurrence": "mean_recurrence",
+             "mean_backprop_depth": "backprop_depth"}
+
+
+def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME) -> RDLMConfig:
+    """Read a Huginn config.json dict; fields rdlm does not model must hold the values it assumes."""
+    if raw.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        raise CheckpointError(f"{source}: model_type is {raw['model_type']!r}, expected {MODEL_TYPE!r}")
+    missing = [key for key in _REQUIRED if key not in raw]
+    if missing:
+        raise CheckpointError(f"{source}: missing required key(s) {', '.join(missing)}")
+    values: dict[str, Any] = {ours: raw[theirs] for theirs, ours in {**_REQUIRED, **_OPTIONAL}.items()
+                              if theirs in raw}
+    # The reference pads the embedding table; its rows are what the weights hold.
+    values["vocab_size"] = raw.get("padded_vocab_size", raw["vocab_size"])
+    for key in ("rope_base", "norm_eps"):
+        if key in values:
+            values[key] = float(values[key])
+    block = raw.get("block_class_name", "SandwichBlock")
+    values["norm_scheme"] = "sandwich" if block == "SandwichBlock" else "prenorm"
+    injection = raw.get("injection_type", "linear")
+    if injection not in ("linear", "add"):
+        raise CheckpointError(f"{source}: injection_type {injection!r} is not supported (linear, add)")
+    values["injection"] = "concat" if injection == "linear" else "add"
+    values["state_init"] = "zero" if raw.get("state_init") == "zero" else "random"
+    unsupported = {"bias": False, "num_key_value_heads": raw.get("n_heads"), "nonlin_name": "SiLU",
+                   "mlp_class_name": "GatedMLP"}
+    for key, expected in unsupported.items():
+        if key in raw and raw[key] != expected:
+            raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported (expected {expected!r})")
+    # Fields rdlm adds (sampler, ...) travel in their own section so a round trip is lossless.
+    try:
+        extra = raw.get("rdlm", {})
+        check_keys(extra)
+        values.update(extra)
+        return RDLMConfig.from_dict(values)
+    except ValueError as err:
+        raise CheckpointError(f"{source}: {err}") from err
+
+
+def config_to_huginn(config: RDLMConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    h, depth = config.hidden_size, config.effective_depth
+    raw: dict[str, Any] = {
+        "architectures": ["RavenForCausalLM"],
+        "model_type": MODEL_TYPE,
+        **{theirs: getattr(config, ours) for theirs, ours in {**_REQUIRED, **_OPTIONAL}.items()},
+        # Keys the reference code reads, so it can load what rdlm saves.
+        "padded_vocab_size": config.vocab_size,
+        "n_layers": config.prelude_layers + config.core_layers + config.coda_layers,
+        "head_dim": config.head_dim,
+        "num_key_value_heads": config.num_heads,
+        "bias": False,
+        "block_class_name": "SandwichBlock" if config.norm_scheme == "sandwich" else "PreNormBlock",
+        "injection_type": "linear" if config.injection == "concat" else "add",
+        "state_init": "zero" if config.state_init == "zero" else "like-init",
+        "mlp_class_name": "GatedMLP",
+        "nonlin_name": "SiLU",
+        "norm_class_name": "RMSNorm_llama",
+        "effective_expected_depth": depth,
+        "init_strategy": "takase",
+        "init_values": {"std": math.sqrt(2 / (5 * h)), "embedding": math.sqrt(2 / (5 * h)),
+                        "out_proj": math.sqrt(1 / (5 * h * depth)), "embed_scale": math.sqrt(h)},
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "rdlm": {key: getattr(config, key) for key in
+                 ("recurrence_sampler", "recurrence_sigma", "activation_checkpointing", "name")},
+    }
+    return raw
+
+
+def read_config(path: str | os.PathLike) -> RDLMConfig:
+    config_path = Path(path) / CONFIG_NAME
+    if not config_path.is_file():
+        raise CheckpointError(f"{path}: no {CONFIG_NAME} (not a model directory)")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from err
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object")
+    return config_from_huginn(raw, str(config_path))
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model directory: the shards of its index, or its single file."""
+    path = Path(path)
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index}: malformed index ({err})") from err
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+    elif (path / SINGLE_FILE).is_file():
+        files = [path / SINGLE_FILE]
+    else:
+        pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f" ({', '.join(pickles)} not read: pickle files are never loaded)" if pickles else ""
+        raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_NAME}{hint}")
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed weight file is missing")
+    return files
+
+
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a model directory under their Huginn names."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name] = handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from err
+    return tensors
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str = "cpu") -> RecurrentDepthLM:
+    """Load a Huginn-layout directory. dtype None keeps the file's floating dtype (bf16 or fp32)."""
+    config = read_config(path)
+    tensors = read_weights(path)
+    state = {}
+    unexpected = []
+    for name, tensor in tensors.items():
+        if name == "freqs_cis":  # the reference's RoPE table: recomputed, never trusted
+            continue
+        ours = from_huginn_name(name)
+        if ours is None:
+            unexpected.append(name)
+        else:
+            state[ours] = tensor
+    if config.tie_embeddings and "lm_head.weight" in state:
+        # A tied head saved beside the embedding must equal it; it is not a parameter of its own.
+        if not torch.equal(state.pop("lm_head.weight"), state.get("embedding.weight", torch.empty(0))):
+            raise CheckpointError(f"{path}: lm_head.weight differs from transformer.wte.weight, "
+                                  "but the config says tie_embeddings")
+    with torch.device("meta"):
+        model = RecurrentDepthLM(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    missing = [to_huginn_name(n) for n in expected if n not in state]
+    unexpected += [to_huginn_name(n) for n in state if n not in expected]
+    if missing or unexpected:
+        parts = ([f"missing tensor(s) {_listing(missing)}"] if missing else []) + \
+                ([f"unexpected tensor(s) {_listing(unexpected)}"] if unexpected else [])
+        raise CheckpointError(f"{path}: " + "; ".join(parts))
+    for name, shape in expected.items():
+        if state[name].shape != shape:
+            raise CheckpointError(f"{path}: tensor {to_huginn_name(name)} has shape "
+                                  f"{list(state[name].shape)}, expected {list(shape)}")
+        if not state[name].is_floating_point():
+            raise CheckpointError(f"{path}: tensor {to_huginn_name(name)} has dtype {state[name].dtype}")
+    if dtype is None:
+        dtype = state["embedding.weight"].dtype
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    model.load_state_dict(state, assign=True)
+    cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving
+
+def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write `model` to `path` in the Huginn layout, atomically.
+
+    Everything is written to a temporary sibling directory, flushed to disk, then swapped in place
+    of `path`; files already in `path` that rdlm does not write (a tokenizer, notes) are carried over.
+    A crash at any point leaves either the old directory or the new one, never a mix.
+    """
+    path = Path(path)
+    params = dict(model.named_parameters())
+    dtype = dtype or next(iter(params.values())).dtype
+    tensors = {to_huginn_name(n): p.detach().to("cpu", dtype).contiguous() for n, p in params.items()}
+    config = model.config
+    cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
+    tensors["freqs_cis"] = torch.stack((cos, sin), dim=-1)[None, :, None]  # the reference's layout
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        shards = _shard(tensors, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], tmp / SINGLE_FILE, metadata={"format": "pt"})
+        else:
+            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            weight_map = {}
+            for name, shard in zip(names, shards):
+                save_file(shard, tmp / name, metadata={"format": "pt"})
+                weight_map.update({key: name for key in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(tmp / CONFIG_NAME, config_to_huginn(config, dtype))
+        if path.is_dir():
+            for old in path.iterdir():
+                if not _is_model_file(old.name) and not (tmp / old.name).exists():
+                    (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+        _fsync_dir(tmp)
+        _swap_in(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _listing(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def _is_model_file(name: str) -> bool:
+    return name in (CONFIG_NAME, INDEX_NAME) or name.endswith(".safetensors")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as handle:
+        json.dump(data, handle, indent=2)
+        handle.write("\n")
+
+
+def _fsync_dir(directory: Path) -> None:
+    for file in directory.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_in(new: Path, target: Path) -> None:
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory")
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        old.rmdir()
+        os.rename(target, old)
+    os.rename(new, target)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

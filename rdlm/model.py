@@ -1,0 +1,339 @@
+"""The recurrent-depth language model (SPEC section 1, paper section 3).
+
+    e   = P(x)                       prelude: embed tokens (times sqrt(h)), then l_P layers
+    s_0 ~ TruncNormal(0, 2/5)        random latent state, one vector per token
+    s_i = R(e, s_{i-1})              core block: adapter(concat[s_{i-1}, e]) -> l_R layers, r times
+    p   = C(s_r)                     coda: final norm, l_C layers, final norm, tied un-embedding
+
+`RecurrentDepthLM.forward` is those four lines. The pieces are public methods (`embed`, `init_state`,
+`step`, `readout`) so that inference code can drive the recurrence itself (per-token exits, warm starts,
+speculative decoding) without reimplementing the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from rdlm.config import RDLMConfig
+from rdlm.recurrence import sample_num_steps
+
+# Identifies one attention layer at one point of the recurrence, for a KV cache:
+# ("prelude", layer, -1), ("core", layer, iteration), ("coda", layer, -1).
+LayerKey = tuple[str, int, int]
+Rope = tuple[Tensor, Tensor]
+
+
+class KVCacheHook(Protocol):
+    """What attention needs from a KV cache: store this call's keys/values, return all of them.
+
+    `k` and `v` are [batch, heads, new_tokens, head_dim] (RoPE already applied). The returned tensors
+    hold every key/value the new tokens may attend to, [batch, heads, total_tokens, head_dim].
+    Which slot an iteration uses (full, shared `i mod k`, latest-existing for early exits) is the
+    cache's decision, made from the key.
+    """
+
+    def update(self, key: LayerKey, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclass
+class RecurrentOutput:
+    logits: Tensor                       # [batch, seq, vocab], float32
+    loss: Tensor | None = None           # mean cross-entropy over labels != -100
+    state: Tensor | None = None          # final latent state s_r, before the final norm
+    trajectory: list[Tensor] | None = None  # [s_0, s_1, ..., s_r] when asked for
+    num_steps: tuple[int, int] = (0, 0)  # (iterations without gradient, iterations with gradient)
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps), computed in float32, cast back, then scaled by the weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, length: int, base: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [length, head_dim/2] in float32, inv_freq_j = base^(-2j/d)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate adjacent pairs (2j, 2j+1) of each head (complex-number style). x: [B, S, H, d]."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, imag * cos + real * sin), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: RDLMConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        h = config.hidden_size
+        self.qkv = nn.Linear(h, 3 * h, bias=False)  # output rows: q, then k, then v
+        # Learnable biases on queries (index 0) and keys (index 1) only, added before RoPE.
+        self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.num_heads, self.head_dim)) if config.qk_bias else None
+        self.out = nn.Linear(h, h, bias=False)
+
+    def forward(self, x: Tensor, rope: Rope, mask: Tensor | None, cache: KVCacheHook | None,
+                key: LayerKey) -> Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, self.head_dim).unbind(dim=2)
+        if self.qk_bias is not None:
+            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(key, k, v)
+        if mask is None and k.shape[2] == seq:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            if mask is None:  # a cache without an explicit mask: causal, queries are the last tokens
+                mask = causal_mask(seq, k.shape[2], x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def causal_mask(queries: int, keys: int, device: torch.device | str | None = None) -> Tensor:
+    """Boolean [queries, keys] mask where the queries are the last `queries` of `keys` tokens."""
+    offset = keys - queries
+    q_pos = torch.arange(queries, device=device).unsqueeze(1) + offset
+    return q_pos >= torch.arange(keys, device=device).unsqueeze(0)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: the first half of the fused projection goes through SiLU and gates the second half."""
+
+    def __init__(self, config: RDLMConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.out = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.out(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Sandwich block: x = n2(x + Attn(n1(x))); x = n4(x + MLP(n3(x))). Pre-norm drops n2 and n4."""
+
+    def __init__(self, config: RDLMConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.norm_eps
+        self.sandwich = config.norm_scheme == "sandwich"
+        self.norm_1, self.norm_3 = RMSNorm(h, eps), RMSNorm(h, eps)
+        if self.sandwich:
+            self.norm_2, self.norm_4 = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.attn = Attention(config)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, x: Tensor, rope: Rope, mask: Tensor | None = None,
+                cache: KVCacheHook | None = None, key: LayerKey = ("", 0, -1)) -> Tensor:
+        x = x + self.attn(self.norm_1(x), rope, mask, cache, key)
+        if self.sandwich:
+            x = self.norm_2(x)
+        x = x + self.mlp(self.norm_3(x))
+        return self.norm_4(x) if self.sandwich else x
+
+
+NumSteps = int | tuple[int, int] | Sequence[int]
+
+
+class RecurrentDepthLM(nn.Module):
+    def __init__(self, config: RDLMConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embedding = nn.Embedding(config.vocab_size, h)
+        self.embed_scale = math.sqrt(h)
+        self.prelude = nn.ModuleList(Block(config) for _ in range(config.prelude_layers))
+        # Concatenating injection: adapter R^{2h} -> R^h over [state, embedding]; additive needs none.
+        self.adapter = nn.Linear(2 * h, h, bias=False) if config.injection == "concat" else None
+        self.core = nn.ModuleList(Block(config) for _ in range(config.core_layers))
+        self.coda = nn.ModuleList(Block(config) for _ in range(config.coda_layers))
+        self.final_norm = RMSNorm(h, config.norm_eps)  # n_c: after the recurrence and after the coda
+        self.lm_head = None if config.tie_embeddings else nn.Linear(h, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------------------------------------
+    # Initialization (Takase et al.; SPEC section 1)
+
+    @property
+    def init_std(self) -> float:
+        return math.sqrt(2 / (5 * self.config.hidden_size))
+
+    @property
+    def out_proj_std(self) -> float:
+        return math.sqrt(1 / (5 * self.config.hidden_size * self.config.effective_depth))
+
+    def reset_parameters(self) -> None:
+        std, out_std = self.init_std, self.out_proj_std
+        for name, param in self.named_parameters():
+            if name.endswith("qk_bias"):
+                nn.init.zeros_(param)
+            elif param.ndim == 1:  # RMSNorm weights
+                nn.init.ones_(param)
+            else:
+                s = out_std if name.endswith(("attn.out.weight", "mlp.out.weight")) else std
+                nn.init.trunc_normal_(param, mean=0.0, std=s, a=-3 * s, b=3 * s)
+
+    # ----------------------------------------------------------------------------------------------
+    # The four stages
+
+    def rope(self, positions: Tensor) -> Rope:
+        """cos/sin for token positions ([seq] or [batch, seq]), shaped [B|1, seq, 1, head_dim/2]."""
+        if positions.numel() and int(positions.max()) >= self.config.context_length:
+            raise ValueError(f"position {int(positions.max())} is beyond the context length "
+                             f"{self.config.context_length} of this model")
+        if positions.ndim == 1:
+            positions = positions.unsqueeze(0)
+        return self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
+
+    def embed(self, input_ids: Tensor, rope: Rope, mask: Tensor | None = None,
+              cache: KVCacheHook | None = None) -> Tensor:
+        """Prelude P: token embedding times sqrt(h), then the prelude layers. Returns e."""
+        x = self.embedding(input_ids) * self.embed_scale
+        for i, layer in enumerate(self.prelude):
+            x = layer(x, rope, mask, cache, ("prelude", i, -1))
+        return x
+
+    def init_state(self, embedded: Tensor, scale: float = 1.0,
+                   generator: torch.Generator | None = None) -> Tensor:
+        """s_0: truncated normal (3 sigma), std sqrt(2/(5h)) * sqrt(h) * scale; scale 0 gives zeros."""
+        state = torch.zeros_like(embedded)
+        if scale == 0 or self.config.state_init == "zero":
+            return state
+        std = self.init_std
+        nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+        return state * (self.embed_scale * scale)
+
+    def step(self, state: Tensor, embedded: Tensor, iteration: int, rope: Rope,
+             mask: Tensor | None = None, cache: KVCacheHook | None = None) -> Tensor:
+        """One core iteration R: s_i = core(adapter([s_{i-1}, e]))."""
+        if self.adapter is not None:
+            x = self.adapter(torch.cat((state, embedded), dim=-1))
+        else:
+            x = state + embedded
+        for i, layer in enumerate(self.core):
+            x = layer(x, rope, mask, cache, ("core", i, iteration))
+        return x
+
+    def readout(self, state: Tensor, rope: Rope, mask: Tensor | None = None,
+                cache: KVCacheHook | None = None) -> Tensor:
+        """Coda C: final norm, coda layers, final norm, un-embedding. Returns float32 logits."""
+        x = self.final_norm(state)
+        for i, layer in enumerate(self.coda):
+            x = layer(x, rope, mask, cache, ("coda", i, -1))
+        x = self.final_norm(x)
+        weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+    # ----------------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: Tensor, num_steps: NumSteps | None = None, *,
+                initial_state: Tensor | None = None, init_scale: float = 1.0,
+                positions: Tensor | None = None, position_offset: int = 0,
+                attention_mask: Tensor | None = None, cache: KVCacheHook | None = None,
+                labels: Tensor | None = None, return_state: bool = False,
+                return_trajectory: bool = False,
+                generator: torch.Generator | None = None) -> RecurrentOutput:
+        """Run prelude, `num_steps` core iterations and coda.
+
+        num_steps: r (every iteration in the caller's grad mode), or (n, k): n iterations without
+            gradient followed by k with gradient (truncated backprop). None: in training, drawn from
+            the recurrence sampler; in eval, the config's mean recurrence.
+        initial_state: an explicit s_0 [batch, seq, hidden]; otherwise s_0 is drawn with `init_scale`
+            (0 gives the all-zero state) from `generator`.
+        positions / position_offset: token positions for RoPE (default offset .. offset + seq).
+        attention_mask: boolean or additive mask broadcastable to [batch, heads, seq, keys]; default causal.
+        cache: a KV cache (see KVCacheHook) for incremental decoding.
+        labels: next-token targets aligned with the logits (-100 is ignored) for `loss`.
+        """
+        no_grad_steps, grad_steps = self.resolve_num_steps(num_steps, generator)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if positions is None:
+            positions = torch.arange(position_offset, position_offset + input_ids.shape[1],
+                                     device=input_ids.device)
+        rope = self.rope(positions)
+
+        embedded = self.embed(input_ids, rope, attention_mask, cache)
+        if initial_state is None:
+            state = self.init_state(embedded, init_scale, generator)
+        else:
+            if initial_state.shape != embedded.shape:
+                raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, "
+                                 f"expected {tuple(embedded.shape)}")
+            state = initial_state.to(embedded.dtype)
+        trajectory = [state] if return_trajectory else None
+
+        with torch.no_grad():
+            for i in range(no_grad_steps):
+                state = self.step(state, embedded, i, rope, attention_mask, cache)
+                if trajectory is not None:
+                    trajectory.append(state)
+        for i in range(no_grad_steps, no_grad_steps + grad_steps):
+            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+                state = checkpoint(self.step, state, embedded, i, rope, attention_mask, cache,
+                                   use_reentrant=False)
+            else:
+                state = self.step(state, embedded, i, rope, attention_mask, cache)
+            if trajectory is not None:
+                trajectory.append(state)
+
+        logits = self.readout(state, rope, attention_mask, cache)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return RecurrentOutput(logits=logits, loss=loss, state=state if return_state else None,
+                               trajectory=trajectory, num_steps=(no_grad_steps, grad_steps))
+
+    def resolve_num_steps(self, num_steps: NumSteps | None,
+                          generator: torch.Generator | None = None) -> tuple[int, int]:
+        if num_steps is None:
+            if self.training:
+                c = self.config
+                return sample_num_steps(c.mean_recurrence, c.backprop_depth, c.recurrence_sampler,
+                                        c.recurrence_sigma, generator)
+            return 0, self.config.mean_recurrence
+        if isinstance(num_steps, Tensor):
+            num_steps = num_steps.tolist()
+        if isinstance(num_steps, (int,)) and not isinstance(num_steps, bool):
+            split = (0, num_steps)
+        elif isinstance(num_steps, Sequence) and len(num_steps) == 2:
+            split = (int(num_steps[0]), int(num_steps[1]))
+        else:
+            raise ValueError(f"num_steps must be an int r or a pair (no_grad, with_grad), got {num_steps!r}")
+        if split[0] < 0 or split[1] < 0 or sum(split) < 1:
+            raise ValueError(f"num_steps must give at least 1 iteration and no negative counts, got {num_steps!r}")
+        return split
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        return total - self.embedding.weight.numel() if exclude_embedding else total
+
+    def parameter_groups(self) -> dict[str, int]:
+        """Parameter counts of prelude(+adapter excluded), core(+adapter), coda(+final norm), embedding."""
+        count = lambda m: sum(p.numel() for p in m.parameters()) if m is not None else 0  # noqa: E731
+        return {
+            "embedding": self.embedding.weight.numel() + count(self.lm_head),
+            "prelude": count(self.prelude),
+            "core": count(self.core) + count(self.adapter),
+            "coda": count(self.coda) + self.final_norm.weight.numel(),
+        }
