@@ -13,6 +13,9 @@ import sys
 COMMANDS = [
     "rdlm.cli.info",
     "rdlm.cli.generate",
+    "rdlm.cli.tokenizer",
+    "rdlm.cli.data",
+    "rdlm.cli.train",
 ]
 
 
