@@ -249,3 +249,18 @@ def test_flops_grow_with_r_but_backward_only_with_k():
     assert f(4, 4) > f(0, 4)
     # Adding no-grad iterations costs one forward each; adding grad iterations costs three.
     assert (f(0, 5) - f(0, 4)) == pytest.approx(3 * (f(1, 4) - f(0, 4)))
+
+
+def test_finetune_from_a_huginn_layout_directory(huginn_tiny_dir, tmp_path):
+    from rdlm.huginn import load_pretrained
+
+    base = load_pretrained(huginn_tiny_dir, dtype=torch.float32)
+    vocab = base.config.vocab_size
+    pairs = [([1, 2, 3, i % 7 + 4], [20 + i % 5, 30]) for i in range(16)]
+    result = train(TrainConfig(model=str(huginn_tiny_dir), steps=12, micro_batch_size=8, lr=3e-3,
+                               out_dir=str(tmp_path), **FAST),
+                   train_data=MemoryRows.from_pairs(pairs, pad_id=vocab - 1))
+    assert result.model.config.hidden_size == base.config.hidden_size
+    assert result.losses[-1] < result.losses[0]
+    tuned = load_pretrained(latest_checkpoint(tmp_path) / "model")
+    assert not torch.equal(tuned.embedding.weight, base.embedding.weight)

@@ -124,10 +124,14 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model: RecurrentDepth
         with open(tmp / TRAINER_FILE, "w") as handle:  # last: its presence marks a complete checkpoint
             json.dump({**trainer, "step": step, "optimizer_groups": groups}, handle, indent=1)
         _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
-            shutil.rmtree(final)
+        stale = None
+        if final.exists():  # re-saving a step: move the old copy aside first, delete it once replaced
+            stale = root / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, stale)
         os.rename(tmp, final)
         _fsync(root)
+        if stale is not None:
+            shutil.rmtree(stale, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
