@@ -101,6 +101,11 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
     out.mkdir(parents=True, exist_ok=True)
     model = model.eval()
     s = settings
+    criterion = None
+    if s.exit_criterion:  # build it first: a misspelt criterion should fail before minutes of work
+        from rdlm.analysis.exit_steps import exit_criterion
+
+        criterion = exit_criterion(s.exit_criterion, s.exit_threshold)
     limit_steps = s.limit_steps or 4 * s.num_steps
     summary: dict = {"model": model_name, "settings": {**asdict(s), "limit_steps": limit_steps},
                      "prompts": {}}
@@ -183,10 +188,9 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
                         figures=[Figure(fig_dyn, "Tokens labelled fixed point / orbit / slider.")],
                         tables={"counts": [{"prompt": k, **v} for k, v in counts.items()]})]
 
-    if s.exit_criterion:
-        from rdlm.analysis.exit_steps import exit_criterion, exit_steps
+    if criterion is not None:
+        from rdlm.analysis.exit_steps import exit_steps
 
-        criterion = exit_criterion(s.exit_criterion, s.exit_threshold)
         max_steps = s.exit_max_steps or s.num_steps
         groups: dict[str, list[np.ndarray]] = {}
         for prompt in prompts:
