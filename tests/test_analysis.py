@@ -201,6 +201,10 @@ def test_contracting_map_is_path_independent():
     # The spread shrinks by the contraction factor every iteration.
     np.testing.assert_allclose(result.spread[:, 1:20] / result.spread[:, :19], 0.6, rtol=1e-6)
     assert result.paths.shape == (4, 2, 61, HIDDEN)
+    np.testing.assert_allclose(result.paths[:, :, 0], initial[:, [0, 2]].numpy(), atol=1e-6)
+    sparse = spread_over_runs(contracting, initial, 60, path_positions=[2], path_iterations=[0, 30, 60])
+    assert sparse.paths.shape == (4, 1, 3, HIDDEN)
+    np.testing.assert_allclose(sparse.paths[:, 0], result.paths[:, 1, [0, 30, 60]], atol=1e-6)
 
 
 def test_rotation_keeps_the_spread_of_its_runs():

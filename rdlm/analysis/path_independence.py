@@ -28,8 +28,9 @@ from rdlm.model import RecurrentDepthLM
 class PathIndependence:
     spread: np.ndarray            # [tokens, r + 1] RMS distance of the K states from their mean
     relative_spread: np.ndarray   # [tokens, r + 1] spread / mean state norm
-    paths: np.ndarray             # [K, chosen tokens, r + 1, hidden] paths of `path_positions`
+    paths: np.ndarray             # [K, chosen tokens, len(path_iterations), hidden] paths of `path_positions`
     path_positions: np.ndarray
+    path_iterations: np.ndarray   # the iterations stored in `paths` (all, or a subsample to bound memory)
     num_runs: int
     argmax_agreement: float | None = None  # fraction of tokens with one argmax across all K runs at r
 
@@ -56,9 +57,12 @@ def _spread(states: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def spread_over_runs(step: StepFn, initial_states: Tensor, num_steps: int, *,
-                     path_positions: Sequence[int] = (),
+                     path_positions: Sequence[int] = (), path_iterations: Sequence[int] | None = None,
                      readout: Callable[[Tensor], Tensor] | None = None) -> PathIndependence:
-    """Iterate `step` on a batch of K initial states [K, T, h] and measure their spread per iteration."""
+    """Iterate `step` on a batch of K initial states [K, T, h] and measure their spread per iteration.
+
+    The full states of `path_positions` are kept at `path_iterations` (default: every iteration).
+    """
     if initial_states.ndim != 3 or initial_states.shape[0] < 2:
         raise ValueError(f"need at least 2 runs as [runs, tokens, hidden], got {tuple(initial_states.shape)}")
     runs, tokens, hidden = initial_states.shape
@@ -66,29 +70,34 @@ def spread_over_runs(step: StepFn, initial_states: Tensor, num_steps: int, *,
     index = torch.as_tensor(positions, device=initial_states.device, dtype=torch.long)
     spread = np.empty((tokens, num_steps + 1))
     norm = np.empty((tokens, num_steps + 1))
-    paths = np.empty((runs, positions.size, num_steps + 1, hidden), dtype=np.float32)
+    kept = np.arange(num_steps + 1) if path_iterations is None else np.asarray(path_iterations, dtype=int)
+    column = {int(i): c for c, i in enumerate(kept)}
+    paths = np.empty((runs, positions.size, kept.size, hidden), dtype=np.float32)
     state = initial_states
     for i in range(num_steps + 1):
         if i > 0:
             state = step(state, i - 1)
         s, n = _spread(state)
         spread[:, i], norm[:, i] = s.cpu().numpy(), n.cpu().numpy()
-        paths[:, :, i] = state[:, index].float().cpu().numpy()
+        if i in column:
+            paths[:, :, column[i]] = state[:, index].float().cpu().numpy()
     agreement = None
     if readout is not None:
         top = readout(state).argmax(-1)  # [K, T]
         agreement = float((top == top[:1]).all(0).float().mean())
     return PathIndependence(spread=spread, relative_spread=spread / np.maximum(norm, 1e-30), paths=paths,
-                            path_positions=positions, num_runs=runs, argmax_agreement=agreement)
+                            path_positions=positions, path_iterations=kept, num_runs=runs,
+                            argmax_agreement=agreement)
 
 
 def path_independence(model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor, num_steps: int, *,
                       num_runs: int = 4, seed: int = 0, init_scale: float = 1.0,
-                      path_positions: Sequence[int] = ()) -> PathIndependence:
+                      path_positions: Sequence[int] = (),
+                      path_iterations: Sequence[int] | None = None) -> PathIndependence:
     """Run one prompt from `num_runs` random initial states (seeds seed..) and compare the trajectories."""
     if num_runs < 2:
         raise ValueError(f"path independence needs at least 2 runs, got {num_runs}")
     recurrence = Recurrence.for_prompt(model, token_ids, batch=num_runs)
     initial = recurrence.initial_state(seed, init_scale)  # one generator, K different draws
     return spread_over_runs(recurrence.step, initial, num_steps, path_positions=path_positions,
-                            readout=recurrence.readout)
+                            path_iterations=path_iterations, readout=recurrence.readout)

@@ -147,7 +147,8 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
 
         plotted_positions = traj.positions[rows]
         pi = path_independence(model, ids, s.num_steps, num_runs=s.num_runs, seed=s.seed + 1,
-                               init_scale=s.init_scale, path_positions=plotted_positions)
+                               init_scale=s.init_scale, path_positions=plotted_positions,
+                               path_iterations=traj.iterations)
         fig_pi = plots.plot_path_independence(pi, [labels[r] for r in rows], pca,
                                               out / f"path_independence_{prompt.name}.png",
                                               title=f"{prompt.name}: path independence")
