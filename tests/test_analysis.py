@@ -17,6 +17,16 @@ from rdlm.analysis.pca import plane_alignment
 HIDDEN = 16
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models gain nothing from intra-op threads, and on a shared, busy CPU the threads' spin-waits
+    # make each small matmul 1000x slower; restored afterwards so other modules are unaffected.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def orthonormal(rows: int, dim: int, seed: int) -> torch.Tensor:
     q, _ = torch.linalg.qr(torch.randn(dim, rows, generator=torch.Generator().manual_seed(seed),
                                        dtype=torch.float64))
@@ -227,7 +237,7 @@ def test_model_path_independence_numbers(tiny_model):
 
 def test_fixture_checkpoint_trajectory_and_dynamics(huginn_tiny_dir):
     model = load_pretrained(huginn_tiny_dir).eval()
-    traj = record_trajectory(model, list(range(1, 13)), 8, limit_steps=32, seed=0)
+    traj = record_trajectory(model, list(range(1, 13)), 8, limit_steps=16, seed=0)
     conv = convergence(traj)
     assert np.isfinite(conv.distance).all() and conv.distance.shape == (12, 9)
     assert sum(count_labels(classify_trajectory(traj)).values()) == 12
