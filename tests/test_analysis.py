@@ -17,15 +17,6 @@ from rdlm.analysis.pca import plane_alignment
 HIDDEN = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a shared, busy CPU the threads' spin-waits
-    # make each small matmul 1000x slower; restored afterwards so other modules are unaffected.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def orthonormal(rows: int, dim: int, seed: int) -> torch.Tensor:
     q, _ = torch.linalg.qr(torch.randn(dim, rows, generator=torch.Generator().manual_seed(seed),

@@ -18,15 +18,6 @@ from rdlm.tokenizer import train_tokenizer
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a shared, busy CPU the threads' spin-waits
-    # make each small matmul 1000x slower; restored afterwards so other modules are unaffected.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def assert_png(path):
     data = path.read_bytes()
