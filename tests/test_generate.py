@@ -160,3 +160,69 @@ def test_bad_generation_arguments_are_named(model):
         generate(model, [1, 10_000])
     with pytest.raises(ValueError, match="context length"):
         generate(model, [1, 2], GenerationConfig(max_new_tokens=1000))
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from rdlm import save_pretrained
+    from rdlm.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["the cat sat on the mat. the dog sat on the log. " * 10], vocab_size=280)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("model")
+    save_pretrained(RecurrentDepthLM(RDLMConfig.from_preset("tiny", vocab_size=tok.vocab_size)), path)
+    tok.save(path)
+    return path
+
+
+def test_cli_generate_ids_matches_the_api(model, capsys):
+    from rdlm.cli import main
+
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--prompt-ids", "9", "-r", "3",
+                 "--max-new-tokens", "5", "--init-scale", "0", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    torch.manual_seed(0)  # `tiny` as a preset is a fresh random model: rebuild the same one
+    from rdlm import build_model
+
+    fresh = build_model("tiny")
+    expected = generate(fresh, [[1, 2, 3], [9]], GenerationConfig(num_steps=3, max_new_tokens=5, init_scale=0.0))
+    lines = out.strip().splitlines()
+    assert lines[0] == ",".join(map(str, [1, 2, 3] + expected.tokens[0]))
+    assert lines[1] == ",".join(map(str, [9] + expected.tokens[1]))
+    assert "iterations per token [0]: 3 3 3 3 3" in err
+
+
+def test_cli_generate_text_and_chat_use_the_tokenizer(model_dir, capsys, monkeypatch):
+    import io
+
+    from rdlm.cli import main
+    from rdlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    assert main(["generate", "--model", str(model_dir), "--prompt", "the cat", "-r", "2",
+                 "--max-new-tokens", "6", "--init-scale", "0"]) == 0
+    out = capsys.readouterr().out
+    loaded = load_pretrained(model_dir)
+    expected = generate(loaded, [tok.encode("the cat", add_bos=True)],
+                        GenerationConfig(num_steps=2, max_new_tokens=6, init_scale=0.0,
+                                         stop_tokens=(tok.eos_id,)))
+    assert out == "the cat" + tok.decode(expected.tokens[0], skip_special_tokens=True) + "\n"
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nthe dog\n"))
+    assert main(["chat", "--model", str(model_dir), "-r", "2", "--max-new-tokens", "4", "--init-scale", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Huginn> ") == 2
+    prompt = tok.apply_chat_template([{"role": "user", "content": "the dog"}])
+    reply = generate(loaded, [prompt], GenerationConfig(num_steps=2, max_new_tokens=4, init_scale=0.0,
+                                                        stop_tokens=(tok.end_turn_id, tok.eos_id)))
+    assert out.endswith("Huginn> " + tok.decode(reply.tokens[0], skip_special_tokens=True) + "\n")
+
+
+def test_cli_text_without_a_tokenizer_is_a_clean_error(capsys):
+    from rdlm.cli import main
+
+    assert main(["generate", "--model", "tiny", "--prompt", "hello"]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
