@@ -13,6 +13,7 @@ import sys
 COMMANDS = [
     "rdlm.cli.info",
     "rdlm.cli.generate",
+    "rdlm.cli.chat",
     "rdlm.cli.analyze",
     "rdlm.cli.tokenizer",
     "rdlm.cli.data",
