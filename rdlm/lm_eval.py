@@ -32,7 +32,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from rdlm.huginn import load_pretrained
-from rdlm.hf import RavenForCausalLM, load_tokenizer
+from rdlm.hf import CHAT_TEMPLATE, RavenForCausalLM
+from rdlm.tokenizer import Tokenizer
 
 eval_logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class RDLMEvalModel(TemplateLM):
             eval_logger.warning("rdlm model: device %s requested but CUDA is not available; using cpu", device)
             self._device = torch.device("cpu")
         self.model = load_pretrained(pretrained, dtype=torch_dtype, device=self._device).eval()
-        self.tokenizer = load_tokenizer(pretrained)
+        self.tokenizer = Tokenizer.from_dir(pretrained)
         config = self.model.config
         self.num_steps = _optional(num_steps, int) or config.mean_recurrence
         if self.num_steps < 1:
@@ -103,11 +104,11 @@ class RDLMEvalModel(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return self.tokenizer.eos_token_id
+        return self.tokenizer.eos_id
 
     @property
     def prefix_token_id(self) -> int:
-        return self.tokenizer.bos_token_id  # documents begin with <|begin_text|> (SPEC section 3)
+        return self.tokenizer.bos_id  # documents begin with <|begin_text|> (SPEC section 3)
 
     @property
     def device(self) -> torch.device:
@@ -118,7 +119,7 @@ class RDLMEvalModel(TemplateLM):
         return self.pretrained.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        ids = self.tokenizer(string, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer.encode(string)
         add_bos = self.add_bos_token if add_special_tokens is None else add_special_tokens
         if add_bos and (not ids or ids[0] != self.prefix_token_id):
             ids = [self.prefix_token_id, *ids]
@@ -127,9 +128,12 @@ class RDLMEvalModel(TemplateLM):
     def tok_decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        # Fingerprints request caches; the format itself is rdlm.tokenizer's (SPEC section 2).
+        return CHAT_TEMPLATE if chat_template else None
+
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.format_chat(chat_history, add_generation_prompt=add_generation_prompt)
 
     # ----------------------------------------------------------------------------------------------
     # Scoring
@@ -150,7 +154,7 @@ class RDLMEvalModel(TemplateLM):
         for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="rdlm loglikelihood"):
             batch = order[start:start + self.batch_size]
             width = max(len(inputs[i]) for i in batch)
-            ids = torch.full((len(batch), width), self.tokenizer.pad_token_id, dtype=torch.long)
+            ids = torch.full((len(batch), width), self.tokenizer.pad_id, dtype=torch.long)
             for row, i in enumerate(batch):
                 ids[row, :len(inputs[i])] = torch.tensor(inputs[i])
             logits = self.model(ids.to(self._device), num_steps=self.num_steps, init_scale=self.init_scale,
@@ -213,7 +217,7 @@ class RDLMEvalModel(TemplateLM):
             torch.manual_seed(self.seed)
             out = wrapper.generate(prompt, max_new_tokens=max_new, num_steps=self.num_steps,
                                    init_scale=self.init_scale, do_sample=do_sample,
-                                   eos_token_id=self.eot_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                                   eos_token_id=self.eot_token_id, pad_token_id=self.tokenizer.pad_id,
                                    **options)
             text = self.tok_decode(out[0, len(ids):].tolist())
             for stop in until:
@@ -226,4 +230,4 @@ class RDLMEvalModel(TemplateLM):
     def _hf_model(self) -> RavenForCausalLM:
         return RavenForCausalLM.from_model(self.model, bos_token_id=self.prefix_token_id,
                                            eos_token_id=self.eot_token_id,
-                                           pad_token_id=self.tokenizer.pad_token_id)
+                                           pad_token_id=self.tokenizer.pad_id)

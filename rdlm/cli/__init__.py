@@ -13,6 +13,7 @@ import sys
 COMMANDS = [
     "rdlm.cli.info",
     "rdlm.cli.generate",
+    "rdlm.cli.analyze",
     "rdlm.cli.lm_eval",
 ]
 

@@ -1,0 +1,168 @@
+"""The tokenizer: byte-level BPE with Huginn's special tokens and chat format (SPEC sections 2 and 3).
+
+A thin wrapper over a Hugging Face `tokenizers.Tokenizer` stored as `tokenizer.json`, the file a
+Huginn-layout model directory carries. Special tokens are always looked up by name, never by id:
+Huginn-0125 keeps them at 65504.., a tokenizer trained here puts them right after the BPE vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+
+BOS = "<|begin_text|>"
+EOS = "<|end_text|>"
+BEGIN_HEADER = "<|begin_header|>"
+END_HEADER = "<|end_header|>"
+END_TURN = "<|end_turn|>"
+PAD = "<|pad|>"
+# In Huginn-0125's order, which gives ids 65504..65509 there.
+SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, BEGIN_HEADER, END_HEADER, END_TURN, PAD)
+
+# The chat format names the assistant "Huginn" (SPEC section 2).
+ASSISTANT_NAME = "Huginn"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing, unreadable, or lacks a token rdlm needs; the message names it."""
+
+
+class Tokenizer:
+    """Encode/decode text and format chats. Wraps a `tokenizers.Tokenizer`."""
+
+    def __init__(self, backend: HFTokenizer, source: str = "<memory>") -> None:
+        self.backend = backend
+        self.source = source
+        missing = [t for t in SPECIAL_TOKENS if backend.token_to_id(t) is None]
+        if missing:
+            raise TokenizerError(f"{source}: tokenizer lacks the special token(s) {', '.join(missing)}")
+        self.bos_id = self._id(BOS)
+        self.eos_id = self._id(EOS)
+        self.begin_header_id = self._id(BEGIN_HEADER)
+        self.end_header_id = self._id(END_HEADER)
+        self.end_turn_id = self._id(END_TURN)
+        self.pad_id = self._id(PAD)
+        # One past the largest id: the embedding rows a model needs (ids may have gaps, as Huginn's do).
+        self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+
+    def _id(self, token: str) -> int:
+        return int(self.backend.token_to_id(token))
+
+    # ----------------------------------------------------------------------------------------------
+    # Files
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+        path = Path(path)
+        if not path.is_file():
+            raise TokenizerError(f"tokenizer file {path} does not exist")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+            raise TokenizerError(f"{path}: not a readable tokenizer.json ({err})") from err
+        return cls(backend, str(path))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":
+        return cls.from_file(Path(model_dir) / TOKENIZER_FILE)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+        """A tokenizer.json file, or a directory holding one."""
+        return cls.from_dir(path) if Path(path).is_dir() else cls.from_file(path)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write tokenizer.json (into `path` if it is a directory or has no suffix), atomically."""
+        path = Path(path)
+        if path.is_dir() or path.suffix != ".json":
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / TOKENIZER_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(self.backend.to_str(pretty=True))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    # ----------------------------------------------------------------------------------------------
+    # Text
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        return [[self.bos_id, *e.ids] if add_bos else e.ids for e in encodings]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    # ----------------------------------------------------------------------------------------------
+    # Chat (SPEC section 2): BOS, then "<|begin_header|>ROLE<|end_header|>\n\nTEXT<|end_turn|>" per turn.
+
+    @staticmethod
+    def format_turn(role: str, content: str) -> str:
+        name = ASSISTANT_NAME if role == "assistant" else role
+        # The reference template trims each message's content.
+        return f"{BEGIN_HEADER}{name}{END_HEADER}\n\n{content.strip()}{END_TURN}"
+
+    @staticmethod
+    def generation_prompt() -> str:
+        return f"{BEGIN_HEADER}{ASSISTANT_NAME}{END_HEADER}\n\n"
+
+    def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        parts = [BOS]
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+                raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
+            parts.append(self.format_turn(str(message["role"]), str(message["content"])))
+        if add_generation_prompt:
+            parts.append(self.generation_prompt())
+        return "".join(parts)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.format_chat(messages, add_generation_prompt))
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
+                    show_progress: bool = False) -> Tokenizer:
+    """Train a byte-level BPE tokenizer whose last ids are SPECIAL_TOKENS (as in Huginn-0125).
+
+    vocab_size counts the special tokens. A small corpus may yield fewer merges; the result's
+    `vocab_size` says what was reached.
+    """
+    base = vocab_size - len(SPECIAL_TOKENS)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if base < len(alphabet):
+        raise ValueError(f"vocab_size must be at least {len(alphabet) + len(SPECIAL_TOKENS)} "
+                         f"(256 byte tokens + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+    backend = HFTokenizer(models.BPE())
+    # No prefix space: byte-level BPE is then lossless, decode(encode(text)) == text.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=base, min_frequency=min_frequency, initial_alphabet=alphabet,
+                                  show_progress=show_progress, special_tokens=[])
+    backend.train_from_iterator(texts, trainer=trainer)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return Tokenizer(backend, "<trained>")

@@ -1,0 +1,97 @@
+import json
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+
+from rdlm.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError, train_tokenizer
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The raven flies over the fjord at dawn; the raven returns at dusk.",
+    "Huginn and Muninn fly each day over the wide world. Ünïcödé ✓ 数字 42 + 17 = 59",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return train_tokenizer(CORPUS, vocab_size=400)
+
+
+def test_round_trip_is_lossless(tok):
+    for text in CORPUS[:3] + ["  leading spaces\n\ttabs and\r\nnewlines  ", "", "<|end_text|> inside"]:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_special_tokens_follow_the_bpe_vocabulary(tok):
+    ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    assert ids == list(range(tok.vocab_size - len(SPECIAL_TOKENS), tok.vocab_size))
+    assert (tok.bos_id, tok.eos_id, tok.end_turn_id, tok.pad_id) == (ids[0], ids[1], ids[4], ids[5])
+    # A special token in text is one id, not split into bytes.
+    assert tok.encode("a<|end_turn|>b")[1] == tok.end_turn_id
+    assert tok.encode("hello", add_bos=True)[0] == tok.bos_id
+
+
+def test_training_learns_merges(tok):
+    # "raven" occurs 40 times: BPE must compress it below its 5 bytes.
+    assert len(tok.encode(" raven")) < len(" raven".encode())
+
+
+def test_chat_format_matches_spec(tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " 2+2? "},
+                {"role": "assistant", "content": "4"}]
+    text = tok.format_chat(messages, add_generation_prompt=True)
+    assert text == ("<|begin_text|><|begin_header|>system<|end_header|>\n\nBe brief.<|end_turn|>"
+                    "<|begin_header|>user<|end_header|>\n\n2+2?<|end_turn|>"
+                    "<|begin_header|>Huginn<|end_header|>\n\n4<|end_turn|>"
+                    "<|begin_header|>Huginn<|end_header|>\n\n")
+    ids = tok.apply_chat_template(messages[:2], add_generation_prompt=False)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.end_turn_id
+    assert tok.decode(ids) == tok.format_chat(messages[:2], add_generation_prompt=False)
+    with pytest.raises(ValueError, match="message 0"):
+        tok.format_chat([{"text": "no role"}])
+
+
+def test_save_and_load(tok, tmp_path):
+    path = tok.save(tmp_path / "model")
+    assert path.name == "tokenizer.json"
+    again = Tokenizer.from_dir(tmp_path / "model")
+    assert again.vocab_size == tok.vocab_size
+    assert again.encode(CORPUS[2]) == tok.encode(CORPUS[2])
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_huginn_ids_are_kept(tmp_path):
+    # Huginn-0125 keeps its special tokens at 65504.. in both the BPE vocab and added_tokens.
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab.update({t: 65504 + i for i, t in enumerate(SPECIAL_TOKENS)})
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw = json.loads(backend.to_str())
+    raw["added_tokens"] = [{"id": 65504 + i, "content": t, "single_word": False, "lstrip": False,
+                            "rstrip": False, "normalized": False, "special": True}
+                           for i, t in enumerate(SPECIAL_TOKENS)]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert (tok.bos_id, tok.eos_id, tok.end_turn_id, tok.pad_id) == (65504, 65505, 65508, 65509)
+    assert tok.vocab_size == 65510
+    tok.save(tmp_path / "copy")
+    assert Tokenizer.from_dir(tmp_path / "copy").end_turn_id == 65508
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}])[:2] == [65504, 65506]
+
+
+def test_bad_files_are_named(tmp_path):
+    with pytest.raises(TokenizerError, match="does not exist"):
+        Tokenizer.from_dir(tmp_path)
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        Tokenizer.from_file(bad)
+    plain = HFTokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    with pytest.raises(TokenizerError, match="<\\|begin_text\\|>"):
+        Tokenizer(plain)
+
+
+def test_vocab_size_too_small_is_rejected():
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer(CORPUS, vocab_size=100)
