@@ -15,6 +15,7 @@ COMMANDS = [
     "rdlm.cli.generate",
     "rdlm.cli.analyze",
     "rdlm.cli.lm_eval",
+    "rdlm.cli.convert",
 ]
 
 
