@@ -16,6 +16,7 @@ COMMANDS = [
     "rdlm.cli.analyze",
     "rdlm.cli.lm_eval",
     "rdlm.cli.convert",
+    "rdlm.cli.eval",
 ]
 
 
