@@ -17,6 +17,7 @@ from rdlm.analysis.pca import plane_alignment
 HIDDEN = 16
 
 
+
 def orthonormal(rows: int, dim: int, seed: int) -> torch.Tensor:
     q, _ = torch.linalg.qr(torch.randn(dim, rows, generator=torch.Generator().manual_seed(seed),
                                        dtype=torch.float64))
@@ -227,7 +228,7 @@ def test_model_path_independence_numbers(tiny_model):
 
 def test_fixture_checkpoint_trajectory_and_dynamics(huginn_tiny_dir):
     model = load_pretrained(huginn_tiny_dir).eval()
-    traj = record_trajectory(model, list(range(1, 13)), 8, limit_steps=32, seed=0)
+    traj = record_trajectory(model, list(range(1, 13)), 8, limit_steps=16, seed=0)
     conv = convergence(traj)
     assert np.isfinite(conv.distance).all() and conv.distance.shape == (12, 9)
     assert sum(count_labels(classify_trajectory(traj)).values()) == 12

@@ -18,6 +18,7 @@ from rdlm.tokenizer import train_tokenizer
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+
 def assert_png(path):
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE), path
@@ -29,8 +30,8 @@ def assert_png(path):
 def test_analyze_writes_every_picture_and_a_self_contained_report(tiny_model, tmp_path):
     prompts = [Prompt("a", list(range(1, 9)), category="numbers"),
                Prompt("b", list(range(40, 50)), category="letters")]
-    settings = AnalysisSettings(num_steps=5, limit_steps=12, plot_tokens=2, num_runs=2,
-                                exit_criterion="latent-diff", exit_max_steps=6)
+    settings = AnalysisSettings(num_steps=4, limit_steps=8, plot_tokens=2, num_runs=2,
+                                exit_criterion="latent-diff", exit_max_steps=5)
     result = analyze(tiny_model, prompts, tmp_path, settings)
     names = sorted(p.name for p in result.figures)
     assert names == sorted(["trajectories_a.png", "convergence_a.png", "path_independence_a.png",
@@ -52,20 +53,20 @@ def test_analyze_writes_every_picture_and_a_self_contained_report(tiny_model, tm
     exits = summary["exit_steps"]
     assert set(exits["groups"]) == {"numbers", "letters"}
     assert exits["groups"]["letters"]["tokens"] == 10
-    assert all(2 <= g["mean"] <= 6 for g in exits["groups"].values())
+    assert all(2 <= g["mean"] <= 5 for g in exits["groups"].values())
 
 
 def test_streamed_analysis_keeps_states_on_disk(tiny_model, tmp_path):
-    settings = AnalysisSettings(num_steps=4, num_runs=2, stream=True, exit_criterion=None,
+    settings = AnalysisSettings(num_steps=3, limit_steps=3, num_runs=2, stream=True, exit_criterion=None,
                                 plot_positions=[0, 3])
     result = analyze(tiny_model, [Prompt("s", [5, 6, 7, 8, 9])], tmp_path, settings)
     states = np.load(tmp_path / "states" / "s.npy")
-    assert states.shape == (5, 5, 64)
+    assert states.shape == (5, 4, 64)
     assert "streamed to disk" in result.report.read_text()
     assert "exit_steps" not in result.summary
     with pytest.raises(ValueError, match="plot positions"):
         analyze(tiny_model, [Prompt("s", [5, 6])], tmp_path,
-                AnalysisSettings(num_steps=4, exit_criterion=None, plot_positions=[7]))
+                AnalysisSettings(num_steps=3, num_runs=2, exit_criterion=None, plot_positions=[7]))
 
 
 def test_exit_steps_follow_the_threshold(tiny_model):

@@ -93,14 +93,14 @@ def write_json(data: dict, path: Path) -> Path:
 
 
 def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | os.PathLike,
-            settings: AnalysisSettings = AnalysisSettings(), tokenizer=None,
+            settings: AnalysisSettings | None = None, tokenizer=None,
             model_name: str = "") -> AnalysisResult:
     if not prompts:
         raise ValueError("no prompts to analyze")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = model.eval()
-    s = settings
+    s = settings or AnalysisSettings()
     criterion = None
     if s.exit_criterion:  # build it first: a misspelt criterion should fail before minutes of work
         from rdlm.analysis.exit_steps import exit_criterion
