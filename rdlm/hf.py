@@ -134,11 +134,18 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         if config is None or not isinstance(config, RavenConfig):
             config = RavenConfig.from_pretrained(path)
         config.name_or_path = str(pretrained_model_name_or_path)
-        with torch.device("meta"):
+        return cls.from_model(model, config)
+
+    @classmethod
+    def from_model(cls, model: RecurrentDepthLM, config: RavenConfig | None = None,
+                   **config_overrides: Any) -> "RavenForCausalLM":
+        """Wrap an rdlm model (weights shared, not copied)."""
+        if config is None:
+            config = RavenConfig(**{**huginn.config_to_huginn(model.config), **config_overrides})
+        with torch.device("meta"):  # a placeholder model, replaced at once: no random init of real weights
             wrapper = cls(config, model=RecurrentDepthLM(model.config))
         wrapper.model = model
-        wrapper.eval()
-        return wrapper
+        return wrapper.eval()
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, dtype: torch.dtype | None = None,
                         max_shard_bytes: int = huginn.DEFAULT_SHARD_BYTES, **kwargs: Any) -> None:

@@ -100,7 +100,13 @@ def test_tokenizer_special_tokens_and_chat_template(tmp_path):
     assert text == ("<|begin_text|><|begin_header|>user<|end_header|>\n\nHi there<|end_turn|>"
                     "<|begin_header|>Huginn<|end_header|>\n\nHello<|end_turn|>"
                     "<|begin_header|>Huginn<|end_header|>\n\n")
+    from rdlm.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_dir(d)
+    assert text == ours.format_chat([{"role": "user", "content": " Hi there "},
+                                     {"role": "assistant", "content": "Hello"}], add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == ours.encode(text)
     assert ids[0] == tok.convert_tokens_to_ids("<|begin_text|>")
     assert tok.decode(ids) == text
 
