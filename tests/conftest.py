@@ -9,6 +9,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
 HUGINN_TINY = FIXTURES / "huginn-tiny"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    # Test models are tiny: intra-op threads gain nothing, and on a shared, busy CPU their spin-waits
+    # make each small matmul orders of magnitude slower.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture
 def tiny_model() -> RecurrentDepthLM:
     torch.manual_seed(0)

@@ -1,0 +1,134 @@
+"""`rdlm analyze MODEL --prompt TEXT`: latent trajectories, convergence, dynamics, path independence and
+exit-step pictures for a model, gathered in a self-contained HTML report (see `rdlm.analysis`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from rdlm.config import PRESETS
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("analyze", help="pictures of the latent dynamics (trajectories, convergence, "
+                                              "path independence, exit steps) in an HTML report")
+    p.add_argument("model", help=f"a model directory or a preset ({', '.join(PRESETS)}; random weights)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a prompt as text (needs the model directory's tokenizer.json); repeatable")
+    p.add_argument("--prompt-ids", action="append", default=[], metavar="ID,ID,...",
+                   help="a prompt as comma-separated token ids; repeatable")
+    p.add_argument("--prompts-file", metavar="FILE.jsonl",
+                   help='one JSON object per line: {"text": ...} or {"ids": [...]}, optional "category" '
+                        '(groups the exit-step histogram) and "name"')
+    p.add_argument("--out", default="analysis", help="output directory (default: analysis)")
+    p.add_argument("--num-steps", "-r", type=int, default=32, help="iterations r to record (default 32)")
+    p.add_argument("--limit-steps", type=int, default=None,
+                   help="iterations for the limit state s* (default 4 r)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random initial state s_0")
+    p.add_argument("--init-scale", type=float, default=1.0, help="scale of s_0 (0: all-zero state)")
+    p.add_argument("--tokens", type=int, default=6, help="tokens drawn in the trajectory figure")
+    p.add_argument("--positions", default=None, metavar="P,P,...",
+                   help="exactly these prompt positions in the trajectory figure")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="record at most this many tokens per prompt, evenly spread (0: all)")
+    p.add_argument("--iteration-stride", type=int, default=None,
+                   help="keep every k-th state (default: 1, larger if the record exceeds --max-memory-mb)")
+    p.add_argument("--max-memory-mb", type=int, default=512,
+                   help="in-memory budget for one prompt's states before iterations are subsampled")
+    p.add_argument("--stream", action="store_true",
+                   help="stream all states to OUT/states/*.npy (numpy memmap) instead of subsampling")
+    p.add_argument("--runs", type=int, default=4, help="random initial states for path independence")
+    p.add_argument("--exit-criterion", default="kl",
+                   help="criterion for the exit-step histogram (rdlm.exits; 'none' to skip)")
+    p.add_argument("--exit-threshold", type=float, default=None, help="its threshold (default: its own)")
+    p.add_argument("--exit-max-steps", type=int, default=None, help="cap on exit steps (default r)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.set_defaults(func=run)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as err:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from err
+
+
+def load_tokenizer(model: str):
+    """The model directory's tokenizer, or None (token ids are shown instead of text)."""
+    if not (Path(model) / "tokenizer.json").is_file():
+        return None
+    try:
+        from rdlm.tokenizer import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_dir(model)
+
+
+def read_prompts(args: argparse.Namespace, tokenizer):
+    from rdlm.analysis import Prompt
+
+    def encode(text: str, where: str) -> list[int]:
+        if tokenizer is None:
+            raise ValueError(f"{where}: text prompts need a tokenizer.json in the model directory; "
+                             "give token ids (--prompt-ids) instead")
+        return tokenizer.encode(text)
+
+    prompts = [Prompt(f"p{i}", encode(t, "--prompt"), text=t) for i, t in enumerate(args.prompt)]
+    prompts += [Prompt(f"p{len(prompts) + i}", _ids(t)) for i, t in enumerate(args.prompt_ids)]
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from err
+            if not isinstance(item, dict) or ("text" in item) == ("ids" in item):
+                raise ValueError(f'{path}:{n}: expected an object with exactly one of "text" or "ids"')
+            ids = encode(item["text"], f"{path}:{n}") if "text" in item else [int(t) for t in item["ids"]]
+            prompts.append(Prompt(str(item.get("name", f"p{len(prompts)}")), ids,
+                                  category=str(item.get("category", "")), text=item.get("text")))
+    if not prompts:
+        raise ValueError("no prompt: give --prompt, --prompt-ids or --prompts-file")
+    names = [p.name for p in prompts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"prompt names must be unique, got {names}")
+    for p in prompts:
+        if not p.token_ids:
+            raise ValueError(f"prompt {p.name} has no tokens")
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    from rdlm import load_model
+    from rdlm.analysis import AnalysisSettings, analyze
+
+    tokenizer = load_tokenizer(args.model)
+    prompts = read_prompts(args, tokenizer)
+    settings = AnalysisSettings(
+        num_steps=args.num_steps, limit_steps=args.limit_steps, seed=args.seed, init_scale=args.init_scale,
+        plot_tokens=args.tokens, plot_positions=_ids(args.positions) if args.positions else None,
+        max_tokens=args.max_tokens or None, iteration_stride=args.iteration_stride,
+        max_bytes=args.max_memory_mb * 2**20, stream=args.stream, num_runs=args.runs,
+        exit_criterion=None if args.exit_criterion == "none" else args.exit_criterion,
+        exit_threshold=args.exit_threshold, exit_max_steps=args.exit_max_steps)
+    model = load_model(args.model).to(args.device)
+    with torch.no_grad():
+        result = analyze(model, prompts, args.out, settings, tokenizer=tokenizer, model_name=args.model)
+    for name, p in result.summary["prompts"].items():
+        pi = p["path_independence"]
+        print(f"{name}: {p['num_tokens']} tokens; dynamics {p['dynamics_counts']}; "
+              f"distance to s* at r {p['convergence']['relative_distance_to_limit_at_r']['median']:.3g} "
+              f"(median, relative); path spread final {pi['relative_spread_final']['median']:.3g}; "
+              f"storage: {'; '.join(p['storage'])}")
+    if "exit_steps" in result.summary:
+        e = result.summary["exit_steps"]
+        for group, v in e["groups"].items():
+            print(f"exit steps ({e['criterion']}) {group}: mean {v['mean']:.2f}, median {v['median']:.0f}, "
+                  f"never exited {v['never_exited']}/{v['tokens']}")
+    print(f"report: {result.report}")
+    return 0
