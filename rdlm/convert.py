@@ -21,13 +21,12 @@ from pathlib import Path
 import torch
 
 from rdlm.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, CheckpointError, load_pretrained, save_pretrained
+from rdlm.train.checkpoint import TRAINER_FILE, latest_checkpoint
 
 # Files a model directory may carry besides weights and config; copied along unchanged.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "keep": None}
-TRAINER_FILE = "trainer.json"
-_STEP_RE = re.compile(r"^step-(\d+)$")
 
 
 def resolve_source(path: str | os.PathLike, weights: str = "ema") -> Path:
@@ -41,11 +40,10 @@ def resolve_source(path: str | os.PathLike, weights: str = "ema") -> Path:
     if (path / CONFIG_NAME).is_file():
         return path
     if (path / "checkpoints").is_dir():
-        steps = sorted((int(m.group(1)), p) for p in (path / "checkpoints").iterdir()
-                       if (m := _STEP_RE.match(p.name)) and (p / TRAINER_FILE).is_file())
-        if not steps:
+        latest = latest_checkpoint(path)
+        if latest is None:
             raise CheckpointError(f"{path}/checkpoints: no complete checkpoint (step-*/{TRAINER_FILE})")
-        path = steps[-1][1]
+        path = latest
     if (path / TRAINER_FILE).is_file():
         for sub in ((weights, "model") if weights == "ema" else ("model",)):
             if (path / sub / CONFIG_NAME).is_file():

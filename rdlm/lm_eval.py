@@ -10,8 +10,9 @@ Model arguments:
     num_steps        core iterations r (default: the config's mean recurrence)
     init_scale       scale of the random initial state s_0 (default 1, as in training; 0 = zero state)
     seed             seeds the s_0 draws (default 0), so a run is reproducible
-    exit_criterion   per-token adaptive compute for generation (SPEC section 4), with exit_threshold
-    kv_cache_budget  core KV-cache slots per token for generation (iteration i uses slot i mod k)
+    exit_criterion   per-token adaptive compute in generate_until (SPEC section 4; a name of
+                     rdlm.exits, e.g. kl), with exit_threshold; num_steps is then the maximum
+    kv_cache_budget  core KV-cache slots per token in generate_until (iteration i uses slot i mod k)
     dtype            float32 (default) or bfloat16; device: cpu (default) or cuda
     batch_size, max_length, max_gen_toks, add_bos_token (default true: documents start with BOS)
 
@@ -32,7 +33,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from rdlm.huginn import load_pretrained
-from rdlm.hf import CHAT_TEMPLATE, RavenForCausalLM
+from rdlm.exits import make_exit_criterion
+from rdlm.generate import GenerationConfig, generate
+from rdlm.hf import CHAT_TEMPLATE
 from rdlm.tokenizer import Tokenizer
 
 eval_logger = logging.getLogger(__name__)
@@ -87,6 +90,8 @@ class RDLMEvalModel(TemplateLM):
         self.exit_criterion = _optional(exit_criterion, str)
         self.exit_threshold = _optional(exit_threshold, float)
         self.kv_cache_budget = _optional(kv_cache_budget, int)
+        if self.exit_criterion is not None:
+            make_exit_criterion(self.exit_criterion, self.exit_threshold)  # unknown names fail here
         if self.exit_threshold is not None and self.exit_criterion is None:
             raise ValueError("rdlm model: exit_threshold needs an exit_criterion")
         if self.kv_cache_budget is not None and self.kv_cache_budget < 1:
@@ -196,38 +201,43 @@ class RDLMEvalModel(TemplateLM):
     # Generation
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        if self.exit_criterion is not None or self.kv_cache_budget is not None:
-            raise ValueError("rdlm model: exit_criterion and kv_cache_budget need rdlm.generate "
-                             "(per-token adaptive generation), which this installation lacks")
-        wrapper = self._hf_model()
-        results = []
-        for request in tqdm(requests, disable=disable_tqdm, desc="rdlm generate_until"):
-            context, gen_kwargs = request.args
-            gen_kwargs = dict(gen_kwargs)
-            until = gen_kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
-            do_sample = bool(gen_kwargs.pop("do_sample", False))
-            temperature = float(gen_kwargs.pop("temperature", 0.0))
-            if temperature == 0.0:
-                do_sample = False
-            ids = self.tok_encode(context)[-(self.max_length - max_new):]
-            prompt = torch.tensor([ids], device=self._device)
-            options = {"temperature": temperature, "top_k": None} if do_sample else {}
-            torch.manual_seed(self.seed)
-            out = wrapper.generate(prompt, max_new_tokens=max_new, num_steps=self.num_steps,
-                                   init_scale=self.init_scale, do_sample=do_sample,
-                                   eos_token_id=self.eot_token_id, pad_token_id=self.tokenizer.pad_id,
-                                   **options)
-            text = self.tok_decode(out[0, len(ids):].tolist())
-            for stop in until:
-                if stop and stop in text:
-                    text = text[:text.index(stop)]
-            self.cache_hook.add_partial("generate_until", request.args, text)
-            results.append(text)
-        return results
+        """rdlm.generate over the KV cache: requests sharing generation settings decode as one batch
+        (left-padded, each row as if alone); exit criterion and cache budget apply per token."""
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for n, request in enumerate(requests):
+            groups.setdefault(repr(sorted(request.args[1].items())), []).append(n)
+        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="rdlm generate_until")
+        for members in groups.values():
+            config = self.generation_config(requests[members[0]].args[1])
+            for start in range(0, len(members), self.batch_size):
+                batch = members[start:start + self.batch_size]
+                keep = self.max_length - config.max_new_tokens
+                prompts = [self.tok_encode(requests[n].args[0])[-keep:] for n in batch]
+                out = generate(self.model, prompts, config, decode=self.tok_decode)
+                for n, text in zip(batch, out.texts or []):
+                    results[n] = text
+                    self.cache_hook.add_partial("generate_until", requests[n].args, text)
+                progress.update(len(batch))
+        progress.close()
+        return results  # type: ignore[return-value]
 
-    def _hf_model(self) -> RavenForCausalLM:
-        return RavenForCausalLM.from_model(self.model, bos_token_id=self.prefix_token_id,
-                                           eos_token_id=self.eot_token_id,
-                                           pad_token_id=self.tokenizer.pad_id)
+    def generation_config(self, gen_kwargs: dict[str, Any]) -> GenerationConfig:
+        """lm-eval's generation kwargs (until, max_gen_toks, do_sample, temperature, top_p, top_k) plus
+        this model's num_steps, exit criterion, KV-cache budget, init_scale and seed."""
+        kwargs = dict(gen_kwargs)
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        do_sample = _flag(kwargs.pop("do_sample", False))
+        temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
+        sampling = {"temperature": temperature if do_sample else 0.0,
+                    "top_p": _optional(kwargs.pop("top_p", None), float),
+                    "top_k": _optional(kwargs.pop("top_k", None), int)}
+        max_new = int(kwargs.pop("max_gen_toks", kwargs.pop("max_new_tokens", self.max_gen_toks)))
+        if kwargs:
+            raise ValueError(f"rdlm model: unsupported generation argument(s) {', '.join(sorted(kwargs))}")
+        cache = {"cache_strategy": "shared", "cache_slots": self.kv_cache_budget} if self.kv_cache_budget else {}
+        return GenerationConfig(max_new_tokens=max_new, num_steps=self.num_steps,
+                                exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold,
+                                stop_tokens=(self.eot_token_id,), stop_strings=tuple(u for u in until if u),
+                                init_scale=self.init_scale, seed=self.seed, **sampling, **cache)

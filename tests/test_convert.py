@@ -14,31 +14,33 @@ def same_weights(a, b):
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def fake_run(tmp_path, tiny_model):
-    """A run directory in the layout rdlm.train.checkpoint documents: step-N/{model,ema}/ + trainer.json."""
+def training_run(tmp_path, tiny_model):
+    """A run directory written by rdlm.train.checkpoint.save_checkpoint: step-N/{model,ema}/, optimizer, trainer.json."""
+    from rdlm.train.checkpoint import save_checkpoint
+    from rdlm.tokenizer import train_tokenizer
+
     ema = load_pretrained(save_pretrained(tiny_model, tmp_path / "scratch"))
     with torch.no_grad():
         for p in ema.parameters():
             p.mul_(0.5)
+    names = [n for n, _ in tiny_model.named_parameters()]
+    optimizer = torch.optim.AdamW(tiny_model.parameters())
+    tokenizer = train_tokenizer(["ravens are black birds"] * 10, vocab_size=300)
     for step in (100, 200):
-        ckpt = tmp_path / "run" / "checkpoints" / f"step-{step:06d}"
-        save_pretrained(tiny_model, ckpt / "model")
-        save_pretrained(ema, ckpt / "ema")
-        (ckpt / "model" / "tokenizer.json").write_text('{"fake": "tokenizer"}')
-        (ckpt / "trainer.json").write_text(json.dumps({"step": step}))
-    # An unfinished checkpoint (no trainer.json yet) is never picked.
-    save_pretrained(tiny_model, tmp_path / "run" / "checkpoints" / "step-000300" / "model")
+        save_checkpoint(tmp_path / "run", step, tiny_model, ema, optimizer.state_dict(), names, {"step": step},
+                        tokenizer=tokenizer)
     return tmp_path / "run", ema
 
 
 def test_training_checkpoint_to_huginn_picks_ema_or_raw_weights(tmp_path, tiny_model):
-    run, ema = fake_run(tmp_path, tiny_model)
+    run, ema = training_run(tmp_path, tiny_model)
     assert resolve_source(run) == run / "checkpoints" / "step-000200" / "ema"
     out = convert(run, tmp_path / "release")
     assert same_weights(load_pretrained(out), ema)
     raw = convert(run / "checkpoints" / "step-000100", tmp_path / "raw", weights="model")
     assert same_weights(load_pretrained(raw), tiny_model)
-    assert (raw / "tokenizer.json").read_text() == '{"fake": "tokenizer"}'
+    assert (raw / "tokenizer.json").read_text() == (run / "checkpoints" / "step-000100" / "model" /
+                                                    "tokenizer.json").read_text()
 
 
 def test_round_trips_are_lossless_across_dtypes_and_shardings(tmp_path, tiny_model):

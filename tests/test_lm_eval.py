@@ -148,3 +148,20 @@ def test_harness_command_line_runs_all_request_types_offline(model_dir, tmp_path
         scores = [manual_loglikelihood(lm, d["question"], " " + c)[0] for c in d["choices"]]
         correct += int(max(range(len(scores)), key=scores.__getitem__) == d["answer"])
     assert results["rdlm_test_mc"]["acc,none"] == pytest.approx(correct / len(DOCS))
+
+
+def test_generate_until_batches_and_takes_exit_criterion_and_cache_budget(model_dir):
+    prompts = ["Ravens are", "Two plus two is", "The capital of France is"]
+    requests = [instance("generate_until", (p, {"max_gen_toks": 5, "until": ["\n\n"]}), i)
+                for i, p in enumerate(prompts)]
+    lm1 = RDLMEvalModel(pretrained=str(model_dir), num_steps=6, init_scale=0.0, batch_size=1)
+    lm3 = RDLMEvalModel(pretrained=str(model_dir), num_steps=6, init_scale=0.0, batch_size=3)
+    assert lm1.generate_until(requests, disable_tqdm=True) == lm3.generate_until(requests, disable_tqdm=True)
+    adaptive = RDLMEvalModel(pretrained=str(model_dir), num_steps=6, init_scale=0.0, exit_criterion="kl",
+                             exit_threshold=1e-3, kv_cache_budget=2)
+    config = adaptive.generation_config(requests[0].args[1])
+    assert config.exit_criterion == "kl" and config.cache_strategy == "shared" and config.cache_slots == 2
+    texts = adaptive.generate_until(requests, disable_tqdm=True)
+    assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
+    with pytest.raises(ValueError, match="exit"):
+        RDLMEvalModel(pretrained=str(model_dir), exit_criterion="no-such-criterion")
