@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from rdlm.fileio import atomic_write
 from rdlm.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, CheckpointError, load_pretrained, save_pretrained
 from rdlm.train.checkpoint import TRAINER_FILE, latest_checkpoint
 
@@ -88,13 +88,5 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype:
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.tmp-", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with open(src, "rb") as source, atomic_write(dst, "wb") as target:
+        shutil.copyfileobj(source, target)

@@ -10,7 +10,6 @@ model learned to ignore its state (SPEC section 3's failure mode).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -20,6 +19,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from rdlm.fileio import atomic_write, write_json
 from rdlm.model import RecurrentDepthLM
 
 
@@ -147,16 +147,13 @@ def plot_sweeps(sweeps: Sequence[DepthSweep], path: str | os.PathLike, title: st
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_write(path, "wb") as handle:
+            fig.savefig(handle, format="png", dpi=120)
+    finally:
+        plt.close(fig)
     return path
 
 
 def write_results(sweeps: Sequence[DepthSweep], path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps([s.to_dict() for s in sweeps], indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(path, [s.to_dict() for s in sweeps])
