@@ -4,7 +4,7 @@ Every micro-batch draws one r; only the last `backprop_depth` iterations keep gr
 backpropagation), so a draw is returned as the split (steps without gradient, steps with gradient).
 This is the one place in the code where r is drawn.
 
-Samplers (all draw from a `torch.Generator`, so a seed reproduces them):
+Samplers (numpy's distributions, seeded from a `torch.Generator`, so a torch seed reproduces them):
 
     lognormal-poisson   tau ~ N(log m - sigma^2/2, sigma), r = 1 + Poisson(e^tau)   (the paper's default)
     fixed               r = m
@@ -27,72 +27,45 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
-Sampler = Callable[[float, float, torch.Generator | None], int]
+# A sampler maps (mean m, spread sigma, random generator) to a draw of r >= 1.
+Sampler = Callable[[float, float, np.random.Generator], int]
 
 
-def _uniform01(generator: torch.Generator | None) -> float:
-    return torch.rand((), generator=generator, dtype=torch.float64).item()
-
-
-def _normal(generator: torch.Generator | None) -> float:
-    return torch.randn((), generator=generator, dtype=torch.float64).item()
-
-
-def _lognormal_poisson(mean: float, sigma: float, generator: torch.Generator | None) -> int:
+def _lognormal_poisson(mean: float, sigma: float, rng: np.random.Generator) -> int:
     # tau ~ N(log(mean) - sigma^2/2, sigma), r ~ Poisson(exp(tau)) + 1: mostly below the mean, heavy tail.
-    tau = math.log(mean) - sigma**2 / 2 + sigma * _normal(generator)
-    rate = torch.tensor(math.exp(tau), dtype=torch.float64)
-    return int(torch.poisson(rate, generator=generator).item()) + 1
+    tau = rng.normal(math.log(mean) - sigma**2 / 2, sigma)
+    return int(rng.poisson(math.exp(tau))) + 1
 
 
-def _fixed(mean: float, sigma: float, generator: torch.Generator | None) -> int:
+def _fixed(mean: float, sigma: float, rng: np.random.Generator) -> int:
     return max(1, round(mean))
 
 
-def _uniform(mean: float, sigma: float, generator: torch.Generator | None) -> int:
-    high = round(2 * mean)
-    return 1 + int(torch.randint(0, high + 1, (), generator=generator).item())
+def _uniform(mean: float, sigma: float, rng: np.random.Generator) -> int:
+    return 1 + int(rng.integers(0, round(2 * mean), endpoint=True))
 
 
-def _geometric(mean: float, sigma: float, generator: torch.Generator | None) -> int:
-    # Number of failures before the first success, p = 1/(mean+1), by inversion.
-    p = 1.0 / (mean + 1.0)
-    u = 1.0 - _uniform01(generator)  # in (0, 1]
-    return 1 + int(math.floor(math.log(u) / math.log1p(-p)))
+def _geometric(mean: float, sigma: float, rng: np.random.Generator) -> int:
+    # numpy counts trials up to the first success (>= 1); with p = 1/(m+1) its mean is m + 1.
+    return int(rng.geometric(1.0 / (mean + 1.0)))
 
 
-def _exponential(mean: float, sigma: float, generator: torch.Generator | None) -> int:
-    u = 1.0 - _uniform01(generator)
-    return 1 + round(-mean * math.log(u))
+def _exponential(mean: float, sigma: float, rng: np.random.Generator) -> int:
+    return 1 + round(rng.exponential(mean))
 
 
-def _standard_gamma(shape: float, generator: torch.Generator | None) -> float:
-    """Marsaglia-Tsang (2000), driven by `generator` (torch's own gamma takes none)."""
-    if shape < 1:  # boost: G(a) = G(a+1) * U^(1/a)
-        return _standard_gamma(shape + 1, generator) * (1.0 - _uniform01(generator)) ** (1 / shape)
-    d = shape - 1 / 3
-    c = 1 / math.sqrt(9 * d)
-    while True:
-        x = _normal(generator)
-        v = (1 + c * x) ** 3
-        if v <= 0:
-            continue
-        u = 1.0 - _uniform01(generator)
-        if math.log(u) < 0.5 * x * x + d - d * v + d * math.log(v):
-            return d * v
-
-
-def _gamma(mean: float, sigma: float, generator: torch.Generator | None) -> int:
+def _gamma(mean: float, sigma: float, rng: np.random.Generator) -> int:
     if sigma <= 0:
         return 1 + round(mean)
-    shape = 1 / sigma**2
-    return 1 + round(_standard_gamma(shape, generator) * mean / shape)
+    shape = 1 / sigma**2  # relative spread sigma
+    return 1 + round(rng.gamma(shape, mean / shape))
 
 
-def _irwin_hall(mean: float, sigma: float, generator: torch.Generator | None) -> int:
-    total = sum(_uniform01(generator) for _ in range(3))  # Irwin-Hall(3): mean 1.5, range [0, 3]
+def _irwin_hall(mean: float, sigma: float, rng: np.random.Generator) -> int:
+    total = rng.random(3).sum()  # Irwin-Hall(3): mean 1.5, range [0, 3]
     return 1 + round(mean * total * 2 / 3)
 
 
@@ -116,18 +89,19 @@ def sample_num_steps(mean: float, backprop_depth: int, sampler: str = "lognormal
         raise ValueError(f"mean recurrence must be >= 1, got {mean}")
     if backprop_depth < 1:
         raise ValueError(f"backprop_depth must be >= 1, got {backprop_depth}")
-    r = SAMPLERS[sampler](mean, sigma, generator)
+    # One draw from the torch generator seeds the numpy one, so torch seeding reproduces r.
+    rng = np.random.default_rng(int(torch.randint(0, 2**62, (), generator=generator)))
+    r = SAMPLERS[sampler](mean, sigma, rng)
     with_grad = min(backprop_depth, r)
     return r - with_grad, with_grad
 
 
 def microbatch_seed(seed: int, index: int, stream: int = 0) -> int:
-    """A 63-bit seed for micro-batch `index` of a run seeded `seed`; `stream` separates uses (r, s_0)."""
-    # splitmix64-style mixing so that neighbouring (seed, index) pairs give unrelated generators.
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) % 2**64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
-    return (x ^ (x >> 31)) % 2**63
+    """A 63-bit seed for micro-batch `index` of a run seeded `seed`; `stream` separates uses (r, s_0).
+
+    numpy's SeedSequence mixes the three numbers, so neighbouring micro-batches get unrelated draws.
+    """
+    return int(np.random.SeedSequence([seed, index, stream]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def draw_for_microbatch(seed: int, index: int, mean: float, backprop_depth: int,
