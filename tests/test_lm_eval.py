@@ -16,10 +16,10 @@ from tests.hf_helpers import tiny_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [
-    {"question": "The capital of France is", "choices": [" Paris", " Rome"], "answer": 0,
+    {"question": "The capital of France is", "choices": ["Paris", "Rome"], "answer": 0,
      "text": "The capital of France is Paris."},
-    {"question": "Two plus two is", "choices": [" four", " six"], "answer": 0, "text": "Two plus two is four."},
-    {"question": "Ravens are", "choices": [" black", " white"], "answer": 0, "text": "Ravens are black birds."},
+    {"question": "Two plus two is", "choices": ["four", "six"], "answer": 0, "text": "Two plus two is four."},
+    {"question": "Ravens are", "choices": ["black", "white"], "answer": 0, "text": "Ravens are black birds."},
 ]
 
 
@@ -43,7 +43,7 @@ def manual_loglikelihood(lm, context, continuation):
 
 
 def test_loglikelihood_matches_the_forward_pass_in_any_batch_size(model_dir):
-    requests = [instance("loglikelihood", (d["question"], c), i)
+    requests = [instance("loglikelihood", (d["question"], " " + c), i)
                 for i, d in enumerate(DOCS) for c in d["choices"]]
     lm1 = RDLMEvalModel(pretrained=str(model_dir), num_steps=3, init_scale=0.0, batch_size=1)
     lm4 = RDLMEvalModel(pretrained=str(model_dir), num_steps=3, init_scale=0.0, batch_size=4)
@@ -144,7 +144,7 @@ def test_harness_command_line_runs_all_request_types_offline(model_dir, tmp_path
     lm = RDLMEvalModel(pretrained=str(model_dir), num_steps=2, init_scale=0.0)
     correct = 0
     for d in DOCS:
-        # multiple_choice continuations are target_delimiter (" ") + choice
+        # The harness scores target_delimiter (" ") + choice as the continuation.
         scores = [manual_loglikelihood(lm, d["question"], " " + c)[0] for c in d["choices"]]
         correct += int(max(range(len(scores)), key=scores.__getitem__) == d["answer"])
     assert results["rdlm_test_mc"]["acc,none"] == pytest.approx(correct / len(DOCS))
