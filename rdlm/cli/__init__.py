@@ -14,6 +14,9 @@ COMMANDS = [
     "rdlm.cli.info",
     "rdlm.cli.generate",
     "rdlm.cli.analyze",
+    "rdlm.cli.tokenizer",
+    "rdlm.cli.data",
+    "rdlm.cli.train",
 ]
 
 

@@ -1,0 +1,35 @@
+"""`rdlm data prepare`: tokenize text/JSONL/parquet into packed, memory-mapped token shards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("data", help="prepare training data")
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    d = sub.add_parser("prepare", help="tokenize and pack documents into shards with a validation split")
+    d.add_argument("inputs", nargs="+", help="input files (.txt, .jsonl, .parquet)")
+    d.add_argument("--tokenizer", required=True, help="tokenizer.json or a directory holding one")
+    d.add_argument("--out", required=True, help="output shard directory")
+    d.add_argument("--context-length", type=int, required=True, help="model context; rows hold this + 1 tokens")
+    d.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--rows-per-shard", type=int, default=65536)
+    d.add_argument("--text-field", default="text")
+    d.add_argument("--separator", default=None,
+                   help=r"split .txt files into documents on this string (escapes allowed, e.g. '\n\n\n')")
+    d.set_defaults(func=run_prepare)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from rdlm.data import prepare
+    from rdlm.tokenizer import Tokenizer
+
+    separator = args.separator.encode().decode("unicode_escape") if args.separator is not None else None
+    meta = prepare(args.inputs, Tokenizer.load(args.tokenizer), args.out, args.context_length,
+                   args.val_fraction, args.seed, args.rows_per_shard, args.text_field, separator)
+    print(json.dumps({k: meta[k] for k in ("row_length", "documents", "train_documents", "val_documents",
+                                           "rows", "max_token_id", "vocab_size")}))
+    return 0

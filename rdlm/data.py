@@ -1,0 +1,441 @@
+"""Training data: token rows, on disk or in memory, served in a deterministic, resumable order (SPEC §3).
+
+A *row* is `context_length + 1` token ids: the model reads `row[:-1]` and predicts `row[1:]`. A row may
+carry a loss mask (True where a token is a prediction target): prompt/response data puts the loss on
+responses only, right padding is never a target.
+
+Sources, all behind one small interface (`RowSource`: `len()`, `rows(indices)`, `max_token_id()`):
+
+- `TokenShards(dir, split)`: memory-mapped numpy shards written by `prepare` (`rdlm data prepare`).
+- `MemoryRows(tokens, loss_mask)`: rows already in memory (a tensor or array), e.g. synthetic tasks;
+  `MemoryRows.from_sequences` pads variable-length sequences, `MemoryRows.from_pairs` builds
+  prompt/response rows, `load_prompt_response` reads them from JSONL through a tokenizer.
+
+Shard directory layout (written by `prepare`):
+
+    meta.json                       {"format": "rdlm-token-shards", "row_length", "dtype", "vocab_size",
+                                     "bos_id", "max_token_id", "splits": {"train": [{"file", "rows"}], ...}}
+    train-00000.npy, ...            uint16/uint32 arrays [rows, row_length]
+    val-00000.npy, ...
+    tokenizer.json                  the tokenizer the ids come from
+
+Packing (SPEC §3): every document starts with BOS; documents are packed into rows one after another; the
+part of a document that would spill into the next row is dropped rather than starting that row without
+its context. A held-out share of *documents* (not rows) forms the validation split.
+
+`Batches` turns a source into micro-batches: an epoch is a permutation of the rows drawn from
+(seed, epoch), and the rows of micro-batch (step, micro, rank) are a pure function of those numbers and
+the batch geometry, so a resumed run or a different number of workers sees the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Protocol, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+SHARD_FORMAT = "rdlm-token-shards"
+META_FILE = "meta.json"
+IGNORE_INDEX = -100
+
+
+class DataError(ValueError):
+    """Training data is missing, empty or does not fit the model; the message names the problem."""
+
+
+class RowSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def rows(self, indices: np.ndarray) -> tuple[Tensor, Tensor | None]:
+        """int64 tokens [n, row_length] and an optional bool loss mask of the same shape."""
+
+    def max_token_id(self) -> int: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# In-memory rows
+
+class MemoryRows:
+    def __init__(self, tokens: Tensor | np.ndarray | Sequence[Sequence[int]],
+                 loss_mask: Tensor | np.ndarray | None = None) -> None:
+        tokens = torch.as_tensor(np.asarray(tokens) if not isinstance(tokens, Tensor) else tokens)
+        if tokens.ndim != 2 or tokens.shape[1] < 2:
+            raise DataError(f"rows must be a 2-d array [rows, length >= 2], got shape {tuple(tokens.shape)}")
+        if tokens.is_floating_point():
+            raise DataError(f"rows must hold integer token ids, got dtype {tokens.dtype}")
+        if len(tokens) == 0:
+            raise DataError("no rows given")
+        self.tokens = tokens.long()
+        self.loss_mask = None
+        if loss_mask is not None:
+            loss_mask = torch.as_tensor(np.asarray(loss_mask) if not isinstance(loss_mask, Tensor) else loss_mask)
+            if loss_mask.shape != self.tokens.shape:
+                raise DataError(f"loss_mask has shape {tuple(loss_mask.shape)}, rows have {tuple(tokens.shape)}")
+            self.loss_mask = loss_mask.bool()
+
+    @classmethod
+    def from_sequences(cls, sequences: Sequence[Sequence[int]], pad_id: int,
+                       length: int | None = None) -> "MemoryRows":
+        """Right-pad sequences to `length` (default: the longest); padding is never a target."""
+        return cls.from_pairs([((), s) for s in sequences], pad_id, length)
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
+                   length: int | None = None) -> "MemoryRows":
+        """Rows prompt + response, right-padded; the loss falls on response tokens only."""
+        if not pairs:
+            raise DataError("no prompt/response pairs given")
+        longest = max(len(p) + len(r) for p, r in pairs)
+        length = length or longest
+        tokens = torch.full((len(pairs), length), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(pairs), length), dtype=torch.bool)
+        for i, (prompt, response) in enumerate(pairs):
+            row = [*prompt, *response][:length]
+            if len(row) < 2:
+                raise DataError(f"pair {i} has fewer than 2 tokens")
+            tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, len(prompt):len(row)] = True
+        return cls(tokens, mask)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def row_length(self) -> int:
+        return self.tokens.shape[1]
+
+    def rows(self, indices: np.ndarray) -> tuple[Tensor, Tensor | None]:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return self.tokens[index], None if self.loss_mask is None else self.loss_mask[index]
+
+    def max_token_id(self) -> int:
+        return int(self.tokens.max())
+
+    def min_token_id(self) -> int:
+        return int(self.tokens.min())
+
+
+def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None = None) -> MemoryRows:
+    """JSONL of {"prompt", "response"} or {"messages": [{"role", "content"}, ...]} as chat rows.
+
+    Each example is written in the chat format (SPEC §2); the loss falls on the assistant's reply
+    and its closing <|end_turn|>, which teaches the model to stop.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"prompt/response file {path} does not exist")
+    pairs = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                example = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+            if isinstance(example, dict) and "messages" in example:
+                messages = example["messages"]
+                if not messages or messages[-1].get("role") != "assistant":
+                    raise DataError(f"{path}:{number}: 'messages' must end with an assistant turn")
+                prompt_messages, reply = messages[:-1], messages[-1]["content"]
+            elif isinstance(example, dict) and "prompt" in example and "response" in example:
+                prompt_messages, reply = [{"role": "user", "content": example["prompt"]}], example["response"]
+            else:
+                raise DataError(f"{path}:{number}: expected keys 'prompt' and 'response', or 'messages'")
+            prompt = tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True)
+            response = tokenizer.encode(str(reply).strip()) + [tokenizer.end_turn_id]
+            pairs.append((prompt, response))
+    if not pairs:
+        raise DataError(f"{path}: no examples")
+    return MemoryRows.from_pairs(pairs, tokenizer.pad_id, length)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shards on disk
+
+class TokenShards:
+    """One split of a shard directory, memory-mapped."""
+
+    def __init__(self, directory: str | os.PathLike, split: str = "train") -> None:
+        self.directory = Path(directory)
+        self.meta = read_meta(self.directory)
+        entries = self.meta["splits"].get(split)
+        if not entries:
+            raise DataError(f"{self.directory}: no rows in split {split!r} "
+                            f"(splits: {', '.join(k for k, v in self.meta['splits'].items() if v) or 'none'})")
+        self.split = split
+        self.arrays = []
+        for entry in entries:
+            file = self.directory / entry["file"]
+            if not file.is_file():
+                raise DataError(f"{file}: shard listed in {META_FILE} is missing")
+            try:
+                array = np.load(file, mmap_mode="r", allow_pickle=False)
+            except ValueError as err:
+                raise DataError(f"{file}: not a readable numpy shard ({err})") from err
+            if array.ndim != 2 or array.shape != (entry["rows"], self.meta["row_length"]):
+                raise DataError(f"{file}: shape {array.shape}, expected ({entry['rows']}, {self.meta['row_length']})")
+            self.arrays.append(array)
+        self.offsets = np.cumsum([0] + [len(a) for a in self.arrays])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def row_length(self) -> int:
+        return int(self.meta["row_length"])
+
+    def rows(self, indices: np.ndarray) -> tuple[Tensor, Tensor | None]:
+        indices = np.asarray(indices, dtype=np.int64)
+        shard = np.searchsorted(self.offsets, indices, side="right") - 1
+        out = np.empty((len(indices), self.row_length), dtype=np.int64)
+        for s in np.unique(shard):
+            where = shard == s
+            out[where] = self.arrays[s][indices[where] - self.offsets[s]]
+        return torch.from_numpy(out), None
+
+    def max_token_id(self) -> int:
+        return int(self.meta["max_token_id"])
+
+
+def read_meta(directory: Path) -> dict:
+    if not directory.is_dir():
+        raise DataError(f"data directory {directory} does not exist")
+    meta_file = directory / META_FILE
+    if not meta_file.is_file():
+        if not any(directory.iterdir()):
+            raise DataError(f"data directory {directory} is empty (run `rdlm data prepare` first)")
+        raise DataError(f"{directory} has no {META_FILE}: not a directory written by `rdlm data prepare`")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{meta_file}: not valid JSON ({err.msg})") from err
+    if meta.get("format") != SHARD_FORMAT:
+        raise DataError(f"{meta_file}: format is {meta.get('format')!r}, expected {SHARD_FORMAT!r}")
+    return meta
+
+
+def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text",
+                   separator: str | None = None) -> Iterator[str]:
+    """Documents from .txt (a file is a document, or split on `separator`), .jsonl and .parquet files."""
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"input file {path} does not exist")
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            with open(path, encoding="utf-8") as handle:
+                for number, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+                    if not isinstance(record, dict) or text_field not in record:
+                        raise DataError(f"{path}:{number}: no field {text_field!r}")
+                    yield str(record[text_field])
+        elif suffix == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError as err:
+                raise DataError(f"{path}: reading parquet needs pyarrow (pip install 'rdlm[parquet]')") from err
+            table = pq.read_table(path, columns=[text_field])
+            yield from (str(t) for t in table.column(text_field).to_pylist() if t is not None)
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            yield from (text.split(separator) if separator else [text])
+
+
+class Packer:
+    """Packs documents (each starting with BOS) into rows; a spill-over tail is dropped (SPEC section 3)."""
+
+    def __init__(self, row_length: int) -> None:
+        self.row_length = row_length
+        self.row: list[int] = []
+
+    def add(self, doc: Sequence[int]) -> np.ndarray | None:
+        room = self.row_length - len(self.row)
+        self.row.extend(doc[:room])  # the part beyond `room` would start a row without its context
+        if len(self.row) < self.row_length:
+            return None
+        row, self.row = np.asarray(self.row), []
+        return row
+    # A final partial row is an orphan tail too: never emitted.
+
+
+def pack_documents(documents: Iterable[Sequence[int]], row_length: int) -> Iterator[np.ndarray]:
+    packer = Packer(row_length)
+    for doc in documents:
+        row = packer.add(doc)
+        if row is not None:
+            yield row
+
+
+def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.PathLike,
+            context_length: int, val_fraction: float = 0.05, seed: int = 0, rows_per_shard: int = 65536,
+            text_field: str = "text", separator: str | None = None, batch_docs: int = 256) -> dict:
+    """Tokenize documents into packed, memory-mappable shards with a held-out validation split."""
+    if not inputs:
+        raise DataError("no input files given")
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    row_length = context_length + 1
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    rng = random.Random(seed)
+    splits: dict[str, list[dict]] = {"train": [], "val": []}
+    buffers: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    counts = {"documents": 0, "train_documents": 0, "val_documents": 0}
+    max_id = 0
+
+    def flush(split: str, final: bool = False) -> None:
+        while len(buffers[split]) >= rows_per_shard or (final and buffers[split]):
+            chunk, buffers[split] = buffers[split][:rows_per_shard], buffers[split][rows_per_shard:]
+            name = f"{split}-{len(splits[split]):05d}.npy"
+            _atomic_save_npy(out / name, np.stack(chunk).astype(dtype))
+            splits[split].append({"file": name, "rows": len(chunk)})
+
+    packers = {"train": Packer(row_length), "val": Packer(row_length)}
+    pending: dict[str, list[str]] = {"train": [], "val": []}
+
+    def encode_pending(which: str) -> None:
+        nonlocal max_id
+        for doc in tokenizer.encode_batch(pending[which], add_bos=True):
+            max_id = max(max_id, max(doc))
+            row = packers[which].add(doc)
+            if row is not None:
+                buffers[which].append(row)
+        pending[which] = []
+        flush(which)
+
+    for text in read_documents(inputs, text_field, separator):
+        if not text.strip():
+            continue
+        counts["documents"] += 1
+        # A document's split is drawn from the seed, so it never changes between runs.
+        which = "val" if rng.random() < val_fraction else "train"
+        counts[f"{which}_documents"] += 1
+        pending[which].append(text)
+        if len(pending[which]) >= batch_docs:
+            encode_pending(which)
+    for which in ("train", "val"):
+        if pending[which]:
+            encode_pending(which)
+    for which in ("train", "val"):
+        flush(which, final=True)
+    if not splits["train"]:
+        raise DataError(f"no complete training row of {row_length} tokens: the inputs hold too little text "
+                        f"({counts['documents']} documents)")
+    meta = {"format": SHARD_FORMAT, "row_length": row_length, "context_length": context_length,
+            "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
+            "max_token_id": max_id, "seed": seed, "val_fraction": val_fraction, **counts,
+            "rows": {k: sum(e["rows"] for e in v) for k, v in splits.items()}, "splits": splits}
+    tokenizer.save(out / "tokenizer.json")
+    _atomic_write_text(out / META_FILE, json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.save(handle, array, allow_pickle=False)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------------
+# Batching
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: Tensor   # [b, L]
+    labels: Tensor      # [b, L], IGNORE_INDEX where there is no target
+    num_targets: int
+
+
+def make_batch(tokens: Tensor, loss_mask: Tensor | None) -> Batch:
+    labels = tokens[:, 1:].clone()
+    if loss_mask is not None:
+        labels[~loss_mask[:, 1:]] = IGNORE_INDEX
+    return Batch(tokens[:, :-1], labels, int((labels != IGNORE_INDEX).sum()))
+
+
+class Batches:
+    """Deterministic micro-batches: the rows of (step, micro, rank) depend on nothing else.
+
+    The global batch of optimizer step `t` is rows t*G .. t*G+G-1 of the endless sequence of epoch
+    permutations, G = micro_batch_size * accumulation * world_size. Micro-batch `m` of rank `k` takes
+    the slice starting at (m * world_size + k) * micro_batch_size, so one process with the same global
+    batch sees exactly the union of what the workers see.
+    """
+
+    def __init__(self, source: RowSource, micro_batch_size: int, accumulation: int = 1, world_size: int = 1,
+                 seed: int = 0, shuffle: bool = True) -> None:
+        if len(source) == 0:
+            raise DataError("the data source has no rows")
+        self.source, self.micro_batch_size, self.accumulation = source, micro_batch_size, accumulation
+        self.world_size, self.seed, self.shuffle = world_size, seed, shuffle
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.accumulation * self.world_size
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            n = len(self.source)
+            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                          else np.arange(n))
+            self._epoch = epoch
+        return self._perm
+
+    def positions(self, step: int, micro: int, rank: int) -> np.ndarray:
+        start = step * self.global_batch_size + (micro * self.world_size + rank) * self.micro_batch_size
+        return np.arange(start, start + self.micro_batch_size)
+
+    def indices(self, positions: np.ndarray) -> np.ndarray:
+        n = len(self.source)
+        out = np.empty(len(positions), dtype=np.int64)
+        for i, pos in enumerate(positions):
+            out[i] = self._permutation(int(pos) // n)[int(pos) % n]
+        return out
+
+    def get(self, step: int, micro: int, rank: int = 0) -> Batch:
+        return make_batch(*self.source.rows(self.indices(self.positions(step, micro, rank))))
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.global_batch_size / len(self.source)
+
+
+def fixed_batches(source: RowSource, batch_size: int, max_rows: int | None = None) -> list[Batch]:
+    """The first `max_rows` rows in order, as batches: for evaluation, the same every time."""
+    n = len(source) if max_rows is None else min(len(source), max_rows)
+    return [make_batch(*source.rows(np.arange(i, min(i + batch_size, n)))) for i in range(0, n, batch_size)]

@@ -1,0 +1,555 @@
+"""The training loop: randomized recurrence with truncated backpropagation (SPEC section 3).
+
+    for step in steps:
+        for each micro-batch m:
+            (n, k) = draw_for_microbatch(seed, step * accumulation + m)   # same r on every worker
+            loss   = CE(model(x, num_steps=(n, k)))                       # n steps no graph, k with
+            backward                                                       # grads only through last k
+        clip gradients at 1; AdamW step; EMA update; log; evaluate; checkpoint
+
+Everything random is a pure function of (seed, step): r, the initial states s_0 (one generator per
+row, keyed by its global position) and the data order. A resumed run, or the same global batch split
+over several workers, therefore reproduces the same computation.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rdlm.config import ConfigError, RDLMConfig, check_keys
+from rdlm.data import (IGNORE_INDEX, Batch, Batches, DataError, MemoryRows, RowSource, TokenShards,
+                       fixed_batches, load_prompt_response)
+from rdlm.model import RecurrentDepthLM
+from rdlm.recurrence import SAMPLERS, draw_for_microbatch, microbatch_seed
+from rdlm.train import checkpoint as ckpt
+from rdlm.train.distributed import World, all_reduce_sum, barrier, setup, teardown
+from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, flops_per_token, peak_flops, warn_loudly
+from rdlm.train.optim import EMA, AdamW, parameter_groups
+from rdlm.train.schedule import Schedule
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. too many non-finite losses in a row)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # What to train: a preset name, a Huginn-layout directory, or a training checkpoint (its model/).
+    model: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    # Data: a shard directory from `rdlm data prepare`, or a prompt/response JSONL file (fine-tuning,
+    # loss on responses only). In-memory rows can be passed to `train()` instead.
+    data: str | None = None
+    prompt_response: str | None = None
+    tokenizer: str | None = None          # tokenizer.json or a directory; default: the data's / model's
+    out_dir: str | None = None
+    seed: int = 0
+    # Batch geometry: global batch = micro_batch_size * accumulation * number of workers.
+    steps: int = 100
+    micro_batch_size: int = 8
+    accumulation: int = 1
+    # Recurrence (None: the model config's values).
+    mean_recurrence: int | None = None
+    backprop_depth: int | None = None
+    recurrence_sampler: str | None = None
+    recurrence_sigma: float | None = None
+    # Optimization (SPEC section 3).
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    cooldown_steps: int = 0
+    min_lr_ratio: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 5e-4
+    atan2: bool = False
+    update_clip: float | None = None
+    grad_clip: float = 1.0
+    ema_decay: float | None = 0.999
+    precision: str = "auto"               # auto (bf16 where the GPU has it), bf16, fp32
+    compile: bool = False
+    device: str = "auto"
+    # CPU threads for this run (restored afterwards). None: 1 for models under 20M parameters on CPU,
+    # where thread start-up costs more than it saves on tiny matmuls (and the machine may be shared).
+    threads: int | None = None
+    sharded_optimizer: bool = True        # ZeroRedundancyOptimizer when distributed
+    # Monitoring.
+    log_every: int = 1
+    eval_every: int = 0                   # 0: only at the end (when there is validation data)
+    eval_num_steps: tuple[int, ...] = (1, 4, 8, 16, 32, 64)
+    eval_rows: int = 64
+    eval_batch_size: int = 8
+    collapse_correlation: float = 0.95
+    progress: bool = True
+    tensorboard: bool = True
+    peak_flops: float | None = None
+    # Checkpoints.
+    checkpoint_every: int = 0             # 0: only at the end
+    keep_checkpoints: int = 3
+    resume: bool = False
+    # Failure handling: a non-finite loss skips the step; this many in a row stops the run.
+    max_bad_steps: int = 5
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size", "accumulation", "log_every", "eval_rows",
+                     "eval_batch_size", "max_bad_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("warmup_steps", "cooldown_steps", "eval_every", "checkpoint_every", "keep_checkpoints"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.recurrence_sampler is not None and self.recurrence_sampler not in SAMPLERS:
+            raise ConfigError(f"recurrence_sampler must be one of {sorted(SAMPLERS)}, "
+                              f"got {self.recurrence_sampler!r}")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ConfigError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
+        if self.data and self.prompt_response:
+            raise ConfigError("give either data (token shards) or prompt_response (JSONL), not both")
+        if self.cooldown_steps > self.steps:
+            raise ConfigError(f"cooldown_steps ({self.cooldown_steps}) exceeds steps ({self.steps})")
+        if not self.eval_num_steps or any(int(r) < 1 for r in self.eval_num_steps):
+            raise ConfigError(f"eval_num_steps must be positive iteration counts, got {self.eval_num_steps}")
+        if self.grad_clip <= 0:
+            raise ConfigError(f"grad_clip must be > 0, got {self.grad_clip}")
+        check_keys(self.model_overrides)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        check_keys(values, cls)
+        values = dict(values)
+        for key in ("betas", "eval_num_steps"):
+            if key in values:
+                values[key] = tuple(values[key])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainResult:
+    model: RecurrentDepthLM
+    losses: list[float]                   # mean training loss per optimizer step (NaN for skipped steps)
+    num_steps: list[list[int]]            # the r drawn for each micro-batch of each step
+    evals: list[dict[str, float]]
+    bad_steps: int
+    checkpoint: Path | None
+    ema_model: RecurrentDepthLM | None = None
+    steps_done: int = 0
+    seconds: float = 0.0
+
+
+# An evaluation hook: called with (model, step) at each evaluation; its numbers join the eval record.
+EvalHook = Callable[[RecurrentDepthLM, int], dict[str, float]]
+# A step hook: called with each log record (train and eval) as it is written.
+StepHook = Callable[[dict[str, Any]], None]
+
+
+# --------------------------------------------------------------------------------------------------
+# Setup helpers
+
+def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple[RecurrentDepthLM, Path | None]:
+    """A fresh model for a preset, or the weights of a Huginn dir / training checkpoint (float32)."""
+    from rdlm.config import PRESETS
+    from rdlm.huginn import load_pretrained
+
+    path = Path(source)
+    if not path.exists():
+        if source in PRESETS:
+            return RecurrentDepthLM(RDLMConfig.from_preset(source, **(overrides or {}))), None
+        RDLMConfig.from_preset(source)  # raises ConfigError naming the unknown preset
+    if (path / "model" / "config.json").is_file():  # a training checkpoint step-N/
+        path = path / "model"
+    elif (path / "checkpoints").is_dir() and ckpt.latest_checkpoint(path) is not None:  # a run directory
+        path = ckpt.latest_checkpoint(path) / "model"
+    model = load_pretrained(path, dtype=torch.float32)
+    if overrides:
+        # Training-time fields (recurrence, checkpointing) may change; shapes may not.
+        new = model.config.replace(**overrides)
+        fresh = RecurrentDepthLM(new)
+        fresh.load_state_dict(model.state_dict())
+        model = fresh
+    return model.train(), path
+
+
+def resolve_tokenizer(config: TrainConfig, model_dir: Path | None):
+    from rdlm.tokenizer import Tokenizer
+
+    for candidate in (config.tokenizer, config.data, model_dir):
+        if candidate is None:
+            continue
+        path = Path(candidate)
+        if (path.is_file() and path.suffix == ".json") or (path / "tokenizer.json").is_file():
+            return Tokenizer.load(path)
+    if config.tokenizer is not None:
+        return Tokenizer.load(config.tokenizer)  # raises, naming the missing file
+    return None
+
+
+def check_compatible(model: RecurrentDepthLM, sources: dict[str, RowSource], tokenizer) -> None:
+    """Catch data/model/tokenizer mismatches before the first step, naming what does not fit."""
+    vocab = model.config.vocab_size
+    if tokenizer is not None and tokenizer.vocab_size > vocab:
+        raise DataError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens but the model's "
+                        f"vocabulary is {vocab}: tokenizer/model vocabulary mismatch")
+    for name, source in sources.items():
+        top = source.max_token_id()
+        if top >= vocab:
+            raise DataError(f"{name} data holds token id {top}, out of range for the model's vocabulary "
+                            f"of {vocab}")
+        low = getattr(source, "min_token_id", lambda: 0)()
+        if low < 0:
+            raise DataError(f"{name} data holds negative token id {low}")
+        length = getattr(source, "row_length", None)
+        if length is not None and length - 1 > model.config.context_length:
+            raise DataError(f"{name} rows have {length - 1} input tokens, more than the model's context "
+                            f"length {model.config.context_length}")
+
+
+def as_source(data: Any) -> RowSource:
+    """Accept a RowSource, a [rows, length] tensor/array, or a list of token sequences (padded with 0)."""
+    if hasattr(data, "rows") and hasattr(data, "max_token_id"):
+        return data
+    if isinstance(data, (Tensor,)) or hasattr(data, "shape"):
+        return MemoryRows(data)
+    if isinstance(data, Sequence) and data and isinstance(data[0], Sequence):
+        lengths = {len(s) for s in data}
+        if len(lengths) == 1:
+            return MemoryRows(torch.tensor([list(s) for s in data]))
+        raise DataError("sequences of different lengths: build MemoryRows.from_sequences(seqs, pad_id) "
+                        "so padding is excluded from the loss")
+    raise DataError(f"cannot use {type(data).__name__} as training data")
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer
+
+class Trainer:
+    def __init__(self, config: TrainConfig, model: RecurrentDepthLM | None = None,
+                 train_data: Any = None, val_data: Any = None, tokenizer=None,
+                 eval_hooks: Sequence[EvalHook] = (), step_hooks: Sequence[StepHook] = ()) -> None:
+        self.config = config
+        self.world, self.device = setup(config.device)
+        torch.manual_seed(config.seed)
+        model_dir = None
+        if model is None:
+            model, model_dir = resolve_model(config.model, config.model_overrides)
+        elif config.model_overrides:
+            raise ConfigError("model_overrides apply to TrainConfig.model; pass a model built as you want it")
+        self.tokenizer = tokenizer if tokenizer is not None else resolve_tokenizer(config, model_dir)
+
+        # Data, checked before anything is trained.
+        if train_data is not None:
+            self.train_source = as_source(train_data)
+        elif config.data is not None:
+            self.train_source = TokenShards(config.data, "train")
+        elif config.prompt_response is not None:
+            if self.tokenizer is None:
+                raise DataError("prompt/response data needs a tokenizer (--tokenizer, or tokenizer.json "
+                                "in the model directory)")
+            self.train_source = load_prompt_response(config.prompt_response, self.tokenizer)
+        else:
+            raise DataError("no training data: give TrainConfig.data, prompt_response, or train_data")
+        if val_data is not None:
+            self.val_source = as_source(val_data)
+        elif config.data is not None and has_split(config.data, "val"):
+            self.val_source = TokenShards(config.data, "val")
+        else:
+            self.val_source = None
+        sources = {"training": self.train_source}
+        if self.val_source is not None:
+            sources["validation"] = self.val_source
+        check_compatible(model, sources, self.tokenizer)
+
+        self.model = model.to(self.device).train()
+        self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        c = self.model.config
+        self.mean_recurrence = config.mean_recurrence or c.mean_recurrence
+        self.backprop_depth = config.backprop_depth or c.backprop_depth
+        self.sampler = config.recurrence_sampler or c.recurrence_sampler
+        self.sigma = c.recurrence_sigma if config.recurrence_sigma is None else config.recurrence_sigma
+        if self.mean_recurrence < 1 or self.backprop_depth < 1:
+            raise ConfigError("mean_recurrence and backprop_depth must be >= 1")
+
+        bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda"
+                                              and torch.cuda.is_bf16_supported())
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+        self.precision = "bf16" if bf16 else "fp32"
+        if config.compile:
+            # Compile each layer, not the whole model: r changes every step and must not recompile.
+            for block in [*self.model.prelude, *self.model.core, *self.model.coda]:
+                block.compile()
+
+        self.ema = EMA(self.model, config.ema_decay) if config.ema_decay else None
+        opt_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+                          atan2=config.atan2, update_clip=config.update_clip)
+        if self.world.distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            if config.sharded_optimizer:
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                self.optimizer = ZeroRedundancyOptimizer(parameter_groups(self.model)[0]["params"],
+                                                         optimizer_class=AdamW, **opt_kwargs)
+            else:
+                self.optimizer = AdamW(parameter_groups(self.model), **opt_kwargs)
+        else:
+            self.ddp = None
+            self.optimizer = AdamW(parameter_groups(self.model), **opt_kwargs)
+        self.schedule = Schedule(config.lr, config.warmup_steps, config.steps, config.cooldown_steps,
+                                 config.min_lr_ratio)
+        self.batches = Batches(self.train_source, config.micro_batch_size, config.accumulation,
+                               self.world.size, seed=config.seed)
+        self.val_batches = (fixed_batches(self.val_source, config.eval_batch_size, config.eval_rows)
+                            if self.val_source is not None else [])
+        self.eval_hooks, self.step_hooks = list(eval_hooks), list(step_hooks)
+
+        self.step = 0
+        self.losses: list[float] = []
+        self.drawn: list[list[int]] = []
+        self.evals: list[dict[str, float]] = []
+        self.bad_steps = 0
+        self.consecutive_bad = 0
+        self.last_checkpoint: Path | None = None
+        if config.resume:
+            self._resume()
+        self.peak = peak_flops(self.device, config.peak_flops)
+
+    # ---------------------------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        if self.config.out_dir is None:
+            raise ConfigError("resume needs out_dir (where the checkpoints are)")
+        path = ckpt.latest_checkpoint(self.config.out_dir)
+        if path is None:
+            return  # nothing to resume: start from scratch (a first launch with --resume is fine)
+        ema_model = self._ema_model() if self.ema else None
+        point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
+        if ema_model is not None:
+            self.ema.load([p.detach().float() for p in ema_model.parameters()])
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+        state = point.trainer
+        if state.get("global_batch_size") != self.batches.global_batch_size:
+            raise ConfigError(f"checkpoint {path} was trained with a global batch of "
+                              f"{state.get('global_batch_size')} rows, this run has "
+                              f"{self.batches.global_batch_size}: the data position would not match")
+        self.step = point.step
+        self.losses = list(state.get("losses", []))
+        self.drawn = [list(x) for x in state.get("num_steps", [])]
+        self.evals = list(state.get("evals", []))
+        self.bad_steps = int(state.get("bad_steps", 0))
+        self.consecutive_bad = int(state.get("consecutive_bad", 0))
+        self.last_checkpoint = path
+
+    def _ema_model(self) -> RecurrentDepthLM:
+        ema_model = copy.deepcopy(self.model).to("cpu")
+        if self.ema is not None:
+            self.ema.copy_to(ema_model)
+        return ema_model
+
+    def _initial_state(self, batch: Batch, step: int, micro: int) -> Tensor:
+        """s_0 row by row, each from a generator keyed by the row's global position in the run.
+
+        This makes s_0 independent of how the global batch is split across workers and of resumes.
+        """
+        c = self.model.config
+        positions = self.batches.positions(step, micro, self.world.rank)
+        rows = []
+        template = torch.empty(1, batch.input_ids.shape[1], c.hidden_size)
+        for pos in positions:
+            g = torch.Generator().manual_seed(microbatch_seed(self.config.seed, int(pos), stream=1))
+            rows.append(self.model.init_state(template, 1.0, g))
+        return torch.cat(rows).to(self.device)
+
+    def _save(self) -> Path | None:
+        if self.config.out_dir is None:
+            return None
+        optimizer = self.optimizer
+        if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: gather the shards on rank 0
+            optimizer.consolidate_state_dict(to=0)
+        path = None
+        if self.world.is_main:
+            trainer_state = {
+                "format": "rdlm-training-checkpoint", "consumed_rows": self.step * self.batches.global_batch_size,
+                "global_batch_size": self.batches.global_batch_size, "world_size": self.world.size,
+                "epoch": self.batches.epoch_of(self.step), "lr": self.schedule(max(self.step - 1, 0)),
+                "schedule": dataclasses.asdict(self.schedule), "bad_steps": self.bad_steps,
+                "consecutive_bad": self.consecutive_bad, "losses": self.losses, "num_steps": self.drawn,
+                "evals": self.evals, "train_config": self.config.to_dict(),
+                "recurrence": {"mean": self.mean_recurrence, "backprop_depth": self.backprop_depth,
+                               "sampler": self.sampler, "sigma": self.sigma},
+            }
+            path = ckpt.save_checkpoint(self.config.out_dir, self.step, self.model,
+                                        self._ema_model() if self.ema else None, optimizer.state_dict(),
+                                        self.names, trainer_state, self.tokenizer, self.config.keep_checkpoints)
+        barrier(self.world)
+        self.last_checkpoint = ckpt.checkpoint_dir(self.config.out_dir) / f"step-{self.step:06d}"
+        return path
+
+    def _evaluate(self, monitor: Monitor) -> dict[str, float]:
+        record: dict[str, Any] = {"kind": "eval", "step": self.step}
+        if self.val_batches:
+            record.update(evaluate(self.model, self.val_batches, self.config.eval_num_steps,
+                                   seed=self.config.seed, autocast=self.autocast, device=self.device))
+        for hook in self.eval_hooks:
+            record.update(hook(self.model, self.step))
+        if self.world.is_main and self.val_batches:
+            # "Ignores the state" is only meaningful once training has moved the model.
+            steps = self.config.eval_num_steps if self.step > self.config.warmup_steps else ()
+            for message in collapse_signatures(record, steps, self.config.collapse_correlation):
+                warn_loudly(f"step {self.step}: {message}")
+        self.evals.append(record)
+        monitor.log(record)
+        for hook in self.step_hooks:
+            hook(record)
+        return record
+
+    # ---------------------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, Any]:
+        cfg, step = self.config, self.step
+        lr = self.schedule(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro_batches = [self.batches.get(step, m, self.world.rank) for m in range(cfg.accumulation)]
+        # Normalize by the global number of targets so that any split of the batch gives the same gradient.
+        targets = torch.tensor([float(sum(b.num_targets for b in micro_batches))])
+        total_targets = all_reduce_sum(targets, self.world).item()
+        scale = self.world.size / max(total_targets, 1.0)  # DDP averages over workers: undo that
+
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        drawn = []
+        tokens = 0
+        flops = 0.0
+        network = self.ddp if self.ddp is not None else self.model
+        for m, batch in enumerate(micro_batches):
+            index = step * cfg.accumulation + m
+            no_grad, with_grad = draw_for_microbatch(cfg.seed, index, self.mean_recurrence,
+                                                     self.backprop_depth, self.sampler, self.sigma)
+            drawn.append(no_grad + with_grad)
+            ids, labels = batch.input_ids.to(self.device), batch.labels.to(self.device)
+            s0 = self._initial_state(batch, step, m)
+            sync = self.ddp is None or m == cfg.accumulation - 1
+            context = self.ddp.no_sync() if not sync else _nullcontext()
+            with context:
+                with self.autocast:
+                    logits = network(ids, num_steps=(no_grad, with_grad), initial_state=s0).logits
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                           ignore_index=IGNORE_INDEX, reduction="sum")
+                (loss * scale).backward()
+            loss_sum += loss.detach().double().cpu()
+            tokens += ids.numel()
+            flops += ids.numel() * flops_per_token(self.model, ids.shape[1], no_grad, with_grad)
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        reduced = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)]),
+                                 self.world)
+        mean_loss = (reduced[0] / max(total_targets, 1.0)).item()
+        finite = math.isfinite(mean_loss) and math.isfinite(grad_norm.item())
+        if finite:
+            self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
+            self.consecutive_bad = 0
+        else:
+            self.bad_steps += 1
+            self.consecutive_bad += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.losses.append(mean_loss if finite else float("nan"))
+        self.drawn.append(drawn)
+        return {"kind": "train", "step": self.step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm.item(),
+                "num_steps": drawn[0] if len(drawn) == 1 else drawn, "skipped": not finite,
+                "tokens": int(reduced[1].item()), "flops": flops * self.world.size}
+
+    def fit(self) -> TrainResult:
+        cfg = self.config
+        monitor = Monitor(cfg.out_dir, cfg.steps, self.step, cfg.tensorboard, cfg.progress,
+                          enabled=self.world.is_main)
+        start = time.perf_counter()
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            small = self.model.num_parameters() < 20_000_000
+            torch.set_num_threads(cfg.threads or (1 if small else threads))
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                record = self.train_step()
+                seconds = time.perf_counter() - t0
+                record["tokens_per_s"] = record["tokens"] / seconds
+                record["flops_per_s"] = record.pop("flops") / seconds
+                if self.peak:
+                    record["mfu"] = record["flops_per_s"] / (self.peak * self.world.size)
+                if record["skipped"]:
+                    print(f"rdlm train: step {self.step}: non-finite loss or gradient, step skipped "
+                          f"({self.consecutive_bad} in a row, {self.bad_steps} in all)", flush=True)
+                    if self.consecutive_bad >= cfg.max_bad_steps:
+                        kept = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
+                        raise TrainingError(f"{self.consecutive_bad} non-finite losses in a row at step "
+                                            f"{self.step}: stopping{kept}")
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    monitor.log(record)
+                    for hook in self.step_hooks:
+                        hook(record)
+                monitor.advance()
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                    self._evaluate(monitor)
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                    self._save()
+            if self.val_batches or self.eval_hooks:
+                self._evaluate(monitor)
+            self._save()
+        finally:
+            monitor.close()
+            torch.set_num_threads(threads)
+        return TrainResult(model=self.model, losses=self.losses, num_steps=self.drawn, evals=self.evals,
+                           bad_steps=self.bad_steps, checkpoint=self.last_checkpoint,
+                           ema_model=self._ema_model() if self.ema else None, steps_done=self.step,
+                           seconds=time.perf_counter() - start)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def has_split(directory: str, split: str) -> bool:
+    from rdlm.data import read_meta
+
+    return bool(read_meta(Path(directory))["splits"].get(split))
+
+
+def train(config: TrainConfig, model: RecurrentDepthLM | None = None, train_data: Any = None,
+          val_data: Any = None, tokenizer=None, eval_hooks: Sequence[EvalHook] = (),
+          step_hooks: Sequence[StepHook] = ()) -> TrainResult:
+    """Train a recurrent-depth model; see TrainConfig. Returns the model and the loss history.
+
+    model: an existing RecurrentDepthLM (trained in place), else built/loaded from `config.model`.
+    train_data / val_data: a RowSource (MemoryRows, TokenShards) or a [rows, length] tensor of ids;
+        else read from `config.data` / `config.prompt_response`.
+    eval_hooks: callables (model, step) -> {metric: value}, run at each evaluation.
+    step_hooks: callables receiving every log record (training steps and evaluations).
+    """
+    trainer = Trainer(config, model, train_data, val_data, tokenizer, eval_hooks, step_hooks)
+    try:
+        return trainer.fit()
+    finally:
+        if os.environ.get("WORLD_SIZE", "1") != "1":
+            teardown(trainer.world)

@@ -1,0 +1,92 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rdlm.data import (Batches, DataError, MemoryRows, TokenShards, load_prompt_response, pack_documents,
+                       prepare, read_documents)
+from rdlm.tokenizer import train_tokenizer
+
+DOCS = [f"document number {i}: " + " ".join(["alpha beta gamma"] * (i % 7 + 1)) for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(DOCS, vocab_size=300)
+
+
+def test_packing_starts_documents_with_bos_and_drops_tails():
+    bos = 99
+    docs = [[bos, 1, 2, 3], [bos, 4, 5, 6, 7, 8], [bos, 9], [bos, 10, 11]]
+    rows = [r.tolist() for r in pack_documents(docs, 5)]
+    # Row 1: doc 1 (4 tokens) + the first token of doc 2; the rest of doc 2 is dropped, never a row start.
+    # Row 2: doc 3 + doc 4 (5 tokens exactly). Nothing is left over.
+    assert rows == [[bos, 1, 2, 3, bos], [bos, 9, bos, 10, 11]]
+    assert [r.tolist() for r in pack_documents([[bos, 1, 2]], 5)] == []  # an orphan partial row is dropped
+
+
+def test_prepare_writes_memmapped_shards_with_a_validation_split(tok, tmp_path):
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    meta = prepare([src], tok, tmp_path / "out", context_length=31, val_fraction=0.2, rows_per_shard=20)
+    assert meta["documents"] == 200 and meta["val_documents"] > 10 and meta["train_documents"] > 100
+    train = TokenShards(tmp_path / "out", "train")
+    val = TokenShards(tmp_path / "out", "val")
+    assert len(train.arrays) > 1  # several shards
+    assert isinstance(train.arrays[0], np.memmap)
+    rows, mask = train.rows(np.arange(len(train)))
+    assert rows.shape == (len(train), 32) and mask is None
+    assert (rows[:, 0] == tok.bos_id).all()  # every row starts a document
+    assert int(rows.max()) == meta["max_token_id"] < tok.vocab_size
+    assert len(val) == meta["rows"]["val"]
+    # Deterministic: preparing again gives identical shards and split.
+    again = prepare([src], tok, tmp_path / "again", context_length=31, val_fraction=0.2, rows_per_shard=20)
+    assert again["rows"] == meta["rows"]
+    assert torch.equal(TokenShards(tmp_path / "again").rows(np.arange(len(train)))[0], rows)
+
+
+def test_read_documents_formats_and_errors(tmp_path):
+    (tmp_path / "a.txt").write_text("one\n\n\ntwo")
+    assert list(read_documents([tmp_path / "a.txt"])) == ["one\n\n\ntwo"]
+    assert list(read_documents([tmp_path / "a.txt"], separator="\n\n\n")) == ["one", "two"]
+    (tmp_path / "b.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(DataError, match="b.jsonl:1: no field 'text'"):
+        list(read_documents([tmp_path / "b.jsonl"]))
+    with pytest.raises(DataError, match="does not exist"):
+        list(read_documents([tmp_path / "missing.txt"]))
+
+
+def test_prepare_rejects_too_little_text(tok, tmp_path):
+    (tmp_path / "short.txt").write_text("tiny")
+    with pytest.raises(DataError, match="no complete training row"):
+        prepare([tmp_path / "short.txt"], tok, tmp_path / "out", context_length=64)
+
+
+def test_batches_are_deterministic_and_split_across_workers():
+    rows = MemoryRows(torch.arange(40 * 3).view(40, 3))
+    single = Batches(rows, micro_batch_size=4, world_size=1, seed=5)
+    pair = [Batches(rows, micro_batch_size=2, world_size=2, seed=5) for _ in range(2)]
+    for step in range(25):  # crosses epoch boundaries
+        whole = single.get(step, 0).input_ids
+        halves = torch.cat([pair[rank].get(step, 0, rank).input_ids for rank in range(2)])
+        assert torch.equal(whole, halves)
+    seen = torch.cat([single.get(s, 0).input_ids[:, 0] for s in range(10)])
+    assert sorted(seen.tolist()) == list(range(0, 120, 3))  # one epoch visits every row once
+    assert not torch.equal(single.get(0, 0).input_ids, single.get(10, 0).input_ids)  # reshuffled
+
+
+def test_prompt_response_jsonl(tok, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "response": "4"}) + "\n" +
+                    json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    rows = load_prompt_response(path, tok)
+    tokens, mask = rows.rows(np.arange(2))
+    first = tokens[0][mask[0]].tolist()
+    assert tok.decode(first) == "4<|end_turn|>"
+    assert tokens[0, 0] == tok.bos_id
+    assert not mask[0, : len(tok.apply_chat_template([{"role": "user", "content": "2+2?"}]))].any()
+    path.write_text('{"question": 1}\n')
+    with pytest.raises(DataError, match="chat.jsonl:1: expected keys"):
+        load_prompt_response(path, tok)

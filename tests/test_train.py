@@ -1,0 +1,266 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rdlm import RDLMConfig, RecurrentDepthLM
+from rdlm.config import ConfigError
+from rdlm.data import DataError, MemoryRows
+from rdlm.train import TrainConfig, TrainingError, train
+from rdlm.train.checkpoint import latest_checkpoint, load_checkpoint
+from rdlm.train.monitor import collapse_signatures, flops_per_token, read_log, token_correlation
+from rdlm.train.optim import EMA, AdamW
+from rdlm.train.schedule import Schedule
+
+FAST = dict(progress=False, tensorboard=False, threads=1, warmup_steps=2)
+
+
+def tiny(**overrides) -> RecurrentDepthLM:
+    torch.manual_seed(0)
+    return RecurrentDepthLM(RDLMConfig.from_preset("tiny", context_length=64, **overrides))
+
+
+def counting_rows(n: int = 64, length: int = 17, vocab: int = 32) -> torch.Tensor:
+    """Rows of counting sequences mod `vocab`: a learnable next-token task."""
+    starts = torch.arange(n).unsqueeze(1)
+    return (starts + torch.arange(length)) % vocab
+
+
+# ------------------------------------------------------------------------------------------------
+# Truncated backpropagation (SPEC section 3)
+
+def test_gradients_flow_only_through_the_last_k_iterations():
+    model = tiny().train()
+    seen = []
+    model.core[0].register_forward_hook(lambda mod, args, out: seen.append(out.requires_grad))
+    ids = torch.randint(0, 512, (2, 16))
+    out = model(ids, num_steps=(7, 3))
+    assert seen == [False] * 7 + [True] * 3
+    out.logits.sum().backward()
+    # The prelude still learns: e enters every iteration with a graph.
+    assert model.prelude[0].attn.qkv.weight.grad.abs().sum() > 0
+    assert model.adapter.weight.grad.abs().sum() > 0
+
+
+def count_saved_tensor_bytes(model, num_steps) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, num_steps=num_steps).logits.sum()
+    return total
+
+
+def test_activation_memory_does_not_grow_with_r():
+    model = tiny().train()
+    short = count_saved_tensor_bytes(model, (2, 4))
+    long = count_saved_tensor_bytes(model, (28, 4))
+    assert short == long
+    # ... while full backprop through all 32 iterations saves far more.
+    assert count_saved_tensor_bytes(model, (0, 32)) > 4 * short
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer, schedule, EMA
+
+def test_adamw_matches_torch_when_options_are_off():
+    torch.manual_seed(0)
+    a = torch.nn.Linear(8, 8, bias=False)
+    b = torch.nn.Linear(8, 8, bias=False)
+    b.load_state_dict(a.state_dict())
+    ours = AdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+    for _ in range(5):
+        x = torch.randn(4, 8)
+        for model, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+    torch.testing.assert_close(a.weight, b.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_atan2_update_is_bounded_and_epsilon_free():
+    p = torch.nn.Parameter(torch.zeros(1000))
+    opt = AdamW([p], lr=1.0, weight_decay=0.0, atan2=True, eps=0.0)
+    p.grad = torch.full((1000,), 1e-12)  # a tiny gradient: the atan2 update is still 1, no eps to swamp it
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.full((1000,), -1.0))  # atan2(m, |m|) * 4/pi = 1
+    p.grad = torch.randn(1000) * 1e6
+    opt.step()
+    assert torch.isfinite(p).all()
+
+
+def test_update_clipping_caps_update_rms():
+    p = torch.nn.Parameter(torch.zeros(100))
+    opt = AdamW([p], lr=1.0, weight_decay=0.0, update_clip=0.5)
+    p.grad = torch.ones(100)
+    opt.step()  # the first Adam update is sign(g): RMS 1, clipped to 0.5
+    torch.testing.assert_close(p.detach(), torch.full((100,), -0.5))
+
+
+def test_weight_decay_spares_norms_and_qk_bias():
+    model = tiny()
+    opt = AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    norm_before = model.final_norm.weight.clone()
+    matrix_before = model.core[0].mlp.fc.weight.clone()
+    opt.step()
+    torch.testing.assert_close(model.final_norm.weight, norm_before)
+    torch.testing.assert_close(model.core[0].mlp.fc.weight, matrix_before * (1 - 0.1 * 0.5))
+
+
+def test_schedule_warmup_constant_cooldown():
+    s = Schedule(lr=1.0, warmup_steps=4, total_steps=20, cooldown_steps=5, min_lr_ratio=0.1)
+    assert [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s(10) == 1.0 and s(14) == 1.0
+    assert s(15) < 1.0 and s(19) == pytest.approx(0.1)
+    assert Schedule(lr=2.0)(100) == 2.0
+
+
+def test_ema_tracks_weights():
+    model = torch.nn.Linear(2, 2, bias=False)
+    ema = EMA(model, 0.5)
+    with torch.no_grad():
+        model.weight.add_(2.0)
+    ema.update()
+    target = torch.nn.Linear(2, 2, bias=False)
+    ema.copy_to(target)
+    torch.testing.assert_close(target.weight, model.weight - 1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Python API
+
+def test_training_on_rows_learns_and_reports(tmp_path):
+    records = []
+    hook_calls = []
+    rows = counting_rows()
+    result = train(TrainConfig(steps=30, micro_batch_size=8, lr=3e-3, out_dir=str(tmp_path), eval_every=15,
+                               eval_num_steps=(1, 4), eval_rows=16, **FAST),
+                   model=tiny(), train_data=rows, val_data=rows[:16],
+                   eval_hooks=[lambda m, step: hook_calls.append(step) or {"custom": 1.0}],
+                   step_hooks=[records.append])
+    assert len(result.losses) == 30 and result.losses[-1] < result.losses[0] - 1.0
+    assert all(len(r) == 1 and r[0] >= 1 for r in result.num_steps)
+    assert hook_calls == [15, 30]
+    assert result.evals[-1]["custom"] == 1.0
+    assert {"val_ppl_r1", "val_ppl_r4", "token_correlation", "state_rel_change"} <= set(result.evals[-1])
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert {"loss", "tokens_per_s", "grad_norm", "num_steps", "lr"} <= set(train_records[0])
+    assert [r["loss"] for r in read_log(tmp_path / "log.jsonl")] == result.losses
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.name == "step-000030" and (ckpt / "ema" / "model.safetensors").is_file()
+    reloaded = tiny()
+    load_checkpoint(ckpt, reloaded, None, [n for n, _ in reloaded.named_parameters()])
+    torch.testing.assert_close(reloaded.state_dict(), result.model.state_dict())
+
+
+def test_prompt_response_loss_is_on_responses_only():
+    pairs = [([1, 2, 3], [4, 5]), ([6, 7], [8, 9, 10])]
+    rows = MemoryRows.from_pairs(pairs, pad_id=0, length=6)
+    from rdlm.data import make_batch
+
+    batch = make_batch(*rows.rows([0, 1]))
+    # Labels are row[1:]: targets only where the *target* token is a response token.
+    assert batch.labels.tolist() == [[-100, -100, 4, 5, -100], [-100, 8, 9, 10, -100]]
+    assert batch.num_targets == 5
+    # Training runs on such rows, and the loss excludes prompts: a model fed only prompts learns nothing.
+    result = train(TrainConfig(steps=3, micro_batch_size=2, **FAST), model=tiny(), train_data=rows)
+    assert all(math.isfinite(x) for x in result.losses)
+
+
+def test_sampler_choice_and_fixed_recurrence():
+    rows = counting_rows(16)
+    result = train(TrainConfig(steps=4, micro_batch_size=4, recurrence_sampler="fixed", mean_recurrence=3,
+                               **FAST), model=tiny(), train_data=rows)
+    assert result.num_steps == [[3]] * 4
+    result = train(TrainConfig(steps=3, micro_batch_size=2, accumulation=2, **FAST), model=tiny(),
+                   train_data=rows)
+    assert all(len(r) == 2 for r in result.num_steps)  # one r per micro-batch
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input, caught before training
+
+def test_bad_input_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="unknown preset 'tinyy'"):
+        train(TrainConfig(model="tinyy", **FAST), train_data=counting_rows())
+    with pytest.raises(ConfigError, match="unknown config key 'hidden'"):
+        TrainConfig(model_overrides={"hidden": 3})
+    with pytest.raises(ConfigError, match="unknown config key 'stepz'"):
+        TrainConfig.from_dict({"stepz": 3})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="is empty"):
+        train(TrainConfig(data=str(tmp_path / "empty"), **FAST))
+    with pytest.raises(DataError, match="token id 600, out of range .* 512"):
+        train(TrainConfig(**FAST), model=tiny(), train_data=torch.full((4, 8), 600))
+    with pytest.raises(DataError, match="no training data"):
+        train(TrainConfig(**FAST), model=tiny())
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run(tmp_path):
+    model = tiny()
+    rows = counting_rows(16)
+    real_readout = model.readout
+    poisoned = {2, 3}  # 1-based steps whose loss is NaN
+
+    def readout(*args, **kwargs):
+        logits = real_readout(*args, **kwargs)
+        return logits * float("nan") if len(calls) in poisoned else logits
+
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    model.readout = readout
+    result = train(TrainConfig(steps=6, micro_batch_size=4, **FAST), model=model, train_data=rows)
+    assert result.bad_steps == 2
+    assert [math.isnan(x) for x in result.losses] == [False, True, True, False, False, False]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    poisoned.update(range(3, 100))
+    calls.clear()
+    with pytest.raises(TrainingError, match="3 non-finite losses in a row .* last good checkpoint .*step-000002"):
+        train(TrainConfig(steps=10, micro_batch_size=4, max_bad_steps=3, checkpoint_every=2,
+                          out_dir=str(tmp_path), **FAST), model=model, train_data=rows)
+    assert latest_checkpoint(tmp_path).name == "step-000002"
+
+
+# ------------------------------------------------------------------------------------------------
+# Monitoring
+
+def test_collapse_signatures():
+    same = torch.randn(1, 1, 32).expand(2, 10, 32)
+    assert token_correlation(same) == pytest.approx(1.0, abs=1e-5)
+    assert abs(token_correlation(torch.randn(2, 50, 256))) < 0.05
+    msgs = collapse_signatures({"token_correlation": 0.99, "val_ppl_r1": 10.0, "val_ppl_r32": 10.02}, (1, 32))
+    assert any("collapse" in m for m in msgs) and any("ignores the recurrent state" in m for m in msgs)
+    assert collapse_signatures({"token_correlation": 0.3, "val_ppl_r1": 30.0, "val_ppl_r32": 12.0}, (1, 32)) == []
+
+
+def test_flops_grow_with_r_but_backward_only_with_k():
+    model = tiny()
+    f = lambda n, k: flops_per_token(model, 64, n, k)  # noqa: E731
+    assert f(4, 4) > f(0, 4)
+    # Adding no-grad iterations costs one forward each; adding grad iterations costs three.
+    assert (f(0, 5) - f(0, 4)) == pytest.approx(3 * (f(1, 4) - f(0, 4)))
+
+
+def test_finetune_from_a_huginn_layout_directory(huginn_tiny_dir, tmp_path):
+    from rdlm.huginn import load_pretrained
+
+    base = load_pretrained(huginn_tiny_dir, dtype=torch.float32)
+    vocab = base.config.vocab_size
+    pairs = [([1, 2, 3, i % 7 + 4], [20 + i % 5, 30]) for i in range(16)]
+    result = train(TrainConfig(model=str(huginn_tiny_dir), steps=12, micro_batch_size=8, lr=3e-3,
+                               out_dir=str(tmp_path), **FAST),
+                   train_data=MemoryRows.from_pairs(pairs, pad_id=vocab - 1))
+    assert result.model.config.hidden_size == base.config.hidden_size
+    assert result.losses[-1] < result.losses[0]
+    tuned = load_pretrained(latest_checkpoint(tmp_path) / "model")
+    assert not torch.equal(tuned.embedding.weight, base.embedding.weight)

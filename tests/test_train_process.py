@@ -1,0 +1,135 @@
+"""Whole-process behaviour: resume after SIGKILL, a kill while a checkpoint is written, 2 workers."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rdlm.data import prepare
+from rdlm.huginn import load_pretrained
+from rdlm.tokenizer import train_tokenizer
+from rdlm.train.checkpoint import latest_checkpoint, list_checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    words = "raven fjord dawn dusk wing feather thought memory world flies returns over the at".split()
+    rng = torch.Generator().manual_seed(0)
+    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (40,), generator=rng).tolist())
+            for _ in range(120)]
+    tok = train_tokenizer(docs, vocab_size=300)
+    out = tmp_path_factory.mktemp("data")
+    (out / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare([out / "corpus.jsonl"], tok, out / "shards", context_length=24, val_fraction=0.1)
+    return out / "shards"
+
+
+def train_args(shards: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "tiny", "--data", str(shards), "--out-dir", str(out), "--micro-batch-size", "4",
+            "--no-progress", "--no-tensorboard", "--threads", "1", "--warmup-steps", "2", "--seed", "3",
+            "--eval-num-steps", "1,4", "--eval-rows", "4", *extra]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "rdlm", *args], env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def history(out: Path) -> list[float]:
+    return json.loads((latest_checkpoint(out) / "trainer.json").read_text())["losses"]
+
+
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(shards, tmp_path):
+    steps = ["--steps", "14", "--checkpoint-every", "4"]
+    run_cli(*train_args(shards, tmp_path / "straight", *steps))
+    reference = history(tmp_path / "straight")
+    assert len(reference) == 14
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "rdlm", *train_args(shards, killed, *steps)], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = killed / "log.jsonl"
+    deadline = time.time() + 90
+    # Kill it once it is past its second checkpoint, in the middle of later steps.
+    while time.time() < deadline and proc.poll() is None:
+        if log.is_file() and sum(1 for _ in log.open()) >= 10:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert latest_checkpoint(killed) is not None and latest_checkpoint(killed).name in (
+        "step-000008", "step-000012"), "the run should be killed between checkpoints"
+    assert len(history(killed)) < 14
+
+    run_cli(*train_args(shards, killed, *steps, "--resume"))
+    assert history(killed) == reference  # exactly, not approximately
+    logged = [json.loads(line)["loss"] for line in log.read_text().splitlines()
+              if json.loads(line)["kind"] == "train"]
+    assert logged == reference
+    a = load_file(latest_checkpoint(killed) / "model" / "model.safetensors")
+    b = load_file(latest_checkpoint(tmp_path / "straight") / "model" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+KILL_IN_CHECKPOINT = """
+import os, signal, sys
+import rdlm.train.checkpoint as ckpt
+real = ckpt.save_file
+def dying_save(tensors, path, *args, **kwargs):
+    if str(path).endswith("optimizer.safetensors") and ".step-000004.tmp" in str(path):
+        real(tensors, path, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)  # half-written checkpoint: model/ and optimizer exist
+    return real(tensors, path, *args, **kwargs)
+ckpt.save_file = dying_save
+from rdlm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(shards, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", KILL_IN_CHECKPOINT,
+                           *train_args(shards, out, "--steps", "8", "--checkpoint-every", "2")],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert [p.name for p in list_checkpoints(out)] == ["step-000002"]
+    leftovers = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".step-000004")]
+    assert leftovers, "the kill should have hit during the write"
+    model = load_pretrained(latest_checkpoint(out) / "model")
+    assert model.config.vocab_size == 512
+    run_cli(*train_args(shards, out, "--steps", "8", "--checkpoint-every", "2", "--resume"))
+    assert latest_checkpoint(out).name == "step-000008"
+
+
+def test_two_workers_match_one_process(shards, tmp_path):
+    common = ["--steps", "5", "--ema-decay", "none", "--eval-every", "0"]
+    run_cli(*train_args(shards, tmp_path / "one", *common, "--micro-batch-size", "4"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "rdlm", *train_args(shards, tmp_path / "two", *common, "--micro-batch-size", "2")],
+                          env=ENV, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = history(tmp_path / "one"), history(tmp_path / "two")
+    assert len(one) == len(two) == 5
+    assert one == pytest.approx(two, rel=1e-5, abs=1e-6)
+    state = json.loads((latest_checkpoint(tmp_path / "two") / "trainer.json").read_text())
+    assert state["world_size"] == 2 and state["global_batch_size"] == 4
+    a = load_file(latest_checkpoint(tmp_path / "one") / "model" / "model.safetensors")
+    b = load_file(latest_checkpoint(tmp_path / "two") / "model" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    # The sharded optimizer state was gathered into one complete file.
+    opt_one = load_file(latest_checkpoint(tmp_path / "one") / "optimizer.safetensors")
+    opt_two = load_file(latest_checkpoint(tmp_path / "two") / "optimizer.safetensors")
+    assert set(opt_one) == set(opt_two)
