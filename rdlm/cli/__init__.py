@@ -17,6 +17,7 @@ COMMANDS = [
     "rdlm.cli.tokenizer",
     "rdlm.cli.data",
     "rdlm.cli.train",
+    "rdlm.cli.demo",
 ]
 
 
