@@ -33,14 +33,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from rdlm.fileio import atomic_write, read_jsonl, write_json
 
 SHARD_FORMAT = "rdlm-token-shards"
 META_FILE = "meta.json"
@@ -133,26 +134,19 @@ def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None 
     if not path.is_file():
         raise DataError(f"prompt/response file {path} does not exist")
     pairs = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from err
-            if isinstance(example, dict) and "messages" in example:
-                messages = example["messages"]
-                if not messages or messages[-1].get("role") != "assistant":
-                    raise DataError(f"{path}:{number}: 'messages' must end with an assistant turn")
-                prompt_messages, reply = messages[:-1], messages[-1]["content"]
-            elif isinstance(example, dict) and "prompt" in example and "response" in example:
-                prompt_messages, reply = [{"role": "user", "content": example["prompt"]}], example["response"]
-            else:
-                raise DataError(f"{path}:{number}: expected keys 'prompt' and 'response', or 'messages'")
-            prompt = tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True)
-            response = tokenizer.encode(str(reply).strip()) + [tokenizer.end_turn_id]
-            pairs.append((prompt, response))
+    for number, example in read_jsonl(path, DataError):
+        if isinstance(example, dict) and "messages" in example:
+            messages = example["messages"]
+            if not messages or messages[-1].get("role") != "assistant":
+                raise DataError(f"{path}:{number}: 'messages' must end with an assistant turn")
+            prompt_messages, reply = messages[:-1], messages[-1]["content"]
+        elif isinstance(example, dict) and "prompt" in example and "response" in example:
+            prompt_messages, reply = [{"role": "user", "content": example["prompt"]}], example["response"]
+        else:
+            raise DataError(f"{path}:{number}: expected keys 'prompt' and 'response', or 'messages'")
+        prompt = tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True)
+        response = tokenizer.encode(str(reply).strip()) + [tokenizer.end_turn_id]
+        pairs.append((prompt, response))
     if not pairs:
         raise DataError(f"{path}: no examples")
     return MemoryRows.from_pairs(pairs, tokenizer.pad_id, length)
@@ -232,17 +226,10 @@ def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text",
             raise DataError(f"input file {path} does not exist")
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json"):
-            with open(path, encoding="utf-8") as handle:
-                for number, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from err
-                    if not isinstance(record, dict) or text_field not in record:
-                        raise DataError(f"{path}:{number}: no field {text_field!r}")
-                    yield str(record[text_field])
+            for number, record in read_jsonl(path, DataError):
+                if not isinstance(record, dict) or text_field not in record:
+                    raise DataError(f"{path}:{number}: no field {text_field!r}")
+                yield str(record[text_field])
         elif suffix == ".parquet":
             try:
                 import pyarrow.parquet as pq
@@ -302,7 +289,8 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
         while len(buffers[split]) >= rows_per_shard or (final and buffers[split]):
             chunk, buffers[split] = buffers[split][:rows_per_shard], buffers[split][rows_per_shard:]
             name = f"{split}-{len(splits[split]):05d}.npy"
-            _atomic_save_npy(out / name, np.stack(chunk).astype(dtype))
+            with atomic_write(out / name, "wb") as handle:
+                np.save(handle, np.stack(chunk).astype(dtype), allow_pickle=False)
             splits[split].append({"file": name, "rows": len(chunk)})
 
     packers = {"train": Packer(row_length), "val": Packer(row_length)}
@@ -341,34 +329,8 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
             "max_token_id": max_id, "seed": seed, "val_fraction": val_fraction, **counts,
             "rows": {k: sum(e["rows"] for e in v) for k, v in splits.items()}, "splits": splits}
     tokenizer.save(out / "tokenizer.json")
-    _atomic_write_text(out / META_FILE, json.dumps(meta, indent=2) + "\n")
+    write_json(out / META_FILE, meta)
     return meta
-
-
-def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.save(handle, array, allow_pickle=False)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ from rdlm.config import RDLMConfig  # noqa: E402
 from rdlm.model import RecurrentDepthLM, causal_mask  # noqa: E402
 
 MODEL_TYPE = huginn.MODEL_TYPE
+# generate() arguments that only rdlm.generate implements (per-token compute and its KV cache).
+RDLM_GENERATION_OPTIONS = ("exit_criterion", "exit_threshold", "kv_cache_budget", "continuous_cot", "draft_steps")
 
 
 class RavenConfig(PreTrainedConfig):
@@ -134,11 +136,18 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         if config is None or not isinstance(config, RavenConfig):
             config = RavenConfig.from_pretrained(path)
         config.name_or_path = str(pretrained_model_name_or_path)
-        with torch.device("meta"):
+        return cls.from_model(model, config)
+
+    @classmethod
+    def from_model(cls, model: RecurrentDepthLM, config: RavenConfig | None = None,
+                   **config_overrides: Any) -> "RavenForCausalLM":
+        """Wrap an rdlm model (weights shared, not copied)."""
+        if config is None:
+            config = RavenConfig(**{**huginn.config_to_huginn(model.config), **config_overrides})
+        with torch.device("meta"):  # a placeholder model, replaced at once: no random init of real weights
             wrapper = cls(config, model=RecurrentDepthLM(model.config))
         wrapper.model = model
-        wrapper.eval()
-        return wrapper
+        return wrapper.eval()
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, dtype: torch.dtype | None = None,
                         max_shard_bytes: int = huginn.DEFAULT_SHARD_BYTES, **kwargs: Any) -> None:
@@ -177,9 +186,47 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
-    def generate(self, *args: Any, **kwargs: Any):
+    def generate(self, inputs: Tensor | None = None, **kwargs: Any):
+        """transformers' generate, with `num_steps` and `init_scale`. Any of RDLM_GENERATION_OPTIONS
+        (per-token exits, KV-cache budget, continuous CoT, self-speculative drafts; SPEC section 4)
+        hands the call to rdlm.generate, which decodes over its recurrent KV cache."""
+        if any(kwargs.get(name) is not None for name in RDLM_GENERATION_OPTIONS):
+            return self._generate_rdlm(inputs if inputs is not None else kwargs.pop("input_ids"), **kwargs)
         kwargs.setdefault("use_cache", False)
-        return super().generate(*args, **kwargs)
+        return super().generate(inputs, **kwargs)
+
+    @torch.inference_mode()
+    def _generate_rdlm(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                       max_new_tokens: int = 20, num_steps: int | None = None, do_sample: bool = False,
+                       temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                       eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                       init_scale: float = 1.0, seed: int = 0, exit_criterion: str | None = None,
+                       exit_threshold: float | None = None, min_steps: int = 2,
+                       kv_cache_budget: int | None = None, continuous_cot: bool = False,
+                       draft_steps: int | None = None, draft_length: int = 4, **unused: Any) -> Tensor:
+        from rdlm.generate import GenerationConfig, generate
+
+        if unused:
+            raise ValueError(f"generate with rdlm options does not take {', '.join(sorted(unused))}")
+        mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        prompts = [row[keep].tolist() for row, keep in zip(input_ids, mask)]
+        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        pad = self.config.pad_token_id if pad_token_id is None else pad_token_id
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens, num_steps=num_steps or self.model.config.mean_recurrence,
+            exit_criterion=exit_criterion, exit_threshold=exit_threshold, min_steps=min_steps,
+            temperature=temperature if do_sample else 0.0, top_k=top_k if do_sample else None,
+            top_p=top_p if do_sample else None,
+            stop_tokens=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            cache_strategy="shared" if kv_cache_budget else "full", cache_slots=kv_cache_budget,
+            continuous_cot=continuous_cot, init_scale=init_scale, seed=seed, draft_steps=draft_steps,
+            draft_length=draft_length)
+        result = generate(self.model, prompts, config)
+        width = max((len(t) for t in result.tokens), default=0)
+        new = torch.full((len(prompts), width), pad if pad is not None else 0, dtype=input_ids.dtype)
+        for row, tokens in enumerate(result.tokens):
+            new[row, :len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+        return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
 
 
 def padding_attention_mask(attention_mask: Tensor) -> Tensor:

@@ -12,7 +12,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rdlm.config import RDLMConfig, check_keys
+from rdlm.fileio import staging_dir, write_json
 from rdlm.model import RecurrentDepthLM, rope_tables
 
 CONFIG_NAME = "config.json"
@@ -264,9 +264,7 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
     cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
     tensors["freqs_cis"] = torch.stack((cos, sin), dim=-1)[None, :, None]  # the reference's layout
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with staging_dir(path) as tmp:
         shards = _shard(tensors, max_shard_bytes)
         if len(shards) == 1:
             save_file(shards[0], tmp / SINGLE_FILE, metadata={"format": "pt"})
@@ -277,17 +275,12 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
                 save_file(shard, tmp / name, metadata={"format": "pt"})
                 weight_map.update({key: name for key in shard})
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-            _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_json(tmp / CONFIG_NAME, config_to_huginn(config, dtype))
+            write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json(tmp / CONFIG_NAME, config_to_huginn(config, dtype))
         if path.is_dir():
             for old in path.iterdir():
                 if not _is_model_file(old.name) and not (tmp / old.name).exists():
                     (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
-        _fsync_dir(tmp)
-        _swap_in(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 
@@ -311,39 +304,3 @@ def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, t
 
 def _is_model_file(name: str) -> bool:
     return name in (CONFIG_NAME, INDEX_NAME) or name.endswith(".safetensors")
-
-
-def _write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as handle:
-        json.dump(data, handle, indent=2)
-        handle.write("\n")
-
-
-def _fsync_dir(directory: Path) -> None:
-    for file in directory.rglob("*"):
-        if file.is_file():
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _swap_in(new: Path, target: Path) -> None:
-    if target.exists() and not target.is_dir():
-        raise CheckpointError(f"{target} exists and is not a directory")
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        old.rmdir()
-        os.rename(target, old)
-    os.rename(new, target)
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

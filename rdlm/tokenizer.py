@@ -8,12 +8,13 @@ Huginn-0125 keeps them at 65504.., a tokenizer trained here puts them right afte
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
+
+from rdlm.fileio import write_text
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -84,18 +85,7 @@ class Tokenizer:
         if path.is_dir() or path.suffix != ".json":
             path.mkdir(parents=True, exist_ok=True)
             path = path / TOKENIZER_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(self.backend.to_str(pretty=True))
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_text(path, self.backend.to_str(pretty=True))
 
     # ----------------------------------------------------------------------------------------------
     # Text

@@ -100,7 +100,13 @@ def test_tokenizer_special_tokens_and_chat_template(tmp_path):
     assert text == ("<|begin_text|><|begin_header|>user<|end_header|>\n\nHi there<|end_turn|>"
                     "<|begin_header|>Huginn<|end_header|>\n\nHello<|end_turn|>"
                     "<|begin_header|>Huginn<|end_header|>\n\n")
+    from rdlm.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_dir(d)
+    assert text == ours.format_chat([{"role": "user", "content": " Hi there "},
+                                     {"role": "assistant", "content": "Hello"}], add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == ours.encode(text)
     assert ids[0] == tok.convert_tokens_to_ids("<|begin_text|>")
     assert tok.decode(ids) == text
 
@@ -121,3 +127,21 @@ def test_unsupported_device_map_is_a_clear_error(huginn_tiny_dir, tmp_path):
     (d / "model.safetensors").unlink()
     with pytest.raises(rdlm.CheckpointError, match="no model.safetensors"):
         AutoModelForCausalLM.from_pretrained(d)
+
+
+def test_generate_with_adaptive_exits_and_cache_budget_goes_through_rdlm_generate(huginn_tiny_dir):
+    from rdlm.generate import GenerationConfig, generate
+
+    model = AutoModelForCausalLM.from_pretrained(huginn_tiny_dir)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    out = model.generate(prompt, max_new_tokens=6, num_steps=16, exit_criterion="kl", exit_threshold=1e-3,
+                         kv_cache_budget=4, init_scale=0.0, eos_token_id=None)
+    expected = generate(model.model, [prompt[0].tolist()], GenerationConfig(
+        max_new_tokens=6, num_steps=16, exit_criterion="kl", exit_threshold=1e-3, cache_strategy="shared",
+        cache_slots=4, init_scale=0.0))
+    assert out[0, :5].tolist() == prompt[0].tolist() and out[0, 5:].tolist() == expected.tokens[0]
+    # Plain fixed-r greedy decoding agrees between transformers' loop and rdlm.generate.
+    plain = model.generate(prompt, max_new_tokens=6, num_steps=4, init_scale=0.0, do_sample=False)
+    ours = generate(model.model, [prompt[0].tolist()], GenerationConfig(max_new_tokens=6, num_steps=4,
+                                                                        init_scale=0.0))
+    assert plain[0, 5:].tolist() == ours.tokens[0]

@@ -7,7 +7,6 @@ atomically (temporary file, then rename), returning the path.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -22,22 +21,16 @@ from matplotlib.colors import LogNorm, Normalize  # noqa: E402
 from rdlm.analysis.convergence import Convergence  # noqa: E402
 from rdlm.analysis.path_independence import PathIndependence  # noqa: E402
 from rdlm.analysis.pca import PCA  # noqa: E402
+from rdlm.fileio import atomic_write  # noqa: E402
 
 PLANES = ((0, 1), (2, 3), (4, 5))  # PCA planes (1,2), (3,4), (5,6) of Figure 6
 
 
 def save_figure(fig: plt.Figure, path: str | os.PathLike, dpi: int = 110) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=dpi, bbox_inches="tight")
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; these are ordinary output files
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        with atomic_write(path, "wb") as handle:
+            fig.savefig(handle, format="png", dpi=dpi, bbox_inches="tight")
     finally:
         plt.close(fig)
     return path

@@ -5,9 +5,10 @@ from __future__ import annotations
 import base64
 import html
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rdlm.fileio import write_text
 
 STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
@@ -76,10 +77,4 @@ def render(title: str, intro: str, sections: list[Section]) -> str:
 def write_report(path: str | os.PathLike, title: str, intro: str, sections: list[Section]) -> Path:
     """Write the report atomically and return its path."""
     path = Path(path)
-    text = render(title, intro, sections)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return path
+    return write_text(path, render(title, intro, sections))

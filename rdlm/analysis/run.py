@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -25,6 +24,7 @@ from rdlm.analysis.path_independence import path_independence
 from rdlm.analysis.pca import project_trajectory, trajectory_pca
 from rdlm.analysis.report import Figure, Section, write_report
 from rdlm.analysis.trajectories import DEFAULT_MAX_BYTES, record_trajectory, select_positions
+from rdlm.fileio import write_json
 from rdlm.model import RecurrentDepthLM
 
 
@@ -81,15 +81,6 @@ def token_labels(token_ids: Sequence[int], positions: Sequence[int], tokenizer=N
         text = repr(tokenizer.decode([tid])) if tokenizer is not None else f"#{tid}"
         labels.append(f"{p}: {text}")
     return labels
-
-
-def write_json(data: dict, path: Path) -> Path:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return path
 
 
 def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | os.PathLike,
@@ -212,7 +203,7 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
             figures=[Figure(fig_exit, "Distribution of per-token exit steps per group.")],
             tables={"exit steps": [{"group": k, **v} for k, v in summary["exit_steps"]["groups"].items()]}))
 
-    write_json(summary, out / "summary.json")
+    write_json(out / "summary.json", summary)
     report = write_report(out / "report.html", title=f"Latent analysis {model_name}".strip(),
                           intro=(f"r = {s.num_steps}, s* at r = {limit_steps}, seed {s.seed}, "
                                  f"init scale {s.init_scale}, {len(prompts)} prompt(s)."),

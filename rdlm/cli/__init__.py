@@ -13,11 +13,15 @@ import sys
 COMMANDS = [
     "rdlm.cli.info",
     "rdlm.cli.generate",
+    "rdlm.cli.chat",
     "rdlm.cli.analyze",
     "rdlm.cli.tokenizer",
     "rdlm.cli.data",
     "rdlm.cli.train",
     "rdlm.cli.demo",
+    "rdlm.cli.lm_eval",
+    "rdlm.cli.convert",
+    "rdlm.cli.eval",
 ]
 
 

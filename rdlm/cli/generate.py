@@ -1,37 +1,172 @@
-"""`rdlm generate`: sample token ids from a model (the inference issue replaces this with the full
-generation API; this is a plain greedy loop that recomputes the whole sequence per token)."""
+"""`rdlm generate`: continue prompts with a model (a thin layer over `rdlm.generate`).
+
+Text prompts (`--prompt`, repeatable: a batch) need a model directory with tokenizer.json; token-id
+prompts (`--prompt-ids 1,2,3`) work with any model, presets included.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from rdlm import load_model
+from rdlm.exits import CRITERIA
+from rdlm.generate import GenerationConfig, GenerationResult, TokenEvent, generate
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("generate", help="greedy generation from a model")
+    p = subparsers.add_parser("generate", help="generate text or token ids from a model")
     p.add_argument("--model", required=True, help="a preset name or a model directory")
-    p.add_argument("--prompt-ids", default="1,2,3", help="comma-separated token ids")
-    p.add_argument("--num-steps", type=int, default=4, help="core iterations r per token")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); needs tokenizer.json")
+    src.add_argument("--prompt-ids", action="append",
+                     help="comma-separated token ids (repeat for a batch); default 1,2,3")
+    p.add_argument("--no-bos", action="store_true", help="do not prepend <|begin_text|> to text prompts")
+    p.add_argument("--no-stream", action="store_true", help="print text when done instead of streaming")
+    p.add_argument("--stats", action="store_true", help="print iterations per token and speed to stderr")
+    add_generation_args(p)
     p.set_defaults(func=run)
 
 
-@torch.inference_mode()
-def greedy(model, ids: torch.Tensor, num_steps: int, max_new_tokens: int) -> torch.Tensor:
-    for _ in range(max_new_tokens):
-        logits = model(ids, num_steps=num_steps, init_scale=0.0).logits
-        ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
-    return ids
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by `generate` and `chat`; they map one to one onto GenerationConfig."""
+    g = p.add_argument_group("generation")
+    g.add_argument("--num-steps", "-r", type=int, default=None,
+                   help="core iterations r per token (the maximum with --exit-criterion); "
+                        "default: the model's mean recurrence")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; needs a tokenizer)")
+    g.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
+    g.add_argument("--exit-criterion", choices=sorted(CRITERIA), help="per-token adaptive compute")
+    g.add_argument("--exit-threshold", type=float, help="default: the criterion's (kl: 5e-4)")
+    g.add_argument("--min-steps", type=int, default=2)
+    g.add_argument("--cache", choices=["full", "shared"], default="full", help="KV-cache strategy")
+    g.add_argument("--cache-slots", type=int, help="k for --cache shared (iteration i uses slot i mod k)")
+    g.add_argument("--continuous-cot", action="store_true",
+                   help="warm-start each token's state from the previous token's final state")
+    g.add_argument("--draft-steps", type=int, help="self-speculative decoding: draft with N iterations")
+    g.add_argument("--draft-length", type=int, default=4, help="tokens drafted per speculative round")
+    g.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: all-zero state)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--device", default="cpu")
+
+
+def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ...] = ()) -> GenerationConfig:
+    stop_ids = tuple(parse_ids(args.stop_ids)) if args.stop_ids else ()
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        num_steps=args.num_steps or model.config.mean_recurrence,
+        exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens + stop_ids,
+        stop_strings=tuple(args.stop), cache_strategy=args.cache, cache_slots=args.cache_slots,
+        continuous_cot=args.continuous_cot, init_scale=args.init_scale, seed=args.seed,
+        draft_steps=args.draft_steps, draft_length=args.draft_length)
+
+
+def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False):
+    """The model and, when the model directory has tokenizer.json, its tokenizer (else None)."""
+    from rdlm.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    kwargs = {"dtype": DTYPES[dtype], "device": device} if Path(source).is_dir() else {}
+    model = load_model(source, **kwargs)
+    model = cast_parameters(model.to(device), DTYPES[dtype]).eval()
+    tokenizer = None
+    if Path(source).is_dir() and (Path(source) / TOKENIZER_FILE).is_file():
+        tokenizer = Tokenizer.from_dir(source)
+    elif need_tokenizer:
+        raise ValueError(f"{source!r} has no {TOKENIZER_FILE}: text needs a model directory with a "
+                         f"tokenizer (use --prompt-ids for token ids)")
+    return model, tokenizer
+
+
+def cast_parameters(model, dtype: torch.dtype):
+    """Cast weights only: the RoPE tables stay float32 (SPEC section 2)."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"token ids must be comma-separated integers, got {text!r}") from None
+
+
+class TextStreamer:
+    """Prints each row's new text as tokens arrive; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, decode, out=None) -> None:
+        self.decode, self.out = decode, out or sys.stdout
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def __call__(self, event: TokenEvent) -> None:
+        self.tokens.append(event.token)
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+    def finish(self) -> None:
+        """Print what was held back (a stream that ended inside a character)."""
+        text = self.decode(self.tokens)
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()
+
+
+def print_stats(result: GenerationResult) -> None:
+    new = sum(len(t) for t in result.tokens)
+    decode_tps = (new - len(result.tokens)) / result.decode_seconds if result.decode_seconds else 0.0
+    line = (f"new tokens {new} | iterations per token mean {result.mean_steps:.2f} | prefill "
+            f"{result.prompt_tokens / max(result.prefill_seconds, 1e-9):.1f} tok/s | decode {decode_tps:.1f} "
+            f"tok/s | cache {result.cache_bytes / 2**20:.2f} MiB")
+    if result.acceptance_rate is not None:
+        line += f" | speculative acceptance {result.acceptance_rate:.2f} ({result.accepted}/{result.drafted})"
+    print(line, file=sys.stderr)
+    for row, steps in enumerate(result.steps):
+        print(f"iterations per token [{row}]: {' '.join(map(str, steps))}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.manual_seed(args.seed)
-    model = load_model(args.model).eval()
-    ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
-    out = greedy(model, ids, args.num_steps, args.max_new_tokens)
-    print(",".join(str(t) for t in out[0].tolist()))
+    torch.manual_seed(args.seed)  # a preset is a freshly initialized model: make it reproducible
+    text_mode = args.prompt is not None
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device,
+                                                need_tokenizer=text_mode or bool(args.stop))
+    if text_mode:
+        prompts = [tokenizer.encode(p, add_bos=not args.no_bos) for p in args.prompt]
+        stop_tokens = (tokenizer.eos_id,)
+    else:
+        prompts = [parse_ids(p) for p in (args.prompt_ids or ["1,2,3"])]
+        stop_tokens = ()
+    config = config_from_args(args, model, stop_tokens)
+    decode = tokenizer.decode if tokenizer is not None else None
+    if text_mode and len(prompts) == 1 and not args.no_stream:
+        print(args.prompt[0], end="", flush=True)
+        streamer = TextStreamer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        result = generate(model, prompts, config, decode=decode, on_token=streamer)
+        streamer.finish()
+    else:
+        result = generate(model, prompts, config, decode=decode)
+        for row, prompt in enumerate(prompts):
+            if text_mode:
+                print(args.prompt[row] + tokenizer.decode(result.tokens[row], skip_special_tokens=True))
+            else:
+                print(",".join(str(t) for t in prompt + result.tokens[row]))
+    if args.stats:
+        print_stats(result)
     return 0

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from rdlm.fileio import staging_dir, write_json
 from rdlm.huginn import load_pretrained, save_pretrained
 from rdlm.model import RecurrentDepthLM
 
@@ -107,8 +107,7 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model: RecurrentDepth
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
+    with staging_dir(final) as tmp:  # re-saving a step replaces the old copy only once complete
         save_pretrained(model, tmp / "model")
         if ema_model is not None:
             save_pretrained(ema_model, tmp / "ema")
@@ -121,20 +120,8 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model: RecurrentDepth
         if torch.cuda.is_available():
             rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
         save_file(rng, tmp / RNG_FILE)
-        with open(tmp / TRAINER_FILE, "w") as handle:  # last: its presence marks a complete checkpoint
-            json.dump({**trainer, "step": step, "optimizer_groups": groups}, handle, indent=1)
-        _fsync_tree(tmp)
-        stale = None
-        if final.exists():  # re-saving a step: move the old copy aside first, delete it once replaced
-            stale = root / f".{final.name}.old-{os.getpid()}"
-            os.rename(final, stale)
-        os.rename(tmp, final)
-        _fsync(root)
-        if stale is not None:
-            shutil.rmtree(stale, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        # Last: its presence marks a complete checkpoint.
+        write_json(tmp / TRAINER_FILE, {**trainer, "step": step, "optimizer_groups": groups}, indent=1)
     for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -171,19 +158,3 @@ def _copy_weights(source: nn.Module, target: nn.Module) -> None:
     for name, param in target.named_parameters():
         param.copy_(src[name].to(param.dtype))
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for file in root.rglob("*"):
-        if file.is_file():
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
-    for directory in [root, *[d for d in root.rglob("*") if d.is_dir()]]:
-        _fsync(directory)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rdlm.data import IGNORE_INDEX, Batch
+from rdlm.fileio import write_text
 from rdlm.model import RecurrentDepthLM
 
 
@@ -218,9 +219,7 @@ def truncate_log(path: Path, step: int) -> None:
                 keep.append(line)
         except json.JSONDecodeError:  # a line cut short by a kill
             continue
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    write_text(path, "".join(line + "\n" for line in keep))
 
 
 def read_log(path: str | os.PathLike, kind: str = "train") -> list[dict]:

@@ -33,7 +33,7 @@ from rdlm.data import (IGNORE_INDEX, Batch, Batches, DataError, MemoryRows, RowS
 from rdlm.model import RecurrentDepthLM
 from rdlm.recurrence import SAMPLERS, draw_for_microbatch, microbatch_seed
 from rdlm.train import checkpoint as ckpt
-from rdlm.train.distributed import World, all_reduce_sum, barrier, setup, teardown
+from rdlm.train.distributed import all_reduce_sum, barrier, setup, teardown
 from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, flops_per_token, peak_flops, warn_loudly
 from rdlm.train.optim import EMA, AdamW, parameter_groups
 from rdlm.train.schedule import Schedule

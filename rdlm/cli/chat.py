@@ -1,0 +1,60 @@
+"""`rdlm chat`: an interactive chat with the chat template of SPEC section 2.
+
+Each user line becomes a turn `<|begin_header|>user<|end_header|>\\n\\nTEXT<|end_turn|>`; the reply is
+generated after `<|begin_header|>Huginn<|end_header|>\\n\\n` until `<|end_turn|>` (or end of text),
+streamed as it is produced. `/reset` forgets the conversation, `/exit` (or end of input) quits.
+Works with piped input too: `printf 'hello\\n' | rdlm chat --model DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from rdlm.cli.generate import TextStreamer, add_generation_args, config_from_args, load_model_and_tokenizer, \
+    print_stats
+from rdlm.generate import generate
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("chat", help="interactive chat with a model directory (needs tokenizer.json)")
+    p.add_argument("--model", required=True, help="a model directory with tokenizer.json")
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--stats", action="store_true", help="print iterations per token and speed after each reply")
+    add_generation_args(p)
+    p.set_defaults(func=run, max_new_tokens=256)
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, need_tokenizer=True)
+    config = config_from_args(args, model, stop_tokens=(tokenizer.end_turn_id, tokenizer.eos_id))
+    interactive = sys.stdin.isatty()
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(opening)
+    if interactive:
+        print("rdlm chat: /reset forgets the conversation, /exit quits.", file=sys.stderr)
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/reset":
+            messages = list(opening)
+            continue
+        messages.append({"role": "user", "content": text})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        print("Huginn> ", end="", flush=True)
+        streamer = TextStreamer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        result = generate(model, [prompt], config, decode=tokenizer.decode, on_token=streamer)
+        streamer.finish()
+        reply = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        if args.stats:
+            print_stats(result)

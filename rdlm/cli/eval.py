@@ -1,0 +1,74 @@
+"""`rdlm eval MODEL`: perplexity (on a text file) or task accuracy (lm-eval tasks) against r, with a
+plot: the saturation curves of the paper's Figures 1 and 10 for any model and task."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rdlm.cli import CLIError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="accuracy or perplexity against the number of iterations r")
+    p.add_argument("model", help="a Huginn-layout model directory (with tokenizer.json)")
+    p.add_argument("--num-steps", default="1,2,4,8,16,32", help="comma-separated values of r")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="perplexity on this file (.txt: one document; .jsonl: field 'text')")
+    source.add_argument("--tasks", help="accuracy on these lm-eval tasks (comma-separated)")
+    p.add_argument("--include-path", help="directory of extra lm-eval task YAML files")
+    p.add_argument("--metric", help="keep only this lm-eval metric (e.g. acc_norm)")
+    p.add_argument("--limit", type=int, help="lm-eval: at most this many documents per task")
+    p.add_argument("--model-args", default="", help="extra rdlm model args for lm-eval (k=v,...)")
+    p.add_argument("--seq-len", type=int, help="perplexity window (default: the model's context)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: zero state)")
+    p.add_argument("--out", default="eval-out", help="directory for results.json and plot.png")
+    p.set_defaults(func=run)
+
+
+def read_documents(path: Path) -> list[str]:
+    if not path.is_file():
+        raise CLIError(f"{path}: no such file")
+    if path.suffix == ".jsonl":
+        docs = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    docs.append(json.loads(line)["text"])
+                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                    raise CLIError(f"{path}:{n}: expected a JSON object with a 'text' field ({err})") from err
+        return docs
+    return [path.read_text()]
+
+
+def run(args: argparse.Namespace) -> int:
+    from rdlm.evaluate import accuracy_vs_steps, perplexity_vs_steps, plot_sweeps, write_results
+
+    try:
+        steps = [int(r) for r in args.num_steps.split(",")]
+    except ValueError as err:
+        raise CLIError(f"--num-steps must be comma-separated integers, got {args.num_steps!r}") from err
+    if args.text:
+        from rdlm.huginn import load_pretrained
+        from rdlm.tokenizer import Tokenizer
+
+        model = load_pretrained(args.model)
+        tokenizer = Tokenizer.from_dir(args.model)
+        docs = [tokenizer.encode(d, add_bos=True) for d in read_documents(Path(args.text))]
+        sweeps = [perplexity_vs_steps(model, docs, steps, seq_len=args.seq_len, batch_size=args.batch_size,
+                                      init_scale=args.init_scale, task=Path(args.text).name)]
+    else:
+        extra = ",".join(a for a in (f"init_scale={args.init_scale}", args.model_args) if a)
+        sweeps = accuracy_vs_steps(args.model, args.tasks.split(","), steps, include_path=args.include_path,
+                                   metric=args.metric, model_args=extra, batch_size=args.batch_size,
+                                   limit=args.limit)
+    out = Path(args.out)
+    write_results(sweeps, out / "results.json")
+    plot_sweeps(sweeps, out / "plot.png", title=Path(args.model).name)
+    for sweep in sweeps:
+        cells = "  ".join(f"r={r}: {v:.4g}" for r, v in zip(sweep.num_steps, sweep.values))
+        print(f"{sweep.task} {sweep.metric}: {cells}")
+    print(f"wrote {out / 'results.json'} and {out / 'plot.png'}")
+    return 0

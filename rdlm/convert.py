@@ -1,0 +1,100 @@
+"""Conversion between rdlm training checkpoints and the Huginn-0125 layout, and between dtypes and
+shardings of that layout (`rdlm convert`).
+
+A training checkpoint (rdlm.train.checkpoint) already keeps its weights as Huginn-layout directories,
+`step-N/model/` and `step-N/ema/` (the exponential moving average, the paper's cheap "cooldown",
+SPEC section 3), next to optimizer state and `trainer.json`. Converting one means choosing which
+weights to release and writing them with `rdlm.huginn.save_pretrained`: the layout's one home. A run
+directory (holding `checkpoints/step-*`) means its newest complete checkpoint.
+
+Same-dtype conversions are bit-exact; bf16 -> fp32 -> bf16 is too (fp32 holds every bf16 value).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rdlm.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, CheckpointError, load_pretrained, save_pretrained
+from rdlm.train.checkpoint import TRAINER_FILE, latest_checkpoint
+
+# Files a model directory may carry besides weights and config; copied along unchanged.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "keep": None}
+
+
+def resolve_source(path: str | os.PathLike, weights: str = "ema") -> Path:
+    """The Huginn-layout directory behind `path`: itself, a checkpoint's `ema/` (or `model/`), or the
+    newest checkpoint of a run directory. weights: "ema" (falls back to "model" without EMA) or "model"."""
+    if weights not in ("ema", "model"):
+        raise ValueError(f"weights must be 'ema' or 'model', got {weights!r}")
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such directory")
+    if (path / CONFIG_NAME).is_file():
+        return path
+    if (path / "checkpoints").is_dir():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(f"{path}/checkpoints: no complete checkpoint (step-*/{TRAINER_FILE})")
+        path = latest
+    if (path / TRAINER_FILE).is_file():
+        for sub in ((weights, "model") if weights == "ema" else ("model",)):
+            if (path / sub / CONFIG_NAME).is_file():
+                return path / sub
+        raise CheckpointError(f"{path}: training checkpoint without {weights}/ weights")
+    raise CheckpointError(f"{path}: neither a Huginn-layout directory ({CONFIG_NAME}), a training "
+                          f"checkpoint ({TRAINER_FILE}) nor a run directory (checkpoints/)")
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '100KB' or a number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"size {text!r} is not a number of bytes or like 5GB / 500MB")
+    unit = (match.group(2) or "B").upper().replace("I", "")
+    return int(float(match.group(1)) * {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}[unit])
+
+
+def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
+            max_shard_bytes: int | str = DEFAULT_SHARD_BYTES, weights: str = "ema") -> Path:
+    """Write the weights of `source` to `destination` in the Huginn layout.
+
+    dtype: "bf16", "fp32", a torch dtype, or None / "keep" for the source's own. Shards larger than
+    `max_shard_bytes` are split, with `model.safetensors.index.json`. Tokenizer and generation files of
+    the source are copied along.
+    """
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    src = resolve_source(source, weights)
+    model = load_pretrained(src)
+    destination = Path(destination)
+    save_pretrained(model, destination, dtype=dtype, max_shard_bytes=parse_size(max_shard_bytes))
+    if src.resolve() != destination.resolve():
+        for name in SIDE_FILES:
+            if (src / name).is_file():
+                _copy_atomic(src / name, destination / name)
+    return destination
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.tmp-", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

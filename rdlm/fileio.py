@@ -1,0 +1,114 @@
+"""Crash-safe file output, and JSONL input with errors that name the line.
+
+Everything rdlm saves goes through here: a file is written to a hidden temporary sibling, flushed to
+disk, then renamed over its target, so a crash at any moment leaves either the old file or the new one.
+Directories (model and training checkpoints) are built in a temporary sibling and swapped in whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+    """Open a temporary file for writing; on success it is fsynced and renamed to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary outputs
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    with atomic_write(path) as handle:
+        handle.write(text)
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike, data: Any, indent: int | None = 2) -> Path:
+    with atomic_write(path) as handle:
+        json.dump(data, handle, indent=indent)
+        handle.write("\n")
+    return Path(path)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory below `root` (before renaming a finished directory into place)."""
+    root = Path(root)
+    for item in root.rglob("*"):
+        if item.is_file():
+            with open(item, "rb") as handle:
+                os.fsync(handle.fileno())
+    for directory in [root, *(d for d in root.rglob("*") if d.is_dir())]:
+        fsync_dir(directory)
+
+
+def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Swap the finished directory `new` in for `target` (which may not exist yet).
+
+    The old `target` is first renamed aside, so at every moment one complete copy exists under a
+    known name; it is deleted only once the new one is in place.
+    """
+    new, target = Path(new), Path(target)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{target} exists and is not a directory")
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+    os.rename(new, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def staging_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """A temporary sibling of `target` to build a directory in; swapped in for `target` on success."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
+    """(line number, record) for each non-blank line; a malformed line raises `error` naming it."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise error(f"{path}:{number}: not valid JSON ({err.msg})") from err

@@ -1,0 +1,243 @@
+"""EleutherAI lm-evaluation-harness model type `rdlm` (the harness the paper's numbers come from).
+
+    rdlm lm-eval --model rdlm --model_args pretrained=DIR,num_steps=32 --tasks arc_challenge
+
+(`rdlm lm-eval` is the harness's own command line with this module imported, so that the model
+type is registered; `import rdlm.lm_eval` does the same for `lm_eval.simple_evaluate`.)
+
+Model arguments:
+    pretrained       a Huginn-layout directory with tokenizer.json (required)
+    num_steps        core iterations r (default: the config's mean recurrence)
+    init_scale       scale of the random initial state s_0 (default 1, as in training; 0 = zero state)
+    seed             seeds the s_0 draws (default 0), so a run is reproducible
+    exit_criterion   per-token adaptive compute in generate_until (SPEC section 4; a name of
+                     rdlm.exits, e.g. kl), with exit_threshold; num_steps is then the maximum
+    kv_cache_budget  core KV-cache slots per token in generate_until (iteration i uses slot i mod k)
+    dtype            float32 (default) or bfloat16; device: cpu (default) or cuda
+    batch_size, max_length, max_gen_toks, add_bos_token (default true: documents start with BOS)
+
+loglikelihood and loglikelihood_rolling need only the model's forward pass at fixed r: requests are
+sorted by length and scored in right-padded batches (causal attention makes padding invisible).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from rdlm.huginn import load_pretrained
+from rdlm.exits import make_exit_criterion
+from rdlm.generate import GenerationConfig, generate
+from rdlm.hf import CHAT_TEMPLATE
+from rdlm.tokenizer import Tokenizer
+
+eval_logger = logging.getLogger(__name__)
+
+# (context text, continuation text) or (None, None), context ids, continuation ids
+TokenRequest = tuple[tuple[str | None, str | None], list[int], list[int]]
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("1", "true", "yes"):
+        return True
+    if str(value).lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _optional(value: Any, kind: type) -> Any:
+    return None if value is None or str(value).lower() in ("", "none") else kind(value)
+
+
+@register_model("rdlm")
+class RDLMEvalModel(TemplateLM):
+    def __init__(self, pretrained: str, num_steps: int | str | None = None, init_scale: float | str = 1.0,
+                 seed: int | str = 0, exit_criterion: str | None = None, exit_threshold: float | str | None = None,
+                 kv_cache_budget: int | str | None = None, dtype: str = "float32", device: str | None = None,
+                 batch_size: int | str | None = 8, max_batch_size: int | None = None,
+                 max_length: int | str | None = None, max_gen_toks: int | str = 256,
+                 add_bos_token: bool | str = True, **unused: Any) -> None:
+        super().__init__()
+        if unused:
+            raise ValueError(f"rdlm model: unknown model argument(s) {', '.join(sorted(unused))}")
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                       "fp32": torch.float32}.get(str(dtype))
+        if torch_dtype is None:
+            raise ValueError(f"rdlm model: dtype must be float32 or bfloat16, got {dtype!r}")
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            # lm-eval's command line asks for cuda unless told otherwise.
+            eval_logger.warning("rdlm model: device %s requested but CUDA is not available; using cpu", device)
+            self._device = torch.device("cpu")
+        self.model = load_pretrained(pretrained, dtype=torch_dtype, device=self._device).eval()
+        self.tokenizer = Tokenizer.from_dir(pretrained)
+        config = self.model.config
+        self.num_steps = _optional(num_steps, int) or config.mean_recurrence
+        if self.num_steps < 1:
+            raise ValueError(f"rdlm model: num_steps must be >= 1, got {self.num_steps}")
+        self.init_scale = float(init_scale)
+        self.seed = int(seed)
+        self.generator = torch.Generator(self._device).manual_seed(self.seed)
+        self.exit_criterion = _optional(exit_criterion, str)
+        self.exit_threshold = _optional(exit_threshold, float)
+        self.kv_cache_budget = _optional(kv_cache_budget, int)
+        if self.exit_criterion is not None:
+            make_exit_criterion(self.exit_criterion, self.exit_threshold)  # unknown names fail here
+        if self.exit_threshold is not None and self.exit_criterion is None:
+            raise ValueError("rdlm model: exit_threshold needs an exit_criterion")
+        if self.kv_cache_budget is not None and self.kv_cache_budget < 1:
+            raise ValueError(f"rdlm model: kv_cache_budget must be >= 1, got {self.kv_cache_budget}")
+        if str(batch_size).startswith("auto"):
+            raise ValueError("rdlm model: batch_size=auto is not supported; pass a number")
+        self.batch_size = int(batch_size or 1)
+        self.max_length = _optional(max_length, int) or config.context_length
+        self.max_gen_toks = int(max_gen_toks)
+        self.add_bos_token = _flag(add_bos_token)
+        self.pretrained = str(pretrained)
+
+    # ----------------------------------------------------------------------------------------------
+    # What TemplateLM needs
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id  # documents begin with <|begin_text|> (SPEC section 3)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.pretrained.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        ids = self.tokenizer.encode(string)
+        add_bos = self.add_bos_token if add_special_tokens is None else add_special_tokens
+        if add_bos and (not ids or ids[0] != self.prefix_token_id):
+            ids = [self.prefix_token_id, *ids]
+        return ids
+
+    def tok_decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        # Fingerprints request caches; the format itself is rdlm.tokenizer's (SPEC section 2).
+        return CHAT_TEMPLATE if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.format_chat(chat_history, add_generation_prompt=add_generation_prompt)
+
+    # ----------------------------------------------------------------------------------------------
+    # Scoring
+
+    @torch.inference_mode()
+    def _loglikelihood_tokens(self, requests: list[TokenRequest], disable_tqdm: bool = False,
+                              **kwargs: Any) -> list[tuple[float, bool]]:
+        """Sum of log p(continuation | context) at r = num_steps, and whether it is the greedy choice."""
+        # Score each request on the last max_length tokens of context + continuation, minus the last
+        # token (it is only predicted). Longest first, so a batch's padding is small.
+        inputs = []
+        for _, context, continuation in requests:
+            if not continuation:
+                raise ValueError("rdlm model: a loglikelihood request has an empty continuation")
+            inputs.append((context + continuation)[-(self.max_length + 1):][:-1])
+        order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="rdlm loglikelihood"):
+            batch = order[start:start + self.batch_size]
+            width = max(len(inputs[i]) for i in batch)
+            ids = torch.full((len(batch), width), self.tokenizer.pad_id, dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, :len(inputs[i])] = torch.tensor(inputs[i])
+            logits = self.model(ids.to(self._device), num_steps=self.num_steps, init_scale=self.init_scale,
+                                generator=self.generator).logits
+            log_probs = F.log_softmax(logits.float(), dim=-1)
+            for row, i in enumerate(batch):
+                continuation = requests[i][2]
+                end = len(inputs[i])
+                picked = log_probs[row, end - len(continuation):end]
+                target = torch.tensor(continuation, device=picked.device)
+                score = picked.gather(-1, target[:, None]).sum().item()
+                greedy = bool((picked.argmax(-1) == target).all())
+                results[i] = (score, greedy)
+                if requests[i][0][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], (score, greedy))
+        return results  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole texts (perplexity tasks), in disjoint windows of max_length tokens."""
+        windows: list[TokenRequest] = []
+        owners: list[int] = []
+        for n, request in enumerate(requests):
+            (text,) = request.args
+            ids = self.tok_encode(text, add_special_tokens=False)
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=ids, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                    context_len=1)):
+                windows.append(((None, None), list(context), list(continuation)))
+                owners.append(n)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for n, (score, _) in zip(owners, scores):
+            totals[n] += score
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    # ----------------------------------------------------------------------------------------------
+    # Generation
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """rdlm.generate over the KV cache: requests sharing generation settings decode as one batch
+        (left-padded, each row as if alone); exit criterion and cache budget apply per token."""
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for n, request in enumerate(requests):
+            groups.setdefault(repr(sorted(request.args[1].items())), []).append(n)
+        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="rdlm generate_until")
+        for members in groups.values():
+            config = self.generation_config(requests[members[0]].args[1])
+            for start in range(0, len(members), self.batch_size):
+                batch = members[start:start + self.batch_size]
+                keep = self.max_length - config.max_new_tokens
+                prompts = [self.tok_encode(requests[n].args[0])[-keep:] for n in batch]
+                out = generate(self.model, prompts, config, decode=self.tok_decode)
+                for n, text in zip(batch, out.texts or []):
+                    results[n] = text
+                    self.cache_hook.add_partial("generate_until", requests[n].args, text)
+                progress.update(len(batch))
+        progress.close()
+        return results  # type: ignore[return-value]
+
+    def generation_config(self, gen_kwargs: dict[str, Any]) -> GenerationConfig:
+        """lm-eval's generation kwargs (until, max_gen_toks, do_sample, temperature, top_p, top_k) plus
+        this model's num_steps, exit criterion, KV-cache budget, init_scale and seed."""
+        kwargs = dict(gen_kwargs)
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        do_sample = _flag(kwargs.pop("do_sample", False))
+        temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
+        sampling = {"temperature": temperature if do_sample else 0.0,
+                    "top_p": _optional(kwargs.pop("top_p", None), float),
+                    "top_k": _optional(kwargs.pop("top_k", None), int)}
+        max_new = int(kwargs.pop("max_gen_toks", kwargs.pop("max_new_tokens", self.max_gen_toks)))
+        if kwargs:
+            raise ValueError(f"rdlm model: unsupported generation argument(s) {', '.join(sorted(kwargs))}")
+        cache = {"cache_strategy": "shared", "cache_slots": self.kv_cache_budget} if self.kv_cache_budget else {}
+        return GenerationConfig(max_new_tokens=max_new, num_steps=self.num_steps,
+                                exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold,
+                                stop_tokens=(self.eot_token_id,), stop_strings=tuple(u for u in until if u),
+                                init_scale=self.init_scale, seed=self.seed, **sampling, **cache)

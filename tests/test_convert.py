@@ -1,0 +1,80 @@
+import json
+
+import pytest
+import torch
+
+from rdlm import CheckpointError, load_pretrained, save_pretrained
+from rdlm.cli import main
+from rdlm.convert import convert, parse_size, resolve_source
+from rdlm.huginn import INDEX_NAME
+
+
+def same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def training_run(tmp_path, tiny_model):
+    """A run directory written by rdlm.train.checkpoint.save_checkpoint: step-N/{model,ema}/, optimizer, trainer.json."""
+    from rdlm.train.checkpoint import save_checkpoint
+    from rdlm.tokenizer import train_tokenizer
+
+    ema = load_pretrained(save_pretrained(tiny_model, tmp_path / "scratch"))
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    names = [n for n, _ in tiny_model.named_parameters()]
+    optimizer = torch.optim.AdamW(tiny_model.parameters())
+    tokenizer = train_tokenizer(["ravens are black birds"] * 10, vocab_size=300)
+    for step in (100, 200):
+        save_checkpoint(tmp_path / "run", step, tiny_model, ema, optimizer.state_dict(), names, {"step": step},
+                        tokenizer=tokenizer)
+    return tmp_path / "run", ema
+
+
+def test_training_checkpoint_to_huginn_picks_ema_or_raw_weights(tmp_path, tiny_model):
+    run, ema = training_run(tmp_path, tiny_model)
+    assert resolve_source(run) == run / "checkpoints" / "step-000200" / "ema"
+    out = convert(run, tmp_path / "release")
+    assert same_weights(load_pretrained(out), ema)
+    raw = convert(run / "checkpoints" / "step-000100", tmp_path / "raw", weights="model")
+    assert same_weights(load_pretrained(raw), tiny_model)
+    assert (raw / "tokenizer.json").read_text() == (run / "checkpoints" / "step-000100" / "model" /
+                                                    "tokenizer.json").read_text()
+
+
+def test_round_trips_are_lossless_across_dtypes_and_shardings(tmp_path, tiny_model):
+    src = save_pretrained(tiny_model, tmp_path / "fp32")
+    sharded = convert(src, tmp_path / "sharded", max_shard_bytes="100KB")
+    index = json.loads((sharded / INDEX_NAME).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    back = convert(sharded, tmp_path / "back")
+    assert same_weights(load_pretrained(back), tiny_model) and not (back / INDEX_NAME).exists()
+
+    bf16 = convert(src, tmp_path / "bf16", dtype="bf16")
+    assert load_pretrained(bf16).embedding.weight.dtype == torch.bfloat16
+    up = convert(bf16, tmp_path / "up", dtype="fp32")
+    down = convert(up, tmp_path / "down", dtype="bf16")
+    assert same_weights(load_pretrained(down), load_pretrained(bf16))
+    assert same_weights(load_pretrained(up), load_pretrained(bf16, dtype=torch.float32))
+
+
+def test_convert_command_line(tmp_path, tiny_model, capsys):
+    src = save_pretrained(tiny_model, tmp_path / "src")
+    assert main(["convert", str(src), str(tmp_path / "out"), "--dtype", "bf16", "--max-shard-size", "64KB"]) == 0
+    assert "weight file(s)" in capsys.readouterr().out
+    assert (tmp_path / "out" / INDEX_NAME).is_file()
+    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_bad_sources_and_sizes_are_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither a Huginn-layout directory"):
+        resolve_source(tmp_path / "empty")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resolve_source(tmp_path / "run")
+    with pytest.raises(ValueError, match="size"):
+        parse_size("lots")
+    assert parse_size("5GB") == 5 * 1024**3 and parse_size("100KB") == 102400 and parse_size("7") == 7

@@ -1,0 +1,76 @@
+import json
+import math
+
+import pytest
+import torch
+
+from rdlm import load_pretrained
+from rdlm.cli import main
+from rdlm.evaluate import DepthSweep, perplexity_vs_steps, plot_sweeps, windows
+from tests.hf_helpers import CORPUS, tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("eval") / "model")
+
+
+def test_windows_predict_every_token_once():
+    docs = [list(range(10)), [7], list(range(5))]
+    pieces = windows(docs, seq_len=4)
+    assert pieces == [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8], [8, 9], [0, 1, 2, 3, 4]]
+    assert sum(len(p) - 1 for p in pieces) == 9 + 0 + 4
+
+
+def test_perplexity_matches_the_model_loss_and_changes_with_r(model_dir):
+    model = load_pretrained(model_dir)
+    docs = [list(range(1, 30)), list(range(40, 52))]
+    sweep = perplexity_vs_steps(model, docs, [1, 4], seq_len=64, init_scale=0.0)
+    assert sweep.num_steps == [1, 4] and sweep.metric == "perplexity" and not sweep.higher_is_better
+    with torch.no_grad():
+        nll, n = 0.0, 0
+        for doc in docs:
+            ids = torch.tensor([doc])
+            loss = model(ids[:, :-1], num_steps=4, init_scale=0.0, labels=ids[:, 1:]).loss
+            nll += loss.item() * (len(doc) - 1)
+            n += len(doc) - 1
+    assert sweep.values[1] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    assert sweep.values[0] != pytest.approx(sweep.values[1], rel=1e-6)
+
+
+def test_plot_writes_a_png(tmp_path):
+    sweeps = [DepthSweep("a", "acc", [1, 2, 4], [0.1, 0.3, 0.35]), DepthSweep("b", "acc", [1, 2, 4], [0.2, 0.2, 0.4]),
+              DepthSweep("t", "perplexity", [1, 2, 4], [30.0, 12.0, 11.0], higher_is_better=False)]
+    path = plot_sweeps(sweeps, tmp_path / "p.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_command_perplexity_and_lm_eval_accuracy(model_dir, tmp_path, capsys, monkeypatch):
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS[:3]))
+    assert main(["eval", str(model_dir), "--text", str(text), "--num-steps", "1,2", "--init-scale", "0",
+                 "--out", str(tmp_path / "ppl")]) == 0
+    (sweep,) = json.loads((tmp_path / "ppl" / "results.json").read_text())
+    assert sweep["metric"] == "perplexity" and sweep["num_steps"] == [1, 2]
+    assert all(v > 1 for v in sweep["values"])
+    assert (tmp_path / "ppl" / "plot.png").is_file()
+
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from tests.test_lm_eval import DOCS, write_tasks
+
+    tasks = write_tasks(tmp_path / "tasks")
+    assert main(["eval", str(model_dir), "--tasks", "rdlm_test_mc", "--include-path", str(tasks),
+                 "--metric", "acc", "--num-steps", "1,3", "--init-scale", "0", "--out", str(tmp_path / "acc")]) == 0
+    (sweep,) = json.loads((tmp_path / "acc" / "results.json").read_text())
+    assert sweep["task"] == "rdlm_test_mc" and sweep["num_steps"] == [1, 3]
+    assert all(v in {k / len(DOCS) for k in range(len(DOCS) + 1)} for v in sweep["values"])
+    assert "rdlm_test_mc acc: r=1:" in capsys.readouterr().out
+
+
+def test_eval_command_errors_are_one_line(model_dir, tmp_path, capsys):
+    assert main(["eval", str(model_dir), "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["eval", str(model_dir), "--text", str(tmp_path / "x"), "--num-steps", "1,a"]) == 2
+    assert "--num-steps" in capsys.readouterr().err

@@ -1,0 +1,228 @@
+import pytest
+import torch
+
+from rdlm import RDLMConfig, RecurrentDepthLM, load_pretrained
+from rdlm.generate import GenerationConfig, Session, TokenEvent, generate, sample, stream
+
+PROMPTS = [[5, 17, 99, 3, 42, 7], [250, 11], [1, 2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def model() -> RecurrentDepthLM:
+    torch.manual_seed(0)
+    return RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
+
+
+def greedy_by_recompute(model, prompt, num_steps, n):
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            token = model(ids, num_steps=num_steps, init_scale=0.0).logits[0, -1].argmax()
+            out.append(int(token))
+            ids = torch.cat([ids, token.view(1, 1)], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["full", "shared-ge-r"])
+def test_cached_decoding_gives_the_logits_of_a_full_recompute(huginn_tiny_dir, strategy):
+    model = load_pretrained(huginn_tiny_dir).eval()
+    r = 4
+    # a shared cache with k >= r is the full cache; k < r changes results by design (paper section 6.3)
+    extra = dict(cache_strategy="shared", cache_slots=6) if strategy != "full" else {}
+    config = GenerationConfig(num_steps=r, max_new_tokens=5, init_scale=0.0, **extra)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.inference_mode():
+        session = Session(model, ids.tolist(), config)
+        logits = [session.prefill()]
+        for t in [8, 9, 7, 9]:
+            logits.append(session.decode(torch.tensor([t]))[0])
+            ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
+        full = model(ids, num_steps=r, init_scale=0.0).logits[0]
+    for j, got in enumerate(logits):
+        assert torch.allclose(got[0], full[5 + j], atol=1e-4), j
+
+
+def test_generate_matches_greedy_recompute_and_counts_steps(model):
+    result = generate(model, PROMPTS[0], GenerationConfig(num_steps=3, max_new_tokens=6, init_scale=0.0))
+    assert result.tokens[0] == greedy_by_recompute(model, PROMPTS[0], 3, 6)
+    assert result.steps == [[3] * 6] and result.finish_reasons == ["length"]
+
+
+@pytest.mark.parametrize("extra", [
+    dict(),                                                       # greedy, random s_0
+    dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.3),
+    dict(exit_criterion="kl", exit_threshold=3e-3, num_steps=12),
+    dict(exit_criterion="latent-diff", exit_threshold=0.1, num_steps=12, continuous_cot=True),
+    dict(cache_strategy="shared", cache_slots=2, num_steps=5),
+])
+def test_a_batch_gives_the_tokens_of_each_prompt_alone(model, extra):
+    config = GenerationConfig(**{"num_steps": 4, "max_new_tokens": 7, "seed": 3, **extra})
+    batched = generate(model, PROMPTS, config)
+    for row, prompt in enumerate(PROMPTS):
+        alone = generate(model, prompt, config)
+        assert batched.tokens[row] == alone.tokens[0], row
+        assert batched.steps[row] == alone.steps[0], row
+
+
+def test_adaptive_exit_that_never_fires_equals_fixed_r(model):
+    fixed = generate(model, PROMPTS, GenerationConfig(num_steps=6, max_new_tokens=6, seed=1))
+    for name in ("kl", "latent-diff", "argmax-stability"):
+        never = generate(model, PROMPTS, GenerationConfig(num_steps=6, max_new_tokens=6, seed=1,
+                                                          exit_criterion=name, exit_threshold=-1.0))
+        assert never.tokens == fixed.tokens and never.steps == fixed.steps
+
+
+def test_adaptive_exits_save_iterations_per_token_within_bounds(model):
+    config = GenerationConfig(num_steps=24, min_steps=3, max_new_tokens=10, exit_criterion="kl",
+                              exit_threshold=1e-2)
+    result = generate(model, PROMPTS, config)
+    flat = [s for row in result.steps for s in row[1:]]     # the first token comes from the prefill
+    assert all(3 <= s <= 24 for s in flat)
+    assert min(flat) < 24 and result.mean_steps < 24
+
+
+def test_continuous_cot_warm_starts_from_the_previous_final_state(model):
+    prompt, r, n = PROMPTS[0], 3, 5
+    result = generate(model, prompt, GenerationConfig(num_steps=r, max_new_tokens=n, init_scale=0.0,
+                                                      continuous_cot=True))
+    # reference by recompute: s_0 of token t+1 is s_r of token t (the prompt starts from zeros)
+    ids = torch.tensor([prompt])
+    s0 = torch.zeros(1, len(prompt), model.config.hidden_size)
+    expected = []
+    with torch.no_grad():
+        for _ in range(n):
+            out = model(ids, num_steps=r, initial_state=s0, return_state=True)
+            token = out.logits[0, -1].argmax().view(1, 1)
+            expected.append(int(token))
+            ids = torch.cat([ids, token], dim=1)
+            s0 = torch.cat([s0, out.state[:, -1:]], dim=1)
+    assert result.tokens[0] == expected
+    plain = generate(model, prompt, GenerationConfig(num_steps=r, max_new_tokens=n, init_scale=0.0))
+    assert plain.tokens[0] != expected
+
+
+def test_sampling_is_seeded_and_reproducible(model):
+    config = GenerationConfig(num_steps=2, max_new_tokens=12, temperature=1.0, seed=7)
+    a, b = generate(model, PROMPTS, config), generate(model, PROMPTS, config)
+    c = generate(model, PROMPTS, GenerationConfig(num_steps=2, max_new_tokens=12, temperature=1.0, seed=8))
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(200, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(200)]
+    assert set(sample(logits, GenerationConfig(temperature=1.0, top_k=2), gens).tolist()) == {0, 1}
+    # top_p 0.7: p = [.64, .24, ...]: the first two cover 0.88 >= 0.7, so only tokens 0 and 1 survive
+    assert set(sample(logits, GenerationConfig(temperature=1.0, top_p=0.7), gens).tolist()) == {0, 1}
+    assert set(sample(logits, GenerationConfig(temperature=1.0, min_p=0.3), gens).tolist()) == {0, 1}
+    seen = torch.zeros(1, 5, dtype=torch.bool)
+    seen[0, 0] = True
+    assert sample(logits[:1], GenerationConfig(repetition_penalty=2.0), None, seen).item() == 1
+
+
+def test_stop_tokens_stop_strings_and_max_new_tokens(model):
+    free = generate(model, PROMPTS[:2], GenerationConfig(num_steps=2, max_new_tokens=8, init_scale=0.0))
+    stop = free.tokens[0][3]
+    result = generate(model, PROMPTS[:2], GenerationConfig(num_steps=2, max_new_tokens=8, init_scale=0.0,
+                                                           stop_tokens=(stop,)))
+    first = free.tokens[0].index(stop)
+    assert result.tokens[0] == free.tokens[0][:first + 1] and result.finish_reasons[0] == "stop_token"
+    decode = lambda ids: " ".join(f"t{t}" for t in ids)  # noqa: E731
+    marker = f"t{free.tokens[1][2]}"
+    result = generate(model, PROMPTS[1], GenerationConfig(num_steps=2, max_new_tokens=8, init_scale=0.0,
+                                                          stop_strings=(marker,)), decode=decode)
+    assert result.finish_reasons == ["stop_string"] and marker not in result.texts[0]
+    assert len(result.tokens[0]) == free.tokens[1].index(free.tokens[1][2]) + 1
+    with pytest.raises(ValueError, match="decode"):
+        generate(model, PROMPTS[1], GenerationConfig(stop_strings=("x",)))
+
+
+def test_streaming_iterator_and_callback_see_every_token(model):
+    config = GenerationConfig(num_steps=2, max_new_tokens=5)
+    events: list[TokenEvent] = []
+    result = generate(model, PROMPTS, config, on_token=events.append)
+    for row in range(len(PROMPTS)):
+        assert [e.token for e in events if e.row == row] == result.tokens[row]
+    it = stream(model, PROMPTS, config)
+    first = next(it)
+    assert isinstance(first, TokenEvent) and first.token == result.tokens[0][0]
+
+
+def test_bad_generation_arguments_are_named(model):
+    with pytest.raises(ValueError, match="unknown exit criterion"):
+        GenerationConfig(exit_criterion="klx")
+    with pytest.raises(ValueError, match="cache_slots"):
+        GenerationConfig(cache_strategy="shared")
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, [1, 10_000])
+    with pytest.raises(ValueError, match="context length"):
+        generate(model, [1, 2], GenerationConfig(max_new_tokens=1000))
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from rdlm import save_pretrained
+    from rdlm.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["the cat sat on the mat. the dog sat on the log. " * 10], vocab_size=280)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("model")
+    save_pretrained(RecurrentDepthLM(RDLMConfig.from_preset("tiny", vocab_size=tok.vocab_size)), path)
+    tok.save(path)
+    return path
+
+
+def test_cli_generate_ids_matches_the_api(model, capsys):
+    from rdlm.cli import main
+
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--prompt-ids", "9", "-r", "3",
+                 "--max-new-tokens", "5", "--init-scale", "0", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    torch.manual_seed(0)  # `tiny` as a preset is a fresh random model: rebuild the same one
+    from rdlm import build_model
+
+    fresh = build_model("tiny")
+    expected = generate(fresh, [[1, 2, 3], [9]], GenerationConfig(num_steps=3, max_new_tokens=5, init_scale=0.0))
+    lines = out.strip().splitlines()
+    assert lines[0] == ",".join(map(str, [1, 2, 3] + expected.tokens[0]))
+    assert lines[1] == ",".join(map(str, [9] + expected.tokens[1]))
+    assert "iterations per token [0]: 3 3 3 3 3" in err
+
+
+def test_cli_generate_text_and_chat_use_the_tokenizer(model_dir, capsys, monkeypatch):
+    import io
+
+    from rdlm.cli import main
+    from rdlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    assert main(["generate", "--model", str(model_dir), "--prompt", "the cat", "-r", "2",
+                 "--max-new-tokens", "6", "--init-scale", "0"]) == 0
+    out = capsys.readouterr().out
+    loaded = load_pretrained(model_dir)
+    expected = generate(loaded, [tok.encode("the cat", add_bos=True)],
+                        GenerationConfig(num_steps=2, max_new_tokens=6, init_scale=0.0,
+                                         stop_tokens=(tok.eos_id,)))
+    assert out == "the cat" + tok.decode(expected.tokens[0], skip_special_tokens=True) + "\n"
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nthe dog\n"))
+    assert main(["chat", "--model", str(model_dir), "-r", "2", "--max-new-tokens", "4", "--init-scale", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Huginn> ") == 2
+    prompt = tok.apply_chat_template([{"role": "user", "content": "the dog"}])
+    reply = generate(loaded, [prompt], GenerationConfig(num_steps=2, max_new_tokens=4, init_scale=0.0,
+                                                        stop_tokens=(tok.end_turn_id, tok.eos_id)))
+    assert out.endswith("Huginn> " + tok.decode(reply.tokens[0], skip_special_tokens=True) + "\n")
+
+
+def test_cli_text_without_a_tokenizer_is_a_clean_error(capsys):
+    from rdlm.cli import main
+
+    assert main(["generate", "--model", "tiny", "--prompt", "hello"]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err

@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from rdlm import RDLMConfig, RecurrentDepthLM
+from rdlm.generate import GenerationConfig, generate
+
+
+@pytest.fixture(scope="module")
+def model() -> RecurrentDepthLM:
+    torch.manual_seed(1)
+    return RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
+
+
+@pytest.mark.parametrize("draft_steps,draft_length,init_scale", [(1, 3, 1.0), (3, 4, 1.0), (2, 2, 0.0)])
+def test_speculative_greedy_equals_plain_greedy(model, draft_steps, draft_length, init_scale):
+    prompt = [7, 300, 21, 9, 8]
+    plain = generate(model, prompt, GenerationConfig(num_steps=6, max_new_tokens=15, init_scale=init_scale,
+                                                     seed=2))
+    spec = generate(model, prompt, GenerationConfig(num_steps=6, max_new_tokens=15, init_scale=init_scale,
+                                                    seed=2, draft_steps=draft_steps,
+                                                    draft_length=draft_length))
+    assert spec.tokens == plain.tokens and spec.steps == plain.steps
+    assert spec.drafted >= draft_length and 0 <= spec.accepted <= spec.drafted
+    assert 0.0 <= spec.acceptance_rate <= 1.0
+
+
+def test_acceptance_accounting_bounds_the_tokens_emitted(model):
+    # A round that accepts a of L drafts emits min(a + 1, L) tokens, so the tokens after the first are
+    # at most accepted + rounds.
+    spec = generate(model, [1, 2, 3], GenerationConfig(num_steps=8, max_new_tokens=20, draft_steps=7,
+                                                       draft_length=3))
+    rounds = spec.drafted // 3
+    assert spec.accepted <= spec.drafted and rounds >= 1
+    assert len(spec.tokens[0]) - 1 <= spec.accepted + rounds
+
+
+def test_speculative_decoding_stops_at_stop_tokens(model):
+    plain = generate(model, [4, 5, 6], GenerationConfig(num_steps=5, max_new_tokens=12))
+    stop = plain.tokens[0][5]
+    spec = generate(model, [4, 5, 6], GenerationConfig(num_steps=5, max_new_tokens=12, draft_steps=2,
+                                                       stop_tokens=(stop,)))
+    assert spec.tokens[0] == plain.tokens[0][:plain.tokens[0].index(stop) + 1]
+
+
+def test_speculative_arguments_are_checked(model):
+    with pytest.raises(ValueError, match="smaller than num_steps"):
+        GenerationConfig(num_steps=4, draft_steps=4)
+    with pytest.raises(ValueError, match="greedy"):
+        GenerationConfig(num_steps=4, draft_steps=2, temperature=0.7)
+    with pytest.raises(ValueError, match="one prompt"):
+        generate(model, [[1, 2], [3, 4]], GenerationConfig(num_steps=4, draft_steps=2))
