@@ -16,10 +16,7 @@ perplexity against r.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +29,7 @@ from torch import Tensor
 from rdlm import tasks as T
 from rdlm.config import RDLMConfig
 from rdlm.exits import make_exit_criterion
+from rdlm.fileio import atomic_write, write_json, write_text
 from rdlm.huginn import save_pretrained
 from rdlm.model import RecurrentDepthLM
 
@@ -270,9 +268,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     files = write_report(out, results, exits["exit_steps"])
     model_dir = out / "model"
     save_pretrained(model, model_dir)
-    write_atomic(model_dir / "task_tokenizer.json",
-                 json.dumps({"type": "char", "alphabet": tokenizer.alphabet, "pad_id": tokenizer.pad_id,
-                             "eos_id": tokenizer.eos_id, "task": cfg.task}))
+    write_json(model_dir / "task_tokenizer.json",
+               {"type": "char", "alphabet": tokenizer.alphabet, "pad_id": tokenizer.pad_id,
+                "eos_id": tokenizer.eos_id, "task": cfg.task})
     files.append(str(model_dir))
     return DemoResult(out, results, model, twin, files)
 
@@ -357,10 +355,10 @@ def run_code_demo(cfg: DemoConfig) -> DemoResult:
                "training": {"recurrent": history}, "seconds": round(time.perf_counter() - start, 1)}
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "results.json", json.dumps(results, indent=2))
+    write_json(out / "results.json", results)
     lines = ["# rdlm demo: code", "", "| r | validation perplexity |", "|---|---|"]
     lines += [f"| {r} | {p:.2f} |" for r, p in ppl.items()]
-    write_atomic(out / "report.md", "\n".join(lines) + "\n")
+    write_text(out / "report.md", "\n".join(lines) + "\n")
     files = [str(out / "results.json"), str(out / "report.md")]
     files += plot_code(out, ppl, history)
     save_pretrained(model, out / "model")
@@ -371,23 +369,18 @@ def run_code_demo(cfg: DemoConfig) -> DemoResult:
 # --------------------------------------------------------------------------------------------------
 # Report
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _save_figure(fig, path: Path) -> str:
+    with atomic_write(path, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=110)
+    _pyplot().close(fig)
+    return str(path)
 
 
 def write_report(out: Path, results: dict[str, Any], exit_steps: list[int]) -> list[str]:
-    write_atomic(out / "results.json", json.dumps(results, indent=2))
+    write_json(out / "results.json", results)
     files = [str(out / "results.json")]
     files += plot_task(out, results, exit_steps)
-    write_atomic(out / "report.md", markdown_report(results))
+    write_text(out / "report.md", markdown_report(results))
     files.append(str(out / "report.md"))
     return files
 
@@ -468,9 +461,7 @@ def plot_task(out: Path, res: dict[str, Any], exit_steps: list[int]) -> list[str
     ax.legend(title="difficulty", fontsize=7, ncol=2, loc="best")
     ax.set_ylim(-2, 102)
     fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_r.png", dpi=110)
-    plt.close(fig)
-    files.append(str(out / "accuracy_vs_r.png"))
+    files.append(_save_figure(fig, out / "accuracy_vs_r.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for split, color in zip(rec, ("C0", "C1")):
@@ -487,9 +478,7 @@ def plot_task(out: Path, res: dict[str, Any], exit_steps: list[int]) -> list[str
     ax.legend(fontsize=8)
     ax.set_ylim(-2, 102)
     fig.tight_layout()
-    fig.savefig(out / "recurrent_vs_fixed.png", dpi=110)
-    plt.close(fig)
-    files.append(str(out / "recurrent_vs_fixed.png"))
+    files.append(_save_figure(fig, out / "recurrent_vs_fixed.png"))
 
     files += plot_training(out, res["training"])
 
@@ -502,9 +491,7 @@ def plot_task(out: Path, res: dict[str, Any], exit_steps: list[int]) -> list[str
     ax.set_title(f"Adaptive exits ({ex['criterion']} < {ex['threshold']:g}): "
                  f"mean {ex['mean_steps_per_token']:.1f} of {top} iterations")
     fig.tight_layout()
-    fig.savefig(out / "exit_histogram.png", dpi=110)
-    plt.close(fig)
-    files.append(str(out / "exit_histogram.png"))
+    files.append(_save_figure(fig, out / "exit_histogram.png"))
     return files
 
 
@@ -525,9 +512,7 @@ def plot_training(out: Path, training: dict[str, Any]) -> list[str]:
     ax.set_title("Training curves")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "training_curves.png", dpi=110)
-    plt.close(fig)
-    return [str(out / "training_curves.png")]
+    return [_save_figure(fig, out / "training_curves.png")]
 
 
 def plot_code(out: Path, ppl: dict[int, float], history: dict[str, Any]) -> list[str]:
@@ -540,6 +525,4 @@ def plot_code(out: Path, ppl: dict[int, float], history: dict[str, Any]) -> list
     ax.set_ylabel("validation perplexity")
     ax.set_title("Code (Python stdlib): perplexity vs r")
     fig.tight_layout()
-    fig.savefig(out / "perplexity_vs_r.png", dpi=110)
-    plt.close(fig)
-    return [str(out / "perplexity_vs_r.png")] + plot_training(out, {"recurrent": history})
+    return [_save_figure(fig, out / "perplexity_vs_r.png")] + plot_training(out, {"recurrent": history})

@@ -96,3 +96,17 @@ def test_defaults_show_the_papers_central_result(tmp_path):
     assert c["harder_at_max_r"] >= c["harder_at_train_mean_r"] + 0.10
     assert c["recurrent_minus_twin"] >= 0.20
     assert c["exit_steps_fraction"] <= 0.60 and c["exit_accuracy_drop"] <= 0.01
+
+
+def test_code_task_reports_validation_perplexity_against_r(tmp_path):
+    cfg = DemoConfig(task="code", steps=2, batch_size=4, hidden_size=32, num_heads=2, mean_recurrence=2,
+                     backprop_depth=1, eval_examples=4, eval_num_steps=(1, 2), code_vocab_size=300,
+                     code_chars=60_000, code_seq_len=32, out_dir=str(tmp_path), progress=False)
+    result = run_demo(cfg)
+    ppl = json.loads((tmp_path / "results.json").read_text())["validation_perplexity"]
+    assert set(ppl) == {"1", "2"}
+    # An almost untrained model is close to uniform over the BPE vocabulary, never far beyond it.
+    assert all(1 < p < 3 * 300 for p in ppl.values())
+    assert (tmp_path / "perplexity_vs_r.png").stat().st_size > 0
+    assert (tmp_path / "model" / "tokenizer.json").is_file()
+    assert load_pretrained(tmp_path / "model").config.vocab_size == result.model.config.vocab_size
