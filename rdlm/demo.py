@@ -296,7 +296,7 @@ def summarize(cfg, family, model, table, twin_table, exits, fixed_acc, history, 
     claims["exit_accuracy_drop"] = fixed_acc - exits["accuracy"]
     checks = {
         "best_accuracy >= 0.90": claims["best_accuracy"] >= 0.90,
-        "accuracy_r1 <= best/2": claims["accuracy_r1"] <= claims["best_accuracy"] / 2,
+        "accuracy_r1 <= best/2": 0 < claims["best_accuracy"] and claims["accuracy_r1"] <= claims["best_accuracy"] / 2,
         "harder: r=max >= r=mean + 0.10": claims["harder_at_max_r"] >= claims["harder_at_train_mean_r"] + 0.10,
         "recurrent >= twin + 0.20": claims.get("recurrent_minus_twin", -1) >= 0.20,
         "exits: <= 60% steps, <= 1 point lost": claims["exit_steps_fraction"] <= 0.60
