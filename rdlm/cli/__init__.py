@@ -18,6 +18,7 @@ COMMANDS = [
     "rdlm.cli.tokenizer",
     "rdlm.cli.data",
     "rdlm.cli.train",
+    "rdlm.cli.demo",
     "rdlm.cli.lm_eval",
     "rdlm.cli.convert",
     "rdlm.cli.eval",

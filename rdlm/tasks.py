@@ -1,0 +1,203 @@
+"""Embedded reasoning tasks for the demo: generated in-process from a seed, no download.
+
+Each task family turns (seed, difficulty) into `Example(prompt, answer)` text pairs, with a train/test
+split and an exact-match scorer. The families are chosen so that *depth* matters: the answer cannot be
+read off the prompt in one step, so a recurrent-depth model should answer harder instances when it
+iterates longer (paper section 5, Figures 1 and 10).
+
+- `variables`: multi-hop variable resolution. Several chains `a=3;b=a;c=b;` are shuffled together and
+  one chain's last variable is queried (`c?`). The difficulty is the number of hops of the queried chain.
+  Each hop is one pointer lookup, which one core iteration can learn to do.
+- `addition`: multi-digit addition `123+989=` -> `1112`, with the number of digits as difficulty. The
+  answer is written least-significant digit first, so each answer token depends on a carry chain.
+
+Text is plain ASCII over a small fixed alphabet (`ALPHABET`), so a character-level tokenizer
+(`CharTokenizer`) with a few dozen symbols covers every task.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+# Everything a task prompt or answer may contain. Index 0 is padding, 1 marks the end of an answer.
+PAD, EOS = "\0", "\n"
+ALPHABET = PAD + EOS + string.digits + string.ascii_letters + "=;?+ "
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str      # what the model reads
+    answer: str      # what it must produce (exact match), without the end marker
+    difficulty: int  # hops or digits
+    # Further (prompt, answer) turns about the same context, used only as extra training signal:
+    # the variables task asks for every chain, so one sequence carries several supervised answers.
+    followups: tuple[tuple[str, str], ...] = ()
+
+
+class CharTokenizer:
+    """One token per character of `ALPHABET`. Tiny vocabulary, so tiny models train fast."""
+
+    def __init__(self, alphabet: str = ALPHABET) -> None:
+        self.alphabet = alphabet
+        self.index = {c: i for i, c in enumerate(alphabet)}
+        self.pad_id, self.eos_id = self.index[PAD], self.index[EOS]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.alphabet)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as err:
+            raise ValueError(f"character {err.args[0]!r} is not in the task alphabet") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.alphabet[i] for i in ids)
+
+
+# --------------------------------------------------------------------------------------------------
+# Task families. Each generator takes a random.Random and a difficulty and returns one Example.
+
+VARIABLE_NAMES = string.ascii_letters  # 52 single-character names
+
+
+def variables_example(rng: random.Random, hops: int, distractors: int = 3,
+                      distractor_hops: int = 4) -> Example:
+    """`hops` pointer lookups: a chain of `hops` assignments, shuffled with distractor chains."""
+    if hops < 1:
+        raise ValueError(f"hops must be >= 1, got {hops}")
+    lengths = [hops] + [rng.randint(1, distractor_hops) for _ in range(distractors)]
+    if sum(lengths) > len(VARIABLE_NAMES):
+        raise ValueError(f"{sum(lengths)} variables needed, only {len(VARIABLE_NAMES)} names exist; "
+                         f"lower hops ({hops}) or distractors ({distractors})")
+    names = rng.sample(VARIABLE_NAMES, sum(lengths))
+    values = rng.sample(string.digits, len(lengths))  # distinct values: a guess from the wrong chain fails
+    statements, start = [], 0
+    for length, value in zip(lengths, values):
+        chain = names[start:start + length]
+        start += length
+        statements.append(f"{chain[0]}={value};")
+        statements += [f"{chain[i]}={chain[i - 1]};" for i in range(1, length)]
+    rng.shuffle(statements)
+    ends = [names[sum(lengths[:i + 1]) - 1] for i in range(len(lengths))]
+    # The other chains are asked about too, in random order, after the main question (training signal).
+    others = list(range(1, len(lengths)))
+    rng.shuffle(others)
+    followups = tuple((f";{ends[i]}?", values[i]) for i in others)
+    return Example(prompt="".join(statements) + f"{ends[0]}?", answer=values[0], difficulty=hops,
+                   followups=followups)
+
+
+def addition_example(rng: random.Random, digits: int) -> Example:
+    """`digits`-digit addition; the sum is written least-significant digit first (carries flow forward)."""
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    low = 10 ** (digits - 1) if digits > 1 else 0
+    a, b = rng.randint(low, 10**digits - 1), rng.randint(low, 10**digits - 1)
+    return Example(prompt=f"{a}+{b}=", answer=str(a + b)[::-1], difficulty=digits)
+
+
+@dataclass(frozen=True)
+class TaskFamily:
+    name: str
+    make: Callable[[random.Random, int], Example]
+    train_difficulties: tuple[int, ...]   # what training sees (and the in-distribution test)
+    harder_difficulties: tuple[int, ...]  # the harder test split: beyond anything trained on
+    description: str
+
+
+TASKS: dict[str, TaskFamily] = {
+    "variables": TaskFamily("variables", variables_example, tuple(range(1, 7)), tuple(range(7, 13)),
+                            "multi-hop variable resolution; difficulty = hops"),
+    "addition": TaskFamily("addition", addition_example, tuple(range(1, 6)), tuple(range(6, 9)),
+                           "multi-digit addition, answer reversed; difficulty = digits"),
+}
+
+
+def get_task(name: str) -> TaskFamily:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; available: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Splits. Train and test come from disjoint seed streams, and test prompts seen in training are dropped,
+# so a test score is never a memory of a training example.
+
+SPLIT_OFFSETS = {"train": 0, "test": 1_000_003, "harder": 2_000_003}
+
+
+def generate(task: str | TaskFamily, n: int, seed: int, split: str = "train",
+             difficulties: Sequence[int] | None = None) -> list[Example]:
+    """`n` examples with difficulty drawn uniformly from `difficulties` (default: the split's range)."""
+    family = get_task(task) if isinstance(task, str) else task
+    if split not in SPLIT_OFFSETS:
+        raise ValueError(f"unknown split {split!r}; available: {', '.join(SPLIT_OFFSETS)}")
+    if difficulties is None:
+        difficulties = family.harder_difficulties if split == "harder" else family.train_difficulties
+    if not difficulties:
+        raise ValueError("difficulties must not be empty")
+    rng = random.Random(seed + SPLIT_OFFSETS[split])
+    return [family.make(rng, rng.choice(list(difficulties))) for _ in range(n)]
+
+
+def test_split(task: str | TaskFamily, n: int, seed: int, split: str = "test",
+               exclude: Iterable[Example] = ()) -> list[Example]:
+    """A test split with every prompt that also occurs in `exclude` (e.g. the training set) removed."""
+    seen = {ex.prompt for ex in exclude}
+    examples = [ex for ex in generate(task, n + len(seen) // 100 + 16, seed, split) if ex.prompt not in seen]
+    return examples[:n]
+
+
+def exact_match(prediction: str, answer: str) -> bool:
+    """The scorer: the generated text up to the end marker must equal the answer exactly."""
+    return prediction.split(EOS, 1)[0].strip() == answer
+
+
+def accuracy(predictions: Sequence[str], examples: Sequence[Example]) -> float:
+    if len(predictions) != len(examples):
+        raise ValueError(f"{len(predictions)} predictions for {len(examples)} examples")
+    if not examples:
+        raise ValueError("no examples to score")
+    return sum(exact_match(p, ex.answer) for p, ex in zip(predictions, examples)) / len(examples)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors for training: prompt + answer + end marker, loss on the answer tokens only.
+
+def encode_example(example: Example, tokenizer: CharTokenizer,
+                   followups: bool = True) -> tuple[list[int], list[bool]]:
+    """Token ids of prompt + answer (+ follow-up turns) + end marker, and which ids are targets."""
+    ids, target = tokenizer.encode(example.prompt), [False] * len(example.prompt)
+    turns = [("", example.answer)] + (list(example.followups) if followups else [])
+    for i, (prompt, answer) in enumerate(turns):
+        ids += tokenizer.encode(prompt)
+        target += [False] * len(prompt)
+        ids += tokenizer.encode(answer)
+        target += [True] * len(answer)
+    return ids + [tokenizer.eos_id], target + [True]
+
+
+def encode_batch(examples: Sequence[Example], tokenizer: CharTokenizer,
+                 followups: bool = True) -> tuple[Tensor, Tensor]:
+    """Right-padded (input_ids, labels) for next-token training, labels already shifted.
+
+    labels[t] is the token at t+1 where that token is part of an answer (or the end marker), else -100:
+    the loss is on answers only.
+    """
+    rows = [encode_example(ex, tokenizer, followups) for ex in examples]
+    width = max(len(ids) for ids, _ in rows) - 1
+    input_ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (ids, target) in enumerate(rows):
+        row = torch.tensor(ids)
+        input_ids[i, :len(ids) - 1] = row[:-1]
+        labels[i, :len(ids) - 1] = torch.where(torch.tensor(target[1:]), row[1:], -100)
+    return input_ids, labels

@@ -1,0 +1,107 @@
+"""rdlm.tasks and rdlm.corpus: generated tasks, splits, text format, scorer; the embedded code corpus."""
+
+import random
+import re
+import time
+
+import pytest
+
+from rdlm import tasks as T
+
+
+def resolve(prompt: str) -> str:
+    """An independent solver: follow the assignments from the queried variable to a digit."""
+    *statements, query = prompt.split(";")
+    table = dict(s.split("=") for s in statements)
+    name, hops = query.rstrip("?"), 0
+    while not name.isdigit():
+        name, hops = table[name], hops + 1
+    return name, hops
+
+
+@pytest.mark.parametrize("hops", [1, 3, 8, 12])
+def test_variable_answers_follow_exactly_the_requested_number_of_hops(hops):
+    rng = random.Random(hops)
+    for _ in range(50):
+        ex = T.variables_example(rng, hops)
+        answer, followed = resolve(ex.prompt)
+        assert ex.answer == answer and followed == hops and ex.difficulty == hops
+        # Every other chain is asked about in the follow-ups, with its own correct value.
+        context = ex.prompt[:-3]  # without ";X?"
+        for query, value in ex.followups:
+            assert resolve(context + query)[0] == value
+
+
+def test_addition_answers_are_reversed_sums():
+    rng = random.Random(0)
+    for digits in (1, 3, 7):
+        ex = T.addition_example(rng, digits)
+        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", ex.prompt).groups())
+        assert len(str(a)) == digits and ex.answer[::-1] == str(a + b)
+
+
+def test_generation_is_deterministic_and_splits_differ():
+    first = T.generate("variables", 20, seed=3)
+    assert first == T.generate("variables", 20, seed=3)
+    assert first != T.generate("variables", 20, seed=4)
+    test = T.test_split("variables", 20, seed=3, exclude=first)
+    assert not {ex.prompt for ex in test} & {ex.prompt for ex in first}
+    harder = T.generate("variables", 50, seed=3, split="harder")
+    assert min(ex.difficulty for ex in harder) > max(T.TASKS["variables"].train_difficulties)
+
+
+def test_test_split_drops_prompts_seen_in_training():
+    train = T.generate("addition", 500, seed=0, difficulties=[1])  # only 100 distinct 1-digit sums
+    test = T.test_split("addition", 30, seed=0, exclude=train)
+    assert all(ex.prompt not in {t.prompt for t in train} for ex in test)
+
+
+def test_generation_is_never_the_bottleneck():
+    start = time.perf_counter()
+    T.generate("variables", 10_000, seed=0)
+    assert time.perf_counter() - start < 5
+
+
+def test_exact_match_scorer():
+    ex = [T.Example("a=1;a?", "1", 1), T.Example("1+2=", "3", 1)]
+    assert T.exact_match("1\nrest", "1") and not T.exact_match("12", "1")
+    assert T.accuracy(["1", "4"], ex) == 0.5
+    with pytest.raises(ValueError, match="predictions"):
+        T.accuracy(["1"], ex)
+
+
+def test_encode_batch_puts_the_loss_on_answers_only():
+    tok = T.CharTokenizer()
+    ex = T.Example("a=7;a?", "7", 1, followups=((";b?", "2"),))
+    ids, labels = T.encode_batch([ex], tok)
+    text = tok.decode(ids[0].tolist())
+    assert text == "a=7;a?7;b?2"
+    targets = [(i, tok.decode([int(t)])) for i, t in enumerate(labels[0].tolist()) if t != -100]
+    # label t is the token at t + 1: the two answers and the end marker.
+    assert targets == [(5, "7"), (9, "2"), (10, "\n")]
+    ids, labels = T.encode_batch([ex], tok, followups=False)
+    assert tok.decode(ids[0].tolist()) == "a=7;a?7"
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="unknown task"):
+        T.get_task("chess")
+    with pytest.raises(ValueError, match="hops"):
+        T.variables_example(random.Random(0), 0)
+    with pytest.raises(ValueError, match="names"):
+        T.variables_example(random.Random(0), 40, distractors=5)
+    with pytest.raises(ValueError, match="not in the task alphabet"):
+        T.CharTokenizer().encode("a=é")
+
+
+def test_stdlib_corpus_is_split_by_document_and_tokenizes_losslessly():
+    from rdlm.corpus import stdlib_documents, train_code_tokenizer
+
+    train = list(stdlib_documents("train", max_chars=200_000))
+    val = list(stdlib_documents("val", max_chars=50_000))
+    assert sum(map(len, train)) == 200_000 and val
+    assert not set(train) & set(val)
+    tok = train_code_tokenizer(vocab_size=400, max_chars=100_000)
+    text = val[0][:2000]
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(text)) < len(text.encode())  # BPE merges compress code
