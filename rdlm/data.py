@@ -7,7 +7,8 @@ responses only, right padding is never a target.
 Sources, all behind one small interface (`RowSource`: `len()`, `rows(indices)`, `max_token_id()`):
 
 - `TokenShards(dir, split)`: memory-mapped numpy shards written by `prepare` (`rdlm data prepare`).
-- `MemoryRows(tokens, loss_mask)`: rows already in memory (a tensor or array), e.g. synthetic tasks;
+- `MemoryRows(tokens, loss_mask, targets)`: rows already in memory (a tensor or array), e.g. synthetic
+  tasks (targets: per-position supervision other than the next token);
   `MemoryRows.from_sequences` pads variable-length sequences, `MemoryRows.from_pairs` builds
   prompt/response rows, `load_prompt_response` reads them from JSONL through a tokenizer.
 
@@ -55,8 +56,9 @@ class DataError(ValueError):
 class RowSource(Protocol):
     def __len__(self) -> int: ...
 
-    def rows(self, indices: np.ndarray) -> tuple[Tensor, Tensor | None]:
-        """int64 tokens [n, row_length] and an optional bool loss mask of the same shape."""
+    def rows(self, indices: np.ndarray) -> tuple[Tensor, ...]:
+        """int64 tokens [n, row_length], an optional bool loss mask of the same shape and, optionally,
+        int64 targets of the same shape (see `make_batch`)."""
 
     def max_token_id(self) -> int: ...
 
@@ -66,7 +68,8 @@ class RowSource(Protocol):
 
 class MemoryRows:
     def __init__(self, tokens: Tensor | np.ndarray | Sequence[Sequence[int]],
-                 loss_mask: Tensor | np.ndarray | None = None) -> None:
+                 loss_mask: Tensor | np.ndarray | None = None,
+                 targets: Tensor | np.ndarray | None = None) -> None:
         tokens = torch.as_tensor(np.asarray(tokens) if not isinstance(tokens, Tensor) else tokens)
         if tokens.ndim != 2 or tokens.shape[1] < 2:
             raise DataError(f"rows must be a 2-d array [rows, length >= 2], got shape {tuple(tokens.shape)}")
@@ -81,6 +84,14 @@ class MemoryRows:
             if loss_mask.shape != self.tokens.shape:
                 raise DataError(f"loss_mask has shape {tuple(loss_mask.shape)}, rows have {tuple(tokens.shape)}")
             self.loss_mask = loss_mask.bool()
+        # Targets differ from the tokens where a position is supervised with something other than the
+        # next input token, e.g. the intermediate state of a reasoning task that the input never shows.
+        self.targets = None
+        if targets is not None:
+            targets = torch.as_tensor(np.asarray(targets) if not isinstance(targets, Tensor) else targets)
+            if targets.shape != self.tokens.shape:
+                raise DataError(f"targets have shape {tuple(targets.shape)}, rows have {tuple(tokens.shape)}")
+            self.targets = targets.long()
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Sequence[int]], pad_id: int,
@@ -113,15 +124,16 @@ class MemoryRows:
     def row_length(self) -> int:
         return self.tokens.shape[1]
 
-    def rows(self, indices: np.ndarray) -> tuple[Tensor, Tensor | None]:
+    def rows(self, indices: np.ndarray) -> tuple[Tensor, ...]:
         index = torch.as_tensor(indices, dtype=torch.long)
-        return self.tokens[index], None if self.loss_mask is None else self.loss_mask[index]
+        rows = self.tokens[index], None if self.loss_mask is None else self.loss_mask[index]
+        return rows if self.targets is None else (*rows, self.targets[index])
 
     def max_token_id(self) -> int:
-        return int(self.tokens.max())
+        return int(self.tokens.max() if self.targets is None else max(self.tokens.max(), self.targets.max()))
 
     def min_token_id(self) -> int:
-        return int(self.tokens.min())
+        return int(self.tokens.min() if self.targets is None else min(self.tokens.min(), self.targets.min()))
 
 
 def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None = None) -> MemoryRows:
@@ -343,8 +355,10 @@ class Batch:
     num_targets: int
 
 
-def make_batch(tokens: Tensor, loss_mask: Tensor | None) -> Batch:
-    labels = tokens[:, 1:].clone()
+def make_batch(tokens: Tensor, loss_mask: Tensor | None, targets: Tensor | None = None) -> Batch:
+    """Inputs tokens[:, :-1]; position t is trained to predict targets[:, t + 1] (default: the next
+    token), where the loss mask allows."""
+    labels = (tokens if targets is None else targets)[:, 1:].clone()
     if loss_mask is not None:
         labels[~loss_mask[:, 1:]] = IGNORE_INDEX
     return Batch(tokens[:, :-1], labels, int((labels != IGNORE_INDEX).sum()))

@@ -38,7 +38,7 @@ EVAL_NUM_STEPS = (1, 2, 4, 8, 16, 32, 64)
 
 @dataclass(frozen=True)
 class DemoConfig:
-    task: str = "variables"               # a family of rdlm.tasks, or "code"
+    task: str = "permutations"            # a family of rdlm.tasks, or "code"
     seed: int = 0
     out_dir: str = "demo-report"
     # Model: (l_P, l_R, l_C), width. Small enough to train in minutes on two CPU cores.
@@ -137,13 +137,15 @@ def task_rows(examples: Sequence[T.Example], tokenizer: T.CharTokenizer):
     from rdlm.data import MemoryRows
 
     encoded = [T.encode_example(ex, tokenizer) for ex in examples]
-    width = max(len(ids) for ids, _ in encoded)
+    width = max(len(ids) for ids, _, _ in encoded)
     tokens = torch.full((len(encoded), width), tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros((len(encoded), width), dtype=torch.bool)
-    for i, (ids, target) in enumerate(encoded):
+    targets = tokens.clone()
+    for i, (ids, target, target_ids) in enumerate(encoded):
         tokens[i, :len(ids)] = torch.tensor(ids)
         mask[i, :len(ids)] = torch.tensor(target)
-    return MemoryRows(tokens, mask)
+        targets[i, :len(ids)] = torch.tensor(target_ids)
+    return MemoryRows(tokens, mask, targets)
 
 
 # --------------------------------------------------------------------------------------------------

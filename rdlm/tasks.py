@@ -5,6 +5,13 @@ split and an exact-match scorer. The families are chosen so that *depth* matters
 read off the prompt in one step, so a recurrent-depth model should answer harder instances when it
 iterates longer (paper section 5, Figures 1 and 10).
 
+- `permutations` (the default): state tracking. A start value 0-4 and a word of moves `a`, `b`, `c`,
+  each a fixed permutation of {0..4}; the answer is the value after all moves: `3:abca=` -> `0`. The
+  moves generate the symmetric group S5, whose word problem no fixed-depth transformer can solve for
+  long words (it is not solvable, so there is no shallow parallel shortcut): the work grows with the
+  word, one move after another, which is exactly what extra core iterations buy. Training also
+  supervises the value after every move (`Example.trace`), which the input never shows, so each
+  position has to compute it from the previous one. Difficulty = the number of moves.
 - `variables`: multi-hop variable resolution. Several chains `a=3;b=a;c=b;` are shuffled together and
   one chain's last variable is queried (`c?`). The difficulty is the number of hops of the queried chain.
   Each hop is one pointer lookup, which one core iteration can learn to do.
@@ -27,7 +34,7 @@ from torch import Tensor
 
 # Everything a task prompt or answer may contain. Index 0 is padding, 1 marks the end of an answer.
 PAD, EOS = "\0", "\n"
-ALPHABET = PAD + EOS + string.digits + string.ascii_letters + "=;?+ "
+ALPHABET = PAD + EOS + string.digits + string.ascii_letters + "=;?+: "
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,9 @@ class Example:
     # Further (prompt, answer) turns about the same context, used only as extra training signal:
     # the variables task asks for every chain, so one sequence carries several supervised answers.
     followups: tuple[tuple[str, str], ...] = ()
+    # Intermediate results supervised in training only: (i, c) means that after reading prompt[:i + 1]
+    # the model should output c. They never appear in the input.
+    trace: tuple[tuple[int, str], ...] = ()
 
 
 class CharTokenizer:
@@ -95,6 +105,24 @@ def variables_example(rng: random.Random, hops: int, distractors: int = 3,
                    followups=followups)
 
 
+# Three fixed moves on {0..4}: a 5-cycle, a swap and a 3-cycle. The first two alone generate S5.
+MOVES = {"a": (1, 2, 3, 4, 0), "b": (1, 0, 2, 3, 4), "c": (0, 1, 3, 4, 2)}
+
+
+def permutations_example(rng: random.Random, moves: int) -> Example:
+    """A start value and `moves` moves; the answer is the value after the last move."""
+    if moves < 1:
+        raise ValueError(f"moves must be >= 1, got {moves}")
+    value = rng.randrange(5)
+    prompt, trace = f"{value}:", []
+    for _ in range(moves):
+        move = rng.choice("abc")
+        value = MOVES[move][value]
+        prompt += move
+        trace.append((len(prompt) - 1, str(value)))
+    return Example(prompt=prompt + "=", answer=str(value), difficulty=moves, trace=tuple(trace))
+
+
 def addition_example(rng: random.Random, digits: int) -> Example:
     """`digits`-digit addition; the sum is written least-significant digit first (carries flow forward)."""
     if digits < 1:
@@ -114,6 +142,8 @@ class TaskFamily:
 
 
 TASKS: dict[str, TaskFamily] = {
+    "permutations": TaskFamily("permutations", permutations_example, tuple(range(2, 13)),
+                               tuple(range(13, 25)), "state tracking over S5; difficulty = moves"),
     "variables": TaskFamily("variables", variables_example, tuple(range(1, 7)), tuple(range(7, 13)),
                             "multi-hop variable resolution; difficulty = hops"),
     "addition": TaskFamily("addition", addition_example, tuple(range(1, 6)), tuple(range(6, 9)),
@@ -173,8 +203,9 @@ def accuracy(predictions: Sequence[str], examples: Sequence[Example]) -> float:
 # Tensors for training: prompt + answer + end marker, loss on the answer tokens only.
 
 def encode_example(example: Example, tokenizer: CharTokenizer,
-                   followups: bool = True) -> tuple[list[int], list[bool]]:
-    """Token ids of prompt + answer (+ follow-up turns) + end marker, and which ids are targets."""
+                   followups: bool = True) -> tuple[list[int], list[bool], list[int]]:
+    """Token ids of prompt + answer (+ follow-up turns) + end marker, which positions are targets, and
+    the target ids: the ids themselves, except where the trace supervises an intermediate result."""
     ids, target = tokenizer.encode(example.prompt), [False] * len(example.prompt)
     turns = [("", example.answer)] + (list(example.followups) if followups else [])
     for i, (prompt, answer) in enumerate(turns):
@@ -182,7 +213,11 @@ def encode_example(example: Example, tokenizer: CharTokenizer,
         target += [False] * len(prompt)
         ids += tokenizer.encode(answer)
         target += [True] * len(answer)
-    return ids + [tokenizer.eos_id], target + [True]
+    ids, target = ids + [tokenizer.eos_id], target + [True]
+    targets = list(ids)
+    for index, result in example.trace:  # position `index` predicts what stands at index + 1
+        targets[index + 1], target[index + 1] = tokenizer.encode(result)[0], True
+    return ids, target, targets
 
 
 def encode_batch(examples: Sequence[Example], tokenizer: CharTokenizer,
@@ -193,11 +228,10 @@ def encode_batch(examples: Sequence[Example], tokenizer: CharTokenizer,
     the loss is on answers only.
     """
     rows = [encode_example(ex, tokenizer, followups) for ex in examples]
-    width = max(len(ids) for ids, _ in rows) - 1
+    width = max(len(ids) for ids, _, _ in rows) - 1
     input_ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (ids, target) in enumerate(rows):
-        row = torch.tensor(ids)
-        input_ids[i, :len(ids) - 1] = row[:-1]
-        labels[i, :len(ids) - 1] = torch.where(torch.tensor(target[1:]), row[1:], -100)
+    for i, (ids, target, targets) in enumerate(rows):
+        input_ids[i, :len(ids) - 1] = torch.tensor(ids[:-1])
+        labels[i, :len(ids) - 1] = torch.where(torch.tensor(target[1:]), torch.tensor(targets[1:]), -100)
     return input_ids, labels

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from rdlm.data import (Batches, DataError, MemoryRows, TokenShards, load_prompt_response, pack_documents,
+from rdlm.data import (IGNORE_INDEX, Batches, DataError, MemoryRows, TokenShards, load_prompt_response,
+                       make_batch, pack_documents,
                        prepare, read_documents)
 from rdlm.tokenizer import train_tokenizer
 
@@ -90,3 +91,15 @@ def test_prompt_response_jsonl(tok, tmp_path):
     path.write_text('{"question": 1}\n')
     with pytest.raises(DataError, match="chat.jsonl:1: expected keys"):
         load_prompt_response(path, tok)
+
+
+def test_memory_rows_targets_replace_the_next_token_as_labels():
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    targets = torch.tensor([[1, 9, 3, 8]])
+    mask = torch.tensor([[False, True, False, True]])
+    batch = make_batch(*MemoryRows(tokens, mask, targets).rows(np.arange(1)))
+    assert batch.input_ids.tolist() == [[1, 2, 3]]
+    assert batch.labels.tolist() == [[9, IGNORE_INDEX, 8]]
+    assert MemoryRows(tokens, mask, targets).max_token_id() == 9
+    with pytest.raises(DataError, match="targets have shape"):
+        MemoryRows(tokens, mask, targets[:, :2])

@@ -32,6 +32,42 @@ def test_variable_answers_follow_exactly_the_requested_number_of_hops(hops):
             assert resolve(context + query)[0] == value
 
 
+def apply_moves(prompt: str) -> list[int]:
+    """An independent solver for the permutation task: the value after each move, as cycles."""
+    start, word = re.fullmatch(r"([0-4]):([abc]+)=", prompt).groups()
+    cycles = {"a": [(0, 1, 2, 3, 4)], "b": [(0, 1)], "c": [(2, 3, 4)]}
+    value, values = int(start), []
+    for move in word:
+        for cycle in cycles[move]:
+            if value in cycle:
+                value = cycle[(cycle.index(value) + 1) % len(cycle)]
+                break
+        values.append(value)
+    return values
+
+
+@pytest.mark.parametrize("moves", [1, 2, 7, 24])
+def test_permutation_answers_and_traces_follow_every_move(moves):
+    rng = random.Random(moves)
+    for _ in range(50):
+        ex = T.permutations_example(rng, moves)
+        values = apply_moves(ex.prompt)
+        assert ex.difficulty == moves and ex.answer == str(values[-1])
+        # The trace gives the value after each move, at that move's position in the prompt.
+        assert [c for _, c in ex.trace] == [str(v) for v in values]
+        assert [ex.prompt[i] for i, _ in ex.trace] == list(ex.prompt[2:-1])
+
+
+def test_trace_targets_reach_the_labels_but_never_the_input():
+    ex = T.Example(prompt="3:ab=", answer="0", difficulty=2, trace=((2, "4"), (3, "0")))
+    tok = T.CharTokenizer()
+    ids, labels = T.encode_batch([ex], tok)
+    assert tok.decode(ids[0].tolist()) == "3:ab=0"
+    # Position of "a" predicts its result 4, of "b" the result 0, "=" the answer 0, the answer the end.
+    expected = [-100, -100, tok.encode("4")[0], tok.encode("0")[0], tok.encode("0")[0], tok.eos_id]
+    assert labels[0].tolist() == expected
+
+
 def test_addition_answers_are_reversed_sums():
     rng = random.Random(0)
     for digits in (1, 3, 7):
