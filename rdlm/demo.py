@@ -29,7 +29,7 @@ from torch import Tensor
 from rdlm import tasks as T
 from rdlm.config import RDLMConfig
 from rdlm.exits import make_exit_criterion
-from rdlm.fileio import atomic_write, write_json, write_text
+from rdlm.fileio import write_json, write_text
 from rdlm.huginn import save_pretrained
 from rdlm.model import RecurrentDepthLM
 
@@ -373,10 +373,9 @@ def run_code_demo(cfg: DemoConfig) -> DemoResult:
 # Report
 
 def _save_figure(fig, path: Path) -> str:
-    with atomic_write(path, "wb") as handle:
-        fig.savefig(handle, format="png", dpi=110)
-    _pyplot().close(fig)
-    return str(path)
+    from rdlm.analysis.plots import save_figure  # matplotlib only when plotting
+
+    return str(save_figure(fig, path))
 
 
 def write_report(out: Path, results: dict[str, Any], exit_steps: list[int]) -> list[str]:
@@ -422,9 +421,9 @@ def markdown_report(res: dict[str, Any]) -> str:
               f"({100 * ex['mean_steps_per_token'] / ex['max_steps']:.0f}% of fixed r={ex['max_steps']}), "
               f"{ex['mean_steps_per_answer_token']:.2f} on answer tokens; accuracy {_pct(ex['accuracy'])}% vs "
               f"{_pct(ex['fixed_accuracy'])}% at fixed r={ex['max_steps']}.", "",
-              "## What the paper predicts, checked", "", "| claim | value | holds |", "|---|---|---|"]
+              "## What the paper predicts, checked", "", "| claim | holds |", "|---|---|"]
     for name, ok in res["checks"].items():
-        lines.append(f"| {name} | | {'yes' if ok else 'no'} |")
+        lines.append(f"| {name} | {'yes' if ok else 'no'} |")
     lines += ["", "Numbers: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                           for k, v in claims.items()), "",
               "## Plots", "", "![accuracy vs r](accuracy_vs_r.png)", "",
@@ -461,7 +460,7 @@ def plot_task(out: Path, res: dict[str, Any], exit_steps: list[int]) -> list[str
     ax.set_ylabel("exact match (%)")
     ax.set_title("Accuracy vs r per difficulty (solid: trained range, dashed: harder)")
     ax.axvline(res["config"]["mean_recurrence"], color="grey", lw=0.8, ls=":")
-    ax.legend(title="difficulty", fontsize=7, ncol=2, loc="best")
+    ax.legend(title="difficulty", fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_ylim(-2, 102)
     fig.tight_layout()
     files.append(_save_figure(fig, out / "accuracy_vs_r.png"))
