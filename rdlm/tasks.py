@@ -6,7 +6,7 @@ read off the prompt in one step, so a recurrent-depth model should answer harder
 iterates longer (paper section 5, Figures 1 and 10).
 
 - `permutations` (the default): state tracking. A start value 0-4 and a word of moves `a`, `b`, `c`,
-  each a fixed permutation of {0..4}; the answer is the value after all moves: `3:abca=` -> `0`. The
+  each a fixed permutation of {0..4}; the answer is the value after all moves: `1:cab=` -> `2`. The
   moves generate the symmetric group S5, whose word problem no fixed-depth transformer can solve for
   long words (it is not solvable, so there is no shallow parallel shortcut): the work grows with the
   word, one move after another, which is exactly what extra core iterations buy. Training also
