@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
     p.add_argument("--num-heads", type=int, default=d.num_heads)
-    p.add_argument("--layers", type=_ints, default=d.layers, help="prelude,core,coda (default 1,2,1)")
+    p.add_argument("--layers", type=_ints, default=d.layers, help="prelude,core,coda layers (default 1,1,1)")
     p.add_argument("--mean-recurrence", type=int, default=d.mean_recurrence)
     p.add_argument("--backprop-depth", type=int, default=d.backprop_depth)
     p.add_argument("--eval-examples", type=int, default=d.eval_examples, help="examples per test split")
