@@ -66,11 +66,15 @@ class RowSource(Protocol):
 # --------------------------------------------------------------------------------------------------
 # In-memory rows
 
+def _tensor(values) -> Tensor:
+    return values if isinstance(values, Tensor) else torch.as_tensor(np.asarray(values))
+
+
 class MemoryRows:
     def __init__(self, tokens: Tensor | np.ndarray | Sequence[Sequence[int]],
                  loss_mask: Tensor | np.ndarray | None = None,
                  targets: Tensor | np.ndarray | None = None) -> None:
-        tokens = torch.as_tensor(np.asarray(tokens) if not isinstance(tokens, Tensor) else tokens)
+        tokens = _tensor(tokens)
         if tokens.ndim != 2 or tokens.shape[1] < 2:
             raise DataError(f"rows must be a 2-d array [rows, length >= 2], got shape {tuple(tokens.shape)}")
         if tokens.is_floating_point():
@@ -78,20 +82,20 @@ class MemoryRows:
         if len(tokens) == 0:
             raise DataError("no rows given")
         self.tokens = tokens.long()
-        self.loss_mask = None
-        if loss_mask is not None:
-            loss_mask = torch.as_tensor(np.asarray(loss_mask) if not isinstance(loss_mask, Tensor) else loss_mask)
-            if loss_mask.shape != self.tokens.shape:
-                raise DataError(f"loss_mask has shape {tuple(loss_mask.shape)}, rows have {tuple(tokens.shape)}")
-            self.loss_mask = loss_mask.bool()
+        mask = self._like_tokens(loss_mask, "loss_mask")
+        self.loss_mask = None if mask is None else mask.bool()
         # Targets differ from the tokens where a position is supervised with something other than the
         # next input token, e.g. the intermediate state of a reasoning task that the input never shows.
-        self.targets = None
-        if targets is not None:
-            targets = torch.as_tensor(np.asarray(targets) if not isinstance(targets, Tensor) else targets)
-            if targets.shape != self.tokens.shape:
-                raise DataError(f"targets have shape {tuple(targets.shape)}, rows have {tuple(tokens.shape)}")
-            self.targets = targets.long()
+        targets = self._like_tokens(targets, "targets")
+        self.targets = None if targets is None else targets.long()
+
+    def _like_tokens(self, values: Tensor | np.ndarray | None, name: str) -> Tensor | None:
+        if values is None:
+            return None
+        values = _tensor(values)
+        if values.shape != self.tokens.shape:
+            raise DataError(f"{name} has shape {tuple(values.shape)}, rows have {tuple(self.tokens.shape)}")
+        return values
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Sequence[int]], pad_id: int,

@@ -101,5 +101,5 @@ def test_memory_rows_targets_replace_the_next_token_as_labels():
     assert batch.input_ids.tolist() == [[1, 2, 3]]
     assert batch.labels.tolist() == [[9, IGNORE_INDEX, 8]]
     assert MemoryRows(tokens, mask, targets).max_token_id() == 9
-    with pytest.raises(DataError, match="targets have shape"):
+    with pytest.raises(DataError, match="targets has shape"):
         MemoryRows(tokens, mask, targets[:, :2])
