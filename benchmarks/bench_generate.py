@@ -27,9 +27,11 @@ import dataclasses
 import math
 import os
 import time
+from pathlib import Path
 
 import torch
 
+import rdlm
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.generate import GenerationConfig, generate
 from rdlm.model import rope_tables
@@ -122,9 +124,11 @@ def sync(device: str) -> None:
 
 def mode_options(mode: str, r: int, args) -> dict:
     if mode == "adaptive":
-        return dict(exit_criterion="kl", min_steps=2, exit_every=args.exit_every)
+        return dict(exit_criterion="kl", min_steps=2, exit_every=args.exit_every,
+                    exit_sync_every=args.exit_sync_every)
     if mode == "never":  # a criterion evaluated as usual that never fires: its cost alone
-        return dict(exit_criterion="kl", exit_threshold=-1.0, exit_every=args.exit_every)
+        return dict(exit_criterion="kl", exit_threshold=-1.0, exit_every=args.exit_every,
+                    exit_sync_every=args.exit_sync_every)
     if mode == "shared":
         return dict(cache_strategy="shared", cache_slots=min(args.cache_slots, r))
     if mode == "speculative":
@@ -137,8 +141,15 @@ def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -
     batch = 1 if mode == "speculative" else batch
     config = GenerationConfig(num_steps=r, max_new_tokens=args.new_tokens, seed=0, compile=compile,
                               **mode_options(mode, r, args))
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, c.vocab_size, (batch, args.prompt_length), generator=gen).tolist()
+    if args.model and (Path(args.model) / "tokenizer.json").exists():  # text the model was trained on
+        from rdlm.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(args.model)
+        texts = args.prompt_text.split("|")
+        prompts = [tok.encode(texts[b % len(texts)], add_bos=True)[-args.prompt_length:] for b in range(batch)]
+    else:
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, c.vocab_size, (batch, args.prompt_length), generator=gen).tolist()
     if args.warmup:  # a short run first: allocator, kernels, compiled code of this shape
         generate(model, prompts, dataclasses.replace(config, max_new_tokens=2))
     result = generate(model, prompts, config)
@@ -146,7 +157,8 @@ def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -
     decoded = new - batch  # the first token of each row comes from the prefill
     mean_steps = sum(s for row in result.steps for s in row[1:]) / max(decoded, 1)
     context = args.prompt_length + args.new_tokens / 2
-    prefill_flops = batch * args.prompt_length * token_flops(c, r, 1, args.prompt_length / 2)
+    prompt_tokens = sum(len(p) for p in prompts)
+    prefill_flops = prompt_tokens * token_flops(c, r, 1, args.prompt_length / 2)
     uses_logits = mode in ("adaptive", "never")
     if mode == "speculative":
         # every drafted token: prelude, N iterations, coda; then verification: r - N iterations, coda
@@ -161,7 +173,7 @@ def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -
         decode_bytes = steps_run * step_bytes(model, batch, mean_steps, 1, context)
     seconds = result.decode_seconds
     return dict(
-        prefill_tps=batch * args.prompt_length / result.prefill_seconds,
+        prefill_tps=prompt_tokens / result.prefill_seconds,
         decode_tps=decoded / seconds if decoded else float("nan"),
         steps=mean_steps,
         flops=decode_flops / seconds,
@@ -176,6 +188,10 @@ def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="tiny,small")
+    p.add_argument("--prompt-text", default="the cat sat on|12 13 14 15|a dog looked at|the old man walked to",
+                   help="with --model: prompts, separated by |, cycled over the batch")
+    p.add_argument("--model", help="a trained model directory instead of random presets (adaptive exits "
+                                   "only fire on a model that converges over iterations)")
     p.add_argument("--steps", default="4,8,16,32", help="comma-separated r")
     p.add_argument("--modes", default="fixed,adaptive,never,shared,speculative")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
@@ -184,6 +200,7 @@ def main() -> None:
     p.add_argument("--cache-slots", type=int, default=4)
     p.add_argument("--draft-length", type=int, default=4)
     p.add_argument("--exit-every", type=int, default=1, help="GenerationConfig.exit_every for adaptive modes")
+    p.add_argument("--exit-sync-every", type=int, default=4, help="GenerationConfig.exit_sync_every")
     p.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
                    help="the static decode step (GenerationConfig.compile); both: off then on, per row")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
@@ -205,8 +222,12 @@ def main() -> None:
               f"{'speed-up':>8} {'ideal':>5} {'cache MiB':>9} {'accept':>6}")
     print(header)
     print("-" * len(header))
-    for preset in args.presets.split(","):
-        model = build_random(preset, dtype, args.device)
+    for preset in [args.model] if args.model else args.presets.split(","):
+        if args.model:
+            model = rdlm.load_pretrained(args.model, dtype=dtype).to(args.device).eval()
+            preset = Path(args.model).name[:12]
+        else:
+            model = build_random(preset, dtype, args.device)
         for batch in [int(b) for b in args.batch.split(",")]:
             for r in [int(s) for s in args.steps.split(",")]:
                 for compile in compiles:

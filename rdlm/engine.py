@@ -22,7 +22,9 @@ on the eager path (the same model calls over slices of the cache).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -203,26 +205,31 @@ class Session:
         self.last_state = state
         return logits, steps
 
-    def run(self, key: tuple, body: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
-        """Run a static body: eagerly, or on CUDA through a CUDA graph captured on first use (its
-        outputs are then static tensors, overwritten by the next replay: clone what you keep)."""
+    def run(self, key: tuple, body: Callable[[], tuple], idempotent: bool = True) -> tuple:
+        """Run a static body: eagerly, or on CUDA through a CUDA graph captured on first use. A
+        replay's outputs are the graph's own tensors, overwritten by the next replay. The first call
+        runs the body once to warm up (allocator, cuBLAS workspaces), captures it, then replays it;
+        a body that updates its inputs in place (`idempotent=False`) is not replayed after the warm-up
+        that already did its work."""
         if not self.graphs:
             return body()
-        if key not in self.graphed:
-            import time
-
-            t0 = time.perf_counter()
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up (allocator, cuBLAS workspaces) off the capture
-                body()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = body()
-            self.graphed[key] = (graph, outputs)
-            self.capture_seconds += time.perf_counter() - t0
-        graph, outputs = self.graphed[key]
+        if key in self.graphed:
+            graph, outputs = self.graphed[key]
+            graph.replay()
+            return outputs
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            warm = body()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = body()
+        self.graphed[key] = (graph, outputs)
+        self.capture_seconds += time.perf_counter() - t0
+        if not idempotent:
+            return warm
         graph.replay()
         return outputs
 
@@ -251,64 +258,85 @@ class Session:
 
     def token_adaptive(self) -> tuple[Tensor, Tensor, Tensor]:
         """One token per row, each row iterating until the exit criterion fires (between min_steps and
-        num_steps). Returns (logits [B, V], final state [B, 1, h], steps [B])."""
+        num_steps). Returns (logits [B, V], final state [B, 1, h], steps [B]).
+
+        While every row iterates, chunks of `exit_sync_every` iterations run as static steps (CUDA
+        graphs on CUDA) over the whole batch, exited rows frozen on the device; at the end of a chunk
+        the host looks at the exit flags, and once some rows have exited the others go on alone."""
         c, cache = self.config, self.cache
-        r, sync_every = c.num_steps, c.exit_sync_every
-        e, rope, mask, positions = self.decode_inputs()
-        state = self.warm if c.continuous_cot else self.initial_state(e, positions)
-        zeros = torch.zeros(self.batch, dtype=torch.long, device=self.device)
-        rows = Rows(torch.arange(self.batch, device=self.device), state, e, rope, mask, zeros,
-                    zeros.bool(), zeros, None)
-        final = state.clone()
-        steps = zeros.clone()
-        i = 0
+        r, every = c.num_steps, c.exit_sync_every
+        rows = full = self.run(("adaptive", "start"), self.adaptive_start)[0]
+        final, steps = rows.state.clone(), rows.steps.clone()
+        i, compact = 0, False
         while i < r:
-            n = min(sync_every, r - i)
-            rows = self.iterate(rows, i, n)
+            n = min(every, r - i)
+            if compact:
+                rows = self.iterate(rows, i, n)
+            else:
+                self.run(("adaptive", i, n), lambda: (self.iterate(rows, i, n, in_place=True),),
+                         idempotent=False)
             i += n
             if i == r:
                 break
-            done = rows.exited.cpu()  # the host looks: rows that exited leave the batch
+            exited = rows.exited
+            done = exited.cpu()  # the host looks: rows that exited leave the batch
             if bool(done.any()):
-                final[rows.index[done]] = rows.state[done]
-                steps[rows.index[done]] = rows.steps[done]
+                final[rows.index[exited]] = rows.state[exited]
+                steps[rows.index[exited]] = rows.steps[exited]
                 if bool(done.all()):
-                    rows = rows.select(~done)
+                    rows = rows.select(~exited)
                     break
-                rows = rows.select(~done)
+                rows, compact = rows.select(~exited), True
                 cache.rows = rows.index
         final[rows.index] = rows.state
         steps[rows.index] = rows.steps
         cache.rows, cache.core_writers = None, None
-        start = cache.start
-        cache.fill_missing(steps, start, None)
-        logits = self.model.readout(final, rope, mask, cache)[:, -1]
+        cache.fill_missing(steps, cache.start, None)
+        logits = self.model.readout(final, full.rope, full.mask, cache)[:, -1]
         return logits, final, steps
 
-    def iterate(self, rows: Rows, first: int, n: int) -> Rows:
-        """Iterations first .. first + n - 1 for `rows`, deciding exits on the device."""
+    def adaptive_start(self) -> tuple[Rows]:
+        """Prelude and s_0 of the token; every row active."""
+        e, rope, mask, positions = self.decode_inputs()
+        state = self.warm if self.config.continuous_cot else self.initial_state(e, positions)
+        zeros = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        logits = None
+        if self.criterion.uses_logits:
+            logits = torch.zeros(self.batch, self.model.config.vocab_size, device=self.device)
+        return (Rows(torch.arange(self.batch, device=self.device), state.clone(), e, rope, mask, zeros,
+                     zeros.bool(), zeros.clone(), logits),)
+
+    def iterate(self, rows: Rows, first: int, n: int, in_place: bool = False) -> Rows:
+        """Iterations first .. first + n - 1 for `rows`, deciding exits on the device. A row that
+        exited keeps its state and stops writing core cache entries. `in_place` writes the results
+        into `rows`' own tensors (a static step's outputs are its inputs)."""
         c, crit, cache = self.config, self.criterion, self.cache
         r = c.num_steps
+        out = dataclasses.replace(rows)
         for i in range(first, first + n):
-            cache.core_writers = ~rows.exited if i else None
-            new = self.model.step(rows.state, rows.embedded, i, rows.rope, rows.mask, cache)
-            prev_state = rows.state
-            rows.state = torch.where(rows.exited.view(-1, 1, 1), prev_state, new)
-            rows.steps = rows.steps + (~rows.exited).long()
+            cache.core_writers = ~out.exited if i else None
+            new = self.model.step(out.state, out.embedded, i, out.rope, out.mask, cache)
+            prev_state = out.state
+            out.state = torch.where(out.exited.view(-1, 1, 1), prev_state, new)
+            out.steps = out.steps + (~out.exited).long()
             # The criterion compares iterations i-1 and i; never at i = 0 (nothing to compare) nor at the
             # last iteration (the token stops there anyway).
             evaluate = 0 < i < r - 1 and (i + 1) % c.exit_every == 0
-            needs_logits = crit.uses_logits and (evaluate or (0 < i + 1 < r - 1 and (i + 2) % c.exit_every == 0))
-            prev_logits = rows.logits
-            rows.logits = None
-            if needs_logits:
-                rows.logits = self.model.readout(rows.state, rows.rope, rows.mask, cache)[:, -1]
+            prev_logits = out.logits
+            if crit.uses_logits and (evaluate or (0 < i + 1 < r - 1 and (i + 2) % c.exit_every == 0)):
+                out.logits = self.model.readout(out.state, out.rope, out.mask, cache)[:, -1]
             if evaluate:
-                passed = crit(prev_logits, rows.logits, prev_state[:, -1], rows.state[:, -1])
-                rows.streak = torch.where(passed, rows.streak + 1, 0)
-                rows.exited = rows.exited | ((rows.streak >= crit.patience) & (rows.steps >= c.min_steps))
+                passed = crit(prev_logits, out.logits, prev_state[:, -1], out.state[:, -1])
+                out.streak = torch.where(passed, out.streak + 1, 0)
+                out.exited = out.exited | ((out.streak >= crit.patience) & (out.steps >= c.min_steps))
         cache.core_writers = None
-        return rows
+        if in_place:
+            for name in ("state", "steps", "exited", "streak", "logits"):
+                target = getattr(rows, name)
+                if target is not None:
+                    target.copy_(getattr(out, name))
+            return rows
+        return out
 
     # ---- self-speculative decoding
 
