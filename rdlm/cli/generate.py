@@ -50,6 +50,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-criterion", choices=sorted(CRITERIA), help="per-token adaptive compute")
     g.add_argument("--exit-threshold", type=float, help="default: the criterion's (kl: 5e-4)")
     g.add_argument("--min-steps", type=int, default=2)
+    g.add_argument("--exit-every", type=int, default=1,
+                   help="evaluate the exit criterion every n iterations (1: after each, as in the paper)")
+    g.add_argument("--exit-sync-every", type=int, default=4,
+                   help="the host reads exit flags every n iterations (speed only, never the tokens)")
     g.add_argument("--cache", choices=["full", "shared"], default="full", help="KV-cache strategy")
     g.add_argument("--cache-slots", type=int, help="k for --cache shared (iteration i uses slot i mod k)")
     g.add_argument("--continuous-cot", action="store_true",
@@ -58,6 +62,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-length", type=int, default=4, help="tokens drafted per speculative round")
     g.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: all-zero state)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--device", default="cpu")
 
@@ -66,8 +72,9 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
     stop_ids = tuple(parse_ids(args.stop_ids)) if args.stop_ids else ()
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
-        num_steps=args.num_steps or model.config.mean_recurrence,
+        num_steps=model.config.mean_recurrence if args.num_steps is None else args.num_steps,
         exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
+        exit_every=args.exit_every, exit_sync_every=args.exit_sync_every, compile=args.compile,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens + stop_ids,
         stop_strings=tuple(args.stop), cache_strategy=args.cache, cache_slots=args.cache_slots,
