@@ -27,6 +27,9 @@ says where the new tokens go and which rows take part:
   leave the core's matmuls); None for all of them.
 - `core_writers`: bool over this call's rows; rows that exited early stop writing core entries, so
   nobody reads states computed only for others.
+- `slots`: one core slot per row of this call, instead of the slot of the key's iteration (rows at
+  different iterations in one call: continuous batching). Needs `rows` and a device-side `start`
+  with one index per row.
 """
 
 from __future__ import annotations
@@ -62,8 +65,12 @@ class RecurrentKVCache:
         self.start: int | Tensor = 0             # where this call's tokens are written (see module doc)
         self.rows: Tensor | None = None          # this call's rows of the cache; None: all
         self.core_writers: Tensor | None = None  # bool [this call's rows]: rows whose core entries are written
+        self.slots: Tensor | None = None         # [this call's rows]: each row's core slot (see module doc)
+        self.budget: int | None = None           # block calls: iteration i uses slot i mod budget
 
     def slot(self, iteration: int) -> int:
+        if self.budget is not None:
+            return iteration % self.budget
         if self.strategy == "shared":
             return iteration % self.num_slots
         if iteration >= self.num_slots:
@@ -73,6 +80,12 @@ class RecurrentKVCache:
 
     def update(self, key: tuple[str, int, int], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         group, layer, iteration = key
+        if group == "core" and self.slots is not None:  # each row at its own slot and index
+            index = self.start.view(-1)
+            cache_k, cache_v = self.core_k[layer], self.core_v[layer]
+            cache_k[self.slots, self.rows, :, index] = k.squeeze(2)
+            cache_v[self.slots, self.rows, :, index] = v.squeeze(2)
+            return cache_k[self.slots, self.rows], cache_v[self.slots, self.rows]
         if group == "core":
             slot = self.slot(iteration)
             cache_k, cache_v = self.core_k[layer, slot], self.core_v[layer, slot]
@@ -87,7 +100,7 @@ class RecurrentKVCache:
             k = torch.where(keep, self._read(cache_k, k.shape[2]), k)
             v = torch.where(keep, self._read(cache_v, v.shape[2]), v)
         if isinstance(self.start, Tensor):  # static: one token per row at a device-side index
-            index = self.start.view(1)
+            index = self.start.view(-1)  # one index for all rows, or one per row of `rows`
             if self.rows is None:
                 cache_k.index_copy_(2, index, k)
                 cache_v.index_copy_(2, index, v)
@@ -149,6 +162,14 @@ class RecurrentKVCache:
             filled.copy_(torch.where(missing, latest, filled))
             if static:
                 cache.index_copy_(4, start, filled)
+
+    def fill_row(self, row: int, steps: int, slots: int, start: int, end: int) -> None:
+        """`fill_missing` for one row whose tokens start..end-1 ran `steps` iterations over its first
+        `slots` core slots; the other rows' entries are left alone."""
+        if steps >= slots:
+            return
+        for cache in (self.core_k, self.core_v):
+            cache[:, steps:slots, row, :, start:end] = cache[:, steps - 1:steps, row, :, start:end]
 
     @property
     def core_nbytes(self) -> int:
