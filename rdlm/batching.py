@@ -164,33 +164,48 @@ class ContinuousBatch:
         self.cancelled.clear()
 
     def _admit(self, events: list[BatchEvent]) -> None:
-        """Prompts of waiting requests into free rows (one block call each), first token chosen."""
-        model, cache = self.model, self.cache
+        """Prompts of waiting requests into free rows, first tokens chosen: one block call for the
+        requests that share a prefill depth and cache budget (prompts right-padded; a pad writes
+        entries past its prompt that the row's own tokens overwrite, and no real token attends to it)."""
+        groups: dict[tuple[int, int], list[_Request]] = {}
         while self.waiting and None in self.rows:
             q = self.waiting.popleft()
             q.row = self.rows.index(None)
             self.rows[q.row] = q
-            n = len(q.prompt)
-            row = torch.tensor([q.row], device=self.device)
+            groups.setdefault((q.config.prefill_steps or q.config.num_steps, q.budget), []).append(q)
+        for (steps, budget), group in groups.items():
+            self._prefill(group, steps, budget, events)
+
+    def _prefill(self, group: list[_Request], steps: int, budget: int, events: list[BatchEvent]) -> None:
+        model, cache = self.model, self.cache
+        lengths = [len(q.prompt) for q in group]
+        n = max(lengths)
+        ids = torch.zeros(len(group), n, dtype=torch.long, device=self.device)
+        state = torch.zeros(len(group), n, model.config.hidden_size, dtype=self.dtype, device=self.device)
+        for j, q in enumerate(group):
+            ids[j, :lengths[j]] = torch.tensor(q.prompt, device=self.device)
+            if q.noise is not None:
+                state[j, :lengths[j]] = q.noise[:lengths[j]]
             self.key_valid[q.row] = False
-            self.key_valid[q.row, :n] = True
+            self.key_valid[q.row, :lengths[j]] = True
             self.seen[q.row] = False
-            self.seen[q.row, torch.tensor(q.prompt, device=self.device)] = True
-            positions = torch.arange(n, device=self.device)
-            rope = model.rope(positions, check=False)
-            mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
-            cache.rows, cache.start, cache.budget, cache.slots, cache.end = row, 0, q.budget, None, None
-            e = model.embed(torch.tensor([q.prompt], device=self.device), rope, mask, cache)
-            state = torch.zeros_like(e) if q.noise is None else q.noise[:n].unsqueeze(0)
-            steps = q.config.prefill_steps or q.config.num_steps
-            for i in range(steps):
-                state = model.step(state, e, i, rope, mask, cache)
-            cache.fill_row(q.row, steps, q.budget, 0, n)
-            logits = model.readout(state, rope, mask, cache)[:, -1]
-            cache.budget = None
-            q.length = n
-            self.state[q.row] = state[0, -1:]
-            self._choose(q, logits, steps, events)
+            self.seen[q.row, ids[j, :lengths[j]]] = True
+        rows = torch.tensor([q.row for q in group], device=self.device)
+        rope = model.rope(torch.arange(n, device=self.device), check=False)
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
+        cache.rows, cache.start, cache.budget, cache.slots, cache.end = rows, 0, budget, None, None
+        e = model.embed(ids, rope, mask, cache)
+        for i in range(steps):
+            state = model.step(state, e, i, rope, mask, cache)
+        for q, length in zip(group, lengths):
+            cache.fill_row(q.row, steps, budget, 0, length)
+        logits = model.readout(state, rope, mask, cache)
+        cache.budget = None
+        self._last_inputs = None
+        for j, (q, length) in enumerate(zip(group, lengths)):
+            q.length = length
+            self.state[q.row] = state[j, length - 1:length]
+            self._choose(q, logits[j, length - 1:length], steps, events)
 
     def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Tensor | slice, Tensor, tuple[Tensor, Tensor], Tensor]:
         """(rows, the same rows as a slice where they are consecutive, write indices, RoPE, mask) of the
@@ -257,6 +272,8 @@ class ContinuousBatch:
                 evaluate.append(j)
             if crit.uses_logits and (now or following):
                 readout.append(j)
+        if not evaluate and not readout:
+            return [q for q in requests if q.iteration == q.config.num_steps]
         prev_logits = self.logits[select].clone()
         if readout:
             pick = torch.tensor(readout, device=self.device)
