@@ -91,6 +91,7 @@ class ContinuousBatch:
         self.waiting: deque[_Request] = deque()
         self.rows: list[_Request | None] = [None] * max_batch
         self.ids = itertools.count()
+        self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
         self.cancelled: set[int] = set()
 
     # ---- requests
@@ -163,68 +164,100 @@ class ContinuousBatch:
         self.cancelled.clear()
 
     def _admit(self, events: list[BatchEvent]) -> None:
-        """Prompts of waiting requests into free rows (one block call each), first token chosen."""
-        model, cache = self.model, self.cache
+        """Prompts of waiting requests into free rows, first tokens chosen: one block call for the
+        requests that share a prefill depth and cache budget (prompts right-padded; a pad writes
+        entries past its prompt that the row's own tokens overwrite, and no real token attends to it)."""
+        groups: dict[tuple[int, int], list[_Request]] = {}
         while self.waiting and None in self.rows:
             q = self.waiting.popleft()
             q.row = self.rows.index(None)
             self.rows[q.row] = q
-            n = len(q.prompt)
-            row = torch.tensor([q.row], device=self.device)
-            self.key_valid[q.row] = False
-            self.key_valid[q.row, :n] = True
-            self.seen[q.row] = False
-            self.seen[q.row, torch.tensor(q.prompt, device=self.device)] = True
-            positions = torch.arange(n, device=self.device)
-            rope = model.rope(positions, check=False)
-            mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
-            cache.rows, cache.start, cache.budget, cache.slots = row, 0, q.budget, None
-            e = model.embed(torch.tensor([q.prompt], device=self.device), rope, mask, cache)
-            state = torch.zeros_like(e) if q.noise is None else q.noise[:n].unsqueeze(0)
-            steps = q.config.prefill_steps or q.config.num_steps
-            for i in range(steps):
-                state = model.step(state, e, i, rope, mask, cache)
-            cache.fill_row(q.row, steps, q.budget, 0, n)
-            logits = model.readout(state, rope, mask, cache)[:, -1]
-            cache.budget = None
-            q.length = n
-            self.state[q.row] = state[0, -1:]
-            self._choose(q, logits, steps, events)
+            groups.setdefault((q.config.prefill_steps or q.config.num_steps, q.budget), []).append(q)
+        for (steps, budget), group in groups.items():
+            self._prefill(group, steps, budget, events)
 
-    def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor], Tensor]:
-        """rows, write indices, RoPE and mask of the token in progress of each request."""
-        rows = torch.tensor([q.row for q in requests], device=self.device)
+    def _prefill(self, group: list[_Request], steps: int, budget: int, events: list[BatchEvent]) -> None:
+        model, cache = self.model, self.cache
+        lengths = [len(q.prompt) for q in group]
+        n = max(lengths)
+        ids = torch.zeros(len(group), n, dtype=torch.long, device=self.device)
+        state = torch.zeros(len(group), n, model.config.hidden_size, dtype=self.dtype, device=self.device)
+        for j, q in enumerate(group):
+            ids[j, :lengths[j]] = torch.tensor(q.prompt, device=self.device)
+            if q.noise is not None:
+                state[j, :lengths[j]] = q.noise[:lengths[j]]
+            self.key_valid[q.row] = False
+            self.key_valid[q.row, :lengths[j]] = True
+            self.seen[q.row] = False
+            self.seen[q.row, ids[j, :lengths[j]]] = True
+        rows = torch.tensor([q.row for q in group], device=self.device)
+        rope = model.rope(torch.arange(n, device=self.device), check=False)
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
+        cache.rows, cache.start, cache.budget, cache.slots, cache.end = rows, 0, budget, None, None
+        e = model.embed(ids, rope, mask, cache)
+        for i in range(steps):
+            state = model.step(state, e, i, rope, mask, cache)
+        for q, length in zip(group, lengths):
+            cache.fill_row(q.row, steps, budget, 0, length)
+        logits = model.readout(state, rope, mask, cache)
+        cache.budget = None
+        self._last_inputs = None
+        for j, (q, length) in enumerate(zip(group, lengths)):
+            q.length = length
+            self.state[q.row] = state[j, length - 1:length]
+            self._choose(q, logits[j, length - 1:length], steps, events)
+
+    def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Tensor | slice, Tensor, tuple[Tensor, Tensor], Tensor]:
+        """(rows, the same rows as a slice where they are consecutive, write indices, RoPE, mask) of the
+        token in progress of each request; the cache reads up to the longest of them."""
+        key = tuple((q.row, q.length) for q in requests)
+        if self._last_inputs is not None and self._last_inputs[0] == key:  # unchanged since the last step
+            self.cache.end = max(length for _, length in key) + 1
+            return self._last_inputs[1]
+        numbers = [q.row for q in requests]
+        rows = torch.tensor(numbers, device=self.device)
+        consecutive = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+        select = slice(numbers[0], numbers[-1] + 1) if consecutive else rows
         index = torch.tensor([q.length for q in requests], device=self.device)
         rope = self.model.rope(index.view(-1, 1), check=False)
-        return rows, index, rope, self.key_valid[rows][:, None, None, :]
+        self.cache.end = max(q.length for q in requests) + 1
+        inputs = rows, select, index, rope, self.key_valid[select, :self.cache.end][:, None, None, :]
+        self._last_inputs = (key, inputs)
+        return inputs
 
     def _start(self, requests: list[_Request]) -> None:
         """Feed each request's chosen token: prelude and s_0 of its next position."""
-        rows, index, rope, _ = self._inputs(requests)
+        rows, select, index, rope, _ = self._inputs(requests)
         self.key_valid[rows, index] = True
-        mask = self.key_valid[rows][:, None, None, :]
+        self._last_inputs = None  # the mask changed
+        mask = self.key_valid[select, :self.cache.end][:, None, None, :]
         self.seen[rows, torch.tensor([q.next_token for q in requests], device=self.device)] = True
         cache = self.cache
-        cache.rows, cache.start, cache.slots = rows, index, None
+        cache.rows, cache.start, cache.slots = select, index, None
         ids = torch.tensor([[q.next_token] for q in requests], device=self.device)
-        e = self.model.embed(ids, rope, mask, cache)
-        self.embedded[rows] = e
-        for j, q in enumerate(requests):
+        self.embedded[select] = self.model.embed(ids, rope, mask, cache)
+        for q in requests:
             if not q.config.continuous_cot:  # else s_0 is the previous token's final state, kept in place
                 self.state[q.row] = 0 if q.noise is None else q.noise[q.length]
             q.iteration, q.iterating = 0, True
-        self.streak[rows] = 0
+        self.streak[select] = 0
 
     def _iterate(self, requests: list[_Request]) -> list[_Request]:
         """One core iteration for every request; returns those whose token is done."""
         model, cache = self.model, self.cache
-        rows, index, rope, mask = self._inputs(requests)
-        cache.rows, cache.start = rows, index
-        cache.slots = torch.tensor([q.iteration % q.budget for q in requests], device=self.device)
-        prev_state = self.state[rows]
-        state = model.step(prev_state, self.embedded[rows], 0, rope, mask, cache)
+        rows, select, index, rope, mask = self._inputs(requests)
+        slots = [q.iteration % q.budget for q in requests]
+        cache.start = index
+        if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
+            cache.rows, cache.slots, iteration = select, None, slots[0]
+        else:
+            cache.rows, cache.slots, iteration = rows, torch.tensor(slots, device=self.device), 0
+        prev_state = self.state[select]
+        if any(q.criterion is not None for q in requests):
+            prev_state = prev_state.clone()  # `select` may be a view, overwritten below
+        state = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
         cache.slots = None
-        self.state[rows] = state
+        self.state[select] = state
         for q in requests:
             q.iteration += 1
         # exit criteria: iteration i compares with i - 1, never at i = 0 nor at the last iteration
@@ -239,7 +272,9 @@ class ContinuousBatch:
                 evaluate.append(j)
             if crit.uses_logits and (now or following):
                 readout.append(j)
-        prev_logits = self.logits[rows]
+        if not evaluate and not readout:
+            return [q for q in requests if q.iteration == q.config.num_steps]
+        prev_logits = self.logits[select].clone()
         if readout:
             pick = torch.tensor(readout, device=self.device)
             logits = model.readout(state[pick], (rope[0][pick], rope[1][pick]), mask[pick],
@@ -260,7 +295,8 @@ class ContinuousBatch:
         exited = exited.tolist() if groups else [False] * len(requests)
         return [q for q, out in zip(requests, exited) if out or q.iteration == q.config.num_steps]
 
-    def _for(self, rows: Tensor, index: Tensor) -> RecurrentKVCache:
+    def _for(self, rows: Tensor | slice, index: Tensor) -> RecurrentKVCache:
+        """The cache, set for a coda call of `rows` (a subset of the last `_inputs` call's rows)."""
         self.cache.rows, self.cache.start, self.cache.slots = rows, index, None
         return self.cache
 
@@ -268,8 +304,8 @@ class ContinuousBatch:
         """The coda for requests whose token is done, then their next token."""
         for q in requests:
             self.cache.fill_row(q.row, q.iteration, q.budget, q.length, q.length + 1)
-        rows, index, rope, mask = self._inputs(requests)
-        logits = self.model.readout(self.state[rows], rope, mask, self._for(rows, index))[:, -1]
+        rows, select, index, rope, mask = self._inputs(requests)
+        logits = self.model.readout(self.state[select], rope, mask, self._for(select, index))[:, -1]
         for j, q in enumerate(requests):
             q.length += 1
             q.iterating = False

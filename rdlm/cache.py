@@ -24,12 +24,14 @@ says where the new tokens go and which rows take part:
   generation (the static decode step that `torch.compile` and CUDA graphs take whole; the attention
   mask hides the entries not yet written).
 - `rows`: the batch rows of this call, a subset of the cache's rows (rows whose tokens exited early
-  leave the core's matmuls); None for all of them.
+  leave the core's matmuls): an index tensor, a slice for consecutive rows (read as views, without
+  a gather), or None for all of them.
 - `core_writers`: bool over this call's rows; rows that exited early stop writing core entries, so
   nobody reads states computed only for others.
 - `slots`: one core slot per row of this call, instead of the slot of the key's iteration (rows at
   different iterations in one call: continuous batching). Needs `rows` and a device-side `start`
-  with one index per row.
+  with one index per row. `end` then bounds the keys returned (the longest row's length), so a call
+  reads what its rows hold, not the whole buffer.
 """
 
 from __future__ import annotations
@@ -63,10 +65,11 @@ class RecurrentKVCache:
         self.core_k, self.core_v = new(config.core_layers, num_slots), new(config.core_layers, num_slots)
         self.coda_k, self.coda_v = new(config.coda_layers), new(config.coda_layers)
         self.start: int | Tensor = 0             # where this call's tokens are written (see module doc)
-        self.rows: Tensor | None = None          # this call's rows of the cache; None: all
+        self.rows: Tensor | slice | None = None  # this call's rows of the cache; None: all
         self.core_writers: Tensor | None = None  # bool [this call's rows]: rows whose core entries are written
         self.slots: Tensor | None = None         # [this call's rows]: each row's core slot (see module doc)
         self.budget: int | None = None           # block calls: iteration i uses slot i mod budget
+        self.end: int | None = None              # device-side writes: return keys/values [:end] only
 
     def slot(self, iteration: int) -> int:
         if self.budget is not None:
@@ -85,7 +88,8 @@ class RecurrentKVCache:
             cache_k, cache_v = self.core_k[layer], self.core_v[layer]
             cache_k[self.slots, self.rows, :, index] = k.squeeze(2)
             cache_v[self.slots, self.rows, :, index] = v.squeeze(2)
-            return cache_k[self.slots, self.rows], cache_v[self.slots, self.rows]
+            window = slice(None, self.end)
+            return cache_k[self.slots, self.rows, :, window], cache_v[self.slots, self.rows, :, window]
         if group == "core":
             slot = self.slot(iteration)
             cache_k, cache_v = self.core_k[layer, slot], self.core_v[layer, slot]
@@ -105,9 +109,16 @@ class RecurrentKVCache:
                 cache_k.index_copy_(2, index, k)
                 cache_v.index_copy_(2, index, v)
                 return cache_k, cache_v
-            cache_k[self.rows, :, index] = k.squeeze(2)
-            cache_v[self.rows, :, index] = v.squeeze(2)
-            return cache_k[self.rows], cache_v[self.rows]
+            if isinstance(self.rows, slice):  # consecutive rows: views, no gather
+                cache_k, cache_v = cache_k[self.rows], cache_v[self.rows]
+                rows = torch.arange(cache_k.shape[0], device=cache_k.device)
+            else:
+                rows = self.rows
+            cache_k[rows, :, index] = k.squeeze(2)
+            cache_v[rows, :, index] = v.squeeze(2)
+            if isinstance(self.rows, slice):
+                return cache_k[:, :, :self.end], cache_v[:, :, :self.end]
+            return cache_k[rows, :, :self.end], cache_v[rows, :, :self.end]
         start, end = self.start, self.start + k.shape[2]
         if end > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} tokens; writing up to {end} does not fit")
