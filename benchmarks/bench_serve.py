@@ -36,6 +36,16 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def http_client():
+    """The HTTP client the `openai` package uses: httpx2 in openai >= 3, httpx before."""
+    try:
+        import httpx2
+        return httpx2
+    except ImportError:
+        import httpx
+        return httpx
+
+
 def start_server(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rdlm", "serve", args.model, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-queue", str(4 * args.clients), "-r", str(args.num_steps),
@@ -46,8 +56,7 @@ def start_server(args, port: int) -> subprocess.Popen:
             cmd += ["--exit-threshold", str(args.exit_threshold)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env)
-    import httpx2 as httpx
-
+    httpx = http_client()
     deadline = time.time() + 120
     while True:
         if proc.poll() is not None or time.time() > deadline:
@@ -62,7 +71,7 @@ def start_server(args, port: int) -> subprocess.Popen:
 def serve(args, prompts: list[str]) -> dict:
     import json
 
-    import httpx2 as httpx  # the HTTP client the `openai` package uses; raw SSE keeps the clients light
+    httpx = http_client()  # raw SSE keeps the clients light
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

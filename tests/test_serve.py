@@ -18,7 +18,10 @@ import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-import httpx2 as httpx  # noqa: E402  (the HTTP client the openai package itself uses)
+try:  # the HTTP client the openai package itself uses: httpx2 in openai >= 3, httpx before
+    import httpx2 as httpx  # noqa: E402
+except ImportError:
+    import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
 from rdlm import RDLMConfig, RecurrentDepthLM, save_pretrained  # noqa: E402
