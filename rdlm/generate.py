@@ -9,7 +9,9 @@ Every zero-shot inference feature of the paper is a field of `GenerationConfig`:
 - KV-cache sharing: `cache_strategy="shared"`, `cache_slots=k`;
 - continuous chain of thought: `continuous_cot=True` warm-starts s_0 from the previous token's state;
 - self-speculative decoding: `draft_steps=N`, `draft_length=L` drafts with N iterations and verifies
-  with `num_steps` in one forward (see `Session.speculate`).
+  with `num_steps` in one forward (see `Session.speculate`);
+- the parallel (diffusion-style) sampler: `sampler="parallel"` refines a wavefront of positions at
+  once, `inner_recurrence` iterations per step (see rdlm.parallel).
 
 Batches of prompts with different lengths are left-padded; each row has its own positions, attention
 mask, s_0 noise and sampling generator, so a row gives the same tokens as its prompt alone. The random
@@ -71,6 +73,16 @@ class GenerationConfig:
     # (exited rows then leave the batch). exit_sync_every changes cost only, never tokens.
     exit_every: int = 1
     exit_sync_every: int = 4
+    # The parallel (diffusion-style) sampler (rdlm.parallel; batch 1): "sequential" or "parallel".
+    sampler: str = "sequential"
+    inner_recurrence: int = 4           # core iterations per wavefront step, on every wave position
+    headway: int = 1                    # new positions appended per step
+    freeze_criterion: str | ExitCriterion = "latent-diff"  # when a position's state stopped moving
+    freeze_threshold: float | None = None  # default: the criterion's own (latent-diff: 0.03)
+    max_wavefront: int | None = 128     # most positions in flight; None: no limit
+    state_noise_mixing: float = 0.0     # m: s <- (1 - m/(1+i)) s + m/(1+i) noise before each step
+    embedding_ema: float = 0.1          # EMA weight of a position's earlier input embeddings
+    full_prefill: bool = True           # prefill the prompt at r; False: the prompt is the first wave
 
     def __post_init__(self) -> None:
         def positive(name: str, minimum: int = 1) -> None:
@@ -112,6 +124,27 @@ class GenerationConfig:
                                  "repetition_penalty (so that verification reproduces plain decoding)")
         if self.exit_criterion is not None:
             self.criterion()  # raises on unknown names
+        if self.sampler not in ("sequential", "parallel"):
+            raise ValueError(f"sampler must be 'sequential' or 'parallel', got {self.sampler!r}")
+        positive("inner_recurrence")
+        positive("headway")
+        if self.max_wavefront is not None:
+            positive("max_wavefront")
+        if not 0 <= self.state_noise_mixing <= 1:
+            raise ValueError(f"state_noise_mixing must be in [0, 1], got {self.state_noise_mixing}")
+        if not 0 <= self.embedding_ema < 1:
+            raise ValueError(f"embedding_ema must be in [0, 1), got {self.embedding_ema}")
+        if self.sampler == "parallel":
+            if self.exit_criterion is not None or self.draft_steps is not None:
+                raise ValueError("the parallel sampler freezes positions with freeze_criterion; drop "
+                                 "exit_criterion and draft_steps")
+            if self.inner_recurrence > self.num_steps:
+                raise ValueError(f"inner_recurrence ({self.inner_recurrence}) must be at most num_steps "
+                                 f"({self.num_steps}), the iterations after which a position is final")
+            if self.repetition_penalty != 1:
+                raise ValueError("the parallel sampler has no repetition_penalty")
+            from rdlm.parallel import freeze_criterion  # rdlm.parallel imports this module
+            freeze_criterion(self)  # raises on unknown names
 
     def criterion(self) -> ExitCriterion | None:
         if self.exit_criterion is None or isinstance(self.exit_criterion, ExitCriterion):
@@ -143,6 +176,8 @@ class GenerationResult:
     cache_bytes: int = 0
     prompt_tokens: int = 0
     compile_seconds: float = 0.0        # capturing the static decode step (not in decode_seconds)
+    core_passes: int = 0                # parallel sampler: core block calls after the prefill, each
+    wave_steps: int = 0                 # over a whole wave; and its wavefront steps
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -236,7 +271,13 @@ def generate(model: RecurrentDepthLM, prompts, config: GenerationConfig | None =
 def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
          decode: Decode | None) -> Iterator[TokenEvent]:
     speculative = config.draft_steps is not None
-    session = Session(model, prompts, config, extra_tokens=config.draft_length if speculative else 0)
+    parallel = None
+    if config.sampler == "parallel":
+        from rdlm.parallel import ParallelSampler  # rdlm.parallel imports this module
+        parallel = ParallelSampler(model, prompts, config)
+        session = parallel.session
+    else:
+        session = Session(model, prompts, config, extra_tokens=config.draft_length if speculative else 0)
     batch = session.batch
     tokens: list[list[int]] = [[] for _ in range(batch)]
     steps: list[list[int]] = [[] for _ in range(batch)]
@@ -258,7 +299,7 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
 
     drafted = accepted = 0
     t0 = time.perf_counter()
-    logits = session.prefill()
+    logits = session.prefill() if parallel is None or config.full_prefill else None
     sync(session.device)
     t1 = time.perf_counter()
     iterations = torch.full((batch,), config.prefill_steps or config.num_steps)
@@ -274,6 +315,11 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
                 if finished[0]:
                     break
             pending = new[-1]
+    elif parallel is not None and not finished[0]:
+        for token, n_steps in parallel.run(logits):
+            yield emit(0, token, n_steps)
+            if finished[0]:
+                break
     else:
         while not all(finished):
             chosen = sample(logits, config, session.samplers, session.seen).tolist()
@@ -295,7 +341,8 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
             texts.append(text[:cut])
     return GenerationResult(tokens, steps, reasons, texts, t1 - t0, t2 - t1 - session.capture_seconds,
                             drafted, accepted, session.cache.nbytes, sum(len(p) for p in prompts),
-                            session.capture_seconds)
+                            session.capture_seconds, parallel.core_passes if parallel else 0,
+                            parallel.wave_steps if parallel else 0)
 
 
 def sync(device: torch.device) -> None:
