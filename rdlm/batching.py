@@ -111,6 +111,9 @@ class ContinuousBatch:
                              f"exceeds the context of {self.max_length} tokens")
         if config.draft_steps is not None:
             raise ValueError("speculative decoding is not available in a continuous batch")
+        if config.sampler != "sequential":
+            raise ValueError(f"the {config.sampler} sampler decodes one prompt at a time; it is not "
+                             f"available in a continuous batch (use rdlm generate)")
         if config.stop_strings and self.decode is None:
             raise ValueError("stop_strings need a decode function (a tokenizer)")
         budget = config.cache_slots if config.cache_strategy == "shared" else config.max_steps

@@ -95,6 +95,7 @@ class _Options(BaseModel):
     kv_cache_budget: int | None = None
     continuous_cot: bool | None = None
     init_scale: float | None = None
+    sampler: str | None = None
 
 
 class CompletionRequest(_Options):
@@ -261,7 +262,8 @@ def generation_config(body: _Options, defaults: GenerationConfig, stop_tokens: t
     if max_tokens is not None:
         updates["max_new_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "num_steps",
-                 "exit_criterion", "exit_threshold", "min_steps", "exit_every", "continuous_cot", "init_scale"):
+                 "exit_criterion", "exit_threshold", "min_steps", "exit_every", "continuous_cot", "init_scale",
+                 "sampler"):
         value = getattr(body, name)
         if value is not None:
             updates[name] = value

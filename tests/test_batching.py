@@ -94,6 +94,8 @@ def test_requests_that_cannot_be_served_are_refused_by_name(model):
         batch.add([10_000], GenerationConfig(num_steps=2, max_new_tokens=2))
     with pytest.raises(ValueError, match="speculative"):
         batch.add([1], GenerationConfig(num_steps=4, draft_steps=2, max_new_tokens=2))
+    with pytest.raises(ValueError, match="parallel sampler.*not available in a continuous batch"):
+        batch.add([1], GenerationConfig(num_steps=4, max_new_tokens=2, sampler="parallel"))
     with pytest.raises(ValueError, match="max_batch"):
         ContinuousBatch(model, max_batch=0)
     # a shared cache of 4 slots serves any r

@@ -160,6 +160,7 @@ def test_concurrent_clients_at_different_depths_each_get_their_tokens_alone(live
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ({"model": "tiny", "prompt": [99999]}, 400, "outside the vocabulary"),
+    ({"model": "tiny", "prompt": "x", "sampler": "parallel"}, 400, "not available in a continuous batch"),
     ({"model": "tiny"}, 400, "prompt"),
     ("{not json", 400, "not valid JSON"),
 ])
