@@ -18,9 +18,10 @@ mask, s_0 noise and sampling generator, so a row gives the same tokens as its pr
 s_0 of a decoded token depends only on (seed, position), which is what makes speculative decoding
 reproduce plain greedy decoding exactly.
 
-Per decoded token the work is: prelude, r core iterations and the coda for one position, attending over
-slices (views) of the preallocated cache. Nothing is re-stacked, and no Python structure grows with the
-sequence except the list of output tokens.
+Per decoded token the work is: prelude, r core iterations and the coda for one position over the
+preallocated cache, as a static step of the decode engine (rdlm/engine.py: CUDA graphs on CUDA, exits
+decided on the device). Nothing is re-stacked, and no Python structure grows with the sequence except
+the list of output tokens.
 """
 
 from __future__ import annotations
