@@ -1,31 +1,39 @@
-"""Generation speed: prefill and decode tokens/s, achieved FLOP/s as a fraction of a matmul peak measured
-in the same process, for presets with random weights, at several r and in every decoding mode.
+"""Generation speed: prefill and decode tokens/s against two ceilings measured in the same process (a
+matmul peak and the memory bandwidth), for presets with random weights, at several r, batch sizes and
+in every decoding mode.
 
-    python benchmarks/bench_generate.py --presets small
-    python benchmarks/bench_generate.py --presets huginn-0125 --steps 4 --modes fixed \
-        --prompt-length 4 --new-tokens 3 --dtype bfloat16          # CPU: a few tokens only (7 GB of bf16)
+    python benchmarks/bench_generate.py --presets small --threads 2
     python benchmarks/bench_generate.py --presets huginn-0125 --device cuda --dtype bfloat16 \
-        --batch 64 --prompt-length 512 --new-tokens 512           # the paper's throughput setting
+        --steps 4,32 --batch 1,64 --prompt-length 64 --new-tokens 64 --modes fixed,never  # the issue's table
+    python benchmarks/bench_generate.py --presets small --compile both     # static step on and off
 
-Modes: fixed (r iterations per token), adaptive (KL exit, r as the maximum), shared (KV-cache sharing with
-k = --cache-slots), speculative (draft with max(1, r/4) iterations, verify with r; batch 1).
-"ms/tok early/late": mean decode time of the first and last quarter of the new tokens; equal numbers
-mean a token's cost does not grow with the tokens before it (beyond attention itself).
-FLOPs count matmuls only (2 per multiply-add, attention scores and values included), from the work the
-mode actually did (iterations run per token, coda per iteration for the KL exit, draft and verify).
+Modes: fixed (r iterations per token), adaptive (KL exit, r as the maximum), never (a KL exit that never
+fires: the cost of evaluating the criterion), shared (KV-cache sharing with k = --cache-slots),
+speculative (draft with max(1, r/4) iterations, verify with r; batch 1).
+
+Columns: "bw %" is the fraction of the bandwidth roofline: the bytes a decode step must read (weights
+of every layer call, the un-embedding, and the keys/values attended to) over the bandwidth measured by
+a large copy, against the time the step took. "% peak" is achieved matmul FLOP/s (2 per multiply-add,
+from the work the mode actually did) over a large matmul's. "compile s" is the time spent capturing the
+static decode step (not part of decode tok/s). For adaptive modes "speed-up" is the realized decode
+speed-up over fixed r in the same run and "ideal" is r / mean iterations per token.
 This is a script, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import os
 import time
+from pathlib import Path
 
 import torch
 
+import rdlm
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.generate import GenerationConfig, TokenEvent, generate
+from rdlm.generate import GenerationConfig, generate
 from rdlm.model import rope_tables
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,9 +71,11 @@ def token_flops(c: RDLMConfig, core_iterations: float, coda_calls: float, contex
     return c.prelude_layers * layer_flops(c, context) + core_iterations * core + coda_calls * coda
 
 
-def matmul_peak(dtype: torch.dtype, device: str, size: int = 1024, repeats: int = 5) -> float:
+def matmul_peak(dtype: torch.dtype, device: str, repeats: int = 5) -> float:
+    size = 8192 if device.startswith("cuda") else 1024
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
+    a @ b
     best = math.inf
     for _ in range(repeats):
         sync(device)
@@ -76,53 +86,99 @@ def matmul_peak(dtype: torch.dtype, device: str, size: int = 1024, repeats: int 
     return 2 * size ** 3 / best
 
 
+def bandwidth(device: str, repeats: int = 5) -> float:
+    """Bytes per second of a large copy (read + write), the ceiling of a memory-bound decode step."""
+    n = (1 << 30) if device.startswith("cuda") else (1 << 26)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n / best
+
+
+def step_bytes(model, batch: int, core_iterations: float, coda_calls: float, context: float) -> float:
+    """Bytes one decode step must read: every layer call's weights once (shared by the batch), the
+    un-embedding per coda call, one embedding row per token, and the keys/values attended to."""
+    c = model.config
+    size = next(model.parameters()).element_size()
+    block = sum(p.numel() for p in model.core[0].parameters())
+    adapter = model.adapter.weight.numel() if model.adapter is not None else 0
+    vocab = c.vocab_size * c.hidden_size
+    weights = (c.prelude_layers * block + core_iterations * (c.core_layers * block + adapter)
+               + coda_calls * (c.coda_layers * block + vocab) + batch * c.hidden_size)
+    layer_calls = c.prelude_layers + core_iterations * c.core_layers + coda_calls * c.coda_layers
+    kv = batch * layer_calls * 2 * c.hidden_size * context
+    return size * (weights + kv)
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
-def run_mode(model, mode: str, r: int, args) -> dict:
-    c = model.config
-    extra: dict = {}
+def mode_options(mode: str, r: int, args) -> dict:
     if mode == "adaptive":
-        extra = dict(exit_criterion="kl", min_steps=2)
-    elif mode == "shared":
-        extra = dict(cache_strategy="shared", cache_slots=min(args.cache_slots, r))
-    elif mode == "speculative":
-        extra = dict(draft_steps=max(1, r // 4), draft_length=args.draft_length)
-    batch = 1 if mode == "speculative" else args.batch
-    config = GenerationConfig(num_steps=r, max_new_tokens=args.new_tokens, seed=0, **extra)
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, c.vocab_size, (batch, args.prompt_length), generator=gen).tolist()
-    times: list[float] = []
+        return dict(exit_criterion="kl", min_steps=2, exit_every=args.exit_every,
+                    exit_sync_every=args.exit_sync_every)
+    if mode == "never":  # a criterion evaluated as usual that never fires: its cost alone
+        return dict(exit_criterion="kl", exit_threshold=-1.0, exit_every=args.exit_every,
+                    exit_sync_every=args.exit_sync_every)
+    if mode == "shared":
+        return dict(cache_strategy="shared", cache_slots=min(args.cache_slots, r))
+    if mode == "speculative":
+        return dict(draft_steps=max(1, r // 4), draft_length=args.draft_length)
+    return {}
 
-    def clock(event: TokenEvent) -> None:
-        if event.row == 0:
-            times.append(time.perf_counter())
 
-    result = generate(model, prompts, config, on_token=clock)
+def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -> dict:
+    c = model.config
+    batch = 1 if mode == "speculative" else batch
+    config = GenerationConfig(num_steps=r, max_new_tokens=args.new_tokens, seed=0, compile=compile,
+                              **mode_options(mode, r, args))
+    if args.model and (Path(args.model) / "tokenizer.json").exists():  # text the model was trained on
+        from rdlm.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(args.model)
+        texts = args.prompt_text.split("|")
+        prompts = [tok.encode(texts[b % len(texts)], add_bos=True)[-args.prompt_length:] for b in range(batch)]
+    else:
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, c.vocab_size, (batch, args.prompt_length), generator=gen).tolist()
+    if args.warmup:  # a short run first: allocator, kernels, compiled code of this shape
+        generate(model, prompts, dataclasses.replace(config, max_new_tokens=2))
+    result = generate(model, prompts, config)
     new = sum(len(t) for t in result.tokens)
     decoded = new - batch  # the first token of each row comes from the prefill
     mean_steps = sum(s for row in result.steps for s in row[1:]) / max(decoded, 1)
     context = args.prompt_length + args.new_tokens / 2
-    prefill_flops = batch * args.prompt_length * token_flops(c, r, 1, args.prompt_length / 2)
+    prompt_tokens = sum(len(p) for p in prompts)
+    prefill_flops = prompt_tokens * token_flops(c, r, 1, args.prompt_length / 2)
+    uses_logits = mode in ("adaptive", "never")
     if mode == "speculative":
         # every drafted token: prelude, N iterations, coda; then verification: r - N iterations, coda
         n = config.draft_steps
         decode_flops = result.drafted * (token_flops(c, n, 1, context) + token_flops(c, r - n, 1, context)
                                          - c.prelude_layers * layer_flops(c, context))
+        decode_bytes = math.nan
     else:
-        coda_calls = mean_steps if mode == "adaptive" else 1
+        coda_calls = 1 + (mean_steps / config.exit_every if uses_logits else 0)
         decode_flops = decoded * token_flops(c, mean_steps, coda_calls, context)
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    quarter = max(1, len(gaps) // 4)
+        steps_run = decoded / batch
+        decode_bytes = steps_run * step_bytes(model, batch, mean_steps, 1, context)
+    seconds = result.decode_seconds
     return dict(
-        prefill_tps=batch * args.prompt_length / result.prefill_seconds,
-        decode_tps=decoded / result.decode_seconds if decoded else float("nan"),
+        prefill_tps=prompt_tokens / result.prefill_seconds,
+        decode_tps=decoded / seconds if decoded else float("nan"),
         steps=mean_steps,
-        flops=(prefill_flops + decode_flops) / (result.prefill_seconds + result.decode_seconds),
-        early=1e3 * sum(gaps[:quarter]) / quarter if gaps else float("nan"),
-        late=1e3 * sum(gaps[-quarter:]) / quarter if gaps else float("nan"),
+        flops=decode_flops / seconds,
+        bytes=decode_bytes / seconds,
+        compile=result.compile_seconds,
         cache=result.cache_bytes / 2 ** 20,
         accept=result.acceptance_rate,
         batch=batch,
@@ -132,13 +188,22 @@ def run_mode(model, mode: str, r: int, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default="tiny,small")
+    p.add_argument("--prompt-text", default="the cat sat on|12 13 14 15|a dog looked at|the old man walked to",
+                   help="with --model: prompts, separated by |, cycled over the batch")
+    p.add_argument("--model", help="a trained model directory instead of random presets (adaptive exits "
+                                   "only fire on a model that converges over iterations)")
     p.add_argument("--steps", default="4,8,16,32", help="comma-separated r")
-    p.add_argument("--modes", default="fixed,adaptive,shared,speculative")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--modes", default="fixed,adaptive,never,shared,speculative")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes")
     p.add_argument("--prompt-length", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--cache-slots", type=int, default=4)
     p.add_argument("--draft-length", type=int, default=4)
+    p.add_argument("--exit-every", type=int, default=1, help="GenerationConfig.exit_every for adaptive modes")
+    p.add_argument("--exit-sync-every", type=int, default=4, help="GenerationConfig.exit_sync_every")
+    p.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
+                   help="the static decode step (GenerationConfig.compile); both: off then on, per row")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -146,27 +211,43 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    peak = matmul_peak(dtype, args.device)
+    peak, bw = matmul_peak(dtype, args.device), bandwidth(args.device)
+    compiles = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.compile]
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
-    print(f"device {name} | {args.dtype} | matmul peak {peak / 1e9:.1f} GFLOP/s (1024^3, same process) | "
-          f"prompt {args.prompt_length} | new tokens {args.new_tokens} | batch {args.batch}")
-    header = (f"{'preset':<12} {'mode':<11} {'r':>3} {'B':>3} {'prefill tok/s':>13} {'decode tok/s':>12} "
-              f"{'iters/tok':>9} {'GFLOP/s':>8} {'% peak':>6} {'ms/tok early/late':>17} {'cache MiB':>9} "
-              f"{'accept':>6}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"device {name} | {args.dtype} | matmul peak {peak / 1e12:.2f} TFLOP/s | bandwidth {bw / 1e9:.0f} GB/s "
+          f"(both measured here) | prompt {args.prompt_length} | new tokens {args.new_tokens} | load {load:.2f}")
+    header = (f"{'preset':<12} {'mode':<11} {'r':>3} {'B':>3} {'static':>6} {'prefill tok/s':>13} "
+              f"{'decode tok/s':>12} {'iters/tok':>9} {'bw %':>5} {'% peak':>6} {'compile s':>9} "
+              f"{'speed-up':>8} {'ideal':>5} {'cache MiB':>9} {'accept':>6}")
     print(header)
     print("-" * len(header))
-    for preset in args.presets.split(","):
-        model = build_random(preset, dtype, args.device)
-        for r in [int(s) for s in args.steps.split(",")]:
-            for mode in args.modes.split(","):
-                if mode == "speculative" and max(1, r // 4) >= r:
-                    continue
-                m = run_mode(model, mode, r, args)
-                accept = f"{m['accept']:.2f}" if m["accept"] is not None else "-"
-                print(f"{preset:<12} {mode:<11} {r:>3} {m['batch']:>3} {m['prefill_tps']:>13.1f} "
-                      f"{m['decode_tps']:>12.1f} {m['steps']:>9.1f} {m['flops'] / 1e9:>8.2f} "
-                      f"{100 * m['flops'] / peak:>6.1f} {m['early']:>8.2f}/{m['late']:<8.2f} "
-                      f"{m['cache']:>9.2f} {accept:>6}", flush=True)
+    for preset in [args.model] if args.model else args.presets.split(","):
+        if args.model:
+            model = rdlm.load_pretrained(args.model, dtype=dtype).to(args.device).eval()
+            preset = Path(args.model).name[:12]
+        else:
+            model = build_random(preset, dtype, args.device)
+        for batch in [int(b) for b in args.batch.split(",")]:
+            for r in [int(s) for s in args.steps.split(",")]:
+                for compile in compiles:
+                    fixed_tps = None
+                    for mode in args.modes.split(","):
+                        if mode == "speculative" and (max(1, r // 4) >= r or batch != 1):
+                            continue
+                        m = run_mode(model, mode, r, batch, compile, args)
+                        if mode == "fixed":
+                            fixed_tps = m["decode_tps"]
+                        adaptive = mode in ("adaptive", "never") and fixed_tps
+                        speedup = f"{m['decode_tps'] / fixed_tps:.2f}" if adaptive else "-"
+                        ideal = f"{r / m['steps']:.2f}" if adaptive else "-"
+                        accept = f"{m['accept']:.2f}" if m["accept"] is not None else "-"
+                        static = {None: "auto", True: "on", False: "off"}[compile]
+                        print(f"{preset:<12} {mode:<11} {r:>3} {m['batch']:>3} {static:>6} "
+                              f"{m['prefill_tps']:>13.1f} {m['decode_tps']:>12.1f} {m['steps']:>9.1f} "
+                              f"{100 * m['bytes'] / bw:>5.1f} {100 * m['flops'] / peak:>6.1f} "
+                              f"{m['compile']:>9.2f} {speedup:>8} {ideal:>5} {m['cache']:>9.2f} {accept:>6}",
+                              flush=True)
         del model
 
 

@@ -16,9 +16,22 @@ smaller r) has no entries for its later slots; later tokens then read the latest
 that layer. `fill_missing` makes this true by copying the token's last written slot into its empty
 slots once, when the token is done, so reading stays a plain slice (no per-token gathers).
 
-The model calls `update(key, k, v)` for every attention layer; the generator sets, before each model
-call, where the new tokens go (`start`) and which batch rows may write core entries (`core_writers`:
-sequences that exited early stop writing, so nobody reads states computed only for others).
+The model calls `update(key, k, v)` for every attention layer. Before each model call the generator
+says where the new tokens go and which rows take part:
+- `start`: an int writes the new tokens at buffer index start.. and returns the keys/values up to
+  their end (slices: the eager path). A 0-dim index tensor on the device writes one token per row at
+  that index and returns the whole preallocated buffer, so every shape is fixed for the life of a
+  generation (the static decode step that `torch.compile` and CUDA graphs take whole; the attention
+  mask hides the entries not yet written).
+- `rows`: the batch rows of this call, a subset of the cache's rows (rows whose tokens exited early
+  leave the core's matmuls): an index tensor, a slice for consecutive rows (read as views, without
+  a gather), or None for all of them.
+- `core_writers`: bool over this call's rows; rows that exited early stop writing core entries, so
+  nobody reads states computed only for others.
+- `slots`: one core slot per row of this call, instead of the slot of the key's iteration (rows at
+  different iterations in one call: continuous batching). Needs `rows` and a device-side `start`
+  with one index per row. `end` then bounds the keys returned (the longest row's length), so a call
+  reads what its rows hold, not the whole buffer.
 """
 
 from __future__ import annotations
@@ -51,10 +64,16 @@ class RecurrentKVCache:
         self.prelude_k, self.prelude_v = new(config.prelude_layers), new(config.prelude_layers)
         self.core_k, self.core_v = new(config.core_layers, num_slots), new(config.core_layers, num_slots)
         self.coda_k, self.coda_v = new(config.coda_layers), new(config.coda_layers)
-        self.start = 0                       # index where the current call's tokens are written
-        self.core_writers: Tensor | None = None  # bool [batch]: rows whose core entries are written
+        self.start: int | Tensor = 0             # where this call's tokens are written (see module doc)
+        self.rows: Tensor | slice | None = None  # this call's rows of the cache; None: all
+        self.core_writers: Tensor | None = None  # bool [this call's rows]: rows whose core entries are written
+        self.slots: Tensor | None = None         # [this call's rows]: each row's core slot (see module doc)
+        self.budget: int | None = None           # block calls: iteration i uses slot i mod budget
+        self.end: int | None = None              # device-side writes: return keys/values [:end] only
 
     def slot(self, iteration: int) -> int:
+        if self.budget is not None:
+            return iteration % self.budget
         if self.strategy == "shared":
             return iteration % self.num_slots
         if iteration >= self.num_slots:
@@ -64,6 +83,13 @@ class RecurrentKVCache:
 
     def update(self, key: tuple[str, int, int], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         group, layer, iteration = key
+        if group == "core" and self.slots is not None:  # each row at its own slot and index
+            index = self.start.view(-1)
+            cache_k, cache_v = self.core_k[layer], self.core_v[layer]
+            cache_k[self.slots, self.rows, :, index] = k.squeeze(2)
+            cache_v[self.slots, self.rows, :, index] = v.squeeze(2)
+            window = slice(None, self.end)
+            return cache_k[self.slots, self.rows, :, window], cache_v[self.slots, self.rows, :, window]
         if group == "core":
             slot = self.slot(iteration)
             cache_k, cache_v = self.core_k[layer, slot], self.core_v[layer, slot]
@@ -73,20 +99,63 @@ class RecurrentKVCache:
             cache_k, cache_v = self.coda_k[layer], self.coda_v[layer]
         else:
             raise ValueError(f"unknown layer group {group!r} in cache key {key!r}")
+        if group == "core" and self.core_writers is not None:
+            keep = ~self.core_writers.view(-1, 1, 1, 1)
+            k = torch.where(keep, self._read(cache_k, k.shape[2]), k)
+            v = torch.where(keep, self._read(cache_v, v.shape[2]), v)
+        if isinstance(self.start, Tensor):  # static: one token per row at a device-side index
+            index = self.start.view(-1)  # one index for all rows, or one per row of `rows`
+            if self.rows is None:
+                cache_k.index_copy_(2, index, k)
+                cache_v.index_copy_(2, index, v)
+                return cache_k, cache_v
+            if isinstance(self.rows, slice):  # consecutive rows: views, no gather
+                cache_k, cache_v = cache_k[self.rows], cache_v[self.rows]
+                rows = torch.arange(cache_k.shape[0], device=cache_k.device)
+            else:
+                rows = self.rows
+            cache_k[rows, :, index] = k.squeeze(2)
+            cache_v[rows, :, index] = v.squeeze(2)
+            if isinstance(self.rows, slice):
+                return cache_k[:, :, :self.end], cache_v[:, :, :self.end]
+            return cache_k[rows, :, :self.end], cache_v[rows, :, :self.end]
         start, end = self.start, self.start + k.shape[2]
         if end > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} tokens; writing up to {end} does not fit")
-        if group == "core" and self.core_writers is not None:
-            keep = ~self.core_writers.view(-1, 1, 1, 1)
-            k = torch.where(keep, cache_k[:, :, start:end], k)
-            v = torch.where(keep, cache_v[:, :, start:end], v)
-        cache_k[:, :, start:end] = k
-        cache_v[:, :, start:end] = v
-        return cache_k[:, :, :end], cache_v[:, :, :end]
+        if self.rows is None:
+            cache_k[:, :, start:end] = k
+            cache_v[:, :, start:end] = v
+            return cache_k[:, :, :end], cache_v[:, :, :end]
+        cache_k[self.rows, :, start:end] = k
+        cache_v[self.rows, :, start:end] = v
+        return cache_k[self.rows, :, :end], cache_v[self.rows, :, :end]
 
-    def fill_missing(self, steps: Tensor, start: int, end: int) -> None:
-        """Tokens start..end of each row ran `steps[row]` core iterations: give their unwritten slots
+    def _read(self, cache: Tensor, n: int) -> Tensor:
+        """The entries this call's new tokens would overwrite (to keep them for non-writers)."""
+        rows = cache if self.rows is None else cache[self.rows]
+        if isinstance(self.start, Tensor):
+            return rows.index_select(2, self.start.view(1))
+        return rows[:, :, self.start:self.start + n]
+
+    def fill_missing(self, steps: int | Tensor, start: int | Tensor, end: int | None = None) -> None:
+        """The tokens at buffer indices start..end-1 (or the one token at a device-side index `start`)
+        ran `steps` core iterations (an int for all rows, or one per row): give their unwritten slots
         (slot >= steps) a copy of the last written slot, so later tokens read the latest entry."""
+        static = isinstance(start, Tensor)
+        if static:
+            start = start.view(1)
+        elif end is None:
+            end = start + 1
+        window = lambda c: c.index_select(4, start) if static else c[:, :, :, :, start:end]  # noqa: E731
+        if isinstance(steps, int):  # uniform: a plain slice copy, no host sync
+            if steps >= self.num_slots:
+                return
+            for cache in (self.core_k, self.core_v):
+                filled = window(cache)
+                filled[:, steps:] = filled[:, steps - 1:steps]
+                if static:
+                    cache.index_copy_(4, start, filled)
+            return
         steps = steps.to(self.core_k.device).view(-1)
         if steps.shape[0] != self.batch_size:
             raise ValueError(f"steps has {steps.shape[0]} rows, the cache {self.batch_size}")
@@ -99,9 +168,19 @@ class RecurrentKVCache:
         missing = torch.arange(self.num_slots, device=steps.device).view(-1, 1) >= steps.view(1, -1)
         missing = missing.view(1, self.num_slots, self.batch_size, 1, 1, 1)  # [1, slots, batch, ...]
         for cache in (self.core_k, self.core_v):
-            window = cache[:, :, :, :, start:end]                    # [l_R, slots, batch, H, n, d]
-            latest = window[:, last, rows].unsqueeze(1)              # [l_R, 1, batch, H, n, d]
-            window.copy_(torch.where(missing, latest, window))
+            filled = window(cache)                                   # [l_R, slots, batch, H, n, d]
+            latest = filled[:, last, rows].unsqueeze(1)              # [l_R, 1, batch, H, n, d]
+            filled.copy_(torch.where(missing, latest, filled))
+            if static:
+                cache.index_copy_(4, start, filled)
+
+    def fill_row(self, row: int, steps: int, slots: int, start: int, end: int) -> None:
+        """`fill_missing` for one row whose tokens start..end-1 ran `steps` iterations over its first
+        `slots` core slots; the other rows' entries are left alone."""
+        if steps >= slots:
+            return
+        for cache in (self.core_k, self.core_v):
+            cache[:, steps:slots, row, :, start:end] = cache[:, steps - 1:steps, row, :, start:end]
 
     @property
     def core_nbytes(self) -> int:

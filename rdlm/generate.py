@@ -9,16 +9,19 @@ Every zero-shot inference feature of the paper is a field of `GenerationConfig`:
 - KV-cache sharing: `cache_strategy="shared"`, `cache_slots=k`;
 - continuous chain of thought: `continuous_cot=True` warm-starts s_0 from the previous token's state;
 - self-speculative decoding: `draft_steps=N`, `draft_length=L` drafts with N iterations and verifies
-  with `num_steps` in one forward (see `Session.speculate`).
+  with `num_steps` in one forward (see `Session.speculate`);
+- the parallel (diffusion-style) sampler: `sampler="parallel"` refines a wavefront of positions at
+  once, `inner_recurrence` iterations per step (see rdlm.parallel).
 
 Batches of prompts with different lengths are left-padded; each row has its own positions, attention
 mask, s_0 noise and sampling generator, so a row gives the same tokens as its prompt alone. The random
 s_0 of a decoded token depends only on (seed, position), which is what makes speculative decoding
 reproduce plain greedy decoding exactly.
 
-Per decoded token the work is: prelude, r core iterations and the coda for one position, attending over
-slices (views) of the preallocated cache. Nothing is re-stacked, and no Python structure grows with the
-sequence except the list of output tokens.
+Per decoded token the work is: prelude, r core iterations and the coda for one position over the
+preallocated cache, as a static step of the decode engine (rdlm/engine.py: CUDA graphs on CUDA, exits
+decided on the device). Nothing is re-stacked, and no Python structure grows with the sequence except
+the list of output tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from rdlm.cache import RecurrentKVCache
+from rdlm.engine import Session
 from rdlm.exits import ExitCriterion, make_exit_criterion
 from rdlm.model import RecurrentDepthLM
 
@@ -63,6 +66,24 @@ class GenerationConfig:
     # Self-speculative decoding: draft `draft_length` tokens with `draft_steps` iterations.
     draft_steps: int | None = None
     draft_length: int = 4
+    # The decode engine (rdlm.engine): a static decode step captured in a CUDA graph. None: on for
+    # CUDA, off on the CPU. Never changes tokens, only speed.
+    compile: bool | None = None
+    # Adaptive exits: the criterion is evaluated every `exit_every` iterations (1: after every
+    # iteration, as in the paper); the host reads the exit flags every `exit_sync_every` iterations
+    # (exited rows then leave the batch). exit_sync_every changes cost only, never tokens.
+    exit_every: int = 1
+    exit_sync_every: int = 4
+    # The parallel (diffusion-style) sampler (rdlm.parallel; batch 1): "sequential" or "parallel".
+    sampler: str = "sequential"
+    inner_recurrence: int = 4           # core iterations per wavefront step, on every wave position
+    headway: int = 1                    # new positions appended per step
+    freeze_criterion: str | ExitCriterion = "latent-diff"  # when a position's state stopped moving
+    freeze_threshold: float | None = None  # default: the criterion's own (latent-diff: 0.03)
+    max_wavefront: int | None = 128     # most positions in flight; None: no limit
+    state_noise_mixing: float = 0.0     # m: s <- (1 - m/(1+i)) s + m/(1+i) noise before each step
+    embedding_ema: float = 0.1          # EMA weight of a position's earlier input embeddings
+    full_prefill: bool = True           # prefill the prompt at r; False: the prompt is the first wave
 
     def __post_init__(self) -> None:
         def positive(name: str, minimum: int = 1) -> None:
@@ -74,6 +95,8 @@ class GenerationConfig:
         positive("num_steps")
         positive("min_steps", 1)
         positive("draft_length")
+        positive("exit_every")
+        positive("exit_sync_every")
         for name in ("prefill_steps", "cache_slots", "top_k", "draft_steps"):
             if getattr(self, name) is not None:
                 positive(name)
@@ -102,6 +125,27 @@ class GenerationConfig:
                                  "repetition_penalty (so that verification reproduces plain decoding)")
         if self.exit_criterion is not None:
             self.criterion()  # raises on unknown names
+        if self.sampler not in ("sequential", "parallel"):
+            raise ValueError(f"sampler must be 'sequential' or 'parallel', got {self.sampler!r}")
+        positive("inner_recurrence")
+        positive("headway")
+        if self.max_wavefront is not None:
+            positive("max_wavefront")
+        if not 0 <= self.state_noise_mixing <= 1:
+            raise ValueError(f"state_noise_mixing must be in [0, 1], got {self.state_noise_mixing}")
+        if not 0 <= self.embedding_ema < 1:
+            raise ValueError(f"embedding_ema must be in [0, 1), got {self.embedding_ema}")
+        if self.sampler == "parallel":
+            if self.exit_criterion is not None or self.draft_steps is not None:
+                raise ValueError("the parallel sampler freezes positions with freeze_criterion; drop "
+                                 "exit_criterion and draft_steps")
+            if self.inner_recurrence > self.num_steps:
+                raise ValueError(f"inner_recurrence ({self.inner_recurrence}) must be at most num_steps "
+                                 f"({self.num_steps}), the iterations after which a position is final")
+            if self.repetition_penalty != 1:
+                raise ValueError("the parallel sampler has no repetition_penalty")
+            from rdlm.parallel import freeze_criterion  # rdlm.parallel imports this module
+            freeze_criterion(self)  # raises on unknown names
 
     def criterion(self) -> ExitCriterion | None:
         if self.exit_criterion is None or isinstance(self.exit_criterion, ExitCriterion):
@@ -132,6 +176,9 @@ class GenerationResult:
     accepted: int = 0                   # ... and how many of them verification accepted
     cache_bytes: int = 0
     prompt_tokens: int = 0
+    compile_seconds: float = 0.0        # capturing the static decode step (not in decode_seconds)
+    core_passes: int = 0                # parallel sampler: core block calls after the prefill, each
+    wave_steps: int = 0                 # over a whole wave; and its wavefront steps
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -175,203 +222,6 @@ def sample(logits: Tensor, config: GenerationConfig, generators: Sequence[torch.
     else:
         q = torch.stack([torch.empty_like(probs[0]).exponential_(generator=g) for g in generators])
     return (probs / q).argmax(dim=-1)
-
-
-# --------------------------------------------------------------------------------------------------
-# A batch being decoded: cache, attention mask, positions, per-row randomness
-
-class Session:
-    """Prefill and decode for a batch of prompts over one cache. Buffer index t of row b holds that
-    row's token at position t - pad[b] (prompts are left-padded to a common length)."""
-
-    def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
-                 extra_tokens: int = 0) -> None:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        vocab = model.config.vocab_size
-        for p in prompts:
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
-        self.model, self.config = model, config
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        self.batch = len(prompts)
-        self.prompt_length = max(len(p) for p in prompts)
-        max_length = self.prompt_length + config.max_new_tokens + extra_tokens
-        if max_length > model.config.context_length:
-            raise ValueError(f"prompt ({self.prompt_length}) + new tokens ({config.max_new_tokens}) exceeds "
-                             f"the context length {model.config.context_length}")
-        slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
-        self.cache = RecurrentKVCache(model.config, self.batch, max_length, slots, config.cache_strategy,
-                                      self.dtype, self.device)
-        self.pad = torch.tensor([self.prompt_length - len(p) for p in prompts], device=self.device)
-        self.ids = torch.zeros(self.batch, self.prompt_length, dtype=torch.long, device=self.device)
-        for b, p in enumerate(prompts):
-            self.ids[b, self.prompt_length - len(p):] = torch.tensor(p, device=self.device)
-        self.key_valid = torch.zeros(self.batch, max_length, dtype=torch.bool, device=self.device)
-        self.length = 0  # buffer entries written so far
-        self.criterion = config.criterion()
-        self.noise = torch.Generator(device=self.device)
-        self.samplers = [torch.Generator(device=self.device).manual_seed(config.seed)
-                         for _ in range(self.batch)]
-        self.seen = torch.zeros(self.batch, vocab, dtype=torch.bool, device=self.device)
-        for b, p in enumerate(prompts):
-            self.seen[b, torch.tensor(p, device=self.device)] = True
-        self.last_state: Tensor | None = None
-
-    # ---- inputs of one model call: tokens at buffer indices start .. start + n - 1
-
-    def positions(self, start: int, n: int) -> Tensor:
-        index = torch.arange(start, start + n, device=self.device)
-        return (index.unsqueeze(0) - self.pad.unsqueeze(1)).clamp_min(0)
-
-    def mask(self, start: int, n: int) -> Tensor:
-        """[B, 1, n, start + n]: causal over the buffer and no padding; a pad query sees itself only
-        (so its softmax is defined; nobody attends to it)."""
-        end = start + n
-        keys = self.key_valid[:, None, None, :end]
-        if n == 1:
-            return keys
-        q = torch.arange(start, end, device=self.device).view(-1, 1)
-        k = torch.arange(end, device=self.device).view(1, -1)
-        return (keys & (k <= q)) | (k == q)
-
-    def initial_state(self, embedded: Tensor, start: int) -> Tensor:
-        """s_0 for tokens start..: noise drawn per row from (seed, position) for a decoded token, and
-        from (seed, prompt) for the prompt, so rows do not depend on the rest of the batch."""
-        c = self.config
-        state = torch.zeros_like(embedded)
-        if c.init_scale == 0 or self.model.config.state_init == "zero":
-            return state
-        n = embedded.shape[1]
-        for b in range(self.batch):
-            if start == 0:  # the prompt, without its left padding
-                first = int(self.pad[b])
-                self.noise.manual_seed(c.seed * 1_000_003)
-                state[b:b + 1, first:] = self.model.init_state(embedded[b:b + 1, first:], c.init_scale,
-                                                               self.noise)
-            else:
-                for j in range(n):
-                    position = start + j - int(self.pad[b])
-                    self.noise.manual_seed(c.seed * 1_000_003 + position + 1)
-                    state[b:b + 1, j:j + 1] = self.model.init_state(embedded[b:b + 1, j:j + 1], c.init_scale,
-                                                                    self.noise)
-        return state
-
-    # ---- model calls
-
-    def begin(self, ids: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor, int]:
-        """Mark the new tokens valid and run the prelude. Returns (e, rope, mask, start)."""
-        start, n = self.length, ids.shape[1]
-        self.key_valid[:, start:start + n] = True
-        if start == 0:
-            self.key_valid[:, :n] &= torch.arange(n, device=self.device) >= self.pad.unsqueeze(1)
-        rope, mask = self.model.rope(self.positions(start, n)), self.mask(start, n)
-        self.cache.start = start
-        return self.model.embed(ids, rope, mask, self.cache), rope, mask, start
-
-    def forward(self, ids: Tensor, num_steps: int, initial_state: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
-        """Run tokens through the model at a fixed r; append them to the cache. (last logits, state)."""
-        e, rope, mask, start = self.begin(ids)
-        state = self.initial_state(e, start) if initial_state is None else initial_state
-        for i in range(num_steps):
-            state = self.model.step(state, e, i, rope, mask, self.cache)
-        self.cache.fill_missing(torch.full((self.batch,), num_steps, device=self.device),
-                                start, start + ids.shape[1])
-        logits = self.model.readout(state, rope, mask, self.cache)
-        self.length = start + ids.shape[1]
-        return logits[:, -1], state
-
-    def forward_adaptive(self, ids: Tensor, initial_state: Tensor | None = None
-                         ) -> tuple[Tensor, Tensor, Tensor]:
-        """One new token per row, iterating until the exit criterion fires per row (between
-        min_steps and num_steps). Exited rows keep their state and stop writing core cache entries.
-        Returns (logits [B, V], state, steps [B])."""
-        c, crit, cache = self.config, self.criterion, self.cache
-        e, rope, mask, start = self.begin(ids)
-        state = self.initial_state(e, start) if initial_state is None else initial_state
-        steps = torch.zeros(self.batch, dtype=torch.long, device=self.device)
-        exited = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
-        streak, prev_logits, logits = None, None, None
-        for i in range(c.num_steps):
-            cache.core_writers = ~exited if i else None
-            new = self.model.step(state, e, i, rope, mask, cache)
-            prev_state, state = state, torch.where(exited.view(-1, 1, 1), state, new)
-            steps += ~exited
-            last = i + 1 == c.num_steps
-            logits = self.model.readout(state, rope, mask, cache)[:, -1] if crit.uses_logits or last else None
-            if i > 0 and not last:  # compare iterations i and i-1 (there is no iteration -1 to compare)
-                done, streak = crit.update(streak, prev_logits, logits, prev_state[:, -1], state[:, -1])
-                exited |= done & (steps >= c.min_steps)
-            prev_logits = logits
-            if last or bool(exited.all()):
-                break
-        cache.core_writers = None
-        cache.fill_missing(steps, start, start + 1)
-        if logits is None:
-            logits = self.model.readout(state, rope, mask, cache)[:, -1]
-        self.length = start + 1
-        return logits, state, steps
-
-    def prefill(self) -> Tensor:
-        steps = self.config.prefill_steps or self.config.num_steps
-        logits, state = self.forward(self.ids, steps)
-        self.last_state = state[:, -1:]
-        return logits
-
-    def decode(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """Feed one token per row; returns (next logits [B, V], iterations run [B])."""
-        self.seen[torch.arange(self.batch, device=self.device), tokens] = True
-        warm = self.last_state if self.config.continuous_cot else None
-        ids = tokens.view(-1, 1)
-        if self.criterion is None:
-            logits, state = self.forward(ids, self.config.num_steps, warm)
-            steps = torch.full((self.batch,), self.config.num_steps, device=self.device)
-        else:
-            logits, state, steps = self.forward_adaptive(ids, warm)
-        self.last_state = state[:, -1:]
-        return logits, steps
-
-    def speculate(self, pending: int) -> tuple[list[int], int, int]:
-        """One round of self-speculative decoding (batch of one), from the `pending` token (chosen,
-        not yet fed). Draft L tokens with N iterations each; then continue those L positions from
-        iteration N to M in one forward: the prelude output and the first N iterations are the
-        draft's (they do not depend on the total depth), the cache already holds slots 0..N-1.
-        Accept drafts while they equal the verified greedy choice.
-        Returns (new tokens: accepted drafts then the next pending token, drafted, accepted)."""
-        c = self.config
-        n_draft, depth, length = c.draft_steps, c.num_steps, c.draft_length
-        start = self.length
-        length = min(length, self.cache.max_length - start)
-        fed, embedded, states = [pending], [], []
-        for j in range(length):
-            e, rope, mask, _ = self.begin(torch.tensor([[fed[-1]]], device=self.device))
-            state = self.initial_state(e, self.length)
-            for i in range(n_draft):
-                state = self.model.step(state, e, i, rope, mask, self.cache)
-            logits = self.model.readout(state, rope, mask, self.cache)
-            self.length += 1
-            embedded.append(e)
-            states.append(state)
-            fed.append(int(logits[0, -1].argmax()))
-        drafts = fed[1:]
-        # Verify: iterations N..M-1 for all L drafted positions at once.
-        self.length = start
-        rope, mask = self.model.rope(self.positions(start, length)), self.mask(start, length)
-        self.cache.start = start
-        e, state = torch.cat(embedded, dim=1), torch.cat(states, dim=1)
-        for i in range(n_draft, depth):
-            state = self.model.step(state, e, i, rope, mask, self.cache)
-        verified = self.model.readout(state, rope, mask, self.cache)[0].argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < length and drafts[accepted] == verified[accepted]:
-            accepted += 1
-        processed = min(accepted + 1, length)  # positions whose cache entries are now final
-        self.length = start + processed
-        self.key_valid[:, self.length:] = False
-        return drafts[:processed - 1] + [verified[processed - 1]], length, accepted
 
 
 # --------------------------------------------------------------------------------------------------
@@ -422,7 +272,13 @@ def generate(model: RecurrentDepthLM, prompts, config: GenerationConfig | None =
 def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
          decode: Decode | None) -> Iterator[TokenEvent]:
     speculative = config.draft_steps is not None
-    session = Session(model, prompts, config, extra_tokens=config.draft_length if speculative else 0)
+    parallel = None
+    if config.sampler == "parallel":
+        from rdlm.parallel import ParallelSampler  # rdlm.parallel imports this module
+        parallel = ParallelSampler(model, prompts, config)
+        session = parallel.session
+    else:
+        session = Session(model, prompts, config, extra_tokens=config.draft_length if speculative else 0)
     batch = session.batch
     tokens: list[list[int]] = [[] for _ in range(batch)]
     steps: list[list[int]] = [[] for _ in range(batch)]
@@ -444,7 +300,7 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
 
     drafted = accepted = 0
     t0 = time.perf_counter()
-    logits = session.prefill()
+    logits = session.prefill() if parallel is None or config.full_prefill else None
     sync(session.device)
     t1 = time.perf_counter()
     iterations = torch.full((batch,), config.prefill_steps or config.num_steps)
@@ -460,6 +316,11 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
                 if finished[0]:
                     break
             pending = new[-1]
+    elif parallel is not None and not finished[0]:
+        for token, n_steps in parallel.run(logits):
+            yield emit(0, token, n_steps)
+            if finished[0]:
+                break
     else:
         while not all(finished):
             chosen = sample(logits, config, session.samplers, session.seen).tolist()
@@ -479,8 +340,10 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
             text = decode(row)
             cut = min((text.find(s) for s in config.stop_strings if s in text), default=len(text))
             texts.append(text[:cut])
-    return GenerationResult(tokens, steps, reasons, texts, t1 - t0, t2 - t1, drafted, accepted,
-                            session.cache.nbytes, sum(len(p) for p in prompts))
+    return GenerationResult(tokens, steps, reasons, texts, t1 - t0, t2 - t1 - session.capture_seconds,
+                            drafted, accepted, session.cache.nbytes, sum(len(p) for p in prompts),
+                            session.capture_seconds, parallel.core_passes if parallel else 0,
+                            parallel.wave_steps if parallel else 0)
 
 
 def sync(device: torch.device) -> None:

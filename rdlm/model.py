@@ -71,7 +71,8 @@ def rope_tables(head_dim: int, length: int, base: float) -> tuple[Tensor, Tensor
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate adjacent pairs (2j, 2j+1) of each head (complex-number style). x: [B, S, H, d]."""
+    """Rotate adjacent pairs (2j, 2j+1) of each head (complex-number style). x: [B, S, ..., d], with
+    cos/sin broadcastable to x's pairs [B, S, ..., d/2]."""
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, imag * cos + real * sin), dim=-1)
@@ -91,10 +92,12 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: Rope, mask: Tensor | None, cache: KVCacheHook | None,
                 key: LayerKey) -> Tensor:
         batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, self.head_dim).unbind(dim=2)
+        qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, self.head_dim)
+        qk, v = qkv[:, :, :2], qkv[:, :, 2]  # queries and keys get bias and RoPE together
         if self.qk_bias is not None:
-            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = qk + self.qk_bias.view(2, self.num_heads, self.head_dim)
+        cos, sin = rope
+        q, k = apply_rope(qk, cos.unsqueeze(2), sin.unsqueeze(2)).unbind(dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(key, k, v)
@@ -196,9 +199,10 @@ class RecurrentDepthLM(nn.Module):
     # ----------------------------------------------------------------------------------------------
     # The four stages
 
-    def rope(self, positions: Tensor) -> Rope:
-        """cos/sin for token positions ([seq] or [batch, seq]), shaped [B|1, seq, 1, head_dim/2]."""
-        if positions.numel() and int(positions.max()) >= self.config.context_length:
+    def rope(self, positions: Tensor, check: bool = True) -> Rope:
+        """cos/sin for token positions ([seq] or [batch, seq]), shaped [B|1, seq, 1, head_dim/2].
+        `check=False` skips the context-length check (a host sync) for callers that checked already."""
+        if check and positions.numel() and int(positions.max()) >= self.config.context_length:
             raise ValueError(f"position {int(positions.max())} is beyond the context length "
                              f"{self.config.context_length} of this model")
         if positions.ndim == 1:

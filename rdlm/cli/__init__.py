@@ -14,6 +14,7 @@ COMMANDS = [
     "rdlm.cli.info",
     "rdlm.cli.generate",
     "rdlm.cli.chat",
+    "rdlm.cli.serve",
     "rdlm.cli.analyze",
     "rdlm.cli.tokenizer",
     "rdlm.cli.data",

@@ -50,14 +50,35 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-criterion", choices=sorted(CRITERIA), help="per-token adaptive compute")
     g.add_argument("--exit-threshold", type=float, help="default: the criterion's (kl: 5e-4)")
     g.add_argument("--min-steps", type=int, default=2)
+    g.add_argument("--exit-every", type=int, default=1,
+                   help="evaluate the exit criterion every n iterations (1: after each, as in the paper)")
+    g.add_argument("--exit-sync-every", type=int, default=4,
+                   help="the host reads exit flags every n iterations (speed only, never the tokens)")
     g.add_argument("--cache", choices=["full", "shared"], default="full", help="KV-cache strategy")
     g.add_argument("--cache-slots", type=int, help="k for --cache shared (iteration i uses slot i mod k)")
     g.add_argument("--continuous-cot", action="store_true",
                    help="warm-start each token's state from the previous token's final state")
     g.add_argument("--draft-steps", type=int, help="self-speculative decoding: draft with N iterations")
     g.add_argument("--draft-length", type=int, default=4, help="tokens drafted per speculative round")
+    g.add_argument("--sampler", choices=["sequential", "parallel"], default="sequential",
+                   help="parallel: the diffusion-style wavefront sampler (one prompt at a time)")
+    g.add_argument("--inner-recurrence", type=int, default=4,
+                   help="parallel: core iterations per wavefront step")
+    g.add_argument("--headway", type=int, default=1, help="parallel: new positions per step")
+    g.add_argument("--freeze-criterion", choices=sorted(CRITERIA), default="latent-diff",
+                   help="parallel: when a position's state has settled")
+    g.add_argument("--freeze-threshold", type=float, help="parallel: default the criterion's (latent-diff: 0.03)")
+    g.add_argument("--max-wavefront", type=int, default=128, help="parallel: most positions in flight (0: no limit)")
+    g.add_argument("--state-noise-mixing", type=float, default=0.0,
+                   help="parallel: noise mixed into each state per step, damped by 1/(1 + iterations)")
+    g.add_argument("--embedding-ema", type=float, default=0.1,
+                   help="parallel: EMA weight of a position's earlier input embeddings")
+    g.add_argument("--full-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="parallel: prefill the prompt at r (--no-full-prefill: the prompt is the first wave)")
     g.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: all-zero state)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--device", default="cpu")
 
@@ -66,13 +87,18 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
     stop_ids = tuple(parse_ids(args.stop_ids)) if args.stop_ids else ()
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
-        num_steps=args.num_steps or model.config.mean_recurrence,
+        num_steps=model.config.mean_recurrence if args.num_steps is None else args.num_steps,
         exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
+        exit_every=args.exit_every, exit_sync_every=args.exit_sync_every, compile=args.compile,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens + stop_ids,
         stop_strings=tuple(args.stop), cache_strategy=args.cache, cache_slots=args.cache_slots,
         continuous_cot=args.continuous_cot, init_scale=args.init_scale, seed=args.seed,
-        draft_steps=args.draft_steps, draft_length=args.draft_length)
+        draft_steps=args.draft_steps, draft_length=args.draft_length, sampler=args.sampler,
+        inner_recurrence=args.inner_recurrence, headway=args.headway, freeze_criterion=args.freeze_criterion,
+        freeze_threshold=args.freeze_threshold, max_wavefront=args.max_wavefront or None,
+        state_noise_mixing=args.state_noise_mixing, embedding_ema=args.embedding_ema,
+        full_prefill=args.full_prefill)
 
 
 def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False):
@@ -135,6 +161,9 @@ def print_stats(result: GenerationResult) -> None:
     line = (f"new tokens {new} | iterations per token mean {result.mean_steps:.2f} | prefill "
             f"{result.prompt_tokens / max(result.prefill_seconds, 1e-9):.1f} tok/s | decode {decode_tps:.1f} "
             f"tok/s | cache {result.cache_bytes / 2**20:.2f} MiB")
+    if result.wave_steps:
+        line += (f" | parallel: {result.wave_steps} wavefront steps, "
+                 f"{result.core_passes / max(new - 1, 1):.2f} core passes per token")
     if result.acceptance_rate is not None:
         line += f" | speculative acceptance {result.acceptance_rate:.2f} ({result.accepted}/{result.drafted})"
     print(line, file=sys.stderr)

@@ -1,0 +1,334 @@
+"""Continuous batching at the granularity of iterations: the engine behind `rdlm serve`.
+
+A fixed number of rows share one `RecurrentKVCache`; each request occupies one row from its prompt to
+its last token. Every `ContinuousBatch.step()`:
+
+1. admits waiting requests into free rows: the prompt runs through the model at the request's own r
+   and its first token is chosen;
+2. starts the next token on every row whose previous token is done (prelude, s_0);
+3. runs **one** core iteration for every iterating row, in one batched call, although the rows are at
+   different tokens and iterations, with different r, exit criteria, cache budgets and sampling;
+4. evaluates each row's exit criterion; rows whose token is done (exit, or r iterations) run the coda
+   and choose their next token, which starts at the next step. A row that exits early goes on to its
+   next token instead of idling while the others iterate, which is where adaptive depth (paper section
+   6.1) turns into throughput.
+
+A request gives the tokens `rdlm.generate` gives for its prompt alone with the same `GenerationConfig`:
+the same s_0 table (seed, position), the same cache slots (`cache_slots` or one per iteration), the
+same exit decisions, the same per-request sampling generator.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rdlm.cache import RecurrentKVCache
+from rdlm.engine import noise_table
+from rdlm.exits import ExitCriterion
+from rdlm.generate import Decode, GenerationConfig, sample
+from rdlm.model import RecurrentDepthLM
+
+
+@dataclass(frozen=True)
+class BatchEvent:
+    request: int                 # the id `add` returned
+    token: int
+    steps: int                   # core iterations run at the position whose logits chose this token
+    finish_reason: str | None    # None while the request goes on; "stop_token", "stop_string", "length"
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    config: GenerationConfig
+    criterion: ExitCriterion | None
+    budget: int                        # core cache slots this request cycles through
+    generator: torch.Generator
+    noise: Tensor | None               # s_0 table [positions, h]
+    row: int = -1
+    length: int = 0                    # tokens in the cache
+    next_token: int = -1               # chosen, fed at the next start
+    iteration: int = 0                 # iterations run for the token in progress
+    iterating: bool = False
+    tokens: list[int] = field(default_factory=list)
+
+
+class ContinuousBatch:
+    """Requests in, tokens out, one core iteration at a time. Not thread-safe: one thread calls
+    `add`, `cancel` and `step` (a server runs it in a worker thread and hands requests over).
+
+        batch = ContinuousBatch(model, max_batch=8, max_length=512, num_slots=32)
+        rid = batch.add([1, 2, 3], GenerationConfig(num_steps=16, max_new_tokens=8))
+        while batch.busy:
+            for event in batch.step(): ...
+    """
+
+    def __init__(self, model: RecurrentDepthLM, max_batch: int = 8, max_length: int | None = None,
+                 num_slots: int = 32, decode: Decode | None = None) -> None:
+        c = model.config
+        max_length = c.context_length if max_length is None else max_length
+        for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        param = next(model.parameters())
+        self.model, self.decode = model.eval(), decode
+        self.device, self.dtype = param.device, param.dtype
+        self.max_batch, self.max_length, self.num_slots = max_batch, max_length, num_slots
+        self.cache = RecurrentKVCache(c, max_batch, max_length, num_slots, "full", self.dtype, self.device)
+        self.key_valid = torch.zeros(max_batch, max_length, dtype=torch.bool, device=self.device)
+        h = c.hidden_size
+        self.state = torch.zeros(max_batch, 1, h, dtype=self.dtype, device=self.device)
+        self.embedded = torch.zeros_like(self.state)
+        self.logits = torch.zeros(max_batch, c.vocab_size, device=self.device)  # latest, for exit criteria
+        self.streak = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.seen = torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=self.device)
+        self.waiting: deque[_Request] = deque()
+        self.rows: list[_Request | None] = [None] * max_batch
+        self.ids = itertools.count()
+        self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
+        self.cancelled: set[int] = set()
+
+    # ---- requests
+
+    def add(self, prompt: list[int], config: GenerationConfig) -> int:
+        """Queue a request; returns its id. Raises ValueError for what this batch cannot serve."""
+        if not prompt:
+            raise ValueError("the prompt needs at least one token")
+        if config.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 in a continuous batch, got {config.max_new_tokens}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        if len(prompt) + config.max_new_tokens > self.max_length:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) "
+                             f"exceeds the context of {self.max_length} tokens")
+        if config.draft_steps is not None:
+            raise ValueError("speculative decoding is not available in a continuous batch")
+        if config.sampler != "sequential":
+            raise ValueError(f"the {config.sampler} sampler decodes one prompt at a time; it is not "
+                             f"available in a continuous batch (use rdlm generate)")
+        if config.stop_strings and self.decode is None:
+            raise ValueError("stop_strings need a decode function (a tokenizer)")
+        budget = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
+        if budget > self.num_slots:
+            raise ValueError(f"num_steps {config.max_steps} needs {budget} core cache slots and this batch "
+                             f"has {self.num_slots}: use the shared cache (a KV-cache budget) of at most "
+                             f"{self.num_slots} slots")
+        request = _Request(next(self.ids), list(prompt), config, config.criterion(), budget,
+                           torch.Generator(device=self.device).manual_seed(config.seed),
+                           noise_table(self.model, config.seed, config.init_scale,
+                                       len(prompt) + config.max_new_tokens, self.dtype, self.device))
+        self.waiting.append(request)
+        return request.id
+
+    def cancel(self, request: int) -> None:
+        """Drop a request (waiting or running); its row is freed at the next step."""
+        self.cancelled.add(request)
+
+    @property
+    def active(self) -> list[_Request]:
+        return [q for q in self.rows if q is not None]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(q is not None for q in self.rows)
+
+    # ---- one step
+
+    def step(self) -> list[BatchEvent]:
+        events: list[BatchEvent] = []
+        with torch.inference_mode():
+            self._drop_cancelled()
+            self._admit(events)
+            starting = [q for q in self.active if not q.iterating]
+            if starting:
+                self._start(starting)
+            iterating = self.active
+            if iterating:
+                done = self._iterate(iterating)
+                if done:
+                    self._finish(done, events)
+        return events
+
+    def _drop_cancelled(self) -> None:
+        if not self.cancelled:
+            return
+        self.waiting = deque(q for q in self.waiting if q.id not in self.cancelled)
+        for q in self.active:
+            if q.id in self.cancelled:
+                self.rows[q.row] = None
+        self.cancelled.clear()
+
+    def _admit(self, events: list[BatchEvent]) -> None:
+        """Prompts of waiting requests into free rows, first tokens chosen: one block call for the
+        requests that share a prefill depth and cache budget (prompts right-padded; a pad writes
+        entries past its prompt that the row's own tokens overwrite, and no real token attends to it)."""
+        groups: dict[tuple[int, int], list[_Request]] = {}
+        while self.waiting and None in self.rows:
+            q = self.waiting.popleft()
+            q.row = self.rows.index(None)
+            self.rows[q.row] = q
+            groups.setdefault((q.config.prefill_steps or q.config.num_steps, q.budget), []).append(q)
+        for (steps, budget), group in groups.items():
+            self._prefill(group, steps, budget, events)
+
+    def _prefill(self, group: list[_Request], steps: int, budget: int, events: list[BatchEvent]) -> None:
+        model, cache = self.model, self.cache
+        lengths = [len(q.prompt) for q in group]
+        n = max(lengths)
+        ids = torch.zeros(len(group), n, dtype=torch.long, device=self.device)
+        state = torch.zeros(len(group), n, model.config.hidden_size, dtype=self.dtype, device=self.device)
+        for j, q in enumerate(group):
+            ids[j, :lengths[j]] = torch.tensor(q.prompt, device=self.device)
+            if q.noise is not None:
+                state[j, :lengths[j]] = q.noise[:lengths[j]]
+            self.key_valid[q.row] = False
+            self.key_valid[q.row, :lengths[j]] = True
+            self.seen[q.row] = False
+            self.seen[q.row, ids[j, :lengths[j]]] = True
+        rows = torch.tensor([q.row for q in group], device=self.device)
+        rope = model.rope(torch.arange(n, device=self.device), check=False)
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
+        cache.rows, cache.start, cache.budget, cache.slots, cache.end = rows, 0, budget, None, None
+        e = model.embed(ids, rope, mask, cache)
+        for i in range(steps):
+            state = model.step(state, e, i, rope, mask, cache)
+        for q, length in zip(group, lengths):
+            cache.fill_row(q.row, steps, budget, 0, length)
+        logits = model.readout(state, rope, mask, cache)
+        cache.budget = None
+        self._last_inputs = None
+        for j, (q, length) in enumerate(zip(group, lengths)):
+            q.length = length
+            self.state[q.row] = state[j, length - 1:length]
+            self._choose(q, logits[j, length - 1:length], steps, events)
+
+    def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Tensor | slice, Tensor, tuple[Tensor, Tensor], Tensor]:
+        """(rows, the same rows as a slice where they are consecutive, write indices, RoPE, mask) of the
+        token in progress of each request; the cache reads up to the longest of them."""
+        key = tuple((q.row, q.length) for q in requests)
+        if self._last_inputs is not None and self._last_inputs[0] == key:  # unchanged since the last step
+            self.cache.end = max(length for _, length in key) + 1
+            return self._last_inputs[1]
+        numbers = [q.row for q in requests]
+        rows = torch.tensor(numbers, device=self.device)
+        consecutive = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+        select = slice(numbers[0], numbers[-1] + 1) if consecutive else rows
+        index = torch.tensor([q.length for q in requests], device=self.device)
+        rope = self.model.rope(index.view(-1, 1), check=False)
+        self.cache.end = max(q.length for q in requests) + 1
+        inputs = rows, select, index, rope, self.key_valid[select, :self.cache.end][:, None, None, :]
+        self._last_inputs = (key, inputs)
+        return inputs
+
+    def _start(self, requests: list[_Request]) -> None:
+        """Feed each request's chosen token: prelude and s_0 of its next position."""
+        rows, select, index, rope, _ = self._inputs(requests)
+        self.key_valid[rows, index] = True
+        self._last_inputs = None  # the mask changed
+        mask = self.key_valid[select, :self.cache.end][:, None, None, :]
+        self.seen[rows, torch.tensor([q.next_token for q in requests], device=self.device)] = True
+        cache = self.cache
+        cache.rows, cache.start, cache.slots = select, index, None
+        ids = torch.tensor([[q.next_token] for q in requests], device=self.device)
+        self.embedded[select] = self.model.embed(ids, rope, mask, cache)
+        for q in requests:
+            if not q.config.continuous_cot:  # else s_0 is the previous token's final state, kept in place
+                self.state[q.row] = 0 if q.noise is None else q.noise[q.length]
+            q.iteration, q.iterating = 0, True
+        self.streak[select] = 0
+
+    def _iterate(self, requests: list[_Request]) -> list[_Request]:
+        """One core iteration for every request; returns those whose token is done."""
+        model, cache = self.model, self.cache
+        rows, select, index, rope, mask = self._inputs(requests)
+        slots = [q.iteration % q.budget for q in requests]
+        cache.start = index
+        if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
+            cache.rows, cache.slots, iteration = select, None, slots[0]
+        else:
+            cache.rows, cache.slots, iteration = rows, torch.tensor(slots, device=self.device), 0
+        prev_state = self.state[select]
+        if any(q.criterion is not None for q in requests):
+            prev_state = prev_state.clone()  # `select` may be a view, overwritten below
+        state = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
+        cache.slots = None
+        self.state[select] = state
+        for q in requests:
+            q.iteration += 1
+        # exit criteria: iteration i compares with i - 1, never at i = 0 nor at the last iteration
+        evaluate, readout = [], []
+        for j, q in enumerate(requests):
+            crit, c, i = q.criterion, q.config, q.iteration - 1
+            if crit is None:
+                continue
+            now = 0 < i < c.num_steps - 1 and (i + 1) % c.exit_every == 0
+            following = 0 < i + 1 < c.num_steps - 1 and (i + 2) % c.exit_every == 0
+            if now:
+                evaluate.append(j)
+            if crit.uses_logits and (now or following):
+                readout.append(j)
+        if not evaluate and not readout:
+            return [q for q in requests if q.iteration == q.config.num_steps]
+        prev_logits = self.logits[select].clone()
+        if readout:
+            pick = torch.tensor(readout, device=self.device)
+            logits = model.readout(state[pick], (rope[0][pick], rope[1][pick]), mask[pick],
+                                   self._for(rows[pick], index[pick]))
+            self.logits[rows[pick]] = logits[:, -1]
+        exited = torch.zeros(len(requests), dtype=torch.bool, device=self.device)
+        groups: dict[ExitCriterion, list[int]] = {}
+        for j in evaluate:
+            groups.setdefault(requests[j].criterion, []).append(j)
+        for crit, members in groups.items():
+            pick = torch.tensor(members, device=self.device)
+            passed = crit(prev_logits[pick], self.logits[rows[pick]], prev_state[pick, -1], state[pick, -1])
+            streak = torch.where(passed, self.streak[rows[pick]] + 1, 0)
+            self.streak[rows[pick]] = streak
+            min_steps = torch.tensor([requests[j].config.min_steps for j in members], device=self.device)
+            steps = torch.tensor([requests[j].iteration for j in members], device=self.device)
+            exited[pick] = (streak >= crit.patience) & (steps >= min_steps)
+        exited = exited.tolist() if groups else [False] * len(requests)
+        return [q for q, out in zip(requests, exited) if out or q.iteration == q.config.num_steps]
+
+    def _for(self, rows: Tensor | slice, index: Tensor) -> RecurrentKVCache:
+        """The cache, set for a coda call of `rows` (a subset of the last `_inputs` call's rows)."""
+        self.cache.rows, self.cache.start, self.cache.slots = rows, index, None
+        return self.cache
+
+    def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
+        """The coda for requests whose token is done, then their next token."""
+        for q in requests:
+            self.cache.fill_row(q.row, q.iteration, q.budget, q.length, q.length + 1)
+        rows, select, index, rope, mask = self._inputs(requests)
+        logits = self.model.readout(self.state[select], rope, mask, self._for(select, index))[:, -1]
+        for j, q in enumerate(requests):
+            q.length += 1
+            q.iterating = False
+            self._choose(q, logits[j:j + 1], q.iteration, events)
+
+    def _choose(self, q: _Request, logits: Tensor, steps: int, events: list[BatchEvent]) -> None:
+        """Sample the request's next token from [1, V] logits; emit it; free the row when finished."""
+        c = q.config
+        token = int(sample(logits, c, [q.generator], self.seen[q.row:q.row + 1])[0])
+        q.tokens.append(token)
+        reason = None
+        if token in c.stop_tokens:
+            reason = "stop_token"
+        elif c.stop_strings and any(s in self.decode(q.tokens[-(max(map(len, c.stop_strings)) + 8):])
+                                    for s in c.stop_strings):
+            reason = "stop_string"
+        elif len(q.tokens) >= c.max_new_tokens:
+            reason = "length"
+        events.append(BatchEvent(q.id, token, steps, reason))
+        if reason is not None:
+            self.rows[q.row] = None
+        else:
+            q.next_token = token

@@ -1,0 +1,73 @@
+"""`rdlm serve MODEL`: an OpenAI-compatible HTTP server (rdlm/serve.py) with continuous batching."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from rdlm.cli.generate import add_generation_args, config_from_args, load_model_and_tokenizer
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model directory (with tokenizer.json) over /v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health and /metrics. Requests join and leave "
+                    "the batch between core iterations; the generation options below are the defaults "
+                    "a request's fields override (--max-new-tokens: max_tokens).")
+    p.add_argument("model", help="a model directory with tokenizer.json, a checkpoint step-N/ or a run directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", help="the name clients use (default: the directory's name)")
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 503")
+    p.add_argument("--max-length", type=int, help="tokens per row, prompt and completion (default: the "
+                                                  "model's context, at most 2048)")
+    p.add_argument("--num-slots", type=int, help="core cache slots per token, the largest r without "
+                                                 "kv_cache_budget (default: the default r, at least 32)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    add_generation_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from rdlm.serve import ServeConfig, create_app
+    except ImportError as err:
+        raise ValueError(f"rdlm serve needs the serve extra ({err.name} is missing): "
+                         f"pip install 'rdlm[serve]'") from None
+    from pathlib import Path
+
+    if args.draft_steps is not None:
+        raise ValueError("--draft-steps: speculative decoding is not available in the server")
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, need_tokenizer=True)
+    defaults = config_from_args(args, model)
+    c = model.config
+    max_length = args.max_length if args.max_length is not None else min(c.context_length, 2048)
+    num_slots = args.num_slots if args.num_slots is not None else max(defaults.max_steps, 32)
+    name = args.model_name or Path(args.model).resolve().name
+    config = ServeConfig(model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
+                         max_length=max_length, num_slots=num_slots, defaults=defaults)
+    app = create_app(model, tokenizer, config)
+    cache = app.state.worker.batch.cache.nbytes / 2 ** 30
+    print(f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
+          f"per row, {num_slots} core slots, KV cache {cache:.2f} GiB, default r {defaults.num_steps})",
+          file=sys.stderr, flush=True)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: a finished
+    # shutdown is a normal exit here, not a death by signal.
+    stopped = []
+    previous = {sig: signal.signal(sig, lambda number, frame: stopped.append(number))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=args.shutdown_timeout)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(f"rdlm serve: shut down{' on ' + signal.Signals(stopped[0]).name if stopped else ''}",
+          file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,380 @@
+"""The decode engine: a batch of sequences over one preallocated `RecurrentKVCache`.
+
+`Session` owns everything a generation touches: the cache, the attention mask (`key_valid`), the
+positions, the s_0 noise table and the static decode buffers. `rdlm.generate` (and every caller of it:
+the CLI, chat, the transformers and lm-eval integrations) drives it.
+
+A decoded token is data, not control flow. Its inputs live in preallocated device tensors (the token
+ids, the buffer index it is written at, the mask over the whole cache), so every shape is fixed for the
+life of a generation and no host sync happens inside a token:
+
+- fixed r: prelude, r core iterations, coda. On CUDA the whole token is captured once in a CUDA graph
+  and replayed for every later token (one launch instead of thousands of kernels).
+- adaptive r (paper section 6.1): the exit criterion is evaluated on the device after each iteration
+  (or every `exit_every` iterations); a row that exited keeps its state and stops writing core cache
+  entries. The host reads the exit flags every `exit_sync_every` iterations; rows that exited then
+  leave the batch (the core's matmuls run on the active rows only), so a batch's tokens/s rises with
+  the iterations its exits save. When to look does not change any result, only the cost.
+
+The prompt, speculative drafts and their verification are blocks of several tokens per row; they run
+on the eager path (the same model calls over slices of the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor
+
+from rdlm.cache import RecurrentKVCache
+from rdlm.model import RecurrentDepthLM, Rope
+
+if TYPE_CHECKING:
+    from rdlm.generate import GenerationConfig
+
+NOISE_BLOCK = 256  # the s_0 table is drawn in blocks of positions, each from its own seed
+
+
+def noise_table(model: RecurrentDepthLM, seed: int, scale: float, length: int, dtype: torch.dtype,
+                device: torch.device) -> Tensor | None:
+    """s_0 for every position 0..length-1, [length, hidden]: a function of (seed, position) only, so a
+    row gets the same noise alone or in any batch, and a draft the same as plain decoding. Drawn on the
+    CPU (the same numbers on every device). None where s_0 is all zeros."""
+    if scale == 0 or model.config.state_init == "zero":
+        return None
+    blocks = []
+    for b in range(math.ceil(length / NOISE_BLOCK)):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + b)
+        blocks.append(model.init_state(torch.zeros(NOISE_BLOCK, model.config.hidden_size), scale, generator))
+    return torch.cat(blocks)[:length].to(device=device, dtype=dtype)
+
+
+@dataclass
+class Rows:
+    """The rows of one adaptive token still iterating (all rows, or the active ones after exits)."""
+    index: Tensor            # [b] rows of the batch
+    state: Tensor            # [b, 1, h]
+    embedded: Tensor         # [b, 1, h]
+    rope: Rope
+    mask: Tensor             # [b, 1, 1, keys]
+    steps: Tensor            # [b] iterations run
+    exited: Tensor           # [b] bool
+    streak: Tensor           # [b] consecutive passing evaluations
+    logits: Tensor | None    # [b, V] of the latest iteration when the criterion reads logits
+
+    def select(self, keep: Tensor) -> "Rows":
+        pick = lambda t: None if t is None else t[keep]  # noqa: E731
+        return Rows(self.index[keep], self.state[keep], self.embedded[keep],
+                    (self.rope[0][keep], self.rope[1][keep]), self.mask[keep], self.steps[keep],
+                    self.exited[keep], self.streak[keep], pick(self.logits))
+
+
+def resolve_compile(compile: bool | None, device: torch.device) -> bool:
+    """The static, captured decode step: on by default on CUDA (CUDA graphs), off on the CPU, where
+    eager kernels over slices measured faster than a compiled step (benchmarks/bench_generate.py)."""
+    if compile is None:
+        return device.type == "cuda"
+    return bool(compile)
+
+
+class Session:
+    """Prefill and decode for a batch of prompts over one cache. Buffer index t of row b holds that
+    row's token at position t - pad[b] (prompts are left-padded to a common length)."""
+
+    def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
+                 extra_tokens: int = 0) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        vocab = model.config.vocab_size
+        for p in prompts:
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        self.model, self.config = model, config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.batch = len(prompts)
+        self.prompt_length = max(len(p) for p in prompts)
+        max_length = self.prompt_length + config.max_new_tokens + extra_tokens
+        if max_length > model.config.context_length:
+            raise ValueError(f"prompt ({self.prompt_length}) + new tokens ({config.max_new_tokens}) exceeds "
+                             f"the context length {model.config.context_length}")
+        self.static = resolve_compile(config.compile, self.device)
+        self.graphs = self.static and self.device.type == "cuda"
+        slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
+        self.cache = RecurrentKVCache(model.config, self.batch, max_length, slots, config.cache_strategy,
+                                      self.dtype, self.device)
+        self.pad = torch.tensor([self.prompt_length - len(p) for p in prompts], device=self.device)
+        self.ids = torch.zeros(self.batch, self.prompt_length, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            self.ids[b, self.prompt_length - len(p):] = torch.tensor(p, device=self.device)
+        self.key_valid = torch.zeros(self.batch, max_length, dtype=torch.bool, device=self.device)
+        self.length = 0  # buffer entries written so far
+        self.criterion = config.criterion()
+        self.noise = noise_table(model, config.seed, config.init_scale, max_length, self.dtype, self.device)
+        self.samplers = [torch.Generator(device=self.device).manual_seed(config.seed)
+                         for _ in range(self.batch)]
+        self.seen = torch.zeros(self.batch, vocab, dtype=torch.bool, device=self.device)
+        for b, p in enumerate(prompts):
+            self.seen[b, torch.tensor(p, device=self.device)] = True
+        self.last_state: Tensor | None = None
+        # Inputs of a decoded token, written in place so that a captured step reads them.
+        h = model.config.hidden_size
+        self.index = torch.zeros((), dtype=torch.long, device=self.device)     # its buffer index
+        self.tokens = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+        self.warm = torch.zeros(self.batch, 1, h, dtype=self.dtype, device=self.device)
+        self.graphed: dict[tuple, tuple[torch.cuda.CUDAGraph, Callable[[], tuple[Tensor, ...]]]] = {}
+        self.capture_seconds = 0.0
+
+    # ---- inputs of one model call: tokens at buffer indices start .. start + n - 1
+
+    def positions(self, start: int, n: int) -> Tensor:
+        index = torch.arange(start, start + n, device=self.device)
+        return (index.unsqueeze(0) - self.pad.unsqueeze(1)).clamp_min(0)
+
+    def mask(self, start: int, n: int) -> Tensor:
+        """[B, 1, n, start + n]: causal over the buffer and no padding; a pad query sees itself only
+        (so its softmax is defined; nobody attends to it)."""
+        end = start + n
+        keys = self.key_valid[:, None, None, :end]
+        if n == 1:
+            return keys
+        q = torch.arange(start, end, device=self.device).view(-1, 1)
+        k = torch.arange(end, device=self.device).view(1, -1)
+        return (keys & (k <= q)) | (k == q)
+
+    def initial_state(self, embedded: Tensor, positions: Tensor) -> Tensor:
+        """s_0 of tokens at `positions` ([B, n]): rows of the (seed, position) noise table."""
+        if self.noise is None:
+            return torch.zeros_like(embedded)
+        return self.noise[positions]
+
+    # ---- block calls (prompt, drafts, verification): eager, over slices of the cache
+
+    def begin(self, ids: Tensor) -> tuple[Tensor, Rope, Tensor, Tensor, int]:
+        """Mark the new tokens valid and run the prelude. Returns (e, rope, mask, positions, start)."""
+        start, n = self.length, ids.shape[1]
+        self.key_valid[:, start:start + n] = True
+        if start == 0:
+            self.key_valid[:, :n] &= torch.arange(n, device=self.device) >= self.pad.unsqueeze(1)
+        positions = self.positions(start, n)
+        rope, mask = self.model.rope(positions, check=False), self.mask(start, n)
+        self.cache.start, self.cache.rows = start, None
+        return self.model.embed(ids, rope, mask, self.cache), rope, mask, positions, start
+
+    def forward(self, ids: Tensor, num_steps: int, initial_state: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """Run tokens through the model at a fixed r; append them to the cache. (last logits, state)."""
+        e, rope, mask, positions, start = self.begin(ids)
+        state = self.initial_state(e, positions) if initial_state is None else initial_state
+        for i in range(num_steps):
+            state = self.model.step(state, e, i, rope, mask, self.cache)
+        self.cache.fill_missing(num_steps, start, start + ids.shape[1])
+        logits = self.model.readout(state, rope, mask, self.cache)
+        self.length = start + ids.shape[1]
+        return logits[:, -1], state
+
+    def prefill(self) -> Tensor:
+        steps = self.config.prefill_steps or self.config.num_steps
+        logits, state = self.forward(self.ids, steps)
+        self.last_state = state[:, -1:]
+        return logits
+
+    # ---- decoding one token per row
+
+    def decode(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Feed one token per row; returns (next logits [B, V], iterations run [B])."""
+        self.seen[torch.arange(self.batch, device=self.device), tokens] = True
+        t = self.length
+        self.key_valid[:, t] = True
+        self.index.fill_(t)
+        self.tokens.copy_(tokens.view(-1, 1))
+        if self.config.continuous_cot:
+            self.warm.copy_(self.last_state)
+        if self.criterion is None:
+            logits, state = self.run(("fixed",), self.token_fixed)
+            steps = torch.full((self.batch,), self.config.num_steps, device=self.device)
+        else:
+            logits, state, steps = self.token_adaptive()
+        self.length = t + 1
+        self.last_state = state
+        return logits, steps
+
+    def run(self, key: tuple, body: Callable[[], tuple], idempotent: bool = True) -> tuple:
+        """Run a static body: eagerly, or on CUDA through a CUDA graph captured on first use. A
+        replay's outputs are the graph's own tensors, overwritten by the next replay. The first call
+        runs the body once to warm up (allocator, cuBLAS workspaces), captures it, then replays it;
+        a body that updates its inputs in place (`idempotent=False`) is not replayed after the warm-up
+        that already did its work."""
+        if not self.graphs:
+            return body()
+        if key in self.graphed:
+            graph, outputs = self.graphed[key]
+            graph.replay()
+            return outputs
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            warm = body()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = body()
+        self.graphed[key] = (graph, outputs)
+        self.capture_seconds += time.perf_counter() - t0
+        if not idempotent:
+            return warm
+        graph.replay()
+        return outputs
+
+    def decode_inputs(self) -> tuple[Tensor, Rope, Tensor, Tensor]:
+        """(e, rope, mask, positions) of the token at buffer index `self.index`; the cache writes there."""
+        positions = (self.index - self.pad).view(-1, 1)
+        rope = self.model.rope(positions, check=False)
+        if self.static:  # the whole buffer: a fixed shape; the mask hides what is not written yet
+            self.cache.start, mask = self.index, self.key_valid[:, None, None, :]
+        else:
+            self.cache.start, mask = self.length, self.key_valid[:, None, None, :self.length + 1]
+        self.cache.rows = None
+        return self.model.embed(self.tokens, rope, mask, self.cache), rope, mask, positions
+
+    def token_fixed(self) -> tuple[Tensor, Tensor]:
+        """One token per row at r = num_steps: (logits [B, V], final state [B, 1, h])."""
+        r = self.config.num_steps
+        e, rope, mask, positions = self.decode_inputs()
+        state = self.warm if self.config.continuous_cot else self.initial_state(e, positions)
+        for i in range(r):
+            state = self.model.step(state, e, i, rope, mask, self.cache)
+        self.cache.fill_missing(r, self.cache.start, None)
+        return self.model.readout(state, rope, mask, self.cache)[:, -1], state
+
+    # ---- adaptive exits
+
+    def token_adaptive(self) -> tuple[Tensor, Tensor, Tensor]:
+        """One token per row, each row iterating until the exit criterion fires (between min_steps and
+        num_steps). Returns (logits [B, V], final state [B, 1, h], steps [B]).
+
+        While every row iterates, chunks of `exit_sync_every` iterations run as static steps (CUDA
+        graphs on CUDA) over the whole batch, exited rows frozen on the device; at the end of a chunk
+        the host looks at the exit flags, and once some rows have exited the others go on alone."""
+        c, cache = self.config, self.cache
+        r, every = c.num_steps, c.exit_sync_every
+        rows = full = self.run(("adaptive", "start"), self.adaptive_start)[0]
+        final, steps = rows.state.clone(), rows.steps.clone()
+        i, compact = 0, False
+        while i < r:
+            n = min(every, r - i)
+            if compact:
+                rows = self.iterate(rows, i, n)
+            else:
+                self.run(("adaptive", i, n), lambda: (self.iterate(rows, i, n, in_place=True),),
+                         idempotent=False)
+            i += n
+            if i == r:
+                break
+            exited = rows.exited
+            done = exited.cpu()  # the host looks: rows that exited leave the batch
+            if bool(done.any()):
+                final[rows.index[exited]] = rows.state[exited]
+                steps[rows.index[exited]] = rows.steps[exited]
+                if bool(done.all()):
+                    rows = rows.select(~exited)
+                    break
+                rows, compact = rows.select(~exited), True
+                cache.rows = rows.index
+        final[rows.index] = rows.state
+        steps[rows.index] = rows.steps
+        cache.rows, cache.core_writers = None, None
+        cache.fill_missing(steps, cache.start, None)
+        logits = self.model.readout(final, full.rope, full.mask, cache)[:, -1]
+        return logits, final, steps
+
+    def adaptive_start(self) -> tuple[Rows]:
+        """Prelude and s_0 of the token; every row active."""
+        e, rope, mask, positions = self.decode_inputs()
+        state = self.warm if self.config.continuous_cot else self.initial_state(e, positions)
+        zeros = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        logits = None
+        if self.criterion.uses_logits:
+            logits = torch.zeros(self.batch, self.model.config.vocab_size, device=self.device)
+        return (Rows(torch.arange(self.batch, device=self.device), state.clone(), e, rope, mask, zeros,
+                     zeros.bool(), zeros.clone(), logits),)
+
+    def iterate(self, rows: Rows, first: int, n: int, in_place: bool = False) -> Rows:
+        """Iterations first .. first + n - 1 for `rows`, deciding exits on the device. A row that
+        exited keeps its state and stops writing core cache entries. `in_place` writes the results
+        into `rows`' own tensors (a static step's outputs are its inputs)."""
+        c, crit, cache = self.config, self.criterion, self.cache
+        r = c.num_steps
+        out = dataclasses.replace(rows)
+        for i in range(first, first + n):
+            cache.core_writers = ~out.exited if i else None
+            new = self.model.step(out.state, out.embedded, i, out.rope, out.mask, cache)
+            prev_state = out.state
+            out.state = torch.where(out.exited.view(-1, 1, 1), prev_state, new)
+            out.steps = out.steps + (~out.exited).long()
+            # The criterion compares iterations i-1 and i; never at i = 0 (nothing to compare) nor at the
+            # last iteration (the token stops there anyway).
+            evaluate = 0 < i < r - 1 and (i + 1) % c.exit_every == 0
+            prev_logits = out.logits
+            if crit.uses_logits and (evaluate or (0 < i + 1 < r - 1 and (i + 2) % c.exit_every == 0)):
+                out.logits = self.model.readout(out.state, out.rope, out.mask, cache)[:, -1]
+            if evaluate:
+                passed = crit(prev_logits, out.logits, prev_state[:, -1], out.state[:, -1])
+                out.streak = torch.where(passed, out.streak + 1, 0)
+                out.exited = out.exited | ((out.streak >= crit.patience) & (out.steps >= c.min_steps))
+        cache.core_writers = None
+        if in_place:
+            for name in ("state", "steps", "exited", "streak", "logits"):
+                target = getattr(rows, name)
+                if target is not None:
+                    target.copy_(getattr(out, name))
+            return rows
+        return out
+
+    # ---- self-speculative decoding
+
+    def speculate(self, pending: int) -> tuple[list[int], int, int]:
+        """One round of self-speculative decoding (batch of one), from the `pending` token (chosen,
+        not yet fed). Draft L tokens with N iterations each; then continue those L positions from
+        iteration N to M in one forward: the prelude output and the first N iterations are the
+        draft's (they do not depend on the total depth), the cache already holds slots 0..N-1.
+        Accept drafts while they equal the verified greedy choice.
+        Returns (new tokens: accepted drafts then the next pending token, drafted, accepted)."""
+        c = self.config
+        n_draft, depth, length = c.draft_steps, c.num_steps, c.draft_length
+        start = self.length
+        length = min(length, self.cache.max_length - start)
+        fed, embedded, states = [pending], [], []
+        for j in range(length):
+            e, rope, mask, positions, _ = self.begin(torch.tensor([[fed[-1]]], device=self.device))
+            state = self.initial_state(e, positions)
+            for i in range(n_draft):
+                state = self.model.step(state, e, i, rope, mask, self.cache)
+            logits = self.model.readout(state, rope, mask, self.cache)
+            self.length += 1
+            embedded.append(e)
+            states.append(state)
+            fed.append(int(logits[0, -1].argmax()))
+        drafts = fed[1:]
+        # Verify: iterations N..M-1 for all L drafted positions at once.
+        self.length = start
+        rope, mask = self.model.rope(self.positions(start, length), check=False), self.mask(start, length)
+        self.cache.start, self.cache.rows = start, None
+        e, state = torch.cat(embedded, dim=1), torch.cat(states, dim=1)
+        for i in range(n_draft, depth):
+            state = self.model.step(state, e, i, rope, mask, self.cache)
+        verified = self.model.readout(state, rope, mask, self.cache)[0].argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < length and drafts[accepted] == verified[accepted]:
+            accepted += 1
+        processed = min(accepted + 1, length)  # positions whose cache entries are now final
+        self.length = start + processed
+        self.key_valid[:, self.length:] = False
+        return drafts[:processed - 1] + [verified[processed - 1]], length, accepted

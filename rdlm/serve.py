@@ -1,0 +1,492 @@
+"""An OpenAI-compatible HTTP server whose batches think at different depths (`rdlm serve`).
+
+    app = create_app(model, tokenizer, ServeConfig(model_name="huginn"))     # a FastAPI app
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Endpoints: `/v1/completions` and `/v1/chat/completions` (the model's chat template), both streamed as
+server-sent events in OpenAI's chunk format (ending with `[DONE]`) or not; `/v1/models`; `/health`;
+`/metrics` (Prometheus text format).
+
+Requests take OpenAI's fields (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`, `n`, ...)
+and rdlm's: `num_steps`, `exit_criterion`, `exit_threshold`, `min_steps`, `exit_every`,
+`kv_cache_budget`, `continuous_cot`, `init_scale`. `usage.latent_iterations` counts the core
+iterations spent on the completion.
+
+One worker thread owns a `ContinuousBatch` (rdlm/batching.py): requests join and leave between core
+iterations, each row at its own depth, so a request whose tokens exit early makes room for others
+instead of waiting for them. A request's tokens are those of `rdlm.generate` for its prompt alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from rdlm.batching import BatchEvent, ContinuousBatch
+from rdlm.generate import GenerationConfig
+from rdlm.model import RecurrentDepthLM
+from rdlm.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_name: str = "rdlm"
+    max_batch: int = 8                  # rows decoded together
+    max_queue: int = 64                 # requests waiting for a row before the server answers 503
+    max_length: int | None = None       # tokens per row (prompt + completion); default: the model's context
+    num_slots: int = 32                 # core cache slots per token: the largest r without a cache budget
+    defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
+    retry_after: int = 1                # seconds, in the Retry-After of a 503
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# --------------------------------------------------------------------------------------------------
+# Request bodies: OpenAI's fields and rdlm's; anything else is refused by name.
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = Field(1, ge=1, le=16)
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # rdlm: test-time compute
+    num_steps: int | None = None
+    exit_criterion: str | None = None
+    exit_threshold: float | None = None
+    min_steps: int | None = None
+    exit_every: int | None = None
+    kv_cache_budget: int | None = None
+    continuous_cot: bool | None = None
+    init_scale: float | None = None
+    sampler: str | None = None
+
+
+class CompletionRequest(_Options):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_Options):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker thread: the only place that touches the model.
+
+@dataclass
+class Ticket:
+    """One row's worth of a request: where its tokens go."""
+    prompt: list[int]
+    config: GenerationConfig
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request_id: int | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("rdlm_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("rdlm_prompt_tokens", "prompt tokens admitted", registry=r)
+        self.tokens = Counter("rdlm_generated_tokens", "tokens generated", registry=r)
+        self.exits = Counter("rdlm_early_exits", "tokens whose iterations stopped before r (adaptive exits)", registry=r)
+        self.queue = Gauge("rdlm_queue_length", "requests waiting for a row", registry=r)
+        self.batch = Gauge("rdlm_batch_size", "rows being decoded", registry=r)
+        self.iterations = Histogram("rdlm_iterations_per_token", "core iterations per generated token",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.ttft = Histogram("rdlm_time_to_first_token_seconds", "from submission to the first token",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+
+
+class Worker:
+    """Runs a ContinuousBatch in a thread. Requests come in through `submit`; each ticket receives
+    ("accepted",), then BatchEvents, or ("error", message) when the batch refuses the request."""
+
+    def __init__(self, model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig, metrics: Metrics) -> None:
+        self.config, self.metrics = config, metrics
+        self.batch = ContinuousBatch(model, config.max_batch, config.max_length, config.num_slots,
+                                     decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        self.inbox: queue.Queue = queue.Queue()
+        self.tickets: dict[int, Ticket] = {}
+        self.pending = 0                       # submitted and not finished (inbox, waiting, running)
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="rdlm-batch", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.inbox.put(None)
+        self.thread.join(timeout=30)
+
+    def submit(self, ticket: Ticket) -> None:
+        with self.lock:
+            if self.pending >= self.config.max_batch + self.config.max_queue:
+                raise APIError(503, f"the server is at capacity ({self.pending} requests in flight); retry later",
+                               code="overloaded", kind="server_error",
+                               headers={"Retry-After": str(self.config.retry_after)})
+            self.pending += 1
+        self.inbox.put(("add", ticket))
+
+    def cancel(self, ticket: Ticket) -> None:
+        self.inbox.put(("cancel", ticket))
+
+    def _done(self) -> None:
+        with self.lock:
+            self.pending -= 1
+
+    def _send(self, ticket: Ticket, item) -> None:
+        ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, item)
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self._take(block=not self.batch.busy)
+                if self.batch.busy:
+                    self._deliver(self.batch.step())
+            except Exception as err:  # a failure of the step itself: fail what is in flight, go on
+                for ticket in self.tickets.values():
+                    self._send(ticket, ("error", f"generation failed: {err}"))
+                    self._done()
+                self.tickets.clear()
+                self.batch = ContinuousBatch(self.batch.model, self.config.max_batch, self.config.max_length,
+                                             self.config.num_slots, self.batch.decode)
+        for ticket in self.tickets.values():
+            self._send(ticket, ("error", "the server is shutting down"))
+
+    def _take(self, block: bool) -> None:
+        while True:
+            try:
+                item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            command, ticket = item
+            if command == "add":
+                try:
+                    ticket.request_id = self.batch.add(ticket.prompt, ticket.config)
+                except ValueError as err:
+                    self._send(ticket, ("error", str(err)))
+                    self._done()
+                    continue
+                self.tickets[ticket.request_id] = ticket
+                self.metrics.prompt_tokens.inc(len(ticket.prompt))
+                self._send(ticket, ("accepted",))
+            elif command == "cancel" and ticket.request_id in self.tickets:
+                self.batch.cancel(ticket.request_id)
+                del self.tickets[ticket.request_id]
+                self._done()
+
+    def _deliver(self, events: list[BatchEvent]) -> None:
+        m = self.metrics
+        for event in events:
+            ticket = self.tickets.get(event.request)
+            if ticket is None:
+                continue
+            m.tokens.inc()
+            m.iterations.observe(event.steps)
+            if event.steps < ticket.config.num_steps:
+                m.exits.inc()
+            self._send(ticket, event)
+            if event.finish_reason is not None:
+                del self.tickets[event.request]
+                self._done()
+        m.queue.set(len(self.batch.waiting))
+        m.batch.set(len(self.batch.active))
+
+
+# --------------------------------------------------------------------------------------------------
+# From a request to generation configs and back to OpenAI's responses
+
+def generation_config(body: _Options, defaults: GenerationConfig, stop_tokens: tuple[int, ...],
+                      max_tokens: int | None) -> GenerationConfig:
+    if body.logprobs not in (None, False, 0):
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0:
+            raise APIError(400, f"{name} is not supported; use repetition_penalty", param=name)
+    if body.n > 1 and body.stream:
+        raise APIError(400, "n > 1 is not supported with stream", param="n")
+    updates: dict[str, Any] = {"stop_tokens": tuple(defaults.stop_tokens) + stop_tokens}
+    if max_tokens is not None:
+        updates["max_new_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "num_steps",
+                 "exit_criterion", "exit_threshold", "min_steps", "exit_every", "continuous_cot", "init_scale",
+                 "sampler"):
+        value = getattr(body, name)
+        if value is not None:
+            updates[name] = value
+    if body.stop is not None:
+        updates["stop_strings"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    if body.kv_cache_budget is not None:
+        updates["cache_strategy"], updates["cache_slots"] = "shared", body.kv_cache_budget
+    try:
+        return replace(defaults, **updates)
+    except (ValueError, TypeError) as err:
+        raise APIError(400, str(err)) from None
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    return text[:min((text.find(s) for s in stops if s in text), default=len(text))]
+
+
+class Completion:
+    """Collects one ticket's tokens into text; `delta` gives what is safe to stream so far (nothing
+    that may still turn out to be a stop string or half a character)."""
+
+    def __init__(self, tokenizer: Tokenizer, config: GenerationConfig) -> None:
+        self.tokenizer, self.config = tokenizer, config
+        self.tokens: list[int] = []
+        self.steps = 0
+        self.finish_reason: str | None = None
+        self.sent = 0
+
+    def add(self, event: BatchEvent) -> None:
+        self.tokens.append(event.token)
+        self.steps += event.steps
+        if event.finish_reason is not None:
+            self.finish_reason = "stop" if event.finish_reason != "length" else "length"
+
+    @property
+    def text(self) -> str:
+        return cut_at_stop(self.tokenizer.decode(self.tokens, skip_special_tokens=True), self.config.stop_strings)
+
+    def delta(self) -> str:
+        text = self.text
+        if self.finish_reason is None:
+            hold = max((len(s) - 1 for s in self.config.stop_strings), default=0)
+            safe = len(text) - hold
+            if text[:safe].endswith("\ufffd"):
+                safe -= 1
+            text = text[:max(safe, self.sent)]
+        new, self.sent = text[self.sent:], len(text)
+        return new
+
+
+# --------------------------------------------------------------------------------------------------
+# The app
+
+def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig | None = None) -> FastAPI:
+    config = config or ServeConfig()
+    metrics = Metrics()
+    worker = Worker(model, tokenizer, config, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="rdlm", lifespan=lifespan)
+    app.state.worker, app.state.metrics = worker, metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        metrics.requests.labels(request.url.path, str(err.status)).inc()
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message, where = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+        elif first.get("type") == "extra_forbidden":
+            message = f"unknown field {where!r}"
+        elif where:
+            message = f"{where}: {message}"
+        metrics.requests.labels(request.url.path, "400").inc()
+        return APIError(400, message, param=where).response()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": config.model_name}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "rdlm"}]}
+
+    def check_model(name: str) -> None:
+        if name != config.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server has {config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def start(prompt: list[int], gen: GenerationConfig, n: int) -> list[tuple[Ticket, Completion]]:
+        loop = asyncio.get_running_loop()
+        started = []
+        for i in range(n):
+            seeded = gen if gen.temperature == 0 else replace(gen, seed=gen.seed + i)
+            ticket = Ticket(prompt, seeded, loop)
+            worker.submit(ticket)
+            started.append((ticket, Completion(tokenizer, seeded)))
+        for ticket, _ in started:
+            first = await ticket.events.get()
+            if first[0] == "error":
+                for other, _ in started:
+                    worker.cancel(other)
+                raise APIError(400, first[1])
+        return started
+
+    async def collect(request: Request, started: list[tuple[Ticket, Completion]]) -> None:
+        """Wait for every ticket to finish; a client that goes away cancels them."""
+        for ticket, completion in started:
+            while completion.finish_reason is None:
+                try:
+                    item = await asyncio.wait_for(ticket.events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        for other, _ in started:
+                            worker.cancel(other)
+                        raise APIError(499, "the client disconnected")
+                    continue
+                take(ticket, completion, item)
+
+    def take(ticket: Ticket, completion: Completion, item) -> None:
+        if isinstance(item, tuple) and item[0] == "error":
+            raise APIError(500, item[1], kind="server_error")
+        if not completion.tokens:
+            metrics.ttft.observe(time.perf_counter() - ticket.submitted)
+        completion.add(item)
+
+    def usage(prompt: list[int], completions: list[Completion]) -> dict:
+        out = sum(len(c.tokens) for c in completions)
+        return {"prompt_tokens": len(prompt), "completion_tokens": out, "total_tokens": len(prompt) + out,
+                "latent_iterations": sum(c.steps for c in completions)}
+
+    async def respond(request: Request, body: _Options, prompt: list[int], gen: GenerationConfig, chat: bool):
+        started = await start(prompt, gen, body.n)
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        endpoint = request.url.path
+        if not body.stream:
+            await collect(request, started)
+            completions = [c for _, c in started]
+            if chat:
+                choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                            "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
+            else:
+                choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                           for i, c in enumerate(completions)]
+            metrics.requests.labels(endpoint, "200").inc()
+            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                 "created": created, "model": config.model_name, "choices": choices,
+                                 "usage": usage(prompt, completions)})
+
+        ticket, completion = started[0]
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                content = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+                choice = {"index": 0, "delta": content, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created, "model": config.model_name, "choices": [choice]}
+            return f"data: {json.dumps(data)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    yield chunk(None, None, role=True)
+                while completion.finish_reason is None:
+                    take(ticket, completion, await ticket.events.get())
+                    delta = completion.delta()
+                    if delta or completion.finish_reason is not None:
+                        yield chunk(delta, completion.finish_reason)
+                if include_usage:
+                    data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created, "model": config.model_name, "choices": [],
+                            "usage": usage(prompt, [completion])}
+                    yield f"data: {json.dumps(data)}\n\n"
+                yield "data: [DONE]\n\n"
+                metrics.requests.labels(endpoint, "200").inc()
+            except APIError as err:
+                yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
+            finally:
+                if completion.finish_reason is None:  # the client went away, or an error: free the row
+                    worker.cancel(ticket)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (send several requests)", param="prompt")
+            prompt = prompt[0]
+        ids = tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        gen = generation_config(body, config.defaults, (tokenizer.eos_id,), body.max_tokens)
+        return await respond(request, body, ids, gen, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest):
+        check_model(body.model)
+        ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        gen = generation_config(body, config.defaults, (tokenizer.end_turn_id, tokenizer.eos_id), max_tokens)
+        return await respond(request, body, ids, gen, chat=True)
+
+    return app

@@ -1,0 +1,253 @@
+"""`rdlm serve`: a live server on 127.0.0.1, spoken to with the official `openai` client and plain HTTP.
+Every wait is bounded (client timeouts, joins with timeouts)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+try:  # the HTTP client the openai package itself uses: httpx2 in openai >= 3, httpx before
+    import httpx2 as httpx  # noqa: E402
+except ImportError:
+    import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+
+from rdlm import RDLMConfig, RecurrentDepthLM, save_pretrained  # noqa: E402
+from rdlm.generate import GenerationConfig, generate  # noqa: E402
+from rdlm.serve import ServeConfig, create_app  # noqa: E402
+from rdlm.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+
+DEFAULTS = GenerationConfig(num_steps=4, max_new_tokens=8)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    tok = train_tokenizer(["the cat sat on the mat. the dog sat on the log. 1 2 3 4 5 6 7 8 9. " * 10],
+                          vocab_size=300)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("served")
+    save_pretrained(RecurrentDepthLM(RDLMConfig.from_preset("tiny", vocab_size=tok.vocab_size)), path)
+    tok.save(path)
+    return path
+
+
+class LiveServer:
+    """uvicorn in a thread of this process, on a real socket."""
+
+    def __init__(self, model_dir: Path, **config) -> None:
+        from rdlm import load_pretrained
+
+        self.model, self.tokenizer = load_pretrained(model_dir).eval(), Tokenizer.from_dir(model_dir)
+        self.config = ServeConfig(model_name="tiny", defaults=DEFAULTS, max_length=96, num_slots=16, **config)
+        self.app = create_app(self.model, self.tokenizer, self.config)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def expected(self, ids: list[int], **options) -> tuple[str, list[int]]:
+        """Text and iterations per token of rdlm.generate for this prompt alone."""
+        config = replace(DEFAULTS, **options)
+        result = generate(self.model, [ids], config)
+        return self.tokenizer.decode(result.tokens[0], skip_special_tokens=True), result.steps[0]
+
+
+@pytest.fixture(scope="module")
+def live(model_dir):
+    with LiveServer(model_dir) as server:
+        yield server
+
+
+def test_models_health_and_a_completion_equal_to_generate(live):
+    client = live.client()
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert httpx.get(live.url + "/health", timeout=10).json()["status"] == "ok"
+    out = client.completions.create(model="tiny", prompt="the cat", max_tokens=6, temperature=0)
+    ids = live.tokenizer.encode("the cat", add_bos=True)
+    text, steps = live.expected(ids, max_new_tokens=6, stop_tokens=(live.tokenizer.eos_id,))
+    assert out.choices[0].text == text
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(steps)
+    assert out.usage.model_extra["latent_iterations"] == sum(steps)
+
+
+def test_chat_streamed_equals_chat_whole_and_uses_the_template(live):
+    client = live.client()
+    messages = [{"role": "user", "content": "the dog"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=7,
+                                           extra_body={"num_steps": 6})
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=7, stream=True,
+                                                 extra_body={"num_steps": 6}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    ids = live.tokenizer.apply_chat_template(messages)
+    text, _ = live.expected(ids, max_new_tokens=7, num_steps=6,
+                            stop_tokens=(live.tokenizer.end_turn_id, live.tokenizer.eos_id))
+    assert whole.choices[0].message.content == text
+
+
+def test_concurrent_clients_at_different_depths_each_get_their_tokens_alone(live):
+    """A busy batch: requests with different r, exit criteria and sampling join and leave between
+    iterations; each still gets exactly the tokens of its prompt decoded alone."""
+    requests = [("the cat", dict(num_steps=3)), ("the dog sat", dict(num_steps=12, exit_criterion="kl",
+                                                                      exit_threshold=3e-3)),
+                ("1 2 3", dict(num_steps=8, kv_cache_budget=2)), ("on the", dict(num_steps=5, seed=4)),
+                ("the mat", dict(num_steps=10, exit_criterion="latent-diff", exit_threshold=0.1)),
+                ("log", dict(num_steps=4, temperature=0.8, top_p=0.9, seed=9))]
+
+    def ask(item):
+        prompt, fields = item
+        extra = {k: v for k, v in fields.items() if k not in ("temperature", "top_p", "seed")}
+        out = live.client().completions.create(model="tiny", prompt=prompt, max_tokens=8, extra_body=extra,
+                                               temperature=fields.get("temperature", 0),
+                                               top_p=fields.get("top_p"), seed=fields.get("seed"))
+        return out.choices[0].text
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        texts = list(pool.map(ask, requests))
+    for (prompt, fields), text in zip(requests, texts):
+        options = dict(fields, stop_tokens=(live.tokenizer.eos_id,))
+        if "kv_cache_budget" in options:
+            options.update(cache_strategy="shared", cache_slots=options.pop("kv_cache_budget"))
+        assert text == live.expected(live.tokenizer.encode(prompt, add_bos=True), **options)[0], prompt
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
+    ({"model": "tiny", "prompt": "x", "num_steps": 0}, 400, "num_steps"),
+    ({"model": "tiny", "prompt": "x", "exit_criterion": "klx"}, 400, "unknown exit criterion"),
+    ({"model": "tiny", "prompt": list(range(90)), "max_tokens": 20}, 400, "exceeds the context of 96"),
+    ({"model": "tiny", "prompt": "x", "num_steps": 40}, 400, "core cache slots"),
+    ({"model": "tiny", "prompt": "x", "colour": 1}, 400, "unknown field 'colour'"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": [99999]}, 400, "outside the vocabulary"),
+    ({"model": "tiny", "prompt": "x", "sampler": "parallel"}, 400, "not available in a continuous batch"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ("{not json", 400, "not valid JSON"),
+])
+def test_bad_requests_get_openai_errors_and_disturb_nobody(live, body, status, fragment):
+    client = live.client()
+    with ThreadPoolExecutor(1) as pool:
+        good = pool.submit(client.completions.create, model="tiny", prompt="the cat", max_tokens=8)
+        data = body if isinstance(body, str) else json.dumps(body)
+        reply = httpx.post(live.url + "/v1/completions", content=data, timeout=30,
+                           headers={"content-type": "application/json"})
+        assert good.result(timeout=60).choices[0].finish_reason in ("length", "stop")
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert fragment in error["message"] and error["type"]
+
+
+def test_a_disconnected_stream_frees_its_row(live):
+    worker = live.app.state.worker
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=30,
+                      json={"model": "tiny", "prompt": "the", "max_tokens": 80, "num_steps": 16,
+                            "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.time() + 20
+    while worker.pending or worker.batch.busy:
+        assert time.time() < deadline, "the cancelled request still holds its row"
+        time.sleep(0.05)
+
+
+def test_metrics_count_tokens_iterations_and_time_to_first_token(live):
+    live.client().completions.create(model="tiny", prompt="the", max_tokens=3,
+                                     extra_body={"exit_criterion": "kl", "exit_threshold": 1.0, "num_steps": 8})
+    text = httpx.get(live.url + "/metrics", timeout=10).text
+    for name in ("rdlm_generated_tokens_total", "rdlm_iterations_per_token_bucket", "rdlm_early_exits_total",
+                 "rdlm_time_to_first_token_seconds_count", "rdlm_queue_length", "rdlm_batch_size",
+                 'rdlm_requests_total{endpoint="/v1/completions",status="200"}'):
+        assert name in text, name
+    exits = [line for line in text.splitlines() if line.startswith("rdlm_early_exits_total")]
+    assert float(exits[0].split()[-1]) >= 2            # a threshold of 1.0 exits at min_steps
+
+
+def test_a_full_queue_answers_503_with_retry_after(model_dir):
+    with LiveServer(model_dir, max_batch=1, max_queue=0) as server:
+        slow = threading.Thread(target=lambda: server.client().completions.create(
+            model="tiny", prompt="the", max_tokens=80, extra_body={"num_steps": 16}))
+        slow.start()
+        deadline = time.time() + 20
+        while not server.app.state.worker.pending:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
+        slow.join(timeout=60)
+    assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+    assert "capacity" in reply.json()["error"]["message"]
+
+
+def test_rdlm_serve_shuts_down_cleanly_on_sigterm(model_dir):
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "rdlm", "serve", str(model_dir), "--port", str(port),
+                             "-r", "4", "--max-new-tokens", "4", "--shutdown-timeout", "5"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.time() < deadline, "rdlm serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                           json={"model": Path(model_dir).name, "prompt": "the cat"})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+        # a stream in flight when SIGTERM arrives still finishes
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          json={"model": Path(model_dir).name, "prompt": "the", "max_tokens": 40,
+                                "num_steps": 12, "stream": True}) as response:
+            stream = response.iter_lines()
+            first = next(stream)
+            proc.send_signal(signal.SIGTERM)
+            lines = [first] + [line for line in stream if line]
+        assert first.startswith("data: ") and lines[-1] == "data: [DONE]"
+        assert proc.wait(timeout=30) == 0
+        assert "shut down on SIGTERM" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
