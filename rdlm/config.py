@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 NORM_SCHEMES = ("sandwich", "prenorm")
+# How the reference code's test-time noise shrinks with the iteration (its `test_time_noise_type`).
+NOISE_SCHEDULES = ("fixed", "geom", "sqrt", "line", "chi")
 INJECTIONS = ("concat", "add")
 STATE_INITS = ("random", "zero")
 
@@ -45,6 +47,14 @@ class RDLMConfig:
     norm_scheme: str = "sandwich"
     injection: str = "concat"
     state_init: str = "random"
+    # Std of the random initial state s_0 before the embedding scale sqrt(h) (a Huginn config's
+    # `init_values.std`); None is the paper's sqrt(2/(5h)). See `state_std`.
+    state_init_std: float | None = None
+    # Noise mixed into the state before every core iteration, as the reference code does when its config
+    # sets `test_time_noise` (0 = off, the paper's model): s <- n4(s(1 - a) + a * N(0, 1)) with
+    # a = test_time_noise * state_std * sqrt(h), shrunk over iterations by `test_time_noise_type`.
+    test_time_noise: float = 0.0
+    test_time_noise_type: str = "fixed"
     # Memory/speed switch: recompute each core iteration in backward instead of storing activations.
     activation_checkpointing: bool = False
     # Free-form provenance (e.g. the preset name); not used by the model.
@@ -68,7 +78,7 @@ class RDLMConfig:
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.head_dim % 2 != 0:
             raise ConfigError(f"head dimension hidden_size/num_heads = {self.head_dim} must be even for RoPE")
-        for name in ("rope_base", "norm_eps", "recurrence_sigma"):
+        for name in ("rope_base", "norm_eps", "recurrence_sigma", "test_time_noise"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"{name} must be a finite number, got {value!r}")
@@ -78,6 +88,18 @@ class RDLMConfig:
             raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.recurrence_sigma < 0:
             raise ConfigError(f"recurrence_sigma must be >= 0, got {self.recurrence_sigma}")
+        if self.state_init_std is not None:
+            std = self.state_init_std
+            if isinstance(std, bool) or not isinstance(std, (int, float)) or not math.isfinite(std) or std < 0:
+                raise ConfigError(f"state_init_std must be a finite number >= 0 or None, got {std!r}")
+        if self.test_time_noise < 0:
+            raise ConfigError(f"test_time_noise must be >= 0, got {self.test_time_noise}")
+        if self.test_time_noise_type not in NOISE_SCHEDULES:
+            raise ConfigError(f"test_time_noise_type must be one of {NOISE_SCHEDULES}, "
+                              f"got {self.test_time_noise_type!r}")
+        if self.test_time_noise > 0 and self.norm_scheme != "sandwich":
+            raise ConfigError("test_time_noise renormalizes with the core's last sandwich norm; "
+                              f"norm_scheme {self.norm_scheme!r} has none")
         for name in ("qk_bias", "tie_embeddings", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -94,6 +116,11 @@ class RDLMConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def state_std(self) -> float:
+        """Std of s_0 before the embedding scale: `state_init_std`, by default sqrt(2/(5h))."""
+        return math.sqrt(2 / (5 * self.hidden_size)) if self.state_init_std is None else self.state_init_std
 
     @property
     def effective_depth(self) -> int:

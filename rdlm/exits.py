@@ -4,7 +4,17 @@ A token stops iterating the core block once its iterations have converged. Each 
 *score* function of the previous and the current iteration (next-token logits and/or latent states)
 giving one number per token, where smaller means more converged; a token passes when its score is
 below the threshold. `ExitCriterion` bundles a score with its threshold and a `patience` (how many
-consecutive passing iterations make an exit): argmax-stability is "the argmax agreed for n steps".
+consecutive passing iterations make an exit).
+
+The formulas are those of the authors' reference code (`raven_modeling_minimal.py`, its exit
+evaluators), so that a threshold means what it means there:
+- `kl` and `minp-kl` are KL(p_{i-1} || p_i), the previous distribution being the target;
+- `entropy-diff` is the absolute change |H(p_i) - H(p_{i-1})|, with H computed as -sum p log(p + 1e-10);
+- `latent-diff` and `cosine` are computed in the states' own dtype (bfloat16 on a bfloat16 model);
+- `argmax-stability`'s threshold is a number of steps: exit once the argmax has stayed the same for
+  that many consecutive iterations (default 5), so a threshold of 3 means 3 steps.
+Default thresholds are the paper's where it gives one (kl 5e-4, latent-diff 0.03), else the reference
+code's; `CriterionSpec.reference_threshold` keeps the code's default where they differ (kl: 1e-3).
 
 Shapes: logits are [..., vocab], states [..., hidden]; scores and decisions are [...] (e.g. [batch] for
 one decoded token per sequence, or [batch, seq]). Nothing here keeps state between calls: the streak
@@ -26,40 +36,33 @@ ScoreFn = Callable[..., Tensor]
 
 
 def kl_score(prev_logits: Tensor, logits: Tensor, prev_state=None, state=None) -> Tensor:
-    """KL(p_i || p_{i-1}) between successive next-token distributions (the paper's default)."""
-    log_p, log_q = F.log_softmax(logits.float(), dim=-1), F.log_softmax(prev_logits.float(), dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0)
+    """KL(p_{i-1} || p_i) between successive next-token distributions, the previous one as the target
+    (the reference code's direction). Not clamped: round-off can make it slightly negative."""
+    return _kl_to_previous(F.log_softmax(prev_logits.float(), dim=-1), F.log_softmax(logits.float(), dim=-1))
 
 
 def entropy_diff_score(prev_logits: Tensor, logits: Tensor, prev_state=None, state=None) -> Tensor:
-    """|H(p_{i-1}) - H(p_i)| / H(p_{i-1}): relative change of the next-token entropy."""
-    def entropy(x: Tensor) -> Tensor:
-        log_p = F.log_softmax(x.float(), dim=-1)
-        return -(log_p.exp() * log_p).sum(dim=-1)
-
-    prev = entropy(prev_logits)
-    return (prev - entropy(logits)).abs() / prev.clamp_min(1e-12)
+    """|H(p_i) - H(p_{i-1})|: absolute change of the next-token entropy (in nats)."""
+    return (_entropy(logits) - _entropy(prev_logits)).abs()
 
 
 def latent_diff_score(prev_logits=None, logits=None, prev_state: Tensor | None = None,
                       state: Tensor | None = None) -> Tensor:
     """||s_i - s_{i-1}|| / ||s_i||: relative change of the latent state."""
-    prev, cur = prev_state.float(), state.float()
-    return (cur - prev).norm(dim=-1) / cur.norm(dim=-1).clamp_min(1e-12)
+    return ((state - prev_state).norm(dim=-1) / state.norm(dim=-1).clamp_min(1e-12)).float()
 
 
 def minp_kl_score(prev_logits: Tensor, logits: Tensor, prev_state=None, state=None,
                   min_p: float = 0.1) -> Tensor:
-    """KL between min-p filtered distributions: tokens below min_p * max probability are floored to
-    1/vocab before renormalizing, so the tail's noise does not delay exits (the floor keeps KL finite)."""
+    """KL(p_{i-1} || p_i) between min-p filtered distributions: probabilities below min_p times the
+    largest are set to 1/vocab, then renormalized, so the tail's noise does not delay exits (the floor
+    keeps KL finite)."""
     def filtered_log_probs(x: Tensor) -> Tensor:
         p = F.softmax(x.float(), dim=-1)
-        keep = p >= min_p * p.amax(dim=-1, keepdim=True)
-        p = torch.where(keep, p, torch.full_like(p, 1.0 / p.shape[-1]))
+        p = torch.where(p < min_p * p.amax(dim=-1, keepdim=True), 1.0 / p.shape[-1], p)
         return (p / p.sum(dim=-1, keepdim=True)).log()
 
-    log_p, log_q = filtered_log_probs(logits), filtered_log_probs(prev_logits)
-    return (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0)
+    return _kl_to_previous(filtered_log_probs(prev_logits), filtered_log_probs(logits))
 
 
 def argmax_change_score(prev_logits: Tensor, logits: Tensor, prev_state=None, state=None) -> Tensor:
@@ -70,30 +73,48 @@ def argmax_change_score(prev_logits: Tensor, logits: Tensor, prev_state=None, st
 def cosine_score(prev_logits=None, logits=None, prev_state: Tensor | None = None,
                  state: Tensor | None = None) -> Tensor:
     """1 - cos(s_i, s_{i-1}): cosine distance between successive latent states."""
-    return 1 - F.cosine_similarity(state.float(), prev_state.float(), dim=-1, eps=1e-12)
+    cos = (state * prev_state).sum(dim=-1) / state.norm(dim=-1).clamp_min(1e-12) \
+        / prev_state.norm(dim=-1).clamp_min(1e-12)
+    return (1 - cos).float()
+
+
+def _kl_to_previous(prev_log_p: Tensor, log_p: Tensor) -> Tensor:
+    return F.kl_div(log_p, prev_log_p, reduction="none", log_target=True).sum(dim=-1)
+
+
+def _entropy(logits: Tensor) -> Tensor:
+    p = F.softmax(logits.float(), dim=-1)
+    return -(p * torch.log(p + 1e-10)).sum(dim=-1)
 
 
 @dataclass(frozen=True)
 class CriterionSpec:
     score: ScoreFn
-    threshold: float          # default threshold
+    threshold: float          # rdlm's default threshold: the paper's where it gives one
     uses_logits: bool         # needs the coda run after every iteration
     uses_state: bool
     patience: int = 1         # default number of consecutive passing iterations
     help: str = ""
+    # The reference code's default threshold (its "auto"), where it differs from `threshold`.
+    reference_threshold: float | None = None
+    # The threshold counts consecutive iterations whose score is 0 (argmax-stability): a token passes
+    # an iteration when its score is below 0.5, and exits after `threshold` passes in a row.
+    counts_steps: bool = False
 
 
-# Defaults: kl 5e-4 and latent-diff 0.03 are the paper's (SPEC section 4); the others are ours.
+# Defaults: kl 5e-4 and latent-diff 0.03 are the paper's (section 6.1); the others are the reference
+# code's. The reference code's kl default is 1e-3.
 CRITERIA: dict[str, CriterionSpec] = {
-    "kl": CriterionSpec(kl_score, 5e-4, True, False, help="KL between successive next-token distributions"),
+    "kl": CriterionSpec(kl_score, 5e-4, True, False, reference_threshold=1e-3,
+                        help="KL(p_{i-1} || p_i) between successive next-token distributions"),
     "entropy-diff": CriterionSpec(entropy_diff_score, 1e-3, True, False,
-                                  help="relative change of next-token entropy"),
+                                  help="absolute change of next-token entropy |H_i - H_{i-1}|"),
     "latent-diff": CriterionSpec(latent_diff_score, 0.03, False, True,
                                  help="||s_i - s_{i-1}|| / ||s_i||"),
-    "minp-kl": CriterionSpec(minp_kl_score, 1e-6, True, False,
-                             help="KL between min-p filtered next-token distributions"),
-    "argmax-stability": CriterionSpec(argmax_change_score, 0.5, True, False, patience=5,
-                                      help="the most likely next token unchanged for n steps"),
+    "minp-kl": CriterionSpec(minp_kl_score, 1e-5, True, False,
+                             help="KL(p_{i-1} || p_i) between min-p filtered next-token distributions"),
+    "argmax-stability": CriterionSpec(argmax_change_score, 5, True, False, patience=5, counts_steps=True,
+                                      help="the most likely next token unchanged for n steps (threshold = n)"),
     "cosine": CriterionSpec(cosine_score, 1e-3, False, True,
                             help="cosine distance between successive latent states"),
 }
@@ -102,12 +123,19 @@ CRITERIA: dict[str, CriterionSpec] = {
 @dataclass(frozen=True)
 class ExitCriterion:
     """A named criterion with its threshold: a token exits after `patience` consecutive iterations
-    whose score is below `threshold`."""
+    whose score is below `threshold`. For a step-counting criterion (argmax-stability) the threshold is
+    itself the number of consecutive iterations (and equals `patience`); an iteration passes when its
+    score is 0."""
 
     name: str
     threshold: float
     patience: int = 1
     options: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.spec.counts_steps and self.threshold != self.patience:
+            raise ValueError(f"exit criterion {self.name!r}: the threshold is the number of steps, so it must "
+                             f"equal patience (got threshold={self.threshold}, patience={self.patience})")
 
     @property
     def spec(self) -> CriterionSpec:
@@ -130,7 +158,8 @@ class ExitCriterion:
     def __call__(self, prev_logits: Tensor | None = None, logits: Tensor | None = None,
                  prev_state: Tensor | None = None, state: Tensor | None = None) -> Tensor:
         """Bool tensor: which tokens pass this iteration (an exit when patience is 1)."""
-        return self.score(prev_logits, logits, prev_state, state) < self.threshold
+        cutoff = 0.5 if self.spec.counts_steps else self.threshold
+        return self.score(prev_logits, logits, prev_state, state) < cutoff
 
     def update(self, streak: Tensor | None, prev_logits: Tensor | None = None,
                logits: Tensor | None = None, prev_state: Tensor | None = None,
@@ -151,7 +180,8 @@ def make_exit_criterion(name: str, threshold: float | None = None, *, patience: 
                         **options) -> ExitCriterion:
     """An exit criterion by name, with the default threshold/patience unless given.
 
-    `argmax-stability` takes `n` (an alias of patience: steps the argmax must stay unchanged);
+    `argmax-stability`: the threshold is the number of consecutive iterations the argmax must stay
+    unchanged (default 5, as in the reference code); `n` and `patience` are aliases of it.
     `minp-kl` takes `min_p` (default 0.1).
     """
     if name not in CRITERIA:
@@ -160,7 +190,7 @@ def make_exit_criterion(name: str, threshold: float | None = None, *, patience: 
         raise ValueError(f"unknown exit criterion {name!r}{hint}; available: {', '.join(CRITERIA)}")
     spec = CRITERIA[name]
     if "n" in options:
-        if name != "argmax-stability":
+        if not spec.counts_steps:
             raise ValueError(f"option 'n' only applies to 'argmax-stability', not {name!r}")
         n = options.pop("n")
         if patience is not None and patience != n:
@@ -173,9 +203,20 @@ def make_exit_criterion(name: str, threshold: float | None = None, *, patience: 
                              + (f"; it takes {sorted(allowed)}" if allowed else ""))
         if key == "min_p" and not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ValueError(f"min_p must be in (0, 1], got {value!r}")
-    threshold = spec.threshold if threshold is None else threshold
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold != threshold:
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or threshold != threshold):
         raise ValueError(f"exit threshold must be a number, got {threshold!r}")
+    if spec.counts_steps:
+        if threshold is not None and patience is not None and threshold != patience:
+            raise ValueError(f"{name!r} counts steps: give the threshold ({threshold}) or n/patience "
+                             f"({patience}), not both")
+        steps = next((v for v in (threshold, patience) if v is not None), spec.patience)
+        if isinstance(steps, float) and steps.is_integer():
+            steps = int(steps)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"{name!r} threshold is a number of steps: an integer >= 1, got {steps!r}")
+        threshold, patience = steps, steps
+    threshold = spec.threshold if threshold is None else threshold
     patience = spec.patience if patience is None else patience
     if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
         raise ValueError(f"patience (n) must be an integer >= 1, got {patience!r}")

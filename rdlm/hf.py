@@ -51,6 +51,12 @@ from rdlm.model import RecurrentDepthLM, causal_mask  # noqa: E402
 MODEL_TYPE = huginn.MODEL_TYPE
 # generate() arguments that only rdlm.generate implements (per-token compute and its KV cache).
 RDLM_GENERATION_OPTIONS = ("exit_criterion", "exit_threshold", "kv_cache_budget", "continuous_cot", "draft_steps")
+# The authors' RavenForCausalLM.generate spells some of them differently: criterion ("none" = off),
+# exit_threshold "auto" (= the criterion's default), continuous_compute.
+REFERENCE_GENERATION_NAMES = {"criterion": "exit_criterion", "continuous_compute": "continuous_cot"}
+# forward() keywords transformers' machinery may pass that change nothing at these values.
+_INERT_FORWARD_KWARGS = {"use_cache": (None, False), "past_key_values": (None,), "output_attentions": (None, False),
+                         "output_hidden_states": (None, False)}
 
 
 class RavenConfig(PreTrainedConfig):
@@ -96,7 +102,8 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
 
     Extra forward/generate arguments: `num_steps` (core iterations r, default the config's mean
     recurrence) and `init_scale` (scale of the random initial state s_0; 0 gives the deterministic
-    all-zero state).
+    all-zero state). forward also takes a given s_0 as `input_states` (the reference's name) or
+    `initial_state` (rdlm's), [batch, seq, hidden].
     """
 
     config_class = RavenConfig
@@ -158,21 +165,39 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, labels: Tensor | None = None,
-                num_steps: int | None = None, init_scale: float = 1.0,
-                return_dict: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+                num_steps: int | None = None, init_scale: float = 1.0, input_states: Tensor | None = None,
+                initial_state: Tensor | None = None, cache_position: Tensor | None = None,
+                return_dict: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast | tuple:
         """attention_mask: transformers' [batch, seq] padding mask (1 = real token), left or right padded.
-        labels: transformers' convention, the input ids themselves (shifted here), -100 ignored."""
+        labels: transformers' convention, the input ids themselves (shifted here), -100 ignored.
+        input_states / initial_state: s_0 instead of a random draw (give one of them).
+        Keywords this wrapper does not implement are an error, never silently dropped."""
+        unknown = sorted(k for k, v in kwargs.items() if k not in _INERT_FORWARD_KWARGS)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword argument(s) "
+                            f"{', '.join(map(repr, unknown))}")
+        active = sorted(k for k, v in kwargs.items() if v not in _INERT_FORWARD_KWARGS[k])
+        if active:
+            raise ValueError(f"{type(self).__name__}.forward() does not support {', '.join(active)} "
+                             "(no transformers cache, attentions or hidden states; use rdlm.generate for cached "
+                             "decoding)")
+        if input_states is not None and initial_state is not None:
+            raise ValueError("give the initial state as input_states or initial_state, not both")
+        state = input_states if input_states is not None else initial_state
+        if position_ids is None and cache_position is not None:
+            position_ids = cache_position
         mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = padding_attention_mask(attention_mask)
             if position_ids is None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        out = self.model(input_ids, num_steps=num_steps, init_scale=init_scale, positions=position_ids,
-                         attention_mask=mask)
+        out = self.model(input_ids, num_steps=num_steps, initial_state=state, init_scale=init_scale,
+                         positions=position_ids, attention_mask=mask)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=out.logits)
+        result = CausalLMOutputWithPast(loss=loss, logits=out.logits)
+        return result.to_tuple() if return_dict is False else result
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                                       num_steps: int | None = None, init_scale: float = 1.0,
@@ -188,8 +213,12 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: Tensor | None = None, **kwargs: Any):
         """transformers' generate, with `num_steps` and `init_scale`. Any of RDLM_GENERATION_OPTIONS
-        (per-token exits, KV-cache budget, continuous CoT, self-speculative drafts; SPEC section 4)
-        hands the call to rdlm.generate, which decodes over its recurrent KV cache."""
+        (per-token exits, KV-cache budget, continuous CoT, self-speculative drafts; paper section 6)
+        hands the call to rdlm.generate, which decodes over its recurrent KV cache.
+
+        The authors' spelling works too, so their scripts run unchanged: `criterion=` ("none" = no
+        adaptive exits), `exit_threshold=` ("auto" = the criterion's default), `continuous_compute=`."""
+        kwargs = _rdlm_generation_names(kwargs)
         if any(kwargs.get(name) is not None for name in RDLM_GENERATION_OPTIONS):
             return self._generate_rdlm(inputs if inputs is not None else kwargs.pop("input_ids"), **kwargs)
         kwargs.setdefault("use_cache", False)
@@ -208,6 +237,8 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
 
         if unused:
             raise ValueError(f"generate with rdlm options does not take {', '.join(sorted(unused))}")
+        if exit_threshold is not None and exit_criterion is None:
+            raise ValueError("exit_threshold needs an exit criterion (exit_criterion= or criterion=)")
         mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         prompts = [row[keep].tolist() for row, keep in zip(input_ids, mask)]
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
@@ -227,6 +258,22 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         for row, tokens in enumerate(result.tokens):
             new[row, :len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
         return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+
+
+def _rdlm_generation_names(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """generate() keywords with the reference's names and sentinels turned into rdlm's."""
+    kwargs = dict(kwargs)
+    for theirs, ours in REFERENCE_GENERATION_NAMES.items():
+        if theirs in kwargs:
+            value = kwargs.pop(theirs)
+            if theirs == "criterion" and value == "none":
+                value = None
+            if kwargs.get(ours) is not None and kwargs[ours] != value:
+                raise ValueError(f"{theirs}={value!r} and {ours}={kwargs[ours]!r} disagree; give one of them")
+            kwargs[ours] = value
+    if kwargs.get("exit_threshold") == "auto":
+        kwargs["exit_threshold"] = None
+    return kwargs
 
 
 def padding_attention_mask(attention_mask: Tensor) -> Tensor:

@@ -82,13 +82,30 @@ _REQUIRED = {"n_embd": "hidden_size", "n_heads": "num_heads", "n_layers_in_prelu
              "block_size": "context_length"}
 _OPTIONAL = {"norm_eps": "norm_eps", "rope_base": "rope_base", "qk_bias": "qk_bias",
              "tie_embeddings": "tie_embeddings", "mean_recurrence": "mean_recurrence",
-             "mean_backprop_depth": "backprop_depth"}
+             "mean_backprop_depth": "backprop_depth", "test_time_noise": "test_time_noise",
+             "test_time_noise_type": "test_time_noise_type"}
+# transformers' generic names, which the reference config maps onto its own (its attribute_map); the
+# authors' raven_config_minimal.json spells the heads `num_attention_heads`.
+_ALIASES = {"num_attention_heads": "n_heads", "hidden_size": "n_embd", "num_hidden_layers": "n_layers",
+            "max_position_embeddings": "block_size"}
 
 
 def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME) -> RDLMConfig:
-    """Read a Huginn config.json dict; fields rdlm does not model must hold the values it assumes."""
+    """Read a Huginn config.json dict; fields rdlm does not model must hold the values it assumes.
+
+    The one reader of Huginn configs: `rdlm.load_pretrained` and `rdlm.hf.RavenConfig.to_rdlm` both
+    come here. Keys that change the reference's outputs are honoured: `test_time_noise(_type)` (noise
+    added to the state before every core iteration) and `init_values.std` (the scale of the random s_0).
+    """
     if raw.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         raise CheckpointError(f"{source}: model_type is {raw['model_type']!r}, expected {MODEL_TYPE!r}")
+    raw = dict(raw)
+    for alias, key in _ALIASES.items():
+        if alias in raw:
+            value = raw.pop(alias)
+            if key in raw and raw[key] != value:
+                raise CheckpointError(f"{source}: {alias}={value!r} contradicts {key}={raw[key]!r}")
+            raw[key] = value
     missing = [key for key in _REQUIRED if key not in raw]
     if missing:
         raise CheckpointError(f"{source}: missing required key(s) {', '.join(missing)}")
@@ -96,9 +113,18 @@ def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME) -> RDLMCo
                               if theirs in raw}
     # The reference pads the embedding table; its rows are what the weights hold.
     values["vocab_size"] = raw.get("padded_vocab_size", raw["vocab_size"])
-    for key in ("rope_base", "norm_eps"):
-        if key in values:
+    for key in ("rope_base", "norm_eps", "test_time_noise"):
+        if key in values and isinstance(values[key], int) and not isinstance(values[key], bool):
             values[key] = float(values[key])
+    init_values = raw.get("init_values", {})
+    if not isinstance(init_values, dict):
+        raise CheckpointError(f"{source}: init_values must be an object, got {init_values!r}")
+    if init_values.get("std") is not None:
+        std = init_values["std"]
+        if isinstance(std, bool) or not isinstance(std, (int, float)):
+            raise CheckpointError(f"{source}: init_values.std must be a number, got {std!r}")
+        # The paper's sqrt(2/(5h)) stays the default (None), so configs compare equal after a round trip.
+        values["state_init_std"] = None if std == math.sqrt(2 / (5 * raw["n_embd"])) else float(std)
     block = raw.get("block_class_name", "SandwichBlock")
     values["norm_scheme"] = "sandwich" if block == "SandwichBlock" else "prenorm"
     injection = raw.get("injection_type", "linear")
@@ -141,8 +167,10 @@ def config_to_huginn(config: RDLMConfig, dtype: torch.dtype = torch.float32) -> 
         "norm_class_name": "RMSNorm_llama",
         "effective_expected_depth": depth,
         "init_strategy": "takase",
-        "init_values": {"std": math.sqrt(2 / (5 * h)), "embedding": math.sqrt(2 / (5 * h)),
+        "init_values": {"std": config.state_std, "embedding": math.sqrt(2 / (5 * h)),
                         "out_proj": math.sqrt(1 / (5 * h * depth)), "embed_scale": math.sqrt(h)},
+        "test_time_noise": config.test_time_noise,
+        "test_time_noise_type": config.test_time_noise_type,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "rdlm": {key: getattr(config, key) for key in
                  ("recurrence_sampler", "recurrence_sigma", "activation_checkpointing", "name")},
@@ -208,9 +236,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     tensors = read_weights(path)
     state = {}
     unexpected = []
+    rope_table = tensors.pop("freqs_cis", None)
     for name, tensor in tensors.items():
-        if name == "freqs_cis":  # the reference's RoPE table: recomputed, never trusted
-            continue
         ours = from_huginn_name(name)
         if ours is None:
             unexpected.append(name)
@@ -240,9 +267,43 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         dtype = state["embedding.weight"].dtype
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, assign=True)
-    cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
+    cos, sin = stored_rope_tables(rope_table, config, path)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model.eval()
+
+
+def stored_rope_tables(table: torch.Tensor | None, config: RDLMConfig,
+                       source: str | os.PathLike = "checkpoint") -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cos/sin [context_length, head_dim/2] in float32: the checkpoint's own table when it has one,
+    else computed (`rope_tables`).
+
+    The reference code keeps RoPE as a saved buffer `freqs_cis` [1, context, 1, head_dim/2, 2] (cos, sin
+    pairs; older files may hold it complex) and uses the stored values. A bfloat16 checkpoint stores them
+    rounded to bfloat16, and the reference multiplies those rounded values into float32 queries and keys;
+    so do we, whatever dtype the model is loaded in. A table that is not the config's RoPE beyond storage
+    round-off is refused rather than used or silently replaced.
+    """
+    cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
+    if table is None:
+        return cos, sin
+    if table.is_complex():
+        table = torch.view_as_real(table)
+    expected = (1, config.context_length, 1, config.head_dim // 2, 2)
+    if tuple(table.shape) != expected:
+        raise CheckpointError(f"{source}: freqs_cis has shape {list(table.shape)}, expected {list(expected)} "
+                              f"(context {config.context_length}, head dim {config.head_dim})")
+    if not table.is_floating_point():
+        raise CheckpointError(f"{source}: freqs_cis has dtype {table.dtype}")
+    stored_cos, stored_sin = table[0, :, 0, :, 0].float(), table[0, :, 0, :, 1].float()
+    error = max((stored_cos - cos).abs().max().item(), (stored_sin - sin).abs().max().item())
+    if not error <= ROPE_TOLERANCE:
+        raise CheckpointError(f"{source}: freqs_cis is not the RoPE table of rope_base={config.rope_base} "
+                              f"(max difference {error:.3g}); the file and its config disagree")
+    return stored_cos.contiguous(), stored_sin.contiguous()
+
+
+# Storage round-off of a RoPE table: half a bfloat16 step at 1 is 2^-9 ~ 2e-3; a float16 table is closer.
+ROPE_TOLERANCE = 1e-2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,8 +322,10 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
     dtype = dtype or next(iter(params.values())).dtype
     tensors = {to_huginn_name(n): p.detach().to("cpu", dtype).contiguous() for n, p in params.items()}
     config = model.config
-    cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
-    tensors["freqs_cis"] = torch.stack((cos, sin), dim=-1)[None, :, None]  # the reference's layout
+    # The model's RoPE table (the one it was loaded with, or computed), in the reference's layout and in
+    # the checkpoint's dtype, as the reference saves it.
+    rope = torch.stack((model.rope_cos, model.rope_sin), dim=-1)[None, :, None]
+    tensors["freqs_cis"] = rope.to("cpu", dtype).contiguous()
 
     with staging_dir(path) as tmp:
         shards = _shard(tensors, max_shard_bytes)

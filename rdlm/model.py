@@ -219,17 +219,21 @@ class RecurrentDepthLM(nn.Module):
 
     def init_state(self, embedded: Tensor, scale: float = 1.0,
                    generator: torch.Generator | None = None) -> Tensor:
-        """s_0: truncated normal (3 sigma), std sqrt(2/(5h)) * sqrt(h) * scale; scale 0 gives zeros."""
+        """s_0: truncated normal (3 sigma), std sqrt(2/(5h)) * sqrt(h) * scale; scale 0 gives zeros.
+        A checkpoint's `init_values.std` replaces sqrt(2/(5h)) (config.state_init_std)."""
         state = torch.zeros_like(embedded)
-        if scale == 0 or self.config.state_init == "zero":
+        std = self.config.state_std
+        if scale == 0 or std == 0 or self.config.state_init == "zero":
             return state
-        std = self.init_std
         nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
         return state * (self.embed_scale * scale)
 
     def step(self, state: Tensor, embedded: Tensor, iteration: int, rope: Rope,
-             mask: Tensor | None = None, cache: KVCacheHook | None = None) -> Tensor:
+             mask: Tensor | None = None, cache: KVCacheHook | None = None,
+             generator: torch.Generator | None = None) -> Tensor:
         """One core iteration R: s_i = core(adapter([s_{i-1}, e]))."""
+        if self.config.test_time_noise > 0:
+            state = self.add_state_noise(state, iteration, generator)
         if self.adapter is not None:
             x = self.adapter(torch.cat((state, embedded), dim=-1))
         else:
@@ -237,6 +241,32 @@ class RecurrentDepthLM(nn.Module):
         for i, layer in enumerate(self.core):
             x = layer(x, rope, mask, cache, ("core", i, iteration))
         return x
+
+    def add_state_noise(self, state: Tensor, iteration: int, generator: torch.Generator | None = None) -> Tensor:
+        """The reference code's test-time noise, before core iteration `iteration` (0-based):
+        s <- n4(s * (1 - a) + N(0, 1) * a), a = test_time_noise * state_std * sqrt(h), scheduled by
+        test_time_noise_type (fixed: a; geom: a/(i+1); sqrt: a/sqrt(i+1); line: max(a, (r_mean - i)/r_mean);
+        chi: 2 * U(0, 1) * a), then the core's last norm n4. Draws from `generator` (default: torch's)."""
+        c = self.config
+        a = c.test_time_noise * c.state_std * self.embed_scale
+
+        def normal() -> Tensor:
+            return torch.randn(state.shape, generator=generator, dtype=state.dtype, device=state.device)
+
+        # The arithmetic follows the reference step by step, so a seeded run gives its very numbers.
+        if c.test_time_noise_type == "fixed":
+            state = state * (1 - a) + normal() * a
+        elif c.test_time_noise_type in ("geom", "sqrt"):
+            step1 = torch.as_tensor(iteration + 1, device=state.device)
+            step1 = step1.sqrt() if c.test_time_noise_type == "sqrt" else step1
+            state = state * (1 - a / step1) + normal() * a / step1
+        elif c.test_time_noise_type == "line":
+            noise = max(a, (c.mean_recurrence - iteration) / c.mean_recurrence)
+            state = state * (1 - noise) + normal() * noise
+        else:  # chi
+            noise = 2 * torch.rand(1, generator=generator, device=state.device, dtype=state.dtype) * a
+            state = state * (1 - noise) + normal() * noise
+        return self.core[-1].norm_4(state)
 
     def readout(self, state: Tensor, rope: Rope, mask: Tensor | None = None,
                 cache: KVCacheHook | None = None) -> Tensor:
@@ -289,15 +319,15 @@ class RecurrentDepthLM(nn.Module):
 
         with torch.no_grad():
             for i in range(no_grad_steps):
-                state = self.step(state, embedded, i, rope, attention_mask, cache)
+                state = self.step(state, embedded, i, rope, attention_mask, cache, generator)
                 if trajectory is not None:
                     trajectory.append(state)
         for i in range(no_grad_steps, no_grad_steps + grad_steps):
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                state = checkpoint(self.step, state, embedded, i, rope, attention_mask, cache,
+                state = checkpoint(self.step, state, embedded, i, rope, attention_mask, cache, generator,
                                    use_reentrant=False)
             else:
-                state = self.step(state, embedded, i, rope, attention_mask, cache)
+                state = self.step(state, embedded, i, rope, attention_mask, cache, generator)
             if trajectory is not None:
                 trajectory.append(state)
 

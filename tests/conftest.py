@@ -7,6 +7,7 @@ from rdlm import RDLMConfig, RecurrentDepthLM
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HUGINN_TINY = FIXTURES / "huginn-tiny"
+HUGINN_TINY_BF16 = FIXTURES / "huginn-tiny-bf16"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -28,3 +29,8 @@ def tiny_model() -> RecurrentDepthLM:
 @pytest.fixture
 def huginn_tiny_dir() -> Path:
     return HUGINN_TINY
+
+
+@pytest.fixture
+def huginn_tiny_bf16_dir() -> Path:
+    return HUGINN_TINY_BF16

@@ -34,6 +34,10 @@ def test_huginn_preset_has_the_released_shape():
     (dict(qk_bias="yes"), "qk_bias"),
     (dict(hidden_size=64.0), "hidden_size"),
     (dict(recurrence_sampler="bogus"), "recurrence_sampler"),
+    (dict(state_init_std=-0.1), "state_init_std"),
+    (dict(test_time_noise=-0.1), "test_time_noise"),
+    (dict(test_time_noise=0.1, test_time_noise_type="geometric"), "test_time_noise_type"),
+    (dict(test_time_noise=0.1, norm_scheme="prenorm"), "test_time_noise"),
 ])
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field):
@@ -60,3 +64,9 @@ def test_dict_round_trip_and_replace():
         config.hidden_size = 3
     with pytest.raises(ConfigError):
         config.replace(core_layer=2)
+
+
+def test_state_std_defaults_to_the_papers_and_can_be_set():
+    config = RDLMConfig.from_preset("tiny")
+    assert config.state_init_std is None and config.state_std == (2 / (5 * 64)) ** 0.5
+    assert config.replace(state_init_std=0.0).state_std == 0.0

@@ -145,3 +145,66 @@ def test_generate_with_adaptive_exits_and_cache_budget_goes_through_rdlm_generat
     ours = generate(model.model, [prompt[0].tolist()], GenerationConfig(max_new_tokens=6, num_steps=4,
                                                                         init_scale=0.0))
     assert plain[0, 5:].tolist() == ours.tokens[0]
+
+
+def test_forward_uses_a_given_initial_state_under_either_name(huginn_tiny_dir):
+    # expected logits_given_state_r*: the authors' forward(input_ids, input_states=..., num_steps=r).
+    model = AutoModelForCausalLM.from_pretrained(huginn_tiny_dir)
+    expected = load_file(huginn_tiny_dir / "expected_outputs.safetensors")
+    ids, states = expected["input_ids"], expected["input_states"]
+    with torch.no_grad():
+        for r in (1, 4, 16):
+            for name in ("input_states", "initial_state"):
+                logits = model(ids, num_steps=r, **{name: states}).logits
+                torch.testing.assert_close(logits, expected[f"logits_given_state_r{r}"], rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match="not both"):
+            model(ids, input_states=states, initial_state=states)
+
+
+def test_forward_rejects_keywords_it_does_not_know(huginn_tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(huginn_tiny_dir)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(TypeError, match="'input_state', 'num_step'"):
+        model(ids, num_step=4, input_state=None)
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        model(ids, num_steps=1, output_hidden_states=True)
+    with torch.no_grad():  # what transformers' own machinery passes, at values that change nothing
+        out = model(ids, num_steps=1, init_scale=0.0, use_cache=False, past_key_values=None,
+                    output_attentions=False, return_dict=False)
+    assert isinstance(out, tuple)
+
+
+def test_generate_accepts_the_reference_spelling(huginn_tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(huginn_tiny_dir)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    common = dict(max_new_tokens=6, num_steps=16, init_scale=0.0, eos_token_id=None)
+    for criterion, threshold in (("kl", 1e-3), ("argmax-stability", 3), ("minp-kl", "auto")):
+        ours = model.generate(prompt, exit_criterion=criterion,
+                              exit_threshold=None if threshold == "auto" else threshold, **common)
+        theirs = model.generate(prompt, criterion=criterion, exit_threshold=threshold, **common)
+        assert torch.equal(ours, theirs)
+    plain = model.generate(prompt, do_sample=False, **common)
+    assert torch.equal(model.generate(prompt, criterion="none", **common), plain)
+    warm = model.generate(prompt, continuous_cot=True, **common)
+    assert torch.equal(model.generate(prompt, continuous_compute=True, **common), warm)
+    with pytest.raises(ValueError, match="disagree"):
+        model.generate(prompt, criterion="kl", exit_criterion="cosine", **common)
+    with pytest.raises(ValueError, match="exit_threshold needs an exit criterion"):
+        model.generate(prompt, exit_threshold=1e-3, **common)
+
+
+def test_bf16_checkpoint_through_transformers_gives_the_reference_logits(huginn_tiny_bf16_dir):
+    model = AutoModelForCausalLM.from_pretrained(huginn_tiny_bf16_dir)
+    expected = load_file(huginn_tiny_bf16_dir / "expected_outputs.safetensors")
+    with torch.no_grad():
+        logits = model(expected["input_ids"], num_steps=4, input_states=expected["input_states"]).logits
+    torch.testing.assert_close(logits, expected["logits_given_state_r4"], rtol=0, atol=1e-5)
+
+
+def test_the_authors_config_spelling_loads_the_same_through_both_readers(tmp_path, huginn_tiny_dir):
+    d = tmp_path / "m"
+    shutil.copytree(huginn_tiny_dir, d)
+    raw = json.loads((d / "config.json").read_text())
+    raw["num_attention_heads"] = raw.pop("n_heads")
+    (d / "config.json").write_text(json.dumps(raw))
+    assert RavenConfig.from_pretrained(d).to_rdlm() == load_pretrained(d).config == load_pretrained(huginn_tiny_dir).config

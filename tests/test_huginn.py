@@ -7,6 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from rdlm import CheckpointError, RDLMConfig, RecurrentDepthLM, load_pretrained, save_pretrained
 from rdlm import huginn
+from rdlm.model import rope_tables
 
 
 def copy_fixture(src, tmp_path):
@@ -48,7 +49,7 @@ def test_loaded_fixture_saves_to_the_same_tensors(tmp_path, huginn_tiny_dir):
     for name in original:
         if name != "freqs_cis":
             assert torch.equal(original[name], written[name]), name
-    torch.testing.assert_close(written["freqs_cis"], original["freqs_cis"])
+    assert torch.equal(written["freqs_cis"], original["freqs_cis"])
     assert huginn.read_config(tmp_path / "again") == huginn.read_config(huginn_tiny_dir)
 
 
@@ -70,14 +71,130 @@ def test_bfloat16_save_and_load(tmp_path, tiny_model):
         model(torch.tensor([[1, 2, 3]]), num_steps=2)
 
 
-def test_stored_rope_table_is_ignored(tmp_path, huginn_tiny_dir):
-    d = copy_fixture(huginn_tiny_dir, tmp_path)
-    rewrite_weights(d, lambda t: t.__setitem__("freqs_cis", torch.full_like(t["freqs_cis"], 7.0)))
-    ids = torch.tensor([[5, 6, 7, 8]])
+def test_a_bf16_checkpoint_with_a_stored_rope_table_gives_the_reference_logits(huginn_tiny_bf16_dir):
+    # Saved by the authors' code in bfloat16 (its freqs_cis too); expected logits are that code's.
+    expected = load_file(huginn_tiny_bf16_dir / "expected_outputs.safetensors")
+    model = load_pretrained(huginn_tiny_bf16_dir)
+    assert model.embedding.weight.dtype == torch.bfloat16
+    stored = load_file(huginn_tiny_bf16_dir / "model.safetensors")["freqs_cis"]
+    assert stored.dtype == torch.bfloat16 and torch.equal(model.rope_cos, stored[0, :, 0, :, 0].float())
     with torch.no_grad():
-        a = load_pretrained(d)(ids, num_steps=2, init_scale=0.0).logits
-        b = load_pretrained(huginn_tiny_dir)(ids, num_steps=2, init_scale=0.0).logits
-    assert torch.equal(a, b)
+        for r in (1, 4, 16):
+            zero = model(expected["input_ids"], num_steps=r, init_scale=0.0).logits
+            given = model(expected["input_ids"], num_steps=r, initial_state=expected["input_states"]).logits
+            torch.testing.assert_close(zero, expected[f"logits_zero_state_r{r}"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(given, expected[f"logits_given_state_r{r}"], rtol=0, atol=1e-5)
+        # The float32 table the config describes is not what the reference uses here: logits move.
+        cos, sin = rope_tables(model.config.head_dim, model.config.context_length, model.config.rope_base)
+        model.rope_cos, model.rope_sin = cos, sin
+        recomputed = model(expected["input_ids"], num_steps=4, init_scale=0.0).logits
+    assert (recomputed - expected["logits_zero_state_r4"]).abs().max() > 1e-3
+
+
+def test_the_stored_rope_table_is_used_and_written_back(tmp_path, huginn_tiny_bf16_dir):
+    stored = load_file(huginn_tiny_bf16_dir / "model.safetensors")["freqs_cis"]
+    model = load_pretrained(huginn_tiny_bf16_dir, dtype=torch.float32)   # a float32 model keeps it too
+    assert torch.equal(model.rope_sin, stored[0, :, 0, :, 1].float())
+    save_pretrained(model, tmp_path / "fp32")
+    written = load_file(tmp_path / "fp32" / "model.safetensors")["freqs_cis"]
+    assert written.dtype == torch.float32 and torch.equal(written, stored.float())
+    save_pretrained(load_pretrained(huginn_tiny_bf16_dir), tmp_path / "bf16")
+    assert torch.equal(load_file(tmp_path / "bf16" / "model.safetensors")["freqs_cis"], stored)
+
+
+def test_without_a_stored_table_rope_is_computed(tmp_path, huginn_tiny_dir):
+    d = copy_fixture(huginn_tiny_dir, tmp_path)
+    rewrite_weights(d, lambda t: t.pop("freqs_cis"))
+    cos, sin = rope_tables(16, 256, 50000.0)
+    model = load_pretrained(d)
+    assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.__setitem__("freqs_cis", torch.full_like(t["freqs_cis"], 7.0)), "not the RoPE table"),
+    (lambda t: t.__setitem__("freqs_cis", t["freqs_cis"][:, :128]), "freqs_cis has shape"),
+])
+def test_a_stored_rope_table_that_disagrees_with_the_config_is_refused(tmp_path, huginn_tiny_dir, edit, message):
+    d = copy_fixture(huginn_tiny_dir, tmp_path)
+    rewrite_weights(d, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_pretrained(d)
+
+
+def with_config(directory, tmp_path, **changes):
+    d = copy_fixture(directory, tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    config.update(changes)
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.parametrize("kind", ["fixed", "geom", "sqrt", "line", "chi"])
+def test_test_time_noise_is_the_references(tmp_path, huginn_tiny_dir, kind):
+    # The reference run: test_time_noise 0.1 of this type, torch.manual_seed(0), given s_0, r = 4.
+    reference = load_file(huginn_tiny_dir / "reference_outputs.safetensors")
+    expected = load_file(huginn_tiny_dir / "expected_outputs.safetensors")
+    model = load_pretrained(with_config(huginn_tiny_dir, tmp_path, test_time_noise=0.1, test_time_noise_type=kind))
+    assert (model.config.test_time_noise, model.config.test_time_noise_type) == (0.1, kind)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        logits = model(expected["input_ids"], num_steps=4, initial_state=expected["input_states"]).logits
+    torch.testing.assert_close(logits, reference[f"logits_noise_{kind}_r4"], rtol=0, atol=1e-5)
+    assert (logits - expected["logits_given_state_r4"]).abs().max() > 0.1    # the noise is not ignored
+
+
+def test_init_values_std_is_the_scale_of_the_random_state(tmp_path, huginn_tiny_dir):
+    reference = load_file(huginn_tiny_dir / "reference_outputs.safetensors")
+    ids = load_file(huginn_tiny_dir / "expected_outputs.safetensors")["input_ids"]
+    raw = json.loads((huginn_tiny_dir / "config.json").read_text())
+    zero = load_pretrained(with_config(huginn_tiny_dir, tmp_path / "a", init_values={**raw["init_values"], "std": 0.0}))
+    with torch.no_grad():  # std 0: the zero state even at init_scale 1, as in the reference
+        logits = zero(ids, num_steps=4, init_scale=1.0).logits
+    torch.testing.assert_close(logits, reference["logits_init_std0_r4"], rtol=0, atol=1e-5)
+    wide = load_pretrained(with_config(huginn_tiny_dir, tmp_path / "b", init_values={**raw["init_values"], "std": 0.5}))
+    assert wide.config.state_init_std == 0.5
+    state = wide.init_state(torch.zeros(4, 256, 64), generator=torch.Generator().manual_seed(0))
+    truncated_std = 0.5 * 8.0 * 0.9866  # std of a normal cut at 3 sigma, times the embedding scale sqrt(h)
+    assert abs(state.std().item() / truncated_std - 1) < 0.02
+    assert load_pretrained(huginn_tiny_dir).config.state_init_std is None   # sqrt(2/(5h)), the default
+    save_pretrained(wide, tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["init_values"]["std"] == 0.5
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(test_time_noise=-1), "test_time_noise must be >= 0"),
+    (dict(test_time_noise=0.1, test_time_noise_type="wobbly"), "test_time_noise_type"),
+    (dict(init_values={"std": "big"}), "init_values.std"),
+    (dict(num_attention_heads=8), "num_attention_heads=8 contradicts n_heads=4"),
+])
+def test_config_keys_that_change_outputs_are_checked(tmp_path, huginn_tiny_dir, changes, message):
+    with pytest.raises(CheckpointError, match=message):
+        load_pretrained(with_config(huginn_tiny_dir, tmp_path, **changes))
+
+
+def test_the_authors_config_spelling_loads(tmp_path, huginn_tiny_dir):
+    d = copy_fixture(huginn_tiny_dir, tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    config["num_attention_heads"] = config.pop("n_heads")   # raven_config_minimal.json's spelling
+    config["hidden_size"] = config.pop("n_embd")
+    (d / "config.json").write_text(json.dumps(config))
+    assert huginn.read_config(d) == huginn.read_config(huginn_tiny_dir)
+    assert_same_weights(load_pretrained(d), load_pretrained(huginn_tiny_dir))
+
+
+def test_the_authors_raven_config_minimal_json_reads_as_huginn_0125():
+    # The keys and values of recpre/raven_config_minimal.json in the authors' repository.
+    raw = {"name": "nebel-raven-3.5b", "architectures": ["RavenForCausalLM"], "torch_dtype": "bfloat16",
+           "model_type": "huginn_raven", "block_size": 4096, "vocab_size": 65536, "padding_multiple": 4096,
+           "tie_embeddings": True, "num_attention_heads": 55, "num_key_value_heads": 55, "n_embd": 5280,
+           "intermediate_size": 17920, "bias": False, "architecture_class_name": "RecurrentGPT",
+           "block_class_name": "SandwichBlock", "norm_class_name": "RMSNorm_llama", "norm_eps": 0.000001,
+           "mlp_class_name": "GatedMLP", "nonlin_name": "SiLU", "init_strategy": "takase",
+           "init_orthogonal": False, "state_init": "like-init", "injection_type": "linear",
+           "n_layers_in_recurrent_block": 4, "mean_recurrence": 32,
+           "sampling_scheme": "poisson-lognormal-filling", "mean_backprop_depth": 8, "n_layers_in_prelude": 2,
+           "n_layers_in_coda": 2, "qk_bias": True, "activation_checkpoint_impl": "per-iteration"}
+    assert huginn.config_from_huginn(raw) == RDLMConfig.from_preset("huginn-0125")
 
 
 def test_a_tied_lm_head_in_the_file_is_accepted(tmp_path, huginn_tiny_dir):
