@@ -207,16 +207,16 @@ def test_bad_input_is_named(tmp_path):
 def test_non_finite_losses_are_skipped_then_stop_the_run(tmp_path):
     model = tiny()
     rows = counting_rows(16)
-    real_readout = model.readout
+    real_coda = model.coda_output  # what the training loss reads (the logits are never built)
     poisoned = {2, 3}  # 1-based steps whose loss is NaN
 
-    def readout(*args, **kwargs):
-        logits = real_readout(*args, **kwargs)
-        return logits * float("nan") if len(calls) in poisoned else logits
+    def coda_output(*args, **kwargs):
+        hidden = real_coda(*args, **kwargs)
+        return hidden * float("nan") if len(calls) in poisoned else hidden
 
     calls = []
     model.register_forward_pre_hook(lambda m, a: calls.append(1))
-    model.readout = readout
+    model.coda_output = coda_output
     result = train(TrainConfig(steps=6, micro_batch_size=4, **FAST), model=model, train_data=rows)
     assert result.bad_steps == 2
     assert [math.isnan(x) for x in result.losses] == [False, True, True, False, False, False]
