@@ -43,6 +43,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -317,7 +318,9 @@ def read_sharded_full(path: str | os.PathLike, model: nn.Module, parameter_names
     if with_optimizer:
         state["optimizer"] = {"state": {n: {"step": torch.zeros(()), "exp_avg": torch.empty(s),
                                             "exp_avg_sq": torch.empty(s)} for n, s in shapes.items()}}
-    dcp.load(state, checkpoint_id=path / SHARDED_DIR, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, checkpoint_id=path / SHARDED_DIR, no_dist=True)
     optimizer = None
     if with_optimizer:
         optimizer = {f"{n}/{k}": v for n, fields in state["optimizer"]["state"].items() for k, v in fields.items()}

@@ -184,11 +184,14 @@ def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple
         if source in PRESETS:
             return RecurrentDepthLM(RDLMConfig.from_preset(source, **(overrides or {}))), None
         RDLMConfig.from_preset(source)  # raises ConfigError naming the unknown preset
-    if (path / "model" / "config.json").is_file():  # a training checkpoint step-N/
-        path = path / "model"
-    elif (path / "checkpoints").is_dir() and ckpt.latest_checkpoint(path) is not None:  # a run directory
-        path = ckpt.latest_checkpoint(path) / "model"
-    model = load_pretrained(path, dtype=torch.float32)
+    if (path / "checkpoints").is_dir() and ckpt.latest_checkpoint(path) is not None:  # a run directory
+        path = ckpt.latest_checkpoint(path)
+    if ckpt.is_sharded(path):  # a sharded checkpoint step-N/ (FSDP)
+        model = ckpt.load_weights(path, "model")
+    else:
+        if (path / "model" / "config.json").is_file():  # a training checkpoint step-N/
+            path = path / "model"
+        model = load_pretrained(path, dtype=torch.float32)
     if overrides:
         # Training-time fields (recurrence, checkpointing) may change; shapes may not.
         new = model.config.replace(**overrides)
