@@ -188,7 +188,7 @@ def gpu_run(args: argparse.Namespace, mean: int, level: int = len(LEVERS) - 1, s
     sync = level < 3
     cfg = TrainConfig(steps=total, micro_batch_size=args.batch, progress=False, tensorboard=False, warmup_steps=1,
                       seed=args.seed, device=args.device, compile=compile_, strategy=strategy, cpu_offload=args.cpu_offload,
-                      recurrence_sampler=sampler, ema_decay=args.ema_decay)
+                      recurrence_sampler=sampler, ema_decay=args.ema_decay or None)
     with Lever(level):
         trainer = Trainer(cfg, model=model, train_data=MemoryRows(rows))
         try:
@@ -244,11 +244,33 @@ def write_profile(trainer, directory: str, label: str) -> None:
     print(f"--- profile: {label}\n{table[:2500]}", flush=True)
 
 
+def _isolated_child(args: argparse.Namespace, kwargs: dict, queue) -> None:
+    try:
+        queue.put(gpu_run(args, **kwargs))
+    except Exception as err:
+        queue.put({"lever": kwargs.get("label"), "error": f"{type(err).__name__}: {err}"[:500]})
+
+
+def isolated(args: argparse.Namespace, **kwargs) -> dict:
+    """gpu_run in a fresh process: its peak memory is its own (compiled code keeps models alive)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_isolated_child, args=(args, kwargs, queue))
+    proc.start()
+    try:
+        return queue.get()
+    except Exception as err:
+        return {"lever": kwargs.get("label"), "error": f"child failed: {err}"}
+    finally:
+        proc.join()
+
+
 def gpu_throughput(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
     args.world = int(os.environ.get("WORLD_SIZE", "1"))
     results = []
+    run = (lambda **kw: isolated(args, **kw)) if args.isolate else (lambda **kw: gpu_run(args, **kw))
 
     def show(result):
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -260,15 +282,15 @@ def gpu_throughput(args: argparse.Namespace) -> list[dict]:
         for level, label in enumerate(LEVERS):
             profile = args.profile if level in (0, len(LEVERS) - 1) else None
             try:
-                show(gpu_run(args, means[0], level, profile=profile, label=label))
+                show(run(mean=means[0], level=level, profile=profile, label=label))
             except Exception as err:  # report and go on: one failing lever must not hide the others
                 show({"lever": label, "error": f"{type(err).__name__}: {err}"[:500]})
     else:
         for mean in means:
-            show(gpu_run(args, mean, label=f"mean r={mean}", profile=args.profile))
+            show(run(mean=mean, label=f"mean r={mean}", profile=args.profile))
     for r in [int(x) for x in args.memory_r.split(",")] if args.memory_r else []:
         try:
-            show(gpu_run(args, r, sampler="fixed", label=f"fixed r={r}"))
+            show(run(mean=r, sampler="fixed", label=f"fixed r={r}"))
         except Exception as err:
             show({"lever": f"fixed r={r}", "error": f"{type(err).__name__}: {err}"[:500]})
     return results
@@ -352,11 +374,12 @@ def main() -> None:
     t.add_argument("--compile", action="store_true", help="cuda: regional compile")
     t.add_argument("--cpu-offload", action="store_true", help="cuda: FSDP2 CPU offload")
     t.add_argument("--activation-checkpointing", action="store_true")
-    t.add_argument("--ema-decay", type=float, default=0.999, help="cuda: the EMA is part of a real step")
+    t.add_argument("--ema-decay", type=float, default=0.999, help="cuda: the EMA is part of a real step (0: none)")
     t.add_argument("--warmup", type=int, default=2, help="cuda: untimed steps first (compile, allocator)")
     t.add_argument("--memory-r", default="", help="cuda: also run these fixed r (memory flat in r)")
     t.add_argument("--levers", action="store_true", help="cuda: the efficiency levers one by one")
     t.add_argument("--profile", default=None, help="cuda: write torch profiler tables here")
+    t.add_argument("--isolate", action="store_true", help="cuda: each configuration in a fresh process")
     p = sub.add_parser("perplexity")
     p.add_argument("--preset", default="small")
     p.add_argument("--minutes", type=float, default=4)
