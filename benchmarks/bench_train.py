@@ -178,7 +178,7 @@ def gpu_run(args: argparse.Namespace, mean: int, level: int = len(LEVERS) - 1, s
         torch.cuda.reset_peak_memory_stats()
     overrides = dict(mean_recurrence=mean, backprop_depth=args.k, activation_checkpointing=args.activation_checkpointing)
     config = model_config(args.preset, **overrides)
-    model = RecurrentDepthLM(config)
+    model = build_quickly(config)
     total = args.warmup + args.steps + (1 if profile else 0)
     rows = torch.randint(0, config.vocab_size, (args.batch * (args.warmup + args.steps + 1) * args.world,
                                                 args.seq_len + 1),
@@ -222,6 +222,20 @@ def gpu_run(args: argparse.Namespace, mean: int, level: int = len(LEVERS) - 1, s
             "gpu": torch.cuda.get_device_name() if cuda else None, "strategy": strategy, "compile": compile_,
             "activation_checkpointing": args.activation_checkpointing, "cpu_offload": args.cpu_offload,
             "micro_batch": [args.batch, args.seq_len], "loss": round(trainer.losses[-1], 4)}
+
+
+def build_quickly(config: RDLMConfig) -> RecurrentDepthLM:
+    """The model with its own initialization only (skipping torch's default one: minutes at 3.5B)."""
+    from rdlm.model import rope_tables
+
+    with torch.device("meta"):
+        model = RecurrentDepthLM(config)
+    model.to_empty(device="cpu")
+    cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
+    model.rope_cos.copy_(cos)
+    model.rope_sin.copy_(sin)
+    model.reset_parameters()
+    return model
 
 
 def config_parameters(config: RDLMConfig) -> int:
