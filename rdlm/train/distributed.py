@@ -84,8 +84,10 @@ def apply_fsdp(model: torch.nn.Module, device: torch.device, world: World, bf16:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world.size,))
-    precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
-                 else MixedPrecisionPolicy())
+    # Inputs are not cast: the RoPE tables stay float32 (SPEC section 2), and a recomputed
+    # (activation-checkpointed) iteration sees the same dtypes as the first pass.
+    precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      cast_forward_inputs=False) if bf16 else MixedPrecisionPolicy())
     options = dict(mesh=mesh, mp_policy=precision,
                    offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     for block in [*model.prelude, *model.coda]:

@@ -412,15 +412,17 @@ class Trainer:
         """s_0 row by row, each from a generator keyed by the row's global position in the run.
 
         This makes s_0 independent of how the global batch is split across workers and of resumes.
+        The draws happen on the training device: on a GPU, drawing them on the host took longer than a
+        short step's GPU work (and a GPU's draws differ from a CPU's; each device type is reproducible).
         """
         c = self.model.config
         positions = self.batches.positions(step, micro, self.world.rank)
         rows = []
-        template = torch.empty(1, batch.input_ids.shape[1], c.hidden_size)
+        template = torch.empty(1, batch.input_ids.shape[1], c.hidden_size, device=self.device)
         for pos in positions:
-            g = torch.Generator().manual_seed(microbatch_seed(self.config.seed, int(pos), stream=1))
+            g = torch.Generator(self.device).manual_seed(microbatch_seed(self.config.seed, int(pos), stream=1))
             rows.append(self.model.init_state(template, 1.0, g))
-        return self._to_device(torch.cat(rows))
+        return torch.cat(rows)
 
     def _save(self) -> Path | None:
         if self.config.out_dir is None:
