@@ -10,9 +10,9 @@ mean r, tokens/s, MFU against the GPU's dense bf16 peak (H100 SXM: 989 TFLOP/s) 
 over timed steps after warm-up ones (synchronized at both ends; the steps in between do not wait).
 --memory-r also runs fixed r (no sampling) to show memory flat in r. --levers measures the efficiency
 levers one by one, each on top of the previous: all off (the logits materialized for the loss,
-per-tensor AdamW, a host sync per step and synchronous host-to-device copies, eager), + chunked
-cross-entropy, + fused AdamW, + no host sync per step, + regional compile, + bf16 parameters (FSDP2's
-mixed precision on one process). --profile writes a torch profiler table of one step of the first and
+per-tensor AdamW, a host sync per step and synchronous host-to-device copies, s_0 drawn on the host,
+eager), + chunked cross-entropy, + fused AdamW, + no host sync per step, + s_0 drawn on the GPU,
++ regional compile, + bf16 parameters (FSDP2's mixed precision on one process). --profile writes a torch profiler table of one step of the first and
 last configuration. Shapes: the config presets plus `h2048` (h=2048, 16 heads, (2, 4, 2), MLP 5632,
 vocab 65536, about 0.55B parameters: issue 12's measurement shape).
 
@@ -122,8 +122,8 @@ def model_config(preset: str, **overrides) -> RDLMConfig:
     return RDLMConfig.from_preset(preset, **overrides)
 
 
-LEVERS = ["all off", "+ chunked cross-entropy", "+ fused AdamW", "+ no host sync per step", "+ regional compile",
-          "+ bf16 parameters (FSDP2, 1 process)"]
+LEVERS = ["all off", "+ chunked cross-entropy", "+ fused AdamW", "+ no host sync per step", "+ s_0 drawn on the GPU",
+          "+ regional compile", "+ bf16 parameters (FSDP2, 1 process)"]
 
 
 class Lever:
@@ -138,7 +138,7 @@ class Lever:
         from rdlm.train.trainer import Trainer
 
         self.saved = [(Model, "forward", Model.forward), (AdamW, "_step_fused", AdamW._step_fused),
-                      (Trainer, "_to_device", Trainer._to_device)]
+                      (Trainer, "_to_device", Trainer._to_device), (Trainer, "_initial_state", Trainer._initial_state)]
         forward = Model.forward
         if self.level < 1:  # the loss from materialized float32 logits, as before
             def logits_loss(self, *args, labels=None, return_logits=True, loss_reduction="mean", **kwargs):
@@ -155,6 +155,17 @@ class Lever:
             AdamW._step_fused = per_tensor
         if self.level < 3:  # synchronous host-to-device copies
             Trainer._to_device = lambda self, t: t.to(self.device)
+        if self.level < 4:  # s_0 drawn on the host, row by row, then copied
+            def host_initial_state(self, batch, step, micro):
+                from rdlm.recurrence import microbatch_seed
+
+                rows, c = [], self.model.config
+                template = torch.empty(1, batch.input_ids.shape[1], c.hidden_size)
+                for pos in self.batches.positions(step, micro, self.world.rank):
+                    g = torch.Generator().manual_seed(microbatch_seed(self.config.seed, int(pos), stream=1))
+                    rows.append(self.model.init_state(template, 1.0, g))
+                return self._to_device(torch.cat(rows))
+            Trainer._initial_state = host_initial_state
         return self
 
     def __exit__(self, *exc):
@@ -183,8 +194,8 @@ def gpu_run(args: argparse.Namespace, mean: int, level: int = len(LEVERS) - 1, s
     rows = torch.randint(0, config.vocab_size, (args.batch * (args.warmup + args.steps + 1) * args.world,
                                                 args.seq_len + 1),
                          generator=torch.Generator().manual_seed(0))
-    compile_ = args.compile if level == len(LEVERS) - 1 and not args.levers else level >= 4
-    strategy = args.strategy if not args.levers else ("fsdp" if level >= 5 else "single")
+    compile_ = args.compile if level == len(LEVERS) - 1 and not args.levers else level >= 5
+    strategy = args.strategy if not args.levers else ("fsdp" if level >= 6 else "single")
     sync = level < 3
     cfg = TrainConfig(steps=total, micro_batch_size=args.batch, progress=False, tensorboard=False, warmup_steps=1,
                       seed=args.seed, device=args.device, compile=compile_, strategy=strategy, cpu_offload=args.cpu_offload,
