@@ -202,11 +202,11 @@ def sharded_state(model: nn.Module, optimizer, ema_shadow: list[torch.Tensor] | 
     state: dict[str, Any] = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
     if ema_shadow is not None:
         params = dict(model.named_parameters())
-        state["ema"] = {name: _like(shadow, params[name]) for name, shadow in zip(parameter_names, ema_shadow)}
+        state["ema"] = {name: shaped_like(shadow, params[name]) for name, shadow in zip(parameter_names, ema_shadow)}
     return state, optimizer_state["param_groups"]
 
 
-def _like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def shaped_like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """`local_tensor` (this worker's part) as a DTensor sharded like `param`; a view, not a copy."""
     if not hasattr(param, "device_mesh"):
         return local_tensor

@@ -84,7 +84,7 @@ def apply_fsdp(model: torch.nn.Module, device: torch.device, world: World, bf16:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world.size,))
-    # Inputs are not cast: the RoPE tables stay float32 (SPEC section 2), and a recomputed
+    # Inputs are not cast: the RoPE tables stay float32 (as Huginn-0125 computes them), and a recomputed
     # (activation-checkpointed) iteration sees the same dtypes as the first pass.
     precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                       cast_forward_inputs=False) if bf16 else MixedPrecisionPolicy())

@@ -132,8 +132,11 @@ class EMA:
         if finite is None:
             torch._foreach_lerp_(self.shadow, current, 1 - self.decay)
             return
-        for shadow, value in zip(self.shadow, current):  # decided on the device: no host sync
-            shadow.lerp_(value, finite.to(shadow.device, torch.float32) * (1 - self.decay))
+        weights: dict[torch.device, Tensor] = {}  # decided on the device: no host sync
+        for shadow, value in zip(self.shadow, current):
+            if shadow.device not in weights:
+                weights[shadow.device] = finite.to(shadow.device, torch.float32) * (1 - self.decay)
+            shadow.lerp_(value, weights[shadow.device])
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:

@@ -18,7 +18,6 @@ over several workers, therefore reproduces the same computation.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -154,7 +153,7 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    model: RecurrentDepthLM
+    model: RecurrentDepthLM                # under FSDP the sharded model (ema_model is whole)
     losses: list[float]                   # mean training loss per optimizer step (NaN for skipped steps)
     num_steps: list[list[int]]            # the r drawn for each micro-batch of each step
     evals: list[dict[str, float]]
@@ -389,17 +388,13 @@ class Trainer:
         self.last_checkpoint = path
 
     def _ema_model(self) -> RecurrentDepthLM:
-        """The EMA weights as a model on the CPU (under FSDP a collective: every worker calls it)."""
-        if self.strategy == "fsdp":
-            ema_model = RecurrentDepthLM(self.model.config)
-            params = dict(self.model.named_parameters())
-            with torch.no_grad():
-                for name, shadow in zip(self.names, self.ema.shadow):
-                    ema_model.get_parameter(name).copy_(full(ckpt._like(shadow, params[name])).cpu())
+        """The EMA weights as a new model on the CPU (under FSDP a collective: every worker calls it)."""
+        ema_model = RecurrentDepthLM(self.model.config)
+        if self.ema is None:
             return ema_model
-        ema_model = copy.deepcopy(self.model).to("cpu")
-        if self.ema is not None:
-            self.ema.copy_to(ema_model)
+        with torch.no_grad():  # EMA.shadow follows model.parameters()
+            for (name, param), shadow in zip(self.model.named_parameters(), self.ema.shadow):
+                ema_model.get_parameter(name).copy_(full(ckpt.shaped_like(shadow, param)).cpu())
         return ema_model
 
     def _to_device(self, tensor: Tensor) -> Tensor:
@@ -431,17 +426,17 @@ class Trainer:
         if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: gather the shards on rank 0
             optimizer.consolidate_state_dict(to=0)
         path = None
-        if self.world.is_main or self.strategy == "fsdp":
-            trainer_state = {
-                "format": "rdlm-training-checkpoint", "consumed_rows": self.step * self.batches.global_batch_size,
-                "global_batch_size": self.batches.global_batch_size, "world_size": self.world.size,
-                "epoch": self.batches.epoch_of(self.step), "lr": self.schedule(max(self.step - 1, 0)),
-                "schedule": dataclasses.asdict(self.schedule), "bad_steps": self.bad_steps,
-                "consecutive_bad": self.consecutive_bad, "losses": self.losses, "num_steps": self.drawn,
-                "evals": self.evals, "train_config": self.config.to_dict(),
-                "recurrence": {"mean": self.mean_recurrence, "backprop_depth": self.backprop_depth,
-                               "sampler": self.sampler, "sigma": self.sigma},
-            }
+        trainer_state = {
+            "format": "rdlm-training-checkpoint", "consumed_rows": self.step * self.batches.global_batch_size,
+            "global_batch_size": self.batches.global_batch_size, "world_size": self.world.size,
+            "strategy": self.strategy,
+            "epoch": self.batches.epoch_of(self.step), "lr": self.schedule(max(self.step - 1, 0)),
+            "schedule": dataclasses.asdict(self.schedule), "bad_steps": self.bad_steps,
+            "consecutive_bad": self.consecutive_bad, "losses": self.losses, "num_steps": self.drawn,
+            "evals": self.evals, "train_config": self.config.to_dict(),
+            "recurrence": {"mean": self.mean_recurrence, "backprop_depth": self.backprop_depth,
+                           "sampler": self.sampler, "sigma": self.sigma},
+        }
         if self.strategy == "fsdp":  # every worker writes its shards
             path = ckpt.save_sharded_checkpoint(self.config.out_dir, self.step, self.model, optimizer,
                                                 self.ema.shadow if self.ema else None, self.names,
@@ -568,9 +563,9 @@ class Trainer:
                 pending.append(self.train_step())
                 monitor.advance()
                 log = self.step % cfg.log_every == 0 or self.step == cfg.steps
-                evaluate = cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps
-                save = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps
-                if not (log or evaluate or save):
+                do_eval = cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps
+                do_save = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps
+                if not (log or do_eval or do_save):
                     continue
                 records = self.settle(pending)
                 pending = []
@@ -586,11 +581,11 @@ class Trainer:
                     monitor.log(record)
                     for hook in self.step_hooks:
                         hook(record)
-                if evaluate:
+                if do_eval:
                     self._evaluate(monitor)
-                if save:
+                if do_save:
                     self._save()
-                if evaluate or save:
+                if do_eval or do_save:
                     interval_start = time.perf_counter()  # throughput counts training only
             if self.val_batches or self.eval_hooks:
                 self._evaluate(monitor)
