@@ -5,16 +5,18 @@
         --means 32 --k 8 [--compile] [--strategy fsdp] [--memory-r 8,32,64] [--levers] [--profile DIR]
     python benchmarks/bench_train.py perplexity [--minutes 4] [--out runs/bench-ppl]
 
-throughput on a GPU (--device cuda) runs in this process (also under torchrun, with --strategy): per
-mean r, tokens/s, MFU against the GPU's dense bf16 peak (H100 SXM: 989 TFLOP/s) and peak GPU memory,
-over timed steps after warm-up ones (synchronized at both ends; the steps in between do not wait).
---memory-r also runs fixed r (no sampling) to show memory flat in r. --levers measures the efficiency
-levers one by one, each on top of the previous: all off (the logits materialized for the loss,
-per-tensor AdamW, a host sync per step and synchronous host-to-device copies, s_0 drawn on the host,
-eager), + chunked cross-entropy, + fused AdamW, + no host sync per step, + s_0 drawn on the GPU,
-+ regional compile, + bf16 parameters (FSDP2's mixed precision on one process). --profile writes a torch profiler table of one step of the first and
-last configuration. Shapes: the config presets plus `h2048` (h=2048, 16 heads, (2, 4, 2), MLP 5632,
-vocab 65536, about 0.55B parameters: issue 12's measurement shape).
+throughput on a GPU (--device cuda) runs in this process (also under torchrun, with --strategy), or
+with --isolate each configuration in a fresh process (compiled blocks keep a finished model alive, so
+only then is each peak memory its own): per mean r, tokens/s, MFU against the GPU's dense bf16 peak
+(H100 SXM: 989 TFLOP/s) and peak GPU memory, over timed steps after warm-up ones (synchronized at both
+ends; the steps in between do not wait). --memory-r also runs fixed r (no sampling) to show memory
+flat in r. --levers measures the efficiency levers one by one, each on top of the previous: all off
+(the logits materialized for the loss, per-tensor AdamW, a host sync per step and synchronous
+host-to-device copies, s_0 drawn on the host, eager), + chunked cross-entropy, + fused AdamW, + no host
+sync per step, + s_0 drawn on the GPU, + regional compile, + bf16 parameters (FSDP2's mixed precision
+on one process). --profile writes a torch profiler table of one step of the first and last
+configuration. Shapes: the config presets plus `h2048` (h=2048, 16 heads, (2, 4, 2), MLP 5632, vocab
+65536, about 0.55B parameters: issue 12's measurement shape).
 
 throughput: tokens/s and memory of `rdlm.train` training steps at several mean recurrences with
     backprop depth k. Each configuration runs in its own child process, so that its peak RSS
@@ -187,7 +189,8 @@ def gpu_run(args: argparse.Namespace, mean: int, level: int = len(LEVERS) - 1, s
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    overrides = dict(mean_recurrence=mean, backprop_depth=args.k, activation_checkpointing=args.activation_checkpointing)
+    overrides = dict(mean_recurrence=mean, backprop_depth=args.k,
+                     activation_checkpointing=args.activation_checkpointing)
     config = model_config(args.preset, **overrides)
     model = build_quickly(config)
     total = args.warmup + args.steps + (1 if profile else 0)
@@ -198,7 +201,8 @@ def gpu_run(args: argparse.Namespace, mean: int, level: int = len(LEVERS) - 1, s
     strategy = args.strategy if not args.levers else ("fsdp" if level >= 6 else "single")
     sync = level < 3
     cfg = TrainConfig(steps=total, micro_batch_size=args.batch, progress=False, tensorboard=False, warmup_steps=1,
-                      seed=args.seed, device=args.device, compile=compile_, strategy=strategy, cpu_offload=args.cpu_offload,
+                      seed=args.seed, device=args.device, compile=compile_, strategy=strategy,
+                      cpu_offload=args.cpu_offload,
                       recurrence_sampler=sampler, ema_decay=args.ema_decay or None)
     with Lever(level):
         trainer = Trainer(cfg, model=model, train_data=MemoryRows(rows))
@@ -227,7 +231,8 @@ def gpu_run(args: argparse.Namespace, mean: int, level: int = len(LEVERS) - 1, s
     drawn = trainer.drawn[-args.steps - (1 if profile else 0):][:args.steps]
     return {"lever": label, "preset": args.preset, "mean_r": mean, "sampler": sampler or config.recurrence_sampler,
             "k": args.k, "r_drawn": [d[0] for d in drawn], "tokens_per_s": round(tokens / seconds, 1),
-            "seconds_per_step": round(seconds / args.steps, 3), "mfu": round(flops / seconds / (peak * args.world), 4) if peak else None,
+            "seconds_per_step": round(seconds / args.steps, 3),
+            "mfu": round(flops / seconds / (peak * args.world), 4) if peak else None,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             "parameters": model.num_parameters() if strategy == "single" else config_parameters(config),
             "gpu": torch.cuda.get_device_name() if cuda else None, "strategy": strategy, "compile": compile_,
