@@ -4,8 +4,10 @@ shardings of that layout (`rdlm convert`).
 A training checkpoint (rdlm.train.checkpoint) already keeps its weights as Huginn-layout directories,
 `step-N/model/` and `step-N/ema/` (the exponential moving average, the paper's cheap "cooldown",
 SPEC section 3), next to optimizer state and `trainer.json`. Converting one means choosing which
-weights to release and writing them with `rdlm.huginn.save_pretrained`: the layout's one home. A run
-directory (holding `checkpoints/step-*`) means its newest complete checkpoint.
+weights to release and writing them with `rdlm.huginn.save_pretrained`: the layout's one home. A
+sharded checkpoint (FSDP, `step-N/dcp/`) is first gathered into whole tensors on this machine
+(`rdlm.train.checkpoint.load_weights`, no processes to launch). A run directory (holding
+`checkpoints/step-*`) means its newest complete checkpoint.
 
 Same-dtype conversions are bit-exact; bf16 -> fp32 -> bf16 is too (fp32 holds every bf16 value).
 """
@@ -21,7 +23,7 @@ import torch
 
 from rdlm.fileio import atomic_write
 from rdlm.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, CheckpointError, load_pretrained, save_pretrained
-from rdlm.train.checkpoint import TRAINER_FILE, latest_checkpoint
+from rdlm.train.checkpoint import TRAINER_FILE, is_sharded, latest_checkpoint, load_weights
 
 # Files a model directory may carry besides weights and config; copied along unchanged.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -53,6 +55,20 @@ def resolve_source(path: str | os.PathLike, weights: str = "ema") -> Path:
                           f"checkpoint ({TRAINER_FILE}) nor a run directory (checkpoints/)")
 
 
+def sharded_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The sharded (DCP) checkpoint `path` names, itself or a run directory's newest; else None."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir() and not (path / CONFIG_NAME).is_file():
+        path = latest_checkpoint(path) or path
+    return path if (path / TRAINER_FILE).is_file() and is_sharded(path) else None
+
+
+def _has_weights(path: Path, weights: str) -> bool:
+    import json
+
+    return weights == "model" or bool(json.loads((path / TRAINER_FILE).read_text())["train_config"].get("ema_decay"))
+
+
 def parse_size(text: str | int) -> int:
     """'5GB', '500MB', '100KB' or a number of bytes."""
     if isinstance(text, int):
@@ -76,8 +92,13 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         dtype = DTYPES[dtype]
-    src = resolve_source(source, weights)
-    model = load_pretrained(src)
+    sharded = sharded_checkpoint(source)
+    if sharded is not None:  # FSDP shards: gather them; the tokenizer sits beside trainer.json
+        model = load_weights(sharded, weights if _has_weights(sharded, weights) else "model")
+        src = sharded
+    else:
+        src = resolve_source(source, weights)
+        model = load_pretrained(src)
     destination = Path(destination)
     save_pretrained(model, destination, dtype=dtype, max_shard_bytes=parse_size(max_shard_bytes))
     if src.resolve() != destination.resolve():

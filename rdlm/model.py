@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rdlm.config import RDLMConfig
+from rdlm.loss import linear_cross_entropy
 from rdlm.recurrence import sample_num_steps
 
 # Identifies one attention layer at one point of the recurrence, for a KV cache:
@@ -44,7 +45,7 @@ class KVCacheHook(Protocol):
 
 @dataclass
 class RecurrentOutput:
-    logits: Tensor                       # [batch, seq, vocab], float32
+    logits: Tensor | None                # [batch, seq, vocab], float32 (None: return_logits=False)
     loss: Tensor | None = None           # mean cross-entropy over labels != -100
     state: Tensor | None = None          # final latent state s_r, before the final norm
     trajectory: list[Tensor] | None = None  # [s_0, s_1, ..., s_r] when asked for
@@ -271,12 +272,19 @@ class RecurrentDepthLM(nn.Module):
     def readout(self, state: Tensor, rope: Rope, mask: Tensor | None = None,
                 cache: KVCacheHook | None = None) -> Tensor:
         """Coda C: final norm, coda layers, final norm, un-embedding. Returns float32 logits."""
+        return F.linear(self.coda_output(state, rope, mask, cache), self.unembedding_weight).float()
+
+    def coda_output(self, state: Tensor, rope: Rope, mask: Tensor | None = None,
+                    cache: KVCacheHook | None = None) -> Tensor:
+        """Coda C up to the un-embedding: final norm, coda layers, final norm."""
         x = self.final_norm(state)
         for i, layer in enumerate(self.coda):
             x = layer(x, rope, mask, cache, ("coda", i, -1))
-        x = self.final_norm(x)
-        weight = self.embedding.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return self.final_norm(x)
+
+    @property
+    def unembedding_weight(self) -> Tensor:
+        return self.embedding.weight if self.lm_head is None else self.lm_head.weight
 
     # ----------------------------------------------------------------------------------------------
 
@@ -285,7 +293,7 @@ class RecurrentDepthLM(nn.Module):
                 positions: Tensor | None = None, position_offset: int = 0,
                 attention_mask: Tensor | None = None, cache: KVCacheHook | None = None,
                 labels: Tensor | None = None, return_state: bool = False,
-                return_trajectory: bool = False,
+                return_trajectory: bool = False, return_logits: bool = True, loss_reduction: str = "mean",
                 generator: torch.Generator | None = None) -> RecurrentOutput:
         """Run prelude, `num_steps` core iterations and coda.
 
@@ -298,6 +306,9 @@ class RecurrentDepthLM(nn.Module):
         attention_mask: boolean or additive mask broadcastable to [batch, heads, seq, keys]; default causal.
         cache: a KV cache (see KVCacheHook) for incremental decoding.
         labels: next-token targets aligned with the logits (-100 is ignored) for `loss`.
+        return_logits: False (with labels) computes the loss chunk by chunk without ever holding the
+            [batch, seq, vocab] logits (rdlm.loss; what training uses); `logits` is then None.
+        loss_reduction: "mean" over the counted targets, or "sum".
         """
         no_grad_steps, grad_steps = self.resolve_num_steps(num_steps, generator)
         if input_ids.ndim != 2:
@@ -331,10 +342,16 @@ class RecurrentDepthLM(nn.Module):
             if trajectory is not None:
                 trajectory.append(state)
 
-        logits = self.readout(state, rope, attention_mask, cache)
         loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        if labels is not None and not return_logits:
+            logits = None
+            loss = linear_cross_entropy(self.coda_output(state, rope, attention_mask, cache),
+                                        self.unembedding_weight, labels, loss_reduction)
+        else:
+            logits = self.readout(state, rope, attention_mask, cache)
+            if labels is not None:
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                       reduction=loss_reduction)
         return RecurrentOutput(logits=logits, loss=loss, state=state if return_state else None,
                                trajectory=trajectory, num_steps=(no_grad_steps, grad_steps))
 

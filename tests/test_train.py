@@ -207,16 +207,16 @@ def test_bad_input_is_named(tmp_path):
 def test_non_finite_losses_are_skipped_then_stop_the_run(tmp_path):
     model = tiny()
     rows = counting_rows(16)
-    real_readout = model.readout
+    real_coda = model.coda_output  # what the training loss reads (the logits are never built)
     poisoned = {2, 3}  # 1-based steps whose loss is NaN
 
-    def readout(*args, **kwargs):
-        logits = real_readout(*args, **kwargs)
-        return logits * float("nan") if len(calls) in poisoned else logits
+    def coda_output(*args, **kwargs):
+        hidden = real_coda(*args, **kwargs)
+        return hidden * float("nan") if len(calls) in poisoned else hidden
 
     calls = []
     model.register_forward_pre_hook(lambda m, a: calls.append(1))
-    model.readout = readout
+    model.coda_output = coda_output
     result = train(TrainConfig(steps=6, micro_batch_size=4, **FAST), model=model, train_data=rows)
     assert result.bad_steps == 2
     assert [math.isnan(x) for x in result.losses] == [False, True, True, False, False, False]
@@ -263,3 +263,41 @@ def test_finetune_from_a_huginn_layout_directory(huginn_tiny_dir, tmp_path):
     assert result.losses[-1] < result.losses[0]
     tuned = load_pretrained(latest_checkpoint(tmp_path) / "model")
     assert not torch.equal(tuned.embedding.weight, base.embedding.weight)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scale: FSDP2 on one process (the code path of a big model with CPU offload), fused optimizer skip
+
+def test_fsdp_on_one_process_with_activation_checkpointing_matches_plain_training(tmp_path):
+    rows = counting_rows(32, length=17, vocab=64)
+
+    def small():
+        torch.manual_seed(0)
+        return RecurrentDepthLM(RDLMConfig.from_preset("small", context_length=32, mean_recurrence=4,
+                                                       backprop_depth=2, activation_checkpointing=True))
+
+    common = dict(steps=4, micro_batch_size=4, precision="fp32", **FAST)
+    plain = train(TrainConfig(**common), model=small(), train_data=rows)
+    sharded = train(TrainConfig(strategy="fsdp", out_dir=str(tmp_path), **common), model=small(), train_data=rows)
+    assert sharded.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert (latest_checkpoint(tmp_path) / "dcp").is_dir()  # FSDP writes a sharded checkpoint
+    ema = sharded.ema_model.state_dict()
+    for name, value in plain.ema_model.state_dict().items():
+        torch.testing.assert_close(ema[name], value, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_adamw_skips_a_flagged_step_without_a_host_sync():
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    opt = AdamW([p], lr=0.1, weight_decay=0.5)
+    p.grad = torch.ones(4, 4)
+    opt.step(found_inf=torch.tensor(True))
+    assert torch.equal(p.detach(), torch.ones(4, 4)) and opt.state[p]["step"].item() == 0
+    opt.step(found_inf=torch.tensor(False))
+    assert not torch.equal(p.detach(), torch.ones(4, 4)) and opt.state[p]["step"].item() == 1
+
+
+def test_strategy_options_are_checked():
+    with pytest.raises(ConfigError, match="strategy must be one of"):
+        TrainConfig(strategy="zero3")
+    with pytest.raises(ConfigError, match="cpu_offload needs strategy fsdp"):
+        TrainConfig(strategy="ddp", cpu_offload=True)

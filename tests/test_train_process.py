@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rdlm.data import prepare
 from rdlm.huginn import load_pretrained
 from rdlm.tokenizer import train_tokenizer
-from rdlm.train.checkpoint import latest_checkpoint, list_checkpoints
+from rdlm.train.checkpoint import latest_checkpoint, list_checkpoints, load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -113,23 +113,105 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(shards, tmp_path
     assert latest_checkpoint(out).name == "step-000008"
 
 
-def test_two_workers_match_one_process(shards, tmp_path):
+def torchrun(*args: str, nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def weights(out: Path, which: str = "model") -> dict[str, torch.Tensor]:
+    return dict(load_weights(latest_checkpoint(out), which).named_parameters())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_workers_match_one_process(shards, tmp_path, strategy):
     common = ["--steps", "5", "--ema-decay", "none", "--eval-every", "0"]
     run_cli(*train_args(shards, tmp_path / "one", *common, "--micro-batch-size", "4"))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "rdlm", *train_args(shards, tmp_path / "two", *common, "--micro-batch-size", "2")],
-                          env=ENV, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    extra = () if strategy == "fsdp" else ("--strategy", "ddp")  # fsdp is the default for several processes
+    torchrun("-m", "rdlm", *train_args(shards, tmp_path / "two", *common, "--micro-batch-size", "2", *extra))
     one, two = history(tmp_path / "one"), history(tmp_path / "two")
     assert len(one) == len(two) == 5
     assert one == pytest.approx(two, rel=1e-5, abs=1e-6)
     state = json.loads((latest_checkpoint(tmp_path / "two") / "trainer.json").read_text())
     assert state["world_size"] == 2 and state["global_batch_size"] == 4
-    a = load_file(latest_checkpoint(tmp_path / "one") / "model" / "model.safetensors")
-    b = load_file(latest_checkpoint(tmp_path / "two") / "model" / "model.safetensors")
+    assert state["train_config"]["strategy"] == ("auto" if strategy == "fsdp" else "ddp")
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
-    # The sharded optimizer state was gathered into one complete file.
-    opt_one = load_file(latest_checkpoint(tmp_path / "one") / "optimizer.safetensors")
-    opt_two = load_file(latest_checkpoint(tmp_path / "two") / "optimizer.safetensors")
-    assert set(opt_one) == set(opt_two)
+    if strategy == "ddp":  # the ZeRO-sharded optimizer state was gathered into one complete file
+        opt_one = load_file(latest_checkpoint(tmp_path / "one") / "optimizer.safetensors")
+        opt_two = load_file(latest_checkpoint(tmp_path / "two") / "optimizer.safetensors")
+        assert set(opt_one) == set(opt_two)
+    else:  # each worker wrote its own shard
+        files = sorted(p.name for p in (latest_checkpoint(tmp_path / "two") / "dcp").iterdir())
+        assert ".metadata" in files and len([f for f in files if f.endswith(".distcp")]) == 2
+
+
+def test_sharded_checkpoints_resume_across_world_sizes_and_convert(shards, tmp_path):
+    """2 -> 1 and 1 -> 2 processes through a checkpoint, EMA included, match one straight run."""
+    steps = ["--eval-every", "0", "--checkpoint-every", "3"]
+    run_cli(*train_args(shards, tmp_path / "straight", "--steps", "6", *steps))
+    reference = history(tmp_path / "straight")
+
+    two_one = tmp_path / "two-one"
+    torchrun("-m", "rdlm", *train_args(shards, two_one, "--steps", "3", "--micro-batch-size", "2", *steps))
+    assert (latest_checkpoint(two_one) / "dcp").is_dir()
+    run_cli(*train_args(shards, two_one, "--steps", "6", "--resume", *steps))
+
+    one_two = tmp_path / "one-two"
+    run_cli(*train_args(shards, one_two, "--steps", "3", *steps))
+    torchrun("-m", "rdlm", *train_args(shards, one_two, "--steps", "6", "--micro-batch-size", "2", "--resume",
+                                       *steps))
+    assert (latest_checkpoint(one_two) / "dcp").is_dir()
+
+    for run in (two_one, one_two):
+        assert history(run) == pytest.approx(reference, rel=1e-5, abs=1e-6)
+        for which in ("model", "ema"):
+            a, b = weights(tmp_path / "straight", which), weights(run, which)
+            for key in a:
+                torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+    # `rdlm convert` gathers the shards into the Huginn layout (EMA weights by default).
+    run_cli("convert", str(one_two), str(tmp_path / "released"))
+    released = dict(load_pretrained(tmp_path / "released").named_parameters())
+    for key, value in weights(one_two, "ema").items():
+        assert torch.equal(released[key], value)
+    assert (tmp_path / "released" / "tokenizer.json").is_file()
+
+
+KILL_IN_SHARDED_SAVE = """
+import os, signal, sys
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+real = FileSystemWriter.write_data
+def dying_write(self, plan, planner):
+    result = real(self, plan, planner)
+    if ".step-000004.tmp" in str(self.path) and dist.get_rank() == 1:
+        result.wait()
+        open(os.environ["KILL_MARK"], "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # rank 1's shard written, no metadata, no trainer.json
+    return result
+FileSystemWriter.write_data = dying_write
+from rdlm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kill_during_a_sharded_save_keeps_the_previous_step(shards, tmp_path):
+    out = tmp_path / "run"
+    script = tmp_path / "dying.py"
+    script.write_text(KILL_IN_SHARDED_SAVE)
+    args = train_args(shards, out, "--steps", "6", "--checkpoint-every", "2", "--micro-batch-size", "2",
+                      "--eval-every", "0")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), *args], env={**ENV, "KILL_MARK": str(tmp_path / "killed")},
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert (tmp_path / "killed").is_file(), "the kill should have hit during the write of step 4"
+    # (The surviving worker may have removed the staging directory on its way out, or not.)
+    assert [p.name for p in list_checkpoints(out)] == ["step-000002"]
+    assert load_weights(latest_checkpoint(out), "ema").config.vocab_size == 512
+    torchrun("-m", "rdlm", *args, "--resume")
+    assert latest_checkpoint(out).name == "step-000006"
+    assert len(history(out)) == 6

@@ -16,6 +16,21 @@ Layout of a run directory `OUT/checkpoints/`:
                                    TrainConfig, and the loss history
     step-000200/ ...
 
+With FSDP (`--strategy fsdp`, rdlm.train.distributed) the weights are sharded and every worker writes
+its own part with torch.distributed.checkpoint (DCP); the same run directory then holds
+
+    step-000100/
+        dcp/                       DCP files: ".metadata" and one "__<rank>_0.distcp" per worker,
+                                   holding "model.<name>", "ema.<name>" and "optimizer.state.<name>.<key>"
+                                   (rdlm parameter names), each tensor with its global shape
+        rng.safetensors            as above (rank 0's)
+        tokenizer.json             when known
+        trainer.json               as above, plus "sharded": true and "model_config"
+
+DCP re-shards on load, so such a checkpoint resumes with any number of workers, FSDP or not, and a
+single-process checkpoint resumes under FSDP; `rdlm convert` turns either into the Huginn layout
+(`load_weights`).
+
 A checkpoint is written into a hidden temporary sibling (`.step-000200.tmp-*`), every file fsynced,
 then renamed into place: a crash at any moment leaves the previous checkpoints untouched and at worst
 a hidden temporary directory, which `latest_checkpoint` ignores. Only the newest `keep` are kept.
@@ -27,6 +42,8 @@ import json
 import os
 import re
 import shutil
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +61,7 @@ STEP_RE = re.compile(r"^step-(\d+)$")
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
+SHARDED_DIR = "dcp"
 
 
 @dataclass
@@ -116,10 +134,7 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model: RecurrentDepth
                 tokenizer.save(tmp / sub / "tokenizer.json")
         tensors, groups = optimizer_tensors(optimizer_state, parameter_names)
         save_file(tensors, tmp / OPTIMIZER_FILE)
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        save_file(rng, tmp / RNG_FILE)
+        save_file(_rng_state(), tmp / RNG_FILE)
         # Last: its presence marks a complete checkpoint.
         write_json(tmp / TRAINER_FILE, {**trainer, "step": step, "optimizer_groups": groups}, indent=1)
     for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
@@ -131,10 +146,14 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, ema_model: nn.Mod
                     parameter_names: list[str]) -> tuple[Checkpoint, dict | None]:
     """Load weights (and EMA) into the given models; return the checkpoint and the optimizer state_dict."""
     path = Path(path)
-    trainer_file = path / TRAINER_FILE
-    if not trainer_file.is_file():
-        raise FileNotFoundError(f"{path} is not a complete training checkpoint (no {TRAINER_FILE})")
-    trainer = json.loads(trainer_file.read_text())
+    trainer = _read_trainer(path)
+    if is_sharded(path):  # written under FSDP: gather the whole tensors here
+        weights, ema, tensors = read_sharded_full(path, model, parameter_names)
+        _copy_tensors(weights, model)
+        if ema_model is not None and ema is not None:
+            _copy_tensors(ema, ema_model)
+        _load_rng(path)
+        return Checkpoint(path, trainer), optimizer_state_dict(tensors, trainer["optimizer_groups"], parameter_names)
     _copy_weights(load_pretrained(path / "model", dtype=torch.float32), model)
     if ema_model is not None and (path / "ema").is_dir():
         _copy_weights(load_pretrained(path / "ema", dtype=torch.float32), ema_model)
@@ -143,18 +162,206 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, ema_model: nn.Mod
         with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
             tensors = {k: handle.get_tensor(k) for k in handle.keys()}
         optimizer_state = optimizer_state_dict(tensors, trainer["optimizer_groups"], parameter_names)
+    _load_rng(path)
+    return Checkpoint(path, trainer), optimizer_state
+
+
+@torch.no_grad()
+def _copy_weights(source: nn.Module, target: nn.Module) -> None:
+    _copy_tensors(dict(source.named_parameters()), target)
+
+
+@torch.no_grad()
+def _copy_tensors(source: dict[str, torch.Tensor], target: nn.Module) -> None:
+    for name, param in target.named_parameters():
+        param.copy_(source[name].to(param.dtype))
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Sharded checkpoints (torch.distributed.checkpoint)
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    return (Path(path) / SHARDED_DIR).is_dir()
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return rng
+
+
+def sharded_state(model: nn.Module, optimizer, ema_shadow: list[torch.Tensor] | None,
+                  parameter_names: list[str]) -> tuple[dict[str, Any], list[dict]]:
+    """The state DCP saves and loads in place: {"model", "optimizer": {"state"}, "ema"} (DTensors under
+    FSDP, plain tensors otherwise), and the optimizer's parameter groups (kept in trainer.json)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
+    if ema_shadow is not None:
+        params = dict(model.named_parameters())
+        state["ema"] = {name: shaped_like(shadow, params[name]) for name, shadow in zip(parameter_names, ema_shadow)}
+    return state, optimizer_state["param_groups"]
+
+
+def shaped_like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`local_tensor` (this worker's part) as a DTensor sharded like `param`; a view, not a copy."""
+    if not hasattr(param, "device_mesh"):
+        return local_tensor
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def save_sharded_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer,
+                            ema_shadow: list[torch.Tensor] | None, parameter_names: list[str],
+                            trainer: dict[str, Any], tokenizer=None, keep: int = 3) -> Path:
+    """Every worker writes its shards into one staging directory; rank 0 then adds trainer.json and
+    renames it into place. Killed at any moment, the previous checkpoints stay complete."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from rdlm.fileio import fsync_tree, replace_dir
+
+    main = dist.get_rank() == 0
+    root = checkpoint_dir(out_dir)
+    final = root / f"step-{step:06d}"
+    staging = [None]
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = [tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root)]
+    dist.broadcast_object_list(staging, src=0)
+    tmp = Path(staging[0])
+    try:
+        state, groups = sharded_state(model, optimizer, ema_shadow, parameter_names)
+        dcp.save(state, checkpoint_id=tmp / SHARDED_DIR)  # returns once .metadata is written
+        if main:
+            save_file(_rng_state(), tmp / RNG_FILE)
+            if tokenizer is not None:
+                tokenizer.save(tmp / "tokenizer.json")
+            config = model.config.to_dict()
+            write_json(tmp / TRAINER_FILE, {**trainer, "step": step, "sharded": True, "model_config": config,
+                                            "optimizer_groups": groups}, indent=1)  # last: marks completeness
+            fsync_tree(tmp)
+            replace_dir(tmp, final)
+            for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier()
+    return final
+
+
+def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer,
+                            ema_shadow: list[torch.Tensor] | None, parameter_names: list[str]) -> Checkpoint:
+    """Resume FSDP training, in place, from a sharded checkpoint (any number of writers) or a
+    single-process one (each worker keeps its part of the whole tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    trainer = _read_trainer(path)
+    state, _ = sharded_state(model, optimizer, ema_shadow, parameter_names)
+    if is_sharded(path):
+        if "ema" in state and not _has_ema(path):
+            del state["ema"]
+        dcp.load(state, checkpoint_id=path / SHARDED_DIR)
+    else:
+        _fill(state["model"], dict(load_pretrained(path / "model", dtype=torch.float32).named_parameters()))
+        if "ema" in state and (path / "ema").is_dir():
+            _fill(state["ema"], dict(load_pretrained(path / "ema", dtype=torch.float32).named_parameters()))
+        if (path / OPTIMIZER_FILE).is_file():
+            with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
+                for key in handle.keys():
+                    name, _, field = key.rpartition("/")
+                    _fill(state["optimizer"]["state"][name], {field: handle.get_tensor(key)})
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optimizer"]["state"],
+                                     "param_groups": trainer["optimizer_groups"]})
+    _load_rng(path)
+    return Checkpoint(path, trainer)
+
+
+@torch.no_grad()
+def _fill(targets: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> None:
+    """Copy whole tensors into `targets`, each (if sharded) keeping only this worker's part."""
+    for name, value in whole.items():
+        target = targets[name]
+        if hasattr(target, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(value.to(target.device_mesh.device_type, target.dtype),
+                                      target.device_mesh, target.placements).to_local()
+            target = target.to_local()
+        target.copy_(value)
+
+
+def read_sharded_full(path: str | os.PathLike, model: nn.Module, parameter_names: list[str],
+                      with_optimizer: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None,
+                                                            dict[str, torch.Tensor] | None]:
+    """Whole tensors from a sharded checkpoint, read by this process alone (no collectives):
+    (weights by name, EMA weights by name or None, optimizer tensors as "<name>/<key>" or None).
+    `model` only gives the names and shapes."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    params = dict(model.named_parameters())
+    shapes = {name: params[name].shape for name in parameter_names}
+    state: dict[str, Any] = {"model": {n: torch.empty(s) for n, s in shapes.items()}}
+    if _has_ema(path):
+        state["ema"] = {n: torch.empty(s) for n, s in shapes.items()}
+    if with_optimizer:
+        state["optimizer"] = {"state": {n: {"step": torch.zeros(()), "exp_avg": torch.empty(s),
+                                            "exp_avg_sq": torch.empty(s)} for n, s in shapes.items()}}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, checkpoint_id=path / SHARDED_DIR, no_dist=True)
+    optimizer = None
+    if with_optimizer:
+        optimizer = {f"{n}/{k}": v for n, fields in state["optimizer"]["state"].items() for k, v in fields.items()}
+    return state["model"], state.get("ema"), optimizer
+
+
+def load_weights(path: str | os.PathLike, weights: str = "model") -> RecurrentDepthLM:
+    """The weights ("model" or "ema") of a training checkpoint, sharded or not, as a float32 model."""
+    path = Path(path)
+    if not is_sharded(path):
+        return load_pretrained(path / weights, dtype=torch.float32)
+    from rdlm.config import RDLMConfig
+
+    trainer = _read_trainer(path)
+    with torch.device("meta"):
+        skeleton = RecurrentDepthLM(RDLMConfig.from_dict(trainer["model_config"]))
+    names = [n for n, _ in skeleton.named_parameters()]
+    model_tensors, ema_tensors, _ = read_sharded_full(path, skeleton, names, with_optimizer=False)
+    chosen = ema_tensors if weights == "ema" else model_tensors
+    if chosen is None:
+        raise FileNotFoundError(f"{path}: no {weights} weights in this checkpoint")
+    model = RecurrentDepthLM(skeleton.config)
+    model.load_state_dict(chosen)
+    return model
+
+
+def _has_ema(path: Path) -> bool:
+    return bool(_read_trainer(path).get("train_config", {}).get("ema_decay"))
+
+
+def _read_trainer(path: Path) -> dict[str, Any]:
+    trainer_file = path / TRAINER_FILE
+    if not trainer_file.is_file():
+        raise FileNotFoundError(f"{path} is not a complete training checkpoint (no {TRAINER_FILE})")
+    return json.loads(trainer_file.read_text())
+
+
+def _load_rng(path: Path) -> None:
     if (path / RNG_FILE).is_file():
         with safe_open(path / RNG_FILE, framework="pt") as handle:
             torch.set_rng_state(handle.get_tensor("torch"))
             cuda = sorted(k for k in handle.keys() if k.startswith("cuda."))
             if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all([handle.get_tensor(k) for k in cuda])
-    return Checkpoint(path, trainer), optimizer_state
-
-
-@torch.no_grad()
-def _copy_weights(source: nn.Module, target: nn.Module) -> None:
-    src = dict(source.named_parameters())
-    for name, param in target.named_parameters():
-        param.copy_(src[name].to(param.dtype))
-

@@ -6,6 +6,10 @@ Options beyond torch's AdamW:
 - `update_clip`: clip the per-tensor RMS of the Adam update to this value (Wortsman et al. 2023), which
   tames the rare huge step when v_hat lags a sudden gradient spike.
 Weight decay is decoupled (scaled by the learning rate) and applied to weight matrices only.
+
+Without those two options the update is exactly torch's AdamW, and `step` hands it to torch's fused
+kernel (one launch for all parameters, no host synchronization). `step(found_inf=t)` skips the update
+where the 0-d tensor `t` is nonzero, decided on the device (the trainer's non-finite-loss skip).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.optim.adamw import adamw as fused_adamw  # the functional form: fused=True below
 
 
 class AdamW(torch.optim.Optimizer):
@@ -32,42 +37,73 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, found_inf: Tensor | None = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad.float()
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                step = state["step"].item()
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                m_hat = m / (1 - beta1**step)
-                v_hat_sqrt = (v / (1 - beta2**step)).sqrt_()
-                if group["atan2"]:
-                    update = torch.atan2(m_hat, v_hat_sqrt).mul_(4 / math.pi)
-                else:
-                    update = m_hat.div_(v_hat_sqrt.add_(group["eps"]))
-                if group["update_clip"] is not None:
-                    rms = update.square().mean().sqrt().item()
-                    if rms > group["update_clip"]:
-                        update.mul_(group["update_clip"] / rms)
-                if wd and p.ndim == 2:  # linear and embedding matrices; not norms, not qk_bias
-                    p.mul_(1 - lr * wd)
-                p.add_(update.to(p.dtype), alpha=-lr)
+                elif state["step"].device != p.device:  # loaded from a checkpoint (kept on the CPU)
+                    state["step"] = state["step"].to(p.device)
+            if group["atan2"] or group["update_clip"] is not None or not all(_fusable(p) for p in params):
+                if found_inf is not None and found_inf.item():
+                    continue
+                self._step_per_tensor(group, params)
+            else:
+                self._step_fused(group, params, found_inf)
         return loss
+
+    def _step_fused(self, group: dict, params: list[Tensor], found_inf: Tensor | None) -> None:
+        beta1, beta2 = group["betas"]
+        # Decay on matrices (linear and embedding weights), not on norms or qk_bias: two calls.
+        for decay in (True, False):
+            chosen = [p for p in params if (p.ndim == 2) == decay]
+            if not chosen:
+                continue
+            states = [self.state[p] for p in chosen]
+            inf = None if found_inf is None else found_inf.to(chosen[0].device, torch.float32)
+            fused_adamw(
+                chosen, [p.grad for p in chosen], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True,
+                found_inf=inf, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"] if decay else 0.0, eps=group["eps"], maximize=False)
+
+    def _step_per_tensor(self, group: dict, params: list[Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        for p in params:
+            grad = p.grad.float()
+            state = self.state[p]
+            state["step"] += 1
+            step = state["step"].item()
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            m_hat = m / (1 - beta1**step)
+            v_hat_sqrt = (v / (1 - beta2**step)).sqrt_()
+            if group["atan2"]:
+                update = torch.atan2(m_hat, v_hat_sqrt).mul_(4 / math.pi)
+            else:
+                update = m_hat.div_(v_hat_sqrt.add_(group["eps"]))
+            if group["update_clip"] is not None:
+                rms = update.square().mean().sqrt().item()
+                if rms > group["update_clip"]:
+                    update.mul_(group["update_clip"] / rms)
+            if wd and p.ndim == 2:  # linear and embedding matrices; not norms, not qk_bias
+                p.mul_(1 - lr * wd)
+            p.add_(update.to(p.dtype), alpha=-lr)
+
+
+def _fusable(p: Tensor) -> bool:
+    """torch's fused AdamW takes float parameters on CUDA or the CPU, with float32 state."""
+    return p.dtype in (torch.float32, torch.bfloat16, torch.float16) and p.device.type in ("cuda", "cpu")
 
 
 def parameter_groups(model: nn.Module) -> list[dict]:
@@ -76,18 +112,31 @@ def parameter_groups(model: nn.Module) -> list[dict]:
 
 
 class EMA:
-    """Exponential moving average of the weights: the paper's cheap stand-in for a cooldown."""
+    """Exponential moving average of the weights: the paper's cheap stand-in for a cooldown.
+
+    Kept in float32 next to each worker's own shard when the model is sharded (FSDP): `shadow[i]` is
+    the local part of parameter i.
+    """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"ema decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.params = [p for p in model.parameters()]
-        self.shadow = [p.detach().float().clone() for p in self.params]
+        self.shadow = [_local(p).detach().float().clone() for p in self.params]
 
     @torch.no_grad()
-    def update(self) -> None:
-        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1 - self.decay)
+    def update(self, finite: Tensor | None = None) -> None:
+        """Move toward the current weights; with `finite` (a 0-d bool tensor), only where it is true."""
+        current = [_local(p).detach().float() for p in self.params]
+        if finite is None:
+            torch._foreach_lerp_(self.shadow, current, 1 - self.decay)
+            return
+        weights: dict[torch.device, Tensor] = {}  # decided on the device: no host sync
+        for shadow, value in zip(self.shadow, current):
+            if shadow.device not in weights:
+                weights[shadow.device] = finite.to(shadow.device, torch.float32) * (1 - self.decay)
+            shadow.lerp_(value, weights[shadow.device])
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
@@ -98,3 +147,7 @@ class EMA:
     def load(self, tensors: list[Tensor]) -> None:
         for shadow, value in zip(self.shadow, tensors):
             shadow.copy_(value)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -7,6 +7,10 @@
             backward                                                       # grads only through last k
         clip gradients at 1; AdamW step; EMA update; log; evaluate; checkpoint
 
+Nothing in a step waits for the GPU: the loss, gradient norm and "was this step finite" stay on the
+device (a non-finite step is skipped there, by the fused optimizer and the EMA) and are read back at
+log, evaluation and checkpoint steps only. `--log-every 10` therefore lets the host run ahead.
+
 Everything random is a pure function of (seed, step): r, the initial states s_0 (one generator per
 row, keyed by its global position) and the data order. A resumed run, or the same global batch split
 over several workers, therefore reproduces the same computation.
@@ -14,7 +18,6 @@ over several workers, therefore reproduces the same computation.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -33,7 +36,8 @@ from rdlm.data import (IGNORE_INDEX, Batch, Batches, DataError, MemoryRows, RowS
 from rdlm.model import RecurrentDepthLM
 from rdlm.recurrence import SAMPLERS, draw_for_microbatch, microbatch_seed
 from rdlm.train import checkpoint as ckpt
-from rdlm.train.distributed import all_reduce_sum, barrier, setup, teardown
+from rdlm.train.distributed import (STRATEGIES, all_reduce_sum, apply_fsdp, barrier, full,
+                                    init_single_process_group, resolve_strategy, setup, teardown_group)
 from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, flops_per_token, peak_flops, warn_loudly
 from rdlm.train.optim import EMA, AdamW, parameter_groups
 from rdlm.train.schedule import Schedule
@@ -82,7 +86,12 @@ class TrainConfig:
     # CPU threads for this run (restored afterwards). None: 1 for models under 20M parameters on CPU,
     # where thread start-up costs more than it saves on tiny matmuls (and the machine may be shared).
     threads: int | None = None
-    sharded_optimizer: bool = True        # ZeroRedundancyOptimizer when distributed
+    # Several processes (torchrun): "fsdp" (FSDP2, sharded weights/gradients/optimizer state; the
+    # default) or "ddp" (replicated weights, ZeroRedundancyOptimizer when sharded_optimizer).
+    # "single": one process. "auto": fsdp with several processes, single otherwise.
+    strategy: str = "auto"
+    cpu_offload: bool = False             # FSDP: sharded weights, gradients, optimizer state in host memory
+    sharded_optimizer: bool = True        # ddp: ZeroRedundancyOptimizer
     # Monitoring.
     log_every: int = 1
     eval_every: int = 0                   # 0: only at the end (when there is validation data)
@@ -123,6 +132,10 @@ class TrainConfig:
             raise ConfigError(f"eval_num_steps must be positive iteration counts, got {self.eval_num_steps}")
         if self.grad_clip <= 0:
             raise ConfigError(f"grad_clip must be > 0, got {self.grad_clip}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.cpu_offload and self.strategy not in ("auto", "fsdp"):
+            raise ConfigError(f"cpu_offload needs strategy fsdp, got {self.strategy!r}")
         check_keys(self.model_overrides)
 
     @classmethod
@@ -140,7 +153,7 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    model: RecurrentDepthLM
+    model: RecurrentDepthLM                # under FSDP the sharded model (ema_model is whole)
     losses: list[float]                   # mean training loss per optimizer step (NaN for skipped steps)
     num_steps: list[list[int]]            # the r drawn for each micro-batch of each step
     evals: list[dict[str, float]]
@@ -170,11 +183,14 @@ def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple
         if source in PRESETS:
             return RecurrentDepthLM(RDLMConfig.from_preset(source, **(overrides or {}))), None
         RDLMConfig.from_preset(source)  # raises ConfigError naming the unknown preset
-    if (path / "model" / "config.json").is_file():  # a training checkpoint step-N/
-        path = path / "model"
-    elif (path / "checkpoints").is_dir() and ckpt.latest_checkpoint(path) is not None:  # a run directory
-        path = ckpt.latest_checkpoint(path) / "model"
-    model = load_pretrained(path, dtype=torch.float32)
+    if (path / "checkpoints").is_dir() and ckpt.latest_checkpoint(path) is not None:  # a run directory
+        path = ckpt.latest_checkpoint(path)
+    if ckpt.is_sharded(path):  # a sharded checkpoint step-N/ (FSDP)
+        model = ckpt.load_weights(path, "model")
+    else:
+        if (path / "model" / "config.json").is_file():  # a training checkpoint step-N/
+            path = path / "model"
+        model = load_pretrained(path, dtype=torch.float32)
     if overrides:
         # Training-time fields (recurrence, checkpointing) may change; shapes may not.
         new = model.config.replace(**overrides)
@@ -273,7 +289,14 @@ class Trainer:
             sources["validation"] = self.val_source
         check_compatible(model, sources, self.tokenizer)
 
-        self.model = model.to(self.device).train()
+        strategy = "fsdp" if config.cpu_offload and config.strategy == "auto" else config.strategy
+        try:
+            self.strategy = resolve_strategy(strategy, self.world)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        self.own_group = self.strategy == "fsdp" and init_single_process_group(self.device)
+        # With CPU offload FSDP moves each shard to the host itself; the whole model never sits on the GPU.
+        self.model = model.to("cpu" if config.cpu_offload else self.device).train()
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         c = self.model.config
         self.mean_recurrence = config.mean_recurrence or c.mean_recurrence
@@ -288,14 +311,19 @@ class Trainer:
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
         self.precision = "bf16" if bf16 else "fp32"
         if config.compile:
-            # Compile each layer, not the whole model: r changes every step and must not recompile.
+            # Regional compile: each block's forward, not the loop (r changes every step and must not
+            # recompile); FSDP's hooks stay outside the compiled code. Two graphs per block: with and
+            # without gradient.
             for block in [*self.model.prelude, *self.model.core, *self.model.coda]:
-                block.compile()
+                block.forward = torch.compile(block.forward)
 
-        self.ema = EMA(self.model, config.ema_decay) if config.ema_decay else None
         opt_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
                           atan2=config.atan2, update_clip=config.update_clip)
-        if self.world.distributed:
+        self.ddp = None
+        if self.strategy == "fsdp":
+            apply_fsdp(self.model, self.device, self.world, bf16, config.cpu_offload)
+            self.optimizer = AdamW(parameter_groups(self.model), **opt_kwargs)
+        elif self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -307,8 +335,8 @@ class Trainer:
             else:
                 self.optimizer = AdamW(parameter_groups(self.model), **opt_kwargs)
         else:
-            self.ddp = None
             self.optimizer = AdamW(parameter_groups(self.model), **opt_kwargs)
+        self.ema = EMA(self.model, config.ema_decay) if config.ema_decay else None
         self.schedule = Schedule(config.lr, config.warmup_steps, config.steps, config.cooldown_steps,
                                  config.min_lr_ratio)
         self.batches = Batches(self.train_source, config.micro_batch_size, config.accumulation,
@@ -336,12 +364,16 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.config.out_dir)
         if path is None:
             return  # nothing to resume: start from scratch (a first launch with --resume is fine)
-        ema_model = self._ema_model() if self.ema else None
-        point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
-        if ema_model is not None:
-            self.ema.load([p.detach().float() for p in ema_model.parameters()])
-        if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
+        if self.strategy == "fsdp":
+            point = ckpt.load_sharded_checkpoint(path, self.model, self.optimizer,
+                                                 self.ema.shadow if self.ema else None, self.names)
+        else:
+            ema_model = self._ema_model() if self.ema else None
+            point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
+            if ema_model is not None:
+                self.ema.load([p.detach().float() for p in ema_model.parameters()])
+            if optimizer_state is not None:
+                self.optimizer.load_state_dict(optimizer_state)
         state = point.trainer
         if state.get("global_batch_size") != self.batches.global_batch_size:
             raise ConfigError(f"checkpoint {path} was trained with a global batch of "
@@ -356,24 +388,36 @@ class Trainer:
         self.last_checkpoint = path
 
     def _ema_model(self) -> RecurrentDepthLM:
-        ema_model = copy.deepcopy(self.model).to("cpu")
-        if self.ema is not None:
-            self.ema.copy_to(ema_model)
+        """The EMA weights as a new model on the CPU (under FSDP a collective: every worker calls it)."""
+        ema_model = RecurrentDepthLM(self.model.config)
+        if self.ema is None:
+            return ema_model
+        with torch.no_grad():  # EMA.shadow follows model.parameters()
+            for (name, param), shadow in zip(self.model.named_parameters(), self.ema.shadow):
+                ema_model.get_parameter(name).copy_(full(ckpt.shaped_like(shadow, param)).cpu())
         return ema_model
+
+    def _to_device(self, tensor: Tensor) -> Tensor:
+        """Host to GPU without waiting: through pinned memory, asynchronously."""
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
 
     def _initial_state(self, batch: Batch, step: int, micro: int) -> Tensor:
         """s_0 row by row, each from a generator keyed by the row's global position in the run.
 
         This makes s_0 independent of how the global batch is split across workers and of resumes.
+        The draws happen on the training device: on a GPU, drawing them on the host took longer than a
+        short step's GPU work (and a GPU's draws differ from a CPU's; each device type is reproducible).
         """
         c = self.model.config
         positions = self.batches.positions(step, micro, self.world.rank)
         rows = []
-        template = torch.empty(1, batch.input_ids.shape[1], c.hidden_size)
+        template = torch.empty(1, batch.input_ids.shape[1], c.hidden_size, device=self.device)
         for pos in positions:
-            g = torch.Generator().manual_seed(microbatch_seed(self.config.seed, int(pos), stream=1))
+            g = torch.Generator(self.device).manual_seed(microbatch_seed(self.config.seed, int(pos), stream=1))
             rows.append(self.model.init_state(template, 1.0, g))
-        return torch.cat(rows).to(self.device)
+        return torch.cat(rows)
 
     def _save(self) -> Path | None:
         if self.config.out_dir is None:
@@ -382,17 +426,22 @@ class Trainer:
         if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: gather the shards on rank 0
             optimizer.consolidate_state_dict(to=0)
         path = None
-        if self.world.is_main:
-            trainer_state = {
-                "format": "rdlm-training-checkpoint", "consumed_rows": self.step * self.batches.global_batch_size,
-                "global_batch_size": self.batches.global_batch_size, "world_size": self.world.size,
-                "epoch": self.batches.epoch_of(self.step), "lr": self.schedule(max(self.step - 1, 0)),
-                "schedule": dataclasses.asdict(self.schedule), "bad_steps": self.bad_steps,
-                "consecutive_bad": self.consecutive_bad, "losses": self.losses, "num_steps": self.drawn,
-                "evals": self.evals, "train_config": self.config.to_dict(),
-                "recurrence": {"mean": self.mean_recurrence, "backprop_depth": self.backprop_depth,
-                               "sampler": self.sampler, "sigma": self.sigma},
-            }
+        trainer_state = {
+            "format": "rdlm-training-checkpoint", "consumed_rows": self.step * self.batches.global_batch_size,
+            "global_batch_size": self.batches.global_batch_size, "world_size": self.world.size,
+            "strategy": self.strategy,
+            "epoch": self.batches.epoch_of(self.step), "lr": self.schedule(max(self.step - 1, 0)),
+            "schedule": dataclasses.asdict(self.schedule), "bad_steps": self.bad_steps,
+            "consecutive_bad": self.consecutive_bad, "losses": self.losses, "num_steps": self.drawn,
+            "evals": self.evals, "train_config": self.config.to_dict(),
+            "recurrence": {"mean": self.mean_recurrence, "backprop_depth": self.backprop_depth,
+                           "sampler": self.sampler, "sigma": self.sigma},
+        }
+        if self.strategy == "fsdp":  # every worker writes its shards
+            path = ckpt.save_sharded_checkpoint(self.config.out_dir, self.step, self.model, optimizer,
+                                                self.ema.shadow if self.ema else None, self.names,
+                                                trainer_state, self.tokenizer, self.config.keep_checkpoints)
+        elif self.world.is_main:
             path = ckpt.save_checkpoint(self.config.out_dir, self.step, self.model,
                                         self._ema_model() if self.ema else None, optimizer.state_dict(),
                                         self.names, trainer_state, self.tokenizer, self.config.keep_checkpoints)
@@ -421,17 +470,20 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------
 
     def train_step(self) -> dict[str, Any]:
+        """One optimizer step, launched without waiting for the device. The record's loss, grad_norm
+        and finite are device tensors until `settle` reads them back."""
         cfg, step = self.config, self.step
         lr = self.schedule(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [self.batches.get(step, m, self.world.rank) for m in range(cfg.accumulation)]
         # Normalize by the global number of targets so that any split of the batch gives the same gradient.
+        # (Counted on the host: a CPU collective, the device is not waited for.)
         targets = torch.tensor([float(sum(b.num_targets for b in micro_batches))])
         total_targets = all_reduce_sum(targets, self.world).item()
-        scale = self.world.size / max(total_targets, 1.0)  # DDP averages over workers: undo that
+        scale = self.world.size / max(total_targets, 1.0)  # DDP and FSDP average over workers: undo that
 
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         drawn = []
         tokens = 0
         flops = 0.0
@@ -441,40 +493,59 @@ class Trainer:
             no_grad, with_grad = draw_for_microbatch(cfg.seed, index, self.mean_recurrence,
                                                      self.backprop_depth, self.sampler, self.sigma)
             drawn.append(no_grad + with_grad)
-            ids, labels = batch.input_ids.to(self.device), batch.labels.to(self.device)
+            ids, labels = self._to_device(batch.input_ids), self._to_device(batch.labels)
             s0 = self._initial_state(batch, step, m)
             sync = self.ddp is None or m == cfg.accumulation - 1
             context = self.ddp.no_sync() if not sync else _nullcontext()
             with context:
                 with self.autocast:
-                    logits = network(ids, num_steps=(no_grad, with_grad), initial_state=s0).logits
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                           ignore_index=IGNORE_INDEX, reduction="sum")
+                    # The summed loss, without materializing the logits (rdlm.loss).
+                    loss = network(ids, num_steps=(no_grad, with_grad), initial_state=s0, labels=labels,
+                                   return_logits=False, loss_reduction="sum").loss
                 (loss * scale).backward()
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss.detach().double()
             tokens += ids.numel()
             flops += ids.numel() * flops_per_token(self.model, ids.shape[1], no_grad, with_grad)
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        reduced = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)]),
-                                 self.world)
-        mean_loss = (reduced[0] / max(total_targets, 1.0)).item()
-        finite = math.isfinite(mean_loss) and math.isfinite(grad_norm.item())
-        if finite:
-            self.optimizer.step()
-            if self.ema is not None:
-                self.ema.update()
-            self.consecutive_bad = 0
-        else:
-            self.bad_steps += 1
-            self.consecutive_bad += 1
+        grad_norm = clip_gradients(self.model.parameters(), cfg.grad_clip)
+        loss_sum = all_reduce_sum(loss_sum, self.world)
+        finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm.to(loss_sum.device))
+        # A non-finite step changes nothing; decided on the device (no host sync), counted at `settle`.
+        self.optimizer.step(found_inf=~finite)
+        if self.ema is not None:
+            self.ema.update(finite)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.losses.append(mean_loss if finite else float("nan"))
         self.drawn.append(drawn)
-        return {"kind": "train", "step": self.step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm.item(),
-                "num_steps": drawn[0] if len(drawn) == 1 else drawn, "skipped": not finite,
-                "tokens": int(reduced[1].item()), "flops": flops * self.world.size}
+        return {"kind": "train", "step": self.step, "loss": loss_sum, "lr": lr, "grad_norm": grad_norm,
+                "finite": finite, "total_targets": total_targets,
+                "num_steps": drawn[0] if len(drawn) == 1 else drawn,
+                "tokens": tokens * self.world.size, "flops": flops * self.world.size}
+
+    def settle(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Read launched steps' numbers back from the device (the host waits here), record them, and
+        apply the non-finite-step policy. Returns the records with plain numbers."""
+        done = []
+        for record in pending:
+            loss_sum, grad_norm = record.pop("loss").item(), record.pop("grad_norm").item()
+            record.pop("finite")
+            mean_loss = loss_sum / max(record.pop("total_targets"), 1.0)
+            finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
+            record.update(loss=mean_loss, grad_norm=grad_norm, skipped=not finite)
+            self.losses.append(mean_loss if finite else float("nan"))
+            if finite:
+                self.consecutive_bad = 0
+            else:
+                self.bad_steps += 1
+                self.consecutive_bad += 1
+                print(f"rdlm train: step {record['step']}: non-finite loss or gradient, step skipped "
+                      f"({self.consecutive_bad} in a row, {self.bad_steps} in all)", flush=True)
+                if self.consecutive_bad >= self.config.max_bad_steps:
+                    kept = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
+                    raise TrainingError(f"{self.consecutive_bad} non-finite losses in a row at step "
+                                        f"{record['step']}: stopping{kept}")
+            done.append(record)
+        return done
 
     def fit(self) -> TrainResult:
         cfg = self.config
@@ -485,41 +556,58 @@ class Trainer:
         if self.device.type == "cpu":
             small = self.model.num_parameters() < 20_000_000
             torch.set_num_threads(cfg.threads or (1 if small else threads))
+        pending: list[dict[str, Any]] = []
         try:
+            interval_start = time.perf_counter()
             while self.step < cfg.steps:
-                t0 = time.perf_counter()
-                record = self.train_step()
-                seconds = time.perf_counter() - t0
-                record["tokens_per_s"] = record["tokens"] / seconds
-                record["flops_per_s"] = record.pop("flops") / seconds
+                pending.append(self.train_step())
+                monitor.advance()
+                log = self.step % cfg.log_every == 0 or self.step == cfg.steps
+                do_eval = cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps
+                do_save = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps
+                if not (log or do_eval or do_save):
+                    continue
+                records = self.settle(pending)
+                pending = []
+                seconds = time.perf_counter() - interval_start  # throughput over the whole interval
+                interval_start = time.perf_counter()
+                tokens, flops = sum(r["tokens"] for r in records), sum(r.pop("flops") for r in records)
+                record = records[-1]
+                record["tokens_per_s"] = tokens / seconds
+                record["flops_per_s"] = flops / seconds
                 if self.peak:
                     record["mfu"] = record["flops_per_s"] / (self.peak * self.world.size)
-                if record["skipped"]:
-                    print(f"rdlm train: step {self.step}: non-finite loss or gradient, step skipped "
-                          f"({self.consecutive_bad} in a row, {self.bad_steps} in all)", flush=True)
-                    if self.consecutive_bad >= cfg.max_bad_steps:
-                        kept = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
-                        raise TrainingError(f"{self.consecutive_bad} non-finite losses in a row at step "
-                                            f"{self.step}: stopping{kept}")
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                if log:
                     monitor.log(record)
                     for hook in self.step_hooks:
                         hook(record)
-                monitor.advance()
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                if do_eval:
                     self._evaluate(monitor)
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                if do_save:
                     self._save()
+                if do_eval or do_save:
+                    interval_start = time.perf_counter()  # throughput counts training only
             if self.val_batches or self.eval_hooks:
                 self._evaluate(monitor)
             self._save()
         finally:
             monitor.close()
             torch.set_num_threads(threads)
+        ema_model = self._ema_model() if self.ema else None
         return TrainResult(model=self.model, losses=self.losses, num_steps=self.drawn, evals=self.evals,
                            bad_steps=self.bad_steps, checkpoint=self.last_checkpoint,
-                           ema_model=self._ema_model() if self.ema else None, steps_done=self.step,
+                           ema_model=ema_model, steps_done=self.step,
                            seconds=time.perf_counter() - start)
+
+
+def clip_gradients(parameters, max_norm: float) -> Tensor:
+    """Clip the global gradient norm to `max_norm`; return the norm before clipping (a device tensor,
+    the whole model's even when FSDP shards the gradients)."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    norm = full(norm)  # FSDP: the shards' norms combined (an all-reduce, no host sync)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm
 
 
 class _nullcontext:
@@ -551,5 +639,5 @@ def train(config: TrainConfig, model: RecurrentDepthLM | None = None, train_data
     try:
         return trainer.fit()
     finally:
-        if os.environ.get("WORLD_SIZE", "1") != "1":
-            teardown(trainer.world)
+        if os.environ.get("WORLD_SIZE", "1") != "1" or trainer.own_group:
+            teardown_group()
