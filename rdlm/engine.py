@@ -128,7 +128,7 @@ class Session:
         self.index = torch.zeros((), dtype=torch.long, device=self.device)     # its buffer index
         self.tokens = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
         self.warm = torch.zeros(self.batch, 1, h, dtype=self.dtype, device=self.device)
-        self.graphed: dict[tuple, tuple[torch.cuda.CUDAGraph, Callable[[], tuple[Tensor, ...]]]] = {}
+        self.graphed: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # key -> (graph, its outputs)
         self.capture_seconds = 0.0
 
     # ---- inputs of one model call: tokens at buffer indices start .. start + n - 1
