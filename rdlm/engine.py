@@ -167,9 +167,10 @@ class Session:
         self.cache.start, self.cache.rows = start, None
         return self.model.embed(ids, rope, mask, self.cache), rope, mask, positions, start
 
-    def forward(self, ids: Tensor, num_steps: int, initial_state: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
-        """Run tokens through the model at a fixed r; append them to the cache. (last logits, state)."""
+    def forward(self, ids: Tensor, num_steps: int, initial_state: Tensor | None = None,
+                last_only: bool = True) -> tuple[Tensor, Tensor]:
+        """Run tokens through the model at a fixed r; append them to the cache. (logits, state): the
+        logits of the last token [B, V], or of every token [B, n, V] with `last_only=False`."""
         e, rope, mask, positions, start = self.begin(ids)
         state = self.initial_state(e, positions) if initial_state is None else initial_state
         for i in range(num_steps):
@@ -177,7 +178,7 @@ class Session:
         self.cache.fill_missing(num_steps, start, start + ids.shape[1])
         logits = self.model.readout(state, rope, mask, self.cache)
         self.length = start + ids.shape[1]
-        return logits[:, -1], state
+        return (logits[:, -1] if last_only else logits), state
 
     def prefill(self) -> Tensor:
         steps = self.config.prefill_steps or self.config.num_steps

@@ -3,6 +3,8 @@
 Everything rdlm saves goes through here: a file is written to a hidden temporary sibling, flushed to
 disk, then renamed over its target, so a crash at any moment leaves either the old file or the new one.
 Directories (model and training checkpoints) are built in a temporary sibling and swapped in whole.
+Temporary files and directories are created private (tempfile's 0600 / 0700); what is swapped in gets
+the permissions an ordinary `open` or `mkdir` would give under the process umask.
 """
 
 from __future__ import annotations
@@ -16,6 +18,21 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux: /proc/self/status);
+    elsewhere os.umask is set and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     """Open a temporary file for writing; on success it is fsynced and renamed to `path`."""
@@ -27,7 +44,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary outputs
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes files private; these are ordinary outputs
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -94,6 +111,7 @@ def staging_dir(target: str | os.PathLike) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private; the result is an ordinary directory
         yield tmp
         fsync_tree(tmp)
         replace_dir(tmp, target)

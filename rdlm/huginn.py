@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -310,8 +310,10 @@ ROPE_TOLERANCE = 1e-2
 # Saving
 
 def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write `model` to `path` in the Huginn layout, atomically.
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    extra_json: Mapping[str, Any] | None = None) -> Path:
+    """Write `model` to `path` in the Huginn layout, atomically; `extra_json` maps more file names to
+    JSON data written with it (e.g. transformers' generation_config.json).
 
     Everything is written to a temporary sibling directory, flushed to disk, then swapped in place
     of `path`; files already in `path` that rdlm does not write (a tokenizer, notes) are carried over.
@@ -340,6 +342,8 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         write_json(tmp / CONFIG_NAME, config_to_huginn(config, dtype))
+        for name, data in (extra_json or {}).items():
+            write_json(tmp / name, data)
         if path.is_dir():
             for old in path.iterdir():
                 if not _is_model_file(old.name) and not (tmp / old.name).exists():

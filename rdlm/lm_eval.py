@@ -9,12 +9,17 @@ Model arguments:
     pretrained       a Huginn-layout directory with tokenizer.json (required)
     num_steps        core iterations r (default: the config's mean recurrence)
     init_scale       scale of the random initial state s_0 (default 1, as in training; 0 = zero state)
-    seed             seeds the s_0 draws (default 0), so a run is reproducible
+    seed             seeds the s_0 draws (default 0). A scored request's s_0 comes from a seed derived
+                     from (seed, its tokens), generate_until's from the decode engine's (seed, position)
+                     table: scores and texts are a function of the request, whatever the batch size
+                     or the order of the calls
     exit_criterion   per-token adaptive compute in generate_until (SPEC section 4; a name of
                      rdlm.exits, e.g. kl), with exit_threshold; num_steps is then the maximum
     kv_cache_budget  core KV-cache slots per token in generate_until (iteration i uses slot i mod k)
     dtype            float32 (default) or bfloat16; device: cpu (default) or cuda
-    batch_size, max_length, max_gen_toks, add_bos_token (default true: documents start with BOS)
+    batch_size       a number, or "auto" (the largest of max_batch_size, default 64, halved until a
+                     batch of max_length tokens fits in memory; on the CPU max_batch_size itself)
+    max_length, max_gen_toks, add_bos_token (default true: documents start with BOS)
 
 loglikelihood and loglikelihood_rolling need only the model's forward pass at fixed r: requests are
 sorted by length and scored in right-padded batches (causal attention makes padding invisible).
@@ -22,9 +27,11 @@ sorted by length and scored in right-padded batches (causal attention makes padd
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (fills the registry's lazy entries first, so "hf" & co. stay visible)
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
@@ -32,6 +39,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from rdlm.engine import noise_table
 from rdlm.huginn import load_pretrained
 from rdlm.exits import make_exit_criterion
 from rdlm.generate import GenerationConfig, generate
@@ -63,7 +71,7 @@ class RDLMEvalModel(TemplateLM):
     def __init__(self, pretrained: str, num_steps: int | str | None = None, init_scale: float | str = 1.0,
                  seed: int | str = 0, exit_criterion: str | None = None, exit_threshold: float | str | None = None,
                  kv_cache_budget: int | str | None = None, dtype: str = "float32", device: str | None = None,
-                 batch_size: int | str | None = 8, max_batch_size: int | None = None,
+                 batch_size: int | str | None = 8, max_batch_size: int | str | None = 64,
                  max_length: int | str | None = None, max_gen_toks: int | str = 256,
                  add_bos_token: bool | str = True, **unused: Any) -> None:
         super().__init__()
@@ -86,7 +94,6 @@ class RDLMEvalModel(TemplateLM):
             raise ValueError(f"rdlm model: num_steps must be >= 1, got {self.num_steps}")
         self.init_scale = float(init_scale)
         self.seed = int(seed)
-        self.generator = torch.Generator(self._device).manual_seed(self.seed)
         self.exit_criterion = _optional(exit_criterion, str)
         self.exit_threshold = _optional(exit_threshold, float)
         self.kv_cache_budget = _optional(kv_cache_budget, int)
@@ -96,10 +103,14 @@ class RDLMEvalModel(TemplateLM):
             raise ValueError("rdlm model: exit_threshold needs an exit_criterion")
         if self.kv_cache_budget is not None and self.kv_cache_budget < 1:
             raise ValueError(f"rdlm model: kv_cache_budget must be >= 1, got {self.kv_cache_budget}")
-        if str(batch_size).startswith("auto"):
-            raise ValueError("rdlm model: batch_size=auto is not supported; pass a number")
-        self.batch_size = int(batch_size or 1)
         self.max_length = _optional(max_length, int) or config.context_length
+        self.max_batch_size = int(max_batch_size or 64)
+        if str(batch_size).startswith("auto"):  # "auto" or lm-eval's "auto:N" (re-detect N times: once is enough)
+            self.batch_size = self.detect_batch_size()
+        else:
+            self.batch_size = int(batch_size or 1)
+        if self.batch_size < 1:
+            raise ValueError(f"rdlm model: batch_size must be >= 1, got {self.batch_size}")
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = _flag(add_bos_token)
         self.pretrained = str(pretrained)
@@ -140,6 +151,34 @@ class RDLMEvalModel(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.format_chat(chat_history, add_generation_prompt=add_generation_prompt)
 
+    def detect_batch_size(self) -> int:
+        """The largest batch, from max_batch_size down by halves, whose forward over max_length tokens
+        fits in device memory. The CPU is not probed: every batch size gives the same scores, so
+        max_batch_size is taken as it is."""
+        size = self.max_batch_size
+        if self._device.type != "cuda":
+            return size
+        while size > 1:
+            try:
+                with torch.inference_mode():
+                    ids = torch.zeros(size, self.max_length, dtype=torch.long, device=self._device)
+                    self.model(ids, num_steps=self.num_steps, init_scale=0.0)
+                break
+            except torch.cuda.OutOfMemoryError:
+                size //= 2
+            finally:
+                torch.cuda.empty_cache()
+        eval_logger.info("rdlm model: batch_size=auto chose %d", size)
+        return size
+
+    def initial_state(self, tokens: list[int]) -> torch.Tensor | None:
+        """s_0 of one scored request [len(tokens), h]: the engine's noise table under a seed derived from
+        (seed, the request's tokens), so it does not depend on the batch or on earlier calls."""
+        digest = hashlib.sha256(f"{self.seed}:{','.join(map(str, tokens))}".encode()).digest()
+        seed = int.from_bytes(digest[:4], "little")  # the table multiplies it by ~1e6: stay within int64
+        dtype = self.model.embedding.weight.dtype
+        return noise_table(self.model, seed, self.init_scale, len(tokens), dtype, self._device)
+
     # ----------------------------------------------------------------------------------------------
     # Scoring
 
@@ -160,10 +199,14 @@ class RDLMEvalModel(TemplateLM):
             batch = order[start:start + self.batch_size]
             width = max(len(inputs[i]) for i in batch)
             ids = torch.full((len(batch), width), self.tokenizer.pad_id, dtype=torch.long)
+            states = torch.zeros(len(batch), width, self.model.config.hidden_size,
+                                 dtype=self.model.embedding.weight.dtype, device=self._device)
             for row, i in enumerate(batch):
                 ids[row, :len(inputs[i])] = torch.tensor(inputs[i])
-            logits = self.model(ids.to(self._device), num_steps=self.num_steps, init_scale=self.init_scale,
-                                generator=self.generator).logits
+                noise = self.initial_state(inputs[i])
+                if noise is not None:
+                    states[row, :len(inputs[i])] = noise
+            logits = self.model(ids.to(self._device), num_steps=self.num_steps, initial_state=states).logits
             log_probs = F.log_softmax(logits.float(), dim=-1)
             for row, i in enumerate(batch):
                 continuation = requests[i][2]

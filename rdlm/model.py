@@ -89,6 +89,8 @@ class Attention(nn.Module):
         # Learnable biases on queries (index 0) and keys (index 1) only, added before RoPE.
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.num_heads, self.head_dim)) if config.qk_bias else None
         self.out = nn.Linear(h, h, bias=False)
+        # "sdpa": torch's fused kernels; "eager": the same arithmetic as plain matmuls and a softmax.
+        self.implementation = "sdpa"
 
     def forward(self, x: Tensor, rope: Rope, mask: Tensor | None, cache: KVCacheHook | None,
                 key: LayerKey) -> Tensor:
@@ -102,13 +104,28 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(key, k, v)
-        if mask is None and k.shape[2] == seq:
+        if mask is None and k.shape[2] == seq and self.implementation == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             if mask is None:  # a cache without an explicit mask: causal, queries are the last tokens
                 mask = causal_mask(seq, k.shape[2], x.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            attend = F.scaled_dot_product_attention if self.implementation == "sdpa" else eager_attention
+            y = attend(q, k, v, attn_mask=mask)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v written out (what F.scaled_dot_product_attention computes), for
+    debugging and for tools that hook the attention weights. Boolean masks: True = may attend."""
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    if attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    else:
+        scores = scores + attn_mask
+    return scores.softmax(dim=-1) @ v
 
 
 def causal_mask(queries: int, keys: int, device: torch.device | str | None = None) -> Tensor:
@@ -200,12 +217,18 @@ class RecurrentDepthLM(nn.Module):
     # ----------------------------------------------------------------------------------------------
     # The four stages
 
+    def check_positions(self, positions: Tensor) -> None:
+        """Raise if a position is beyond the context length. Reads the positions on the host (a sync), so
+        callers do it once, outside a compiled region or a decode loop."""
+        if positions.numel() and int(positions.max()) >= self.config.context_length:
+            raise ValueError(f"position {int(positions.max())} is beyond the context length "
+                             f"{self.config.context_length} of this model")
+
     def rope(self, positions: Tensor, check: bool = True) -> Rope:
         """cos/sin for token positions ([seq] or [batch, seq]), shaped [B|1, seq, 1, head_dim/2].
         `check=False` skips the context-length check (a host sync) for callers that checked already."""
-        if check and positions.numel() and int(positions.max()) >= self.config.context_length:
-            raise ValueError(f"position {int(positions.max())} is beyond the context length "
-                             f"{self.config.context_length} of this model")
+        if check:
+            self.check_positions(positions)
         if positions.ndim == 1:
             positions = positions.unsqueeze(0)
         return self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
@@ -226,7 +249,14 @@ class RecurrentDepthLM(nn.Module):
         std = self.config.state_std
         if scale == 0 or std == 0 or self.config.state_init == "zero":
             return state
-        nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+        if torch.compiler.is_compiling():
+            # torch's trunc_normal_ rejects and redraws until every value is in range, a loop on the
+            # data that a graph cannot hold; the inverse-CDF draw is the same distribution, loop-free.
+            bound = math.erf(3 / math.sqrt(2))  # P(|z| < 3)
+            state = state.uniform_(-bound, bound, generator=generator).erfinv_() * (std * math.sqrt(2))
+            state = state.clamp(-3 * std, 3 * std)
+        else:
+            nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
         return state * (self.embed_scale * scale)
 
     def step(self, state: Tensor, embedded: Tensor, iteration: int, rope: Rope,
@@ -242,6 +272,13 @@ class RecurrentDepthLM(nn.Module):
         for i, layer in enumerate(self.core):
             x = layer(x, rope, mask, cache, ("core", i, iteration))
         return x
+
+    def compile_step(self, **options) -> "RecurrentDepthLM":
+        """Compile one core iteration (`step`) with `torch.compile(**options)` and keep the loop over
+        iterations in Python, so every r reuses the same compiled step. (`torch.compile(model)` works
+        too, `fullgraph=True` included, but it unrolls the loop: one graph per r.) Returns the model."""
+        self.step = torch.compile(RecurrentDepthLM.step.__get__(self), **options)
+        return self
 
     def add_state_noise(self, state: Tensor, iteration: int, generator: torch.Generator | None = None) -> Tensor:
         """The reference code's test-time noise, before core iteration `iteration` (0-based):
@@ -313,10 +350,17 @@ class RecurrentDepthLM(nn.Module):
         no_grad_steps, grad_steps = self.resolve_num_steps(num_steps, generator)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        # Positions are checked here, on the host, never inside a compiled graph: default positions from
+        # their Python ints, given ones by reading them, which `torch.compile` leaves to the caller.
         if positions is None:
-            positions = torch.arange(position_offset, position_offset + input_ids.shape[1],
-                                     device=input_ids.device)
-        rope = self.rope(positions)
+            end = position_offset + input_ids.shape[1]
+            if end > self.config.context_length:
+                raise ValueError(f"position {end - 1} is beyond the context length "
+                                 f"{self.config.context_length} of this model")
+            positions = torch.arange(position_offset, end, device=input_ids.device)
+        elif not torch.compiler.is_compiling():
+            self.check_positions(positions)
+        rope = self.rope(positions, check=False)
 
         embedded = self.embed(input_ids, rope, attention_mask, cache)
         if initial_state is None:
@@ -374,6 +418,15 @@ class RecurrentDepthLM(nn.Module):
         if split[0] < 0 or split[1] < 0 or sum(split) < 1:
             raise ValueError(f"num_steps must give at least 1 iteration and no negative counts, got {num_steps!r}")
         return split
+
+    def set_attention(self, implementation: str) -> None:
+        """Every attention layer computes with `implementation`, one of ATTENTION_IMPLEMENTATIONS."""
+        if implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                             f"got {implementation!r}")
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.implementation = implementation
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())

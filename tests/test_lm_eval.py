@@ -132,7 +132,7 @@ def test_harness_command_line_runs_all_request_types_offline(model_dir, tmp_path
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "rdlm", "lm-eval", "--model", "rdlm", "--model_args",
            f"pretrained={model_dir},num_steps=2,init_scale=0", "--tasks", "rdlm_test_mc,rdlm_test_ppl,rdlm_test_gen",
-           "--include_path", str(tasks), "--batch_size", "4", "--device", "cpu", "--output_path", str(out)]
+           "--include_path", str(tasks), "--batch_size", "auto", "--device", "cpu", "--output_path", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results_*.json")
@@ -165,3 +165,37 @@ def test_generate_until_batches_and_takes_exit_criterion_and_cache_budget(model_
     assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
     with pytest.raises(ValueError, match="exit"):
         RDLMEvalModel(pretrained=str(model_dir), exit_criterion="no-such-criterion")
+
+
+def test_scores_are_a_function_of_the_request_at_the_default_init_scale(model_dir):
+    requests = [instance("loglikelihood", (d["question"], " " + c), i)
+                for i, d in enumerate(DOCS) for c in d["choices"]]
+    scores = {}
+    for batch_size in (1, 8, "auto"):
+        lm = RDLMEvalModel(pretrained=str(model_dir), num_steps=3, batch_size=batch_size)  # init_scale=1
+        scores[batch_size] = [s for s, _ in lm.loglikelihood(requests, disable_tqdm=True)]
+    assert lm.batch_size == 64  # "auto" on the CPU: max_batch_size
+    for batch_size in (8, "auto"):
+        assert scores[batch_size] == pytest.approx(scores[1], abs=1e-5)
+    # Across calls, and in any order: the same request gets the same s_0.
+    again = [s for s, _ in lm.loglikelihood(requests[::-1], disable_tqdm=True)][::-1]
+    assert again == pytest.approx(scores["auto"], abs=1e-5)
+    assert lm.loglikelihood(requests[:1], disable_tqdm=True)[0][0] == pytest.approx(scores[1][0], abs=1e-5)
+    zero = RDLMEvalModel(pretrained=str(model_dir), num_steps=3, init_scale=0.0)
+    assert [s for s, _ in zero.loglikelihood(requests, disable_tqdm=True)] != pytest.approx(scores[1], abs=1e-3)
+    other_seed = RDLMEvalModel(pretrained=str(model_dir), num_steps=3, seed=1)
+    assert [s for s, _ in other_seed.loglikelihood(requests, disable_tqdm=True)] != pytest.approx(scores[1], abs=1e-3)
+    # Text generation too.
+    prompts = [instance("generate_until", (d["question"], {"max_gen_toks": 5}), i) for i, d in enumerate(DOCS)]
+    one = RDLMEvalModel(pretrained=str(model_dir), num_steps=3, batch_size=1).generate_until(prompts, disable_tqdm=True)
+    assert lm.generate_until(prompts, disable_tqdm=True) == one
+
+
+def test_importing_rdlm_lm_eval_keeps_the_harness_models():
+    code = ("import rdlm.lm_eval\nfrom lm_eval.api.registry import get_model, model_registry\n"
+            "assert get_model('rdlm').__name__ == 'RDLMEvalModel'\n"
+            "names = set(model_registry.keys())\nassert {'hf', 'vllm', 'dummy', 'rdlm'} <= names, names\n"
+            "assert get_model('dummy').__name__ == 'DummyLM'\n")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -272,3 +272,66 @@ def test_cache_hook_gives_the_logits_of_a_full_recompute(tiny_model):
 def test_causal_mask_aligns_queries_with_the_last_keys():
     mask = causal_mask(2, 4)
     assert mask.tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+def test_eager_attention_gives_the_sdpa_logits(tiny_model):
+    ids = torch.randint(0, 512, (2, 9))
+    with torch.no_grad():
+        fused = tiny_model(ids, num_steps=3, init_scale=0.0).logits
+        tiny_model.set_attention("eager")
+        plain = tiny_model(ids, num_steps=3, init_scale=0.0).logits
+        padded = tiny_model(ids, num_steps=3, init_scale=0.0, attention_mask=causal_mask(9, 9)).logits
+    torch.testing.assert_close(plain, fused, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded, fused, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="attention implementation"):
+        tiny_model.set_attention("flash_attention_2")
+
+
+def test_forward_compiles_as_one_graph(tiny_model):
+    # backend="eager" traces with dynamo (graph breaks, guards) without inductor's code generation.
+    torch._dynamo.reset()
+    compiled = torch.compile(tiny_model, fullgraph=True, backend="eager")
+    ids = torch.randint(0, 512, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, num_steps=3, init_scale=0.0).logits,
+                                   tiny_model(ids, num_steps=3, init_scale=0.0).logits)
+        noisy = compiled(ids, num_steps=3, positions=torch.arange(7)).logits  # random s_0, given positions
+    assert noisy.shape == (2, 7, 512) and noisy.isfinite().all()
+    with pytest.raises(Exception, match="beyond the context length"):  # found while tracing, before running
+        compiled(ids, num_steps=1, position_offset=250)
+
+
+def test_a_compiled_step_is_not_recompiled_when_r_changes(tiny_model):
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(0, 512, (1, 5))
+    torch._dynamo.reset()
+    counters.clear()
+    tiny_model.compile_step(fullgraph=True, backend="eager")
+    with torch.no_grad():
+        tiny_model(ids, num_steps=2)
+        graphs = counters["stats"]["unique_graphs"]
+        for r in (5, 1, 9):
+            tiny_model(ids, num_steps=r)
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs
+    # Compiling forward unrolls the loop: a new graph for each r.
+    torch._dynamo.reset()
+    counters.clear()
+    model = RecurrentDepthLM(tiny_model.config).eval()
+    whole = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        whole(ids, num_steps=2)
+        whole(ids, num_steps=3)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_step_once_for_every_r(tiny_model):
+    ids = torch.randint(0, 512, (1, 5))
+    eager = {r: tiny_model(ids, num_steps=r, init_scale=0.0).logits for r in (2, 6)}
+    torch._dynamo.reset()
+    tiny_model.compile_step(fullgraph=True)
+    with torch.no_grad():
+        for r in (2, 6):
+            torch.testing.assert_close(tiny_model(ids, num_steps=r, init_scale=0.0).logits, eager[r],
+                                       atol=1e-4, rtol=1e-4)
