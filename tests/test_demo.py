@@ -160,13 +160,14 @@ def test_defaults_show_the_papers_central_result(seed, tmp_path):
     for check in result.results["checks"]:
         print(f"{'PASS' if check['holds'] else 'FAIL'} {check['claim']} (margin {check['margin']:+.3f})")
     best = c["test_at_best_r"]
-    assert best >= 0.85
-    assert c["test_at_r1"] <= best / 2
+    assert best >= 0.90
+    assert best >= c["test_at_r1"] + 0.30
     assert c["test_at_max_r"] >= best - 0.02                         # stable beyond the training depth
-    assert c["harder_gain"] >= 0.10                                  # r=64 vs the training mean r
+    assert c["harder_gain"] >= 0.03                                  # r=64 vs the training mean r
     assert best - c["twin_test"] >= 0.20
     assert best - c["depth_matched_test"] >= 0.05
     assert c["exit_answer_steps_fraction"] <= 0.60 and c["exit_test_accuracy_drop"] <= 0.02
+    assert all(check["holds"] for check in result.results["checks"])
 
 
 def test_code_task_reports_validation_perplexity_against_r(tmp_path):
