@@ -46,7 +46,7 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     ex = results["adaptive_exits"]
     assert ex["threshold"] in (1e-2, 1e-4) and len(ex["validation_sweep"]) == 2
     assert 1 <= ex["test_answer_steps"] <= 4
-    assert all({"claim", "value", "bound", "margin", "holds"} <= set(c) for c in results["checks"])
+    assert all({"claim", "value", "op", "bound", "margin", "holds"} <= set(c) for c in results["checks"])
     model = load_pretrained(tmp_path / "model")
     assert model.config.hidden_size == 32
     assert json.loads((tmp_path / "model" / "task_tokenizer.json").read_text())["alphabet"] == T.ALPHABET
@@ -124,7 +124,7 @@ def test_bad_demo_config_is_rejected_with_the_field_named():
 def test_cli_rejects_a_bad_option_before_any_work(argv, message, capsys):
     start = time.perf_counter()
     assert main(["demo", *argv, "--quiet"]) == 2
-    assert time.perf_counter() - start < 2  # before data generation or training
+    assert time.perf_counter() - start < 10  # before data generation or training (minutes)
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
 
