@@ -6,17 +6,25 @@ read off the prompt in one step, so a recurrent-depth model should answer harder
 iterates longer (paper section 5, Figures 1 and 10).
 
 - `permutations` (the default): state tracking. A start value 0-4 and a word of moves `a`, `b`, `c`,
-  each a fixed permutation of {0..4}; the answer is the value after all moves: `1:cab=` -> `2`. The
+  each a fixed permutation of {0..4}; the answer is the value after all moves: `1:cab?` -> `=2`. The
   moves generate the symmetric group S5, whose word problem no fixed-depth transformer can solve for
   long words (it is not solvable, so there is no shallow parallel shortcut): the work grows with the
   word, one move after another, which is exactly what extra core iterations buy. Training also
   supervises the value after every move (`Example.trace`), which the input never shows, so each
   position has to compute it from the previous one. Difficulty = the number of moves.
 - `variables`: multi-hop variable resolution. Several chains `a=3;b=a;c=b;` are shuffled together and
-  one chain's last variable is queried (`c?`). The difficulty is the number of hops of the queried chain.
+  one chain's last variable is queried (`c?` -> `=3`). The difficulty is the number of hops of the queried chain.
   Each hop is one pointer lookup, which one core iteration can learn to do.
-- `addition`: multi-digit addition `123+989=` -> `1112`, with the number of digits as difficulty. The
+- `addition`: multi-digit addition `123+989?` -> `=2111`, with the number of digits as difficulty. The
   answer is written least-significant digit first, so each answer token depends on a carry chain.
+
+Every prompt ends with `?` and the model's reply is `=`, the answer, then the end marker. The `=` is
+fixed, so it is what the prompt pass predicts; every token that carries the answer is then *decoded*,
+one at a time, which is where `rdlm.generate` applies per-token adaptive exits (paper section 6.1).
+
+Splits (`make_splits`): validation, test and harder are drawn first and their prompts are reserved;
+training draws around them. So every evaluation split holds its named difficulties in equal numbers,
+no evaluation prompt is ever a training prompt, and the three evaluation splits share no prompt.
 
 Text is plain ASCII over a small fixed alphabet (`ALPHABET`), so a character-level tokenizer
 (`CharTokenizer`) with a few dozen symbols covers every task.
@@ -35,6 +43,7 @@ from torch import Tensor
 # Everything a task prompt or answer may contain. Index 0 is padding, 1 marks the end of an answer.
 PAD, EOS = "\0", "\n"
 ALPHABET = PAD + EOS + string.digits + string.ascii_letters + "=;?+: "
+REPLY = "="  # the first token of every reply, before the answer (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,11 @@ class Example:
     # Intermediate results supervised in training only: (i, c) means that after reading prompt[:i + 1]
     # the model should output c. They never appear in the input.
     trace: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def reply(self) -> str:
+        """What greedy decoding must produce before the end marker: the reply marker, then the answer."""
+        return REPLY + self.answer
 
 
 class CharTokenizer:
@@ -120,7 +134,7 @@ def permutations_example(rng: random.Random, moves: int) -> Example:
         value = MOVES[move][value]
         prompt += move
         trace.append((len(prompt) - 1, str(value)))
-    return Example(prompt=prompt + "=", answer=str(value), difficulty=moves, trace=tuple(trace))
+    return Example(prompt=prompt + "?", answer=str(value), difficulty=moves, trace=tuple(trace))
 
 
 def addition_example(rng: random.Random, digits: int) -> Example:
@@ -129,7 +143,7 @@ def addition_example(rng: random.Random, digits: int) -> Example:
         raise ValueError(f"digits must be >= 1, got {digits}")
     low = 10 ** (digits - 1) if digits > 1 else 0
     a, b = rng.randint(low, 10**digits - 1), rng.randint(low, 10**digits - 1)
-    return Example(prompt=f"{a}+{b}=", answer=str(a + b)[::-1], difficulty=digits)
+    return Example(prompt=f"{a}+{b}?", answer=str(a + b)[::-1], difficulty=digits)
 
 
 @dataclass(frozen=True)
@@ -160,37 +174,80 @@ def get_task(name: str) -> TaskFamily:
 
 
 # --------------------------------------------------------------------------------------------------
-# Splits. Train and test come from disjoint seed streams, and test prompts seen in training are dropped,
-# so a test score is never a memory of a training example.
+# Splits. Each split draws from its own seed stream. Evaluation splits are drawn first and reserve their
+# prompts: training rejects them, so a score is never a memory of a training example, and no difficulty
+# is missing from an evaluation split because training happened to cover all its prompts.
 
-SPLIT_OFFSETS = {"train": 0, "test": 1_000_003, "harder": 2_000_003}
+SPLIT_OFFSETS = {"train": 0, "test": 1_000_003, "harder": 2_000_003, "validation": 3_000_003}
+EVAL_SPLITS = ("validation", "test", "harder")
+MAX_TRIES = 1000  # draws per example before a split gives up on avoiding the reserved prompts
 
 
 def generate(task: str | TaskFamily, n: int, seed: int, split: str = "train",
-             difficulties: Sequence[int] | None = None) -> list[Example]:
-    """`n` examples with difficulty drawn uniformly from `difficulties` (default: the split's range)."""
+             difficulties: Sequence[int] | None = None, exclude: Iterable[str] = (),
+             stratified: bool = False) -> list[Example]:
+    """`n` examples of a split, none of whose prompts is in `exclude` (a set of prompts).
+
+    Difficulties come from `difficulties` (default: the split's range, `harder_difficulties` for
+    "harder"): drawn uniformly per example, or with `stratified` in equal numbers (the first ones get
+    one more when `n` does not divide). A reserved prompt is redrawn at the same difficulty, so the mix
+    of difficulties never depends on what is reserved; a difficulty with too few free prompts raises.
+    """
     family = get_task(task) if isinstance(task, str) else task
     if split not in SPLIT_OFFSETS:
         raise ValueError(f"unknown split {split!r}; available: {', '.join(SPLIT_OFFSETS)}")
     if difficulties is None:
         difficulties = family.harder_difficulties if split == "harder" else family.train_difficulties
+    difficulties = list(difficulties)
     if not difficulties:
         raise ValueError("difficulties must not be empty")
+    exclude = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
     rng = random.Random(seed + SPLIT_OFFSETS[split])
-    return [family.make(rng, rng.choice(list(difficulties))) for _ in range(n)]
+    examples = []
+    for i in range(n):
+        d = difficulties[i % len(difficulties)] if stratified else rng.choice(difficulties)
+        for _ in range(MAX_TRIES):
+            ex = family.make(rng, d)
+            if ex.prompt not in exclude:
+                break
+        else:
+            raise ValueError(f"the {split} split of {family.name} cannot draw difficulty {d} outside the "
+                             f"{len(exclude)} prompts reserved by other splits ({MAX_TRIES} tries): this "
+                             f"difficulty has too few distinct prompts; use fewer evaluation examples or "
+                             f"drop difficulty {d}")
+        examples.append(ex)
+    return examples
 
 
-def test_split(task: str | TaskFamily, n: int, seed: int, split: str = "test",
-               exclude: Iterable[Example] = ()) -> list[Example]:
-    """A test split with every prompt that also occurs in `exclude` (e.g. the training set) removed."""
-    seen = {ex.prompt for ex in exclude}
-    examples = [ex for ex in generate(task, n + len(seen) // 100 + 16, seed, split) if ex.prompt not in seen]
-    return examples[:n]
+def make_splits(task: str | TaskFamily, n_train: int, n_eval: int, seed: int) -> dict[str, list[Example]]:
+    """Validation, test, harder (`n_eval` each, difficulties in equal numbers) and train (`n_train`).
+
+    Validation and test are the same distribution (the training difficulties); harder is beyond them.
+    Each evaluation split avoids the prompts of those drawn before it, and training avoids all three.
+    """
+    reserved: set[str] = set()
+    splits: dict[str, list[Example]] = {}
+    for split in EVAL_SPLITS:
+        splits[split] = generate(task, n_eval, seed, split, exclude=reserved, stratified=True)
+        reserved |= {ex.prompt for ex in splits[split]}
+    splits["train"] = generate(task, n_train, seed, "train", exclude=reserved)
+    return splits
 
 
-def exact_match(prediction: str, answer: str) -> bool:
-    """The scorer: the generated text up to the end marker must equal the answer exactly."""
-    return prediction.split(EOS, 1)[0].strip() == answer
+def describe_split(examples: Sequence[Example]) -> dict[str, object]:
+    """What a split holds: size, distinct prompts, difficulty range and the count per difficulty."""
+    counts: dict[int, int] = {}
+    for ex in examples:
+        counts[ex.difficulty] = counts.get(ex.difficulty, 0) + 1
+    return {"examples": len(examples), "distinct_prompts": len({ex.prompt for ex in examples}),
+            "difficulty_range": [min(counts), max(counts)] if counts else [],
+            "per_difficulty": dict(sorted(counts.items()))}
+
+
+def exact_match(prediction: str, reply: str) -> bool:
+    """The scorer: the generated text up to the end marker must equal the reply (`Example.reply`,
+    the marker and the answer) exactly."""
+    return prediction.split(EOS, 1)[0] == reply
 
 
 def accuracy(predictions: Sequence[str], examples: Sequence[Example]) -> float:
@@ -198,7 +255,7 @@ def accuracy(predictions: Sequence[str], examples: Sequence[Example]) -> float:
         raise ValueError(f"{len(predictions)} predictions for {len(examples)} examples")
     if not examples:
         raise ValueError("no examples to score")
-    return sum(exact_match(p, ex.answer) for p, ex in zip(predictions, examples)) / len(examples)
+    return sum(exact_match(p, ex.reply) for p, ex in zip(predictions, examples)) / len(examples)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,15 +263,16 @@ def accuracy(predictions: Sequence[str], examples: Sequence[Example]) -> float:
 
 def encode_example(example: Example, tokenizer: CharTokenizer,
                    followups: bool = True) -> tuple[list[int], list[bool], list[int]]:
-    """Token ids of prompt + answer (+ follow-up turns) + end marker, which positions are targets, and
-    the target ids: the ids themselves, except where the trace supervises an intermediate result."""
+    """Token ids of prompt + reply (+ follow-up turns) + end marker, which positions are targets, and
+    the target ids: the ids themselves, except where the trace supervises an intermediate result.
+    A reply is `REPLY` then the answer."""
     ids, target = tokenizer.encode(example.prompt), [False] * len(example.prompt)
     turns = [("", example.answer)] + (list(example.followups) if followups else [])
-    for i, (prompt, answer) in enumerate(turns):
+    for prompt, answer in turns:
         ids += tokenizer.encode(prompt)
         target += [False] * len(prompt)
-        ids += tokenizer.encode(answer)
-        target += [True] * len(answer)
+        ids += tokenizer.encode(REPLY + answer)
+        target += [True] * (len(REPLY) + len(answer))
     ids, target = ids + [tokenizer.eos_id], target + [True]
     targets = list(ids)
     for index, result in example.trace:  # position `index` predicts what stands at index + 1

@@ -34,7 +34,7 @@ def test_variable_answers_follow_exactly_the_requested_number_of_hops(hops):
 
 def apply_moves(prompt: str) -> list[int]:
     """An independent solver for the permutation task: the value after each move, as cycles."""
-    start, word = re.fullmatch(r"([0-4]):([abc]+)=", prompt).groups()
+    start, word = re.fullmatch(r"([0-4]):([abc]+)\?", prompt).groups()
     cycles = {"a": [(0, 1, 2, 3, 4)], "b": [(0, 1)], "c": [(2, 3, 4)]}
     value, values = int(start), []
     for move in word:
@@ -59,12 +59,14 @@ def test_permutation_answers_and_traces_follow_every_move(moves):
 
 
 def test_trace_targets_reach_the_labels_but_never_the_input():
-    ex = T.Example(prompt="3:ab=", answer="0", difficulty=2, trace=((2, "4"), (3, "0")))
+    ex = T.Example(prompt="3:ab?", answer="0", difficulty=2, trace=((2, "4"), (3, "0")))
     tok = T.CharTokenizer()
     ids, labels = T.encode_batch([ex], tok)
-    assert tok.decode(ids[0].tolist()) == "3:ab=0"
-    # Position of "a" predicts its result 4, of "b" the result 0, "=" the answer 0, the answer the end.
-    expected = [-100, -100, tok.encode("4")[0], tok.encode("0")[0], tok.encode("0")[0], tok.eos_id]
+    assert tok.decode(ids[0].tolist()) == "3:ab?=0"
+    # Position of "a" predicts its result 4, of "b" the result 0, "?" the reply marker, the marker the
+    # answer 0, the answer the end.
+    expected = [-100, -100, tok.encode("4")[0], tok.encode("0")[0], tok.encode("=")[0], tok.encode("0")[0],
+                tok.eos_id]
     assert labels[0].tolist() == expected
 
 
@@ -72,7 +74,7 @@ def test_addition_answers_are_reversed_sums():
     rng = random.Random(0)
     for digits in (1, 3, 7):
         ex = T.addition_example(rng, digits)
-        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", ex.prompt).groups())
+        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)\?", ex.prompt).groups())
         assert len(str(a)) == digits and ex.answer[::-1] == str(a + b)
 
 
@@ -80,16 +82,34 @@ def test_generation_is_deterministic_and_splits_differ():
     first = T.generate("variables", 20, seed=3)
     assert first == T.generate("variables", 20, seed=3)
     assert first != T.generate("variables", 20, seed=4)
-    test = T.test_split("variables", 20, seed=3, exclude=first)
-    assert not {ex.prompt for ex in test} & {ex.prompt for ex in first}
     harder = T.generate("variables", 50, seed=3, split="harder")
     assert min(ex.difficulty for ex in harder) > max(T.TASKS["variables"].train_difficulties)
 
 
-def test_test_split_drops_prompts_seen_in_training():
-    train = T.generate("addition", 500, seed=0, difficulties=[1])  # only 100 distinct 1-digit sums
-    test = T.test_split("addition", 30, seed=0, exclude=train)
-    assert all(ex.prompt not in {t.prompt for t in train} for ex in test)
+@pytest.mark.parametrize("task", ["permutations", "addition", "variables"])
+def test_splits_are_disjoint_and_evaluation_splits_hold_every_difficulty(task):
+    family = T.TASKS[task]
+    splits = T.make_splits(task, n_train=3000, n_eval=300, seed=0)
+    prompts = {name: {ex.prompt for ex in examples} for name, examples in splits.items()}
+    names = list(prompts)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not prompts[a] & prompts[b], (a, b)
+    # Exactly the requested counts, every named difficulty in equal numbers (300 / 11 -> 28 or 27).
+    assert len(splits["train"]) == 3000
+    for name, difficulties in (("validation", family.train_difficulties), ("test", family.train_difficulties),
+                               ("harder", family.harder_difficulties)):
+        info = T.describe_split(splits[name])
+        assert info["examples"] == 300 and list(info["per_difficulty"]) == list(difficulties)
+        counts = list(info["per_difficulty"].values())
+        assert max(counts) - min(counts) <= 1
+        assert info["difficulty_range"] == [min(difficulties), max(difficulties)]
+
+
+def test_a_split_that_cannot_avoid_the_reserved_prompts_says_why():
+    reserved = {f"{a}+{b}?" for a in range(10) for b in range(10)}  # every 1-digit sum
+    with pytest.raises(ValueError, match="difficulty 1.*too few distinct prompts"):
+        T.generate("addition", 5, seed=0, difficulties=[1], exclude=reserved)
 
 
 def test_generation_is_never_the_bottleneck():
@@ -99,9 +119,10 @@ def test_generation_is_never_the_bottleneck():
 
 
 def test_exact_match_scorer():
-    ex = [T.Example("a=1;a?", "1", 1), T.Example("1+2=", "3", 1)]
-    assert T.exact_match("1\nrest", "1") and not T.exact_match("12", "1")
-    assert T.accuracy(["1", "4"], ex) == 0.5
+    ex = [T.Example("a=1;a?", "1", 1), T.Example("1+2?", "3", 1)]
+    assert ex[0].reply == "=1"
+    assert T.exact_match("=1\nrest", "=1") and not T.exact_match("=12", "=1") and not T.exact_match("1", "=1")
+    assert T.accuracy(["=1", "=4"], ex) == 0.5
     with pytest.raises(ValueError, match="predictions"):
         T.accuracy(["1"], ex)
 
@@ -111,12 +132,12 @@ def test_encode_batch_puts_the_loss_on_answers_only():
     ex = T.Example("a=7;a?", "7", 1, followups=((";b?", "2"),))
     ids, labels = T.encode_batch([ex], tok)
     text = tok.decode(ids[0].tolist())
-    assert text == "a=7;a?7;b?2"
+    assert text == "a=7;a?=7;b?=2"
     targets = [(i, tok.decode([int(t)])) for i, t in enumerate(labels[0].tolist()) if t != -100]
-    # label t is the token at t + 1: the two answers and the end marker.
-    assert targets == [(5, "7"), (9, "2"), (10, "\n")]
+    # label t is the token at t + 1: the two replies (marker and answer) and the end marker.
+    assert targets == [(5, "="), (6, "7"), (10, "="), (11, "2"), (12, "\n")]
     ids, labels = T.encode_batch([ex], tok, followups=False)
-    assert tok.decode(ids[0].tolist()) == "a=7;a?7"
+    assert tok.decode(ids[0].tolist()) == "a=7;a?=7"
 
 
 def test_bad_input_is_named():

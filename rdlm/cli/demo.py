@@ -1,9 +1,11 @@
-"""`rdlm demo`: train a recurrent-depth model and its fixed-depth twin, write a report (rdlm.demo)."""
+"""`rdlm demo`: train a recurrent-depth model and two non-recurrent baselines, write a report (rdlm.demo)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 from rdlm.demo import DemoConfig, run_demo
 from rdlm.tasks import TASKS
@@ -16,12 +18,20 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def register(subparsers) -> None:
     d = DemoConfig()
     p = subparsers.add_parser("demo", help="accuracy vs test-time iterations on a reasoning task, in minutes",
-                              description="Train a small recurrent-depth model and its fixed-depth twin on an "
-                                          "embedded task and write a report (results.json, report.md, plots, "
-                                          "the trained model).")
+                              description="Train a small recurrent-depth model, its parameter-matched twin and a "
+                                          "depth-matched non-recurrent model on an embedded task; choose r and the "
+                                          "exit threshold on a validation split; write a report (results.json, "
+                                          "report.md, plots, the trained model).")
     p.add_argument("--task", default=d.task, choices=[*TASKS, "code"], help="task family (default %(default)s)")
     p.add_argument("--out", default=d.out_dir, help="report directory (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -33,30 +43,44 @@ def register(subparsers) -> None:
     p.add_argument("--layers", type=_ints, default=d.layers, help="prelude,core,coda layers (default 1,1,1)")
     p.add_argument("--mean-recurrence", type=int, default=d.mean_recurrence)
     p.add_argument("--backprop-depth", type=int, default=d.backprop_depth)
-    p.add_argument("--eval-examples", type=int, default=d.eval_examples, help="examples per test split")
+    p.add_argument("--eval-examples", type=int, default=d.eval_examples,
+                   help="examples per evaluation split (validation, test, harder)")
     p.add_argument("--num-steps", type=_ints, default=d.eval_num_steps, help="r values to evaluate")
     p.add_argument("--exit-criterion", default=d.exit_criterion)
-    p.add_argument("--exit-threshold", type=float, default=d.exit_threshold)
+    p.add_argument("--exit-thresholds", type=_floats, default=d.exit_thresholds,
+                   help="exit thresholds to try on validation (the loosest within --exit-tolerance is used)")
+    p.add_argument("--exit-tolerance", type=float, default=d.exit_tolerance,
+                   help="validation accuracy an exit threshold may lose against fixed r (default %(default)s)")
     p.add_argument("--exit-max-steps", type=int, default=d.exit_max_steps)
-    p.add_argument("--no-twin", action="store_true", help="skip the fixed-depth twin")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--no-twin", action="store_true", help="skip the parameter-matched twin")
+    p.add_argument("--no-depth-matched", action="store_true", help="skip the depth-matched non-recurrent model")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="CPU threads (default %(default)s: the same numbers on every machine)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every option is checked here (DemoConfig) and the report directory is proven writable (run_demo)
+    # before any data is drawn or any model trained.
     cfg = DemoConfig(task=args.task, out_dir=args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
                      lr=args.lr, hidden_size=args.hidden_size, num_heads=args.num_heads, layers=args.layers,
                      mean_recurrence=args.mean_recurrence, backprop_depth=args.backprop_depth,
                      eval_examples=args.eval_examples, eval_num_steps=args.num_steps,
-                     exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold,
-                     exit_max_steps=args.exit_max_steps, train_twin=not args.no_twin, threads=args.threads,
-                     progress=not args.quiet)
+                     exit_criterion=args.exit_criterion, exit_thresholds=args.exit_thresholds,
+                     exit_tolerance=args.exit_tolerance, exit_max_steps=args.exit_max_steps,
+                     train_twin=not args.no_twin, train_depth_matched=not args.no_depth_matched,
+                     threads=args.threads, progress=not args.quiet)
+    if cfg.threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        # torch's OpenMP workers busy-wait between parallel regions; on a shared CPU that can slow training
+        # many times over. The policy is read when torch loads, so it has to come from the environment.
+        print("rdlm demo: note: with --threads > 1 on a shared CPU, run with OMP_WAIT_POLICY=PASSIVE "
+              "(same results, no busy-waiting threads)", file=sys.stderr)
     result = run_demo(cfg)
     summary = result.results.get("claims") or result.results.get("validation_perplexity")
     print(json.dumps(summary, indent=2))
-    for name, ok in result.results.get("checks", {}).items():
-        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+    for check in result.results.get("checks", []):
+        print(f"{'PASS' if check['holds'] else 'FAIL'}  {check['claim']}  (margin {check['margin']:+.3f})")
     print(f"report: {result.out_dir / 'report.md'}  model: {result.out_dir / 'model'}  "
           f"({result.results.get('seconds', 0):.0f} s)")
     return 0
