@@ -229,7 +229,9 @@ class Worker:
                 self._done()
 
     def _deliver(self, events: list[BatchEvent]) -> None:
+        """A step's tokens to their tickets: one wake-up of each event loop per step, not per token."""
         m = self.metrics
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Ticket, BatchEvent]]] = {}
         for event in events:
             ticket = self.tickets.get(event.request)
             if ticket is None:
@@ -238,12 +240,19 @@ class Worker:
             m.iterations.observe(event.steps)
             if event.steps < ticket.config.num_steps:
                 m.exits.inc()
-            self._send(ticket, event)
+            by_loop.setdefault(ticket.loop, []).append((ticket, event))
             if event.finish_reason is not None:
                 del self.tickets[event.request]
                 self._done()
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
         m.queue.set(len(self.batch.waiting))
         m.batch.set(len(self.batch.active))
+
+
+def _put_all(items: list[tuple[Ticket, BatchEvent]]) -> None:
+    for ticket, event in items:
+        ticket.events.put_nowait(event)
 
 
 # --------------------------------------------------------------------------------------------------
