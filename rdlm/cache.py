@@ -1,4 +1,4 @@
-"""A KV cache designed for recurrence (SPEC section 4, paper section 6).
+"""A KV cache designed for recurrence (paper section 6).
 
 Every attention layer of the model gets a preallocated key and value tensor, written by index:
 

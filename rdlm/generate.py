@@ -1,4 +1,4 @@
-"""Generation: prefill, then decode one token at a time over a `RecurrentKVCache` (SPEC section 4).
+"""Generation: prefill, then decode one token at a time over a `RecurrentKVCache` (paper section 6).
 
     result = generate(model, [[1, 2, 3], [4, 5]], GenerationConfig(num_steps=8, max_new_tokens=16))
     for event in stream(model, prompts, config): ...          # TokenEvent(row, token, steps)
@@ -45,7 +45,7 @@ class GenerationConfig:
     max_new_tokens: int = 32
     num_steps: int = 32                 # r per token; the maximum when exiting adaptively
     prefill_steps: int | None = None    # r for the prompt (default num_steps)
-    # Per-token adaptive compute (SPEC section 4): a name of rdlm.exits.CRITERIA or an ExitCriterion.
+    # Per-token adaptive compute (paper section 6): a name of rdlm.exits.CRITERIA or an ExitCriterion.
     exit_criterion: str | ExitCriterion | None = None
     exit_threshold: float | None = None  # default: the criterion's own
     min_steps: int = 2
