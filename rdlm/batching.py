@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from rdlm.cache import RecurrentKVCache
-from rdlm.engine import noise_table
+from rdlm.engine import exit_schedule, noise_table
 from rdlm.exits import ExitCriterion
 from rdlm.generate import Decode, GenerationConfig, sample
 from rdlm.model import RecurrentDepthLM
@@ -263,17 +263,14 @@ class ContinuousBatch:
         self.state[select] = state
         for q in requests:
             q.iteration += 1
-        # exit criteria: iteration i compares with i - 1, never at i = 0 nor at the last iteration
-        evaluate, readout = [], []
+        evaluate, readout = [], []  # rows whose criterion is read now; rows that need this iteration's logits
         for j, q in enumerate(requests):
-            crit, c, i = q.criterion, q.config, q.iteration - 1
-            if crit is None:
+            if q.criterion is None:
                 continue
-            now = 0 < i < c.num_steps - 1 and (i + 1) % c.exit_every == 0
-            following = 0 < i + 1 < c.num_steps - 1 and (i + 2) % c.exit_every == 0
+            now, next_reads = exit_schedule(q.iteration - 1, q.config.num_steps, q.config.exit_every)
             if now:
                 evaluate.append(j)
-            if crit.uses_logits and (now or following):
+            if q.criterion.uses_logits and (now or next_reads):
                 readout.append(j)
         if not evaluate and not readout:
             return [q for q in requests if q.iteration == q.config.num_steps]
@@ -289,12 +286,12 @@ class ContinuousBatch:
             groups.setdefault(requests[j].criterion, []).append(j)
         for crit, members in groups.items():
             pick = torch.tensor(members, device=self.device)
-            passed = crit(prev_logits[pick], self.logits[rows[pick]], prev_state[pick, -1], state[pick, -1])
-            streak = torch.where(passed, self.streak[rows[pick]] + 1, 0)
+            done, streak = crit.update(self.streak[rows[pick]], prev_logits[pick], self.logits[rows[pick]],
+                                       prev_state[pick, -1], state[pick, -1])
             self.streak[rows[pick]] = streak
             min_steps = torch.tensor([requests[j].config.min_steps for j in members], device=self.device)
             steps = torch.tensor([requests[j].iteration for j in members], device=self.device)
-            exited[pick] = (streak >= crit.patience) & (steps >= min_steps)
+            exited[pick] = done & (steps >= min_steps)
         exited = exited.tolist() if groups else [False] * len(requests)
         return [q for q, out in zip(requests, exited) if out or q.iteration == q.config.num_steps]
 

@@ -54,6 +54,17 @@ def noise_table(model: RecurrentDepthLM, seed: int, scale: float, length: int, d
     return torch.cat(blocks)[:length].to(device=device, dtype=dtype)
 
 
+def exit_schedule(iteration: int, num_steps: int, every: int) -> tuple[bool, bool]:
+    """(evaluate, needs_logits_for_next): whether the exit criterion is read after 0-based iteration
+    `iteration` of a token with at most `num_steps`, and whether the next iteration's reading needs
+    this iteration's logits too. A reading compares iterations i - 1 and i: never at i = 0 (nothing to
+    compare) nor at the last iteration (the token stops there anyway); every `every` iterations."""
+    def reads(i: int) -> bool:
+        return 0 < i < num_steps - 1 and (i + 1) % every == 0
+
+    return reads(iteration), reads(iteration + 1)
+
+
 @dataclass
 class Rows:
     """The rows of one adaptive token still iterating (all rows, or the active ones after exits)."""
@@ -320,16 +331,14 @@ class Session:
             prev_state = out.state
             out.state = torch.where(out.exited.view(-1, 1, 1), prev_state, new)
             out.steps = out.steps + (~out.exited).long()
-            # The criterion compares iterations i-1 and i; never at i = 0 (nothing to compare) nor at the
-            # last iteration (the token stops there anyway).
-            evaluate = 0 < i < r - 1 and (i + 1) % c.exit_every == 0
+            evaluate, next_evaluates = exit_schedule(i, r, c.exit_every)
             prev_logits = out.logits
-            if crit.uses_logits and (evaluate or (0 < i + 1 < r - 1 and (i + 2) % c.exit_every == 0)):
+            if crit.uses_logits and (evaluate or next_evaluates):
                 out.logits = self.model.readout(out.state, out.rope, out.mask, cache)[:, -1]
             if evaluate:
-                passed = crit(prev_logits, out.logits, prev_state[:, -1], out.state[:, -1])
-                out.streak = torch.where(passed, out.streak + 1, 0)
-                out.exited = out.exited | ((out.streak >= crit.patience) & (out.steps >= c.min_steps))
+                done, out.streak = crit.update(out.streak, prev_logits, out.logits, prev_state[:, -1],
+                                               out.state[:, -1])
+                out.exited = out.exited | (done & (out.steps >= c.min_steps))
         cache.core_writers = None
         if in_place:
             for name in ("state", "steps", "exited", "streak", "logits"):
