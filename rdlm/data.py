@@ -110,7 +110,9 @@ class MemoryRows:
         if not pairs:
             raise DataError("no prompt/response pairs given")
         longest = max(len(p) + len(r) for p, r in pairs)
-        length = length or longest
+        if length is not None and length < 2:
+            raise DataError(f"row length must be >= 2 (None: the longest pair), got {length}")
+        length = longest if length is None else length
         tokens = torch.full((len(pairs), length), pad_id, dtype=torch.long)
         mask = torch.zeros((len(pairs), length), dtype=torch.bool)
         for i, (prompt, response) in enumerate(pairs):
