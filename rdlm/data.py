@@ -256,7 +256,11 @@ def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text",
             table = pq.read_table(path, columns=[text_field])
             yield from (str(t) for t in table.column(text_field).to_pylist() if t is not None)
         else:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            try:  # one policy for every input: text is UTF-8, anything else is refused, naming the file
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}: not valid UTF-8 at byte {err.start}; convert it first "
+                                "(e.g. iconv -f latin1 -t utf-8)") from None
             yield from (text.split(separator) if separator else [text])
 
 
@@ -291,6 +295,8 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
     """Tokenize documents into packed, memory-mappable shards with a held-out validation split."""
     if not inputs:
         raise DataError("no input files given")
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+        raise DataError(f"context_length must be an integer >= 1, got {context_length!r}")
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     out = Path(out_dir)
