@@ -155,10 +155,21 @@ def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None 
     for number, example in read_jsonl(path, DataError):
         if isinstance(example, dict) and "messages" in example:
             messages = example["messages"]
-            if not messages or messages[-1].get("role") != "assistant":
+            if not isinstance(messages, list) or not messages:
+                raise DataError(f"{path}:{number}: field 'messages' must be a non-empty list")
+            for i, message in enumerate(messages):
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                        or not isinstance(message.get("content"), str):
+                    raise DataError(f"{path}:{number}: field 'messages[{i}]' must be an object with string "
+                                    f"'role' and 'content', got {message!r}"[:300])
+            if messages[-1]["role"] != "assistant":
                 raise DataError(f"{path}:{number}: 'messages' must end with an assistant turn")
             prompt_messages, reply = messages[:-1], messages[-1]["content"]
         elif isinstance(example, dict) and "prompt" in example and "response" in example:
+            for key in ("prompt", "response"):
+                if not isinstance(example[key], str):
+                    raise DataError(f"{path}:{number}: field {key!r} must be a string, got "
+                                    f"{type(example[key]).__name__} {example[key]!r}"[:300])
             prompt_messages, reply = [{"role": "user", "content": example["prompt"]}], example["response"]
         else:
             raise DataError(f"{path}:{number}: expected keys 'prompt' and 'response', or 'messages'")
