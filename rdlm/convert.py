@@ -80,13 +80,33 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}[unit])
 
 
+def check_destination(destination: str | os.PathLike, source: Path, in_place: bool = False) -> Path:
+    """Refuse a destination whose files conversion could lose: a file, a non-empty directory that is
+    not a model directory, or the source itself (unless `in_place`)."""
+    destination = Path(destination)
+    if destination.exists() and not destination.is_dir():
+        raise FileExistsError(f"destination {destination} is a file, not a directory")
+    if destination.is_dir() and destination.resolve() == source.resolve() and not in_place:
+        raise FileExistsError(f"destination {destination} is the source: converting in place replaces "
+                              "its weights; pass --in-place (in_place=True) to do that")
+    if destination.is_dir() and not (destination / CONFIG_NAME).is_file() and any(destination.iterdir()):
+        raise FileExistsError(f"destination {destination} is a non-empty directory without {CONFIG_NAME}, "
+                              "not a model directory: refusing to write into it (choose a new or empty "
+                              "directory)")
+    return destination
+
+
 def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
-            max_shard_bytes: int | str = DEFAULT_SHARD_BYTES, weights: str = "ema") -> Path:
+            max_shard_bytes: int | str = DEFAULT_SHARD_BYTES, weights: str = "ema", in_place: bool = False) -> Path:
     """Write the weights of `source` to `destination` in the Huginn layout.
 
     dtype: "bf16", "fp32", a torch dtype, or None / "keep" for the source's own. Shards larger than
     `max_shard_bytes` are split, with `model.safetensors.index.json`. Tokenizer and generation files of
     the source are copied along.
+
+    Only what the layout owns (config.json, the weight files, the index) is replaced in an existing
+    model directory; anything else there stays. A file, a non-empty directory that is not a model
+    directory, and the source itself (unless `in_place`) are refused as destinations.
     """
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -99,7 +119,7 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype:
     else:
         src = resolve_source(source, weights)
         model = load_pretrained(src)
-    destination = Path(destination)
+    destination = check_destination(destination, src, in_place)
     save_pretrained(model, destination, dtype=dtype, max_shard_bytes=parse_size(max_shard_bytes))
     if src.resolve() != destination.resolve():
         for name in SIDE_FILES:

@@ -110,7 +110,9 @@ class MemoryRows:
         if not pairs:
             raise DataError("no prompt/response pairs given")
         longest = max(len(p) + len(r) for p, r in pairs)
-        length = length or longest
+        if length is not None and length < 2:
+            raise DataError(f"row length must be >= 2 (None: the longest pair), got {length}")
+        length = longest if length is None else length
         tokens = torch.full((len(pairs), length), pad_id, dtype=torch.long)
         mask = torch.zeros((len(pairs), length), dtype=torch.bool)
         for i, (prompt, response) in enumerate(pairs):
@@ -153,10 +155,21 @@ def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None 
     for number, example in read_jsonl(path, DataError):
         if isinstance(example, dict) and "messages" in example:
             messages = example["messages"]
-            if not messages or messages[-1].get("role") != "assistant":
+            if not isinstance(messages, list) or not messages:
+                raise DataError(f"{path}:{number}: field 'messages' must be a non-empty list")
+            for i, message in enumerate(messages):
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                        or not isinstance(message.get("content"), str):
+                    raise DataError(f"{path}:{number}: field 'messages[{i}]' must be an object with string "
+                                    f"'role' and 'content', got {message!r}"[:300])
+            if messages[-1]["role"] != "assistant":
                 raise DataError(f"{path}:{number}: 'messages' must end with an assistant turn")
             prompt_messages, reply = messages[:-1], messages[-1]["content"]
         elif isinstance(example, dict) and "prompt" in example and "response" in example:
+            for key in ("prompt", "response"):
+                if not isinstance(example[key], str):
+                    raise DataError(f"{path}:{number}: field {key!r} must be a string, got "
+                                    f"{type(example[key]).__name__} {example[key]!r}"[:300])
             prompt_messages, reply = [{"role": "user", "content": example["prompt"]}], example["response"]
         else:
             raise DataError(f"{path}:{number}: expected keys 'prompt' and 'response', or 'messages'")
@@ -254,7 +267,11 @@ def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text",
             table = pq.read_table(path, columns=[text_field])
             yield from (str(t) for t in table.column(text_field).to_pylist() if t is not None)
         else:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            try:  # one policy for every input: text is UTF-8, anything else is refused, naming the file
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}: not valid UTF-8 at byte {err.start}; convert it first "
+                                "(e.g. iconv -f latin1 -t utf-8)") from None
             yield from (text.split(separator) if separator else [text])
 
 
@@ -289,6 +306,8 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
     """Tokenize documents into packed, memory-mappable shards with a held-out validation split."""
     if not inputs:
         raise DataError("no input files given")
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+        raise DataError(f"context_length must be an integer >= 1, got {context_length!r}")
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     out = Path(out_dir)

@@ -59,7 +59,13 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
                         seed: int = 0, task: str = "text") -> DepthSweep:
     """exp(mean next-token negative log-likelihood) over `documents` (token id lists) at each r."""
     steps = check_steps(num_steps)
-    seq_len = min(seq_len or model.config.context_length, model.config.context_length)
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"seq_len must be an integer >= 1 (None: the model's context), got {seq_len!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if not math.isfinite(init_scale) or init_scale < 0:
+        raise ValueError(f"init_scale must be a finite number >= 0, got {init_scale!r}")
+    seq_len = min(model.config.context_length if seq_len is None else seq_len, model.config.context_length)
     pieces = windows(documents, seq_len)
     if not pieces:
         raise ValueError("no document has two or more tokens: nothing to predict")
@@ -81,6 +87,9 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
             nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten().to(device), ignore_index=-100,
                                   reduction="sum")
             total += nll.item()
+            if not math.isfinite(total):
+                raise FloatingPointError(f"{task}: the model's logits are not finite at r={r} (NaN or infinite "
+                                         "weights, or an overflow in this dtype); no perplexity to report")
             count += int((labels != -100).sum())
         sweep.num_steps.append(r)
         sweep.values.append(math.exp(total / count))

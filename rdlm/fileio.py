@@ -2,7 +2,10 @@
 
 Everything rdlm saves goes through here: a file is written to a hidden temporary sibling, flushed to
 disk, then renamed over its target, so a crash at any moment leaves either the old file or the new one.
-Directories (model and training checkpoints) are built in a temporary sibling and swapped in whole.
+Directories (model and training checkpoints) are built in a temporary sibling and swapped in whole;
+the swap is two renames, and `recover_dir` (called before every load and save of such a directory)
+puts the complete copy back under its name after a crash between them. Temporary and set-aside
+siblings carry the writer's process id, so leftovers of a dead writer are told from a live one's.
 Temporary files and directories are created private (tempfile's 0600 / 0700); what is swapped in gets
 the permissions an ordinary `open` or `mkdir` would give under the process umask.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -87,14 +91,16 @@ def fsync_tree(root: str | os.PathLike) -> None:
 def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
     """Swap the finished directory `new` in for `target` (which may not exist yet).
 
-    The old `target` is first renamed aside, so at every moment one complete copy exists under a
-    known name; it is deleted only once the new one is in place.
+    The old `target` is first renamed aside (`.NAME.old-PID`), so at every moment one complete copy
+    exists under a known name; it is deleted only once the new one is in place. A crash between the
+    two renames leaves the old copy aside and `target` missing: `recover_dir` renames it back.
     """
     new, target = Path(new), Path(target)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} exists and is not a directory")
     old = None
     if target.exists():
+        os.chmod(new, target.stat().st_mode & 0o7777)  # the directory keeps its permissions
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(target, old)
@@ -104,19 +110,80 @@ def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+_LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>old|tmp)-(?P<pid>\d+)(?:-.*)?$")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def leftovers(parent: str | os.PathLike, name: str | None = None,
+              any_writer: bool = False) -> list[tuple[Path, str, str]]:
+    """(path, target name, "old" | "tmp") for the hidden siblings a dead writer left in `parent`
+    (of `name` only, when given). any_writer: also those of live processes (the caller holds a lock
+    that rules out another writer)."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    found = []
+    for item in parent.iterdir():
+        match = _LEFTOVER_RE.match(item.name)
+        if not match or (name is not None and match["name"] != name):
+            continue
+        if any_writer or not _alive(int(match["pid"])):
+            found.append((item, match["name"], match["kind"]))
+    return found
+
+
+def recover_dir(target: str | os.PathLike, any_writer: bool = False) -> list[str]:
+    """Finish or undo a directory swap that a crash interrupted; return what was done, in words.
+
+    A set-aside copy (`.NAME.old-PID`) of a dead writer is complete (it was the previous `target`):
+    it is renamed back when `target` is missing, else deleted. Temporary build directories
+    (`.NAME.tmp-PID-*`) of dead writers may be incomplete: they are deleted.
+    """
+    target = Path(target)
+    done = []
+    for path, _, kind in sorted(leftovers(target.parent, target.name, any_writer), key=lambda x: x[2]):
+        if kind == "old" and not target.exists():
+            os.rename(path, target)
+            fsync_dir(target.parent)
+            done.append(f"restored {target} from {path.name} (a swap was interrupted)")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"removed leftover {path}")
+    return done
+
+
+def temp_prefix(name: str) -> str:
+    """The prefix of a temporary sibling of `name` built by this process (see `recover_dir`)."""
+    return f".{name}.tmp-{os.getpid()}-"
+
+
 @contextmanager
 def staging_dir(target: str | os.PathLike) -> Iterator[Path]:
     """A temporary sibling of `target` to build a directory in; swapped in for `target` on success."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    recover_dir(target)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name), dir=target.parent))
     try:
         os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private; the result is an ordinary directory
         yield tmp
         fsync_tree(tmp)
         replace_dir(tmp, target)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError) and err.filename is None and err.errno is not None:
+            err.filename = str(target)  # "No space left on device" then says where
         raise
 
 

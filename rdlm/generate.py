@@ -26,6 +26,7 @@ the list of output tokens.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -100,8 +101,14 @@ class GenerationConfig:
         for name in ("prefill_steps", "cache_slots", "top_k", "draft_steps"):
             if getattr(self, name) is not None:
                 positive(name)
+        for name in ("temperature", "init_scale", "repetition_penalty", "exit_threshold", "freeze_threshold"):
+            value = getattr(self, name)  # NaN passes every comparison: refuse it (and infinity) here
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.init_scale < 0:
+            raise ValueError(f"init_scale must be >= 0, got {self.init_scale}")
         for name in ("top_p", "min_p"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:

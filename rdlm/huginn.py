@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -20,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rdlm.config import RDLMConfig, check_keys
-from rdlm.fileio import staging_dir, write_json
+from rdlm.fileio import recover_dir, staging_dir, write_json
 from rdlm.model import RecurrentDepthLM, rope_tables
 
 CONFIG_NAME = "config.json"
@@ -203,7 +204,7 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{index}: malformed index ({err})") from err
-        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        files = [path / confined(name, index) for name in dict.fromkeys(weight_map.values())]
     elif (path / SINGLE_FILE).is_file():
         files = [path / SINGLE_FILE]
     else:
@@ -214,6 +215,20 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
         if not file.is_file():
             raise CheckpointError(f"{file}: listed weight file is missing")
     return files
+
+
+def confined(name: Any, source: str | os.PathLike) -> str:
+    """A file name read from a model directory's own metadata, refused unless it stays inside it.
+
+    Checked on the name itself, not the resolved path: the directory's own files may be symlinks
+    elsewhere (the Hugging Face cache is laid out that way); the metadata may not point out of it.
+    """
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{source}: file name {name!r} is not a non-empty string")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts or "\\" in name:
+        raise CheckpointError(f"{source}: file name {name!r} points outside the model directory; refused")
+    return name
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -232,6 +247,8 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                     device: torch.device | str = "cpu") -> RecurrentDepthLM:
     """Load a Huginn-layout directory. dtype None keeps the file's floating dtype (bf16 or fp32)."""
+    for note in recover_dir(path):  # a save that a crash interrupted: the complete copy comes back
+        print(f"rdlm: {note}", file=sys.stderr)
     config = read_config(path)
     tensors = read_weights(path)
     state = {}
@@ -316,8 +333,10 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
     JSON data written with it (e.g. transformers' generation_config.json).
 
     Everything is written to a temporary sibling directory, flushed to disk, then swapped in place
-    of `path`; files already in `path` that rdlm does not write (a tokenizer, notes) are carried over.
-    A crash at any point leaves either the old directory or the new one, never a mix.
+    of `path`; files already in `path` that the layout does not own (a tokenizer, notes, data) are
+    carried over (hard links where the file system allows, symlinks as symlinks), and the directory
+    keeps its permissions. A crash at any point leaves either the old directory or the new one, never
+    a mix (see `rdlm.fileio.recover_dir`).
     """
     path = Path(path)
     params = dict(model.named_parameters())
@@ -346,9 +365,25 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
             write_json(tmp / name, data)
         if path.is_dir():
             for old in path.iterdir():
-                if not _is_model_file(old.name) and not (tmp / old.name).exists():
-                    (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+                if not is_model_file(old.name) and not (tmp / old.name).exists():
+                    _carry(old, tmp / old.name)
     return path
+
+
+def _carry(source: Path, target: Path) -> None:
+    if source.is_symlink():
+        os.symlink(os.readlink(source), target)
+    elif source.is_dir():
+        shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(source, target)
+
+
+def _link_or_copy(source, target) -> None:
+    try:
+        os.link(source, target)  # never modified in place, so sharing the inode is safe and free
+    except OSError:
+        shutil.copy2(source, target, follow_symlinks=False)
 
 
 def _listing(names: list[str], most: int = 8) -> str:
@@ -369,5 +404,9 @@ def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, t
     return shards
 
 
-def _is_model_file(name: str) -> bool:
-    return name in (CONFIG_NAME, INDEX_NAME) or name.endswith(".safetensors")
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def is_model_file(name: str) -> bool:
+    """Whether the layout owns a file of this name (save_pretrained replaces it; nothing else)."""
+    return name in (CONFIG_NAME, INDEX_NAME, SINGLE_FILE) or bool(_SHARD_RE.match(name))

@@ -89,7 +89,7 @@ class RDLMEvalModel(TemplateLM):
         self.model = load_pretrained(pretrained, dtype=torch_dtype, device=self._device).eval()
         self.tokenizer = Tokenizer.from_dir(pretrained)
         config = self.model.config
-        self.num_steps = _optional(num_steps, int) or config.mean_recurrence
+        self.num_steps = config.mean_recurrence if (r := _optional(num_steps, int)) is None else r
         if self.num_steps < 1:
             raise ValueError(f"rdlm model: num_steps must be >= 1, got {self.num_steps}")
         self.init_scale = float(init_scale)

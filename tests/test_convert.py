@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -78,3 +79,64 @@ def test_bad_sources_and_sizes_are_named(tmp_path):
     with pytest.raises(ValueError, match="size"):
         parse_size("lots")
     assert parse_size("5GB") == 5 * 1024**3 and parse_size("100KB") == 102400 and parse_size("7") == 7
+
+
+def test_convert_replaces_only_what_the_layout_owns(tmp_path, tiny_model):
+    src = save_pretrained(tiny_model, tmp_path / "src")
+    dst = save_pretrained(tiny_model, tmp_path / "dst", max_shard_bytes=100_000)
+    (dst / "expected_outputs.safetensors").write_bytes(b"fixture")  # not the layout's: must survive
+    (dst / "notes.txt").write_text("mine")
+    (tmp_path / "data.bin").write_text("elsewhere")
+    (dst / "data.bin").symlink_to(tmp_path / "data.bin")
+    (dst / "sub").mkdir()
+    (dst / "sub" / "x.safetensors").write_bytes(b"kept")
+    os.chmod(dst, 0o750)
+    convert(src, dst, dtype="bf16")
+    assert (dst / "expected_outputs.safetensors").read_bytes() == b"fixture"
+    assert (dst / "notes.txt").read_text() == "mine" and (dst / "sub" / "x.safetensors").read_bytes() == b"kept"
+    assert (dst / "data.bin").is_symlink() and os.readlink(dst / "data.bin") == str(tmp_path / "data.bin")
+    assert (dst.stat().st_mode & 0o777) == 0o750
+    assert not (dst / INDEX_NAME).exists() and not list(dst.glob("model-*-of-*.safetensors"))
+    assert load_pretrained(dst).embedding.weight.dtype == torch.bfloat16
+
+
+def test_convert_refuses_destinations_it_could_damage(tmp_path, tiny_model, capsys):
+    src = save_pretrained(tiny_model, tmp_path / "src")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "data.safetensors").write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match="not a model directory"):
+        convert(src, project)
+    assert (project / "data.safetensors").read_bytes() == b"precious"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        convert(src, tmp_path / "file")
+    before = (src / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match="is the source.*--in-place"):
+        convert(src, src, dtype="bf16")
+    assert (src / "model.safetensors").read_bytes() == before
+    assert main(["convert", str(src), str(src), "--dtype", "bf16"]) == 2
+    assert "--in-place" in capsys.readouterr().err
+    assert main(["convert", str(src), str(src), "--dtype", "bf16", "--in-place"]) == 0
+    assert load_pretrained(src).embedding.weight.dtype == torch.bfloat16
+    convert(src, tmp_path / "empty-dir-ok")
+
+
+def test_a_full_disk_during_convert_is_one_line_and_keeps_the_old_copy(tmp_path, tiny_model, monkeypatch, capsys):
+    import errno
+
+    from rdlm import huginn
+
+    src = save_pretrained(tiny_model, tmp_path / "src")
+    dst = save_pretrained(tiny_model, tmp_path / "dst")
+    before = (dst / "model.safetensors").read_bytes()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(huginn, "save_file", full_disk)
+    assert main(["convert", str(src), str(dst), "--dtype", "bf16"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rdlm convert: error: {dst}: No space left on device"]
+    assert (dst / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]

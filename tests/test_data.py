@@ -103,3 +103,32 @@ def test_memory_rows_targets_replace_the_next_token_as_labels():
     assert MemoryRows(tokens, mask, targets).max_token_id() == 9
     with pytest.raises(DataError, match="targets has shape"):
         MemoryRows(tokens, mask, targets[:, :2])
+
+
+@pytest.mark.parametrize("context_length", [0, -3])
+def test_prepare_refuses_a_context_length_below_one(tmp_path, context_length):
+    from rdlm.data import prepare
+
+    with pytest.raises(DataError, match="context_length must be an integer >= 1"):
+        prepare([tmp_path / "x.txt"], None, tmp_path / "out", context_length)
+
+
+def test_non_utf8_text_is_refused_naming_the_file(tmp_path):
+    from rdlm.data import read_documents
+
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin1"))
+    with pytest.raises(DataError, match="latin1.txt: not valid UTF-8 at byte 3"):
+        list(read_documents([tmp_path / "latin1.txt"]))
+
+
+@pytest.mark.parametrize("line, field", [('{"prompt": "hi", "response": null}', "'response'"),
+                                         ('{"prompt": {"a": 1}, "response": "x"}', "'prompt'"),
+                                         ('{"prompt": 3, "response": "x"}', "'prompt'"),
+                                         ('{"messages": [{"role": "assistant"}]}', "'messages\\[0\\]'"),
+                                         ('{"messages": ["hi"]}', "'messages\\[0\\]'"),
+                                         ('{"messages": {}}', "'messages'")])
+def test_fine_tuning_lines_are_validated_naming_file_line_and_field(tmp_path, line, field):
+    path = tmp_path / "ft.jsonl"
+    path.write_text("\n" + line + "\n")  # validated before the tokenizer is ever asked
+    with pytest.raises(DataError, match=f"ft.jsonl:2: field {field}"):
+        load_prompt_response(path, object())

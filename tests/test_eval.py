@@ -74,3 +74,17 @@ def test_eval_command_errors_are_one_line(model_dir, tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     assert main(["eval", str(model_dir), "--text", str(tmp_path / "x"), "--num-steps", "1,a"]) == 2
     assert "--num-steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(seq_len=0), "seq_len"), (dict(batch_size=0), "batch_size"),
+                                           (dict(init_scale=float("nan")), "init_scale")])
+def test_zero_and_nan_settings_are_refused(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        perplexity_vs_steps(tiny_model, [[1, 2, 3, 4]], [1], **kwargs)
+
+
+def test_non_finite_logits_are_an_error_not_a_number(tiny_model):
+    with torch.no_grad():
+        tiny_model.embedding.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="not finite"):
+        perplexity_vs_steps(tiny_model, [[1, 2, 3, 4]], [1])

@@ -58,3 +58,54 @@ def test_saved_files_and_directories_follow_the_umask(tmp_path, umask):
     assert ((tmp_path / "ckpt" / "sub").stat().st_mode & 0o777) == 0o777 & ~umask
     for f in (tmp_path / "ckpt" / "a.json", tmp_path / "plain.txt"):
         assert (f.stat().st_mode & 0o777) == 0o666 & ~umask
+
+
+CRASH_BETWEEN_RENAMES = """
+import os, sys
+from rdlm import fileio
+from rdlm.fileio import staging_dir, write_text
+renames = []
+real = os.rename
+def rename(a, b):
+    renames.append(a)
+    if len(renames) == 2:  # the old copy is aside, the new one not yet in place
+        os._exit(9)
+    real(a, b)
+fileio.os.rename = rename
+with staging_dir(sys.argv[1]) as tmp:
+    write_text(tmp / "a.txt", "new")
+"""
+
+
+def test_a_crash_between_the_two_renames_is_recovered_at_the_next_load_or_save(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rdlm.fileio import recover_dir
+
+    target = tmp_path / "m"
+    with staging_dir(target) as tmp:
+        write_text(tmp / "a.txt", "old")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", CRASH_BETWEEN_RENAMES, str(target)],
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 9
+    assert not target.exists()  # only hidden names are left: .m.old-PID and .m.tmp-PID-*
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == [".m.old", ".m.tmp"]
+    notes = recover_dir(target)
+    assert (target / "a.txt").read_text() == "old" and any("restored" in n for n in notes)
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_load_pretrained_restores_a_model_directory_whose_swap_was_interrupted(tmp_path, tiny_model):
+    import os
+
+    from rdlm.huginn import load_pretrained, save_pretrained
+
+    target = save_pretrained(tiny_model, tmp_path / "m")
+    os.rename(target, tmp_path / ".m.old-999999")  # a dead writer's set-aside copy
+    (tmp_path / ".m.tmp-999999-x").mkdir()
+    assert load_pretrained(target).config == tiny_model.config
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]

@@ -227,3 +227,10 @@ def test_cli_text_without_a_tokenizer_is_a_clean_error(capsys):
 
     assert main(["generate", "--model", "tiny", "--prompt", "hello"]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["temperature", "init_scale", "repetition_penalty", "exit_threshold"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_generation_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        GenerationConfig(**{field: value})

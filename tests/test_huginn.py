@@ -289,3 +289,18 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, tiny_mode
         save_pretrained(other, target)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/outside.safetensors", "a/../../x.safetensors",
+                                  "", 7])
+def test_a_shard_index_cannot_name_files_outside_the_model_directory(tmp_path, tiny_model, name):
+    import json
+
+    target = save_pretrained(tiny_model, tmp_path / "m", max_shard_bytes=100_000)
+    save_pretrained(tiny_model, tmp_path / "outside")
+    index = json.loads((target / huginn.INDEX_NAME).read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = name
+    (target / huginn.INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(huginn.CheckpointError, match="outside the model directory|not a non-empty string"):
+        load_pretrained(target)

@@ -224,7 +224,7 @@ def test_non_finite_losses_are_skipped_then_stop_the_run(tmp_path):
 
     poisoned.update(range(3, 100))
     calls.clear()
-    with pytest.raises(TrainingError, match="3 non-finite losses in a row .* last good checkpoint .*step-000002"):
+    with pytest.raises(TrainingError, match="3 non-finite losses in a row .* last checkpoint with finite weights .*step-000002"):
         train(TrainConfig(steps=10, micro_batch_size=4, max_bad_steps=3, checkpoint_every=2,
                           out_dir=str(tmp_path), **FAST), model=model, train_data=rows)
     assert latest_checkpoint(tmp_path).name == "step-000002"
@@ -301,3 +301,107 @@ def test_strategy_options_are_checked():
         TrainConfig(strategy="zero3")
     with pytest.raises(ConfigError, match="cpu_offload needs strategy fsdp"):
         TrainConfig(strategy="ddp", cpu_offload=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Zero, NaN and infinity at the boundary; divergence; damaged and finished runs
+
+@pytest.mark.parametrize("field, value", [
+    ("mean_recurrence", 0), ("backprop_depth", 0), ("threads", 0), ("mean_recurrence", -1),
+    ("lr", float("nan")), ("lr", float("inf")), ("lr", -1e-3), ("eps", float("nan")),
+    ("weight_decay", float("inf")), ("betas", (float("nan"), 0.95)), ("grad_clip", float("inf")),
+    ("ema_decay", float("nan")), ("recurrence_sigma", float("nan")), ("update_clip", float("nan")),
+    ("min_lr_ratio", 2.0), ("peak_flops", float("inf")),
+])
+def test_zero_and_non_finite_numbers_are_refused_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**{field: value})
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "nan"), ("--lr", "inf"), ("--backprop-depth", "0"),
+                                         ("--mean-recurrence", "0"), ("--threads", "0"),
+                                         ("--device", "cuda:99" if torch.cuda.is_available() else "cuda")])
+def test_the_command_line_names_a_bad_number_in_one_line(tmp_path, capsys, flag, value):
+    from rdlm.cli import main
+
+    code = main(["train", "--model", "tiny", "--out-dir", str(tmp_path / "run"), "--steps", "1", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and flag.lstrip("-").replace("-", "_") in err[0].replace("-", "_"), err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_diverged_run_names_the_last_checkpoint_with_finite_weights(tmp_path):
+    model = tiny()
+
+    def poison(record):
+        if record["kind"] == "train" and record["step"] == 3:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+
+    with pytest.raises(TrainingError, match="not finite at step 6.*last checkpoint with finite weights .*step-000002"):
+        train(TrainConfig(steps=6, micro_batch_size=4, checkpoint_every=2, out_dir=str(tmp_path), **FAST),
+              model=model, train_data=counting_rows(16), step_hooks=[poison])
+    import json
+
+    flags = {p.name: json.loads((p / "trainer.json").read_text())["finite_weights"]
+             for p in sorted((tmp_path / "checkpoints").iterdir())}
+    assert flags == {"step-000002": True, "step-000004": False, "step-000006": False}
+
+
+def _damage_optimizer_truncated(step):
+    data = (step / "optimizer.safetensors").read_bytes()
+    (step / "optimizer.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _damage_optimizer_missing_keys(step):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(step / "optimizer.safetensors")
+    save_file(dict(list(tensors.items())[:3]) | {"nonexistent.weight/exp_avg": torch.zeros(1)},
+              step / "optimizer.safetensors")
+
+
+def _damage_rng(step):
+    from safetensors.torch import save_file
+
+    save_file({"torch": torch.zeros(3, dtype=torch.uint8)}, step / "rng.safetensors")
+
+
+def _damage_hidden_size(step):
+    from rdlm.huginn import save_pretrained
+
+    save_pretrained(RecurrentDepthLM(RDLMConfig.from_preset("tiny", hidden_size=32, num_heads=2,
+                                                             context_length=64)), step / "model")
+
+
+def _damage_trainer_json(step):
+    (step / "trainer.json").write_text('{"step": 4, "optimizer_groups"')
+
+
+@pytest.mark.parametrize("damage", [_damage_optimizer_truncated, _damage_optimizer_missing_keys, _damage_rng,
+                                    _damage_hidden_size, _damage_trainer_json])
+def test_resuming_falls_back_to_the_newest_intact_checkpoint_and_says_so(tmp_path, capsys, damage):
+    config = dict(micro_batch_size=4, checkpoint_every=2, out_dir=str(tmp_path), ema_decay=None, **FAST)
+    reference = train(TrainConfig(steps=6, **config), model=tiny(), train_data=counting_rows(16))
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoints" / "step-000006")
+    damage(tmp_path / "checkpoints" / "step-000004")
+    capsys.readouterr()
+    result = train(TrainConfig(steps=6, resume=True, **config), model=tiny(), train_data=counting_rows(16))
+    err = capsys.readouterr().err
+    assert "step-000004 cannot be resumed from" in err and "step-000002, the newest intact checkpoint" in err
+    assert result.losses == reference.losses  # steps 3..6 redone from step 2, exactly
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path):
+    rows = counting_rows(16)
+    config = dict(steps=3, micro_batch_size=4, out_dir=str(tmp_path), eval_rows=4, eval_num_steps=(1, 2), **FAST)
+    first = train(TrainConfig(**config), model=tiny(), train_data=rows, val_data=rows[:4])
+    trainer_json = first.checkpoint / "trainer.json"
+    before, mtime = trainer_json.read_text(), trainer_json.stat().st_mtime_ns
+    log = (tmp_path / "log.jsonl").read_text()
+    again = train(TrainConfig(resume=True, **config), model=tiny(), train_data=rows, val_data=rows[:4])
+    assert len(again.evals) == len(first.evals) == 1
+    assert trainer_json.read_text() == before and trainer_json.stat().st_mtime_ns == mtime
+    assert (tmp_path / "log.jsonl").read_text() == log

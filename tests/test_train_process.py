@@ -111,6 +111,7 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(shards, tmp_path
     assert model.config.vocab_size == 512
     run_cli(*train_args(shards, out, "--steps", "8", "--checkpoint-every", "2", "--resume"))
     assert latest_checkpoint(out).name == "step-000008"
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # cleaned at start
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -215,3 +216,22 @@ def test_kill_during_a_sharded_save_keeps_the_previous_step(shards, tmp_path):
     torchrun("-m", "rdlm", *args, "--resume")
     assert latest_checkpoint(out).name == "step-000006"
     assert len(history(out)) == 6
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(shards, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rdlm", *train_args(shards, out, "--steps", "2000")],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "log.jsonl").is_file() and (out / "log.jsonl").read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr and "stopped by SIGTERM after step" in stderr
+    step = latest_checkpoint(out)
+    assert step is not None and json.loads(stdout)["stopped_by"] == "SIGTERM"
+    done = json.loads((step / "trainer.json").read_text())["step"]
+    assert 1 <= done < 2000 and len(history(out)) == done
+    run_cli(*train_args(shards, out, "--steps", str(done + 2), "--resume"))
+    assert len(history(out)) == done + 2

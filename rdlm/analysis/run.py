@@ -97,7 +97,7 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
         from rdlm.analysis.exit_steps import exit_criterion
 
         criterion = exit_criterion(s.exit_criterion, s.exit_threshold)
-    limit_steps = s.limit_steps or 4 * s.num_steps
+    limit_steps = 4 * s.num_steps if s.limit_steps is None else s.limit_steps
     summary: dict = {"model": model_name, "settings": {**asdict(s), "limit_steps": limit_steps},
                      "prompts": {}}
     sections: list[Section] = []
@@ -183,7 +183,7 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
     if criterion is not None:
         from rdlm.analysis.exit_steps import exit_steps
 
-        max_steps = s.exit_max_steps or s.num_steps
+        max_steps = s.num_steps if s.exit_max_steps is None else s.exit_max_steps
         groups: dict[str, list[np.ndarray]] = {}
         for prompt in prompts:
             steps = exit_steps(model, prompt.token_ids, criterion, max_steps, seed=s.seed,

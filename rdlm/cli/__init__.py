@@ -43,9 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError) as err:
+    except (CLIError, ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"rdlm {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, a path that is a file, no permission: one line naming the path
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"rdlm {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(args.model)
     info = describe(model)
     if args.time_forward:
-        seq_len = args.seq_len or model.config.context_length
+        seq_len = model.config.context_length if args.seq_len is None else args.seq_len
+        if not 1 <= seq_len <= model.config.context_length:
+            raise ValueError(f"--seq-len must be in [1, {model.config.context_length}], got {seq_len}")
         info["forward_seconds"] = {
             int(r): round(time_forward(model.eval(), int(r), seq_len), 4)
             for r in args.time_forward.split(",")

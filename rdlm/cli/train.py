@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +99,12 @@ def run(args: argparse.Namespace) -> int:
                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
     if result.evals:
         summary["eval"] = {k: round(v, 4) for k, v in result.evals[-1].items() if isinstance(v, float)}
+    if result.stopped_by is not None:
+        summary["stopped_by"] = signal.Signals(result.stopped_by).name
     if result.checkpoint is None or _is_main():
         print(json.dumps(summary, indent=2))
-    return 0
+    # Stopped by a signal: saved and clean, but not finished (128 + the signal, as the shell reports it).
+    return 0 if result.stopped_by is None else 128 + result.stopped_by
 
 
 def _is_main() -> bool:

@@ -31,9 +31,11 @@ DCP re-shards on load, so such a checkpoint resumes with any number of workers, 
 single-process checkpoint resumes under FSDP; `rdlm convert` turns either into the Huginn layout
 (`load_weights`).
 
-A checkpoint is written into a hidden temporary sibling (`.step-000200.tmp-*`), every file fsynced,
-then renamed into place: a crash at any moment leaves the previous checkpoints untouched and at worst
-a hidden temporary directory, which `latest_checkpoint` ignores. Only the newest `keep` are kept.
+A checkpoint is written into a hidden temporary sibling (`.step-000200.tmp-PID-*`), every file
+fsynced, then renamed into place: a crash at any moment leaves the previous checkpoints untouched and
+at worst a hidden temporary directory, which `latest_checkpoint` ignores and the next `rdlm train` in
+that directory removes (rdlm.train.rundir). Only the newest `keep` are kept. trainer.json records
+whether the weights were finite, so a diverged run names the last checkpoint worth resuming from.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from rdlm.fileio import staging_dir, write_json
+from rdlm.fileio import staging_dir, temp_prefix, write_json
 from rdlm.huginn import load_pretrained, save_pretrained
 from rdlm.model import RecurrentDepthLM
 
@@ -91,6 +93,19 @@ def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
 def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     found = list_checkpoints(out_dir)
     return found[-1] if found else None
+
+
+def last_finite_checkpoint(out_dir: str | os.PathLike, upto: Path | None = None) -> Path | None:
+    """The newest checkpoint (not newer than `upto`) whose weights were finite when saved."""
+    for path in list_checkpoints(out_dir)[::-1]:
+        if upto is not None and int(STEP_RE.match(path.name).group(1)) > int(STEP_RE.match(upto.name).group(1)):
+            continue
+        try:
+            if json.loads((path / TRAINER_FILE).read_text()).get("finite_weights", True):
+                return path
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def optimizer_tensors(optimizer_state: dict, names: list[str]) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -232,7 +247,7 @@ def save_sharded_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mod
     staging = [None]
     if main:
         root.mkdir(parents=True, exist_ok=True)
-        staging = [tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root)]
+        staging = [tempfile.mkdtemp(prefix=temp_prefix(final.name), dir=root)]
     dist.broadcast_object_list(staging, src=0)
     tmp = Path(staging[0])
     try:

@@ -21,6 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +39,11 @@ from rdlm.data import (IGNORE_INDEX, Batch, Batches, DataError, MemoryRows, RowS
 from rdlm.model import RecurrentDepthLM
 from rdlm.recurrence import SAMPLERS, draw_for_microbatch, microbatch_seed
 from rdlm.train import checkpoint as ckpt
-from rdlm.train.distributed import (STRATEGIES, all_reduce_sum, apply_fsdp, barrier, full,
+from rdlm.train.distributed import (STRATEGIES, all_reduce_sum, apply_fsdp, barrier, full, local,
                                     init_single_process_group, resolve_strategy, setup, teardown_group)
 from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, flops_per_token, peak_flops, warn_loudly
 from rdlm.train.optim import EMA, AdamW, parameter_groups
+from rdlm.train.rundir import RunDirError, RunLock, prepare_run_dir
 from rdlm.train.schedule import Schedule
 
 
@@ -106,6 +110,8 @@ class TrainConfig:
     checkpoint_every: int = 0             # 0: only at the end
     keep_checkpoints: int = 3
     resume: bool = False
+    # A new run into a directory holding another run is refused unless overwrite (which removes it).
+    overwrite: bool = False
     # Failure handling: a non-finite loss skips the step; this many in a row stops the run.
     max_bad_steps: int = 5
 
@@ -117,6 +123,25 @@ class TrainConfig:
         for name in ("warmup_steps", "cooldown_steps", "eval_every", "checkpoint_every", "keep_checkpoints"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        # None means "the model's own value"; a given value must be usable (0 is not "the default").
+        for name in ("mean_recurrence", "backprop_depth", "threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1 (or None for the default), got {value!r}")
+        finite = {"lr": (0, None), "eps": (0, None), "weight_decay": (0, None), "min_lr_ratio": (0, 1),
+                  "grad_clip": (0, None), "collapse_correlation": (None, None), "recurrence_sigma": (0, None),
+                  "update_clip": (0, None), "peak_flops": (0, None), "ema_decay": (0, 1)}
+        for name, (low, high) in finite.items():
+            value = getattr(self, name)
+            if value is None and name in ("recurrence_sigma", "update_clip", "peak_flops", "ema_decay"):
+                continue
+            _check_number(name, value, low, high)
+        if len(self.betas) != 2:
+            raise ConfigError(f"betas must be two numbers, got {self.betas!r}")
+        for beta in self.betas:
+            _check_number("betas", beta, 0, 1)
+        if self.resume and self.overwrite:
+            raise ConfigError("resume and overwrite contradict each other: give one")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.recurrence_sampler is not None and self.recurrence_sampler not in SAMPLERS:
@@ -151,6 +176,15 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def _check_number(name: str, value: Any, low: float | None, high: float | None) -> None:
+    """A finite number within [low, high] (NaN and infinity are refused at the boundary)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{name} must be {bounds}, got {value!r}")
+
+
 @dataclass
 class TrainResult:
     model: RecurrentDepthLM                # under FSDP the sharded model (ema_model is whole)
@@ -162,6 +196,7 @@ class TrainResult:
     ema_model: RecurrentDepthLM | None = None
     steps_done: int = 0
     seconds: float = 0.0
+    stopped_by: int | None = None         # the signal (SIGTERM, SIGINT) that stopped the run early
 
 
 # An evaluation hook: called with (model, step) at each evaluation; its numbers join the eval record.
@@ -257,7 +292,29 @@ class Trainer:
                  train_data: Any = None, val_data: Any = None, tokenizer=None,
                  eval_hooks: Sequence[EvalHook] = (), step_hooks: Sequence[StepHook] = ()) -> None:
         self.config = config
-        self.world, self.device = setup(config.device)
+        try:
+            self.world, self.device = setup(config.device)
+        except ValueError as err:
+            raise ConfigError(f"--device: {err}") from err
+        # One writer per run directory, for the whole run (released by `close`, or by the kernel).
+        self.lock = None
+        if config.out_dir is not None and self.world.is_main:
+            if Path(config.out_dir).exists() and not Path(config.out_dir).is_dir():
+                raise RunDirError(f"--out-dir {config.out_dir} is a file, not a directory")
+            self.lock = RunLock(config.out_dir)
+        try:
+            self._build(config, model, train_data, val_data, tokenizer, eval_hooks, step_hooks)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the run directory."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _build(self, config, model, train_data, val_data, tokenizer, eval_hooks, step_hooks) -> None:
         torch.manual_seed(config.seed)
         model_dir = None
         if model is None:
@@ -299,9 +356,9 @@ class Trainer:
         self.model = model.to("cpu" if config.cpu_offload else self.device).train()
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         c = self.model.config
-        self.mean_recurrence = config.mean_recurrence or c.mean_recurrence
-        self.backprop_depth = config.backprop_depth or c.backprop_depth
-        self.sampler = config.recurrence_sampler or c.recurrence_sampler
+        self.mean_recurrence = c.mean_recurrence if config.mean_recurrence is None else config.mean_recurrence
+        self.backprop_depth = c.backprop_depth if config.backprop_depth is None else config.backprop_depth
+        self.sampler = c.recurrence_sampler if config.recurrence_sampler is None else config.recurrence_sampler
         self.sigma = c.recurrence_sigma if config.recurrence_sigma is None else config.recurrence_sigma
         if self.mean_recurrence < 1 or self.backprop_depth < 1:
             raise ConfigError("mean_recurrence and backprop_depth must be >= 1")
@@ -352,6 +409,12 @@ class Trainer:
         self.bad_steps = 0
         self.consecutive_bad = 0
         self.last_checkpoint: Path | None = None
+        self.last_finite_checkpoint: Path | None = None  # the newest one whose weights are all finite
+        self.stop_signal: int | None = None  # set by SIGTERM/SIGINT during `fit`
+        self.stopping = False  # some worker got one: every worker stops after this step
+        if self.lock is not None:
+            prepare_run_dir(config.out_dir, config.resume, config.overwrite)
+        barrier(self.world)
         if config.resume:
             self._resume()
         self.peak = peak_flops(self.device, config.peak_flops)
@@ -361,19 +424,25 @@ class Trainer:
     def _resume(self) -> None:
         if self.config.out_dir is None:
             raise ConfigError("resume needs out_dir (where the checkpoints are)")
-        path = ckpt.latest_checkpoint(self.config.out_dir)
-        if path is None:
+        candidates = ckpt.list_checkpoints(self.config.out_dir)[::-1]
+        if not candidates:
             return  # nothing to resume: start from scratch (a first launch with --resume is fine)
-        if self.strategy == "fsdp":
-            point = ckpt.load_sharded_checkpoint(path, self.model, self.optimizer,
-                                                 self.ema.shadow if self.ema else None, self.names)
+        damaged = []
+        for path in candidates:  # newest first; a damaged one gives way to the one before it
+            try:
+                point = self._load(path)
+            except Exception as err:  # noqa: BLE001 - any failure to read it means "damaged"
+                damaged.append(f"{path}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                print(f"rdlm train: checkpoint {path} cannot be resumed from ({damaged[-1]}); trying the "
+                      "previous one", file=sys.stderr, flush=True)
+                continue
+            if damaged:
+                print(f"rdlm train: resuming from {path}, the newest intact checkpoint", file=sys.stderr,
+                      flush=True)
+            break
         else:
-            ema_model = self._ema_model() if self.ema else None
-            point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
-            if ema_model is not None:
-                self.ema.load([p.detach().float() for p in ema_model.parameters()])
-            if optimizer_state is not None:
-                self.optimizer.load_state_dict(optimizer_state)
+            raise TrainingError(f"no checkpoint in {ckpt.checkpoint_dir(self.config.out_dir)} can be resumed "
+                                f"from: {'; '.join(damaged)}")
         state = point.trainer
         if state.get("global_batch_size") != self.batches.global_batch_size:
             raise ConfigError(f"checkpoint {path} was trained with a global batch of "
@@ -386,6 +455,20 @@ class Trainer:
         self.bad_steps = int(state.get("bad_steps", 0))
         self.consecutive_bad = int(state.get("consecutive_bad", 0))
         self.last_checkpoint = path
+        self.last_finite_checkpoint = ckpt.last_finite_checkpoint(self.config.out_dir, upto=path)
+
+    def _load(self, path: Path) -> ckpt.Checkpoint:
+        """Load checkpoint `path` into the model, EMA and optimizer."""
+        if self.strategy == "fsdp":
+            return ckpt.load_sharded_checkpoint(path, self.model, self.optimizer,
+                                                self.ema.shadow if self.ema else None, self.names)
+        ema_model = self._ema_model() if self.ema else None
+        point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
+        if ema_model is not None:
+            self.ema.load([p.detach().float() for p in ema_model.parameters()])
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+        return point
 
     def _ema_model(self) -> RecurrentDepthLM:
         """The EMA weights as a new model on the CPU (under FSDP a collective: every worker calls it)."""
@@ -426,7 +509,9 @@ class Trainer:
         if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: gather the shards on rank 0
             optimizer.consolidate_state_dict(to=0)
         path = None
+        finite = self._weights_finite()
         trainer_state = {
+            "finite_weights": finite,
             "format": "rdlm-training-checkpoint", "consumed_rows": self.step * self.batches.global_batch_size,
             "global_batch_size": self.batches.global_batch_size, "world_size": self.world.size,
             "strategy": self.strategy,
@@ -447,7 +532,15 @@ class Trainer:
                                         self.names, trainer_state, self.tokenizer, self.config.keep_checkpoints)
         barrier(self.world)
         self.last_checkpoint = ckpt.checkpoint_dir(self.config.out_dir) / f"step-{self.step:06d}"
+        if finite:
+            self.last_finite_checkpoint = self.last_checkpoint
         return path
+
+    def _weights_finite(self) -> bool:
+        """Whether every weight is finite (one device sync; under FSDP over every worker's shards)."""
+        with torch.no_grad():
+            bad = sum((~torch.isfinite(local(p))).sum() for p in self.model.parameters()).float().cpu()
+        return all_reduce_sum(bad.reshape(1), self.world).item() == 0
 
     def _evaluate(self, monitor: Monitor) -> dict[str, float]:
         record: dict[str, Any] = {"kind": "eval", "step": self.step}
@@ -479,8 +572,11 @@ class Trainer:
         micro_batches = [self.batches.get(step, m, self.world.rank) for m in range(cfg.accumulation)]
         # Normalize by the global number of targets so that any split of the batch gives the same gradient.
         # (Counted on the host: a CPU collective, the device is not waited for.)
-        targets = torch.tensor([float(sum(b.num_targets for b in micro_batches))])
-        total_targets = all_reduce_sum(targets, self.world).item()
+        # The stop request rides along, so every worker stops after the same step.
+        targets = torch.tensor([float(sum(b.num_targets for b in micro_batches)), float(self.stop_signal is not None)])
+        targets = all_reduce_sum(targets, self.world)
+        total_targets = targets[0].item()
+        self.stopping = targets[1].item() > 0
         scale = self.world.size / max(total_targets, 1.0)  # DDP and FSDP average over workers: undo that
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -541,7 +637,8 @@ class Trainer:
                 print(f"rdlm train: step {record['step']}: non-finite loss or gradient, step skipped "
                       f"({self.consecutive_bad} in a row, {self.bad_steps} in all)", flush=True)
                 if self.consecutive_bad >= self.config.max_bad_steps:
-                    kept = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
+                    good = self.last_finite_checkpoint
+                    kept = f"; the last checkpoint with finite weights is {good}" if good else ""
                     raise TrainingError(f"{self.consecutive_bad} non-finite losses in a row at step "
                                         f"{record['step']}: stopping{kept}")
             done.append(record)
@@ -555,16 +652,24 @@ class Trainer:
         threads = torch.get_num_threads()
         if self.device.type == "cpu":
             small = self.model.num_parameters() < 20_000_000
-            torch.set_num_threads(cfg.threads or (1 if small else threads))
+            torch.set_num_threads(cfg.threads if cfg.threads is not None else (1 if small else threads))
         pending: list[dict[str, Any]] = []
+        # A resumed run that had already finished: its last checkpoint and evaluation stand as they are.
+        finished = self.step >= cfg.steps and self.last_checkpoint is not None
+        if finished and self.world.is_main:
+            print(f"rdlm train: the run in {cfg.out_dir} already finished at step {self.step}; nothing to do",
+                  file=sys.stderr, flush=True)
+        previous = self._catch_signals()
         try:
             interval_start = time.perf_counter()
             while self.step < cfg.steps:
                 pending.append(self.train_step())
                 monitor.advance()
-                log = self.step % cfg.log_every == 0 or self.step == cfg.steps
+                log = self.step % cfg.log_every == 0 or self.step == cfg.steps or self.stopping
                 do_eval = cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps
                 do_save = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps
+                if self.stopping:  # SIGTERM/SIGINT: save this step and leave
+                    do_eval, do_save = False, self.step < cfg.steps
                 if not (log or do_eval or do_save):
                     continue
                 records = self.settle(pending)
@@ -587,17 +692,47 @@ class Trainer:
                     self._save()
                 if do_eval or do_save:
                     interval_start = time.perf_counter()  # throughput counts training only
-            if self.val_batches or self.eval_hooks:
-                self._evaluate(monitor)
-            self._save()
+                if self.stopping:
+                    break
+            if not finished and not self.stopping:
+                if self.val_batches or self.eval_hooks:
+                    self._evaluate(monitor)
+                self._save()
+            if self.stopping and self.world.is_main:
+                name = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal on another worker"
+                where = f"; checkpoint {self.last_checkpoint} (resume with --resume)" if self.last_checkpoint else ""
+                print(f"rdlm train: stopped by {name} after step {self.step}{where}", file=sys.stderr, flush=True)
+            if self.last_checkpoint is not None and self.last_finite_checkpoint != self.last_checkpoint:
+                good = self.last_finite_checkpoint
+                raise TrainingError(f"the weights are not finite at step {self.step} (the run diverged); "
+                                    + (f"the last checkpoint with finite weights is {good}" if good else
+                                       "no checkpoint has finite weights"))
         finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
             monitor.close()
             torch.set_num_threads(threads)
         ema_model = self._ema_model() if self.ema else None
         return TrainResult(model=self.model, losses=self.losses, num_steps=self.drawn, evals=self.evals,
                            bad_steps=self.bad_steps, checkpoint=self.last_checkpoint,
                            ema_model=ema_model, steps_done=self.step,
-                           seconds=time.perf_counter() - start)
+                           seconds=time.perf_counter() - start, stopped_by=self.stop_signal)
+
+    def _catch_signals(self) -> dict[int, Any]:
+        """SIGTERM (what schedulers send before a kill) and SIGINT finish the current step, save a
+        checkpoint and return; a second signal interrupts at once."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(number, frame):
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt
+            self.stop_signal = number
+            if self.world.is_main:
+                print(f"\nrdlm train: {signal.Signals(number).name}: finishing step {self.step + 1}, then saving "
+                      "a checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
+
+        return {number: signal.signal(number, handler) for number in (signal.SIGTERM, signal.SIGINT)}
 
 
 def clip_gradients(parameters, max_norm: float) -> Tensor:
@@ -639,5 +774,6 @@ def train(config: TrainConfig, model: RecurrentDepthLM | None = None, train_data
     try:
         return trainer.fit()
     finally:
+        trainer.close()
         if os.environ.get("WORLD_SIZE", "1") != "1" or trainer.own_group:
             teardown_group()
