@@ -86,8 +86,10 @@ class Rows:
 
 
 def resolve_compile(compile: bool | None, device: torch.device) -> bool:
-    """The static, captured decode step: on by default on CUDA (CUDA graphs), off on the CPU, where
-    eager kernels over slices measured faster than a compiled step (benchmarks/bench_generate.py)."""
+    """The static, captured decode step: on by default on CUDA (CUDA graphs). Off on the CPU, which
+    has no graphs to capture: there the static step measured the same speed as the eager one
+    (benchmarks/bench_generate.py --compile both), and the eager one reads only the written part of
+    the cache."""
     if compile is None:
         return device.type == "cuda"
     return bool(compile)

@@ -151,14 +151,18 @@ class Worker:
 
     def __init__(self, model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig, metrics: Metrics) -> None:
         self.config, self.metrics = config, metrics
-        self.batch = ContinuousBatch(model, config.max_batch, config.max_length, config.num_slots,
-                                     decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        self.model, self.decode = model, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        self.batch = self._new_batch()
         self.inbox: queue.Queue = queue.Queue()
         self.tickets: dict[int, Ticket] = {}
         self.pending = 0                       # submitted and not finished (inbox, waiting, running)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.run, name="rdlm-batch", daemon=True)
+
+    def _new_batch(self) -> ContinuousBatch:
+        c = self.config
+        return ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode)
 
     def start(self) -> None:
         self.thread.start()
@@ -198,8 +202,7 @@ class Worker:
                     self._send(ticket, ("error", f"generation failed: {err}"))
                     self._done()
                 self.tickets.clear()
-                self.batch = ContinuousBatch(self.batch.model, self.config.max_batch, self.config.max_length,
-                                             self.config.num_slots, self.batch.decode)
+                self.batch = self._new_batch()
         for ticket in self.tickets.values():
             self._send(ticket, ("error", "the server is shutting down"))
 
