@@ -33,8 +33,8 @@ import torch
 
 import rdlm
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.generate import GenerationConfig, generate
-from rdlm.model import rope_tables
+from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.model.lm import rope_tables
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -142,7 +142,7 @@ def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -
     config = GenerationConfig(num_steps=r, max_new_tokens=args.new_tokens, seed=0, compile=compile,
                               **mode_options(mode, r, args))
     if args.model and (Path(args.model) / "tokenizer.json").exists():  # text the model was trained on
-        from rdlm.tokenizer import Tokenizer
+        from rdlm.data.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(args.model)
         texts = args.prompt_text.split("|")

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import rdlm
-from rdlm.generate import GenerationConfig, generate
+from rdlm.inference.generate import GenerationConfig, generate
 
 PROMPTS = ["the cat sat on", "12 13 14 15", "a dog walked to the river. the old man", "40 41 42",
            "my friend looked at", "the bird slept near the red house. a small child"]
@@ -41,7 +41,7 @@ def load(model_dir: str, task: bool, examples: int):
         test = T.test_split(meta.get("task", "permutations"), examples, seed=1)
         prompts = [tok.encode(ex.prompt) for ex in test]
         return model, prompts, (tok, test)
-    from rdlm.tokenizer import Tokenizer
+    from rdlm.data.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     return model, [tok.encode(t, add_bos=True) for t in PROMPTS], None

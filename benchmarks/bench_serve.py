@@ -120,8 +120,8 @@ def serve(args, prompts: list[str]) -> dict:
 
 def offline(args, prompts: list[str]) -> float:
     import rdlm
-    from rdlm.generate import GenerationConfig, generate
-    from rdlm.tokenizer import Tokenizer
+    from rdlm.inference.generate import GenerationConfig, generate
+    from rdlm.data.tokenizer import Tokenizer
 
     model, tok = rdlm.load_pretrained(args.model).eval(), Tokenizer.from_dir(args.model)
     ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(args.max_batch)]

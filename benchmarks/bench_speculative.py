@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import rdlm
-from rdlm.generate import GenerationConfig, generate
+from rdlm.inference.generate import GenerationConfig, generate
 
 NAMES = ["the cat", "a dog", "the bird", "my friend", "the old man", "a small child"]
 VERBS = ["sat on", "looked at", "walked to", "jumped over", "slept near"]
@@ -42,7 +42,7 @@ def synthetic_corpus(n: int, seed: int = 0) -> list[str]:
 
 
 def train_tiny(out: Path, seconds: float, seed: int = 0) -> None:
-    from rdlm.tokenizer import train_tokenizer
+    from rdlm.data.tokenizer import train_tokenizer
 
     torch.manual_seed(seed)
     docs = synthetic_corpus(4000, seed)
@@ -87,7 +87,7 @@ def main() -> None:
         args.model = args.train
     if not args.model:
         p.error("give --model DIR or --train DIR")
-    from rdlm.tokenizer import Tokenizer
+    from rdlm.data.tokenizer import Tokenizer
 
     model = rdlm.load_pretrained(args.model).eval()
     tok = Tokenizer.from_dir(args.model)

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from rdlm import RDLMConfig, RecurrentDepthLM  # noqa: E402
-from rdlm.data import MemoryRows  # noqa: E402
+from rdlm.data.shards import MemoryRows  # noqa: E402
 from rdlm.train import TrainConfig, train  # noqa: E402
 
 
@@ -135,7 +135,7 @@ class Lever:
         self.level = level
 
     def __enter__(self):
-        from rdlm.model import RecurrentDepthLM as Model
+        from rdlm.model.lm import RecurrentDepthLM as Model
         from rdlm.train.optim import AdamW
         from rdlm.train.trainer import Trainer
 
@@ -159,7 +159,7 @@ class Lever:
             Trainer._to_device = lambda self, t: t.to(self.device)
         if self.level < 4:  # s_0 drawn on the host, row by row, then copied
             def host_initial_state(self, batch, step, micro):
-                from rdlm.recurrence import microbatch_seed
+                from rdlm.model.recurrence import microbatch_seed
 
                 rows, c = [], self.model.config
                 template = torch.empty(1, batch.input_ids.shape[1], c.hidden_size)
@@ -242,7 +242,7 @@ def gpu_run(args: argparse.Namespace, mean: int, level: int = len(LEVERS) - 1, s
 
 def build_quickly(config: RDLMConfig) -> RecurrentDepthLM:
     """The model with its own initialization only (skipping torch's default one: minutes at 3.5B)."""
-    from rdlm.model import rope_tables
+    from rdlm.model.lm import rope_tables
 
     with torch.device("meta"):
         model = RecurrentDepthLM(config)
@@ -331,9 +331,9 @@ def stdlib_files() -> list[str]:
 
 
 def perplexity(args: argparse.Namespace) -> dict:
-    from rdlm.data import prepare
-    from rdlm.tokenizer import train_tokenizer
-    from rdlm.data import read_documents
+    from rdlm.data.shards import prepare
+    from rdlm.data.tokenizer import train_tokenizer
+    from rdlm.data.shards import read_documents
 
     out = Path(args.out)
     files = stdlib_files()

@@ -6,7 +6,7 @@ import sys
 import torch
 
 import rdlm
-from rdlm.tokenizer import train_tokenizer
+from rdlm.data.tokenizer import train_tokenizer
 
 out = sys.argv[1] if len(sys.argv) > 1 else "out/tiny"
 torch.manual_seed(0)

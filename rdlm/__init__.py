@@ -1,9 +1,9 @@
 """rdlm: recurrent-depth language models (Geiping et al., 2025) in plain PyTorch."""
 
-from rdlm.config import PRESETS, ConfigError, RDLMConfig
-from rdlm.huginn import CheckpointError, load_pretrained, save_pretrained
-from rdlm.model import RecurrentDepthLM, RecurrentOutput
-from rdlm.recurrence import sample_num_steps
+from rdlm.model.config import PRESETS, ConfigError, RDLMConfig
+from rdlm.model.huginn import CheckpointError, load_pretrained, save_pretrained
+from rdlm.model.lm import RecurrentDepthLM, RecurrentOutput
+from rdlm.model.recurrence import sample_num_steps
 
 __version__ = "0.1.0"
 

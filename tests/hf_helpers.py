@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM, save_pretrained
-from rdlm.tokenizer import train_tokenizer
+from rdlm.data.tokenizer import train_tokenizer
 
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.batching import ContinuousBatch
-from rdlm.generate import GenerationConfig, generate
+from rdlm.inference.batching import ContinuousBatch
+from rdlm.inference.generate import GenerationConfig, generate
 
 CONFIGS = [
     GenerationConfig(num_steps=4, max_new_tokens=6, seed=3),

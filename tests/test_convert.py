@@ -6,8 +6,8 @@ import torch
 
 from rdlm import CheckpointError, load_pretrained, save_pretrained
 from rdlm.cli import main
-from rdlm.convert import convert, parse_size, resolve_source
-from rdlm.huginn import INDEX_NAME
+from rdlm.model.convert import convert, parse_size, resolve_source
+from rdlm.model.huginn import INDEX_NAME
 
 
 def same_weights(a, b):
@@ -18,7 +18,7 @@ def same_weights(a, b):
 def training_run(tmp_path, tiny_model):
     """A run directory written by rdlm.train.checkpoint.save_checkpoint: step-N/{model,ema}/, optimizer, trainer.json."""
     from rdlm.train.checkpoint import save_checkpoint
-    from rdlm.tokenizer import train_tokenizer
+    from rdlm.data.tokenizer import train_tokenizer
 
     ema = load_pretrained(save_pretrained(tiny_model, tmp_path / "scratch"))
     with torch.no_grad():
@@ -125,7 +125,7 @@ def test_convert_refuses_destinations_it_could_damage(tmp_path, tiny_model, caps
 def test_a_full_disk_during_convert_is_one_line_and_keeps_the_old_copy(tmp_path, tiny_model, monkeypatch, capsys):
     import errno
 
-    from rdlm import huginn
+    from rdlm.model import huginn
 
     src = save_pretrained(tiny_model, tmp_path / "src")
     dst = save_pretrained(tiny_model, tmp_path / "dst")

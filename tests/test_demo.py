@@ -1,4 +1,4 @@
-"""rdlm.demo: a smoke run with a tiny budget (fast), the selection rules and option checks, and the
+"""rdlm.demo.run: a smoke run with a tiny budget (fast), the selection rules and option checks, and the
 issue's claims with the defaults (slow)."""
 
 import json
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from rdlm.cli import main
-from rdlm.demo import (DemoConfig, answer_correct, choose_best_r, choose_exit_threshold, decode_answers,
+from rdlm.demo.run import (DemoConfig, answer_correct, choose_best_r, choose_exit_threshold, decode_answers,
                        difficulty_bins, run_demo)
-from rdlm.huginn import load_pretrained
-from rdlm import tasks as T
+from rdlm.model.huginn import load_pretrained
+from rdlm.demo import tasks as T
 
 REPORT_FILES = ("results.json", "report.md", "accuracy_vs_r.png", "recurrent_vs_baselines.png",
                 "training_curves.png", "exit_histogram.png")
@@ -51,7 +51,7 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     assert model.config.hidden_size == 32
     assert json.loads((tmp_path / "model" / "task_tokenizer.json").read_text())["alphabet"] == T.ALPHABET
     report = (tmp_path / "report.md").read_text()
-    assert "Adaptive exits through rdlm.generate" in report and "strict" in report and "## Splits" in report
+    assert "Adaptive exits through rdlm.inference.generate" in report and "strict" in report and "## Splits" in report
 
 
 def test_decoding_goes_through_generate_and_exits_per_answer_token(tiny_demo_model):
@@ -68,7 +68,7 @@ def test_decoding_goes_through_generate_and_exits_per_answer_token(tiny_demo_mod
 
 
 def test_decoded_exact_match_is_the_generated_reply(tiny_demo_model):
-    from rdlm.generate import GenerationConfig, generate
+    from rdlm.inference.generate import GenerationConfig, generate
 
     model, tok = tiny_demo_model
     examples = T.generate("addition", 6, seed=0, split="test")
@@ -98,7 +98,7 @@ def test_selection_rules():
 
 
 def test_a_claim_met_exactly_holds_despite_rounding():
-    from rdlm.demo import claims_and_checks
+    from rdlm.demo.run import claims_and_checks
 
     cfg = DemoConfig(eval_num_steps=(1, 8, 64), mean_recurrence=8)
     acc = lambda n: n / 300  # noqa: E731
@@ -149,8 +149,8 @@ def test_cli_rejects_a_bad_option_before_any_work(argv, message, capsys):
 @pytest.fixture
 def tiny_demo_model():
     import torch
-    from rdlm.demo import model_config
-    from rdlm.model import RecurrentDepthLM
+    from rdlm.demo.run import model_config
+    from rdlm.model.lm import RecurrentDepthLM
 
     torch.manual_seed(0)
     tok = T.CharTokenizer()
@@ -166,7 +166,7 @@ SLOW_SEEDS = [int(s) for s in os.environ.get("RDLM_DEMO_SEEDS", "0,3").split(","
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SLOW_SEEDS)
 def test_defaults_show_the_papers_central_result(seed, tmp_path):
-    """The issue's claims with `rdlm demo`'s defaults: decoded exact match through rdlm.generate, the
+    """The issue's claims with `rdlm demo`'s defaults: decoded exact match through rdlm.inference.generate, the
     best r and the exit threshold chosen on validation, reported on test and harder.
 
     RDLM_DEMO_OUT keeps the reports (one directory per seed)."""

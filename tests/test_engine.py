@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.cache import RecurrentKVCache
-from rdlm.engine import noise_table, resolve_compile
-from rdlm.exits import CRITERIA
-from rdlm.generate import GenerationConfig, generate
+from rdlm.inference.cache import RecurrentKVCache
+from rdlm.inference.engine import noise_table, resolve_compile
+from rdlm.inference.exits import CRITERIA
+from rdlm.inference.generate import GenerationConfig, generate
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [250, 11], [1, 2, 3, 4]]
 # thresholds at which exits fire at different iterations for different rows of the tiny model

@@ -6,7 +6,7 @@ import torch
 
 from rdlm import load_pretrained
 from rdlm.cli import main
-from rdlm.evaluate import DepthSweep, perplexity_vs_steps, plot_sweeps, windows
+from rdlm.inference.evaluate import DepthSweep, perplexity_vs_steps, plot_sweeps, windows
 from tests.hf_helpers import CORPUS, tiny_model_dir
 
 

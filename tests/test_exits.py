@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from rdlm.exits import CRITERIA, ExitCriterion, make_exit_criterion
+from rdlm.inference.exits import CRITERIA, ExitCriterion, make_exit_criterion
 from tests.conftest import HUGINN_TINY
 
 

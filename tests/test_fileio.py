@@ -102,7 +102,7 @@ def test_a_crash_between_the_two_renames_is_recovered_at_the_next_load_or_save(t
 def test_load_pretrained_restores_a_model_directory_whose_swap_was_interrupted(tmp_path, tiny_model):
     import os
 
-    from rdlm.huginn import load_pretrained, save_pretrained
+    from rdlm.model.huginn import load_pretrained, save_pretrained
 
     target = save_pretrained(tiny_model, tmp_path / "m")
     os.rename(target, tmp_path / ".m.old-999999")  # a dead writer's set-aside copy

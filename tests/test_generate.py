@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM, load_pretrained
-from rdlm.generate import GenerationConfig, Session, TokenEvent, generate, sample, stream
+from rdlm.inference.generate import GenerationConfig, Session, TokenEvent, generate, sample, stream
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [250, 11], [1, 2, 3, 4]]
 
@@ -169,7 +169,7 @@ def test_bad_generation_arguments_are_named(model):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from rdlm import save_pretrained
-    from rdlm.tokenizer import train_tokenizer
+    from rdlm.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["the cat sat on the mat. the dog sat on the log. " * 10], vocab_size=280)
     torch.manual_seed(0)
@@ -200,7 +200,7 @@ def test_cli_generate_text_and_chat_use_the_tokenizer(model_dir, capsys, monkeyp
     import io
 
     from rdlm.cli import main
-    from rdlm.tokenizer import Tokenizer
+    from rdlm.data.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     assert main(["generate", "--model", str(model_dir), "--prompt", "the cat", "-r", "2",

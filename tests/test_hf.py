@@ -7,9 +7,9 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
-import rdlm.hf  # noqa: E402,F401  (registers the Auto classes)
+import rdlm.integrations.hf  # noqa: E402,F401  (registers the Auto classes)
 from rdlm import load_pretrained  # noqa: E402
-from rdlm.hf import RavenConfig, RavenForCausalLM, load_tokenizer, padding_attention_mask  # noqa: E402
+from rdlm.integrations.hf import RavenConfig, RavenForCausalLM, load_tokenizer, padding_attention_mask  # noqa: E402
 from tests.hf_helpers import tiny_model_dir  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -29,7 +29,7 @@ def test_auto_classes_load_a_dir_with_the_reference_auto_map_without_remote_code
 
 
 def test_config_round_trips_to_rdlm_config(huginn_tiny_dir):
-    from rdlm.huginn import read_config
+    from rdlm.model.huginn import read_config
 
     config = AutoConfig.from_pretrained(huginn_tiny_dir)
     assert config.to_rdlm() == read_config(huginn_tiny_dir)
@@ -92,7 +92,7 @@ def test_generate_greedy_matches_a_manual_loop_and_depends_on_num_steps(huginn_t
 def test_tokenizer_special_tokens_and_chat_template(tmp_path):
     d = tiny_model_dir(tmp_path / "m")
     tok = AutoTokenizer.from_pretrained(d)
-    assert isinstance(tok, rdlm.hf.RavenTokenizerFast)
+    assert isinstance(tok, rdlm.integrations.hf.RavenTokenizerFast)
     assert tok.bos_token == "<|begin_text|>" and tok.eos_token == "<|end_text|>" and tok.pad_token == "<|pad|>"
     text = tok.apply_chat_template([{"role": "user", "content": " Hi there "},
                                     {"role": "assistant", "content": "Hello"}],
@@ -100,7 +100,7 @@ def test_tokenizer_special_tokens_and_chat_template(tmp_path):
     assert text == ("<|begin_text|><|begin_header|>user<|end_header|>\n\nHi there<|end_turn|>"
                     "<|begin_header|>Huginn<|end_header|>\n\nHello<|end_turn|>"
                     "<|begin_header|>Huginn<|end_header|>\n\n")
-    from rdlm.tokenizer import Tokenizer
+    from rdlm.data.tokenizer import Tokenizer
 
     ours = Tokenizer.from_dir(d)
     assert text == ours.format_chat([{"role": "user", "content": " Hi there "},
@@ -138,7 +138,7 @@ def test_device_map_on_one_device_loads_and_a_split_is_a_clear_error(huginn_tiny
 
 
 def test_generate_with_adaptive_exits_and_cache_budget_goes_through_rdlm_generate(huginn_tiny_dir):
-    from rdlm.generate import GenerationConfig, generate
+    from rdlm.inference.generate import GenerationConfig, generate
 
     model = AutoModelForCausalLM.from_pretrained(huginn_tiny_dir)
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
@@ -148,7 +148,7 @@ def test_generate_with_adaptive_exits_and_cache_budget_goes_through_rdlm_generat
         max_new_tokens=6, num_steps=16, exit_criterion="kl", exit_threshold=1e-3, cache_strategy="shared",
         cache_slots=4, init_scale=0.0))
     assert out[0, :5].tolist() == prompt[0].tolist() and out[0, 5:].tolist() == expected.tokens[0]
-    # Plain fixed-r greedy decoding agrees between transformers' loop and rdlm.generate.
+    # Plain fixed-r greedy decoding agrees between transformers' loop and rdlm.inference.generate.
     plain = model.generate(prompt, max_new_tokens=6, num_steps=4, init_scale=0.0, do_sample=False)
     ours = generate(model.model, [prompt[0].tolist()], GenerationConfig(max_new_tokens=6, num_steps=4,
                                                                         init_scale=0.0))
@@ -239,8 +239,8 @@ def cached_greedy(model, ids, new_tokens, cache, **forward):
 
 
 def test_generate_pipeline_rdlm_and_the_cache_give_the_same_greedy_tokens_every_time(text_model_dir):
-    from rdlm.generate import GenerationConfig, generate
-    from rdlm.hf import RecurrentCache
+    from rdlm.inference.generate import GenerationConfig, generate
+    from rdlm.integrations.hf import RecurrentCache
     from transformers import pipeline
 
     model = AutoModelForCausalLM.from_pretrained(text_model_dir)
@@ -269,8 +269,8 @@ def test_generate_pipeline_rdlm_and_the_cache_give_the_same_greedy_tokens_every_
 
 
 def test_recurrent_cache_is_a_transformers_cache_over_the_engine_layout(text_model_dir):
-    from rdlm.generate import GenerationConfig, generate
-    from rdlm.hf import RecurrentCache
+    from rdlm.inference.generate import GenerationConfig, generate
+    from rdlm.integrations.hf import RecurrentCache
     from transformers import Cache, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(text_model_dir)
@@ -300,7 +300,7 @@ def test_recurrent_cache_is_a_transformers_cache_over_the_engine_layout(text_mod
 
 
 def test_generation_config_carries_rdlm_options_and_is_saved(text_model_dir, tmp_path):
-    from rdlm.generate import GenerationConfig as RDLMGenerationConfig, generate
+    from rdlm.inference.generate import GenerationConfig as RDLMGenerationConfig, generate
     from transformers import GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(text_model_dir)
@@ -417,7 +417,7 @@ def test_save_pretrained_honours_or_refuses_every_keyword(huginn_tiny_dir, tmp_p
 
 
 def test_gradient_checkpointing_enable_checkpoints_each_core_iteration(huginn_tiny_dir, monkeypatch):
-    import rdlm.model
+    import rdlm.model.lm
 
     model = AutoModelForCausalLM.from_pretrained(huginn_tiny_dir).train()
     ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
@@ -429,8 +429,8 @@ def test_gradient_checkpointing_enable_checkpoints_each_core_iteration(huginn_ti
 
     plain = grads()
     calls = []
-    real = rdlm.model.checkpoint
-    monkeypatch.setattr(rdlm.model, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = rdlm.model.lm.checkpoint
+    monkeypatch.setattr(rdlm.model.lm, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert model.is_gradient_checkpointing and model.model.config.activation_checkpointing
     checkpointed = grads()

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rdlm import CheckpointError, RDLMConfig, RecurrentDepthLM, load_pretrained, save_pretrained
-from rdlm import huginn
-from rdlm.model import rope_tables
+from rdlm.model import huginn
+from rdlm.model.lm import rope_tables
 
 
 def copy_fixture(src, tmp_path):

@@ -11,7 +11,7 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from rdlm.lm_eval import RDLMEvalModel  # noqa: E402
+from rdlm.integrations.lm_eval import RDLMEvalModel  # noqa: E402
 from tests.hf_helpers import tiny_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +192,7 @@ def test_scores_are_a_function_of_the_request_at_the_default_init_scale(model_di
 
 
 def test_importing_rdlm_lm_eval_keeps_the_harness_models():
-    code = ("import rdlm.lm_eval\nfrom lm_eval.api.registry import get_model, model_registry\n"
+    code = ("import rdlm.integrations.lm_eval\nfrom lm_eval.api.registry import get_model, model_registry\n"
             "assert get_model('rdlm').__name__ == 'RDLMEvalModel'\n"
             "names = set(model_registry.keys())\nassert {'hf', 'vllm', 'dummy', 'rdlm'} <= names, names\n"
             "assert get_model('dummy').__name__ == 'DummyLM'\n")

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.loss import linear_cross_entropy
+from rdlm.model.loss import linear_cross_entropy
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])

@@ -1,4 +1,4 @@
-"""The parallel (diffusion-style) sampler, rdlm/parallel.py."""
+"""The parallel (diffusion-style) sampler, rdlm/inference/parallel.py."""
 
 import json
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM, load_pretrained
-from rdlm.generate import GenerationConfig, generate, stream
-from rdlm.parallel import ParallelSampler
+from rdlm.inference.generate import GenerationConfig, generate, stream
+from rdlm.inference.parallel import ParallelSampler
 
 from conftest import FIXTURES, HUGINN_TINY
 
@@ -52,7 +52,7 @@ def reference_config(case: dict, **extra) -> GenerationConfig:
 
 class ReferenceBookkeeping(ParallelSampler):
     """The reference's freeze comparison: after a step that froze c positions, position q is compared with
-    the previous state of position q + c (see rdlm.parallel); the last c positions have nothing to be
+    the previous state of position q + c (see rdlm.inference.parallel); the last c positions have nothing to be
     compared with (zeros: a latent difference of 1, never below the threshold)."""
 
     def _next_wave(self, state, keep, init):
@@ -62,7 +62,7 @@ class ReferenceBookkeeping(ParallelSampler):
 
 
 def run_sampler(sampler: ParallelSampler) -> list[int]:
-    """What rdlm.generate does with a sampler (without stop tokens)."""
+    """What rdlm.inference.generate does with a sampler (without stop tokens)."""
     c, tokens = sampler.config, []
     with torch.inference_mode():
         logits = sampler.session.prefill() if c.full_prefill else None

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rdlm.recurrence import SAMPLERS, draw_for_microbatch, sample_num_steps
+from rdlm.model.recurrence import SAMPLERS, draw_for_microbatch, sample_num_steps
 
 STOCHASTIC = [s for s in SAMPLERS if s != "fixed"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.config import ConfigError
+from rdlm.model.config import ConfigError
 from rdlm.train import TrainConfig, TrainingError, train
 from rdlm.train.checkpoint import latest_checkpoint, list_checkpoints
 from rdlm.train.rundir import LOCK_FILE, RunDirError, RunLock, clean_leftovers

@@ -25,9 +25,9 @@ except ImportError:
 import uvicorn  # noqa: E402
 
 from rdlm import RDLMConfig, RecurrentDepthLM, save_pretrained  # noqa: E402
-from rdlm.generate import GenerationConfig, generate  # noqa: E402
-from rdlm.serve import ServeConfig, create_app  # noqa: E402
-from rdlm.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
+from rdlm.inference.serve import ServeConfig, create_app  # noqa: E402
+from rdlm.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
 DEFAULTS = GenerationConfig(num_steps=4, max_new_tokens=8)
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ class LiveServer:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
     def expected(self, ids: list[int], **options) -> tuple[str, list[int]]:
-        """Text and iterations per token of rdlm.generate for this prompt alone."""
+        """Text and iterations per token of rdlm.inference.generate for this prompt alone."""
         config = replace(DEFAULTS, **options)
         result = generate(self.model, [ids], config)
         return self.tokenizer.decode(result.tokens[0], skip_special_tokens=True), result.steps[0]

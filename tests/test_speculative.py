@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.generate import GenerationConfig, generate
+from rdlm.inference.generate import GenerationConfig, generate
 
 
 @pytest.fixture(scope="module")

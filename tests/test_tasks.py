@@ -1,4 +1,4 @@
-"""rdlm.tasks and rdlm.corpus: generated tasks, splits, text format, scorer; the embedded code corpus."""
+"""rdlm.demo.tasks and rdlm.data.corpus: generated tasks, splits, text format, scorer; the embedded code corpus."""
 
 import random
 import re
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rdlm import tasks as T
+from rdlm.demo import tasks as T
 
 
 def resolve(prompt: str) -> str:
@@ -152,7 +152,7 @@ def test_bad_input_is_named():
 
 
 def test_stdlib_corpus_is_split_by_document_and_tokenizes_losslessly():
-    from rdlm.corpus import stdlib_documents, train_code_tokenizer
+    from rdlm.data.corpus import stdlib_documents, train_code_tokenizer
 
     train = list(stdlib_documents("train", max_chars=200_000))
     val = list(stdlib_documents("val", max_chars=50_000))

@@ -4,7 +4,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from rdlm.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError, train_tokenizer
+from rdlm.data.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError, train_tokenizer
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",

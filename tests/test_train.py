@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.config import ConfigError
-from rdlm.data import DataError, MemoryRows
+from rdlm.model.config import ConfigError
+from rdlm.data.shards import DataError, MemoryRows
 from rdlm.train import TrainConfig, TrainingError, train
 from rdlm.train.checkpoint import latest_checkpoint, load_checkpoint
 from rdlm.train.monitor import collapse_signatures, flops_per_token, read_log, token_correlation
@@ -164,7 +164,7 @@ def test_training_on_rows_learns_and_reports(tmp_path):
 def test_prompt_response_loss_is_on_responses_only():
     pairs = [([1, 2, 3], [4, 5]), ([6, 7], [8, 9, 10])]
     rows = MemoryRows.from_pairs(pairs, pad_id=0, length=6)
-    from rdlm.data import make_batch
+    from rdlm.data.shards import make_batch
 
     batch = make_batch(*rows.rows([0, 1]))
     # Labels are row[1:]: targets only where the *target* token is a response token.
@@ -251,7 +251,7 @@ def test_flops_grow_with_r_but_backward_only_with_k():
 
 
 def test_finetune_from_a_huginn_layout_directory(huginn_tiny_dir, tmp_path):
-    from rdlm.huginn import load_pretrained
+    from rdlm.model.huginn import load_pretrained
 
     base = load_pretrained(huginn_tiny_dir, dtype=torch.float32)
     vocab = base.config.vocab_size
@@ -368,7 +368,7 @@ def _damage_rng(step):
 
 
 def _damage_hidden_size(step):
-    from rdlm.huginn import save_pretrained
+    from rdlm.model.huginn import save_pretrained
 
     save_pretrained(RecurrentDepthLM(RDLMConfig.from_preset("tiny", hidden_size=32, num_heads=2,
                                                              context_length=64)), step / "model")

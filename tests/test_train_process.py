@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rdlm.data import prepare
-from rdlm.huginn import load_pretrained
-from rdlm.tokenizer import train_tokenizer
+from rdlm.data.shards import prepare
+from rdlm.model.huginn import load_pretrained
+from rdlm.data.tokenizer import train_tokenizer
 from rdlm.train.checkpoint import latest_checkpoint, list_checkpoints, load_weights
 
 ROOT = Path(__file__).resolve().parents[1]

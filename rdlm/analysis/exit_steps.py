@@ -2,7 +2,7 @@
 
 Teacher-forced: the whole prompt is iterated together and, after every iteration i, read out through the
 coda as if every token stopped at s_i. A token's exit step is the first i (>= 2, since criteria compare
-iteration i with i-1) at which the criterion (`rdlm.exits`, e.g. KL < 5e-4) has passed `patience` times
+iteration i with i-1) at which the criterion (`rdlm.inference.exits`, e.g. KL < 5e-4) has passed `patience` times
 in a row; tokens that never pass are counted at the cap r. This is the exit step a token would get if all
 tokens before it ran to the same depth, a close stand-in for decoding with per-token exits, and much
 cheaper (one pass over the prompt instead of one per token).
@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 
 from rdlm.analysis.trajectories import Recurrence
-from rdlm.model import RecurrentDepthLM
+from rdlm.model.lm import RecurrentDepthLM
 
 
 class ExitRule(Protocol):
-    """What is needed of an `rdlm.exits.ExitCriterion`."""
+    """What is needed of an `rdlm.inference.exits.ExitCriterion`."""
 
     name: str
     uses_logits: bool
@@ -31,8 +31,8 @@ class ExitRule(Protocol):
 
 
 def exit_criterion(name: str, threshold: float | None = None) -> ExitRule:
-    """`rdlm.exits.make_exit_criterion`, imported here so the rest of the analysis does not need it."""
-    from rdlm.exits import make_exit_criterion
+    """`rdlm.inference.exits.make_exit_criterion`, imported here so the rest of the analysis does not need it."""
+    from rdlm.inference.exits import make_exit_criterion
 
     return make_exit_criterion(name, threshold)
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from rdlm.analysis.trajectories import Recurrence, StepFn
-from rdlm.model import RecurrentDepthLM
+from rdlm.model.lm import RecurrentDepthLM
 
 
 @dataclass

@@ -25,7 +25,7 @@ from rdlm.analysis.pca import project_trajectory, trajectory_pca
 from rdlm.analysis.report import Figure, Section, write_report
 from rdlm.analysis.trajectories import DEFAULT_MAX_BYTES, record_trajectory, select_positions
 from rdlm.fileio import write_json
-from rdlm.model import RecurrentDepthLM
+from rdlm.model.lm import RecurrentDepthLM
 
 
 @dataclass

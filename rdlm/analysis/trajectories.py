@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rdlm.model import RecurrentDepthLM
+from rdlm.model.lm import RecurrentDepthLM
 
 # A recurrence over a batch of latent states: (state [B, T, h], iteration index) -> next state.
 StepFn = Callable[[Tensor, int], Tensor]

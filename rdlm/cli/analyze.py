@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rdlm.config import PRESETS
+from rdlm.model.config import PRESETS
 
 
 def register(subparsers) -> None:
@@ -42,7 +42,7 @@ def register(subparsers) -> None:
                    help="stream all states to OUT/states/*.npy (numpy memmap) instead of subsampling")
     p.add_argument("--runs", type=int, default=4, help="random initial states for path independence")
     p.add_argument("--exit-criterion", default="kl",
-                   help="criterion for the exit-step histogram (rdlm.exits; 'none' to skip)")
+                   help="criterion for the exit-step histogram (rdlm.inference.exits; 'none' to skip)")
     p.add_argument("--exit-threshold", type=float, default=None, help="its threshold (default: its own)")
     p.add_argument("--exit-max-steps", type=int, default=None, help="cap on exit steps (default r)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -61,7 +61,7 @@ def load_tokenizer(model: str):
     if not (Path(model) / "tokenizer.json").is_file():
         return None
     try:
-        from rdlm.tokenizer import Tokenizer
+        from rdlm.data.tokenizer import Tokenizer
     except ImportError:
         return None
     return Tokenizer.from_dir(model)

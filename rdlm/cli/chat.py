@@ -15,7 +15,7 @@ import torch
 
 from rdlm.cli.generate import TextStreamer, add_generation_args, config_from_args, load_model_and_tokenizer, \
     print_stats
-from rdlm.generate import generate
+from rdlm.inference.generate import generate
 
 
 def register(subparsers) -> None:

@@ -4,7 +4,7 @@ sharded with an index when large)."""
 from __future__ import annotations
 
 import argparse
-from rdlm.convert import DTYPES, convert
+from rdlm.model.convert import DTYPES, convert
 
 
 def register(subparsers) -> None:

@@ -24,8 +24,8 @@ def register(subparsers) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from rdlm.data import prepare
-    from rdlm.tokenizer import Tokenizer
+    from rdlm.data.shards import prepare
+    from rdlm.data.tokenizer import Tokenizer
 
     separator = args.separator.encode().decode("unicode_escape") if args.separator is not None else None
     meta = prepare(args.inputs, Tokenizer.load(args.tokenizer), args.out, args.context_length,

@@ -1,4 +1,4 @@
-"""`rdlm demo`: train a recurrent-depth model and two non-recurrent baselines, write a report (rdlm.demo)."""
+"""`rdlm demo`: train a recurrent-depth model and two non-recurrent baselines, write a report (rdlm.demo.run)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from rdlm.demo import DemoConfig, run_demo
-from rdlm.tasks import TASKS
+from rdlm.demo.run import DemoConfig, run_demo
+from rdlm.demo.tasks import TASKS
 
 
 def _ints(text: str) -> tuple[int, ...]:

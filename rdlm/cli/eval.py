@@ -44,15 +44,15 @@ def read_documents(path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdlm.evaluate import accuracy_vs_steps, perplexity_vs_steps, plot_sweeps, write_results
+    from rdlm.inference.evaluate import accuracy_vs_steps, perplexity_vs_steps, plot_sweeps, write_results
 
     try:
         steps = [int(r) for r in args.num_steps.split(",")]
     except ValueError as err:
         raise CLIError(f"--num-steps must be comma-separated integers, got {args.num_steps!r}") from err
     if args.text:
-        from rdlm.huginn import load_pretrained
-        from rdlm.tokenizer import Tokenizer
+        from rdlm.model.huginn import load_pretrained
+        from rdlm.data.tokenizer import Tokenizer
 
         model = load_pretrained(args.model)
         tokenizer = Tokenizer.from_dir(args.model)

@@ -1,4 +1,4 @@
-"""`rdlm generate`: continue prompts with a model (a thin layer over `rdlm.generate`).
+"""`rdlm generate`: continue prompts with a model (a thin layer over `rdlm.inference.generate`).
 
 Text prompts (`--prompt`, repeatable: a batch) need a model directory with tokenizer.json; token-id
 prompts (`--prompt-ids 1,2,3`) work with any model, presets included.
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from rdlm import load_model
-from rdlm.exits import CRITERIA
-from rdlm.generate import GenerationConfig, GenerationResult, TokenEvent, generate
+from rdlm.inference.exits import CRITERIA
+from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,7 +103,7 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
 
 def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False):
     """The model and, when the model directory has tokenizer.json, its tokenizer (else None)."""
-    from rdlm.tokenizer import TOKENIZER_FILE, Tokenizer
+    from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     kwargs = {"dtype": DTYPES[dtype], "device": device} if Path(source).is_dir() else {}
     model = load_model(source, **kwargs)

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from rdlm.config import PRESETS, RDLMConfig
-from rdlm.model import RecurrentDepthLM
+from rdlm.model.config import PRESETS, RDLMConfig
+from rdlm.model.lm import RecurrentDepthLM
 
 
 def register(subparsers) -> None:

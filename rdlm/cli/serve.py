@@ -1,4 +1,4 @@
-"""`rdlm serve MODEL`: an OpenAI-compatible HTTP server (rdlm/serve.py) with continuous batching."""
+"""`rdlm serve MODEL`: an OpenAI-compatible HTTP server (rdlm/inference/serve.py) with continuous batching."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from rdlm.serve import ServeConfig, create_app
+        from rdlm.inference.serve import ServeConfig, create_app
     except ImportError as err:
         raise ValueError(f"rdlm serve needs the serve extra ({err.name} is missing): "
                          f"pip install 'rdlm[serve]'") from None

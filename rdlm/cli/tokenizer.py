@@ -26,8 +26,8 @@ def register(subparsers) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from rdlm.data import read_documents
-    from rdlm.tokenizer import train_tokenizer
+    from rdlm.data.shards import read_documents
+    from rdlm.data.tokenizer import train_tokenizer
 
     if args.separator is not None:
         args.separator = args.separator.encode().decode("unicode_escape")
@@ -42,7 +42,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_encode(args: argparse.Namespace) -> int:
-    from rdlm.tokenizer import Tokenizer
+    from rdlm.data.tokenizer import Tokenizer
 
     try:
         tok = Tokenizer.load(args.tokenizer)

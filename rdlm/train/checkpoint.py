@@ -3,7 +3,7 @@
 Layout of a run directory `OUT/checkpoints/`:
 
     step-000100/
-        model/                     the weights: a Huginn-layout directory (`rdlm.huginn.save_pretrained`:
+        model/                     the weights: a Huginn-layout directory (`rdlm.model.huginn.save_pretrained`:
                                    config.json, model.safetensors, tokenizer.json when known); loadable
                                    with `rdlm.load_pretrained(".../step-000100/model")`
         ema/                       the exponential moving average of the weights, same layout (absent
@@ -56,8 +56,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rdlm.fileio import staging_dir, temp_prefix, write_json
-from rdlm.huginn import load_pretrained, save_pretrained
-from rdlm.model import RecurrentDepthLM
+from rdlm.model.huginn import load_pretrained, save_pretrained
+from rdlm.model.lm import RecurrentDepthLM
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 TRAINER_FILE = "trainer.json"
@@ -347,7 +347,7 @@ def load_weights(path: str | os.PathLike, weights: str = "model") -> RecurrentDe
     path = Path(path)
     if not is_sharded(path):
         return load_pretrained(path / weights, dtype=torch.float32)
-    from rdlm.config import RDLMConfig
+    from rdlm.model.config import RDLMConfig
 
     trainer = _read_trainer(path)
     with torch.device("meta"):

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rdlm.data import IGNORE_INDEX, Batch
+from rdlm.data.shards import IGNORE_INDEX, Batch
 from rdlm.fileio import write_text
-from rdlm.model import RecurrentDepthLM
+from rdlm.model.lm import RecurrentDepthLM
 
 
 class CollapseWarning(UserWarning):

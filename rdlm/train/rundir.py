@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from rdlm.config import ConfigError
+from rdlm.model.config import ConfigError
 from rdlm.fileio import fsync_dir
 
 LOCK_FILE = ".rdlm-train.lock"

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rdlm.config import ConfigError, RDLMConfig, check_keys
-from rdlm.data import (IGNORE_INDEX, Batch, Batches, DataError, MemoryRows, RowSource, TokenShards,
+from rdlm.model.config import ConfigError, RDLMConfig, check_keys
+from rdlm.data.shards import (IGNORE_INDEX, Batch, Batches, DataError, MemoryRows, RowSource, TokenShards,
                        fixed_batches, load_prompt_response)
-from rdlm.model import RecurrentDepthLM
-from rdlm.recurrence import SAMPLERS, draw_for_microbatch, microbatch_seed
+from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model.recurrence import SAMPLERS, draw_for_microbatch, microbatch_seed
 from rdlm.train import checkpoint as ckpt
 from rdlm.train.distributed import (STRATEGIES, all_reduce_sum, apply_fsdp, barrier, full, local,
                                     init_single_process_group, resolve_strategy, setup, teardown_group)
@@ -210,8 +210,8 @@ StepHook = Callable[[dict[str, Any]], None]
 
 def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple[RecurrentDepthLM, Path | None]:
     """A fresh model for a preset, or the weights of a Huginn dir / training checkpoint (float32)."""
-    from rdlm.config import PRESETS
-    from rdlm.huginn import load_pretrained
+    from rdlm.model.config import PRESETS
+    from rdlm.model.huginn import load_pretrained
 
     path = Path(source)
     if not path.exists():
@@ -236,7 +236,7 @@ def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple
 
 
 def resolve_tokenizer(config: TrainConfig, model_dir: Path | None):
-    from rdlm.tokenizer import Tokenizer
+    from rdlm.data.tokenizer import Tokenizer
 
     for candidate in (config.tokenizer, config.data, model_dir):
         if candidate is None:
@@ -595,7 +595,7 @@ class Trainer:
             context = self.ddp.no_sync() if not sync else _nullcontext()
             with context:
                 with self.autocast:
-                    # The summed loss, without materializing the logits (rdlm.loss).
+                    # The summed loss, without materializing the logits (rdlm.model.loss).
                     loss = network(ids, num_steps=(no_grad, with_grad), initial_state=s0, labels=labels,
                                    return_logits=False, loss_reduction="sum").loss
                 (loss * scale).backward()
@@ -754,7 +754,7 @@ class _nullcontext:
 
 
 def has_split(directory: str, split: str) -> bool:
-    from rdlm.data import read_meta
+    from rdlm.data.shards import read_meta
 
     return bool(read_meta(Path(directory))["splits"].get(split))
 

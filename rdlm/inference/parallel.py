@@ -60,16 +60,16 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor
 
-from rdlm.engine import Session
-from rdlm.exits import ExitCriterion, make_exit_criterion
-from rdlm.model import RecurrentDepthLM
+from rdlm.inference.engine import Session
+from rdlm.inference.exits import ExitCriterion, make_exit_criterion
+from rdlm.model.lm import RecurrentDepthLM
 
 if TYPE_CHECKING:
-    from rdlm.generate import GenerationConfig
+    from rdlm.inference.generate import GenerationConfig
 
 
 def freeze_criterion(config: GenerationConfig) -> ExitCriterion:
-    """The criterion that freezes a position: a name of rdlm.exits.CRITERIA or an ExitCriterion."""
+    """The criterion that freezes a position: a name of rdlm.inference.exits.CRITERIA or an ExitCriterion."""
     if isinstance(config.freeze_criterion, ExitCriterion):
         return config.freeze_criterion
     return make_exit_criterion(config.freeze_criterion, config.freeze_threshold)
@@ -87,7 +87,7 @@ class ParallelSampler:
         if len(prompts) != 1:
             raise ValueError(
                 f"the parallel sampler takes one prompt at a time, got {len(prompts)}; a batch would need "
-                "one wavefront per row (per-row start, width and commit bookkeeping; see rdlm.parallel)")
+                "one wavefront per row (per-row start, width and commit bookkeeping; see rdlm.inference.parallel)")
         self.config = c = config
         prompt_length = len(prompts[0])
         room = model.config.context_length - prompt_length - c.max_new_tokens
@@ -222,6 +222,6 @@ class ParallelSampler:
 
     def _draft(self, logits: Tensor) -> Tensor:
         """Tokens [n] from logits [n, V] (greedy at temperature 0), all drawn from the row's generator."""
-        from rdlm.generate import sample  # rdlm.generate imports this module lazily
+        from rdlm.inference.generate import sample  # rdlm.inference.generate imports this module lazily
 
         return sample(logits, self.config, [self.session.samplers[0]] * logits.shape[0])

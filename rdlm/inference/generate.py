@@ -5,13 +5,13 @@
 
 Every zero-shot inference feature of the paper is a field of `GenerationConfig`:
 - fixed compute: `num_steps` iterations per token (any r);
-- per-token adaptive compute: `exit_criterion` (rdlm.exits), with `min_steps` and `num_steps` as max;
+- per-token adaptive compute: `exit_criterion` (rdlm.inference.exits), with `min_steps` and `num_steps` as max;
 - KV-cache sharing: `cache_strategy="shared"`, `cache_slots=k`;
 - continuous chain of thought: `continuous_cot=True` warm-starts s_0 from the previous token's state;
 - self-speculative decoding: `draft_steps=N`, `draft_length=L` drafts with N iterations and verifies
   with `num_steps` in one forward (see `Session.speculate`);
 - the parallel (diffusion-style) sampler: `sampler="parallel"` refines a wavefront of positions at
-  once, `inner_recurrence` iterations per step (see rdlm.parallel).
+  once, `inner_recurrence` iterations per step (see rdlm.inference.parallel).
 
 Batches of prompts with different lengths are left-padded; each row has its own positions, attention
 mask, s_0 noise and sampling generator, so a row gives the same tokens as its prompt alone. The random
@@ -19,7 +19,7 @@ s_0 of a decoded token depends only on (seed, position), which is what makes spe
 reproduce plain greedy decoding exactly.
 
 Per decoded token the work is: prelude, r core iterations and the coda for one position over the
-preallocated cache, as a static step of the decode engine (rdlm/engine.py: CUDA graphs on CUDA, exits
+preallocated cache, as a static step of the decode engine (rdlm/inference/engine.py: CUDA graphs on CUDA, exits
 decided on the device). Nothing is re-stacked, and no Python structure grows with the sequence except
 the list of output tokens.
 """
@@ -34,9 +34,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from rdlm.engine import Session
-from rdlm.exits import ExitCriterion, make_exit_criterion
-from rdlm.model import RecurrentDepthLM
+from rdlm.inference.engine import Session
+from rdlm.inference.exits import ExitCriterion, make_exit_criterion
+from rdlm.model.lm import RecurrentDepthLM
 
 Decode = Callable[[list[int]], str]
 
@@ -46,7 +46,7 @@ class GenerationConfig:
     max_new_tokens: int = 32
     num_steps: int = 32                 # r per token; the maximum when exiting adaptively
     prefill_steps: int | None = None    # r for the prompt (default num_steps)
-    # Per-token adaptive compute (paper section 6): a name of rdlm.exits.CRITERIA or an ExitCriterion.
+    # Per-token adaptive compute (paper section 6): a name of rdlm.inference.exits.CRITERIA or an ExitCriterion.
     exit_criterion: str | ExitCriterion | None = None
     exit_threshold: float | None = None  # default: the criterion's own
     min_steps: int = 2
@@ -67,7 +67,7 @@ class GenerationConfig:
     # Self-speculative decoding: draft `draft_length` tokens with `draft_steps` iterations.
     draft_steps: int | None = None
     draft_length: int = 4
-    # The decode engine (rdlm.engine): a static decode step captured in a CUDA graph. None: on for
+    # The decode engine (rdlm.inference.engine): a static decode step captured in a CUDA graph. None: on for
     # CUDA, off on the CPU. Never changes tokens, only speed.
     compile: bool | None = None
     # Adaptive exits: the criterion is evaluated every `exit_every` iterations (1: after every
@@ -75,7 +75,7 @@ class GenerationConfig:
     # (exited rows then leave the batch). exit_sync_every changes cost only, never tokens.
     exit_every: int = 1
     exit_sync_every: int = 4
-    # The parallel (diffusion-style) sampler (rdlm.parallel; batch 1): "sequential" or "parallel".
+    # The parallel (diffusion-style) sampler (rdlm.inference.parallel; batch 1): "sequential" or "parallel".
     sampler: str = "sequential"
     inner_recurrence: int = 4           # core iterations per wavefront step, on every wave position
     headway: int = 1                    # new positions appended per step
@@ -151,7 +151,7 @@ class GenerationConfig:
                                  f"({self.num_steps}), the iterations after which a position is final")
             if self.repetition_penalty != 1:
                 raise ValueError("the parallel sampler has no repetition_penalty")
-            from rdlm.parallel import freeze_criterion  # rdlm.parallel imports this module
+            from rdlm.inference.parallel import freeze_criterion  # rdlm.inference.parallel imports this module
             freeze_criterion(self)  # raises on unknown names
 
     def criterion(self) -> ExitCriterion | None:
@@ -281,7 +281,7 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
     speculative = config.draft_steps is not None
     parallel = None
     if config.sampler == "parallel":
-        from rdlm.parallel import ParallelSampler  # rdlm.parallel imports this module
+        from rdlm.inference.parallel import ParallelSampler  # rdlm.inference.parallel imports this module
         parallel = ParallelSampler(model, prompts, config)
         session = parallel.session
     else:

@@ -1,12 +1,12 @@
 """Hugging Face `transformers` integration: a config + model pair for model_type "huginn_raven".
 
-    import rdlm.hf  # registers the classes with AutoConfig / AutoModelForCausalLM / AutoTokenizer
+    import rdlm.integrations.hf  # registers the classes with AutoConfig / AutoModelForCausalLM / AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained("path/to/huginn-dir")          # no trust_remote_code
     out = model.generate(ids, max_new_tokens=32, num_steps=16, do_sample=False)
 
 The released Huginn-0125 `config.json` names the authors' remote code in `auto_map`. Once the type
 "huginn_raven" is registered locally, transformers resolves to the local classes and never asks for
-`trust_remote_code`. The weights are read and written by `rdlm.huginn`, the one home of the Huginn
+`trust_remote_code`. The weights are read and written by `rdlm.model.huginn`, the one home of the Huginn
 layout: `RavenForCausalLM` wraps a `RecurrentDepthLM` and only adapts calling conventions.
 
 Supported transformers versions: SUPPORTED_TRANSFORMERS below (configs are dataclasses from 5.0 on).
@@ -31,12 +31,12 @@ def _check_transformers_version() -> None:
     try:
         import transformers
     except ImportError as err:
-        raise ImportError("rdlm.hf needs transformers: pip install 'rdlm[hf]'") from err
+        raise ImportError("rdlm.integrations.hf needs transformers: pip install 'rdlm[hf]'") from err
     from packaging.version import Version
 
     version = Version(transformers.__version__)
     if not Version("5.0") <= version < Version("6"):
-        raise ImportError(f"rdlm.hf supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, found "
+        raise ImportError(f"rdlm.integrations.hf supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, found "
                           f"{transformers.__version__}; pip install 'transformers{','.join(SUPPORTED_TRANSFORMERS)}'")
 
 
@@ -49,10 +49,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput  # noqa: E40
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 from transformers.utils.hub import convert_file_size_to_int  # noqa: E402
 
-from rdlm import huginn  # noqa: E402
-from rdlm.config import RDLMConfig  # noqa: E402
-from rdlm.engine import Session, noise_table  # noqa: E402
-from rdlm.model import ATTENTION_IMPLEMENTATIONS, RecurrentDepthLM, causal_mask  # noqa: E402
+from rdlm.model import huginn  # noqa: E402
+from rdlm.model.config import RDLMConfig  # noqa: E402
+from rdlm.inference.engine import Session, noise_table  # noqa: E402
+from rdlm.model.lm import ATTENTION_IMPLEMENTATIONS, RecurrentDepthLM, causal_mask  # noqa: E402
 
 MODEL_TYPE = huginn.MODEL_TYPE
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -113,8 +113,8 @@ class RavenConfig(PreTrainedConfig):
 
 
 class RecurrentCache(Cache):
-    """transformers' `Cache` for recurrence: the decode engine's `Session` (rdlm/engine.py) over one
-    preallocated `RecurrentKVCache` (rdlm/cache.py: a slot per core iteration, "full", or k slots that
+    """transformers' `Cache` for recurrence: the decode engine's `Session` (rdlm/inference/engine.py) over one
+    preallocated `RecurrentKVCache` (rdlm/inference/cache.py: a slot per core iteration, "full", or k slots that
     iteration i reads and writes as i mod k, "shared"; paper section 6.3).
 
         cache = RecurrentCache(max_length=64)                    # or forward(..., use_cache=True)
@@ -123,7 +123,7 @@ class RecurrentCache(Cache):
 
     The first call is the prompt: a batch left-padded as transformers pads for generation (the mask
     says where). Later calls append tokens to every row. s_0 of the token at position p is row p of the
-    engine's (seed, position) noise table, so a forward over this cache gives the logits `rdlm.generate`
+    engine's (seed, position) noise table, so a forward over this cache gives the logits `rdlm.inference.generate`
     decodes from, and two runs give the same numbers. The engine fixes r per call; with the "full"
     strategy the number of slots (default: the first call's r) bounds the r of later calls.
     """
@@ -167,7 +167,7 @@ class RecurrentCache(Cache):
 
     def _prefill(self, model: RecurrentDepthLM, input_ids: Tensor, attention_mask: Tensor | None,
                  num_steps: int) -> Tensor:
-        from rdlm.generate import GenerationConfig
+        from rdlm.inference.generate import GenerationConfig
 
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if mask.shape != input_ids.shape:
@@ -237,7 +237,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
     a given s_0 as `input_states` (the reference's name) or `initial_state` (rdlm's), [batch, seq, hidden],
     and a `RecurrentCache` as `past_key_values`.
 
-    `generate` (and so `pipeline("text-generation")`) runs rdlm's decode engine (rdlm.generate) over
+    `generate` (and so `pipeline("text-generation")`) runs rdlm's decode engine (rdlm.inference.generate) over
     its recurrent KV cache, with transformers' generation config, sampling options and streamer.
     """
 
@@ -265,7 +265,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         return self.model.lm_head  # None when tied: the un-embedding is the embedding's weight
 
     # ----------------------------------------------------------------------------------------------
-    # Files: always through rdlm.huginn
+    # Files: always through rdlm.model.huginn
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,
@@ -273,7 +273,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
                         device_map: Any = None, attn_implementation: str | None = None,
                         generation_config: GenerationConfig | None = None, subfolder: str = "",
                         output_loading_info: bool = False, **kwargs: Any) -> "RavenForCausalLM":
-        """Load a Huginn-layout directory (or a Hub repository id) with `rdlm.huginn.load_pretrained`.
+        """Load a Huginn-layout directory (or a Hub repository id) with `rdlm.model.huginn.load_pretrained`.
 
         dtype (or torch_dtype): None / "auto" keeps the file's dtype; a torch dtype or its name casts.
         device_map: None (cpu), one device ("cpu", "cuda:0", 0, {"": "cuda:0"}), or "auto" where the
@@ -336,7 +336,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
                         dtype: torch.dtype | None = None, max_shard_size: int | str | None = None,
                         max_shard_bytes: int | None = None, push_to_hub: bool = False,
                         safe_serialization: bool = True, **kwargs: Any) -> None:
-        """Write the Huginn layout with `rdlm.huginn.save_pretrained` (atomic, sharded above
+        """Write the Huginn layout with `rdlm.model.huginn.save_pretrained` (atomic, sharded above
         max_shard_size: bytes, or transformers' "5GB" / "500MiB" strings), plus generation_config.json.
         is_main_process=False writes nothing (transformers' convention for multi-process saving)."""
         if push_to_hub:
@@ -485,7 +485,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
             past_key_values = RecurrentCache()
         if past_key_values is not None:
             if not isinstance(past_key_values, RecurrentCache):
-                raise TypeError(f"past_key_values must be an rdlm.hf.RecurrentCache (a cache with a slot per core "
+                raise TypeError(f"past_key_values must be an rdlm.integrations.hf.RecurrentCache (a cache with a slot per core "
                                 f"iteration), got {type(past_key_values).__name__}")
             if state is not None or position_ids is not None or cache_position is not None:
                 raise ValueError("with a RecurrentCache, s_0 comes from its seed and positions from its "
@@ -526,7 +526,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
     @torch.inference_mode()
     def generate(self, inputs: Tensor | None = None, generation_config: GenerationConfig | None = None,
                  streamer: Any = None, **kwargs: Any) -> Tensor | GenerateDecoderOnlyOutput:
-        """transformers' generate, decoded by rdlm.generate over the recurrent KV cache.
+        """transformers' generate, decoded by rdlm.inference.generate over the recurrent KV cache.
 
         Options come, in rising priority, from the model's generation_config (rdlm's defaults from the
         model config), a `generation_config` argument and keywords, merged as transformers merges them.
@@ -538,7 +538,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         `criterion=` ("none" = no adaptive exits), `exit_threshold="auto"`, `continuous_compute=`.
         Anything else that would change the result (beam search, logits processors, scores, ...) is
         refused by name."""
-        from rdlm.generate import GenerationConfig as RDLMGenerationConfig, generate
+        from rdlm.inference.generate import GenerationConfig as RDLMGenerationConfig, generate
 
         kwargs = _rdlm_generation_names(kwargs)
         config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
@@ -613,7 +613,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
 RDLM_GENERATION_DEFAULTS: dict[str, Any] = {
     "num_steps": None, "exit_criterion": None, "exit_threshold": None, "min_steps": 2, "kv_cache_budget": None,
     "continuous_cot": False, "init_scale": 1.0, "seed": 0, "draft_steps": None, "draft_length": 4}
-# transformers' generation options generate maps onto rdlm.generate.
+# transformers' generation options generate maps onto rdlm.inference.generate.
 MAPPED_GENERATION_OPTIONS = ("max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
                              "min_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id",
                              "stop_strings", "return_dict_in_generate", "use_cache")
@@ -639,7 +639,7 @@ def with_rdlm_generation_defaults(generation_config: GenerationConfig, model_con
 
 
 def unsupported_generation_options(config: GenerationConfig) -> list[str]:
-    """Options of a merged generation config that rdlm.generate cannot honour (set away from the value
+    """Options of a merged generation config that rdlm.inference.generate cannot honour (set away from the value
     that means "off")."""
     defaults = GenerationConfig._get_default_generation_params()
     refused = []

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rdlm.config import RDLMConfig
-from rdlm.loss import linear_cross_entropy
-from rdlm.recurrence import sample_num_steps
+from rdlm.model.config import RDLMConfig
+from rdlm.model.loss import linear_cross_entropy
+from rdlm.model.recurrence import sample_num_steps
 
 # Identifies one attention layer at one point of the recurrence, for a KV cache:
 # ("prelude", layer, -1), ("core", layer, iteration), ("coda", layer, -1).
@@ -344,7 +344,7 @@ class RecurrentDepthLM(nn.Module):
         cache: a KV cache (see KVCacheHook) for incremental decoding.
         labels: next-token targets aligned with the logits (-100 is ignored) for `loss`.
         return_logits: False (with labels) computes the loss chunk by chunk without ever holding the
-            [batch, seq, vocab] logits (rdlm.loss; what training uses); `logits` is then None.
+            [batch, seq, vocab] logits (rdlm.model.loss; what training uses); `logits` is then None.
         loss_reduction: "mean" over the counted targets, or "sum".
         """
         no_grad_steps, grad_steps = self.resolve_num_steps(num_steps, generator)

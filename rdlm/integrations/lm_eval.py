@@ -3,7 +3,7 @@
     rdlm lm-eval --model rdlm --model_args pretrained=DIR,num_steps=32 --tasks arc_challenge
 
 (`rdlm lm-eval` is the harness's own command line with this module imported, so that the model
-type is registered; `import rdlm.lm_eval` does the same for `lm_eval.simple_evaluate`.)
+type is registered; `import rdlm.integrations.lm_eval` does the same for `lm_eval.simple_evaluate`.)
 
 Model arguments:
     pretrained       a Huginn-layout directory with tokenizer.json (required)
@@ -14,7 +14,7 @@ Model arguments:
                      table: scores and texts are a function of the request, whatever the batch size
                      or the order of the calls
     exit_criterion   per-token adaptive compute in generate_until (SPEC section 4; a name of
-                     rdlm.exits, e.g. kl), with exit_threshold; num_steps is then the maximum
+                     rdlm.inference.exits, e.g. kl), with exit_threshold; num_steps is then the maximum
     kv_cache_budget  core KV-cache slots per token in generate_until (iteration i uses slot i mod k)
     dtype            float32 (default) or bfloat16; device: cpu (default) or cuda
     batch_size       a number, or "auto" (the largest of max_batch_size, default 64, halved until a
@@ -39,12 +39,12 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from rdlm.engine import noise_table
-from rdlm.huginn import load_pretrained
-from rdlm.exits import make_exit_criterion
-from rdlm.generate import GenerationConfig, generate
-from rdlm.hf import CHAT_TEMPLATE
-from rdlm.tokenizer import Tokenizer
+from rdlm.inference.engine import noise_table
+from rdlm.model.huginn import load_pretrained
+from rdlm.inference.exits import make_exit_criterion
+from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.integrations.hf import CHAT_TEMPLATE
+from rdlm.data.tokenizer import Tokenizer
 
 eval_logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class RDLMEvalModel(TemplateLM):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
-        # Fingerprints request caches; the format itself is rdlm.tokenizer's (SPEC section 2).
+        # Fingerprints request caches; the format itself is rdlm.data.tokenizer's (SPEC section 2).
         return CHAT_TEMPLATE if chat_template else None
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -244,7 +244,7 @@ class RDLMEvalModel(TemplateLM):
     # Generation
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """rdlm.generate over the KV cache: requests sharing generation settings decode as one batch
+        """rdlm.inference.generate over the KV cache: requests sharing generation settings decode as one batch
         (left-padded, each row as if alone); exit criterion and cache budget apply per token."""
         results: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}

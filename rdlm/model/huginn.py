@@ -20,9 +20,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from rdlm.config import RDLMConfig, check_keys
+from rdlm.model.config import RDLMConfig, check_keys
 from rdlm.fileio import recover_dir, staging_dir, write_json
-from rdlm.model import RecurrentDepthLM, rope_tables
+from rdlm.model.lm import RecurrentDepthLM, rope_tables
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -94,7 +94,7 @@ _ALIASES = {"num_attention_heads": "n_heads", "hidden_size": "n_embd", "num_hidd
 def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME) -> RDLMConfig:
     """Read a Huginn config.json dict; fields rdlm does not model must hold the values it assumes.
 
-    The one reader of Huginn configs: `rdlm.load_pretrained` and `rdlm.hf.RavenConfig.to_rdlm` both
+    The one reader of Huginn configs: `rdlm.load_pretrained` and `rdlm.integrations.hf.RavenConfig.to_rdlm` both
     come here. Keys that change the reference's outputs are honoured: `test_time_noise(_type)` (noise
     added to the state before every core iteration) and `init_values.std` (the scale of the random s_0).
     """

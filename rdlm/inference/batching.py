@@ -13,7 +13,7 @@ its last token. Every `ContinuousBatch.step()`:
    next token instead of idling while the others iterate, which is where adaptive depth (paper section
    6.1) turns into throughput.
 
-A request gives the tokens `rdlm.generate` gives for its prompt alone with the same `GenerationConfig`:
+A request gives the tokens `rdlm.inference.generate` gives for its prompt alone with the same `GenerationConfig`:
 the same s_0 table (seed, position), the same cache slots (`cache_slots` or one per iteration), the
 same exit decisions, the same per-request sampling generator.
 """
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rdlm.cache import RecurrentKVCache
-from rdlm.engine import exit_schedule, noise_table
-from rdlm.exits import ExitCriterion
-from rdlm.generate import Decode, GenerationConfig, sample
-from rdlm.model import RecurrentDepthLM
+from rdlm.inference.cache import RecurrentKVCache
+from rdlm.inference.engine import exit_schedule, noise_table
+from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.generate import Decode, GenerationConfig, sample
+from rdlm.model.lm import RecurrentDepthLM
 
 
 @dataclass(frozen=True)

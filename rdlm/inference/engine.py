@@ -1,7 +1,7 @@
 """The decode engine: a batch of sequences over one preallocated `RecurrentKVCache`.
 
 `Session` owns everything a generation touches: the cache, the attention mask (`key_valid`), the
-positions, the s_0 noise table and the static decode buffers. `rdlm.generate` (and every caller of it:
+positions, the s_0 noise table and the static decode buffers. `rdlm.inference.generate` (and every caller of it:
 the CLI, chat, the transformers and lm-eval integrations) drives it.
 
 A decoded token is data, not control flow. Its inputs live in preallocated device tensors (the token
@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import Tensor
 
-from rdlm.cache import RecurrentKVCache
-from rdlm.model import RecurrentDepthLM, Rope
+from rdlm.inference.cache import RecurrentKVCache
+from rdlm.model.lm import RecurrentDepthLM, Rope
 
 if TYPE_CHECKING:
-    from rdlm.generate import GenerationConfig
+    from rdlm.inference.generate import GenerationConfig
 
 NOISE_BLOCK = 256  # the s_0 table is drawn in blocks of positions, each from its own seed
 

@@ -4,7 +4,7 @@ shardings of that layout (`rdlm convert`).
 A training checkpoint (rdlm.train.checkpoint) already keeps its weights as Huginn-layout directories,
 `step-N/model/` and `step-N/ema/` (the exponential moving average, the paper's cheap "cooldown",
 SPEC section 3), next to optimizer state and `trainer.json`. Converting one means choosing which
-weights to release and writing them with `rdlm.huginn.save_pretrained`: the layout's one home. A
+weights to release and writing them with `rdlm.model.huginn.save_pretrained`: the layout's one home. A
 sharded checkpoint (FSDP, `step-N/dcp/`) is first gathered into whole tensors on this machine
 (`rdlm.train.checkpoint.load_weights`, no processes to launch). A run directory (holding
 `checkpoints/step-*`) means its newest complete checkpoint.
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from rdlm.fileio import atomic_write
-from rdlm.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, CheckpointError, load_pretrained, save_pretrained
+from rdlm.model.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, CheckpointError, load_pretrained, save_pretrained
 from rdlm.train.checkpoint import TRAINER_FILE, is_sharded, latest_checkpoint, load_weights
 
 # Files a model directory may carry besides weights and config; copied along unchanged.

@@ -12,9 +12,9 @@ and rdlm's: `num_steps`, `exit_criterion`, `exit_threshold`, `min_steps`, `exit_
 `kv_cache_budget`, `continuous_cot`, `init_scale`. `usage.latent_iterations` counts the core
 iterations spent on the completion.
 
-One worker thread owns a `ContinuousBatch` (rdlm/batching.py): requests join and leave between core
+One worker thread owns a `ContinuousBatch` (rdlm/inference/batching.py): requests join and leave between core
 iterations, each row at its own depth, so a request whose tokens exit early makes room for others
-instead of waiting for them. A request's tokens are those of `rdlm.generate` for its prompt alone.
+instead of waiting for them. A request's tokens are those of `rdlm.inference.generate` for its prompt alone.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from rdlm.batching import BatchEvent, ContinuousBatch
-from rdlm.generate import GenerationConfig
-from rdlm.model import RecurrentDepthLM
-from rdlm.tokenizer import Tokenizer
+from rdlm.inference.batching import BatchEvent, ContinuousBatch
+from rdlm.inference.generate import GenerationConfig
+from rdlm.model.lm import RecurrentDepthLM
+from rdlm.data.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

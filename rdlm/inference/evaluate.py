@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from rdlm.fileio import atomic_write, write_json
-from rdlm.model import RecurrentDepthLM
+from rdlm.model.lm import RecurrentDepthLM
 
 
 @dataclass
@@ -108,7 +108,7 @@ def accuracy_vs_steps(pretrained: str | os.PathLike, tasks: Sequence[str], num_s
         import lm_eval
         from lm_eval.tasks import TaskManager
 
-        import rdlm.lm_eval  # noqa: F401  (registers the model type)
+        import rdlm.integrations.lm_eval  # noqa: F401  (registers the model type)
     except ImportError as err:
         raise ImportError(f"{err}; accuracy needs lm-eval: pip install 'rdlm[eval]'") from err
     steps = check_steps(num_steps)

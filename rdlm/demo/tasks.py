@@ -20,7 +20,7 @@ iterates longer (paper section 5, Figures 1 and 10).
 
 Every prompt ends with `?` and the model's reply is `=`, the answer, then the end marker. The `=` is
 fixed, so it is what the prompt pass predicts; every token that carries the answer is then *decoded*,
-one at a time, which is where `rdlm.generate` applies per-token adaptive exits (paper section 6.1).
+one at a time, which is where `rdlm.inference.generate` applies per-token adaptive exits (paper section 6.1).
 
 Splits (`make_splits`): validation, test and harder are drawn first and their prompts are reserved;
 training draws around them. So every evaluation split holds its named difficulties in equal numbers,

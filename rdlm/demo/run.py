@@ -1,20 +1,20 @@
 """`rdlm demo`: the paper's central result on a laptop CPU (Geiping et al. 2025, sections 5-6, Table 4).
 
-1. Draw the splits of an embedded reasoning task (rdlm.tasks): validation, test (the same difficulties
+1. Draw the splits of an embedded reasoning task (rdlm.demo.tasks): validation, test (the same difficulties
    as training) and harder (beyond them), reserved before training draws its rows around them.
 2. Train a small recurrent-depth model with the log-normal Poisson objective and truncated backprop,
    through the training API (rdlm.train), and two non-recurrent baselines on the same rows: the
    parameter-matched twin (the same layers, r = 1 always; paper Table 4) and the depth-matched model
    (the core unrolled to the training mean, i.e. as many layers as the recurrent model runs on average).
-3. Score greedy decoding through `rdlm.generate` (the path a user runs) by exact match of the reply, at
+3. Score greedy decoding through `rdlm.inference.generate` (the path a user runs) by exact match of the reply, at
    r = 1, 2, 4, ..., 64 and at the training mean, on every split, per difficulty. The strict score of
    the old demo (every supervised intermediate value right too, teacher-forced) is a second column.
 4. Choose everything on validation only: the best r, and the threshold of per-token adaptive exits
-   (rdlm.exits, run by rdlm.generate on the decoded answer tokens). Test and harder are reported at
+   (rdlm.inference.exits, run by rdlm.inference.generate on the decoded answer tokens). Test and harder are reported at
    those choices.
 5. Write a report directory: results.json, report.md, PNG plots, and the trained model (Huginn layout).
 
-`--task code` instead trains on the embedded stdlib corpus (rdlm.corpus) and reports validation
+`--task code` instead trains on the embedded stdlib corpus (rdlm.data.corpus) and reports validation
 perplexity against r.
 """
 
@@ -33,13 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rdlm import tasks as T
-from rdlm.config import RDLMConfig
-from rdlm.exits import make_exit_criterion
+from rdlm.demo import tasks as T
+from rdlm.model.config import RDLMConfig
+from rdlm.inference.exits import make_exit_criterion
 from rdlm.fileio import write_json, write_text
-from rdlm.generate import GenerationConfig, generate
-from rdlm.huginn import save_pretrained
-from rdlm.model import RecurrentDepthLM
+from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.model.huginn import save_pretrained
+from rdlm.model.lm import RecurrentDepthLM
 
 EVAL_NUM_STEPS = (1, 2, 4, 8, 16, 32, 64)
 # Exit thresholds tried on validation, loosest first; wide enough not to depend on a criterion's scale.
@@ -52,7 +52,7 @@ MODEL_LABELS = {"recurrent": "recurrent model", "twin": "parameter-matched twin 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    task: str = "permutations"            # a family of rdlm.tasks, or "code"
+    task: str = "permutations"            # a family of rdlm.demo.tasks, or "code"
     seed: int = 0
     out_dir: str = "demo-report"
     # Model: (l_P, l_R, l_C), width. Small enough to train in minutes on two CPU cores.
@@ -193,7 +193,7 @@ def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str) -> tuple[
 
 def task_rows(examples: Sequence[T.Example], tokenizer: T.CharTokenizer):
     """MemoryRows of prompt + replies, loss on the reply tokens (and the trace) only."""
-    from rdlm.data import MemoryRows
+    from rdlm.data.shards import MemoryRows
 
     encoded = [T.encode_example(ex, tokenizer) for ex in examples]
     width = max(len(ids) for ids, _, _ in encoded)
@@ -212,7 +212,7 @@ def task_rows(examples: Sequence[T.Example], tokenizer: T.CharTokenizer):
 
 @dataclass
 class Decoded:
-    """Greedy decoding of a list of examples through rdlm.generate."""
+    """Greedy decoding of a list of examples through rdlm.inference.generate."""
     correct: list[bool]
     answer_steps: list[list[int]]   # per example: core iterations at each position that decoded an answer token
     decoded_steps: list[list[int]]  # ... at every decoded position (answer tokens and the end marker)
@@ -237,7 +237,7 @@ def _mean(values: Sequence[float]) -> float:
 def decode_answers(model: RecurrentDepthLM, examples: Sequence[T.Example], tokenizer: T.CharTokenizer,
                    num_steps: int, batch_size: int = 100, seed: int = 0, exit_criterion: str | None = None,
                    exit_threshold: float | None = None) -> Decoded:
-    """Exact match of greedy decoding through `rdlm.generate`, the path a user runs (temperature 0,
+    """Exact match of greedy decoding through `rdlm.inference.generate`, the path a user runs (temperature 0,
     Gaussian s_0 from `seed`, as the paper evaluates).
 
     `num_steps` is r for every token, or the cap with `exit_criterion` (per-token adaptive exits). The
@@ -326,7 +326,7 @@ def choose_exit_threshold(sweep: Sequence[dict[str, Any]], fixed_accuracy: float
 
 def adaptive_exits(model: RecurrentDepthLM, splits: dict[str, list[T.Example]], tokenizer: T.CharTokenizer,
                    cfg: DemoConfig, fixed: dict[str, float]) -> tuple[dict[str, Any], list[int]]:
-    """Per-token adaptive exits through rdlm.generate (paper section 6.1), threshold chosen on validation.
+    """Per-token adaptive exits through rdlm.inference.generate (paper section 6.1), threshold chosen on validation.
 
     Rule: of `cfg.exit_thresholds`, the loosest (fewest iterations) whose validation accuracy is at least
     the fixed-r validation accuracy minus `cfg.exit_tolerance`; the strictest if none is. Test is then
@@ -496,8 +496,8 @@ def summarize(cfg, family, models, tables, exits, histories, split_info) -> dict
 # The code corpus variant: validation perplexity against r.
 
 def run_code_demo(cfg: DemoConfig, out: Path) -> DemoResult:
-    from rdlm.corpus import stdlib_documents, train_code_tokenizer
-    from rdlm.data import MemoryRows
+    from rdlm.data.corpus import stdlib_documents, train_code_tokenizer
+    from rdlm.data.shards import MemoryRows
 
     start = time.perf_counter()
     tokenizer = train_code_tokenizer(cfg.code_vocab_size, cfg.code_chars)
@@ -598,7 +598,7 @@ def markdown_report(res: dict[str, Any]) -> str:
               f"- best r: {res['selection']['best_r']} -> **r={claims['best_r_on_validation']}** "
               f"(validation {_pct(claims['validation_at_best_r'])}%).",
               f"- exit threshold: {res['selection']['exit_threshold']} -> **{claims['exit_threshold']:g}**.", "",
-              "## Exact match (%) of greedy decoding through rdlm.generate, against r", "",
+              "## Exact match (%) of greedy decoding through rdlm.inference.generate, against r", "",
               "| split | " + " | ".join(f"r={r}" for r in rs) + " | twin (r=1) | depth-matched |",
               "|---" * (len(rs) + 3) + "|"]
     for split in rec:
@@ -618,7 +618,7 @@ def markdown_report(res: dict[str, Any]) -> str:
         for d, accs in rec[split]["by_difficulty"].items():
             lines.append(f"| {d} ({split}) | " + " | ".join(_pct(accs[r]) for r in rs) + " |")
     ex = res["adaptive_exits"]
-    lines += ["", "## Adaptive exits through rdlm.generate", "",
+    lines += ["", "## Adaptive exits through rdlm.inference.generate", "",
               f"Criterion `{ex['criterion']}`, at most {ex['max_steps']} iterations per token. The reply marker "
               f"`=` comes from the prompt pass at r={ex['max_steps']}; every answer token is decoded with its own "
               "exit.", "",
@@ -744,7 +744,7 @@ def plot_task(out: Path, res: dict[str, Any], exit_steps: list[int]) -> list[str
     ax.hist(exit_steps, bins=range(1, top + 2), color="C2", edgecolor="white", label="answer tokens, test")
     ax.set_xlabel("iterations before exit")
     ax.set_ylabel("answer tokens")
-    ax.set_title(f"Adaptive exits through rdlm.generate ({ex['criterion']} < {ex['threshold']:g}, chosen on "
+    ax.set_title(f"Adaptive exits through rdlm.inference.generate ({ex['criterion']} < {ex['threshold']:g}, chosen on "
                  f"validation): mean {ex['test_answer_steps']:.1f} of {top}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -107,7 +107,7 @@ class RDLMConfig:
                               ("state_init", STATE_INITS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        from rdlm.recurrence import SAMPLERS  # local import: recurrence imports nothing from here
+        from rdlm.model.recurrence import SAMPLERS  # local import: recurrence imports nothing from here
 
         if self.recurrence_sampler not in SAMPLERS:
             raise ConfigError(

@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rdlm.config import RDLMConfig
+from rdlm.model.config import RDLMConfig
 
 Strategy = Literal["full", "shared"]
 

@@ -61,7 +61,7 @@ def stdlib_documents(split: str = "train", max_chars: int | None = None, val_fra
 
 
 def train_code_tokenizer(vocab_size: int = 2048, max_chars: int = 2_000_000):
-    """A byte-level BPE tokenizer (rdlm.tokenizer) trained on the training documents."""
-    from rdlm.tokenizer import train_tokenizer
+    """A byte-level BPE tokenizer (rdlm.data.tokenizer) trained on the training documents."""
+    from rdlm.data.tokenizer import train_tokenizer
 
     return train_tokenizer(stdlib_documents("train", max_chars=max_chars), vocab_size)

@@ -1,0 +1,2 @@
+"""Integrations with the ecosystem: transformers (`rdlm.integrations.hf`) and lm-evaluation-harness
+(`rdlm.integrations.lm_eval`)."""
