@@ -57,7 +57,7 @@ def train_tiny(out: Path, seconds: float, seed: int = 0) -> None:
     while time.perf_counter() - start < seconds:
         rows = torch.randint(0, len(data) - seq - 1, (batch,))
         x = torch.stack([data[i:i + seq + 1] for i in rows])
-        loss = model(x[:, :-1], labels=x[:, 1:]).loss  # r drawn by the recurrence sampler (SPEC 3)
+        loss = model(x[:, :-1], labels=x[:, 1:]).loss  # r: docs/architecture.md#sampling-r
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

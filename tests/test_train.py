@@ -27,7 +27,7 @@ def counting_rows(n: int = 64, length: int = 17, vocab: int = 32) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------------
-# Truncated backpropagation (SPEC section 3)
+# Truncated backpropagation (docs/architecture.md#truncated-backprop)
 
 def test_gradients_flow_only_through_the_last_k_iterations():
     model = tiny().train()

@@ -1,9 +1,9 @@
-"""Convergence of each token's latent state towards its limit (paper Figure 5, SPEC section 5).
+"""Convergence of each token's latent state towards its limit (paper Figure 5).
 
 `||s_i - s*||` per token (rows) and iteration (columns), with s* the state after a much larger number
 of iterations from the same s_0 (`record_trajectory(..., limit_steps=R)`). Also the per-step relative
 change `||s_i - s_{i-1}|| / ||s_i||`, the quantity the latent-difference exit criterion thresholds
-(SPEC section 4) and the paper's training monitor (SPEC section 3).
+(docs/inference.md#exit-criteria) and the training monitor (docs/architecture.md#monitoring).
 """
 
 from __future__ import annotations

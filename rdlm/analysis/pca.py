@@ -1,4 +1,4 @@
-"""PCA over all tokens' latent trajectories (paper Figure 6, SPEC section 5).
+"""PCA over all tokens' latent trajectories (paper Figure 6).
 
 All recorded states of all tokens (every token at every recorded iteration) are pooled as the rows of
 one data matrix; each token's path is then projected onto the top principal directions and drawn in the

@@ -1,4 +1,4 @@
-"""Recording latent trajectories s_0, s_1, ..., s_r of every token (paper section 6, SPEC section 5).
+"""Recording latent trajectories s_0, s_1, ..., s_r of every token (paper Figures 5 and 6).
 
 The recurrence is driven step by step (`RecurrentDepthLM.embed / init_state / step`), so states can be
 written out as they are produced instead of being held as a Python list: with Huginn-0125 (h = 5280) a

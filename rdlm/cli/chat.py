@@ -1,4 +1,5 @@
-"""`rdlm chat`: an interactive chat with the chat template of SPEC section 2.
+"""`rdlm chat`: an interactive chat with the chat template of Huginn-0125
+(docs/checkpoint-format.md#tokenizer).
 
 Each user line becomes a turn `<|begin_header|>user<|end_header|>\\n\\nTEXT<|end_turn|>`; the reply is
 generated after `<|begin_header|>Huginn<|end_header|>\\n\\n` until `<|end_turn|>` (or end of text),

@@ -118,7 +118,7 @@ def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = 
 
 
 def cast_parameters(model, dtype: torch.dtype):
-    """Cast weights only: the RoPE tables stay float32 (SPEC section 2)."""
+    """Cast weights only: the RoPE tables stay float32 (docs/checkpoint-format.md#rope-table)."""
     for param in model.parameters():
         param.data = param.data.to(dtype)
     return model

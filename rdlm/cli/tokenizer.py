@@ -1,4 +1,5 @@
-"""`rdlm tokenizer train`: a byte-level BPE tokenizer with the special tokens of SPEC section 2."""
+"""`rdlm tokenizer train`: a byte-level BPE tokenizer with the special tokens of Huginn-0125
+(docs/checkpoint-format.md#tokenizer)."""
 
 from __future__ import annotations
 

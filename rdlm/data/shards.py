@@ -1,4 +1,5 @@
-"""Training data: token rows, on disk or in memory, served in a deterministic, resumable order (SPEC §3).
+"""Training data: token rows, on disk or in memory, served in a deterministic, resumable order
+(docs/architecture.md#data).
 
 A *row* is `context_length + 1` token ids: the model reads `row[:-1]` and predicts `row[1:]`. A row may
 carry a loss mask (True where a token is a prediction target): prompt/response data puts the loss on
@@ -20,9 +21,9 @@ Shard directory layout (written by `prepare`):
     val-00000.npy, ...
     tokenizer.json                  the tokenizer the ids come from
 
-Packing (SPEC §3): every document starts with BOS; documents are packed into rows one after another; the
-part of a document that would spill into the next row is dropped rather than starting that row without
-its context. A held-out share of *documents* (not rows) forms the validation split.
+Packing (docs/architecture.md#data): every document starts with BOS; documents are packed into rows one
+after another; the part of a document that would spill into the next row is dropped rather than
+starting that row without its context. A held-out share of *documents* (not rows) forms the validation split.
 
 `Batches` turns a source into micro-batches: an epoch is a permutation of the rows drawn from
 (seed, epoch), and the rows of micro-batch (step, micro, rank) are a pure function of those numbers and
@@ -145,8 +146,8 @@ class MemoryRows:
 def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None = None) -> MemoryRows:
     """JSONL of {"prompt", "response"} or {"messages": [{"role", "content"}, ...]} as chat rows.
 
-    Each example is written in the chat format (SPEC §2); the loss falls on the assistant's reply
-    and its closing <|end_turn|>, which teaches the model to stop.
+    Each example is written in the chat format (docs/checkpoint-format.md#tokenizer); the loss falls on
+    the assistant's reply and its closing <|end_turn|>, which teaches the model to stop.
     """
     path = Path(path)
     if not path.is_file():
@@ -276,7 +277,8 @@ def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text",
 
 
 class Packer:
-    """Packs documents (each starting with BOS) into rows; a spill-over tail is dropped (SPEC section 3)."""
+    """Packs documents (each starting with BOS) into rows; a spill-over tail is dropped
+    (docs/architecture.md#data)."""
 
     def __init__(self, row_length: int) -> None:
         self.row_length = row_length

@@ -1,4 +1,5 @@
-"""The tokenizer: byte-level BPE with Huginn's special tokens and chat format (SPEC sections 2 and 3).
+"""The tokenizer: byte-level BPE with Huginn's special tokens and chat format
+(docs/checkpoint-format.md#tokenizer, docs/architecture.md#data).
 
 A thin wrapper over a Hugging Face `tokenizers.Tokenizer` stored as `tokenizer.json`, the file a
 Huginn-layout model directory carries. Special tokens are always looked up by name, never by id:
@@ -27,7 +28,7 @@ PAD = "<|pad|>"
 # In Huginn-0125's order, which gives ids 65504..65509 there.
 SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, BEGIN_HEADER, END_HEADER, END_TURN, PAD)
 
-# The chat format names the assistant "Huginn" (SPEC section 2).
+# The chat format names the assistant "Huginn" (docs/checkpoint-format.md#tokenizer).
 ASSISTANT_NAME = "Huginn"
 
 
@@ -108,7 +109,8 @@ class Tokenizer:
         return self.vocab_size
 
     # ----------------------------------------------------------------------------------------------
-    # Chat (SPEC section 2): BOS, then "<|begin_header|>ROLE<|end_header|>\n\nTEXT<|end_turn|>" per turn.
+    # Chat (docs/checkpoint-format.md#tokenizer): BOS, then
+    # "<|begin_header|>ROLE<|end_header|>\n\nTEXT<|end_turn|>" per turn.
 
     @staticmethod
     def format_turn(role: str, content: str) -> str:

@@ -5,7 +5,7 @@
     plot_sweeps(sweeps, "saturation.png")
 
 A recurrent-depth model should improve with r and then saturate; a flat curve from r = 1 means the
-model learned to ignore its state (SPEC section 3's failure mode).
+model learned to ignore its state (a failure mode the paper reports, docs/architecture.md#monitoring).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-token exit criteria for adaptive compute (SPEC section 4, paper section 6.1).
+"""Per-token exit criteria for adaptive compute (docs/inference.md#exit-criteria, paper section 6.1).
 
 A token stops iterating the core block once its iterations have converged. Each criterion is a pure
 *score* function of the previous and the current iteration (next-token logits and/or latent states)

@@ -75,7 +75,7 @@ INERT_LOAD_KEYWORDS: dict[str, tuple | None] = {
 
 
 class RavenConfig(PreTrainedConfig):
-    """The Huginn config.json keys (SPEC section 2); defaults are Huginn-0125's.
+    """The Huginn config.json keys (docs/checkpoint-format.md#config-keys); defaults are Huginn-0125's.
 
     Keys rdlm does not model (init_values, sampling_scheme, ...) are kept as plain attributes so that
     a loaded config saves back unchanged. `to_rdlm()` gives the model's `RDLMConfig`.
@@ -255,7 +255,8 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         self.generation_config = with_rdlm_generation_defaults(self.generation_config, self.model.config)
 
     def _init_weights(self, module: torch.nn.Module) -> None:
-        # RecurrentDepthLM initializes itself (Takase et al., SPEC section 1); loaded weights replace it.
+        # RecurrentDepthLM initializes itself (Takase et al., docs/architecture.md#initialization); loaded
+        # weights replace it.
         pass
 
     def get_input_embeddings(self) -> torch.nn.Module:
@@ -682,8 +683,9 @@ def padding_attention_mask(attention_mask: Tensor) -> Tensor:
 
 
 class RavenTokenizerFast(PreTrainedTokenizerFast):
-    """A tokenizer.json with the SPEC section 2 special tokens and chat template by default
-    (BOS first, then <|begin_header|>ROLE<|end_header|>\\n\\nTEXT<|end_turn|> per turn, assistant "Huginn")."""
+    """A tokenizer.json with Huginn's special tokens and chat template by default
+    (BOS first, then <|begin_header|>ROLE<|end_header|>\\n\\nTEXT<|end_turn|> per turn, assistant "Huginn";
+    docs/checkpoint-format.md#tokenizer)."""
 
     # No __init__ of its own: transformers 5 then loads tokenizer.json as it is, instead of rebuilding
     # the pipeline from vocab and merges.
@@ -716,7 +718,7 @@ def load_tokenizer(path: str | os.PathLike) -> RavenTokenizerFast:
 BOS, EOS, BEGIN_HEADER, END_HEADER, END_TURN, PAD = ("<|begin_text|>", "<|end_text|>", "<|begin_header|>",
                                                      "<|end_header|>", "<|end_turn|>", "<|pad|>")
 SPECIAL_TOKENS = (BOS, EOS, BEGIN_HEADER, END_HEADER, END_TURN, PAD)
-# SPEC section 2: the first turn is preceded by BOS; the assistant role is named "Huginn".
+# The first turn is preceded by BOS; the assistant role is named "Huginn" (docs/checkpoint-format.md#tokenizer).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"

@@ -13,7 +13,7 @@ Model arguments:
                      from (seed, its tokens), generate_until's from the decode engine's (seed, position)
                      table: scores and texts are a function of the request, whatever the batch size
                      or the order of the calls
-    exit_criterion   per-token adaptive compute in generate_until (SPEC section 4; a name of
+    exit_criterion   per-token adaptive compute in generate_until (docs/inference.md#exit-criteria; a name of
                      rdlm.inference.exits, e.g. kl), with exit_threshold; num_steps is then the maximum
     kv_cache_budget  core KV-cache slots per token in generate_until (iteration i uses slot i mod k)
     dtype            float32 (default) or bfloat16; device: cpu (default) or cuda
@@ -124,7 +124,7 @@ class RDLMEvalModel(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        return self.tokenizer.bos_id  # documents begin with <|begin_text|> (SPEC section 3)
+        return self.tokenizer.bos_id  # documents begin with <|begin_text|> (docs/architecture.md#data)
 
     @property
     def device(self) -> torch.device:
@@ -145,7 +145,8 @@ class RDLMEvalModel(TemplateLM):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
-        # Fingerprints request caches; the format itself is rdlm.data.tokenizer's (SPEC section 2).
+        # Fingerprints request caches; the format itself is rdlm.data.tokenizer's
+        # (docs/checkpoint-format.md#tokenizer).
         return CHAT_TEMPLATE if chat_template else None
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:

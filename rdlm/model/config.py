@@ -1,4 +1,4 @@
-"""Model configuration and named presets (SPEC section 1).
+"""Model configuration and named presets (docs/architecture.md#presets, paper section 3).
 
 A config is a small frozen dataclass of plain values. Presets are data: a dict of field overrides.
 Every field is validated on construction, and every error names the field that is wrong.

@@ -3,7 +3,7 @@ shardings of that layout (`rdlm convert`).
 
 A training checkpoint (rdlm.train.checkpoint) already keeps its weights as Huginn-layout directories,
 `step-N/model/` and `step-N/ema/` (the exponential moving average, the paper's cheap "cooldown",
-SPEC section 3), next to optimizer state and `trainer.json`. Converting one means choosing which
+docs/architecture.md#optimizer), next to optimizer state and `trainer.json`. Converting one means choosing which
 weights to release and writing them with `rdlm.model.huginn.save_pretrained`: the layout's one home. A
 sharded checkpoint (FSDP, `step-N/dcp/`) is first gathered into whole tensors on this machine
 (`rdlm.train.checkpoint.load_weights`, no processes to launch). A run directory (holding

@@ -1,4 +1,4 @@
-"""Huginn-0125 checkpoint layout: the one home of conversion to and from it (SPEC section 2).
+"""Huginn-0125 checkpoint layout: the one home of conversion to and from it (docs/checkpoint-format.md).
 
 A model directory holds `config.json` (the reference's keys, model_type "huginn_raven"), weights in
 safetensors (one file, or shards listed by `model.safetensors.index.json`) and optionally

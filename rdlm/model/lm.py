@@ -1,4 +1,4 @@
-"""The recurrent-depth language model (SPEC section 1, paper section 3).
+"""The recurrent-depth language model (docs/architecture.md, paper section 3).
 
     e   = P(x)                       prelude: embed tokens (times sqrt(h)), then l_P layers
     s_0 ~ TruncNormal(0, 2/5)        random latent state, one vector per token
@@ -193,7 +193,7 @@ class RecurrentDepthLM(nn.Module):
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------------
-    # Initialization (Takase et al.; SPEC section 1)
+    # Initialization (Takase et al.; docs/architecture.md#initialization)
 
     @property
     def init_std(self) -> float:

@@ -1,4 +1,4 @@
-"""Sampling the number of recurrence steps r for training (SPEC section 3, paper section 3.3).
+"""Sampling the number of recurrence steps r for training (docs/architecture.md#sampling-r, paper section 3.3).
 
 Every micro-batch draws one r; only the last `backprop_depth` iterations keep gradients (truncated
 backpropagation), so a draw is returned as the split (steps without gradient, steps with gradient).

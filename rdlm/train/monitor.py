@@ -1,7 +1,8 @@
 """What a run reports: a JSONL log, TensorBoard (optional), a progress bar, and collapse warnings.
 
-Evaluation metrics (SPEC section 3): validation perplexity at several r, token-to-token correlation of
-the final hidden state, and the relative change of the last iteration ||s_r - s_{r-1}|| / ||s_r||.
+Evaluation metrics (docs/architecture.md#monitoring): validation perplexity at several r, token-to-token
+correlation of the final hidden state, and the relative change of the last iteration
+||s_r - s_{r-1}|| / ||s_r||.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rdlm.model.lm import RecurrentDepthLM
 
 
 class CollapseWarning(UserWarning):
-    """A failure signature of recurrent-depth training (SPEC section 3) appeared."""
+    """A failure signature of recurrent-depth training (docs/architecture.md#monitoring) appeared."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,7 +94,7 @@ class _null:
 
 def collapse_signatures(metrics: dict[str, float], num_steps: Sequence[int],
                         correlation_limit: float = 0.95, flat_tolerance: float = 0.01) -> list[str]:
-    """Messages for each collapse signature of SPEC section 3 present in `metrics`."""
+    """Messages for each collapse signature (docs/architecture.md#monitoring) present in `metrics`."""
     found = []
     corr = metrics.get("token_correlation")
     if corr is not None and corr > correlation_limit:

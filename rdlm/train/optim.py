@@ -1,4 +1,4 @@
-"""AdamW as the paper trains with it (SPEC section 3), plus the weight EMA.
+"""AdamW as the paper trains with it (docs/architecture.md#optimizer), plus the weight EMA.
 
 Options beyond torch's AdamW:
 - `atan2`: the epsilon-free update of Everett et al. (2024), `a * atan2(m_hat, sqrt(v_hat))` with

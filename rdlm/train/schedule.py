@@ -1,4 +1,5 @@
-"""Learning rate: linear warm-up, then constant (SPEC section 3), with an optional linear cooldown."""
+"""Learning rate: linear warm-up, then constant, with an optional linear cooldown
+(docs/architecture.md#optimizer)."""
 
 from __future__ import annotations
 

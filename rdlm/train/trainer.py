@@ -1,4 +1,5 @@
-"""The training loop: randomized recurrence with truncated backpropagation (SPEC section 3).
+"""The training loop: randomized recurrence with truncated backpropagation (paper section 3.3,
+docs/architecture.md#truncated-backprop).
 
     for step in steps:
         for each micro-batch m:
@@ -72,7 +73,7 @@ class TrainConfig:
     backprop_depth: int | None = None
     recurrence_sampler: str | None = None
     recurrence_sigma: float | None = None
-    # Optimization (SPEC section 3).
+    # Optimization (docs/architecture.md#optimizer).
     lr: float = 1e-3
     warmup_steps: int = 10
     cooldown_steps: int = 0
