@@ -201,7 +201,7 @@ class ContinuousBatch:
         for i in range(steps):
             state = model.step(state, e, i, rope, mask, cache)
         for q, length in zip(group, lengths):
-            cache.fill_row(q.row, steps, budget, 0, length)
+            cache.fill_missing(steps, 0, length, row=q.row, slots=budget)
         logits = model.readout(state, rope, mask, cache)
         cache.budget = None
         self._last_inputs = None
@@ -302,7 +302,7 @@ class ContinuousBatch:
     def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
         """The coda for requests whose token is done, then their next token."""
         for q in requests:
-            self.cache.fill_row(q.row, q.iteration, q.budget, q.length, q.length + 1)
+            self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
         rows, select, index, rope, mask = self._inputs(requests)
         logits = self.model.readout(self.state[select], rope, mask, self._for(select, index))[:, -1]
         for j, q in enumerate(requests):
