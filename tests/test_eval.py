@@ -88,3 +88,31 @@ def test_non_finite_logits_are_an_error_not_a_number(tiny_model):
         tiny_model.embedding.weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="not finite"):
         perplexity_vs_steps(tiny_model, [[1, 2, 3, 4]], [1])
+
+
+def test_score_targets_sums_each_rows_nll_and_flags_greedy_rows(tiny_model):
+    from rdlm.inference.evaluate import score_targets
+
+    ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 0]])
+    labels = torch.tensor([[6, 7, 8, 9, 10], [2, 3, 4, -100, -100]])
+    with torch.no_grad():
+        scores = score_targets(tiny_model, ids, labels, 3, init_scale=0.0)
+        logits = tiny_model(ids, num_steps=3, init_scale=0.0).logits
+    for row in range(2):
+        n = int((labels[row] != -100).sum())
+        expected = torch.nn.functional.cross_entropy(logits[row, :n], labels[row, :n], reduction="sum")
+        assert scores.nll[row].item() == pytest.approx(expected.item(), rel=1e-6)
+        assert int(scores.targets[row]) == n
+        assert bool(scores.greedy[row]) == bool((logits[row, :n].argmax(-1) == labels[row, :n]).all())
+
+
+def test_training_validation_loss_and_perplexity_vs_steps_are_one_computation(tiny_model):
+    # The same documents, batched alike, with the same seed for s_0: the training run's validation loss
+    # (rdlm.train.monitor) is the log of perplexity_vs_steps at every r.
+    from rdlm.data.shards import make_batch
+    from rdlm.train.monitor import evaluate
+
+    docs = torch.randint(1, 200, (4, 9), generator=torch.Generator().manual_seed(0))
+    sweep = perplexity_vs_steps(tiny_model, docs.tolist(), [1, 3], seq_len=8, batch_size=2)
+    metrics = evaluate(tiny_model, [make_batch(docs[:2], None), make_batch(docs[2:], None)], [1, 3])
+    assert [math.exp(metrics[f"val_loss_r{r}"]) for r in (1, 3)] == pytest.approx(sweep.values, rel=1e-6)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from rdlm.inference.exits import CRITERIA, ExitCriterion, make_exit_criterion
+from rdlm.inference.exits import CRITERIA, ExitCriterion, ExitTrack, iterate_with_exits, make_exit_criterion
 from tests.conftest import HUGINN_TINY
 
 
@@ -168,3 +168,44 @@ def test_update_with_patience_one_equals_the_plain_decision():
     exited, _ = crit.update(None, prev, cur)
     assert torch.equal(exited, crit(prev, cur))
     assert isinstance(crit, ExitCriterion) and crit.uses_logits and not crit.uses_state
+
+
+# ---- the one per-token exit loop (iterate_with_exits)
+
+def test_exit_loop_freezes_exited_tokens_or_lets_them_iterate():
+    # Token 0 stops moving after iteration 1, token 1 never does; latent-diff passes at once for token 0.
+    crit = make_exit_criterion("latent-diff", 0.01)
+
+    def step(state, i, exited):
+        return state + torch.tensor([[1.0 if i == 0 else 0.0], [1.0]]) * torch.ones(2, 3)
+
+    for freeze in (True, False):
+        state, track = iterate_with_exits(step, None, torch.ones(2, 3), ExitTrack.start(2, torch.device("cpu")),
+                                          crit, 0, 6, 6, min_steps=2, freeze=freeze)
+        assert track.steps.tolist() == [2, 6] and track.exited.tolist() == [True, False]
+        assert state[1].tolist() == [7.0] * 3
+    # Split into chunks (as the engine and the analysis run it), the loop gives the same result.
+    state, track = torch.ones(2, 3), ExitTrack.start(2, torch.device("cpu"))
+    for first in range(0, 6, 4):
+        state, track = iterate_with_exits(step, None, state, track, crit, first, min(4, 6 - first), 6)
+    assert track.steps.tolist() == [2, 6]
+
+
+@pytest.mark.parametrize("name, threshold", [("latent-diff", 0.02), ("latent-diff", 0.2), ("cosine", 2e-3)])
+def test_analysis_and_generation_agree_on_exit_steps(tiny_model, name, threshold):
+    """Both run `iterate_with_exits`. The first decoded token after a prompt prefilled at full depth sees
+    the prompt at the depth it is at itself (a slot per iteration), exactly as in the teacher-forced
+    analysis of prompt + that token; a latent criterion does not read the coda, whose cache differs."""
+    from rdlm.analysis.exit_steps import exit_steps
+    from rdlm.inference.generate import GenerationConfig, generate
+
+    crit = make_exit_criterion(name, threshold)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    config = GenerationConfig(max_new_tokens=2, num_steps=16, exit_criterion=crit, init_scale=0.0)
+    result = generate(tiny_model, prompts, config)
+    decoded, analysed = [], []
+    for prompt, tokens, steps in zip(prompts, result.tokens, result.steps):
+        decoded.append(steps[1])  # iterations at the position of tokens[0], whose logits chose tokens[1]
+        analysed.append(int(exit_steps(tiny_model, prompt + tokens[:1], crit, 16, init_scale=0.0)[-1]))
+    assert decoded == analysed
+    assert min(decoded) < 16 and len(set(decoded)) > 1  # tokens exit early, each at its own step

@@ -94,9 +94,9 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
     s = settings or AnalysisSettings()
     criterion = None
     if s.exit_criterion:  # build it first: a misspelt criterion should fail before minutes of work
-        from rdlm.analysis.exit_steps import exit_criterion
+        from rdlm.inference.exits import make_exit_criterion
 
-        criterion = exit_criterion(s.exit_criterion, s.exit_threshold)
+        criterion = make_exit_criterion(s.exit_criterion, s.exit_threshold)
     limit_steps = 4 * s.num_steps if s.limit_steps is None else s.limit_steps
     summary: dict = {"model": model_name, "settings": {**asdict(s), "limit_steps": limit_steps},
                      "prompts": {}}

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.cache import RecurrentKVCache
-from rdlm.inference.engine import exit_schedule, noise_table
-from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.engine import noise_table
+from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule
 from rdlm.inference.generate import Decode, GenerationConfig, sample
 from rdlm.model.lm import RecurrentDepthLM
 
@@ -201,7 +201,7 @@ class ContinuousBatch:
         for i in range(steps):
             state = model.step(state, e, i, rope, mask, cache)
         for q, length in zip(group, lengths):
-            cache.fill_row(q.row, steps, budget, 0, length)
+            cache.fill_missing(steps, 0, length, row=q.row, slots=budget)
         logits = model.readout(state, rope, mask, cache)
         cache.budget = None
         self._last_inputs = None
@@ -286,12 +286,11 @@ class ContinuousBatch:
             groups.setdefault(requests[j].criterion, []).append(j)
         for crit, members in groups.items():
             pick = torch.tensor(members, device=self.device)
-            done, streak = crit.update(self.streak[rows[pick]], prev_logits[pick], self.logits[rows[pick]],
-                                       prev_state[pick, -1], state[pick, -1])
-            self.streak[rows[pick]] = streak
             min_steps = torch.tensor([requests[j].config.min_steps for j in members], device=self.device)
             steps = torch.tensor([requests[j].iteration for j in members], device=self.device)
-            exited[pick] = done & (steps >= min_steps)
+            exited[pick], self.streak[rows[pick]] = exit_decision(
+                crit, self.streak[rows[pick]], steps, min_steps, prev_logits[pick], self.logits[rows[pick]],
+                prev_state[pick, -1], state[pick, -1])
         exited = exited.tolist() if groups else [False] * len(requests)
         return [q for q, out in zip(requests, exited) if out or q.iteration == q.config.num_steps]
 
@@ -303,7 +302,7 @@ class ContinuousBatch:
     def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
         """The coda for requests whose token is done, then their next token."""
         for q in requests:
-            self.cache.fill_row(q.row, q.iteration, q.budget, q.length, q.length + 1)
+            self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
         rows, select, index, rope, mask = self._inputs(requests)
         logits = self.model.readout(self.state[select], rope, mask, self._for(select, index))[:, -1]
         for j, q in enumerate(requests):

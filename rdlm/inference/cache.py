@@ -137,10 +137,13 @@ class RecurrentKVCache:
             return rows.index_select(2, self.start.view(1))
         return rows[:, :, self.start:self.start + n]
 
-    def fill_missing(self, steps: int | Tensor, start: int | Tensor, end: int | None = None) -> None:
+    def fill_missing(self, steps: int | Tensor, start: int | Tensor, end: int | None = None, *,
+                     row: int | None = None, slots: int | None = None) -> None:
         """The tokens at buffer indices start..end-1 (or the one token at a device-side index `start`)
         ran `steps` core iterations (an int for all rows, or one per row): give their unwritten slots
-        (slot >= steps) a copy of the last written slot, so later tokens read the latest entry."""
+        (slot >= steps) a copy of the last written slot, so later tokens read the latest entry.
+        With an int `steps`, `row` fills that row only (the others are left alone) and `slots` bounds
+        the slots its tokens use (a request's own budget in a shared cache; default all)."""
         static = isinstance(start, Tensor)
         if static:
             start = start.view(1)
@@ -148,14 +151,18 @@ class RecurrentKVCache:
             end = start + 1
         window = lambda c: c.index_select(4, start) if static else c[:, :, :, :, start:end]  # noqa: E731
         if isinstance(steps, int):  # uniform: a plain slice copy, no host sync
-            if steps >= self.num_slots:
+            slots = self.num_slots if slots is None else slots
+            if steps >= slots:
                 return
+            rows = slice(None) if row is None else row
             for cache in (self.core_k, self.core_v):
                 filled = window(cache)
-                filled[:, steps:] = filled[:, steps - 1:steps]
+                filled[:, steps:slots, rows] = filled[:, steps - 1:steps, rows]
                 if static:
                     cache.index_copy_(4, start, filled)
             return
+        if row is not None or slots is not None:
+            raise ValueError("row and slots go with an int number of steps")
         steps = steps.to(self.core_k.device).view(-1)
         if steps.shape[0] != self.batch_size:
             raise ValueError(f"steps has {steps.shape[0]} rows, the cache {self.batch_size}")
@@ -173,14 +180,6 @@ class RecurrentKVCache:
             filled.copy_(torch.where(missing, latest, filled))
             if static:
                 cache.index_copy_(4, start, filled)
-
-    def fill_row(self, row: int, steps: int, slots: int, start: int, end: int) -> None:
-        """`fill_missing` for one row whose tokens start..end-1 ran `steps` iterations over its first
-        `slots` core slots; the other rows' entries are left alone."""
-        if steps >= slots:
-            return
-        for cache in (self.core_k, self.core_v):
-            cache[:, steps:slots, row, :, start:end] = cache[:, steps - 1:steps, row, :, start:end]
 
     @property
     def core_nbytes(self) -> int:

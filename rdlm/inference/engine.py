@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.cache import RecurrentKVCache
+from rdlm.inference.exits import ExitTrack, iterate_with_exits
 from rdlm.model.lm import RecurrentDepthLM, Rope
 
 if TYPE_CHECKING:
@@ -52,17 +53,6 @@ def noise_table(model: RecurrentDepthLM, seed: int, scale: float, length: int, d
         generator = torch.Generator().manual_seed(seed * 1_000_003 + b)
         blocks.append(model.init_state(torch.zeros(NOISE_BLOCK, model.config.hidden_size), scale, generator))
     return torch.cat(blocks)[:length].to(device=device, dtype=dtype)
-
-
-def exit_schedule(iteration: int, num_steps: int, every: int) -> tuple[bool, bool]:
-    """(evaluate, needs_logits_for_next): whether the exit criterion is read after 0-based iteration
-    `iteration` of a token with at most `num_steps`, and whether the next iteration's reading needs
-    this iteration's logits too. A reading compares iterations i - 1 and i: never at i = 0 (nothing to
-    compare) nor at the last iteration (the token stops there anyway); every `every` iterations."""
-    def reads(i: int) -> bool:
-        return 0 < i < num_steps - 1 and (i + 1) % every == 0
-
-    return reads(iteration), reads(iteration + 1)
 
 
 @dataclass
@@ -321,27 +311,24 @@ class Session:
                      zeros.bool(), zeros.clone(), logits),)
 
     def iterate(self, rows: Rows, first: int, n: int, in_place: bool = False) -> Rows:
-        """Iterations first .. first + n - 1 for `rows`, deciding exits on the device. A row that
-        exited keeps its state and stops writing core cache entries. `in_place` writes the results
-        into `rows`' own tensors (a static step's outputs are its inputs)."""
-        c, crit, cache = self.config, self.criterion, self.cache
-        r = c.num_steps
-        out = dataclasses.replace(rows)
-        for i in range(first, first + n):
-            cache.core_writers = ~out.exited if i else None
-            new = self.model.step(out.state, out.embedded, i, out.rope, out.mask, cache)
-            prev_state = out.state
-            out.state = torch.where(out.exited.view(-1, 1, 1), prev_state, new)
-            out.steps = out.steps + (~out.exited).long()
-            evaluate, next_evaluates = exit_schedule(i, r, c.exit_every)
-            prev_logits = out.logits
-            if crit.uses_logits and (evaluate or next_evaluates):
-                out.logits = self.model.readout(out.state, out.rope, out.mask, cache)[:, -1]
-            if evaluate:
-                done, out.streak = crit.update(out.streak, prev_logits, out.logits, prev_state[:, -1],
-                                               out.state[:, -1])
-                out.exited = out.exited | (done & (out.steps >= c.min_steps))
+        """Iterations first .. first + n - 1 for `rows` (`iterate_with_exits`), deciding exits on the
+        device. A row that exited keeps its state and stops writing core cache entries. `in_place`
+        writes the results into `rows`' own tensors (a static step's outputs are its inputs)."""
+        c, cache = self.config, self.cache
+
+        def step(state: Tensor, i: int, exited: Tensor) -> Tensor:
+            cache.core_writers = ~exited if i else None
+            return self.model.step(state, rows.embedded, i, rows.rope, rows.mask, cache)
+
+        def readout(state: Tensor) -> Tensor:
+            return self.model.readout(state, rows.rope, rows.mask, cache)[:, -1]
+
+        track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits)
+        state, track = iterate_with_exits(step, readout, rows.state, track, self.criterion, first, n,
+                                          c.num_steps, min_steps=c.min_steps, every=c.exit_every)
         cache.core_writers = None
+        out = dataclasses.replace(rows, state=state, steps=track.steps, exited=track.exited,
+                                  streak=track.streak, logits=track.logits)
         if in_place:
             for name in ("state", "steps", "exited", "streak", "logits"):
                 target = getattr(rows, name)

@@ -1,11 +1,17 @@
 """Accuracy or perplexity of a model against the number of iterations r (paper Figures 1 and 10).
 
     sweep = perplexity_vs_steps(model, documents, [1, 2, 4, 8, 16, 32])      # token id lists
+    scores = nll_vs_steps(model, [(input_ids, labels), ...], [1, 4, 16])      # per-row NLL sums at each r
     sweeps = accuracy_vs_steps("path/to/model", ["arc_challenge"], [4, 8, 16, 32])   # via lm-eval
     plot_sweeps(sweeps, "saturation.png")
 
 A recurrent-depth model should improve with r and then saturate; a flat curve from r = 1 means the
 model learned to ignore its state (a failure mode the paper reports, docs/architecture.md#monitoring).
+
+`score_targets` is the one place that turns a forward pass at r into negative log-likelihoods (per row:
+the summed NLL of its targets, their number, whether each was the argmax), and `nll_vs_steps` the one
+sweep over r (the same s_0 draws at every r). Perplexity here, the training run's validation loss
+(rdlm.train.monitor) and lm-eval's loglikelihood requests (rdlm.integrations.lm_eval) all use them.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from contextlib import nullcontext
+from typing import ContextManager, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
+from rdlm.data.shards import IGNORE_INDEX
 from rdlm.fileio import atomic_write, write_json
 from rdlm.model.lm import RecurrentDepthLM
 
@@ -34,6 +43,60 @@ class DepthSweep:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class TargetScores:
+    """Per row: the negative log-likelihood of its targets, summed, their number, and whether every
+    target was the most likely token."""
+    nll: Tensor        # [rows] float32
+    targets: Tensor    # [rows] long
+    greedy: Tensor     # [rows] bool
+
+    @property
+    def mean_nll(self) -> float:
+        """The NLL per target over all rows (NaN where no row has a target)."""
+        return float(self.nll.double().sum()) / max(int(self.targets.sum()), 1) if self.nll.numel() else math.nan
+
+    @classmethod
+    def cat(cls, parts: Sequence["TargetScores"]) -> "TargetScores":
+        return cls(*(torch.cat([getattr(p, name) for p in parts]) for name in ("nll", "targets", "greedy")))
+
+
+def score_targets(model: RecurrentDepthLM, input_ids: Tensor, labels: Tensor, num_steps: int, *,
+                  initial_state: Tensor | None = None, init_scale: float = 1.0,
+                  generator: torch.Generator | None = None, autocast: ContextManager | None = None
+                  ) -> TargetScores:
+    """One forward pass at r = num_steps over input_ids [B, L]; labels [B, L] holds the token each
+    position should predict, IGNORE_INDEX where none. s_0 is `initial_state`, else drawn with
+    `init_scale` from `generator`. Log-probabilities are taken in float32 whatever the model's dtype;
+    `autocast` wraps the forward pass only."""
+    with autocast or nullcontext():
+        logits = model(input_ids, num_steps=num_steps, initial_state=initial_state, init_scale=init_scale,
+                       generator=generator).logits
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    scored = labels != IGNORE_INDEX
+    picked = log_probs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    nll = -torch.where(scored, picked, 0.0).sum(dim=-1)
+    greedy = ((log_probs.argmax(dim=-1) == labels) | ~scored).all(dim=-1)
+    return TargetScores(nll, scored.sum(dim=-1), greedy)
+
+
+@torch.no_grad()
+def nll_vs_steps(model: RecurrentDepthLM, batches: Iterable[tuple[Tensor, Tensor]], num_steps: Sequence[int], *,
+                 seed: int = 0, init_scale: float = 1.0, autocast: ContextManager | None = None,
+                 device: torch.device | None = None) -> dict[int, TargetScores]:
+    """`score_targets` of every (input_ids, labels) batch at each r, rows in order. s_0 comes from one
+    generator seeded with `seed` afresh at every r, so every r starts from the same draws."""
+    device = next(model.parameters()).device if device is None else device
+    batches = list(batches)
+    scores = {}
+    for r in num_steps:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        scores[int(r)] = TargetScores.cat([
+            score_targets(model, ids.to(device), labels.to(device), int(r), init_scale=init_scale,
+                          generator=generator, autocast=autocast) for ids, labels in batches])
+    return scores
 
 
 def check_steps(num_steps: Sequence[int]) -> list[int]:
@@ -69,30 +132,25 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
     pieces = windows(documents, seq_len)
     if not pieces:
         raise ValueError("no document has two or more tokens: nothing to predict")
-    device = next(model.parameters()).device
+    batches = []
+    for start in range(0, len(pieces), batch_size):
+        batch = pieces[start:start + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width - 1), IGNORE_INDEX, dtype=torch.long)
+        for row, piece in enumerate(batch):
+            ids[row, :len(piece)] = torch.tensor(piece)
+            labels[row, :len(piece) - 1] = torch.tensor(piece[1:])
+        batches.append((ids[:, :-1], labels))
     model.eval()
     sweep = DepthSweep(task=task, metric="perplexity", higher_is_better=False)
-    for r in steps:
-        generator = torch.Generator(device).manual_seed(seed)  # the same s_0 draws at every r
-        total, count = 0.0, 0
-        for start in range(0, len(pieces), batch_size):
-            batch = pieces[start:start + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            labels = torch.full((len(batch), width - 1), -100, dtype=torch.long)
-            for row, piece in enumerate(batch):
-                ids[row, :len(piece)] = torch.tensor(piece)
-                labels[row, :len(piece) - 1] = torch.tensor(piece[1:])
-            logits = model(ids[:, :-1].to(device), num_steps=r, init_scale=init_scale, generator=generator).logits
-            nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten().to(device), ignore_index=-100,
-                                  reduction="sum")
-            total += nll.item()
-            if not math.isfinite(total):
-                raise FloatingPointError(f"{task}: the model's logits are not finite at r={r} (NaN or infinite "
-                                         "weights, or an overflow in this dtype); no perplexity to report")
-            count += int((labels != -100).sum())
+    for r, scores in nll_vs_steps(model, batches, steps, seed=seed, init_scale=init_scale).items():
+        nll = scores.mean_nll
+        if not math.isfinite(nll):
+            raise FloatingPointError(f"{task}: the model's logits are not finite at r={r} (NaN or infinite "
+                                     "weights, or an overflow in this dtype); no perplexity to report")
         sweep.num_steps.append(r)
-        sweep.values.append(math.exp(total / count))
+        sweep.values.append(math.exp(nll))
     return sweep
 
 

@@ -19,6 +19,10 @@ code's; `CriterionSpec.reference_threshold` keeps the code's default where they 
 Shapes: logits are [..., vocab], states [..., hidden]; scores and decisions are [...] (e.g. [batch] for
 one decoded token per sequence, or [batch, seq]). Nothing here keeps state between calls: the streak
 counter for `patience` is passed in and returned (`ExitCriterion.update`).
+
+`iterate_with_exits` is the one per-token exit loop: the decode engine (rdlm.inference.engine) and the
+exit-step analysis (rdlm.analysis.exit_steps) both run it; continuous batching, whose rows sit at
+different iterations, takes its `exit_schedule` and `exit_decision` one iteration at a time.
 """
 
 from __future__ import annotations
@@ -221,3 +225,77 @@ def make_exit_criterion(name: str, threshold: float | None = None, *, patience: 
     if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
         raise ValueError(f"patience (n) must be an integer >= 1, got {patience!r}")
     return ExitCriterion(name, float(threshold), patience, tuple(sorted(options.items())))
+
+
+# --------------------------------------------------------------------------------------------------
+# The per-token exit loop (paper section 6.1)
+
+@dataclass
+class ExitTrack:
+    """Where each token of an adaptive loop stands, flat over the tokens ([n]; the leading dimensions of
+    the state, e.g. [batch] for one decoded token per row or [seq] for a teacher-forced prompt)."""
+
+    steps: Tensor            # [n] iterations run before the token exited (the cap if it never did)
+    exited: Tensor           # [n] bool
+    streak: Tensor           # [n] consecutive passing readings
+    logits: Tensor | None    # [n, V] the latest readout, kept when the criterion reads logits
+
+    @classmethod
+    def start(cls, n: int, device: torch.device, vocab_size: int | None = None) -> "ExitTrack":
+        """No iteration run yet; `vocab_size` when the criterion reads logits."""
+        zeros = torch.zeros(n, dtype=torch.long, device=device)
+        logits = None if vocab_size is None else torch.zeros(n, vocab_size, device=device)
+        return cls(zeros, zeros.bool(), zeros.clone(), logits)
+
+
+def exit_schedule(iteration: int, num_steps: int, every: int) -> tuple[bool, bool]:
+    """(evaluate, needs_logits_for_next): whether the exit criterion is read after 0-based iteration
+    `iteration` of a token with at most `num_steps`, and whether the next iteration's reading needs
+    this iteration's logits too. A reading compares iterations i - 1 and i: never at i = 0 (nothing to
+    compare) nor at the last iteration (the token stops there anyway); every `every` iterations."""
+    def reads(i: int) -> bool:
+        return 0 < i < num_steps - 1 and (i + 1) % every == 0
+
+    return reads(iteration), reads(iteration + 1)
+
+
+def exit_decision(criterion: ExitCriterion, streak: Tensor, steps: Tensor, min_steps: int | Tensor,
+                  prev_logits: Tensor | None, logits: Tensor | None, prev_state: Tensor | None,
+                  state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(exits, streak) after one reading: a token exits once the criterion passed `patience` readings in
+    a row and it has run at least `min_steps` iterations."""
+    done, streak = criterion.update(streak, prev_logits, logits, prev_state, state)
+    return done & (steps >= min_steps), streak
+
+
+def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: Callable[[Tensor], Tensor],
+                       state: Tensor, track: ExitTrack, criterion: ExitCriterion, first: int, n: int,
+                       num_steps: int, *, min_steps: int = 2, every: int = 1, freeze: bool = True
+                       ) -> tuple[Tensor, ExitTrack]:
+    """Iterations first .. first + n - 1 (0-based) of a per-token adaptive loop capped at `num_steps`.
+
+    step(state, i, exited) -> the state after iteration i; readout(state) -> next-token logits [..., V]
+    (called only when the criterion reads logits, and only at iterations whose reading needs them).
+    After each iteration every token still iterating counts one step; at the iterations of
+    `exit_schedule` the criterion compares the token's previous and new iteration and the token exits
+    (`exit_decision`). `freeze`: an exited token keeps its state (decoding: its exit state is its final
+    one); otherwise it goes on iterating and only its step count stops (teacher-forced analysis, where
+    every token runs to the same depth). No host sync: the caller decides when to look at `exited`.
+    Returns the new state and a new track (the given one is not modified)."""
+    tokens = state.shape[:-1]
+    steps, exited, streak, logits = track.steps, track.exited, track.streak, track.logits
+    for i in range(first, first + n):
+        prev_state, new = state, step(state, i, exited)
+        state = torch.where(exited.view(*tokens, 1), prev_state, new) if freeze else new
+        steps = steps + (~exited).long()
+        evaluate, next_evaluates = exit_schedule(i, num_steps, every)
+        prev_logits = logits
+        if criterion.uses_logits and (evaluate or next_evaluates):
+            logits = readout(state)
+            logits = logits.reshape(-1, logits.shape[-1])
+        if evaluate:
+            exits, streak = exit_decision(criterion, streak, steps, min_steps, prev_logits, logits,
+                                          prev_state.reshape(-1, state.shape[-1]),
+                                          state.reshape(-1, state.shape[-1]))
+            exited = exited | exits
+    return state, ExitTrack(steps, exited, streak, logits)

@@ -33,13 +33,14 @@ from typing import Any
 
 import lm_eval.models  # noqa: F401  (fills the registry's lazy entries first, so "hf" & co. stay visible)
 import torch
-import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from rdlm.data.shards import IGNORE_INDEX
 from rdlm.inference.engine import noise_table
+from rdlm.inference.evaluate import score_targets
 from rdlm.model.huginn import load_pretrained
 from rdlm.inference.exits import make_exit_criterion
 from rdlm.inference.generate import GenerationConfig, generate
@@ -200,22 +201,20 @@ class RDLMEvalModel(TemplateLM):
             batch = order[start:start + self.batch_size]
             width = max(len(inputs[i]) for i in batch)
             ids = torch.full((len(batch), width), self.tokenizer.pad_id, dtype=torch.long)
+            labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
             states = torch.zeros(len(batch), width, self.model.config.hidden_size,
                                  dtype=self.model.embedding.weight.dtype, device=self._device)
             for row, i in enumerate(batch):
-                ids[row, :len(inputs[i])] = torch.tensor(inputs[i])
+                end, continuation = len(inputs[i]), requests[i][2]
+                ids[row, :end] = torch.tensor(inputs[i])
+                labels[row, end - len(continuation):end] = torch.tensor(continuation)
                 noise = self.initial_state(inputs[i])
                 if noise is not None:
-                    states[row, :len(inputs[i])] = noise
-            logits = self.model(ids.to(self._device), num_steps=self.num_steps, initial_state=states).logits
-            log_probs = F.log_softmax(logits.float(), dim=-1)
+                    states[row, :end] = noise
+            scores = score_targets(self.model, ids.to(self._device), labels.to(self._device), self.num_steps,
+                                   initial_state=states)
             for row, i in enumerate(batch):
-                continuation = requests[i][2]
-                end = len(inputs[i])
-                picked = log_probs[row, end - len(continuation):end]
-                target = torch.tensor(continuation, device=picked.device)
-                score = picked.gather(-1, target[:, None]).sum().item()
-                greedy = bool((picked.argmax(-1) == target).all())
+                score, greedy = -scores.nll[row].item(), bool(scores.greedy[row])
                 results[i] = (score, greedy)
                 if requests[i][0][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], (score, greedy))

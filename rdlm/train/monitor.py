@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rdlm.data.shards import IGNORE_INDEX, Batch
+from rdlm.data.shards import Batch
 from rdlm.fileio import write_text
+from rdlm.inference.evaluate import nll_vs_steps
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -56,17 +57,10 @@ def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Seque
     device = device or next(model.parameters()).device
     metrics: dict[str, float] = {}
     try:
+        scores = nll_vs_steps(model, [(b.input_ids, b.labels) for b in batches], num_steps, seed=seed,
+                              autocast=autocast, device=device)
         for r in num_steps:
-            total, count = 0.0, 0
-            generator = torch.Generator(device=device).manual_seed(seed)
-            for batch in batches:
-                ids, labels = batch.input_ids.to(device), batch.labels.to(device)
-                with autocast or _null():
-                    logits = model(ids, num_steps=int(r), generator=generator).logits
-                total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                         ignore_index=IGNORE_INDEX, reduction="sum").item()
-                count += batch.num_targets
-            loss = total / max(count, 1)
+            loss = scores[int(r)].mean_nll
             metrics[f"val_loss_r{r}"] = loss
             metrics[f"val_ppl_r{r}"] = math.exp(min(loss, 50))
         # State statistics at the model's mean recurrence, on the first batch.
