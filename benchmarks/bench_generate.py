@@ -34,9 +34,8 @@ import torch
 import rdlm
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.model import dtypes
 from rdlm.model.lm import rope_tables
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_random(preset: str, dtype: torch.dtype, device: str) -> RecurrentDepthLM:
@@ -204,13 +203,13 @@ def main() -> None:
     p.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
                    help="the static decode step (GenerationConfig.compile); both: off then on, per row")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=dtypes.CHOICES, default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    dtype = dtypes.resolve_dtype(args.dtype)
     peak, bw = matmul_peak(dtype, args.device), bandwidth(args.device)
     compiles = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.compile]
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"

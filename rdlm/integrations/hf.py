@@ -51,6 +51,7 @@ from transformers.utils.hub import convert_file_size_to_int  # noqa: E402
 
 from rdlm.model import huginn  # noqa: E402
 from rdlm.model.config import RDLMConfig  # noqa: E402
+from rdlm.model.dtypes import resolve_dtype  # noqa: E402
 from rdlm.inference.engine import Session, noise_table  # noqa: E402
 from rdlm.model.lm import ATTENTION_IMPLEMENTATIONS, RecurrentDepthLM, causal_mask  # noqa: E402
 
@@ -302,7 +303,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
             path = Path(_download(str(pretrained_model_name_or_path), hub, subfolder))
         if subfolder:
             path = path / subfolder if (path / subfolder).is_dir() else path
-        model = huginn.load_pretrained(path, dtype=_resolve_dtype(dtype if dtype is not None else torch_dtype),
+        model = huginn.load_pretrained(path, dtype=resolve_dtype(dtype if dtype is not None else torch_dtype),
                                        device=device)
         if config is None or not isinstance(config, RavenConfig):
             config = RavenConfig.from_pretrained(path)
@@ -725,18 +726,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|begin_header|>Huginn<|end_header|>\\n\\n' }}{% endif %}"
 )
-
-
-def _resolve_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or dtype == "auto":
-        return None
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    resolved = getattr(torch, name) if name.isidentifier() and hasattr(torch, name) else None
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'bfloat16', 'float32', 'auto')")
-    return resolved
 
 
 def _resolve_device(device_map: Any) -> torch.device:
