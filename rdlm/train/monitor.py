@@ -6,6 +6,7 @@ the final hidden state, and the relative change of the last iteration ||s_r - s_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -60,7 +61,7 @@ def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Seque
             generator = torch.Generator(device=device).manual_seed(seed)
             for batch in batches:
                 ids, labels = batch.input_ids.to(device), batch.labels.to(device)
-                with autocast or _null():
+                with autocast or contextlib.nullcontext():
                     logits = model(ids, num_steps=int(r), generator=generator).logits
                 total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                          ignore_index=IGNORE_INDEX, reduction="sum").item()
@@ -71,7 +72,7 @@ def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Seque
         # State statistics at the model's mean recurrence, on the first batch.
         r = model.config.mean_recurrence
         generator = torch.Generator(device=device).manual_seed(seed)
-        with autocast or _null():
+        with autocast or contextlib.nullcontext():
             out = model(batches[0].input_ids.to(device), num_steps=r, generator=generator,
                         return_trajectory=True)
         last, previous = out.trajectory[-1].float(), out.trajectory[-2].float()
@@ -81,14 +82,6 @@ def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Seque
     finally:
         model.train(was_training)
     return metrics
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def collapse_signatures(metrics: dict[str, float], num_steps: Sequence[int],
