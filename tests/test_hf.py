@@ -111,6 +111,28 @@ def test_tokenizer_special_tokens_and_chat_template(tmp_path):
     assert tok.decode(ids) == text
 
 
+CHATS = [
+    [{"role": "user", "content": "hello"}],
+    [{"role": "system", "content": "  Be brief.\n"}, {"role": "user", "content": " 2+2? "},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and\n\n3+3?\t"}],
+    [{"role": "assistant", "content": ""}, {"role": "tool", "content": "{\"x\": 1}"}],
+]
+
+
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_transformers_and_rdlm_format_a_chat_identically(tmp_path, chat, add_generation_prompt):
+    """One chat format: a transformers tokenizer, rdlm's Tokenizer (chat, serve), lm-eval's model."""
+    from rdlm.data.tokenizer import Tokenizer, format_chat
+
+    d = tiny_model_dir(tmp_path / "m")
+    theirs = AutoTokenizer.from_pretrained(d).apply_chat_template(chat, tokenize=False,
+                                                                   add_generation_prompt=add_generation_prompt)
+    ours = Tokenizer.from_dir(d)
+    assert ours.format_chat(chat, add_generation_prompt) == theirs == format_chat(chat, add_generation_prompt)
+    assert ours.apply_chat_template(chat, add_generation_prompt) == ours.encode(theirs)
+
+
 def test_tokenizer_without_special_tokens_is_rejected(tmp_path):
     from tokenizers import Tokenizer, models
 

@@ -52,6 +52,7 @@ from transformers.utils.hub import convert_file_size_to_int  # noqa: E402
 from rdlm.model import huginn  # noqa: E402
 from rdlm.model.config import RDLMConfig  # noqa: E402
 from rdlm.model.dtypes import resolve_dtype  # noqa: E402
+from rdlm.data.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS  # noqa: E402
 from rdlm.inference.engine import Session, noise_table  # noqa: E402
 from rdlm.model.lm import ATTENTION_IMPLEMENTATIONS, RecurrentDepthLM, causal_mask  # noqa: E402
 
@@ -712,20 +713,6 @@ def load_tokenizer(path: str | os.PathLike) -> RavenTokenizerFast:
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no tokenizer.json")
     return RavenTokenizerFast._with_huginn_defaults(RavenTokenizerFast(tokenizer_file=str(file)))
-
-
-BOS, EOS, BEGIN_HEADER, END_HEADER, END_TURN, PAD = ("<|begin_text|>", "<|end_text|>", "<|begin_header|>",
-                                                     "<|end_header|>", "<|end_turn|>", "<|pad|>")
-SPECIAL_TOKENS = (BOS, EOS, BEGIN_HEADER, END_HEADER, END_TURN, PAD)
-# SPEC section 2: the first turn is preceded by BOS; the assistant role is named "Huginn".
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|begin_header|>' + ('Huginn' if message['role'] == 'assistant' else message['role'])"
-    " + '<|end_header|>\\n\\n' + message['content'] | trim + '<|end_turn|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|begin_header|>Huginn<|end_header|>\\n\\n' }}{% endif %}"
-)
 
 
 def _resolve_device(device_map: Any) -> torch.device:

@@ -46,8 +46,7 @@ from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.resolve import resolve_model_source
 from rdlm.inference.exits import make_exit_criterion
 from rdlm.inference.generate import GenerationConfig, generate
-from rdlm.integrations.hf import CHAT_TEMPLATE
-from rdlm.data.tokenizer import Tokenizer
+from rdlm.data.tokenizer import CHAT_TEMPLATE, Tokenizer
 
 eval_logger = logging.getLogger(__name__)
 
