@@ -34,9 +34,8 @@ import torch
 import rdlm
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.model import dtypes
 from rdlm.model.lm import rope_tables
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_random(preset: str, dtype: torch.dtype, device: str) -> RecurrentDepthLM:
@@ -158,7 +157,6 @@ def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -
     mean_steps = sum(s for row in result.steps for s in row[1:]) / max(decoded, 1)
     context = args.prompt_length + args.new_tokens / 2
     prompt_tokens = sum(len(p) for p in prompts)
-    prefill_flops = prompt_tokens * token_flops(c, r, 1, args.prompt_length / 2)
     uses_logits = mode in ("adaptive", "never")
     if mode == "speculative":
         # every drafted token: prelude, N iterations, coda; then verification: r - N iterations, coda
@@ -204,13 +202,13 @@ def main() -> None:
     p.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
                    help="the static decode step (GenerationConfig.compile); both: off then on, per row")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=dtypes.CHOICES, default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    dtype = dtypes.resolve_dtype(args.dtype)
     peak, bw = matmul_peak(dtype, args.device), bandwidth(args.device)
     compiles = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.compile]
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"

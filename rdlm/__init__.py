@@ -21,16 +21,12 @@ def build_model(preset: str = "tiny", seed: int | None = None, **overrides) -> R
     return RecurrentDepthLM(RDLMConfig.from_preset(preset, **overrides))
 
 
-def load_model(source: str, **kwargs) -> RecurrentDepthLM:
-    """A model from a Huginn-layout directory, or a new random one if `source` names a preset."""
-    from pathlib import Path
+def load_model(source: str, *, dtype=None, device="cpu", weights: str = "ema") -> RecurrentDepthLM:
+    """The model `source` names, in eval mode: a preset (a new random model; `preset:NAME` when a folder
+    of that name holds a model too), a Huginn-layout directory, a training checkpoint `step-N/` or a run
+    directory (its newest complete checkpoint). dtype: a name ("bf16", "float32", ...) or torch dtype,
+    None for the file's own; weights: of a checkpoint, "ema" (when the run kept one) or "model".
+    The rules are rdlm.model.resolve's, shared by every command's `--model`."""
+    from rdlm.model.resolve import load_model as load
 
-    if source in PRESETS and not Path(source).exists():
-        return build_model(source)
-    if not Path(source).exists():
-        import difflib
-
-        close = difflib.get_close_matches(source, list(PRESETS), n=1)
-        hint = f" (did you mean preset {close[0]!r}?)" if close else f"; presets: {', '.join(PRESETS)}"
-        raise FileNotFoundError(f"{source!r} is neither a model directory nor a preset{hint}")
-    return load_pretrained(source, **kwargs)
+    return load(source, dtype=dtype, device=device, weights=weights)

@@ -35,7 +35,7 @@ def training_run(tmp_path, tiny_model):
 
 def test_training_checkpoint_to_huginn_picks_ema_or_raw_weights(tmp_path, tiny_model):
     run, ema = training_run(tmp_path, tiny_model)
-    assert resolve_source(run) == run / "checkpoints" / "step-000200" / "ema"
+    assert resolve_source(run).directory == run / "checkpoints" / "step-000200" / "ema"
     out = convert(run, tmp_path / "release")
     assert same_weights(load_pretrained(out), ema)
     raw = convert(run / "checkpoints" / "step-000100", tmp_path / "raw", weights="model")

@@ -39,7 +39,7 @@ def test_config_round_trips_to_rdlm_config(huginn_tiny_dir):
 def test_dtype_argument_casts(huginn_tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(huginn_tiny_dir, dtype=torch.bfloat16)
     assert model.model.embedding.weight.dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="not a torch dtype"):
+    with pytest.raises(ValueError, match="unknown dtype 'floaty'"):
         RavenForCausalLM.from_pretrained(huginn_tiny_dir, dtype="floaty")
 
 
@@ -109,6 +109,28 @@ def test_tokenizer_special_tokens_and_chat_template(tmp_path):
     assert ids == ours.encode(text)
     assert ids[0] == tok.convert_tokens_to_ids("<|begin_text|>")
     assert tok.decode(ids) == text
+
+
+CHATS = [
+    [{"role": "user", "content": "hello"}],
+    [{"role": "system", "content": "  Be brief.\n"}, {"role": "user", "content": " 2+2? "},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and\n\n3+3?\t"}],
+    [{"role": "assistant", "content": ""}, {"role": "tool", "content": "{\"x\": 1}"}],
+]
+
+
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_transformers_and_rdlm_format_a_chat_identically(tmp_path, chat, add_generation_prompt):
+    """One chat format: a transformers tokenizer, rdlm's Tokenizer (chat, serve), lm-eval's model."""
+    from rdlm.data.tokenizer import Tokenizer, format_chat
+
+    d = tiny_model_dir(tmp_path / "m")
+    theirs = AutoTokenizer.from_pretrained(d).apply_chat_template(chat, tokenize=False,
+                                                                   add_generation_prompt=add_generation_prompt)
+    ours = Tokenizer.from_dir(d)
+    assert ours.format_chat(chat, add_generation_prompt) == theirs == format_chat(chat, add_generation_prompt)
+    assert ours.apply_chat_template(chat, add_generation_prompt) == ours.encode(theirs)
 
 
 def test_tokenizer_without_special_tokens_is_rejected(tmp_path):

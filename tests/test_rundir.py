@@ -1,10 +1,8 @@
 """A run directory has one writer, and a new run never mixes into another one's files."""
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.model.config import ConfigError
-from rdlm.train import TrainConfig, TrainingError, train
+from rdlm.train import TrainConfig, train
 from rdlm.train.checkpoint import latest_checkpoint, list_checkpoints
 from rdlm.train.rundir import LOCK_FILE, RunDirError, RunLock, clean_leftovers
 

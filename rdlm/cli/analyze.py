@@ -9,15 +9,15 @@ from pathlib import Path
 
 import torch
 
-from rdlm.model.config import PRESETS
+from rdlm.model.resolve import ACCEPTED, resolve_model_source
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="pictures of the latent dynamics (trajectories, convergence, "
                                               "path independence, exit steps) in an HTML report")
-    p.add_argument("model", help=f"a model directory or a preset ({', '.join(PRESETS)}; random weights)")
+    p.add_argument("model", help=ACCEPTED)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                   help="a prompt as text (needs the model directory's tokenizer.json); repeatable")
+                   help="a prompt as text (needs the model's tokenizer.json); repeatable")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="ID,ID,...",
                    help="a prompt as comma-separated token ids; repeatable")
     p.add_argument("--prompts-file", metavar="FILE.jsonl",
@@ -56,15 +56,15 @@ def _ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from err
 
 
-def load_tokenizer(model: str):
-    """The model directory's tokenizer, or None (token ids are shown instead of text)."""
-    if not (Path(model) / "tokenizer.json").is_file():
+def load_tokenizer(tokenizer_dir: Path | None):
+    """The model's tokenizer, or None (token ids are shown instead of text)."""
+    if tokenizer_dir is None:
         return None
     try:
         from rdlm.data.tokenizer import Tokenizer
     except ImportError:
         return None
-    return Tokenizer.from_dir(model)
+    return Tokenizer.from_dir(tokenizer_dir)
 
 
 def read_prompts(args: argparse.Namespace, tokenizer):
@@ -104,10 +104,10 @@ def read_prompts(args: argparse.Namespace, tokenizer):
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdlm import load_model
     from rdlm.analysis import AnalysisSettings, analyze
 
-    tokenizer = load_tokenizer(args.model)
+    found = resolve_model_source(args.model)
+    tokenizer = load_tokenizer(found.tokenizer_dir)
     prompts = read_prompts(args, tokenizer)
     settings = AnalysisSettings(
         num_steps=args.num_steps, limit_steps=args.limit_steps, seed=args.seed, init_scale=args.init_scale,
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         max_bytes=args.max_memory_mb * 2**20, stream=args.stream, num_runs=args.runs,
         exit_criterion=None if args.exit_criterion == "none" else args.exit_criterion,
         exit_threshold=args.exit_threshold, exit_max_steps=args.exit_max_steps)
-    model = load_model(args.model).to(args.device)
+    model = found.load(device=args.device)
     with torch.no_grad():
         result = analyze(model, prompts, args.out, settings, tokenizer=tokenizer, model_name=args.model)
     for name, p in result.summary["prompts"].items():

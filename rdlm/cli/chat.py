@@ -21,7 +21,8 @@ from rdlm.inference.generate import generate
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("chat", help="interactive chat with a model directory (needs tokenizer.json)")
-    p.add_argument("--model", required=True, help="a model directory with tokenizer.json")
+    p.add_argument("--model", required=True, help="a model directory, training checkpoint step-N/ or run "
+                                                   "directory with tokenizer.json")
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument("--stats", action="store_true", help="print iterations per token and speed after each reply")
     add_generation_args(p)

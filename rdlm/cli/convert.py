@@ -4,7 +4,8 @@ sharded with an index when large)."""
 from __future__ import annotations
 
 import argparse
-from rdlm.model.convert import DTYPES, convert
+from rdlm.model import dtypes
+from rdlm.model.convert import convert
 
 
 def register(subparsers) -> None:
@@ -12,7 +13,7 @@ def register(subparsers) -> None:
     p.add_argument("source", help="a Huginn-layout dir, a training checkpoint (step-N/) or a run dir")
     p.add_argument("destination", help="the Huginn-layout directory to write: new, empty, or a model directory (only its "
                         "config.json and weight files are replaced, atomically)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="weight dtype (default: keep)")
+    p.add_argument("--dtype", choices=(*dtypes.CHOICES, "keep"), default="keep", help="weight dtype (default: keep)")
     p.add_argument("--max-shard-size", default="5GB", help="split weights into shards of at most this size")
     p.add_argument("--weights", choices=("ema", "model"), default="ema",
                    help="from a training checkpoint: the EMA weights (default) or the raw ones")

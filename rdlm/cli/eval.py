@@ -12,7 +12,8 @@ from rdlm.cli import CLIError
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="accuracy or perplexity against the number of iterations r")
-    p.add_argument("model", help="a Huginn-layout model directory (with tokenizer.json)")
+    p.add_argument("model", help="a model directory, training checkpoint step-N/ or run directory with "
+                                 "tokenizer.json")
     p.add_argument("--num-steps", default="1,2,4,8,16,32", help="comma-separated values of r")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", help="perplexity on this file (.txt: one document; .jsonl: field 'text')")
@@ -51,11 +52,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CLIError(f"--num-steps must be comma-separated integers, got {args.num_steps!r}") from err
     if args.text:
-        from rdlm.model.huginn import load_pretrained
-        from rdlm.data.tokenizer import Tokenizer
+        from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
+        from rdlm.model.resolve import resolve_model_source
 
-        model = load_pretrained(args.model)
-        tokenizer = Tokenizer.from_dir(args.model)
+        found = resolve_model_source(args.model)
+        if found.tokenizer_dir is None:
+            raise CLIError(f"{args.model!r} has no {TOKENIZER_FILE}: perplexity on text needs the model's tokenizer")
+        model = found.load()
+        tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         docs = [tokenizer.encode(d, add_bos=True) for d in read_documents(Path(args.text))]
         sweeps = [perplexity_vs_steps(model, docs, steps, seq_len=args.seq_len, batch_size=args.batch_size,
                                       init_scale=args.init_scale, task=Path(args.text).name)]

@@ -1,27 +1,26 @@
 """`rdlm generate`: continue prompts with a model (a thin layer over `rdlm.inference.generate`).
 
-Text prompts (`--prompt`, repeatable: a batch) need a model directory with tokenizer.json; token-id
-prompts (`--prompt-ids 1,2,3`) work with any model, presets included.
+Text prompts (`--prompt`, repeatable: a batch) need a model with tokenizer.json (a model directory,
+checkpoint or run directory that has one); token-id prompts (`--prompt-ids 1,2,3`) work with any
+model, presets included. What `--model` can name: rdlm.model.resolve.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from rdlm import load_model
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rdlm.model import dtypes
+from rdlm.model.resolve import ACCEPTED, resolve_model_source
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text or token ids from a model")
-    p.add_argument("--model", required=True, help="a preset name or a model directory")
+    p.add_argument("--model", required=True, help=ACCEPTED)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); needs tokenizer.json")
     src.add_argument("--prompt-ids", action="append",
@@ -79,7 +78,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32")
     g.add_argument("--device", default="cpu")
 
 
@@ -102,26 +101,17 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
 
 
 def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False):
-    """The model and, when the model directory has tokenizer.json, its tokenizer (else None)."""
+    """The model and, when it comes with tokenizer.json, its tokenizer (else None)."""
     from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
-    kwargs = {"dtype": DTYPES[dtype], "device": device} if Path(source).is_dir() else {}
-    model = load_model(source, **kwargs)
-    model = cast_parameters(model.to(device), DTYPES[dtype]).eval()
+    found = resolve_model_source(source)
     tokenizer = None
-    if Path(source).is_dir() and (Path(source) / TOKENIZER_FILE).is_file():
-        tokenizer = Tokenizer.from_dir(source)
+    if found.tokenizer_dir is not None:
+        tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
     elif need_tokenizer:
         raise ValueError(f"{source!r} has no {TOKENIZER_FILE}: text needs a model directory with a "
                          f"tokenizer (use --prompt-ids for token ids)")
-    return model, tokenizer
-
-
-def cast_parameters(model, dtype: torch.dtype):
-    """Cast weights only: the RoPE tables stay float32 (docs/checkpoint-format.md#rope-table)."""
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
-    return model
+    return found.load(dtype=dtype, device=device), tokenizer
 
 
 def parse_ids(text: str) -> list[int]:

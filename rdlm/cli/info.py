@@ -8,13 +8,14 @@ import time
 
 import torch
 
-from rdlm.model.config import PRESETS, RDLMConfig
+from rdlm.model.config import RDLMConfig
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model.resolve import ACCEPTED, resolve_model_source
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("info", help="show a model's config and parameter counts")
-    p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a model directory")
+    p.add_argument("model", help=ACCEPTED)
     p.add_argument("--time-forward", metavar="R,R,...", default=None,
                    help="time one forward pass (batch 1, full context) at these iteration counts")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length for --time-forward")
@@ -40,15 +41,14 @@ def time_forward(model: RecurrentDepthLM, num_steps: int, seq_len: int, repeats:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model in PRESETS:
-        config = RDLMConfig.from_preset(args.model)
+    found = resolve_model_source(args.model)
+    if found.kind == "preset":  # no weights to read: on the meta device unless it has to run
+        config = RDLMConfig.from_preset(found.preset)
         device = "meta" if args.time_forward is None else "cpu"
         with torch.device(device):
             model = RecurrentDepthLM(config)
     else:
-        from rdlm import load_model
-
-        model = load_model(args.model)
+        model = found.load()
     info = describe(model)
     if args.time_forward:
         seq_len = model.config.context_length if args.seq_len is None else args.seq_len

@@ -16,7 +16,8 @@ def register(subparsers) -> None:
                     "/v1/chat/completions, /v1/models, /health and /metrics. Requests join and leave "
                     "the batch between core iterations; the generation options below are the defaults "
                     "a request's fields override (--max-new-tokens: max_tokens).")
-    p.add_argument("model", help="a model directory with tokenizer.json, a checkpoint step-N/ or a run directory")
+    p.add_argument("model", help="a model directory, training checkpoint step-N/ or run directory with "
+                                 "tokenizer.json")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", help="the name clients use (default: the directory's name)")

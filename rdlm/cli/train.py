@@ -11,25 +11,84 @@ import argparse
 import dataclasses
 import json
 import signal
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
 from rdlm.cli import CLIError
 
 
-def _converter(annotation: str):
-    base = annotation.replace(" | None", "")
-    if base == "bool":
-        return None
-    if base.startswith("tuple[float"):
-        return lambda s: tuple(float(x) for x in s.split(","))
-    if base.startswith("tuple[int"):
-        return lambda s: tuple(int(x) for x in s.split(","))
-    return {"int": int, "float": float, "str": str}.get(base)
+# Fields set otherwise than by a flag of their own.
+NOT_FLAGS = ("model_overrides",)  # --set KEY=VALUE
+NONE_WORDS = ("none", "null", "off")
+
+
+def _comma_separated(element: type, length: int | None):
+    def parse(text: str) -> tuple:
+        items = [element(x) for x in text.split(",")]
+        if length is not None and len(items) != length:
+            raise argparse.ArgumentTypeError(f"expected {length} comma-separated values, got {text!r}")
+        return tuple(items)
+
+    parse.__name__ = f"comma-separated {element.__name__}"
+    return parse
 
 
 def _none_or(convert):
-    return lambda s: None if s.lower() in ("none", "null", "off") else convert(s)
+    def parse(text: str):
+        return None if text.lower() in NONE_WORDS else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def flag_type(name: str, annotation: Any):
+    """The argparse `type` of a dataclass field's flag, None for a bool (a --x/--no-x switch).
+
+    Handled: bool, int, float, str, `X | None` of those (none/null/off give None), and tuples of
+    int/float/str (`tuple[float, float]`, `tuple[int, ...]`, written comma-separated). Any other
+    type raises TypeError naming the field, so a new field cannot silently become a switch."""
+    optional = False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) != 1:
+            raise TypeError(f"field {name!r}: type {annotation} has no command-line flag (a union)")
+        annotation, optional = members[0], True
+    if annotation is bool and not optional:
+        return None
+    if annotation in (int, float, str):
+        convert = annotation
+    elif typing.get_origin(annotation) is tuple and typing.get_args(annotation):
+        items = typing.get_args(annotation)
+        variadic = len(items) == 2 and items[1] is Ellipsis
+        element = items[0]
+        if element not in (int, float, str) or not (variadic or all(i is element for i in items)):
+            raise TypeError(f"field {name!r}: type {annotation} has no command-line flag "
+                            "(tuples must hold one of int, float, str)")
+        convert = _comma_separated(element, None if variadic else len(items))
+    else:
+        raise TypeError(f"field {name!r}: type {annotation} has no command-line flag (bool, int, float, str, "
+                        "X | None and tuples of those are supported)")
+    return _none_or(convert) if optional else convert
+
+
+def add_config_flags(p: argparse.ArgumentParser, config_class: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of the dataclass `config_class` (--micro-batch-size for micro_batch_size),
+    defaulting to None (not given); the field's default is shown in the help."""
+    hints = typing.get_type_hints(config_class)
+    for f in dataclasses.fields(config_class):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        convert = flag_type(f.name, hints[f.name])
+        if convert is None:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"(default: {default})")
+        else:
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+            p.add_argument(flag, type=convert, default=None, help=f"(default: {shown})")
 
 
 def register(subparsers) -> None:
@@ -40,20 +99,7 @@ def register(subparsers) -> None:
     p.add_argument("--config", help="a JSON file of TrainConfig fields (flags override it)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config field (JSON value), e.g. --set mean_recurrence=16")
-    for f in dataclasses.fields(TrainConfig):
-        if f.name == "model_overrides":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        convert = _converter(str(f.type))
-        if convert is None:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"(default: {default})")
-        else:
-            if "None" in str(f.type):
-                convert = _none_or(convert)
-            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-            p.add_argument(flag, type=convert, default=None, help=f"(default: {shown})")
+    add_config_flags(p, TrainConfig, skip=NOT_FLAGS)
     p.set_defaults(func=run)
 
 
@@ -71,7 +117,7 @@ def build_config(args: argparse.Namespace):
             raise CLIError(f"{path}: not valid JSON ({err.msg})") from err
     for f in dataclasses.fields(TrainConfig):
         value = getattr(args, f.name, None)
-        if f.name != "model_overrides" and value is not None:
+        if f.name not in NOT_FLAGS and value is not None:
             values[f.name] = value
     overrides = dict(values.get("model_overrides", {}))
     for item in args.set:

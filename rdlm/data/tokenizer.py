@@ -8,6 +8,7 @@ Huginn-0125 keeps them at 65504.., a tokenizer trained here puts them right afte
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -28,8 +29,38 @@ PAD = "<|pad|>"
 # In Huginn-0125's order, which gives ids 65504..65509 there.
 SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, BEGIN_HEADER, END_HEADER, END_TURN, PAD)
 
-# The chat format names the assistant "Huginn" (docs/checkpoint-format.md#tokenizer).
-ASSISTANT_NAME = "Huginn"
+# The chat format, written once as the Jinja template Hugging Face tokenizers carry
+# (tokenizer_config.json's "chat_template"); `format_chat` renders this same template, so rdlm's chat,
+# server and lm-eval prompts and a transformers tokenizer's are one text. BOS, then per turn
+# "<|begin_header|>ROLE<|end_header|>\n\nTEXT<|end_turn|>" with the content trimmed, as the reference
+# template does; the assistant is named "Huginn".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|begin_header|>' + ('Huginn' if message['role'] == 'assistant' else message['role'])"
+    " + '<|end_header|>\\n\\n' + message['content'] | trim + '<|end_turn|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|begin_header|>Huginn<|end_header|>\\n\\n' }}{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_chat_template():
+    # Sandboxed and with the block settings transformers renders chat templates with.
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
+
+
+def format_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    """The chat as prompt text (CHAT_TEMPLATE): messages are mappings with "role" and "content"."""
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
+        turns.append({"role": str(message["role"]), "content": str(message["content"])})
+    return _compiled_chat_template().render(messages=turns, bos_token=BOS,
+                                            add_generation_prompt=add_generation_prompt)
 
 
 class TokenizerError(ValueError):
@@ -109,28 +140,12 @@ class Tokenizer:
         return self.vocab_size
 
     # ----------------------------------------------------------------------------------------------
-    # Chat (docs/checkpoint-format.md#tokenizer): BOS, then
-    # "<|begin_header|>ROLE<|end_header|>\n\nTEXT<|end_turn|>" per turn.
+    # Chat (docs/checkpoint-format.md#tokenizer): the module's `format_chat` (CHAT_TEMPLATE), as text or
+    # token ids.
 
     @staticmethod
-    def format_turn(role: str, content: str) -> str:
-        name = ASSISTANT_NAME if role == "assistant" else role
-        # The reference template trims each message's content.
-        return f"{BEGIN_HEADER}{name}{END_HEADER}\n\n{content.strip()}{END_TURN}"
-
-    @staticmethod
-    def generation_prompt() -> str:
-        return f"{BEGIN_HEADER}{ASSISTANT_NAME}{END_HEADER}\n\n"
-
-    def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        parts = [BOS]
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-                raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
-            parts.append(self.format_turn(str(message["role"]), str(message["content"])))
-        if add_generation_prompt:
-            parts.append(self.generation_prompt())
-        return "".join(parts)
+    def format_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        return format_chat(messages, add_generation_prompt)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:

@@ -51,6 +51,8 @@ from transformers.utils.hub import convert_file_size_to_int  # noqa: E402
 
 from rdlm.model import huginn  # noqa: E402
 from rdlm.model.config import RDLMConfig  # noqa: E402
+from rdlm.model.dtypes import resolve_dtype  # noqa: E402
+from rdlm.data.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS  # noqa: E402
 from rdlm.inference.engine import Session, noise_table  # noqa: E402
 from rdlm.model.lm import ATTENTION_IMPLEMENTATIONS, RecurrentDepthLM, causal_mask  # noqa: E402
 
@@ -303,7 +305,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
             path = Path(_download(str(pretrained_model_name_or_path), hub, subfolder))
         if subfolder:
             path = path / subfolder if (path / subfolder).is_dir() else path
-        model = huginn.load_pretrained(path, dtype=_resolve_dtype(dtype if dtype is not None else torch_dtype),
+        model = huginn.load_pretrained(path, dtype=resolve_dtype(dtype if dtype is not None else torch_dtype),
                                        device=device)
         if config is None or not isinstance(config, RavenConfig):
             config = RavenConfig.from_pretrained(path)
@@ -713,32 +715,6 @@ def load_tokenizer(path: str | os.PathLike) -> RavenTokenizerFast:
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no tokenizer.json")
     return RavenTokenizerFast._with_huginn_defaults(RavenTokenizerFast(tokenizer_file=str(file)))
-
-
-BOS, EOS, BEGIN_HEADER, END_HEADER, END_TURN, PAD = ("<|begin_text|>", "<|end_text|>", "<|begin_header|>",
-                                                     "<|end_header|>", "<|end_turn|>", "<|pad|>")
-SPECIAL_TOKENS = (BOS, EOS, BEGIN_HEADER, END_HEADER, END_TURN, PAD)
-# The first turn is preceded by BOS; the assistant role is named "Huginn" (docs/checkpoint-format.md#tokenizer).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|begin_header|>' + ('Huginn' if message['role'] == 'assistant' else message['role'])"
-    " + '<|end_header|>\\n\\n' + message['content'] | trim + '<|end_turn|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|begin_header|>Huginn<|end_header|>\\n\\n' }}{% endif %}"
-)
-
-
-def _resolve_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or dtype == "auto":
-        return None
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    resolved = getattr(torch, name) if name.isidentifier() and hasattr(torch, name) else None
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'bfloat16', 'float32', 'auto')")
-    return resolved
 
 
 def _resolve_device(device_map: Any) -> torch.device:

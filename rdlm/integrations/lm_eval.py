@@ -6,7 +6,8 @@
 type is registered; `import rdlm.integrations.lm_eval` does the same for `lm_eval.simple_evaluate`.)
 
 Model arguments:
-    pretrained       a Huginn-layout directory with tokenizer.json (required)
+    pretrained       a model directory, training checkpoint step-N/ or run directory with tokenizer.json
+                     (required; rdlm.model.resolve)
     num_steps        core iterations r (default: the config's mean recurrence)
     init_scale       scale of the random initial state s_0 (default 1, as in training; 0 = zero state)
     seed             seeds the s_0 draws (default 0). A scored request's s_0 comes from a seed derived
@@ -16,7 +17,8 @@ Model arguments:
     exit_criterion   per-token adaptive compute in generate_until (docs/inference.md#exit-criteria; a name of
                      rdlm.inference.exits, e.g. kl), with exit_threshold; num_steps is then the maximum
     kv_cache_budget  core KV-cache slots per token in generate_until (iteration i uses slot i mod k)
-    dtype            float32 (default) or bfloat16; device: cpu (default) or cuda
+    dtype            float32 (default) or bfloat16 (bf16, fp32: rdlm.model.dtypes); device: cpu (default)
+                     or cuda
     batch_size       a number, or "auto" (the largest of max_batch_size, default 64, halved until a
                      batch of max_length tokens fits in memory; on the CPU max_batch_size itself)
     max_length, max_gen_toks, add_bos_token (default true: documents start with BOS)
@@ -41,11 +43,11 @@ from tqdm import tqdm
 from rdlm.data.shards import IGNORE_INDEX
 from rdlm.inference.engine import noise_table
 from rdlm.inference.evaluate import score_targets
-from rdlm.model.huginn import load_pretrained
+from rdlm.model.dtypes import resolve_dtype
+from rdlm.model.resolve import resolve_model_source
 from rdlm.inference.exits import make_exit_criterion
 from rdlm.inference.generate import GenerationConfig, generate
-from rdlm.integrations.hf import CHAT_TEMPLATE
-from rdlm.data.tokenizer import Tokenizer
+from rdlm.data.tokenizer import CHAT_TEMPLATE, Tokenizer
 
 eval_logger = logging.getLogger(__name__)
 
@@ -78,17 +80,22 @@ class RDLMEvalModel(TemplateLM):
         super().__init__()
         if unused:
             raise ValueError(f"rdlm model: unknown model argument(s) {', '.join(sorted(unused))}")
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                       "fp32": torch.float32}.get(str(dtype))
-        if torch_dtype is None:
+        try:
+            torch_dtype = resolve_dtype(dtype)
+        except ValueError:
+            torch_dtype = None
+        if torch_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"rdlm model: dtype must be float32 or bfloat16, got {dtype!r}")
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self._device.type == "cuda" and not torch.cuda.is_available():
             # lm-eval's command line asks for cuda unless told otherwise.
             eval_logger.warning("rdlm model: device %s requested but CUDA is not available; using cpu", device)
             self._device = torch.device("cpu")
-        self.model = load_pretrained(pretrained, dtype=torch_dtype, device=self._device).eval()
-        self.tokenizer = Tokenizer.from_dir(pretrained)
+        found = resolve_model_source(pretrained)
+        if found.tokenizer_dir is None:
+            raise ValueError(f"rdlm model: {pretrained} has no tokenizer.json")
+        self.model = found.load(dtype=torch_dtype, device=self._device)
+        self.tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         config = self.model.config
         self.num_steps = config.mean_recurrence if (r := _optional(num_steps, int)) is None else r
         if self.num_steps < 1:

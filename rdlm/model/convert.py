@@ -22,51 +22,22 @@ from pathlib import Path
 import torch
 
 from rdlm.fileio import atomic_write
-from rdlm.model.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, CheckpointError, load_pretrained, save_pretrained
-from rdlm.train.checkpoint import TRAINER_FILE, is_sharded, latest_checkpoint, load_weights
+from rdlm.model.dtypes import resolve_dtype
+from rdlm.model.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, save_pretrained
+from rdlm.model.resolve import ModelSource, resolve_model_source
 
 # Files a model directory may carry besides weights and config; copied along unchanged.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "keep": None}
 
 
-def resolve_source(path: str | os.PathLike, weights: str = "ema") -> Path:
-    """The Huginn-layout directory behind `path`: itself, a checkpoint's `ema/` (or `model/`), or the
-    newest checkpoint of a run directory. weights: "ema" (falls back to "model" without EMA) or "model"."""
-    if weights not in ("ema", "model"):
-        raise ValueError(f"weights must be 'ema' or 'model', got {weights!r}")
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such directory")
-    if (path / CONFIG_NAME).is_file():
-        return path
-    if (path / "checkpoints").is_dir():
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"{path}/checkpoints: no complete checkpoint (step-*/{TRAINER_FILE})")
-        path = latest
-    if (path / TRAINER_FILE).is_file():
-        for sub in ((weights, "model") if weights == "ema" else ("model",)):
-            if (path / sub / CONFIG_NAME).is_file():
-                return path / sub
-        raise CheckpointError(f"{path}: training checkpoint without {weights}/ weights")
-    raise CheckpointError(f"{path}: neither a Huginn-layout directory ({CONFIG_NAME}), a training "
-                          f"checkpoint ({TRAINER_FILE}) nor a run directory (checkpoints/)")
-
-
-def sharded_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The sharded (DCP) checkpoint `path` names, itself or a run directory's newest; else None."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir() and not (path / CONFIG_NAME).is_file():
-        path = latest_checkpoint(path) or path
-    return path if (path / TRAINER_FILE).is_file() and is_sharded(path) else None
-
-
-def _has_weights(path: Path, weights: str) -> bool:
-    import json
-
-    return weights == "model" or bool(json.loads((path / TRAINER_FILE).read_text())["train_config"].get("ema_decay"))
+def resolve_source(path: str | os.PathLike, weights: str = "ema") -> ModelSource:
+    """What `convert` reads from `path` (rdlm.model.resolve; a preset has no weights to convert)."""
+    found = resolve_model_source(path, weights)
+    if found.kind == "preset":
+        raise ValueError(f"{os.fspath(path)!r} is a preset (random weights), nothing to convert: give a model "
+                         "directory, a training checkpoint step-N/ or a run directory (write ./NAME for a "
+                         "directory of that name)")
+    return found
 
 
 def parse_size(text: str | int) -> int:
@@ -108,17 +79,11 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype:
     model directory; anything else there stays. A file, a non-empty directory that is not a model
     directory, and the source itself (unless `in_place`) are refused as destinations.
     """
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        dtype = DTYPES[dtype]
-    sharded = sharded_checkpoint(source)
-    if sharded is not None:  # FSDP shards: gather them; the tokenizer sits beside trainer.json
-        model = load_weights(sharded, weights if _has_weights(sharded, weights) else "model")
-        src = sharded
-    else:
-        src = resolve_source(source, weights)
-        model = load_pretrained(src)
+    dtype = resolve_dtype(dtype)
+    found = resolve_source(source, weights)
+    model = found.load()  # the file's own dtype; FSDP shards are gathered (float32)
+    # The tokenizer and generation files sit beside the weights, or beside trainer.json when sharded.
+    src = found.checkpoint if found.sharded else found.directory
     destination = check_destination(destination, src, in_place)
     save_pretrained(model, destination, dtype=dtype, max_shard_bytes=parse_size(max_shard_bytes))
     if src.resolve() != destination.resolve():

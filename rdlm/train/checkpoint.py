@@ -283,7 +283,7 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer
     trainer = _read_trainer(path)
     state, _ = sharded_state(model, optimizer, ema_shadow, parameter_names)
     if is_sharded(path):
-        if "ema" in state and not _has_ema(path):
+        if "ema" in state and not has_ema(path):
             del state["ema"]
         dcp.load(state, checkpoint_id=path / SHARDED_DIR)
     else:
@@ -328,7 +328,7 @@ def read_sharded_full(path: str | os.PathLike, model: nn.Module, parameter_names
     params = dict(model.named_parameters())
     shapes = {name: params[name].shape for name in parameter_names}
     state: dict[str, Any] = {"model": {n: torch.empty(s) for n, s in shapes.items()}}
-    if _has_ema(path):
+    if has_ema(path):
         state["ema"] = {n: torch.empty(s) for n, s in shapes.items()}
     if with_optimizer:
         state["optimizer"] = {"state": {n: {"step": torch.zeros(()), "exp_avg": torch.empty(s),
@@ -362,7 +362,7 @@ def load_weights(path: str | os.PathLike, weights: str = "model") -> RecurrentDe
     return model
 
 
-def _has_ema(path: Path) -> bool:
+def has_ema(path: Path) -> bool:
     return bool(_read_trainer(path).get("train_config", {}).get("ema_decay"))
 
 

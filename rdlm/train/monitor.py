@@ -7,6 +7,7 @@ correlation of the final hidden state, and the relative change of the last itera
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -66,7 +67,7 @@ def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Seque
         # State statistics at the model's mean recurrence, on the first batch.
         r = model.config.mean_recurrence
         generator = torch.Generator(device=device).manual_seed(seed)
-        with autocast or _null():
+        with autocast or contextlib.nullcontext():
             out = model(batches[0].input_ids.to(device), num_steps=r, generator=generator,
                         return_trajectory=True)
         last, previous = out.trajectory[-1].float(), out.trajectory[-2].float()
@@ -76,14 +77,6 @@ def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Seque
     finally:
         model.train(was_training)
     return metrics
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def collapse_signatures(metrics: dict[str, float], num_steps: Sequence[int],

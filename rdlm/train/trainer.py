@@ -19,6 +19,7 @@ over several workers, therefore reproduces the same computation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -31,11 +32,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rdlm.model.config import ConfigError, RDLMConfig, check_keys
-from rdlm.data.shards import (IGNORE_INDEX, Batch, Batches, DataError, MemoryRows, RowSource, TokenShards,
+from rdlm.data.shards import (Batch, Batches, DataError, MemoryRows, RowSource, TokenShards,
                        fixed_batches, load_prompt_response)
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.recurrence import SAMPLERS, draw_for_microbatch, microbatch_seed
@@ -54,7 +54,8 @@ class TrainingError(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # What to train: a preset name, a Huginn-layout directory, or a training checkpoint (its model/).
+    # What to train: a preset, a Huginn-layout directory, a training checkpoint or a run directory
+    # (rdlm.model.resolve; from a checkpoint, its raw weights).
     model: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     # Data: a shard directory from `rdlm data prepare`, or a prompt/response JSONL file (fine-tuning,
@@ -210,30 +211,22 @@ StepHook = Callable[[dict[str, Any]], None]
 # Setup helpers
 
 def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple[RecurrentDepthLM, Path | None]:
-    """A fresh model for a preset, or the weights of a Huginn dir / training checkpoint (float32)."""
-    from rdlm.model.config import PRESETS
-    from rdlm.model.huginn import load_pretrained
+    """The model to train (float32) and the directory of its tokenizer.json, if any. `source` is read
+    by rdlm.model.resolve, as every command's --model; from a checkpoint or run directory the raw
+    weights (not the EMA) are trained on."""
+    from rdlm.model.resolve import resolve_model_source
 
-    path = Path(source)
-    if not path.exists():
-        if source in PRESETS:
-            return RecurrentDepthLM(RDLMConfig.from_preset(source, **(overrides or {}))), None
-        RDLMConfig.from_preset(source)  # raises ConfigError naming the unknown preset
-    if (path / "checkpoints").is_dir() and ckpt.latest_checkpoint(path) is not None:  # a run directory
-        path = ckpt.latest_checkpoint(path)
-    if ckpt.is_sharded(path):  # a sharded checkpoint step-N/ (FSDP)
-        model = ckpt.load_weights(path, "model")
-    else:
-        if (path / "model" / "config.json").is_file():  # a training checkpoint step-N/
-            path = path / "model"
-        model = load_pretrained(path, dtype=torch.float32)
+    found = resolve_model_source(source, weights="model")
+    if found.kind == "preset":
+        return RecurrentDepthLM(RDLMConfig.from_preset(found.preset, **(overrides or {}))), None
+    model = found.load(dtype=torch.float32)
     if overrides:
         # Training-time fields (recurrence, checkpointing) may change; shapes may not.
         new = model.config.replace(**overrides)
         fresh = RecurrentDepthLM(new)
         fresh.load_state_dict(model.state_dict())
         model = fresh
-    return model.train(), path
+    return model.train(), found.tokenizer_dir
 
 
 def resolve_tokenizer(config: TrainConfig, model_dir: Path | None):
@@ -593,7 +586,7 @@ class Trainer:
             ids, labels = self._to_device(batch.input_ids), self._to_device(batch.labels)
             s0 = self._initial_state(batch, step, m)
             sync = self.ddp is None or m == cfg.accumulation - 1
-            context = self.ddp.no_sync() if not sync else _nullcontext()
+            context = self.ddp.no_sync() if not sync else contextlib.nullcontext()
             with context:
                 with self.autocast:
                     # The summed loss, without materializing the logits (rdlm.model.loss).
@@ -744,14 +737,6 @@ def clip_gradients(parameters, max_norm: float) -> Tensor:
     norm = full(norm)  # FSDP: the shards' norms combined (an all-reduce, no host sync)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def has_split(directory: str, split: str) -> bool:
