@@ -9,7 +9,7 @@ Every attention layer of the model gets a preallocated key and value tensor, wri
 Strategies for the core block:
 - "full": a slot per iteration, iteration i uses slot i (slots = the largest r you will run).
 - "shared": a budget of k slots, iteration i reads and writes slot i mod k; memory drops from r to k
-  copies of the core's keys and values (paper section 6.3).
+  copies of the core's keys and values (paper section 6, "Zero-Shot KV-cache Sharing").
 
 A token that ran fewer iterations than there are slots (an early exit, or a prompt prefilled at a
 smaller r) has no entries for its later slots; later tokens then read the latest entry that exists for

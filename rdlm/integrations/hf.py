@@ -117,7 +117,7 @@ class RavenConfig(PreTrainedConfig):
 class RecurrentCache(Cache):
     """transformers' `Cache` for recurrence: the decode engine's `Session` (rdlm/inference/engine.py) over one
     preallocated `RecurrentKVCache` (rdlm/inference/cache.py: a slot per core iteration, "full", or k slots that
-    iteration i reads and writes as i mod k, "shared"; paper section 6.3).
+    iteration i reads and writes as i mod k, "shared"; paper section 6, "Zero-Shot KV-cache Sharing").
 
         cache = RecurrentCache(max_length=64)                    # or forward(..., use_cache=True)
         out = model(prompt_ids, attention_mask=mask, past_key_values=cache, num_steps=8)
