@@ -15,6 +15,7 @@ import torch
 from rdlm import load_model
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
+from rdlm.resources import check_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,6 +106,7 @@ def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = 
     """The model and, when the model directory has tokenizer.json, its tokenizer (else None)."""
     from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
+    check_device(device)
     kwargs = {"dtype": DTYPES[dtype], "device": device} if Path(source).is_dir() else {}
     model = load_model(source, **kwargs)
     model = cast_parameters(model.to(device), DTYPES[dtype]).eval()

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from rdlm.inference.cache import RecurrentKVCache
 from rdlm.model.lm import RecurrentDepthLM, Rope
+from rdlm.resources import check_time, forward_seconds
 
 if TYPE_CHECKING:
     from rdlm.inference.generate import GenerationConfig
@@ -95,6 +96,16 @@ def resolve_compile(compile: bool | None, device: torch.device) -> bool:
     return bool(compile)
 
 
+def check_generation_time(config, device: torch.device, batch: int, prompt_length: int,
+                          generation: GenerationConfig) -> None:
+    """Refuse a generation whose one token (or whole run) cannot end in any reasonable time; warn when long."""
+    r = generation.num_steps
+    prefill = forward_seconds(config, device, batch * prompt_length, 1, generation.prefill_steps or r)
+    token = forward_seconds(config, device, batch, 1, r)
+    check_time(prefill + generation.max_new_tokens * token, max(token, prefill),
+               f"generating {generation.max_new_tokens} tokens at r = {r}", "token")
+
+
 class Session:
     """Prefill and decode for a batch of prompts over one cache. Buffer index t of row b holds that
     row's token at position t - pad[b] (prompts are left-padded to a common length)."""
@@ -117,6 +128,7 @@ class Session:
         if max_length > model.config.context_length:
             raise ValueError(f"prompt ({self.prompt_length}) + new tokens ({config.max_new_tokens}) exceeds "
                              f"the context length {model.config.context_length}")
+        check_generation_time(model.config, self.device, self.batch, self.prompt_length, config)
         self.static = resolve_compile(config.compile, self.device)
         self.graphs = self.static and self.device.type == "cuda"
         slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
