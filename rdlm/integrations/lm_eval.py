@@ -104,11 +104,13 @@ class RDLMEvalModel(TemplateLM):
         if self.kv_cache_budget is not None and self.kv_cache_budget < 1:
             raise ValueError(f"rdlm model: kv_cache_budget must be >= 1, got {self.kv_cache_budget}")
         self.max_length = _optional(max_length, int) or config.context_length
-        self.max_batch_size = int(max_batch_size or 64)
+        self.max_batch_size = 64 if (most := _optional(max_batch_size, int)) is None else most
+        if self.max_batch_size < 1:
+            raise ValueError(f"rdlm model: max_batch_size must be >= 1, got {self.max_batch_size}")
         if str(batch_size).startswith("auto"):  # "auto" or lm-eval's "auto:N" (re-detect N times: once is enough)
             self.batch_size = self.detect_batch_size()
         else:
-            self.batch_size = int(batch_size or 1)
+            self.batch_size = 1 if (size := _optional(batch_size, int)) is None else size
         if self.batch_size < 1:
             raise ValueError(f"rdlm model: batch_size must be >= 1, got {self.batch_size}")
         self.max_gen_toks = int(max_gen_toks)
