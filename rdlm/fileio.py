@@ -213,16 +213,16 @@ def read_utf8(path: str | os.PathLike, error: type[Exception] = ValueError) -> s
 
 def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
     """(line number, record) for each non-blank line; a malformed line raises `error` naming it."""
-    number = 0
-    with open(path, encoding="utf-8") as handle:
-        try:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield number, json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise error(f"{path}:{number}: not valid JSON ({err.msg})") from err
-        except UnicodeDecodeError:
-            raise error(f"{path}:{number + 1}: not valid UTF-8; convert it first "
-                        "(e.g. iconv -f latin1 -t utf-8)") from None
+    with open(path, "rb") as handle:  # bytes, decoded line by line: a bad byte is named by its line
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise error(f"{path}:{number}: not valid UTF-8 at byte {err.start} of the line; convert it "
+                            "first (e.g. iconv -f latin1 -t utf-8)") from None
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise error(f"{path}:{number}: not valid JSON ({err.msg})") from err

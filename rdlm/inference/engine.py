@@ -55,6 +55,21 @@ def noise_table(model: RecurrentDepthLM, seed: int, scale: float, length: int, d
     return torch.cat(blocks)[:length].to(device=device, dtype=dtype)
 
 
+class NonFiniteLogitsError(FloatingPointError):
+    """The model's logits hold NaN or infinity: no token can be chosen from them."""
+
+    def __init__(self, model: RecurrentDepthLM, token: int) -> None:
+        super().__init__(f"model produced non-finite logits at new token {token}; weights may be NaN: "
+                         f"{getattr(model, 'source', None) or 'the model'}")
+
+
+def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
+    """(chosen ids, whether every logit was finite), read in the one device-to-host copy the ids need
+    anyway: the check costs no synchronization of its own (the CUDA-graph step included)."""
+    values = torch.cat([chosen.reshape(-1), torch.isfinite(logits).all().reshape(1).to(chosen.dtype)]).tolist()
+    return values[:-1], bool(values[-1])
+
+
 def exit_schedule(iteration: int, num_steps: int, every: int) -> tuple[bool, bool]:
     """(evaluate, needs_logits_for_next): whether the exit criterion is read after 0-based iteration
     `iteration` of a token with at most `num_steps`, and whether the next iteration's reading needs
@@ -394,7 +409,10 @@ class Session:
         e, state = torch.cat(embedded, dim=1), torch.cat(states, dim=1)
         for i in range(n_draft, depth):
             state = self.model.step(state, e, i, rope, mask, self.cache)
-        verified = self.model.readout(state, rope, mask, self.cache)[0].argmax(dim=-1).tolist()
+        logits = self.model.readout(state, rope, mask, self.cache)[0]
+        verified, finite = read_tokens(logits.argmax(dim=-1), logits)
+        if not finite:
+            raise NonFiniteLogitsError(self.model, self.length + 1 - self.prompt_length)
         accepted = 0
         while accepted < length and drafts[accepted] == verified[accepted]:
             accepted += 1

@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import Session
+from rdlm.inference.engine import NonFiniteLogitsError, Session, read_tokens
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 from rdlm.model.lm import RecurrentDepthLM
 
@@ -312,7 +312,9 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
     t1 = time.perf_counter()
     iterations = torch.full((batch,), config.prefill_steps or config.num_steps)
     if speculative:
-        pending = int(logits[0].argmax())
+        (pending,), finite = read_tokens(logits[0].argmax(), logits)
+        if not finite:
+            raise NonFiniteLogitsError(model, 1)
         if not finished[0]:
             yield emit(0, pending, int(iterations[0]))
         while not finished[0]:
@@ -330,7 +332,12 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
                 break
     else:
         while not all(finished):
-            chosen = sample(logits, config, session.samplers, session.seen).tolist()
+            # Sampled from finite numbers (a NaN would fail inside the sampler); the logits' own
+            # finiteness comes back with the tokens.
+            chosen = sample(torch.nan_to_num(logits), config, session.samplers, session.seen)
+            chosen, finite = read_tokens(chosen, logits)
+            if not finite:
+                raise NonFiniteLogitsError(model, max(map(len, tokens)) + 1)
             for row in range(batch):
                 if not finished[row]:
                     yield emit(row, chosen[row], int(iterations[row]))

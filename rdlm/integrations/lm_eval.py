@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (fills the registry's lazy entries first, so "hf" & co. stay visible)
@@ -216,6 +217,9 @@ class RDLMEvalModel(TemplateLM):
                 picked = log_probs[row, end - len(continuation):end]
                 target = torch.tensor(continuation, device=picked.device)
                 score = picked.gather(-1, target[:, None]).sum().item()
+                if not math.isfinite(score):  # a NaN would score as a coin flip, not as an error
+                    raise FloatingPointError(f"rdlm model: model produced non-finite logits in request {i}; "
+                                             f"weights may be NaN: {self.pretrained}")
                 greedy = bool((picked.argmax(-1) == target).all())
                 results[i] = (score, greedy)
                 if requests[i][0][0] is not None:

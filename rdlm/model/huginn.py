@@ -277,6 +277,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     model.load_state_dict(state, assign=True)
     cos, sin = stored_rope_tables(rope_table, config, path)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.source = str(path)  # named by errors about the weights (non-finite logits)
     return model.eval()
 
 
