@@ -384,7 +384,10 @@ class Session:
         not yet fed). Draft L tokens with N iterations each; then continue those L positions from
         iteration N to M in one forward: the prelude output and the first N iterations are the
         draft's (they do not depend on the total depth), the cache already holds slots 0..N-1.
-        Accept drafts while they equal the verified greedy choice.
+        Accept drafts while they equal the verified greedy choice. The tokens are plain greedy
+        decoding's exactly in float32; in bfloat16/float16 the batched verification rounds differently
+        from one-token decoding, so a near-tie (top-2 logits a few units in the last place apart) may
+        go the other way (see rdlm.inference.generate).
         Returns (new tokens: accepted drafts then the next pending token, drafted, accepted)."""
         c = self.config
         n_draft, depth, length = c.draft_steps, c.num_steps, c.draft_length

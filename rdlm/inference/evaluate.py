@@ -104,9 +104,9 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
                                   reduction="sum")
             total += nll.item()
             if not math.isfinite(total):
-                raise FloatingPointError(f"{task}: the model's logits are not finite at r={r} (NaN or infinite "
-                                         "weights, or an overflow in this dtype); no perplexity to report; weights may be NaN: "
-                                         f"{getattr(model, 'source', None) or 'the model'}")
+                raise FloatingPointError(f"{task}: the model's logits are not finite at r={r} (an overflow in "
+                                         "this dtype, or weights may be NaN: "
+                                         f"{getattr(model, 'source', None) or 'the model'}); no perplexity")
             count += int((labels != -100).sum())
         sweep.num_steps.append(r)
         sweep.values.append(math.exp(total / count))
