@@ -187,10 +187,39 @@ def staging_dir(target: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def confined_name(name: Any, source: str | os.PathLike, error: type[Exception] = ValueError,
+                  directory: str = "directory") -> str:
+    """A file name read from a directory's own metadata (`source`), refused unless it stays inside it.
+
+    Checked on the name itself, not the resolved path: the directory's own files may be symlinks
+    elsewhere (the Hugging Face cache is laid out that way); the metadata may not point out of it.
+    """
+    if not isinstance(name, str) or not name:
+        raise error(f"{source}: file name {name!r} is not a non-empty string")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts or "\\" in name:
+        raise error(f"{source}: file name {name!r} points outside the {directory}; refused")
+    return name
+
+
+def read_utf8(path: str | os.PathLike, error: type[Exception] = ValueError) -> str:
+    """A text file's contents; one that is not UTF-8 raises `error` naming the file and the byte."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: not valid UTF-8 at byte {err.start}; convert it first "
+                    "(e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
     """(line number, record) for each non-blank line; a malformed line raises `error` naming it."""
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+    with open(path, "rb") as handle:  # bytes, decoded line by line: a bad byte is named by its line
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise error(f"{path}:{number}: not valid UTF-8 at byte {err.start} of the line; convert it "
+                            "first (e.g. iconv -f latin1 -t utf-8)") from None
             if not line.strip():
                 continue
             try:

@@ -119,3 +119,16 @@ def test_cli_errors_are_one_clear_line(tmp_path, capsys):
     assert main(["analyze", "tiny", "--prompt-ids", "1,2,3", "--exit-criterion", "kll",
                  "-r", "3", "--runs", "2", "--out", str(tmp_path)]) == 2
     assert "did you mean 'kl'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ids,bad", [("1,2,-5", "-5"), ("1,999999,3", "999999")])
+def test_a_token_id_outside_the_vocabulary_is_the_one_named(tmp_path, capsys, ids, bad):
+    assert main(["analyze", "tiny", "--prompt-ids", ids, "-r", "3", "--runs", "2", "--out", str(tmp_path)]) == 2
+    assert f"token id {bad} is outside the model's vocabulary" in capsys.readouterr().err
+
+
+def test_a_prompts_file_that_is_not_utf8_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_bytes(b'{"ids": [1, 2, 3]}\n{"text": "caf\xe9"}\n')
+    assert main(["analyze", "tiny", "--prompts-file", str(bad), "--out", str(tmp_path)]) == 2
+    assert "p.jsonl:2: not valid UTF-8" in capsys.readouterr().err

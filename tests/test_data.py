@@ -132,3 +132,71 @@ def test_fine_tuning_lines_are_validated_naming_file_line_and_field(tmp_path, li
     path.write_text("\n" + line + "\n")  # validated before the tokenizer is ever asked
     with pytest.raises(DataError, match=f"ft.jsonl:2: field {field}"):
         load_prompt_response(path, object())
+
+
+@pytest.fixture(scope="module")
+def shard_workspace(tmp_path_factory):
+    from rdlm.cli import main
+    from tests.hf_helpers import CORPUS, tiny_model_dir
+
+    root = tmp_path_factory.mktemp("meta")
+    tiny_model_dir(root / "model")
+    (root / "text.txt").write_text("\n".join(CORPUS * 4))
+    assert main(["data", "prepare", str(root / "text.txt"), "--tokenizer", str(root / "model"), "--out",
+                 str(root / "shards"), "--context-length", "16", "--val-fraction", "0"]) == 0
+    return root
+
+
+def _set(key, value):
+    return lambda meta: meta.__setitem__(key, value)
+
+
+def _shard_file(name):
+    return lambda meta: meta["splits"]["train"][0].__setitem__("file", name)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_set("max_token_id", 100000), "meta.json: max_token_id 100000 is not below vocab_size"),
+    (_set("max_token_id", 3), "holds token id .* above max_token_id 3 in meta.json"),
+    (_set("max_token_id", "x"), "meta.json: 'max_token_id' must be an integer >= 0, got 'x'"),
+    (lambda meta: meta.pop("splits"), "meta.json: no 'splits'"),
+    (_set("splits", {"train": "train-00000.npy"}), r"meta.json: splits\['train'\] must be a list"),
+    (_shard_file("../outside.npy"), "meta.json: file name '../outside.npy' points outside the data directory"),
+    (_shard_file("/etc/passwd"), "meta.json: file name '/etc/passwd' points outside the data directory"),
+    (_set("vocab_size", 1000), "data holds token id .*out of range for the model's vocabulary of 512"),
+], ids=["max-above-vocab", "max-below-shards", "max-not-int", "no-splits", "split-not-list", "dotdot",
+        "absolute", "vocab-above-model"])
+def test_a_damaged_meta_json_is_one_line_naming_the_file(shard_workspace, tmp_path, capsys, edit, message):
+    import re
+    import shutil
+
+    from rdlm.cli import main
+
+    shards = tmp_path / "shards"
+    shutil.copytree(shard_workspace / "shards", shards)
+    meta = json.loads((shards / "meta.json").read_text())
+    edit(meta)
+    if meta.get("vocab_size") == 1000:
+        meta["max_token_id"] = 900
+    (shards / "meta.json").write_text(json.dumps(meta))
+    code = main(["train", "--model", str(shard_workspace / "model"), "--data", str(shards), "--steps", "1",
+                 "--out-dir", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(message, err), err
+    assert err.strip().count("\n") == 0 or all("error" not in line for line in err.strip().splitlines()[:-1])
+
+
+@pytest.mark.parametrize("rows", [0, -1])
+def test_prepare_refuses_fewer_than_one_row_per_shard(tmp_path, rows):
+    from rdlm.data.shards import prepare
+
+    with pytest.raises(DataError, match="--rows-per-shard must be an integer >= 1"):
+        prepare([tmp_path / "x.txt"], None, tmp_path / "out", 16, rows_per_shard=rows)
+
+
+def test_non_utf8_jsonl_is_refused_naming_the_file_and_line(tmp_path):
+    from rdlm.fileio import read_jsonl
+
+    (tmp_path / "x.jsonl").write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match="x.jsonl:2: not valid UTF-8"):
+        list(read_jsonl(tmp_path / "x.jsonl", DataError))

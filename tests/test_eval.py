@@ -116,3 +116,28 @@ def test_training_validation_loss_and_perplexity_vs_steps_are_one_computation(ti
     sweep = perplexity_vs_steps(tiny_model, docs.tolist(), [1, 3], seq_len=8, batch_size=2)
     metrics = evaluate(tiny_model, [make_batch(docs[:2], None), make_batch(docs[2:], None)], [1, 3])
     assert [math.exp(metrics[f"val_loss_r{r}"]) for r in (1, 3)] == pytest.approx(sweep.values, rel=1e-6)
+
+
+def test_eval_of_a_model_with_nan_weights_exits_with_one_line(tmp_path, capsys):
+    from rdlm import save_pretrained
+
+    model_dir = tiny_model_dir(tmp_path / "model")
+    model = load_pretrained(model_dir)
+    with torch.no_grad():
+        model.coda[0].mlp.out.weight.fill_(float("nan"))
+    save_pretrained(model, model_dir)
+    (tmp_path / "t.txt").write_text("the cat sat on the mat")
+    code = main(["eval", str(model_dir), "--text", str(tmp_path / "t.txt"), "--num-steps", "2",
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "not finite at r=2" in err and f"weights may be NaN: {model_dir}" in err
+
+
+def test_eval_text_that_is_not_utf8_names_the_file(model_dir, tmp_path, capsys):
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    assert main(["eval", str(model_dir), "--text", str(tmp_path / "latin1.txt")]) == 2
+    assert "latin1.txt: not valid UTF-8 at byte 3" in capsys.readouterr().err
+    assert main(["eval", str(model_dir), "--text", str(tmp_path / "latin1.jsonl")]) == 2
+    assert "latin1.jsonl:1: not valid UTF-8" in capsys.readouterr().err

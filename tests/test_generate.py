@@ -234,3 +234,33 @@ def test_cli_text_without_a_tokenizer_is_a_clean_error(capsys):
 def test_non_finite_generation_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"{field} must be a finite number"):
         GenerationConfig(**{field: value})
+
+
+def nan_model() -> RecurrentDepthLM:
+    torch.manual_seed(0)
+    model = RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
+    with torch.no_grad():
+        model.coda[0].mlp.out.weight.fill_(float("nan"))
+    model.source = "runs/broken"
+    return model
+
+
+@pytest.mark.parametrize("options", [dict(), dict(temperature=0.8), dict(draft_steps=2),
+                                     dict(exit_criterion="kl", min_steps=2)])
+def test_non_finite_logits_are_an_error_naming_the_token_and_the_weights(options):
+    from rdlm.inference.engine import NonFiniteLogitsError
+
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits at new token 1; weights may be NaN: runs/broken"):
+        generate(nan_model(), [1, 2, 3], GenerationConfig(num_steps=4, max_new_tokens=3, **options))
+
+
+def test_chat_names_and_skips_a_line_that_is_not_utf8(model_dir, monkeypatch, capsys):
+    import io
+
+    from rdlm.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\nhello\n")))
+    assert main(["chat", "--model", str(model_dir), "-r", "2", "--max-new-tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "input line 1 is not UTF-8 (byte 0xe9 at 3); skipped" in captured.err
+    assert captured.out.count("Huginn> ") == 1

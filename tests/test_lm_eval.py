@@ -199,3 +199,23 @@ def test_importing_rdlm_lm_eval_keeps_the_harness_models():
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_nan_weights_raise_instead_of_scoring_a_coin_flip(tmp_path):
+    from rdlm import load_pretrained, save_pretrained
+
+    nan_dir = tiny_model_dir(tmp_path / "model")
+    model = load_pretrained(nan_dir)
+    with torch.no_grad():
+        model.coda[0].mlp.out.weight.fill_(float("nan"))
+    save_pretrained(model, nan_dir)
+    lm = RDLMEvalModel(pretrained=str(nan_dir), num_steps=2)
+    requests = [instance("loglikelihood", ("the cat", " sat"), 0)]
+    with pytest.raises(FloatingPointError, match=f"non-finite logits in request 0; weights may be NaN: {nan_dir}"):
+        lm.loglikelihood(requests, disable_tqdm=True)
+
+
+@pytest.mark.parametrize("args", [dict(batch_size=0), dict(max_batch_size=0)])
+def test_a_zero_batch_size_is_refused_not_replaced(model_dir, args):
+    with pytest.raises(ValueError, match=f"{next(iter(args))} must be >= 1, got 0"):
+        RDLMEvalModel(pretrained=str(model_dir), **args)

@@ -95,3 +95,13 @@ def test_bad_files_are_named(tmp_path):
 def test_vocab_size_too_small_is_rejected():
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(CORPUS, vocab_size=100)
+
+
+def test_a_vocabulary_too_large_to_train_is_refused_before_the_library_aborts(tmp_path, capsys):
+    from rdlm.cli import main
+
+    (tmp_path / "t.txt").write_text("hello world")
+    assert main(["tokenizer", "train", str(tmp_path / "t.txt"), "--out", str(tmp_path / "tok"),
+                 "--vocab-size", "1000000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--vocab-size 1000000000 is above the most this library trains" in err

@@ -405,3 +405,40 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path):
     assert len(again.evals) == len(first.evals) == 1
     assert trainer_json.read_text() == before and trainer_json.stat().st_mtime_ns == mtime
     assert (tmp_path / "log.jsonl").read_text() == log
+
+
+def test_a_sharded_checkpoint_naming_files_outside_itself_is_refused(tmp_path):
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from rdlm.model.huginn import CheckpointError
+    from rdlm.train.checkpoint import load_weights
+
+    rows = counting_rows(16, length=9, vocab=64)
+    torch.manual_seed(0)
+    model = RecurrentDepthLM(RDLMConfig.from_preset("tiny", context_length=16))
+    train(TrainConfig(strategy="fsdp", out_dir=str(tmp_path), steps=1, micro_batch_size=4, precision="fp32",
+                      **FAST), model=model, train_data=rows)
+    step = latest_checkpoint(tmp_path)
+    metadata = FileSystemReader(step / "dcp").read_metadata()
+    metadata.storage_data = {k: dataclasses.replace(v, relative_path="../outside.distcp")
+                             for k, v in metadata.storage_data.items()}
+    with open(step / "dcp" / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+    with pytest.raises(CheckpointError, match="'../outside.distcp' points outside the checkpoint directory"):
+        load_weights(step)
+
+
+@pytest.mark.parametrize("override", ["vocab_size=1024", "hidden_size=128", "num_heads=8"])
+def test_set_cannot_change_the_shapes_of_a_loaded_model(tmp_path, capsys, override):
+    from rdlm.cli import main
+    from tests.hf_helpers import tiny_model_dir
+
+    model_dir = tiny_model_dir(tmp_path / "model")
+    code = main(["train", "--model", str(model_dir), "--data", str(tmp_path / "none"), "--set", override,
+                 "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert f"--set {override}: {model_dir} holds weights of other shapes" in err

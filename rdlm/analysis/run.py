@@ -26,6 +26,7 @@ from rdlm.analysis.report import Figure, Section, write_report
 from rdlm.analysis.trajectories import DEFAULT_MAX_BYTES, record_trajectory, select_positions
 from rdlm.fileio import write_json
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.resources import check_time, forward_seconds
 
 
 @dataclass
@@ -98,6 +99,12 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
 
         criterion = make_exit_criterion(s.exit_criterion, s.exit_threshold)
     limit_steps = 4 * s.num_steps if s.limit_steps is None else s.limit_steps
+    # The trajectory to max(r, limit), the path-independence runs to r, the exit steps to their cap.
+    iterations = max(s.num_steps, limit_steps) + s.num_runs * s.num_steps + (s.exit_max_steps or s.num_steps)
+    device = next(model.parameters()).device
+    seconds = [forward_seconds(model.config, device, len(p.token_ids), 1, iterations) for p in prompts]
+    check_time(sum(seconds), max(seconds), f"analyzing at r = {s.num_steps} (s* at {limit_steps} iterations)",
+               "prompt")
     summary: dict = {"model": model_name, "settings": {**asdict(s), "limit_steps": limit_steps},
                      "prompts": {}}
     sections: list[Section] = []

@@ -162,8 +162,9 @@ class Recurrence:
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
         if ids.numel() == 0:
             raise ValueError("the prompt has no tokens")
-        if int(ids.max()) >= model.config.vocab_size or int(ids.min()) < 0:
-            raise ValueError(f"token id {int(ids.max())} is outside the model's vocabulary "
+        outside = (ids < 0) | (ids >= model.config.vocab_size)
+        if bool(outside.any()):
+            raise ValueError(f"token id {int(ids[outside][0])} is outside the model's vocabulary "
                              f"(size {model.config.vocab_size})")
         device = model.embedding.weight.device
         ids = ids.to(device).expand(batch, -1)

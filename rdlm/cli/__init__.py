@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+
+from rdlm.resources import LongRunWarning
 
 COMMANDS = [
     "rdlm.cli.info",
@@ -38,12 +41,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line_warnings(command: str, default):
+    """Show rdlm's own warnings (a long job's estimate) as one line, without a source excerpt."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, LongRunWarning):
+            print(f"rdlm {command}: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError, FileExistsError) as err:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", LongRunWarning)
+            warnings.showwarning = one_line_warnings(args.command, warnings.showwarning)
+            return int(args.func(args) or 0)
+    except (CLIError, ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as err:
         print(f"rdlm {args.command}: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk, a path that is a file, no permission: one line naming the path

@@ -4,11 +4,11 @@ exit-step pictures for a model, gathered in a self-contained HTML report (see `r
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
+from rdlm.fileio import read_jsonl
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
 
 
@@ -80,13 +80,7 @@ def read_prompts(args: argparse.Namespace, tokenizer):
     prompts += [Prompt(f"p{len(prompts) + i}", _ids(t)) for i, t in enumerate(args.prompt_ids)]
     if args.prompts_file:
         path = Path(args.prompts_file)
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from err
+        for n, item in read_jsonl(path):
             if not isinstance(item, dict) or ("text" in item) == ("ids" in item):
                 raise ValueError(f'{path}:{n}: expected an object with exactly one of "text" or "ids"')
             ids = encode(item["text"], f"{path}:{n}") if "text" in item else [int(t) for t in item["ids"]]
@@ -105,7 +99,9 @@ def read_prompts(args: argparse.Namespace, tokenizer):
 
 def run(args: argparse.Namespace) -> int:
     from rdlm.analysis import AnalysisSettings, analyze
+    from rdlm.resources import check_device
 
+    check_device(args.device)
     found = resolve_model_source(args.model)
     tokenizer = load_tokenizer(found.tokenizer_dir)
     prompts = read_prompts(args, tokenizer)

@@ -38,11 +38,23 @@ def run(args: argparse.Namespace) -> int:
     messages = list(opening)
     if interactive:
         print("rdlm chat: /reset forgets the conversation, /exit quits.", file=sys.stderr)
+    # Bytes, decoded here: a line that is not UTF-8 is named and skipped, not the end of the chat.
+    read_line = sys.stdin.buffer.readline if hasattr(sys.stdin, "buffer") else sys.stdin.readline
+    number = 0
     while True:
         if interactive:
             print("you> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":
+        raw = read_line()
+        number += 1
+        if not raw:
+            return 0
+        try:
+            line = raw if isinstance(raw, str) else raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            print(f"rdlm chat: input line {number} is not UTF-8 (byte 0x{raw[err.start]:02x} at {err.start}); "
+                  "skipped", file=sys.stderr)
+            continue
+        if line.strip() == "/exit":
             return 0
         text = line.strip()
         if not text:

@@ -4,10 +4,10 @@ plot: the saturation curves of the paper's Figures 1 and 10 for any model and ta
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rdlm.cli import CLIError
+from rdlm.fileio import read_jsonl, read_utf8
 
 
 def register(subparsers) -> None:
@@ -34,14 +34,12 @@ def read_documents(path: Path) -> list[str]:
         raise CLIError(f"{path}: no such file")
     if path.suffix == ".jsonl":
         docs = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    docs.append(json.loads(line)["text"])
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
-                    raise CLIError(f"{path}:{n}: expected a JSON object with a 'text' field ({err})") from err
+        for n, record in read_jsonl(path, CLIError):
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise CLIError(f"{path}:{n}: expected a JSON object with a string 'text' field")
+            docs.append(record["text"])
         return docs
-    return [path.read_text()]
+    return [read_utf8(path, CLIError)]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
 from rdlm.model import dtypes
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
+from rdlm.resources import check_device
 
 
 def register(subparsers) -> None:
@@ -104,6 +105,7 @@ def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = 
     """The model and, when it comes with tokenizer.json, its tokenizer (else None)."""
     from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
+    check_device(device)
     found = resolve_model_source(source)
     tokenizer = None
     if found.tokenizer_dir is not None:

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rdlm.fileio import atomic_write, read_jsonl, write_json
+from rdlm.fileio import atomic_write, confined_name, read_jsonl, read_utf8, write_json
 
 SHARD_FORMAT = "rdlm-token-shards"
 META_FILE = "meta.json"
@@ -198,7 +198,8 @@ class TokenShards:
         self.split = split
         self.arrays = []
         for entry in entries:
-            file = self.directory / entry["file"]
+            file = self.directory / confined_name(entry["file"], self.directory / META_FILE, DataError,
+                                                  "data directory")
             if not file.is_file():
                 raise DataError(f"{file}: shard listed in {META_FILE} is missing")
             try:
@@ -221,9 +222,14 @@ class TokenShards:
         indices = np.asarray(indices, dtype=np.int64)
         shard = np.searchsorted(self.offsets, indices, side="right") - 1
         out = np.empty((len(indices), self.row_length), dtype=np.int64)
+        top = self.max_token_id()
         for s in np.unique(shard):
             where = shard == s
             out[where] = self.arrays[s][indices[where] - self.offsets[s]]
+            if out[where].max(initial=0) > top:  # meta.json is what the model's vocabulary was checked against
+                raise DataError(f"{self.directory / self.meta['splits'][self.split][s]['file']} holds token id "
+                                f"{int(out[where].max())}, above max_token_id {top} in {META_FILE}: "
+                                f"{META_FILE} does not describe its shards")
         return torch.from_numpy(out), None
 
     def max_token_id(self) -> int:
@@ -242,9 +248,37 @@ def read_meta(directory: Path) -> dict:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as err:
         raise DataError(f"{meta_file}: not valid JSON ({err.msg})") from err
-    if meta.get("format") != SHARD_FORMAT:
-        raise DataError(f"{meta_file}: format is {meta.get('format')!r}, expected {SHARD_FORMAT!r}")
+    if not isinstance(meta, dict) or meta.get("format") != SHARD_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else meta
+        raise DataError(f"{meta_file}: format is {found!r}, expected {SHARD_FORMAT!r}")
+    check_meta(meta, meta_file)
     return meta
+
+
+def check_meta(meta: dict, meta_file: Path) -> None:
+    """The fields readers rely on, each present and of its kind, named when not."""
+    def integer(key: str, minimum: int) -> int:
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise DataError(f"{meta_file}: {key!r} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    integer("row_length", 2)
+    top = integer("max_token_id", 0)
+    if "vocab_size" in meta and top >= integer("vocab_size", 1):
+        raise DataError(f"{meta_file}: max_token_id {top} is not below vocab_size {meta['vocab_size']}")
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise DataError(f"{meta_file}: no 'splits' (an object of split name -> list of shard files)")
+    for split, entries in splits.items():
+        if not isinstance(entries, list):
+            raise DataError(f"{meta_file}: splits[{split!r}] must be a list of shard entries, got {entries!r}")
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict) or isinstance(entry.get("rows"), bool) \
+                    or not isinstance(entry.get("rows"), int) or entry["rows"] < 0:
+                raise DataError(f"{meta_file}: splits[{split!r}][{i}] must be an object with 'file' and "
+                                f"an integer 'rows' >= 0, got {entry!r}"[:300])
+            confined_name(entry.get("file"), meta_file, DataError, "data directory")
 
 
 def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text",
@@ -268,11 +302,7 @@ def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text",
             table = pq.read_table(path, columns=[text_field])
             yield from (str(t) for t in table.column(text_field).to_pylist() if t is not None)
         else:
-            try:  # one policy for every input: text is UTF-8, anything else is refused, naming the file
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}: not valid UTF-8 at byte {err.start}; convert it first "
-                                "(e.g. iconv -f latin1 -t utf-8)") from None
+            text = read_utf8(path, DataError)  # one policy for every input: UTF-8, or refused naming the file
             yield from (text.split(separator) if separator else [text])
 
 
@@ -312,6 +342,8 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
         raise DataError(f"context_length must be an integer >= 1, got {context_length!r}")
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, int) or rows_per_shard < 1:
+        raise DataError(f"--rows-per-shard must be an integer >= 1, got {rows_per_shard!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     row_length = context_length + 1

@@ -152,6 +152,9 @@ class Tokenizer:
         return self.encode(self.format_chat(messages, add_generation_prompt))
 
 
+MAX_VOCAB_SIZE = 2**24
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
                     show_progress: bool = False) -> Tokenizer:
     """Train a byte-level BPE tokenizer whose last ids are SPECIAL_TOKENS (as in Huginn-0125).
@@ -159,6 +162,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     vocab_size counts the special tokens. A small corpus may yield fewer merges; the result's
     `vocab_size` says what was reached.
     """
+    if vocab_size > MAX_VOCAB_SIZE:  # the tokenizers library aborts the process on sizes it cannot hold
+        raise ValueError(f"--vocab-size {vocab_size} is above the most this library trains, {MAX_VOCAB_SIZE} "
+                         "(the largest language-model vocabularies have about 2**18 tokens)")
     base = vocab_size - len(SPECIAL_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if base < len(alphabet):

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from rdlm.model.config import RDLMConfig
+from rdlm.resources import check_memory
 
 Strategy = Literal["full", "shared"]
 
@@ -57,6 +58,10 @@ class RecurrentKVCache:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if max_length > config.context_length:
             raise ValueError(f"max_length {max_length} exceeds the model's context length {config.context_length}")
+        layers = config.prelude_layers + config.core_layers * num_slots + config.coda_layers
+        need = 2 * layers * batch_size * config.hidden_size * max_length * torch.empty((), dtype=dtype).element_size()
+        check_memory(need, device if device is not None else "cpu",
+                     f"a {strategy} KV cache of {num_slots} core slot(s) for {batch_size} x {max_length} tokens")
         self.strategy, self.num_slots = strategy, num_slots
         self.batch_size, self.max_length = batch_size, max_length
         shape = (batch_size, config.num_heads, max_length, config.head_dim)

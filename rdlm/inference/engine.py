@@ -34,6 +34,7 @@ from torch import Tensor
 from rdlm.inference.cache import RecurrentKVCache
 from rdlm.inference.exits import ExitTrack, iterate_with_exits
 from rdlm.model.lm import RecurrentDepthLM, Rope
+from rdlm.resources import check_time, forward_seconds
 
 if TYPE_CHECKING:
     from rdlm.inference.generate import GenerationConfig
@@ -53,6 +54,21 @@ def noise_table(model: RecurrentDepthLM, seed: int, scale: float, length: int, d
         generator = torch.Generator().manual_seed(seed * 1_000_003 + b)
         blocks.append(model.init_state(torch.zeros(NOISE_BLOCK, model.config.hidden_size), scale, generator))
     return torch.cat(blocks)[:length].to(device=device, dtype=dtype)
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """The model's logits hold NaN or infinity: no token can be chosen from them."""
+
+    def __init__(self, model: RecurrentDepthLM, token: int) -> None:
+        super().__init__(f"model produced non-finite logits at new token {token}; weights may be NaN: "
+                         f"{getattr(model, 'source', None) or 'the model'}")
+
+
+def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
+    """(chosen ids, whether every logit was finite), read in the one device-to-host copy the ids need
+    anyway: the check costs no synchronization of its own (the CUDA-graph step included)."""
+    values = torch.cat([chosen.reshape(-1), torch.isfinite(logits).all().reshape(1).to(chosen.dtype)]).tolist()
+    return values[:-1], bool(values[-1])
 
 
 @dataclass
@@ -85,6 +101,16 @@ def resolve_compile(compile: bool | None, device: torch.device) -> bool:
     return bool(compile)
 
 
+def check_generation_time(config, device: torch.device, batch: int, prompt_length: int,
+                          generation: GenerationConfig) -> None:
+    """Refuse a generation whose one token (or whole run) cannot end in any reasonable time; warn when long."""
+    r = generation.num_steps
+    prefill = forward_seconds(config, device, batch * prompt_length, 1, generation.prefill_steps or r)
+    token = forward_seconds(config, device, batch, 1, r)
+    check_time(prefill + generation.max_new_tokens * token, max(token, prefill),
+               f"generating {generation.max_new_tokens} tokens at r = {r}", "token")
+
+
 class Session:
     """Prefill and decode for a batch of prompts over one cache. Buffer index t of row b holds that
     row's token at position t - pad[b] (prompts are left-padded to a common length)."""
@@ -107,6 +133,7 @@ class Session:
         if max_length > model.config.context_length:
             raise ValueError(f"prompt ({self.prompt_length}) + new tokens ({config.max_new_tokens}) exceeds "
                              f"the context length {model.config.context_length}")
+        check_generation_time(model.config, self.device, self.batch, self.prompt_length, config)
         self.static = resolve_compile(config.compile, self.device)
         self.graphs = self.static and self.device.type == "cuda"
         slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
@@ -344,7 +371,10 @@ class Session:
         not yet fed). Draft L tokens with N iterations each; then continue those L positions from
         iteration N to M in one forward: the prelude output and the first N iterations are the
         draft's (they do not depend on the total depth), the cache already holds slots 0..N-1.
-        Accept drafts while they equal the verified greedy choice.
+        Accept drafts while they equal the verified greedy choice. The tokens are plain greedy
+        decoding's exactly in float32; in bfloat16/float16 the batched verification rounds differently
+        from one-token decoding, so a near-tie (top-2 logits a few units in the last place apart) may
+        go the other way (see rdlm.inference.generate).
         Returns (new tokens: accepted drafts then the next pending token, drafted, accepted)."""
         c = self.config
         n_draft, depth, length = c.draft_steps, c.num_steps, c.draft_length
@@ -369,7 +399,10 @@ class Session:
         e, state = torch.cat(embedded, dim=1), torch.cat(states, dim=1)
         for i in range(n_draft, depth):
             state = self.model.step(state, e, i, rope, mask, self.cache)
-        verified = self.model.readout(state, rope, mask, self.cache)[0].argmax(dim=-1).tolist()
+        logits = self.model.readout(state, rope, mask, self.cache)[0]
+        verified, finite = read_tokens(logits.argmax(dim=-1), logits)
+        if not finite:
+            raise NonFiniteLogitsError(self.model, self.length + 1 - self.prompt_length)
         accepted = 0
         while accepted < length and drafts[accepted] == verified[accepted]:
             accepted += 1

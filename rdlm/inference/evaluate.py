@@ -29,7 +29,9 @@ from torch import Tensor
 
 from rdlm.data.shards import IGNORE_INDEX
 from rdlm.fileio import atomic_write, write_json
+from rdlm.model.huginn import read_config
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.resources import check_memory, check_time, forward_seconds
 
 
 @dataclass
@@ -106,6 +108,19 @@ def check_steps(num_steps: Sequence[int]) -> list[int]:
     return steps
 
 
+def check_sweep_fits(config, device: torch.device, lengths: Sequence[int], steps: Sequence[int], batch_size: int,
+                     seq_len: int) -> None:
+    """Refuse a sweep whose one batch cannot fit in memory or whose batches cannot end (rdlm.resources:
+    lower bounds); warn when long. `lengths`: the predicted tokens of each window (or one per request)."""
+    width = min(max(lengths), seq_len)
+    check_memory(batch_size * width * config.vocab_size * 4, device,
+                 f"--batch-size {batch_size}: the logits of {batch_size} x {width} tokens")
+    calls = math.ceil(len(lengths) / batch_size)
+    total = sum(forward_seconds(config, device, sum(lengths), calls, r) for r in steps)
+    unit = forward_seconds(config, device, batch_size * width, 1, max(steps))
+    check_time(total, unit, f"evaluating at r = {','.join(map(str, steps))}", "batch")
+
+
 def windows(documents: Sequence[Sequence[int]], seq_len: int) -> list[list[int]]:
     """Cut each document into pieces of at most seq_len + 1 tokens that overlap by one token, so every
     token after the first of a document is predicted exactly once."""
@@ -132,6 +147,8 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
     pieces = windows(documents, seq_len)
     if not pieces:
         raise ValueError("no document has two or more tokens: nothing to predict")
+    device = next(model.parameters()).device
+    check_sweep_fits(model.config, device, [len(p) - 1 for p in pieces], steps, batch_size, seq_len)
     batches = []
     for start in range(0, len(pieces), batch_size):
         batch = pieces[start:start + batch_size]
@@ -147,8 +164,9 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
     for r, scores in nll_vs_steps(model, batches, steps, seed=seed, init_scale=init_scale).items():
         nll = scores.mean_nll
         if not math.isfinite(nll):
-            raise FloatingPointError(f"{task}: the model's logits are not finite at r={r} (NaN or infinite "
-                                     "weights, or an overflow in this dtype); no perplexity to report")
+            raise FloatingPointError(f"{task}: the model's logits are not finite at r={r} (an overflow in this "
+                                     "dtype, or weights may be NaN: "
+                                     f"{getattr(model, 'source', None) or 'the model'}); no perplexity")
         sweep.num_steps.append(r)
         sweep.values.append(math.exp(nll))
     return sweep
@@ -170,6 +188,11 @@ def accuracy_vs_steps(pretrained: str | os.PathLike, tasks: Sequence[str], num_s
     except ImportError as err:
         raise ImportError(f"{err}; accuracy needs lm-eval: pip install 'rdlm[eval]'") from err
     steps = check_steps(num_steps)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    # Requests are not known before lm-eval builds them: at least one request of one token per task.
+    check_sweep_fits(read_config(pretrained), torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
+                     [1] * len(tasks), steps, 1, 1)
     manager = TaskManager(include_path=str(include_path) if include_path else None)
     sweeps: dict[tuple[str, str], DepthSweep] = {}
     for r in steps:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (fills the registry's lazy entries first, so "hf" & co. stay visible)
@@ -112,11 +113,13 @@ class RDLMEvalModel(TemplateLM):
         if self.kv_cache_budget is not None and self.kv_cache_budget < 1:
             raise ValueError(f"rdlm model: kv_cache_budget must be >= 1, got {self.kv_cache_budget}")
         self.max_length = _optional(max_length, int) or config.context_length
-        self.max_batch_size = int(max_batch_size or 64)
+        self.max_batch_size = 64 if (most := _optional(max_batch_size, int)) is None else most
+        if self.max_batch_size < 1:
+            raise ValueError(f"rdlm model: max_batch_size must be >= 1, got {self.max_batch_size}")
         if str(batch_size).startswith("auto"):  # "auto" or lm-eval's "auto:N" (re-detect N times: once is enough)
             self.batch_size = self.detect_batch_size()
         else:
-            self.batch_size = int(batch_size or 1)
+            self.batch_size = 1 if (size := _optional(batch_size, int)) is None else size
         if self.batch_size < 1:
             raise ValueError(f"rdlm model: batch_size must be >= 1, got {self.batch_size}")
         self.max_gen_toks = int(max_gen_toks)
@@ -222,6 +225,9 @@ class RDLMEvalModel(TemplateLM):
                                    initial_state=states)
             for row, i in enumerate(batch):
                 score, greedy = -scores.nll[row].item(), bool(scores.greedy[row])
+                if not math.isfinite(score):  # a NaN would score as a coin flip, not as an error
+                    raise FloatingPointError(f"rdlm model: model produced non-finite logits in request {i}; "
+                                             f"weights may be NaN: {self.pretrained}")
                 results[i] = (score, greedy)
                 if requests[i][0][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], (score, greedy))

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rdlm.model.config import RDLMConfig, check_keys
-from rdlm.fileio import recover_dir, staging_dir, write_json
+from rdlm.fileio import confined_name, recover_dir, staging_dir, write_json
 from rdlm.model.lm import RecurrentDepthLM, rope_tables
 
 CONFIG_NAME = "config.json"
@@ -218,17 +218,8 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
 
 
 def confined(name: Any, source: str | os.PathLike) -> str:
-    """A file name read from a model directory's own metadata, refused unless it stays inside it.
-
-    Checked on the name itself, not the resolved path: the directory's own files may be symlinks
-    elsewhere (the Hugging Face cache is laid out that way); the metadata may not point out of it.
-    """
-    if not isinstance(name, str) or not name:
-        raise CheckpointError(f"{source}: file name {name!r} is not a non-empty string")
-    parts = Path(name).parts
-    if Path(name).is_absolute() or ".." in parts or "\\" in name:
-        raise CheckpointError(f"{source}: file name {name!r} points outside the model directory; refused")
-    return name
+    """A file name read from a model directory's own metadata, refused unless it stays inside it."""
+    return confined_name(name, source, CheckpointError, "model directory")
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -286,6 +277,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     model.load_state_dict(state, assign=True)
     cos, sin = stored_rope_tables(rope_table, config, path)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.source = str(path)  # named by errors about the weights (non-finite logits)
     return model.eval()
 
 

@@ -55,8 +55,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from rdlm.fileio import staging_dir, temp_prefix, write_json
-from rdlm.model.huginn import load_pretrained, save_pretrained
+from rdlm.fileio import confined_name, staging_dir, temp_prefix, write_json
+from rdlm.model.huginn import CheckpointError, load_pretrained, save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
 
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -196,6 +196,15 @@ def _copy_tensors(source: dict[str, torch.Tensor], target: nn.Module) -> None:
 # --------------------------------------------------------------------------------------------------
 # Sharded checkpoints (torch.distributed.checkpoint)
 
+def confined_shards(directory: Path) -> Path:
+    """A sharded checkpoint whose metadata names only files inside it (refused otherwise)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for info in FileSystemReader(directory).read_metadata().storage_data.values():
+        confined_name(str(info.relative_path), directory / ".metadata", CheckpointError, "checkpoint directory")
+    return directory
+
+
 def is_sharded(path: str | os.PathLike) -> bool:
     return (Path(path) / SHARDED_DIR).is_dir()
 
@@ -285,7 +294,7 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer
     if is_sharded(path):
         if "ema" in state and not has_ema(path):
             del state["ema"]
-        dcp.load(state, checkpoint_id=path / SHARDED_DIR)
+        dcp.load(state, checkpoint_id=confined_shards(path / SHARDED_DIR))
     else:
         _fill(state["model"], dict(load_pretrained(path / "model", dtype=torch.float32).named_parameters()))
         if "ema" in state and (path / "ema").is_dir():
@@ -335,7 +344,7 @@ def read_sharded_full(path: str | os.PathLike, model: nn.Module, parameter_names
                                             "exp_avg_sq": torch.empty(s)} for n, s in shapes.items()}}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(state, checkpoint_id=path / SHARDED_DIR, no_dist=True)
+        dcp.load(state, checkpoint_id=confined_shards(path / SHARDED_DIR), no_dist=True)
     optimizer = None
     if with_optimizer:
         optimizer = {f"{n}/{k}": v for n, fields in state["optimizer"]["state"].items() for k, v in fields.items()}

@@ -39,6 +39,7 @@ from rdlm.data.shards import (Batch, Batches, DataError, MemoryRows, RowSource, 
                        fixed_batches, load_prompt_response)
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.recurrence import SAMPLERS, draw_for_microbatch, microbatch_seed
+from rdlm.resources import check_memory, check_time, forward_seconds
 from rdlm.train import checkpoint as ckpt
 from rdlm.train.distributed import (STRATEGIES, all_reduce_sum, apply_fsdp, barrier, full, local,
                                     init_single_process_group, resolve_strategy, setup, teardown_group)
@@ -224,6 +225,13 @@ def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple
         # Training-time fields (recurrence, checkpointing) may change; shapes may not.
         new = model.config.replace(**overrides)
         fresh = RecurrentDepthLM(new)
+        shapes = {name: tuple(t.shape) for name, t in fresh.state_dict().items()}
+        for name, tensor in model.state_dict().items():
+            if shapes.get(name) != tuple(tensor.shape):
+                changed = ", ".join(f"{k}={v}" for k, v in overrides.items() if getattr(model.config, k, v) != v)
+                raise ConfigError(f"--set {changed}: {source} holds weights of other shapes ({name} is "
+                                  f"{tuple(tensor.shape)}, the new config needs {shapes.get(name)}); a loaded "
+                                  "model can change training-time fields only (recurrence, checkpointing)")
         fresh.load_state_dict(model.state_dict())
         model = fresh
     return model.train(), found.tokenizer_dir
@@ -261,6 +269,24 @@ def check_compatible(model: RecurrentDepthLM, sources: dict[str, RowSource], tok
         if length is not None and length - 1 > model.config.context_length:
             raise DataError(f"{name} rows have {length - 1} input tokens, more than the model's context "
                             f"length {model.config.context_length}")
+
+
+def check_step_fits(model_config: RDLMConfig, config: TrainConfig, device: torch.device, seq_len: int,
+                    mean_recurrence: int, backprop_depth: int, element_bytes: int) -> None:
+    """Refuse, before the first step, a micro-batch whose activations cannot fit in the device's memory or
+    an optimizer step that cannot end (lower bounds, rdlm.resources); warn when the run is long."""
+    c, micro = model_config, config.micro_batch_size
+    # Backward keeps at least the inputs of each layer's matmuls (4 h wide: the block input, its
+    # normalized copy, q/k/v) and the MLP's two intermediate projections, for every layer with gradient.
+    grad_layers = c.prelude_layers + c.coda_layers + min(backprop_depth, mean_recurrence) * c.core_layers
+    per_token = grad_layers * (4 * c.hidden_size + 2 * c.intermediate_size) * element_bytes
+    check_memory(micro * seq_len * per_token, "cpu" if config.cpu_offload else device,
+                 f"--micro-batch-size {micro}: the activations of {micro} x {seq_len} tokens at backprop "
+                 f"depth {backprop_depth}")
+    step = forward_seconds(c, device, micro * config.accumulation * seq_len, config.accumulation,
+                           mean_recurrence, min(backprop_depth, mean_recurrence))
+    check_time(config.steps * step, step, f"training {config.steps} steps at mean r = {mean_recurrence} "
+               f"({micro} x {config.accumulation} rows of {seq_len} tokens per step)", "step")
 
 
 def as_source(data: Any) -> RowSource:
@@ -361,6 +387,8 @@ class Trainer:
                                               and torch.cuda.is_bf16_supported())
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
         self.precision = "bf16" if bf16 else "fp32"
+        check_step_fits(c, config, self.device, self.train_source.row_length - 1, self.mean_recurrence,
+                        self.backprop_depth, 2 if bf16 else 4)
         if config.compile:
             # Regional compile: each block's forward, not the loop (r changes every step and must not
             # recompile); FSDP's hooks stay outside the compiled code. Two graphs per block: with and

@@ -1,0 +1,127 @@
+"""What a job needs before it starts: a device that exists, memory that fits, time that ends.
+
+A recurrent-depth model multiplies its cost by r, so one mistyped flag (`-r 1e9`, `--micro-batch-size
+100000`) asks for a job that runs for months or until memory runs out. These checks estimate such a
+job before any work and refuse it in one line, or warn with the estimate where it may fit but is long.
+
+The estimates are lower bounds, so a refusal is certain, never a guess: memory counts only the
+tensors the job must hold at once; time counts matmul FLOPs at a peak throughput above any one
+device's (`PEAK_FLOPS`) plus a floor per layer call (`LAYER_SECONDS`: a kernel launch on a GPU, a few
+operator dispatches on the CPU), which is what bounds a small model at a large r.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+# FLOP/s no single device of its kind reaches (dense bf16 on the fastest GPUs is about 2.3e15; one CPU
+# core with AVX-512 FMA about 2e11): the time estimates are lower bounds.
+PEAK_FLOPS = {"cuda": 5e15, "cpu_core": 2e11}
+# Seconds one layer's forward takes at the least, whatever its size: several kernels of >= 1 us on a
+# GPU (CUDA graphs included); some dozen operator dispatches of >= 1 us each on the CPU.
+LAYER_SECONDS = {"cuda": 2e-6, "cpu": 1e-5}
+# A job whose lower bound exceeds REFUSE_SECONDS in total, or UNIT_SECONDS for one unit of work (one
+# token, one optimizer step, one batch), is refused; one above WARN_SECONDS is announced.
+REFUSE_SECONDS = 30 * 86400.0
+UNIT_SECONDS = 3600.0
+WARN_SECONDS = 3600.0
+
+
+class ResourceError(ValueError):
+    """A job that cannot fit in memory or would not finish; refused before it starts."""
+
+
+class LongRunWarning(UserWarning):
+    """A job that may fit but takes long (the message gives the estimate)."""
+
+
+def check_device(device: str | torch.device, flag: str = "--device") -> torch.device:
+    """The device, refused in one line when this machine or this torch build does not have it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ResourceError(f"{flag}: {device!r} is not a device ({err})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ResourceError(f"{flag} {device}: {build}; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ResourceError(f"{flag} {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ResourceError(f"{flag} {device}: MPS is not available on this machine; use --device cpu")
+    return dev
+
+
+def memory_bytes(device: torch.device | str) -> int:
+    """Total memory of the device: GPU memory on CUDA, physical RAM otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(need: float, device: torch.device | str, what: str) -> None:
+    """Refuse `what` when its lower-bound size `need` (bytes) exceeds the device's whole memory."""
+    have = memory_bytes(device)
+    if need > have:
+        raise ResourceError(f"{what} needs at least {format_bytes(need)}, more than the "
+                            f"{format_bytes(have)} of {torch.device(device).type} memory; refused")
+
+
+def forward_seconds(config, device: torch.device | str, tokens: float, calls: float, num_steps: float,
+                    grad_steps: float = 0) -> float:
+    """A lower bound on the seconds `calls` forward passes over `tokens` tokens in all take at r =
+    num_steps (with a backward over the last `grad_steps` iterations when training)."""
+    from rdlm.train.monitor import flops_per_token
+
+    device = torch.device(device)
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    peak = PEAK_FLOPS["cuda"] if kind == "cuda" else PEAK_FLOPS["cpu_core"] * (os.cpu_count() or 1)
+    flops = tokens * flops_per_token(_Sizes(config), 0, max(num_steps - grad_steps, 0), grad_steps)
+    layers = config.prelude_layers + config.coda_layers + num_steps * config.core_layers
+    return flops / peak + calls * layers * LAYER_SECONDS[kind]
+
+
+def check_time(total: float, unit: float, what: str, unit_name: str) -> None:
+    """Refuse `what` when its lower bound `total` (seconds) or that of one `unit_name` (`unit`) is beyond
+    any wait; warn when the total is long."""
+    if unit > UNIT_SECONDS:
+        raise ResourceError(f"{what}: one {unit_name} would take at least {format_seconds(unit)}; refused")
+    if total > REFUSE_SECONDS:
+        raise ResourceError(f"{what} would take at least {format_seconds(total)}; refused")
+    if total > WARN_SECONDS:
+        warnings.warn(f"{what} will take at least {format_seconds(total)} (a lower bound)", LongRunWarning,
+                      stacklevel=3)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.3g} EiB"  # unreachable
+
+
+def format_seconds(s: float) -> str:
+    for limit, unit, size in ((120, "seconds", 1), (7200, "minutes", 60), (172800, "hours", 3600),
+                              (365 * 86400 * 2, "days", 86400)):
+        if s < limit:
+            return f"{s / size:.3g} {unit}"
+    return f"{s / (365 * 86400):.3g} years"
+
+
+class _Sizes:
+    """What `flops_per_token` reads from a model, from its config alone (no weights needed)."""
+
+    def __init__(self, config) -> None:
+        h, inter = config.hidden_size, config.intermediate_size
+        layer = 4 * h * h + 3 * h * inter  # attention (q, k, v, out) and the gated MLP
+        self.config = config
+        self.groups = {"prelude": config.prelude_layers * layer, "coda": config.coda_layers * layer,
+                       "core": config.core_layers * layer + 2 * h * h}  # + the adapter of [s, e]
+
+    def parameter_groups(self) -> dict[str, int]:
+        return self.groups
