@@ -101,3 +101,17 @@ def test_requests_that_cannot_be_served_are_refused_by_name(model):
     # a shared cache of 4 slots serves any r
     rid = batch.add([1, 2], GenerationConfig(num_steps=9, max_new_tokens=3, cache_strategy="shared", cache_slots=4))
     assert len(drain(batch)[rid]) == 3
+
+
+def test_non_finite_logits_fail_the_step_naming_the_weights():
+    from rdlm.inference.engine import NonFiniteLogitsError
+
+    torch.manual_seed(0)
+    broken = RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
+    with torch.no_grad():
+        broken.coda[0].mlp.out.weight.fill_(float("nan"))
+    broken.source = "runs/broken"
+    batch = ContinuousBatch(broken, max_batch=2, max_length=16, num_slots=4)
+    batch.add([1, 2, 3], GenerationConfig(num_steps=2, max_new_tokens=3))
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits at new token 1; weights may be NaN: runs/broken"):
+        drain(batch)

@@ -246,7 +246,8 @@ def nan_model() -> RecurrentDepthLM:
 
 
 @pytest.mark.parametrize("options", [dict(), dict(temperature=0.8), dict(draft_steps=2),
-                                     dict(exit_criterion="kl", min_steps=2)])
+                                     dict(exit_criterion="kl", min_steps=2), dict(sampler="parallel"),
+                                     dict(sampler="parallel", prefill_steps=4)])
 def test_non_finite_logits_are_an_error_naming_the_token_and_the_weights(options):
     from rdlm.inference.engine import NonFiniteLogitsError
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.cache import RecurrentKVCache
-from rdlm.inference.engine import noise_table
+from rdlm.inference.engine import NonFiniteLogitsError, noise_table, read_tokens
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule
 from rdlm.inference.generate import Decode, GenerationConfig, sample
 from rdlm.model.lm import RecurrentDepthLM
@@ -313,7 +313,9 @@ class ContinuousBatch:
     def _choose(self, q: _Request, logits: Tensor, steps: int, events: list[BatchEvent]) -> None:
         """Sample the request's next token from [1, V] logits; emit it; free the row when finished."""
         c = q.config
-        token = int(sample(logits, c, [q.generator], self.seen[q.row:q.row + 1])[0])
+        (token,), finite = read_tokens(sample(logits, c, [q.generator], self.seen[q.row:q.row + 1]), logits)
+        if not finite:
+            raise NonFiniteLogitsError(self.model, len(q.tokens) + 1)
         q.tokens.append(token)
         reason = None
         if token in c.stop_tokens:

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import Session
+from rdlm.inference.engine import NonFiniteLogitsError, Session, read_tokens
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 from rdlm.model.lm import RecurrentDepthLM
 
@@ -134,7 +134,9 @@ class ParallelSampler:
         c, s = self.config, self.session
         prompt_length = s.prompt_length
         if prefill_logits is not None:
-            first = self._draft(prefill_logits)[0]
+            (first,), finite = read_tokens(self._draft(prefill_logits)[:1], prefill_logits)
+            if not finite:
+                raise NonFiniteLogitsError(self.model, 1)
             self.tokens[prompt_length] = first
             self.final = prompt_length + 1
             self._open(prompt_length, 1, exact=True)
@@ -181,7 +183,10 @@ class ParallelSampler:
         index = torch.arange(width, device=s.device)
         settled = torch.where(self.streak >= crit.patience, index, -1).max()
         done = torch.where(self.iterations[a:a + width] >= c.num_steps, index + 1, -1).max()
-        settled, done = torch.stack((settled, done)).tolist()  # the one host sync of a step
+        finite = torch.isfinite(logits).all().long()
+        settled, done, finite = torch.stack((settled, done, finite)).tolist()  # the one host sync of a step
+        if not finite:
+            raise NonFiniteLogitsError(model, a + 1 - self.session.prompt_length)
         new_start = a + max(settled, done, 0)
         new_final = max(self.final, new_start + 1)
         out = [(int(t), int(n)) for t, n in zip(self.tokens[self.final:new_final].tolist(),
