@@ -100,3 +100,29 @@ def test_leftovers_of_interrupted_checkpoint_writes_are_cleaned_at_the_next_star
     (root / ".step-000001.old-4242").mkdir()               # swap finished, old copy not yet deleted
     run(tmp_path, steps=3, resume=True)
     assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002", "step-000003"]
+
+
+def test_a_full_disk_while_saving_a_checkpoint_keeps_the_previous_one_whole(tmp_path, monkeypatch):
+    import errno
+
+    from rdlm.model import huginn
+    from rdlm.model.huginn import load_pretrained
+
+    run(tmp_path, steps=1)
+    kept = latest_checkpoint(tmp_path)
+    real_save, calls = huginn.save_file, []
+
+    def full_disk(*args, **kwargs):
+        calls.append(args[1])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(huginn, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        run(tmp_path, steps=2, resume=True)
+    monkeypatch.setattr(huginn, "save_file", real_save)
+    assert calls, "the save was never attempted"
+    # Nothing half-written stays behind, and the last complete checkpoint still loads and resumes.
+    assert [p.name for p in list_checkpoints(tmp_path)] == [kept.name]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [kept.name]
+    load_pretrained(kept / "model")
+    assert run(tmp_path, steps=2, resume=True).checkpoint.name == "step-000002"
