@@ -52,6 +52,8 @@ def check_device(device: str | torch.device, flag: str = "--device") -> torch.de
             raise ResourceError(f"{flag} {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
     elif dev.type == "mps" and not torch.backends.mps.is_available():
         raise ResourceError(f"{flag} {device}: MPS is not available on this machine; use --device cpu")
+    elif dev.type not in ("cpu", "meta", "mps") and not getattr(torch, dev.type, None):
+        raise ResourceError(f"{flag} {device}: not available in this torch build; use --device cpu")
     return dev
 
 

@@ -9,32 +9,11 @@ from rdlm.cli import main
 from rdlm.model.convert import convert, parse_size, resolve_source
 from rdlm.model.huginn import INDEX_NAME
 
-
-def same_weights(a, b):
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def training_run(tmp_path, tiny_model):
-    """A run directory written by rdlm.train.checkpoint.save_checkpoint: step-N/{model,ema}/, optimizer, trainer.json."""
-    from rdlm.train.checkpoint import save_checkpoint
-    from rdlm.data.tokenizer import train_tokenizer
-
-    ema = load_pretrained(save_pretrained(tiny_model, tmp_path / "scratch"))
-    with torch.no_grad():
-        for p in ema.parameters():
-            p.mul_(0.5)
-    names = [n for n, _ in tiny_model.named_parameters()]
-    optimizer = torch.optim.AdamW(tiny_model.parameters())
-    tokenizer = train_tokenizer(["ravens are black birds"] * 10, vocab_size=300)
-    for step in (100, 200):
-        save_checkpoint(tmp_path / "run", step, tiny_model, ema, optimizer.state_dict(), names, {"step": step},
-                        tokenizer=tokenizer)
-    return tmp_path / "run", ema
+from conftest import same_weights, write_training_run
 
 
 def test_training_checkpoint_to_huginn_picks_ema_or_raw_weights(tmp_path, tiny_model):
-    run, ema = training_run(tmp_path, tiny_model)
+    run, ema = write_training_run(tmp_path, tiny_model)
     assert resolve_source(run).directory == run / "checkpoints" / "step-000200" / "ema"
     out = convert(run, tmp_path / "release")
     assert same_weights(load_pretrained(out), ema)

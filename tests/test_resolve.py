@@ -9,30 +9,12 @@ from rdlm import CheckpointError, ConfigError, load_pretrained, save_pretrained
 from rdlm.cli import main
 from rdlm.model.resolve import resolve_model_source
 
-
-def same_weights(a, b):
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+from conftest import same_weights, write_training_run
 
 
 @pytest.fixture
 def run_dir(tmp_path, tiny_model):
-    """A run directory with two checkpoints: step-N/{model,ema}/ (EMA = half the raw weights), each
-    with tokenizer.json, as rdlm.train.checkpoint writes them."""
-    from rdlm.data.tokenizer import train_tokenizer
-    from rdlm.train.checkpoint import save_checkpoint
-
-    ema = load_pretrained(save_pretrained(tiny_model, tmp_path / "scratch"))
-    with torch.no_grad():
-        for p in ema.parameters():
-            p.mul_(0.5)
-    names = [n for n, _ in tiny_model.named_parameters()]
-    optimizer = torch.optim.AdamW(tiny_model.parameters())
-    tokenizer = train_tokenizer(["ravens are black birds"] * 10, vocab_size=300)
-    for step in (100, 200):
-        save_checkpoint(tmp_path / "run", step, tiny_model, ema, optimizer.state_dict(), names, {"step": step},
-                        tokenizer=tokenizer)
-    return tmp_path / "run"
+    return write_training_run(tmp_path, tiny_model)[0]
 
 
 def generate_ids(model: str, capsys) -> str:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rdlm.resources import check_device
+
 
 @dataclass(frozen=True)
 class World:
@@ -44,7 +46,7 @@ def setup(device: str = "auto") -> tuple[World, torch.device]:
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = check_device(device)
+    dev = check_device(device)  # refused in one line when this machine lacks it
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank if dev.index is None else dev.index)
         torch.cuda.set_device(dev)
@@ -52,23 +54,6 @@ def setup(device: str = "auto") -> tuple[World, torch.device]:
         # gloo next to NCCL for the few collectives on CPU tensors (batch bookkeeping, checkpoints).
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo")
     return World(rank, size, local_rank), dev
-
-
-def check_device(name: str) -> torch.device:
-    """A device name this machine can use, or a ValueError saying why not (before any work starts)."""
-    try:
-        dev = torch.device(name)
-    except RuntimeError as err:
-        raise ValueError(f"device {name!r} is not a device name (cpu, cuda, cuda:1, ...): {err}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "this PyTorch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise ValueError(f"device {name!r}: {why}; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type not in ("cpu", "meta") and not getattr(torch, dev.type, None):
-        raise ValueError(f"device {name!r} is not available here")
-    return dev
 
 
 def init_single_process_group(device: torch.device) -> bool:
