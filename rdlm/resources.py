@@ -28,6 +28,9 @@ LAYER_SECONDS = {"cuda": 2e-6, "cpu": 1e-5}
 REFUSE_SECONDS = 30 * 86400.0
 UNIT_SECONDS = 3600.0
 WARN_SECONDS = 3600.0
+# Set to 1 for a job that really is that long (pretraining on one node): time refusals become warnings.
+# Memory refusals stay: what cannot fit cannot run.
+ALLOW_LONG_RUNS = "RDLM_ALLOW_LONG_RUNS"
 
 
 class ResourceError(ValueError):
@@ -90,10 +93,14 @@ def forward_seconds(config, device: torch.device | str, tokens: float, calls: fl
 def check_time(total: float, unit: float, what: str, unit_name: str) -> None:
     """Refuse `what` when its lower bound `total` (seconds) or that of one `unit_name` (`unit`) is beyond
     any wait; warn when the total is long."""
+    allowed = os.environ.get(ALLOW_LONG_RUNS, "") not in ("", "0")
+    refusal = None
     if unit > UNIT_SECONDS:
-        raise ResourceError(f"{what}: one {unit_name} would take at least {format_seconds(unit)}; refused")
-    if total > REFUSE_SECONDS:
-        raise ResourceError(f"{what} would take at least {format_seconds(total)}; refused")
+        refusal = f"{what}: one {unit_name} would take at least {format_seconds(unit)}"
+    elif total > REFUSE_SECONDS:
+        refusal = f"{what} would take at least {format_seconds(total)}"
+    if refusal is not None and not allowed:
+        raise ResourceError(f"{refusal}; refused (a lower bound; {ALLOW_LONG_RUNS}=1 runs it anyway)")
     if total > WARN_SECONDS:
         warnings.warn(f"{what} will take at least {format_seconds(total)} (a lower bound)", LongRunWarning,
                       stacklevel=3)

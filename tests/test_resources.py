@@ -86,6 +86,15 @@ def test_a_long_job_is_announced_with_its_estimate_and_runs():
     assert caught[0].category is LongRunWarning
 
 
+def test_an_endless_job_is_refused_unless_long_runs_are_allowed(monkeypatch):
+    forty_days = 40 * 86400.0
+    with pytest.raises(ResourceError, match="would take at least 40 days; refused .*RDLM_ALLOW_LONG_RUNS=1"):
+        check_time(forty_days, 1.0, "pretraining", "step")
+    monkeypatch.setenv("RDLM_ALLOW_LONG_RUNS", "1")
+    with pytest.warns(LongRunWarning, match="pretraining will take at least 40 days"):
+        check_time(forty_days, 1.0, "pretraining", "step")
+
+
 def test_the_cli_shows_a_long_job_warning_as_one_line(capsys):
     from rdlm.cli import one_line_warnings
 
