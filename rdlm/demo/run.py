@@ -689,6 +689,20 @@ def _binned(split: dict[str, Any], group: Sequence[int], counts: dict[int, int],
     return sum(split["by_difficulty"][d][r] * counts[d] for d in group) / total
 
 
+def _finish_accuracy_plot(fig, ax, res: dict[str, Any], title: str, legend_size: int, path: Path) -> str:
+    """What both accuracy-vs-r plots share: the training mean marked, the r axis, labels, the legend
+    outside the axes; saved to `path`."""
+    mean_r = res["claims"]["train_mean_r"]
+    ax.axvline(mean_r, color="grey", lw=0.8, ls=":", label=f"training mean r={mean_r}")
+    _r_axis(ax, res["config"]["eval_num_steps"])
+    ax.set_ylabel("exact match of the decoded reply (%)")
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_ylim(-2, 102)
+    fig.tight_layout()
+    return _save_figure(fig, path)
+
+
 def _r_axis(ax, rs: Sequence[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(rs))
@@ -713,14 +727,8 @@ def plot_task(out: Path, res: dict[str, Any], exit_steps: list[int]) -> list[str
             rs = list(by_d[group[0]])
             ax.plot(rs, [100 * _binned(entry, group, counts, r) for r in rs], marker="o", ms=3, ls=style,
                     color=next(colors), label=f"{split}, {_range(group)} {unit}")
-    ax.axvline(claims["train_mean_r"], color="grey", lw=0.8, ls=":", label=f"training mean r={claims['train_mean_r']}")
-    _r_axis(ax, res["config"]["eval_num_steps"])
-    ax.set_ylabel("exact match of the decoded reply (%)")
-    ax.set_title("Recurrent model: accuracy vs r by difficulty")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_ylim(-2, 102)
-    fig.tight_layout()
-    files.append(_save_figure(fig, out / "accuracy_vs_r.png"))
+    files.append(_finish_accuracy_plot(fig, ax, res, "Recurrent model: accuracy vs r by difficulty", 8,
+                                       out / "accuracy_vs_r.png"))
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for split, color in (("test", "C0"), ("harder", "C1"), ("validation", "C7")):
@@ -733,14 +741,8 @@ def plot_task(out: Path, res: dict[str, Any], exit_steps: list[int]) -> list[str
                 ax.axhline(100 * table[split]["overall"][1], color=color, ls=style, lw=1.2, label=f"{name}, {split}")
     best = claims["best_r_on_validation"]
     ax.axvline(best, color="C2", lw=1, ls=":", label=f"best r on validation: {best}")
-    ax.axvline(claims["train_mean_r"], color="grey", lw=0.8, ls=":", label=f"training mean r={claims['train_mean_r']}")
-    _r_axis(ax, res["config"]["eval_num_steps"])
-    ax.set_ylabel("exact match of the decoded reply (%)")
-    ax.set_title("Recurrent depth vs non-recurrent baselines")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_ylim(-2, 102)
-    fig.tight_layout()
-    files.append(_save_figure(fig, out / "recurrent_vs_baselines.png"))
+    files.append(_finish_accuracy_plot(fig, ax, res, "Recurrent depth vs non-recurrent baselines", 7,
+                                       out / "recurrent_vs_baselines.png"))
 
     files += plot_training(out, res["training"])
 
