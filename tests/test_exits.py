@@ -11,6 +11,9 @@ from safetensors.torch import load_file
 from rdlm.inference.exits import CRITERIA, ExitCriterion, ExitTrack, iterate_with_exits, make_exit_criterion
 from tests.conftest import HUGINN_TINY
 
+# Float comparisons with references computed on other machines (CI reruns them with other CPU kernels).
+pytestmark = pytest.mark.numerics
+
 
 @pytest.fixture(scope="module")
 def reference():
@@ -79,6 +82,52 @@ def test_entropy_diff_is_the_absolute_change_of_entropy():
     assert crit(prev, cur).tolist() == [True, False]
 
 
+# ---- float32 round-off of the scores, for comparing them across CPUs
+#
+# Each score is a short float32 computation whose result can cancel: KL is the sum of p * (log p - log p')
+# over the vocabulary, whose terms are much larger than the KL near convergence. Two correct float32
+# implementations (ours and the reference's, or ours on two CPUs whose exp/log kernels differ by an ulp)
+# differ by round-off relative to the *terms*, not to the result. Standard error analysis with
+# u = 2^-24 (float32's unit round-off): a bound u * (4 M + log2(n) S), where
+#   4 M        the element-wise work (softmax's exp, sum and division, the log or the product), at most
+#              a few roundings of each term's magnitude, M = the sum of those magnitudes;
+#   log2(n) S  the final reduction over n = V (or h) values, pairwise summed, S = sum of |its terms|.
+# Per score, computed in float64 from the same inputs (p, p': the previous and this iteration's
+# distribution, filtered for minp-kl; s, s': this and the previous state):
+#   kl, minp-kl:   M = sum p' (|log p'| + |log p|),   S = sum p' |log p' - log p|
+#   entropy-diff:  M = S = sum p |log p| + sum p' |log p'|
+#   latent-diff:   M = S = (||s|| + ||s'||) / ||s||   (the difference, then a ratio of norms)
+#   cosine:        M = S = 2                         (1 - cos, cos rounded relative to ||s|| ||s'||)
+# Two implementations differ by at most twice the bound. Measured on this fixture with three kernel sets
+# (ATEN_CPU_CAPABILITY=default, avx2, avx512): at most 1.3 u M from the float64 value.
+
+U32 = 2.0 ** -24
+
+
+def roundoff_bound(name, prev_logits, logits, prev_state, state):
+    """Per-token bound on |score_float32 - score_exact| (see above), from float64 copies of the inputs."""
+    if name in ("kl", "minp-kl", "entropy-diff"):
+        log_prev, log_cur = F.log_softmax(prev_logits.double(), -1), F.log_softmax(logits.double(), -1)
+        if name == "minp-kl":
+            def filtered(log_p):
+                p = log_p.exp()
+                p = torch.where(p < 0.1 * p.amax(-1, keepdim=True), 1.0 / p.shape[-1], p)
+                return (p / p.sum(-1, keepdim=True)).log()
+            log_prev, log_cur = filtered(log_prev), filtered(log_cur)
+        p_prev, p_cur = log_prev.exp(), log_cur.exp()
+        if name == "entropy-diff":
+            magnitude = terms = (p_prev * log_prev.abs()).sum(-1) + (p_cur * log_cur.abs()).sum(-1)
+        else:
+            magnitude = (p_prev * (log_prev.abs() + log_cur.abs())).sum(-1)
+            terms = (p_prev * (log_prev - log_cur).abs()).sum(-1)
+        n = logits.shape[-1]
+    else:
+        norm, prev_norm = state.double().norm(dim=-1), prev_state.double().norm(dim=-1)
+        magnitude = terms = (norm + prev_norm) / norm if name == "latent-diff" else torch.full_like(norm, 2.0)
+        n = state.shape[-1]
+    return U32 * (4 * magnitude + math.log2(n) * terms)
+
+
 @pytest.mark.parametrize("name", ["kl", "minp-kl", "entropy-diff", "latent-diff", "cosine"])
 def test_scores_match_the_reference_exit_evaluators(reference, name):
     logits, states = reference["exit_logits"], reference["exit_states"]   # [T, N, V], [T + 1, N, H]
@@ -88,8 +137,14 @@ def test_scores_match_the_reference_exit_evaluators(reference, name):
     # its initial values (uniform, entropy 100, s_0), which only the state criteria share with us.
     first = 0 if crit.uses_state and not crit.uses_logits else 1
     for t in range(first, logits.shape[0]):
-        score = crit.score(logits[t - 1] if t else None, logits[t], states[t], states[t + 1])
-        torch.testing.assert_close(score, expected[t], rtol=1e-5, atol=1e-9, msg=f"{name}, iteration {t + 1}")
+        inputs = (logits[t - 1] if t else logits[t], logits[t], states[t], states[t + 1])
+        score = crit.score(*inputs) if t else crit.score(None, None, *inputs[2:])
+        # Both are float32 computations of the same value: within twice the round-off bound (above).
+        bound = 2 * roundoff_bound(name, *inputs)
+        difference = (score.double() - expected[t].double()).abs()
+        assert (difference <= bound).all(), (name, t + 1, (difference / bound).max().item())
+        # The bound stays below the default threshold: the scores it allows still decide exits.
+        assert (bound < crit.threshold).all()
 
 
 @pytest.mark.parametrize("name, thresholds", [
@@ -97,19 +152,26 @@ def test_scores_match_the_reference_exit_evaluators(reference, name):
     ("latent-diff", [0.1, 0.03]), ("cosine", [1e-2, 1e-3]), ("argmax-stability", [1, 3, 5]),
 ])
 def test_exit_decisions_match_the_reference_over_a_threshold_sweep(reference, name, thresholds):
+    """The decision a score drives is compared exactly, except for a token whose reference score lies
+    within float32 round-off (twice the bound above) of the threshold: there either side is correct."""
     logits, states = reference["exit_logits"], reference["exit_states"]
     expected = reference[f"exit_values_{name}"]
+    compared = 0
     for threshold in thresholds:
         crit = make_exit_criterion(name, threshold)
         streak = None
         for t in range(1, logits.shape[0]):
-            exited, streak = crit.update(streak, logits[t - 1], logits[t], states[t], states[t + 1])
+            inputs = (logits[t - 1], logits[t], states[t], states[t + 1])
+            exited, streak = crit.update(streak, *inputs)
             if name == "argmax-stability":   # the reference counts stable steps, exits at count >= threshold
                 assert streak.tolist() == expected[t].long().tolist()
-                ref_exit = expected[t] >= threshold
+                ref_exit, decided = expected[t] >= threshold, torch.ones_like(exited)
             else:
                 ref_exit = expected[t] < threshold
-            assert exited.tolist() == ref_exit.tolist(), (name, threshold, t)
+                decided = (expected[t].double() - threshold).abs() > 2 * roundoff_bound(name, *inputs)
+            assert exited[decided].tolist() == ref_exit[decided].tolist(), (name, threshold, t)
+            compared += int(decided.sum())
+    assert compared >= 0.95 * len(thresholds) * (logits.shape[0] - 1) * logits.shape[1]
 
 
 def test_argmax_stability_threshold_is_a_number_of_steps():

@@ -8,6 +8,10 @@ from safetensors.torch import load_file, save_file
 from rdlm import CheckpointError, RDLMConfig, RecurrentDepthLM, load_pretrained, save_pretrained
 from rdlm.model import huginn
 from rdlm.model.lm import rope_tables
+from tests.conftest import assert_within_bf16_roundoff
+
+# Float comparisons with references computed on other machines (CI reruns them with other CPU kernels).
+pytestmark = pytest.mark.numerics
 
 
 def copy_fixture(src, tmp_path):
@@ -71,24 +75,45 @@ def test_bfloat16_save_and_load(tmp_path, tiny_model):
         model(torch.tensor([[1, 2, 3]]), num_steps=2)
 
 
-def test_a_bf16_checkpoint_with_a_stored_rope_table_gives_the_reference_logits(huginn_tiny_bf16_dir):
-    # Saved by the authors' code in bfloat16 (its freqs_cis too); expected logits are that code's.
-    expected = load_file(huginn_tiny_bf16_dir / "expected_outputs.safetensors")
+def test_a_bf16_checkpoint_gives_the_reference_logits_within_bfloat16_round_off(huginn_tiny_bf16_dir):
+    # Saved by the authors' code in bfloat16 (its freqs_cis too). Kernels round bfloat16 differently on
+    # different CPUs (native AVX-512-BF16 or emulated), so the bfloat16 logits are compared with the
+    # reference's float32 computation of the same weights, within bfloat16 round-off (tests/conftest.py);
+    # the authors' own bfloat16 logits meet the same bound.
+    expected = load_file(huginn_tiny_bf16_dir / "expected_outputs.safetensors")       # the reference, bf16
+    reference = load_file(huginn_tiny_bf16_dir / "float32_outputs.safetensors")       # the reference, fp32
     model = load_pretrained(huginn_tiny_bf16_dir)
     assert model.embedding.weight.dtype == torch.bfloat16
-    stored = load_file(huginn_tiny_bf16_dir / "model.safetensors")["freqs_cis"]
-    assert stored.dtype == torch.bfloat16 and torch.equal(model.rope_cos, stored[0, :, 0, :, 0].float())
     with torch.no_grad():
         for r in (1, 4, 16):
             zero = model(expected["input_ids"], num_steps=r, init_scale=0.0).logits
             given = model(expected["input_ids"], num_steps=r, initial_state=expected["input_states"]).logits
-            torch.testing.assert_close(zero, expected[f"logits_zero_state_r{r}"], rtol=0, atol=1e-5)
-            torch.testing.assert_close(given, expected[f"logits_given_state_r{r}"], rtol=0, atol=1e-5)
-        # The float32 table the config describes is not what the reference uses here: logits move.
+            for kind, logits in (("zero", zero), ("given", given)):
+                assert_within_bf16_roundoff(logits, reference[f"logits_{kind}_state_r{r}"])
+                assert_within_bf16_roundoff(expected[f"logits_{kind}_state_r{r}"],
+                                            reference[f"logits_{kind}_state_r{r}"])
+
+
+def test_a_bf16_checkpoint_loaded_in_float32_uses_its_stored_rope_table(huginn_tiny_bf16_dir):
+    # In float32 the stored (bfloat16-rounded) RoPE table shows: the reference's float32 logits are matched
+    # to float32 round-off (1e-5, as for huginn-tiny; measured <= 1.1e-6 with three kernel sets), while the
+    # table recomputed from the config moves the logits by more than 1e-4, ten times that tolerance.
+    expected = load_file(huginn_tiny_bf16_dir / "expected_outputs.safetensors")
+    reference = load_file(huginn_tiny_bf16_dir / "float32_outputs.safetensors")
+    model = load_pretrained(huginn_tiny_bf16_dir, dtype=torch.float32)
+    stored = load_file(huginn_tiny_bf16_dir / "model.safetensors")["freqs_cis"]
+    assert stored.dtype == torch.bfloat16 and torch.equal(model.rope_cos, stored[0, :, 0, :, 0].float())
+    ids, states = expected["input_ids"], expected["input_states"].float()
+    with torch.no_grad():
+        for r in (1, 4, 16):
+            zero = model(ids, num_steps=r, init_scale=0.0).logits
+            given = model(ids, num_steps=r, initial_state=states).logits
+            torch.testing.assert_close(zero, reference[f"logits_zero_state_r{r}"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(given, reference[f"logits_given_state_r{r}"], rtol=0, atol=1e-5)
         cos, sin = rope_tables(model.config.head_dim, model.config.context_length, model.config.rope_base)
         model.rope_cos, model.rope_sin = cos, sin
-        recomputed = model(expected["input_ids"], num_steps=4, init_scale=0.0).logits
-    assert (recomputed - expected["logits_zero_state_r4"]).abs().max() > 1e-3
+        recomputed = model(ids, num_steps=4, init_scale=0.0).logits
+    assert (recomputed - reference["logits_zero_state_r4"]).abs().max() > 1e-4
 
 
 def test_the_stored_rope_table_is_used_and_written_back(tmp_path, huginn_tiny_bf16_dir):

@@ -18,6 +18,7 @@ def ids_for(model, batch=2, seq=10, seed=0):
 # ---------------------------------------------------------------------------------------------------
 # Conformance with the reference implementation
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("r", [1, 4, 16])
 def test_reproduces_reference_logits(huginn_tiny_dir, r):
     model = load_pretrained(huginn_tiny_dir)
@@ -30,6 +31,7 @@ def test_reproduces_reference_logits(huginn_tiny_dir, r):
     assert (given - expected[f"logits_given_state_r{r}"]).abs().max() < 1e-4
 
 
+@pytest.mark.numerics
 def test_reference_logits_in_bfloat16_stay_close(huginn_tiny_dir):
     model = load_pretrained(huginn_tiny_dir, dtype=torch.bfloat16)
     expected = load_file(huginn_tiny_dir / "expected_outputs.safetensors")
