@@ -17,6 +17,8 @@ import warnings
 
 import torch
 
+from rdlm.model.flops import ConfigSizes, flops_per_token
+
 # FLOP/s no single device of its kind reaches (dense bf16 on the fastest GPUs is about 2.3e15; one CPU
 # core with AVX-512 FMA about 2e11): the time estimates are lower bounds.
 PEAK_FLOPS = {"cuda": 5e15, "cpu_core": 2e11}
@@ -80,12 +82,10 @@ def forward_seconds(config, device: torch.device | str, tokens: float, calls: fl
                     grad_steps: float = 0) -> float:
     """A lower bound on the seconds `calls` forward passes over `tokens` tokens in all take at r =
     num_steps (with a backward over the last `grad_steps` iterations when training)."""
-    from rdlm.train.monitor import flops_per_token
-
     device = torch.device(device)
     kind = "cuda" if device.type == "cuda" else "cpu"
     peak = PEAK_FLOPS["cuda"] if kind == "cuda" else PEAK_FLOPS["cpu_core"] * (os.cpu_count() or 1)
-    flops = tokens * flops_per_token(_Sizes(config), 0, max(num_steps - grad_steps, 0), grad_steps)
+    flops = tokens * flops_per_token(ConfigSizes(config), 0, max(num_steps - grad_steps, 0), grad_steps)
     layers = config.prelude_layers + config.coda_layers + num_steps * config.core_layers
     return flops / peak + calls * layers * LAYER_SECONDS[kind]
 
@@ -120,17 +120,3 @@ def format_seconds(s: float) -> str:
         if s < limit:
             return f"{s / size:.3g} {unit}"
     return f"{s / (365 * 86400):.3g} years"
-
-
-class _Sizes:
-    """What `flops_per_token` reads from a model, from its config alone (no weights needed)."""
-
-    def __init__(self, config) -> None:
-        h, inter = config.hidden_size, config.intermediate_size
-        layer = 4 * h * h + 3 * h * inter  # attention (q, k, v, out) and the gated MLP
-        self.config = config
-        self.groups = {"prelude": config.prelude_layers * layer, "coda": config.coda_layers * layer,
-                       "core": config.core_layers * layer + 2 * h * h}  # + the adapter of [s, e]
-
-    def parameter_groups(self) -> dict[str, int]:
-        return self.groups

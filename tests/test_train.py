@@ -8,7 +8,8 @@ from rdlm.model.config import ConfigError
 from rdlm.data.shards import DataError, MemoryRows
 from rdlm.train import TrainConfig, TrainingError, train
 from rdlm.train.checkpoint import latest_checkpoint, load_checkpoint
-from rdlm.train.monitor import collapse_signatures, flops_per_token, read_log, token_correlation
+from rdlm.model.flops import flops_per_token
+from rdlm.train.monitor import collapse_signatures, read_log, token_correlation
 from rdlm.train.optim import EMA, AdamW
 from rdlm.train.schedule import Schedule
 

@@ -43,7 +43,7 @@ def read_documents(path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdlm.inference.evaluate import accuracy_vs_steps, perplexity_vs_steps, plot_sweeps, write_results
+    from rdlm.inference.evaluate import perplexity_vs_steps, plot_sweeps, write_results
 
     try:
         steps = [int(r) for r in args.num_steps.split(",")]
@@ -62,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
         sweeps = [perplexity_vs_steps(model, docs, steps, seq_len=args.seq_len, batch_size=args.batch_size,
                                       init_scale=args.init_scale, task=Path(args.text).name)]
     else:
+        try:
+            from rdlm.integrations.lm_eval import accuracy_vs_steps
+        except ImportError as err:
+            raise CLIError(f"{err}; accuracy on lm-eval tasks needs lm-eval: pip install 'rdlm[eval]'") from err
         extra = ",".join(a for a in (f"init_scale={args.init_scale}", args.model_args) if a)
         sweeps = accuracy_vs_steps(args.model, args.tasks.split(","), steps, include_path=args.include_path,
                                    metric=args.metric, model_args=extra, batch_size=args.batch_size,

@@ -30,7 +30,8 @@ from torch import Tensor
 from rdlm.inference.cache import RecurrentKVCache
 from rdlm.inference.engine import NonFiniteLogitsError, noise_table, read_tokens
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule
-from rdlm.inference.generate import Decode, GenerationConfig, sample
+from rdlm.inference.params import Decode, GenerationConfig
+from rdlm.inference.sampling import sample
 from rdlm.model.lm import RecurrentDepthLM
 
 

@@ -26,18 +26,16 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from rdlm.inference.cache import RecurrentKVCache
 from rdlm.inference.exits import ExitTrack, iterate_with_exits
+from rdlm.inference.params import GenerationConfig
 from rdlm.model.lm import RecurrentDepthLM, Rope
 from rdlm.resources import check_time, forward_seconds
-
-if TYPE_CHECKING:
-    from rdlm.inference.generate import GenerationConfig
 
 NOISE_BLOCK = 256  # the s_0 table is drawn in blocks of positions, each from its own seed
 

@@ -2,7 +2,6 @@
 
     sweep = perplexity_vs_steps(model, documents, [1, 2, 4, 8, 16, 32])      # token id lists
     scores = nll_vs_steps(model, [(input_ids, labels), ...], [1, 4, 16])      # per-row NLL sums at each r
-    sweeps = accuracy_vs_steps("path/to/model", ["arc_challenge"], [4, 8, 16, 32])   # via lm-eval
     plot_sweeps(sweeps, "saturation.png")
 
 A recurrent-depth model should improve with r and then saturate; a flat curve from r = 1 means the
@@ -11,7 +10,8 @@ model learned to ignore its state (a failure mode the paper reports, docs/archit
 `score_targets` is the one place that turns a forward pass at r into negative log-likelihoods (per row:
 the summed NLL of its targets, their number, whether each was the argmax), and `nll_vs_steps` the one
 sweep over r (the same s_0 draws at every r). Perplexity here, the training run's validation loss
-(rdlm.train.monitor) and lm-eval's loglikelihood requests (rdlm.integrations.lm_eval) all use them.
+(rdlm.train.monitor) and lm-eval's loglikelihood requests (rdlm.integrations.lm_eval) all use them;
+lm-eval task accuracy against r is `rdlm.integrations.lm_eval.accuracy_vs_steps` (same `DepthSweep`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from torch import Tensor
 
 from rdlm.data.shards import IGNORE_INDEX
 from rdlm.fileio import atomic_write, write_json
-from rdlm.model.huginn import read_config
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_memory, check_time, forward_seconds
 
@@ -170,50 +169,6 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
         sweep.num_steps.append(r)
         sweep.values.append(math.exp(nll))
     return sweep
-
-
-def accuracy_vs_steps(pretrained: str | os.PathLike, tasks: Sequence[str], num_steps: Sequence[int], *,
-                      include_path: str | os.PathLike | None = None, metric: str | None = None,
-                      model_args: str = "", batch_size: int = 8, limit: int | None = None,
-                      device: str | None = None) -> list[DepthSweep]:
-    """Run lm-eval tasks with the `rdlm` model type at each r; one sweep per (task, metric).
-
-    metric: keep only this metric (e.g. "acc_norm"); default every numeric metric the task reports.
-    """
-    try:
-        import lm_eval
-        from lm_eval.tasks import TaskManager
-
-        import rdlm.integrations.lm_eval  # noqa: F401  (registers the model type)
-    except ImportError as err:
-        raise ImportError(f"{err}; accuracy needs lm-eval: pip install 'rdlm[eval]'") from err
-    steps = check_steps(num_steps)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    # Requests are not known before lm-eval builds them: at least one request of one token per task.
-    check_sweep_fits(read_config(pretrained), torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
-                     [1] * len(tasks), steps, 1, 1)
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
-    sweeps: dict[tuple[str, str], DepthSweep] = {}
-    for r in steps:
-        args = f"pretrained={pretrained},num_steps={r}" + (f",{model_args}" if model_args else "")
-        out = lm_eval.simple_evaluate(model="rdlm", model_args=args, tasks=list(tasks), task_manager=manager,
-                                      batch_size=batch_size, limit=limit, device=device)
-        higher = out.get("higher_is_better", {})
-        for task, values in out["results"].items():
-            for key, value in values.items():
-                name, _, _filter = key.partition(",")
-                if not isinstance(value, (int, float)) or name.endswith("_stderr") or name == "sample_len":
-                    continue
-                if metric is not None and name != metric:
-                    continue
-                sweep = sweeps.setdefault((task, name), DepthSweep(
-                    task=task, metric=name, higher_is_better=bool(higher.get(task, {}).get(name, True))))
-                sweep.num_steps.append(r)
-                sweep.values.append(float(value))
-    if not sweeps:
-        raise ValueError(f"the tasks reported no metric{f' named {metric!r}' if metric else ''}")
-    return list(sweeps.values())
 
 
 def plot_sweeps(sweeps: Sequence[DepthSweep], path: str | os.PathLike, title: str | None = None) -> Path:

@@ -55,24 +55,15 @@ the core calls themselves batch unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor
 
 from rdlm.inference.engine import NonFiniteLogitsError, Session, read_tokens
-from rdlm.inference.exits import ExitCriterion, make_exit_criterion
+from rdlm.inference.params import GenerationConfig
+from rdlm.inference.sampling import sample
 from rdlm.model.lm import RecurrentDepthLM
-
-if TYPE_CHECKING:
-    from rdlm.inference.generate import GenerationConfig
-
-
-def freeze_criterion(config: GenerationConfig) -> ExitCriterion:
-    """The criterion that freezes a position: a name of rdlm.inference.exits.CRITERIA or an ExitCriterion."""
-    if isinstance(config.freeze_criterion, ExitCriterion):
-        return config.freeze_criterion
-    return make_exit_criterion(config.freeze_criterion, config.freeze_threshold)
 
 
 class ParallelSampler:
@@ -95,7 +86,7 @@ class ParallelSampler:
         ahead = (c.max_wavefront or model.config.context_length) + c.headway
         self.session = Session(model, prompts, config, extra_tokens=max(0, min(ahead, room)))
         self.model, s = model, self.session
-        self.criterion = freeze_criterion(c)
+        self.criterion = c.freezer()
         length = s.cache.max_length
         self.tokens = torch.zeros(length + 1, dtype=torch.long, device=s.device)  # final, then drafts
         self.tokens[:prompt_length] = s.ids[0]
@@ -227,6 +218,4 @@ class ParallelSampler:
 
     def _draft(self, logits: Tensor) -> Tensor:
         """Tokens [n] from logits [n, V] (greedy at temperature 0), all drawn from the row's generator."""
-        from rdlm.inference.generate import sample  # rdlm.inference.generate imports this module lazily
-
         return sample(logits, self.config, [self.session.samplers[0]] * logits.shape[0])

@@ -32,19 +32,23 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from typing import Any
+import os
+from typing import Any, Sequence
 
+import lm_eval
 import lm_eval.models  # noqa: F401  (fills the registry's lazy entries first, so "hf" & co. stay visible)
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from rdlm.data.shards import IGNORE_INDEX
 from rdlm.inference.engine import noise_table
-from rdlm.inference.evaluate import score_targets
+from rdlm.inference.evaluate import DepthSweep, check_steps, check_sweep_fits, score_targets
 from rdlm.model.dtypes import resolve_dtype
+from rdlm.model.huginn import read_config
 from rdlm.model.resolve import resolve_model_source
 from rdlm.inference.exits import make_exit_criterion
 from rdlm.inference.generate import GenerationConfig, generate
@@ -297,3 +301,41 @@ class RDLMEvalModel(TemplateLM):
                                 exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold,
                                 stop_tokens=(self.eot_token_id,), stop_strings=tuple(u for u in until if u),
                                 init_scale=self.init_scale, seed=self.seed, **sampling, **cache)
+
+
+def accuracy_vs_steps(pretrained: str | os.PathLike, tasks: Sequence[str], num_steps: Sequence[int], *,
+                      include_path: str | os.PathLike | None = None, metric: str | None = None,
+                      model_args: str = "", batch_size: int = 8, limit: int | None = None,
+                      device: str | None = None) -> list[DepthSweep]:
+    """Run lm-eval tasks with the `rdlm` model type (registered by this module) at each r; one sweep
+    per (task, metric), as `rdlm.inference.evaluate.perplexity_vs_steps` gives for perplexity.
+
+    metric: keep only this metric (e.g. "acc_norm"); default every numeric metric the task reports.
+    """
+    steps = check_steps(num_steps)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    # Requests are not known before lm-eval builds them: at least one request of one token per task.
+    check_sweep_fits(read_config(pretrained), torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
+                     [1] * len(tasks), steps, 1, 1)
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    sweeps: dict[tuple[str, str], DepthSweep] = {}
+    for r in steps:
+        args = f"pretrained={pretrained},num_steps={r}" + (f",{model_args}" if model_args else "")
+        out = lm_eval.simple_evaluate(model="rdlm", model_args=args, tasks=list(tasks), task_manager=manager,
+                                      batch_size=batch_size, limit=limit, device=device)
+        higher = out.get("higher_is_better", {})
+        for task, values in out["results"].items():
+            for key, value in values.items():
+                name, _, _filter = key.partition(",")
+                if not isinstance(value, (int, float)) or name.endswith("_stderr") or name == "sample_len":
+                    continue
+                if metric is not None and name != metric:
+                    continue
+                sweep = sweeps.setdefault((task, name), DepthSweep(
+                    task=task, metric=name, higher_is_better=bool(higher.get(task, {}).get(name, True))))
+                sweep.num_steps.append(r)
+                sweep.values.append(float(value))
+    if not sweeps:
+        raise ValueError(f"the tasks reported no metric{f' named {metric!r}' if metric else ''}")
+    return list(sweeps.values())

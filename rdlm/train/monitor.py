@@ -103,24 +103,6 @@ def warn_loudly(message: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # Throughput
 
-def flops_per_token(model: RecurrentDepthLM, seq_len: int, no_grad_steps: int, grad_steps: int) -> float:
-    """Training FLOPs per token: forward over all r iterations, backward (2x) over the last k only.
-
-    Matmul FLOPs are 2 per parameter per token; attention adds 4*seq*h per layer (QK^T and AV).
-    """
-    c = model.config
-    groups = model.parameter_groups()
-    head = c.vocab_size * c.hidden_size
-    attention = 4 * seq_len * c.hidden_size  # per layer, causal halving ignored (as is common)
-    edges = groups["prelude"] + groups["coda"] + head
-    edge_attn = (c.prelude_layers + c.coda_layers) * attention
-    r = no_grad_steps + grad_steps
-    forward = 2 * (edges + r * groups["core"]) + edge_attn + r * c.core_layers * attention
-    backward = 2 * (2 * (edges + grad_steps * groups["core"]) + edge_attn
-                    + grad_steps * c.core_layers * attention)
-    return float(forward + backward)
-
-
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40": 181e12, "RTX 6000 Ada": 182e12}
 
 

@@ -43,7 +43,8 @@ from rdlm.resources import check_memory, check_time, forward_seconds
 from rdlm.train import checkpoint as ckpt
 from rdlm.train.distributed import (STRATEGIES, all_reduce_sum, apply_fsdp, barrier, full, local,
                                     init_single_process_group, resolve_strategy, setup, teardown_group)
-from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, flops_per_token, peak_flops, warn_loudly
+from rdlm.model.flops import flops_per_token
+from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, peak_flops, warn_loudly
 from rdlm.train.optim import EMA, AdamW, parameter_groups
 from rdlm.train.rundir import RunDirError, RunLock, prepare_run_dir
 from rdlm.train.schedule import Schedule

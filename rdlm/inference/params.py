@@ -1,0 +1,177 @@
+"""What a generation request asks for: `GenerationConfig` (sampling, depth, exits, the cache, continuous
+chain of thought, speculative and parallel decoding) and what it returns (`TokenEvent`, `GenerationResult`).
+
+A leaf of rdlm.inference: the engine, the samplers and every front end (the CLI, the server, the
+transformers and lm-eval integrations) import it; it imports only the exit criteria.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from rdlm.inference.exits import ExitCriterion, make_exit_criterion
+
+Decode = Callable[[list[int]], str]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 32
+    num_steps: int = 32                 # r per token; the maximum when exiting adaptively
+    prefill_steps: int | None = None    # r for the prompt (default num_steps)
+    # Per-token adaptive compute (paper section 6): a name of rdlm.inference.exits.CRITERIA or an ExitCriterion.
+    exit_criterion: str | ExitCriterion | None = None
+    exit_threshold: float | None = None  # default: the criterion's own
+    min_steps: int = 2
+    # Sampling; temperature 0 is greedy (the paper's evaluation convention).
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    stop_tokens: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()  # needs a `decode` function
+    # KV cache: "full" (a slot per iteration) or "shared" (k = cache_slots slots, slot i mod k).
+    cache_strategy: str = "full"
+    cache_slots: int | None = None
+    continuous_cot: bool = False        # s_0 of a token = final state of the previous token
+    init_scale: float = 1.0             # s_0 noise scale; 0 gives the all-zero state
+    seed: int = 0
+    # Self-speculative decoding: draft `draft_length` tokens with `draft_steps` iterations.
+    draft_steps: int | None = None
+    draft_length: int = 4
+    # The decode engine (rdlm.inference.engine): a static decode step captured in a CUDA graph. None: on for
+    # CUDA, off on the CPU. Never changes tokens, only speed.
+    compile: bool | None = None
+    # Adaptive exits: the criterion is evaluated every `exit_every` iterations (1: after every
+    # iteration, as in the paper); the host reads the exit flags every `exit_sync_every` iterations
+    # (exited rows then leave the batch). exit_sync_every changes cost only, never tokens.
+    exit_every: int = 1
+    exit_sync_every: int = 4
+    # The parallel (diffusion-style) sampler (rdlm.inference.parallel; batch 1): "sequential" or "parallel".
+    sampler: str = "sequential"
+    inner_recurrence: int = 4           # core iterations per wavefront step, on every wave position
+    headway: int = 1                    # new positions appended per step
+    freeze_criterion: str | ExitCriterion = "latent-diff"  # when a position's state stopped moving
+    freeze_threshold: float | None = None  # default: the criterion's own (latent-diff: 0.03)
+    max_wavefront: int | None = 128     # most positions in flight; None: no limit
+    state_noise_mixing: float = 0.0     # m: s <- (1 - m/(1+i)) s + m/(1+i) noise before each step
+    embedding_ema: float = 0.1          # EMA weight of a position's earlier input embeddings
+    full_prefill: bool = True           # prefill the prompt at r; False: the prompt is the first wave
+
+    def __post_init__(self) -> None:
+        def positive(name: str, minimum: int = 1) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+        positive("max_new_tokens", 0)
+        positive("num_steps")
+        positive("min_steps", 1)
+        positive("draft_length")
+        positive("exit_every")
+        positive("exit_sync_every")
+        for name in ("prefill_steps", "cache_slots", "top_k", "draft_steps"):
+            if getattr(self, name) is not None:
+                positive(name)
+        for name in ("temperature", "init_scale", "repetition_penalty", "exit_threshold", "freeze_threshold"):
+            value = getattr(self, name)  # NaN passes every comparison: refuse it (and infinity) here
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.init_scale < 0:
+            raise ValueError(f"init_scale must be >= 0, got {self.init_scale}")
+        for name in ("top_p", "min_p"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.cache_strategy not in ("full", "shared"):
+            raise ValueError(f"cache_strategy must be 'full' or 'shared', got {self.cache_strategy!r}")
+        if self.cache_strategy == "shared" and self.cache_slots is None:
+            raise ValueError("cache_strategy 'shared' needs cache_slots (the budget k)")
+        if self.exit_criterion is not None and self.draft_steps is not None:
+            raise ValueError("speculative decoding runs a fixed number of steps; drop exit_criterion")
+        if self.draft_steps is not None:
+            if self.draft_steps >= self.num_steps:
+                raise ValueError(f"draft_steps ({self.draft_steps}) must be smaller than num_steps "
+                                 f"({self.num_steps}), the verification depth")
+            if self.temperature != 0:
+                raise ValueError("speculative decoding is greedy: use temperature 0")
+            if self.cache_strategy != "full" or self.continuous_cot or self.repetition_penalty != 1:
+                raise ValueError("speculative decoding needs the full cache, no continuous_cot and no "
+                                 "repetition_penalty (so that verification reproduces plain decoding)")
+        if self.exit_criterion is not None:
+            self.criterion()  # raises on unknown names
+        if self.sampler not in ("sequential", "parallel"):
+            raise ValueError(f"sampler must be 'sequential' or 'parallel', got {self.sampler!r}")
+        positive("inner_recurrence")
+        positive("headway")
+        if self.max_wavefront is not None:
+            positive("max_wavefront")
+        if not 0 <= self.state_noise_mixing <= 1:
+            raise ValueError(f"state_noise_mixing must be in [0, 1], got {self.state_noise_mixing}")
+        if not 0 <= self.embedding_ema < 1:
+            raise ValueError(f"embedding_ema must be in [0, 1), got {self.embedding_ema}")
+        if self.sampler == "parallel":
+            if self.exit_criterion is not None or self.draft_steps is not None:
+                raise ValueError("the parallel sampler freezes positions with freeze_criterion; drop "
+                                 "exit_criterion and draft_steps")
+            if self.inner_recurrence > self.num_steps:
+                raise ValueError(f"inner_recurrence ({self.inner_recurrence}) must be at most num_steps "
+                                 f"({self.num_steps}), the iterations after which a position is final")
+            if self.repetition_penalty != 1:
+                raise ValueError("the parallel sampler has no repetition_penalty")
+            self.freezer()  # raises on unknown names
+
+    def criterion(self) -> ExitCriterion | None:
+        if self.exit_criterion is None or isinstance(self.exit_criterion, ExitCriterion):
+            return self.exit_criterion
+        return make_exit_criterion(self.exit_criterion, self.exit_threshold)
+
+    def freezer(self) -> ExitCriterion:
+        """The parallel sampler's criterion that freezes a position (a name of CRITERIA or an ExitCriterion)."""
+        if isinstance(self.freeze_criterion, ExitCriterion):
+            return self.freeze_criterion
+        return make_exit_criterion(self.freeze_criterion, self.freeze_threshold)
+
+    @property
+    def max_steps(self) -> int:
+        return max(self.num_steps, self.prefill_steps or self.num_steps)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    row: int      # which prompt of the batch
+    token: int
+    steps: int    # core iterations run at the position whose logits chose this token
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]             # new tokens per prompt (stop token included, stop string not cut)
+    steps: list[list[int]]              # iterations per new token
+    finish_reasons: list[str]           # "stop_token", "stop_string" or "length"
+    texts: list[str] | None = None      # decoded new text (cut before a stop string) when decode given
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    drafted: int = 0                    # speculative decoding: drafted tokens ...
+    accepted: int = 0                   # ... and how many of them verification accepted
+    cache_bytes: int = 0
+    prompt_tokens: int = 0
+    compile_seconds: float = 0.0        # capturing the static decode step (not in decode_seconds)
+    core_passes: int = 0                # parallel sampler: core block calls after the prefill, each
+    wave_steps: int = 0                 # over a whole wave; and its wavefront steps
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_steps(self) -> float:
+        flat = [s for row in self.steps for s in row]
+        return sum(flat) / len(flat) if flat else 0.0

@@ -1,0 +1,42 @@
+"""Training and inference FLOPs of a recurrent-depth model, counted from its parameter groups: what the
+trainer's monitor reports (throughput, MFU) and what the resource checks use to bound a run's time."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rdlm.model.lm import RecurrentDepthLM
+
+
+def flops_per_token(model: RecurrentDepthLM, seq_len: int, no_grad_steps: int, grad_steps: int) -> float:
+    """Training FLOPs per token: forward over all r iterations, backward (2x) over the last k only.
+
+    Matmul FLOPs are 2 per parameter per token; attention adds 4*seq*h per layer (QK^T and AV).
+    """
+    c = model.config
+    groups = model.parameter_groups()
+    head = c.vocab_size * c.hidden_size
+    attention = 4 * seq_len * c.hidden_size  # per layer, causal halving ignored (as is common)
+    edges = groups["prelude"] + groups["coda"] + head
+    edge_attn = (c.prelude_layers + c.coda_layers) * attention
+    r = no_grad_steps + grad_steps
+    forward = 2 * (edges + r * groups["core"]) + edge_attn + r * c.core_layers * attention
+    backward = 2 * (2 * (edges + grad_steps * groups["core"]) + edge_attn
+                    + grad_steps * c.core_layers * attention)
+    return float(forward + backward)
+
+
+class ConfigSizes:
+    """What `flops_per_token` reads from a model, from its config alone (no weights needed: resource
+    checks size a run before building it)."""
+
+    def __init__(self, config) -> None:
+        h, inter = config.hidden_size, config.intermediate_size
+        layer = 4 * h * h + 3 * h * inter  # attention (q, k, v, out) and the gated MLP
+        self.config = config
+        self.groups = {"prelude": config.prelude_layers * layer, "coda": config.coda_layers * layer,
+                       "core": config.core_layers * layer + 2 * h * h}  # + the adapter of [s, e]
+
+    def parameter_groups(self) -> dict[str, int]:
+        return self.groups

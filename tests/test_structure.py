@@ -1,0 +1,108 @@
+"""The package's shape: every import arrow points down (no cycle, counting imports inside functions
+and under TYPE_CHECKING), and each module imports on its own."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rdlm"
+OPTIONAL = {"rdlm.integrations.lm_eval": "lm_eval", "rdlm.integrations.hf": "transformers"}
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The rdlm modules `name` imports anywhere in its source (top level, functions, TYPE_CHECKING):
+    `from a.b import c` counts as a.b.c when that is a module, else a.b."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:   # `import rdlm.a.b.Class` style: the module part
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as a list of nodes (first == last), or None (depth-first search)."""
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_package_import_graph_has_no_cycle():
+    modules = module_names()
+    # The package root re-exports the public API; a submodule importing `rdlm` itself would be a cycle
+    # through it, so the root is a node like any other.
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert len(graph) > 40 and graph["rdlm.inference.generate"], "the graph should see the package"
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_every_module_imports_on_its_own():
+    """Each module imported first, in a process where no other rdlm module has been imported."""
+    names = [n for n in module_names() if not n.endswith("__main__")]
+    script = (
+        "import importlib, sys\n"
+        f"names, optional = {names!r}, {OPTIONAL!r}\n"
+        "failed = []\n"
+        "for name in names:\n"
+        "    for loaded in [m for m in sys.modules if m == 'rdlm' or m.startswith('rdlm.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError as err:\n"
+        "        if err.name != optional.get(name, '') and not (err.name or '').startswith(optional.get(name, '?')):\n"
+        "            failed.append(f'{name}: {err!r}')\n"
+        "    except Exception as err:\n"
+        "        failed.append(f'{name}: {err!r}')\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+
