@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rdlm"
-OPTIONAL = {"rdlm.integrations.lm_eval": "lm_eval", "rdlm.integrations.hf": "transformers"}
+OPTIONAL = {"rdlm.integrations.lm_eval": "lm_eval", "rdlm.integrations.hf": "transformers",
+            **{f"rdlm.integrations.hf.{m}": "transformers"
+               for m in ("cache", "config", "generation", "loading", "model", "tokenizer")}}
 
 
 def module_names() -> dict[str, Path]:

@@ -1,0 +1,51 @@
+"""The transformers config of model_type "huginn_raven": the Huginn config.json keys, read and written by
+`rdlm.model.huginn` (the one home of the layout)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedConfig
+
+from rdlm.model import huginn
+from rdlm.model.config import RDLMConfig
+
+MODEL_TYPE = huginn.MODEL_TYPE
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+class RavenConfig(PreTrainedConfig):
+    """The Huginn config.json keys (docs/checkpoint-format.md#config-keys); defaults are Huginn-0125's.
+
+    Keys rdlm does not model (init_values, sampling_scheme, ...) are kept as plain attributes so that
+    a loaded config saves back unchanged. `to_rdlm()` gives the model's `RDLMConfig`.
+    """
+
+    model_type = MODEL_TYPE
+    attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_heads",
+                     "max_position_embeddings": "block_size"}
+
+    n_embd: int = 5280
+    n_heads: int = 55
+    n_layers_in_prelude: int = 2
+    n_layers_in_recurrent_block: int = 4
+    n_layers_in_coda: int = 2
+    intermediate_size: int = 17920
+    vocab_size: int = 65536
+    block_size: int = 4096
+    norm_eps: float = 1e-6
+    rope_base: float = 50000.0
+    qk_bias: bool = True
+    tie_embeddings: bool = True
+    mean_recurrence: int = 32
+    mean_backprop_depth: int = 8
+    bos_token_id: int | None = 65504
+    eos_token_id: int | list[int] | None = 65505
+    pad_token_id: int | None = 65509
+    tie_word_embeddings: bool = False  # tying lives inside RecurrentDepthLM, not in transformers' loader
+
+    def to_rdlm(self) -> RDLMConfig:
+        return huginn.config_from_huginn(self.to_dict(), source=f"{MODEL_TYPE} config")
+
+    @classmethod
+    def from_rdlm(cls, config: RDLMConfig, dtype: torch.dtype = torch.float32) -> "RavenConfig":
+        return cls(**huginn.config_to_huginn(config, dtype))
