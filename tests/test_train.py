@@ -395,6 +395,24 @@ def test_resuming_falls_back_to_the_newest_intact_checkpoint_and_says_so(tmp_pat
     assert result.losses == reference.losses  # steps 3..6 redone from step 2, exactly
 
 
+def test_resuming_says_where_and_a_changed_global_batch_names_the_accumulation_that_keeps_it(tmp_path, capsys):
+    config = dict(checkpoint_every=2, out_dir=str(tmp_path), ema_decay=None, **FAST)
+    train(TrainConfig(steps=2, micro_batch_size=4, accumulation=2, **config), model=tiny(),
+          train_data=counting_rows(16))
+    capsys.readouterr()
+    train(TrainConfig(steps=4, micro_batch_size=4, accumulation=2, resume=True, **config), model=tiny(),
+          train_data=counting_rows(16))
+    err = capsys.readouterr().err
+    assert "rdlm train: resumed from" in err and "step-000002 at step 2 of 4" in err
+    # The global batch of 8 rows was 4 x 2 on one worker; with micro-batches of 2, accumulation 4 keeps it.
+    with pytest.raises(ConfigError, match=r"global batch of 8 rows.*--accumulation 4 keeps it"):
+        train(TrainConfig(steps=6, micro_batch_size=2, accumulation=1, resume=True, **config), model=tiny(),
+              train_data=counting_rows(16))
+    with pytest.raises(ConfigError, match=r"8 rows is not a multiple of 1 worker\(s\) x micro-batch 3"):
+        train(TrainConfig(steps=6, micro_batch_size=3, accumulation=1, resume=True, **config), model=tiny(),
+              train_data=counting_rows(16))
+
+
 def test_resuming_a_finished_run_changes_nothing(tmp_path):
     rows = counting_rows(16)
     config = dict(steps=3, micro_batch_size=4, out_dir=str(tmp_path), eval_rows=4, eval_num_steps=(1, 2), **FAST)

@@ -33,11 +33,37 @@ class CLIError(Exception):
     """A user error worth one clear line, not a traceback."""
 
 
+class ShowDefaults(argparse.HelpFormatter):
+    """Ends an option's help with its default, unless the help names it already or there is none to show
+    (None, False, an empty list: the option is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or not action.option_strings or default is argparse.SUPPRESS
+                or default is None or default is False or default == [] or default == ""):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def _with_defaults_shown(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)parser keeps its own formatter for the description and shows option defaults."""
+    if not issubclass(parser.formatter_class, ShowDefaults):
+        parser.formatter_class = type(f"ShowDefaults{parser.formatter_class.__name__}",
+                                      (ShowDefaults, parser.formatter_class), {})
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _with_defaults_shown(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rdlm", description="Recurrent-depth language models.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(name).register(subparsers)
+    _with_defaults_shown(parser)
     return parser
 
 

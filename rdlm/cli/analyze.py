@@ -45,7 +45,8 @@ def register(subparsers) -> None:
                    help="criterion for the exit-step histogram (rdlm.inference.exits; 'none' to skip)")
     p.add_argument("--exit-threshold", type=float, default=None, help="its threshold (default: its own)")
     p.add_argument("--exit-max-steps", type=int, default=None, help="cap on exit steps (default r)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N")
     p.set_defaults(func=run)
 
 

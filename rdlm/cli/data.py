@@ -15,9 +15,9 @@ def register(subparsers) -> None:
     d.add_argument("--out", required=True, help="output shard directory")
     d.add_argument("--context-length", type=int, required=True, help="model context; rows hold this + 1 tokens")
     d.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--rows-per-shard", type=int, default=65536)
-    d.add_argument("--text-field", default="text")
+    d.add_argument("--seed", type=int, default=0, help="seed of the choice of held-out documents")
+    d.add_argument("--rows-per-shard", type=int, default=65536, help="rows per shard file")
+    d.add_argument("--text-field", default="text", help="JSONL/parquet field holding the text")
     d.add_argument("--separator", default=None,
                    help=r"split .txt files into documents on this string (escapes allowed, e.g. '\n\n\n')")
     d.set_defaults(func=run_prepare)

@@ -32,30 +32,33 @@ def register(subparsers) -> None:
                                           "depth-matched non-recurrent model on an embedded task; choose r and the "
                                           "exit threshold on a validation split; write a report (results.json, "
                                           "report.md, plots, the trained model).")
-    p.add_argument("--task", default=d.task, choices=[*TASKS, "code"], help="task family (default %(default)s)")
-    p.add_argument("--out", default=d.out_dir, help="report directory (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--task", default=d.task, choices=[*TASKS, "code"], help="task family")
+    p.add_argument("--out", default=d.out_dir, help="report directory")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the data and of training")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per model")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    p.add_argument("--num-heads", type=int, default=d.num_heads)
-    p.add_argument("--layers", type=_ints, default=d.layers, help="prelude,core,coda layers (default 1,1,1)")
-    p.add_argument("--mean-recurrence", type=int, default=d.mean_recurrence)
-    p.add_argument("--backprop-depth", type=int, default=d.backprop_depth)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="training rows per step")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size, help="model width h")
+    p.add_argument("--num-heads", type=int, default=d.num_heads, help="attention heads")
+    p.add_argument("--layers", type=_ints, default=d.layers, help="prelude,core,coda layers")
+    p.add_argument("--mean-recurrence", type=int, default=d.mean_recurrence,
+                   help="mean r of training (the sampled r has mean this + 1)")
+    p.add_argument("--backprop-depth", type=int, default=d.backprop_depth,
+                   help="k: iterations backpropagated through")
     p.add_argument("--eval-examples", type=int, default=d.eval_examples,
                    help="examples per evaluation split (validation, test, harder)")
     p.add_argument("--num-steps", type=_ints, default=d.eval_num_steps, help="r values to evaluate")
-    p.add_argument("--exit-criterion", default=d.exit_criterion)
+    p.add_argument("--exit-criterion", default=d.exit_criterion, help="adaptive exit criterion evaluated")
     p.add_argument("--exit-thresholds", type=_floats, default=d.exit_thresholds,
                    help="exit thresholds to try on validation (the loosest within --exit-tolerance is used)")
     p.add_argument("--exit-tolerance", type=float, default=d.exit_tolerance,
-                   help="validation accuracy an exit threshold may lose against fixed r (default %(default)s)")
-    p.add_argument("--exit-max-steps", type=int, default=d.exit_max_steps)
+                   help="validation accuracy an exit threshold may lose against fixed r")
+    p.add_argument("--exit-max-steps", type=int, default=d.exit_max_steps,
+                   help="the fixed r that adaptive exits are compared with (their maximum)")
     p.add_argument("--no-twin", action="store_true", help="skip the parameter-matched twin")
     p.add_argument("--no-depth-matched", action="store_true", help="skip the depth-matched non-recurrent model")
     p.add_argument("--threads", type=int, default=d.threads,
-                   help="CPU threads (default %(default)s: the same numbers on every machine)")
+                   help="CPU threads (1: the same numbers on every machine)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 

@@ -23,7 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--limit", type=int, help="lm-eval: at most this many documents per task")
     p.add_argument("--model-args", default="", help="extra rdlm model args for lm-eval (k=v,...)")
     p.add_argument("--seq-len", type=int, help="perplexity window (default: the model's context)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="rows (windows or requests) per forward")
     p.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: zero state)")
     p.add_argument("--out", default="eval-out", help="directory for results.json and plot.png")
     p.set_defaults(func=run)

@@ -39,17 +39,18 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-steps", "-r", type=int, default=None,
                    help="core iterations r per token (the maximum with --exit-criterion); "
                         "default: the model's mean recurrence")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=int, default=32, help="most tokens to generate per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--min-p", type=float)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
+    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability")
+    g.add_argument("--min-p", type=float, help="drop tokens less likely than min-p x the most likely one")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive (multiply negative) logits of tokens already seen by this (1: off)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; needs a tokenizer)")
     g.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
     g.add_argument("--exit-criterion", choices=sorted(CRITERIA), help="per-token adaptive compute")
     g.add_argument("--exit-threshold", type=float, help="default: the criterion's (kl: 5e-4)")
-    g.add_argument("--min-steps", type=int, default=2)
+    g.add_argument("--min-steps", type=int, default=2, help="fewest iterations per token before an exit")
     g.add_argument("--exit-every", type=int, default=1,
                    help="evaluate the exit criterion every n iterations (1: after each, as in the paper)")
     g.add_argument("--exit-sync-every", type=int, default=4,
@@ -76,11 +77,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--full-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="parallel: prefill the prompt at r (--no-full-prefill: the prompt is the first wave)")
     g.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: all-zero state)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of s_0 and of sampling (per row)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU)")
-    g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32", help="weights and activations dtype")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
 def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ...] = ()) -> GenerationConfig:

@@ -19,7 +19,7 @@ def register(subparsers) -> None:
     p.add_argument("model", help="a model directory, training checkpoint step-N/ or run directory with "
                                  "tokenizer.json")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--model-name", help="the name clients use (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 503")

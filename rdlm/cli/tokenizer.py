@@ -16,13 +16,13 @@ def register(subparsers) -> None:
     t.add_argument("inputs", nargs="+", help="input files (.txt, .jsonl, .parquet)")
     t.add_argument("--out", required=True, help="output directory (or .json file) for tokenizer.json")
     t.add_argument("--vocab-size", type=int, default=8192, help="including the special tokens")
-    t.add_argument("--min-frequency", type=int, default=2)
+    t.add_argument("--min-frequency", type=int, default=2, help="fewest occurrences of a pair to merge it")
     t.add_argument("--text-field", default="text", help="JSONL/parquet field holding the text")
     t.add_argument("--separator", default=None, help="split .txt files into documents on this string")
     t.set_defaults(func=run_train)
     e = sub.add_parser("encode", help="print the token ids of a text")
     e.add_argument("tokenizer", help="tokenizer.json or a directory holding one")
-    e.add_argument("text")
+    e.add_argument("text", help="the text to encode")
     e.set_defaults(func=run_encode)
 
 

@@ -75,7 +75,7 @@ def flag_type(name: str, annotation: Any):
 
 def add_config_flags(p: argparse.ArgumentParser, config_class: type, skip: tuple[str, ...] = ()) -> None:
     """One flag per field of the dataclass `config_class` (--micro-batch-size for micro_batch_size),
-    defaulting to None (not given); the field's default is shown in the help."""
+    defaulting to None (not given); the help is the field's own (its metadata) and its default."""
     hints = typing.get_type_hints(config_class)
     for f in dataclasses.fields(config_class):
         if f.name in skip:
@@ -83,12 +83,12 @@ def add_config_flags(p: argparse.ArgumentParser, config_class: type, skip: tuple
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         convert = flag_type(f.name, hints[f.name])
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        text = f"{f.metadata.get('help', '')} (default: {shown})".lstrip()
         if convert is None:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"(default: {default})")
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-            p.add_argument(flag, type=convert, default=None, help=f"(default: {shown})")
+            p.add_argument(flag, type=convert, default=None, help=text)
 
 
 def register(subparsers) -> None:

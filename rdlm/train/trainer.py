@@ -27,21 +27,22 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from rdlm.model.config import ConfigError, RDLMConfig, check_keys
+from rdlm.model.config import ConfigError, RDLMConfig
 from rdlm.data.shards import (Batch, Batches, DataError, MemoryRows, RowSource, TokenShards,
                        fixed_batches, load_prompt_response)
 from rdlm.model.lm import RecurrentDepthLM
-from rdlm.model.recurrence import SAMPLERS, draw_for_microbatch, microbatch_seed
+from rdlm.model.recurrence import draw_for_microbatch, microbatch_seed
 from rdlm.resources import check_memory, check_time, forward_seconds
 from rdlm.train import checkpoint as ckpt
-from rdlm.train.distributed import (STRATEGIES, all_reduce_sum, apply_fsdp, barrier, full, local,
+from rdlm.train.config import TrainConfig
+from rdlm.train.distributed import (all_reduce_sum, apply_fsdp, barrier, full, local,
                                     init_single_process_group, resolve_strategy, setup, teardown_group)
 from rdlm.model.flops import flops_per_token
 from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, peak_flops, warn_loudly
@@ -52,141 +53,6 @@ from rdlm.train.schedule import Schedule
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. too many non-finite losses in a row)."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    # What to train: a preset, a Huginn-layout directory, a training checkpoint or a run directory
-    # (rdlm.model.resolve; from a checkpoint, its raw weights).
-    model: str = "tiny"
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    # Data: a shard directory from `rdlm data prepare`, or a prompt/response JSONL file (fine-tuning,
-    # loss on responses only). In-memory rows can be passed to `train()` instead.
-    data: str | None = None
-    prompt_response: str | None = None
-    tokenizer: str | None = None          # tokenizer.json or a directory; default: the data's / model's
-    out_dir: str | None = None
-    seed: int = 0
-    # Batch geometry: global batch = micro_batch_size * accumulation * number of workers.
-    steps: int = 100
-    micro_batch_size: int = 8
-    accumulation: int = 1
-    # Recurrence (None: the model config's values).
-    mean_recurrence: int | None = None
-    backprop_depth: int | None = None
-    recurrence_sampler: str | None = None
-    recurrence_sigma: float | None = None
-    # Optimization (docs/architecture.md#optimizer).
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    cooldown_steps: int = 0
-    min_lr_ratio: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 5e-4
-    atan2: bool = False
-    update_clip: float | None = None
-    grad_clip: float = 1.0
-    ema_decay: float | None = 0.999
-    precision: str = "auto"               # auto (bf16 where the GPU has it), bf16, fp32
-    compile: bool = False
-    device: str = "auto"
-    # CPU threads for this run (restored afterwards). None: 1 for models under 20M parameters on CPU,
-    # where thread start-up costs more than it saves on tiny matmuls (and the machine may be shared).
-    threads: int | None = None
-    # Several processes (torchrun): "fsdp" (FSDP2, sharded weights/gradients/optimizer state; the
-    # default) or "ddp" (replicated weights, ZeroRedundancyOptimizer when sharded_optimizer).
-    # "single": one process. "auto": fsdp with several processes, single otherwise.
-    strategy: str = "auto"
-    cpu_offload: bool = False             # FSDP: sharded weights, gradients, optimizer state in host memory
-    sharded_optimizer: bool = True        # ddp: ZeroRedundancyOptimizer
-    # Monitoring.
-    log_every: int = 1
-    eval_every: int = 0                   # 0: only at the end (when there is validation data)
-    eval_num_steps: tuple[int, ...] = (1, 4, 8, 16, 32, 64)
-    eval_rows: int = 64
-    eval_batch_size: int = 8
-    collapse_correlation: float = 0.95
-    progress: bool = True
-    tensorboard: bool = True
-    peak_flops: float | None = None
-    # Checkpoints.
-    checkpoint_every: int = 0             # 0: only at the end
-    keep_checkpoints: int = 3
-    resume: bool = False
-    # A new run into a directory holding another run is refused unless overwrite (which removes it).
-    overwrite: bool = False
-    # Failure handling: a non-finite loss skips the step; this many in a row stops the run.
-    max_bad_steps: int = 5
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "accumulation", "log_every", "eval_rows",
-                     "eval_batch_size", "max_bad_steps"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("warmup_steps", "cooldown_steps", "eval_every", "checkpoint_every", "keep_checkpoints"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        # None means "the model's own value"; a given value must be usable (0 is not "the default").
-        for name in ("mean_recurrence", "backprop_depth", "threads"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be an integer >= 1 (or None for the default), got {value!r}")
-        finite = {"lr": (0, None), "eps": (0, None), "weight_decay": (0, None), "min_lr_ratio": (0, 1),
-                  "grad_clip": (0, None), "collapse_correlation": (None, None), "recurrence_sigma": (0, None),
-                  "update_clip": (0, None), "peak_flops": (0, None), "ema_decay": (0, 1)}
-        for name, (low, high) in finite.items():
-            value = getattr(self, name)
-            if value is None and name in ("recurrence_sigma", "update_clip", "peak_flops", "ema_decay"):
-                continue
-            _check_number(name, value, low, high)
-        if len(self.betas) != 2:
-            raise ConfigError(f"betas must be two numbers, got {self.betas!r}")
-        for beta in self.betas:
-            _check_number("betas", beta, 0, 1)
-        if self.resume and self.overwrite:
-            raise ConfigError("resume and overwrite contradict each other: give one")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.recurrence_sampler is not None and self.recurrence_sampler not in SAMPLERS:
-            raise ConfigError(f"recurrence_sampler must be one of {sorted(SAMPLERS)}, "
-                              f"got {self.recurrence_sampler!r}")
-        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-            raise ConfigError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
-        if self.data and self.prompt_response:
-            raise ConfigError("give either data (token shards) or prompt_response (JSONL), not both")
-        if self.cooldown_steps > self.steps:
-            raise ConfigError(f"cooldown_steps ({self.cooldown_steps}) exceeds steps ({self.steps})")
-        if not self.eval_num_steps or any(int(r) < 1 for r in self.eval_num_steps):
-            raise ConfigError(f"eval_num_steps must be positive iteration counts, got {self.eval_num_steps}")
-        if self.grad_clip <= 0:
-            raise ConfigError(f"grad_clip must be > 0, got {self.grad_clip}")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.cpu_offload and self.strategy not in ("auto", "fsdp"):
-            raise ConfigError(f"cpu_offload needs strategy fsdp, got {self.strategy!r}")
-        check_keys(self.model_overrides)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
-        check_keys(values, cls)
-        values = dict(values)
-        for key in ("betas", "eval_num_steps"):
-            if key in values:
-                values[key] = tuple(values[key])
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _check_number(name: str, value: Any, low: float | None, high: float | None) -> None:
-    """A finite number within [low, high] (NaN and infinity are refused at the boundary)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ConfigError(f"{name} must be {bounds}, got {value!r}")
 
 
 @dataclass
@@ -470,8 +336,12 @@ class Trainer:
         if state.get("global_batch_size") != self.batches.global_batch_size:
             raise ConfigError(f"checkpoint {path} was trained with a global batch of "
                               f"{state.get('global_batch_size')} rows, this run has "
-                              f"{self.batches.global_batch_size}: the data position would not match")
+                              f"{self.batches.global_batch_size}: the data position would not match"
+                              + self._batch_hint(state.get("global_batch_size")))
         self.step = point.step
+        if self.world.rank == 0:
+            print(f"rdlm train: resumed from {path} at step {point.step} of {self.config.steps}",
+                  file=sys.stderr, flush=True)
         self.losses = list(state.get("losses", []))
         self.drawn = [list(x) for x in state.get("num_steps", [])]
         self.evals = list(state.get("evals", []))
@@ -524,6 +394,18 @@ class Trainer:
             g = torch.Generator(self.device).manual_seed(microbatch_seed(self.config.seed, int(pos), stream=1))
             rows.append(self.model.init_state(template, 1.0, g))
         return torch.cat(rows)
+
+    def _batch_hint(self, saved: Any) -> str:
+        """How to keep a checkpoint's global batch of `saved` rows with this run's workers."""
+        per_step = self.config.micro_batch_size * self.world.size
+        if isinstance(saved, int) and saved > 0 and saved % per_step == 0:
+            return (f"; with {self.world.size} worker(s) of micro-batch {self.config.micro_batch_size}, "
+                    f"--accumulation {saved // per_step} keeps it")
+        if isinstance(saved, int) and saved > 0:
+            return (f"; {saved} rows is not a multiple of {self.world.size} worker(s) x micro-batch "
+                    f"{self.config.micro_batch_size}: choose --micro-batch-size and --accumulation with "
+                    f"micro-batch x accumulation x workers = {saved}")
+        return ""
 
     def _save(self) -> Path | None:
         if self.config.out_dir is None:
