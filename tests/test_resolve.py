@@ -90,7 +90,7 @@ def test_a_path_that_holds_no_model_is_a_clear_error(tmp_path, capsys):
 
 
 def test_training_starts_from_a_run_directory_with_its_raw_weights(run_dir, tiny_model):
-    from rdlm.train.trainer import resolve_model
+    from rdlm.train.build import resolve_model
 
     model, tokenizer_dir = resolve_model(str(run_dir))
     assert model.training and same_weights(model, tiny_model)

@@ -20,7 +20,6 @@ over several workers, therefore reproduces the same computation.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import signal
@@ -34,25 +33,21 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from rdlm.model.config import ConfigError, RDLMConfig
-from rdlm.data.shards import (Batch, Batches, DataError, MemoryRows, RowSource, TokenShards,
-                       fixed_batches, load_prompt_response)
+from rdlm.data.shards import Batch, Batches, fixed_batches
+from rdlm.model.config import ConfigError
+from rdlm.model.flops import flops_per_token
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.recurrence import draw_for_microbatch, microbatch_seed
-from rdlm.resources import check_memory, check_time, forward_seconds
-from rdlm.train import checkpoint as ckpt
 from rdlm.train.config import TrainConfig
-from rdlm.train.distributed import (all_reduce_sum, apply_fsdp, barrier, full, local,
-                                    init_single_process_group, resolve_strategy, setup, teardown_group)
-from rdlm.model.flops import flops_per_token
+from rdlm.train.distributed import (all_reduce_sum, barrier, full, init_single_process_group, resolve_strategy,
+                                    setup, teardown_group)
 from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, peak_flops, warn_loudly
-from rdlm.train.optim import EMA, AdamW, parameter_groups
+from rdlm.train.optim import EMA
+from rdlm.train.resume import RunCheckpoints, TrainingError
 from rdlm.train.rundir import RunDirError, RunLock, prepare_run_dir
 from rdlm.train.schedule import Schedule
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. too many non-finite losses in a row)."""
+from rdlm.train.build import (check_compatible, check_step_fits, data_sources, parallelize, resolve_model,
+                              resolve_tokenizer)
 
 
 @dataclass
@@ -76,105 +71,9 @@ StepHook = Callable[[dict[str, Any]], None]
 
 
 # --------------------------------------------------------------------------------------------------
-# Setup helpers
-
-def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple[RecurrentDepthLM, Path | None]:
-    """The model to train (float32) and the directory of its tokenizer.json, if any. `source` is read
-    by rdlm.model.resolve, as every command's --model; from a checkpoint or run directory the raw
-    weights (not the EMA) are trained on."""
-    from rdlm.model.resolve import resolve_model_source
-
-    found = resolve_model_source(source, weights="model")
-    if found.kind == "preset":
-        return RecurrentDepthLM(RDLMConfig.from_preset(found.preset, **(overrides or {}))), None
-    model = found.load(dtype=torch.float32)
-    if overrides:
-        # Training-time fields (recurrence, checkpointing) may change; shapes may not.
-        new = model.config.replace(**overrides)
-        fresh = RecurrentDepthLM(new)
-        shapes = {name: tuple(t.shape) for name, t in fresh.state_dict().items()}
-        for name, tensor in model.state_dict().items():
-            if shapes.get(name) != tuple(tensor.shape):
-                changed = ", ".join(f"{k}={v}" for k, v in overrides.items() if getattr(model.config, k, v) != v)
-                raise ConfigError(f"--set {changed}: {source} holds weights of other shapes ({name} is "
-                                  f"{tuple(tensor.shape)}, the new config needs {shapes.get(name)}); a loaded "
-                                  "model can change training-time fields only (recurrence, checkpointing)")
-        fresh.load_state_dict(model.state_dict())
-        model = fresh
-    return model.train(), found.tokenizer_dir
-
-
-def resolve_tokenizer(config: TrainConfig, model_dir: Path | None):
-    from rdlm.data.tokenizer import Tokenizer
-
-    for candidate in (config.tokenizer, config.data, model_dir):
-        if candidate is None:
-            continue
-        path = Path(candidate)
-        if (path.is_file() and path.suffix == ".json") or (path / "tokenizer.json").is_file():
-            return Tokenizer.load(path)
-    if config.tokenizer is not None:
-        return Tokenizer.load(config.tokenizer)  # raises, naming the missing file
-    return None
-
-
-def check_compatible(model: RecurrentDepthLM, sources: dict[str, RowSource], tokenizer) -> None:
-    """Catch data/model/tokenizer mismatches before the first step, naming what does not fit."""
-    vocab = model.config.vocab_size
-    if tokenizer is not None and tokenizer.vocab_size > vocab:
-        raise DataError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens but the model's "
-                        f"vocabulary is {vocab}: tokenizer/model vocabulary mismatch")
-    for name, source in sources.items():
-        top = source.max_token_id()
-        if top >= vocab:
-            raise DataError(f"{name} data holds token id {top}, out of range for the model's vocabulary "
-                            f"of {vocab}")
-        low = getattr(source, "min_token_id", lambda: 0)()
-        if low < 0:
-            raise DataError(f"{name} data holds negative token id {low}")
-        length = getattr(source, "row_length", None)
-        if length is not None and length - 1 > model.config.context_length:
-            raise DataError(f"{name} rows have {length - 1} input tokens, more than the model's context "
-                            f"length {model.config.context_length}")
-
-
-def check_step_fits(model_config: RDLMConfig, config: TrainConfig, device: torch.device, seq_len: int,
-                    mean_recurrence: int, backprop_depth: int, element_bytes: int) -> None:
-    """Refuse, before the first step, a micro-batch whose activations cannot fit in the device's memory or
-    an optimizer step that cannot end (lower bounds, rdlm.resources); warn when the run is long."""
-    c, micro = model_config, config.micro_batch_size
-    # Backward keeps at least the inputs of each layer's matmuls (4 h wide: the block input, its
-    # normalized copy, q/k/v) and the MLP's two intermediate projections, for every layer with gradient.
-    grad_layers = c.prelude_layers + c.coda_layers + min(backprop_depth, mean_recurrence) * c.core_layers
-    per_token = grad_layers * (4 * c.hidden_size + 2 * c.intermediate_size) * element_bytes
-    check_memory(micro * seq_len * per_token, "cpu" if config.cpu_offload else device,
-                 f"--micro-batch-size {micro}: the activations of {micro} x {seq_len} tokens at backprop "
-                 f"depth {backprop_depth}")
-    step = forward_seconds(c, device, micro * config.accumulation * seq_len, config.accumulation,
-                           mean_recurrence, min(backprop_depth, mean_recurrence))
-    check_time(config.steps * step, step, f"training {config.steps} steps at mean r = {mean_recurrence} "
-               f"({micro} x {config.accumulation} rows of {seq_len} tokens per step)", "step")
-
-
-def as_source(data: Any) -> RowSource:
-    """Accept a RowSource, a [rows, length] tensor/array, or a list of token sequences (padded with 0)."""
-    if hasattr(data, "rows") and hasattr(data, "max_token_id"):
-        return data
-    if isinstance(data, (Tensor,)) or hasattr(data, "shape"):
-        return MemoryRows(data)
-    if isinstance(data, Sequence) and data and isinstance(data[0], Sequence):
-        lengths = {len(s) for s in data}
-        if len(lengths) == 1:
-            return MemoryRows(torch.tensor([list(s) for s in data]))
-        raise DataError("sequences of different lengths: build MemoryRows.from_sequences(seqs, pad_id) "
-                        "so padding is excluded from the loss")
-    raise DataError(f"cannot use {type(data).__name__} as training data")
-
-
-# --------------------------------------------------------------------------------------------------
 # The trainer
 
-class Trainer:
+class Trainer(RunCheckpoints):
     def __init__(self, config: TrainConfig, model: RecurrentDepthLM | None = None,
                  train_data: Any = None, val_data: Any = None, tokenizer=None,
                  eval_hooks: Sequence[EvalHook] = (), step_hooks: Sequence[StepHook] = ()) -> None:
@@ -211,23 +110,7 @@ class Trainer:
         self.tokenizer = tokenizer if tokenizer is not None else resolve_tokenizer(config, model_dir)
 
         # Data, checked before anything is trained.
-        if train_data is not None:
-            self.train_source = as_source(train_data)
-        elif config.data is not None:
-            self.train_source = TokenShards(config.data, "train")
-        elif config.prompt_response is not None:
-            if self.tokenizer is None:
-                raise DataError("prompt/response data needs a tokenizer (--tokenizer, or tokenizer.json "
-                                "in the model directory)")
-            self.train_source = load_prompt_response(config.prompt_response, self.tokenizer)
-        else:
-            raise DataError("no training data: give TrainConfig.data, prompt_response, or train_data")
-        if val_data is not None:
-            self.val_source = as_source(val_data)
-        elif config.data is not None and has_split(config.data, "val"):
-            self.val_source = TokenShards(config.data, "val")
-        else:
-            self.val_source = None
+        self.train_source, self.val_source = data_sources(config, self.tokenizer, train_data, val_data)
         sources = {"training": self.train_source}
         if self.val_source is not None:
             sources["validation"] = self.val_source
@@ -256,32 +139,7 @@ class Trainer:
         self.precision = "bf16" if bf16 else "fp32"
         check_step_fits(c, config, self.device, self.train_source.row_length - 1, self.mean_recurrence,
                         self.backprop_depth, 2 if bf16 else 4)
-        if config.compile:
-            # Regional compile: each block's forward, not the loop (r changes every step and must not
-            # recompile); FSDP's hooks stay outside the compiled code. Two graphs per block: with and
-            # without gradient.
-            for block in [*self.model.prelude, *self.model.core, *self.model.coda]:
-                block.forward = torch.compile(block.forward)
-
-        opt_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
-                          atan2=config.atan2, update_clip=config.update_clip)
-        self.ddp = None
-        if self.strategy == "fsdp":
-            apply_fsdp(self.model, self.device, self.world, bf16, config.cpu_offload)
-            self.optimizer = AdamW(parameter_groups(self.model), **opt_kwargs)
-        elif self.strategy == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-            if config.sharded_optimizer:
-                from torch.distributed.optim import ZeroRedundancyOptimizer
-
-                self.optimizer = ZeroRedundancyOptimizer(parameter_groups(self.model)[0]["params"],
-                                                         optimizer_class=AdamW, **opt_kwargs)
-            else:
-                self.optimizer = AdamW(parameter_groups(self.model), **opt_kwargs)
-        else:
-            self.optimizer = AdamW(parameter_groups(self.model), **opt_kwargs)
+        self.optimizer, self.ddp = parallelize(self.model, config, self.strategy, self.device, self.world, bf16)
         self.ema = EMA(self.model, config.ema_decay) if config.ema_decay else None
         self.schedule = Schedule(config.lr, config.warmup_steps, config.steps, config.cooldown_steps,
                                  config.min_lr_ratio)
@@ -310,69 +168,6 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------
 
-    def _resume(self) -> None:
-        if self.config.out_dir is None:
-            raise ConfigError("resume needs out_dir (where the checkpoints are)")
-        candidates = ckpt.list_checkpoints(self.config.out_dir)[::-1]
-        if not candidates:
-            return  # nothing to resume: start from scratch (a first launch with --resume is fine)
-        damaged = []
-        for path in candidates:  # newest first; a damaged one gives way to the one before it
-            try:
-                point = self._load(path)
-            except Exception as err:  # noqa: BLE001 - any failure to read it means "damaged"
-                damaged.append(f"{path}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-                print(f"rdlm train: checkpoint {path} cannot be resumed from ({damaged[-1]}); trying the "
-                      "previous one", file=sys.stderr, flush=True)
-                continue
-            if damaged:
-                print(f"rdlm train: resuming from {path}, the newest intact checkpoint", file=sys.stderr,
-                      flush=True)
-            break
-        else:
-            raise TrainingError(f"no checkpoint in {ckpt.checkpoint_dir(self.config.out_dir)} can be resumed "
-                                f"from: {'; '.join(damaged)}")
-        state = point.trainer
-        if state.get("global_batch_size") != self.batches.global_batch_size:
-            raise ConfigError(f"checkpoint {path} was trained with a global batch of "
-                              f"{state.get('global_batch_size')} rows, this run has "
-                              f"{self.batches.global_batch_size}: the data position would not match"
-                              + self._batch_hint(state.get("global_batch_size")))
-        self.step = point.step
-        if self.world.rank == 0:
-            print(f"rdlm train: resumed from {path} at step {point.step} of {self.config.steps}",
-                  file=sys.stderr, flush=True)
-        self.losses = list(state.get("losses", []))
-        self.drawn = [list(x) for x in state.get("num_steps", [])]
-        self.evals = list(state.get("evals", []))
-        self.bad_steps = int(state.get("bad_steps", 0))
-        self.consecutive_bad = int(state.get("consecutive_bad", 0))
-        self.last_checkpoint = path
-        self.last_finite_checkpoint = ckpt.last_finite_checkpoint(self.config.out_dir, upto=path)
-
-    def _load(self, path: Path) -> ckpt.Checkpoint:
-        """Load checkpoint `path` into the model, EMA and optimizer."""
-        if self.strategy == "fsdp":
-            return ckpt.load_sharded_checkpoint(path, self.model, self.optimizer,
-                                                self.ema.shadow if self.ema else None, self.names)
-        ema_model = self._ema_model() if self.ema else None
-        point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
-        if ema_model is not None:
-            self.ema.load([p.detach().float() for p in ema_model.parameters()])
-        if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
-        return point
-
-    def _ema_model(self) -> RecurrentDepthLM:
-        """The EMA weights as a new model on the CPU (under FSDP a collective: every worker calls it)."""
-        ema_model = RecurrentDepthLM(self.model.config)
-        if self.ema is None:
-            return ema_model
-        with torch.no_grad():  # EMA.shadow follows model.parameters()
-            for (name, param), shadow in zip(self.model.named_parameters(), self.ema.shadow):
-                ema_model.get_parameter(name).copy_(full(ckpt.shaped_like(shadow, param)).cpu())
-        return ema_model
-
     def _to_device(self, tensor: Tensor) -> Tensor:
         """Host to GPU without waiting: through pinned memory, asynchronously."""
         if self.device.type == "cuda":
@@ -394,58 +189,6 @@ class Trainer:
             g = torch.Generator(self.device).manual_seed(microbatch_seed(self.config.seed, int(pos), stream=1))
             rows.append(self.model.init_state(template, 1.0, g))
         return torch.cat(rows)
-
-    def _batch_hint(self, saved: Any) -> str:
-        """How to keep a checkpoint's global batch of `saved` rows with this run's workers."""
-        per_step = self.config.micro_batch_size * self.world.size
-        if isinstance(saved, int) and saved > 0 and saved % per_step == 0:
-            return (f"; with {self.world.size} worker(s) of micro-batch {self.config.micro_batch_size}, "
-                    f"--accumulation {saved // per_step} keeps it")
-        if isinstance(saved, int) and saved > 0:
-            return (f"; {saved} rows is not a multiple of {self.world.size} worker(s) x micro-batch "
-                    f"{self.config.micro_batch_size}: choose --micro-batch-size and --accumulation with "
-                    f"micro-batch x accumulation x workers = {saved}")
-        return ""
-
-    def _save(self) -> Path | None:
-        if self.config.out_dir is None:
-            return None
-        optimizer = self.optimizer
-        if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: gather the shards on rank 0
-            optimizer.consolidate_state_dict(to=0)
-        path = None
-        finite = self._weights_finite()
-        trainer_state = {
-            "finite_weights": finite,
-            "format": "rdlm-training-checkpoint", "consumed_rows": self.step * self.batches.global_batch_size,
-            "global_batch_size": self.batches.global_batch_size, "world_size": self.world.size,
-            "strategy": self.strategy,
-            "epoch": self.batches.epoch_of(self.step), "lr": self.schedule(max(self.step - 1, 0)),
-            "schedule": dataclasses.asdict(self.schedule), "bad_steps": self.bad_steps,
-            "consecutive_bad": self.consecutive_bad, "losses": self.losses, "num_steps": self.drawn,
-            "evals": self.evals, "train_config": self.config.to_dict(),
-            "recurrence": {"mean": self.mean_recurrence, "backprop_depth": self.backprop_depth,
-                           "sampler": self.sampler, "sigma": self.sigma},
-        }
-        if self.strategy == "fsdp":  # every worker writes its shards
-            path = ckpt.save_sharded_checkpoint(self.config.out_dir, self.step, self.model, optimizer,
-                                                self.ema.shadow if self.ema else None, self.names,
-                                                trainer_state, self.tokenizer, self.config.keep_checkpoints)
-        elif self.world.is_main:
-            path = ckpt.save_checkpoint(self.config.out_dir, self.step, self.model,
-                                        self._ema_model() if self.ema else None, optimizer.state_dict(),
-                                        self.names, trainer_state, self.tokenizer, self.config.keep_checkpoints)
-        barrier(self.world)
-        self.last_checkpoint = ckpt.checkpoint_dir(self.config.out_dir) / f"step-{self.step:06d}"
-        if finite:
-            self.last_finite_checkpoint = self.last_checkpoint
-        return path
-
-    def _weights_finite(self) -> bool:
-        """Whether every weight is finite (one device sync; under FSDP over every worker's shards)."""
-        with torch.no_grad():
-            bad = sum((~torch.isfinite(local(p))).sum() for p in self.model.parameters()).float().cpu()
-        return all_reduce_sum(bad.reshape(1), self.world).item() == 0
 
     def _evaluate(self, monitor: Monitor) -> dict[str, float]:
         record: dict[str, Any] = {"kind": "eval", "step": self.step}
@@ -648,12 +391,6 @@ def clip_gradients(parameters, max_norm: float) -> Tensor:
     norm = full(norm)  # FSDP: the shards' norms combined (an all-reduce, no host sync)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
-
-
-def has_split(directory: str, split: str) -> bool:
-    from rdlm.data.shards import read_meta
-
-    return bool(read_meta(Path(directory))["splits"].get(split))
 
 
 def train(config: TrainConfig, model: RecurrentDepthLM | None = None, train_data: Any = None,

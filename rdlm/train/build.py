@@ -1,0 +1,173 @@
+"""What a training run starts from, before its first step: the model and tokenizer to train, the data
+(checked against the model), the size checks, and the model compiled, sharded or replicated with its
+optimizer (`parallelize`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from rdlm.data.shards import DataError, MemoryRows, RowSource, TokenShards, load_prompt_response
+from rdlm.model.config import ConfigError, RDLMConfig
+from rdlm.model.lm import RecurrentDepthLM
+from rdlm.resources import check_memory, check_time, forward_seconds
+from rdlm.train.config import TrainConfig
+from rdlm.train.distributed import apply_fsdp
+from rdlm.train.optim import AdamW, parameter_groups
+
+
+def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple[RecurrentDepthLM, Path | None]:
+    """The model to train (float32) and the directory of its tokenizer.json, if any. `source` is read
+    by rdlm.model.resolve, as every command's --model; from a checkpoint or run directory the raw
+    weights (not the EMA) are trained on."""
+    from rdlm.model.resolve import resolve_model_source
+
+    found = resolve_model_source(source, weights="model")
+    if found.kind == "preset":
+        return RecurrentDepthLM(RDLMConfig.from_preset(found.preset, **(overrides or {}))), None
+    model = found.load(dtype=torch.float32)
+    if overrides:
+        # Training-time fields (recurrence, checkpointing) may change; shapes may not.
+        new = model.config.replace(**overrides)
+        fresh = RecurrentDepthLM(new)
+        shapes = {name: tuple(t.shape) for name, t in fresh.state_dict().items()}
+        for name, tensor in model.state_dict().items():
+            if shapes.get(name) != tuple(tensor.shape):
+                changed = ", ".join(f"{k}={v}" for k, v in overrides.items() if getattr(model.config, k, v) != v)
+                raise ConfigError(f"--set {changed}: {source} holds weights of other shapes ({name} is "
+                                  f"{tuple(tensor.shape)}, the new config needs {shapes.get(name)}); a loaded "
+                                  "model can change training-time fields only (recurrence, checkpointing)")
+        fresh.load_state_dict(model.state_dict())
+        model = fresh
+    return model.train(), found.tokenizer_dir
+
+
+def resolve_tokenizer(config: TrainConfig, model_dir: Path | None):
+    from rdlm.data.tokenizer import Tokenizer
+
+    for candidate in (config.tokenizer, config.data, model_dir):
+        if candidate is None:
+            continue
+        path = Path(candidate)
+        if (path.is_file() and path.suffix == ".json") or (path / "tokenizer.json").is_file():
+            return Tokenizer.load(path)
+    if config.tokenizer is not None:
+        return Tokenizer.load(config.tokenizer)  # raises, naming the missing file
+    return None
+
+
+def check_compatible(model: RecurrentDepthLM, sources: dict[str, RowSource], tokenizer) -> None:
+    """Catch data/model/tokenizer mismatches before the first step, naming what does not fit."""
+    vocab = model.config.vocab_size
+    if tokenizer is not None and tokenizer.vocab_size > vocab:
+        raise DataError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens but the model's "
+                        f"vocabulary is {vocab}: tokenizer/model vocabulary mismatch")
+    for name, source in sources.items():
+        top = source.max_token_id()
+        if top >= vocab:
+            raise DataError(f"{name} data holds token id {top}, out of range for the model's vocabulary "
+                            f"of {vocab}")
+        low = getattr(source, "min_token_id", lambda: 0)()
+        if low < 0:
+            raise DataError(f"{name} data holds negative token id {low}")
+        length = getattr(source, "row_length", None)
+        if length is not None and length - 1 > model.config.context_length:
+            raise DataError(f"{name} rows have {length - 1} input tokens, more than the model's context "
+                            f"length {model.config.context_length}")
+
+
+def check_step_fits(model_config: RDLMConfig, config: TrainConfig, device: torch.device, seq_len: int,
+                    mean_recurrence: int, backprop_depth: int, element_bytes: int) -> None:
+    """Refuse, before the first step, a micro-batch whose activations cannot fit in the device's memory or
+    an optimizer step that cannot end (lower bounds, rdlm.resources); warn when the run is long."""
+    c, micro = model_config, config.micro_batch_size
+    # Backward keeps at least the inputs of each layer's matmuls (4 h wide: the block input, its
+    # normalized copy, q/k/v) and the MLP's two intermediate projections, for every layer with gradient.
+    grad_layers = c.prelude_layers + c.coda_layers + min(backprop_depth, mean_recurrence) * c.core_layers
+    per_token = grad_layers * (4 * c.hidden_size + 2 * c.intermediate_size) * element_bytes
+    check_memory(micro * seq_len * per_token, "cpu" if config.cpu_offload else device,
+                 f"--micro-batch-size {micro}: the activations of {micro} x {seq_len} tokens at backprop "
+                 f"depth {backprop_depth}")
+    step = forward_seconds(c, device, micro * config.accumulation * seq_len, config.accumulation,
+                           mean_recurrence, min(backprop_depth, mean_recurrence))
+    check_time(config.steps * step, step, f"training {config.steps} steps at mean r = {mean_recurrence} "
+               f"({micro} x {config.accumulation} rows of {seq_len} tokens per step)", "step")
+
+
+def as_source(data: Any) -> RowSource:
+    """Accept a RowSource, a [rows, length] tensor/array, or a list of token sequences (padded with 0)."""
+    if hasattr(data, "rows") and hasattr(data, "max_token_id"):
+        return data
+    if isinstance(data, (Tensor,)) or hasattr(data, "shape"):
+        return MemoryRows(data)
+    if isinstance(data, Sequence) and data and isinstance(data[0], Sequence):
+        lengths = {len(s) for s in data}
+        if len(lengths) == 1:
+            return MemoryRows(torch.tensor([list(s) for s in data]))
+        raise DataError("sequences of different lengths: build MemoryRows.from_sequences(seqs, pad_id) "
+                        "so padding is excluded from the loss")
+    raise DataError(f"cannot use {type(data).__name__} as training data")
+
+
+def has_split(directory: str, split: str) -> bool:
+    from rdlm.data.shards import read_meta
+
+    return bool(read_meta(Path(directory))["splits"].get(split))
+
+
+def data_sources(config: TrainConfig, tokenizer, train_data: Any = None,
+                 val_data: Any = None) -> tuple[RowSource, RowSource | None]:
+    """The training rows and the validation rows (None without a validation split): given directly, or
+    read from `config.data` (token shards) or `config.prompt_response` (JSONL, needs the tokenizer)."""
+    if train_data is not None:
+        train_source = as_source(train_data)
+    elif config.data is not None:
+        train_source = TokenShards(config.data, "train")
+    elif config.prompt_response is not None:
+        if tokenizer is None:
+            raise DataError("prompt/response data needs a tokenizer (--tokenizer, or tokenizer.json "
+                            "in the model directory)")
+        train_source = load_prompt_response(config.prompt_response, tokenizer)
+    else:
+        raise DataError("no training data: give TrainConfig.data, prompt_response, or train_data")
+    if val_data is not None:
+        return train_source, as_source(val_data)
+    if config.data is not None and has_split(config.data, "val"):
+        return train_source, TokenShards(config.data, "val")
+    return train_source, None
+
+
+def parallelize(model: RecurrentDepthLM, config: TrainConfig, strategy: str, device: torch.device, world,
+                bf16: bool) -> tuple[torch.optim.Optimizer, Any]:
+    """Compile, shard or replicate `model` for `strategy` and build its optimizer, outside the model (as
+    torchtitan's `parallelize`). Returns the optimizer and the DDP wrapper (None unless ddp)."""
+    if config.compile:
+        # Regional compile: each block's forward, not the loop (r changes every step and must not
+        # recompile); FSDP's hooks stay outside the compiled code. Two graphs per block: with and
+        # without gradient.
+        for block in [*model.prelude, *model.core, *model.coda]:
+            block.forward = torch.compile(block.forward)
+
+    opt_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+                      atan2=config.atan2, update_clip=config.update_clip)
+    ddp = None
+    if strategy == "fsdp":
+        apply_fsdp(model, device, world, bf16, config.cpu_offload)
+        optimizer = AdamW(parameter_groups(model), **opt_kwargs)
+    elif strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if config.sharded_optimizer:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            optimizer = ZeroRedundancyOptimizer(parameter_groups(model)[0]["params"], optimizer_class=AdamW,
+                                                **opt_kwargs)
+        else:
+            optimizer = AdamW(parameter_groups(model), **opt_kwargs)
+    else:
+        optimizer = AdamW(parameter_groups(model), **opt_kwargs)
+    return optimizer, ddp
