@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from rdlm.cli import main
-from rdlm.demo.run import (DemoConfig, answer_correct, choose_best_r, choose_exit_threshold, decode_answers,
-                       difficulty_bins, run_demo)
+from rdlm.demo.config import DemoConfig
+from rdlm.demo.report import difficulty_bins
+from rdlm.demo.run import run_demo
+from rdlm.demo.scoring import answer_correct, choose_best_r, choose_exit_threshold, decode_answers
 from rdlm.model.huginn import load_pretrained
 from rdlm.demo import tasks as T
 
@@ -149,7 +151,7 @@ def test_cli_rejects_a_bad_option_before_any_work(argv, message, capsys):
 @pytest.fixture
 def tiny_demo_model():
     import torch
-    from rdlm.demo.run import model_config
+    from rdlm.demo.config import model_config
     from rdlm.model.lm import RecurrentDepthLM
 
     torch.manual_seed(0)
@@ -200,3 +202,14 @@ def test_code_task_reports_validation_perplexity_against_r(tmp_path):
     assert (tmp_path / "perplexity_vs_r.png").stat().st_size > 0
     assert (tmp_path / "model" / "tokenizer.json").is_file()
     assert load_pretrained(tmp_path / "model").config.vocab_size == result.model.config.vocab_size
+
+
+def test_the_code_variant_reports_perplexity_against_r_and_saves_a_loadable_model(tmp_path):
+    result = run_demo(DemoConfig(task="code", out_dir=str(tmp_path / "code"), steps=3, code_chars=60_000,
+                                 code_vocab_size=300, code_seq_len=32, eval_examples=16, eval_num_steps=(1, 4),
+                                 progress=False))
+    ppl = result.results["validation_perplexity"]
+    assert sorted(ppl) == [1, 4] and all(1 < p < float("inf") for p in ppl.values())
+    assert (tmp_path / "code" / "perplexity_vs_r.png").is_file()
+    model = load_pretrained(tmp_path / "code" / "model")
+    assert model.config.vocab_size == 300 and (tmp_path / "code" / "model" / "tokenizer.json").is_file()

@@ -108,3 +108,14 @@ def test_every_module_imports_on_its_own():
                           cwd=PACKAGE.parent)
     assert done.returncode == 0, done.stdout + done.stderr
 
+
+LONGEST_MODULE = 550
+
+
+def test_no_module_is_longer_than_the_limit():
+    """A module over ~550 lines is several modules: split it along its seams, each reading top to bottom."""
+    lengths = {name: len(path.read_text().splitlines()) for name, path in module_names().items()}
+    assert max(lengths.values()) > LONGEST_MODULE // 2   # the count sees real modules
+    long = {name: n for name, n in lengths.items() if n > LONGEST_MODULE}
+    assert not long, f"modules over {LONGEST_MODULE} lines: {long}"
+

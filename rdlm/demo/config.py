@@ -1,0 +1,109 @@
+"""What `rdlm demo` is given: `DemoConfig` (task, model, training and evaluation settings), checked before
+anything is drawn or trained."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rdlm.demo import tasks as T
+from rdlm.inference.exits import make_exit_criterion
+from rdlm.model.config import RDLMConfig
+
+EVAL_NUM_STEPS = (1, 2, 4, 8, 16, 32, 64)
+# Exit thresholds tried on validation, loosest first; wide enough not to depend on a criterion's scale.
+EXIT_THRESHOLDS = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6, 1e-6, 1e-7)
+MODELS = ("recurrent", "twin", "depth_matched")
+MARGIN_EPS = 1e-9  # floating-point slack when a claim's margin is exactly zero
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    task: str = "permutations"            # a family of rdlm.demo.tasks, or "code"
+    seed: int = 0
+    out_dir: str = "demo-report"
+    # Model: (l_P, l_R, l_C), width. Small enough to train in minutes on two CPU cores.
+    # A one-layer core: each iteration advances the state by about one move, so r visibly buys depth.
+    layers: tuple[int, int, int] = (1, 1, 1)
+    hidden_size: int = 128
+    num_heads: int = 4
+    mean_recurrence: int = 8
+    backprop_depth: int = 4
+    # Training budget (the same for the recurrent model and both baselines).
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    # Evaluation: eval_examples per split (validation, test, harder).
+    eval_examples: int = 300
+    eval_num_steps: tuple[int, ...] = EVAL_NUM_STEPS
+    exit_criterion: str = "kl"
+    exit_thresholds: tuple[float, ...] = EXIT_THRESHOLDS  # the loosest within exit_tolerance is chosen
+    exit_tolerance: float = 0.01          # validation accuracy an exit threshold may lose vs fixed r
+    exit_max_steps: int = 32              # adaptive exits are compared with this fixed r
+    eval_batch_size: int = 100
+    train_twin: bool = True
+    train_depth_matched: bool = True
+    # One thread: the demo's models are tiny, the numbers are then the same whatever the machine's core
+    # count, and no OpenMP worker is left busy-waiting on a shared CPU.
+    threads: int = 1
+    progress: bool = True
+    # Code task only.
+    code_vocab_size: int = 1024
+    code_chars: int = 1_000_000
+    code_seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        if self.task != "code":
+            T.get_task(self.task)  # raises, naming the task
+        for name in ("steps", "batch_size", "hidden_size", "num_heads", "mean_recurrence", "backprop_depth",
+                     "eval_examples", "exit_max_steps", "eval_batch_size", "threads", "code_vocab_size",
+                     "code_chars", "code_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if len(self.layers) != 3 or any(not isinstance(n, int) or n < 1 for n in self.layers):
+            raise ValueError(f"layers must be three positive integers (prelude, core, coda), got {self.layers!r}")
+        if not self.eval_num_steps or any(not isinstance(r, int) or r < 1 for r in self.eval_num_steps):
+            raise ValueError(f"eval_num_steps must be positive iteration counts, got {self.eval_num_steps}")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if not self.exit_thresholds or any(not t > 0 for t in self.exit_thresholds):
+            raise ValueError(f"exit_thresholds must be positive numbers, got {self.exit_thresholds!r}")
+        if not 0 <= self.exit_tolerance < 1:
+            raise ValueError(f"exit_tolerance must be in [0, 1), got {self.exit_tolerance!r}")
+        for threshold in self.exit_thresholds:
+            make_exit_criterion(self.exit_criterion, threshold)  # raises, naming the criterion
+        # The models themselves (e.g. hidden_size divisible by num_heads, an even head dimension):
+        # checked now, not after minutes of data generation and training.
+        for kind in MODELS:
+            model_config(self, vocab_size=len(T.ALPHABET), context_length=64, kind=kind)
+
+    @property
+    def train_mean_r(self) -> int:
+        """The mean r the recurrent model trains with: the log-normal Poisson draws Poisson(exp(tau)) + 1
+        with E[exp(tau)] = mean_recurrence, so the mean is mean_recurrence + 1 (paper section 3.3)."""
+        return self.mean_recurrence + 1
+
+    def models(self) -> tuple[str, ...]:
+        return ("recurrent",) + (("twin",) if self.train_twin else ()) + (
+            ("depth_matched",) if self.train_depth_matched else ())
+
+
+def model_config(cfg: DemoConfig, vocab_size: int, context_length: int, kind: str = "recurrent") -> RDLMConfig:
+    """The demo model (`kind` "recurrent") or a non-recurrent baseline trained at r = 1 always:
+    "twin" has the same layers and parameters (paper Table 4), "depth_matched" has the core unrolled
+    to the training mean r (the depth the recurrent model runs on average, with its own weights)."""
+    if kind not in MODELS:
+        raise ValueError(f"unknown model kind {kind!r}; available: {', '.join(MODELS)}")
+    lp, lr, lc = cfg.layers
+    if kind == "recurrent":
+        recurrence = dict(mean_recurrence=cfg.mean_recurrence, backprop_depth=cfg.backprop_depth,
+                          recurrence_sampler="lognormal-poisson")
+    else:
+        recurrence = dict(mean_recurrence=1, backprop_depth=1, recurrence_sampler="fixed")
+        lr = lr * cfg.train_mean_r if kind == "depth_matched" else lr
+    return RDLMConfig(prelude_layers=lp, core_layers=lr, coda_layers=lc, hidden_size=cfg.hidden_size,
+                      num_heads=cfg.num_heads, intermediate_size=2 * cfg.hidden_size, vocab_size=vocab_size,
+                      context_length=context_length, name={"recurrent": "demo"}.get(kind, f"demo-{kind}"),
+                      **recurrence)
