@@ -219,3 +219,17 @@ def test_nan_weights_raise_instead_of_scoring_a_coin_flip(tmp_path):
 def test_a_zero_batch_size_is_refused_not_replaced(model_dir, args):
     with pytest.raises(ValueError, match=f"{next(iter(args))} must be >= 1, got 0"):
         RDLMEvalModel(pretrained=str(model_dir), **args)
+
+
+def test_the_shipped_example_task_loads_without_warnings(caplog):
+    """examples/lm_eval_task defines each metric's aggregation and direction, so lm-eval guesses nothing."""
+    import logging
+
+    from lm_eval.tasks import TaskManager
+
+    root = Path(__file__).resolve().parents[1]
+    with caplog.at_level(logging.WARNING):
+        tasks = TaskManager(include_path=str(root / "examples" / "lm_eval_task")).load_task_or_group(["rdlm_facts"])
+    assert "rdlm_facts" in str(tasks)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not any("aggregation" in w or "higher_is_better" in w for w in warnings), warnings

@@ -105,3 +105,35 @@ def test_a_vocabulary_too_large_to_train_is_refused_before_the_library_aborts(tm
                  "--vocab-size", "1000000000"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--vocab-size 1000000000 is above the most this library trains" in err
+
+
+def test_a_streamed_reply_reads_as_the_reply_decoded_at_once():
+    """Byte-level BPE: multi-byte characters split over several tokens, merges across token boundaries and
+    special tokens in the middle of the reply (dropped on decoding) must not change the printed text."""
+    from rdlm.data.tokenizer import StreamDecoder
+
+    texts = ["the river runs. the bird sings ünïcödé 🐦 ", "ünïcödé the river bird 🐦🐦"] * 20
+    tok = train_tokenizer(texts, vocab_size=300)
+    begin = tok.token_to_id("<|begin_text|>")
+    reply = (tok.encode(" the river.", add_bos=False) + [begin] + tok.encode(" the bird 🐦 ünï", add_bos=False)
+             + [begin, begin] + tok.encode("cödé!", add_bos=False))
+    assert any("\ufffd" in tok.decode([i]) for i in reply)   # some characters span several tokens
+    whole = tok.decode(reply, skip_special_tokens=True)
+    for strip in (False, True):
+        stream = StreamDecoder(lambda ids: tok.decode(ids, skip_special_tokens=True), strip_leading=strip)
+        pieces = [stream.push(token) for token in reply] + [stream.finish()]
+        assert "".join(pieces) == (whole.lstrip() if strip else whole)
+        assert not any("\ufffd" in piece for piece in pieces)   # never half a character
+    assert whole.startswith(" the river. the bird")  # the space after the dropped special token stays
+
+
+def test_a_stream_ending_inside_a_character_prints_it_at_the_end():
+    from rdlm.data.tokenizer import StreamDecoder
+
+    tok = train_tokenizer(["plain ascii text only"] * 10, vocab_size=280)
+    ids = tok.encode("ok 🐦", add_bos=False)   # the emoji is 4 byte tokens, not merged in this vocabulary
+    stream = StreamDecoder(lambda ids: tok.decode(ids, skip_special_tokens=True))
+    pieces = [stream.push(i) for i in ids[:-1]]
+    assert "".join(pieces) == "ok "               # the incomplete emoji is held back
+    pieces += [stream.push(ids[-1]), stream.finish()]
+    assert "".join(pieces) == "ok 🐦"

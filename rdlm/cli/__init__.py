@@ -33,6 +33,26 @@ class CLIError(Exception):
     """A user error worth one clear line, not a traceback."""
 
 
+def add_model_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """The model a command runs on, spelled `--model X` as in every command (or positionally, `rdlm info
+    X`); `main` puts it in `args.model`."""
+    parser.add_argument("model", nargs="?", metavar="MODEL", help=f"{help} (or --model MODEL)")
+    parser.add_argument("--model", dest="model_option", metavar="MODEL", help="the model (as the positional MODEL)")
+
+
+def _merge_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if not hasattr(args, "model_option"):
+        return
+    given, option = args.model, args.model_option
+    command = parser._subparsers._group_actions[0].choices[args.command]  # its usage line, in the error
+    if given is not None and option is not None and given != option:
+        command.error(f"the model is given twice ({given!r} and --model {option!r})")
+    if given is None and option is None:
+        command.error("the following arguments are required: --model MODEL")
+    args.model = option if option is not None else given
+    del args.model_option
+
+
 class ShowDefaults(argparse.HelpFormatter):
     """Ends an option's help with its default, unless the help names it already or there is none to show
     (None, False, an empty list: the option is off unless given)."""
@@ -59,7 +79,13 @@ def _with_defaults_shown(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import torch
+
+    from rdlm import __version__
+
     parser = argparse.ArgumentParser(prog="rdlm", description="Recurrent-depth language models.")
+    parser.add_argument("--version", action="version", version=f"rdlm {__version__} (torch {torch.__version__})",
+                        help="print rdlm's version (and torch's) and exit")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(name).register(subparsers)
@@ -80,6 +106,7 @@ def one_line_warnings(command: str, default):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _merge_model(args, parser)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always", LongRunWarning)

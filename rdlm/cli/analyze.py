@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from rdlm.cli import add_model_argument
 from rdlm.fileio import read_jsonl
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
 
@@ -15,7 +16,7 @@ from rdlm.model.resolve import ACCEPTED, resolve_model_source
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="pictures of the latent dynamics (trajectories, convergence, "
                                               "path independence, exit steps) in an HTML report")
-    p.add_argument("model", help=ACCEPTED)
+    add_model_argument(p, ACCEPTED)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a prompt as text (needs the model's tokenizer.json); repeatable")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="ID,ID,...",

@@ -31,7 +31,11 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, need_tokenizer=True)
+    model, tokenizer = load_model_and_tokenizer(
+        args.model, args.dtype, args.device, need_tokenizer=True,
+        without_tokenizer="chat reads and writes text: give a run directory or model directory with "
+                          "tokenizer.json, e.g. one trained with `rdlm train --tokenizer ...`, or `rdlm generate "
+                          "--prompt-ids` for a model without one")
     config = config_from_args(args, model, stop_tokens=(tokenizer.end_turn_id, tokenizer.eos_id))
     interactive = sys.stdin.isatty()
     opening = [{"role": "system", "content": args.system}] if args.system else []
@@ -65,10 +69,11 @@ def run(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": text})
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         print("Huginn> ", end="", flush=True)
-        streamer = TextStreamer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        # The reply's first token usually carries a word's leading space: "Huginn> " already ends in one.
+        streamer = TextStreamer(tokenizer, strip_leading=True)
         result = generate(model, [prompt], config, decode=tokenizer.decode, on_token=streamer)
         streamer.finish()
-        reply = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+        reply = streamer.text.emitted
         messages.append({"role": "assistant", "content": reply})
         if args.stats:
             print_stats(result)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rdlm.cli import CLIError
+from rdlm.cli import CLIError, add_model_argument
 from rdlm.fileio import read_jsonl, read_utf8
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="accuracy or perplexity against the number of iterations r")
-    p.add_argument("model", help="a model directory, training checkpoint step-N/ or run directory with "
+    add_model_argument(p, "a model directory, training checkpoint step-N/ or run directory with "
                                  "tokenizer.json")
     p.add_argument("--num-steps", default="1,2,4,8,16,32", help="comma-separated values of r")
     source = p.add_mutually_exclusive_group(required=True)

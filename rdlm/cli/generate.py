@@ -102,8 +102,10 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
         full_prefill=args.full_prefill)
 
 
-def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False):
-    """The model and, when it comes with tokenizer.json, its tokenizer (else None)."""
+def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False,
+                             without_tokenizer: str = "use --prompt-ids for token ids"):
+    """The model and, when it comes with tokenizer.json, its tokenizer (else None). `without_tokenizer`
+    ends the error when one is needed and missing: what the command can do instead."""
     from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     check_device(device)
@@ -113,7 +115,7 @@ def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = 
         tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
     elif need_tokenizer:
         raise ValueError(f"{source!r} has no {TOKENIZER_FILE}: text needs a model directory with a "
-                         f"tokenizer (use --prompt-ids for token ids)")
+                         f"tokenizer ({without_tokenizer})")
     return found.load(dtype=dtype, device=device), tokenizer
 
 
@@ -125,26 +127,21 @@ def parse_ids(text: str) -> list[int]:
 
 
 class TextStreamer:
-    """Prints each row's new text as tokens arrive; holds back an incomplete UTF-8 character."""
+    """Prints a reply's text as tokens arrive (rdlm.data.tokenizer.StreamDecoder: the printed pieces join to
+    the reply decoded at once)."""
 
-    def __init__(self, decode, out=None) -> None:
-        self.decode, self.out = decode, out or sys.stdout
-        self.tokens: list[int] = []
-        self.printed = 0
+    def __init__(self, tokenizer, out=None, strip_leading: bool = False) -> None:
+        from rdlm.data.tokenizer import StreamDecoder
+
+        self.text = StreamDecoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), strip_leading)
+        self.out = out or sys.stdout
 
     def __call__(self, event: TokenEvent) -> None:
-        self.tokens.append(event.token)
-        text = self.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.printed:])
+        self.out.write(self.text.push(event.token))
         self.out.flush()
-        self.printed = len(text)
 
     def finish(self) -> None:
-        """Print what was held back (a stream that ended inside a character)."""
-        text = self.decode(self.tokens)
-        self.out.write(text[self.printed:] + "\n")
+        self.out.write(self.text.finish() + "\n")
         self.out.flush()
 
 
@@ -179,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     decode = tokenizer.decode if tokenizer is not None else None
     if text_mode and len(prompts) == 1 and not args.no_stream:
         print(args.prompt[0], end="", flush=True)
-        streamer = TextStreamer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        streamer = TextStreamer(tokenizer)
         result = generate(model, prompts, config, decode=decode, on_token=streamer)
         streamer.finish()
     else:

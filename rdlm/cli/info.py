@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from rdlm.cli import add_model_argument
 from rdlm.model.config import RDLMConfig
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
@@ -15,7 +16,7 @@ from rdlm.model.resolve import ACCEPTED, resolve_model_source
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("info", help="show a model's config and parameter counts")
-    p.add_argument("model", help=ACCEPTED)
+    add_model_argument(p, ACCEPTED)
     p.add_argument("--time-forward", metavar="R,R,...", default=None,
                    help="time one forward pass (batch 1, full context) at these iteration counts")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length for --time-forward")

@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 
+from rdlm.cli import add_model_argument
 from rdlm.cli.generate import add_generation_args, config_from_args, load_model_and_tokenizer
 
 
@@ -16,7 +17,7 @@ def register(subparsers) -> None:
                     "/v1/chat/completions, /v1/models, /health and /metrics. Requests join and leave "
                     "the batch between core iterations; the generation options below are the defaults "
                     "a request's fields override (--max-new-tokens: max_tokens).")
-    p.add_argument("model", help="a model directory, training checkpoint step-N/ or run directory with "
+    add_model_argument(p, "a model directory, training checkpoint step-N/ or run directory with "
                                  "tokenizer.json")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -45,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.draft_steps is not None:
         raise ValueError("--draft-steps: speculative decoding is not available in the server")
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device, need_tokenizer=True)
+    model, tokenizer = load_model_and_tokenizer(
+        args.model, args.dtype, args.device, need_tokenizer=True,
+        without_tokenizer="the server takes and returns text: give a run directory or model directory with "
+                          "tokenizer.json")
     defaults = config_from_args(args, model)
     c = model.config
     max_length = args.max_length if args.max_length is not None else min(c.context_length, 2048)

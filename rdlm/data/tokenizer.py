@@ -155,6 +155,42 @@ class Tokenizer:
 MAX_VOCAB_SIZE = 2**24
 
 
+class StreamDecoder:
+    """The text of a token stream as its tokens arrive, for printing replies while they are generated.
+
+    Joined, the pieces `push` and `finish` return equal `decode(all tokens)` (special tokens skipped), with
+    leading white space removed when `strip_leading` (a reply printed after "Huginn> "). Each piece is the
+    part of the whole decode that is settled: not an incomplete UTF-8 character (decoded as U+FFFD until
+    its last byte arrives), and never text that a later token could change. So a merge across the token
+    boundary, or a special token dropped from the middle of the reply, reads the same streamed as at once.
+    """
+
+    def __init__(self, decode, strip_leading: bool = False) -> None:
+        self.decode, self.strip_leading = decode, strip_leading
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def _visible(self) -> str:
+        text = self.decode(self.tokens)
+        return text.lstrip() if self.strip_leading else text
+
+    def push(self, token: int) -> str:
+        self.tokens.append(int(token))
+        text = self._visible().rstrip("\ufffd")   # hold back a character whose bytes are still arriving
+        if not text.startswith(self.emitted):
+            # A decoder that rewrites earlier text: emit only once the text agrees again.
+            return ""
+        new, self.emitted = text[len(self.emitted):], text
+        return new
+
+    def finish(self) -> str:
+        """The rest of the text, once the stream has ended (a held-back incomplete character included)."""
+        text = self._visible()
+        new = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted += new
+        return new
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
                     show_progress: bool = False) -> Tokenizer:
     """Train a byte-level BPE tokenizer whose last ids are SPECIAL_TOKENS (as in Huginn-0125).
