@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rdlm.data.shards import (IGNORE_INDEX, Batches, DataError, MemoryRows, TokenShards, load_prompt_response,
-                       make_batch, pack_documents,
+                       make_batch, pack_documents, Packer,
                        prepare, read_documents)
 from rdlm.data.tokenizer import train_tokenizer
 
@@ -17,14 +17,53 @@ def tok():
     return train_tokenizer(DOCS, vocab_size=300)
 
 
-def test_packing_starts_documents_with_bos_and_drops_tails():
+def test_truncating_packing_starts_documents_with_bos_and_drops_tails():
     bos = 99
     docs = [[bos, 1, 2, 3], [bos, 4, 5, 6, 7, 8], [bos, 9], [bos, 10, 11]]
-    rows = [r.tolist() for r in pack_documents(docs, 5)]
+    rows = [r.tolist() for r in pack_documents(docs, 5, "truncate")]
     # Row 1: doc 1 (4 tokens) + the first token of doc 2; the rest of doc 2 is dropped, never a row start.
     # Row 2: doc 3 + doc 4 (5 tokens exactly). Nothing is left over.
     assert rows == [[bos, 1, 2, 3, bos], [bos, 9, bos, 10, 11]]
-    assert [r.tolist() for r in pack_documents([[bos, 1, 2]], 5)] == []  # an orphan partial row is dropped
+    assert [r.tolist() for r in pack_documents([[bos, 1, 2]], 5, "truncate")] == []  # an orphan partial row
+
+
+def test_stream_packing_keeps_every_token_and_every_transition_once():
+    bos = 99
+    docs = [[bos, 1, 2, 3], [bos, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [bos, 14], [bos, 15, 16]]
+    packer = Packer(5)
+    rows = [r.tolist() for doc in docs for r in packer.add(doc)]
+    stream = [t for doc in docs for t in doc]
+    # Consecutive rows share one token (the last of a row is the first of the next), so each
+    # (context, next token) transition of the stream is trained exactly once, across document boundaries.
+    assert rows[0] == stream[:5] and all(a[-1] == b[0] for a, b in zip(rows, rows[1:]))
+    pairs = [(r[i], r[i + 1]) for r in rows for i in range(4)]
+    assert pairs == list(zip(stream, stream[1:]))[:len(pairs)]
+    assert len(pairs) == len(stream) - 1 - (len(stream) - 1) % 4   # only the final partial row is left out
+    assert packer.tokens == len(stream) == 20
+    assert packer.kept_tokens == 17 and packer.dropped_tokens == 3   # 4 rows of 4 new tokens + the first
+
+
+def test_prepare_keeps_nearly_all_of_a_corpus_of_long_documents_and_says_so(tok, tmp_path, capsys):
+    """Documents much longer than the context: truncation keeps one row of each, streaming keeps all."""
+    from rdlm.cli import main
+
+    long_docs = [" ".join(DOCS[i:i + 12]) for i in range(0, len(DOCS) - 12, 12)]
+    src = tmp_path / "long.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in long_docs))
+    total = sum(len(tok.encode(d, add_bos=True)) for d in long_docs)
+    kept = {}
+    for packing in ("stream", "truncate"):
+        meta = prepare([src], tok, tmp_path / packing, context_length=15, val_fraction=0.0, packing=packing)
+        counts = meta["tokens"]["train"]
+        assert counts["total"] == total and counts["kept"] + counts["dropped"] == total
+        assert json.loads((tmp_path / packing / "meta.json").read_text())["tokens"] == meta["tokens"]
+        kept[packing] = counts["kept"]
+        rows, _ = TokenShards(tmp_path / packing, "train").rows(np.arange(meta["rows"]["train"]))
+        assert rows.shape[1] == 16 and len(set(rows.flatten().tolist())) > 1
+    assert kept["stream"] > total - 16 and kept["truncate"] < total / 2
+    assert main(["data", "prepare", str(src), "--tokenizer", str(tmp_path / "stream" / "tokenizer.json"),
+                 "--out", str(tmp_path / "cli"), "--context-length", "15", "--val-fraction", "0"]) == 0
+    assert f"train: kept {kept['stream']:,} of {total:,} tokens" in capsys.readouterr().err
 
 
 def test_prepare_writes_memmapped_shards_with_a_validation_split(tok, tmp_path):
@@ -38,7 +77,11 @@ def test_prepare_writes_memmapped_shards_with_a_validation_split(tok, tmp_path):
     assert isinstance(train.arrays[0], np.memmap)
     rows, mask = train.rows(np.arange(len(train)))
     assert rows.shape == (len(train), 32) and mask is None
-    assert (rows[:, 0] == tok.bos_id).all()  # every row starts a document
+    assert rows[0, 0] == tok.bos_id  # the stream starts with a document; documents continue across rows
+    assert int((rows[:, 1:] == tok.bos_id).sum()) >= meta["train_documents"] - 1
+    truncated = prepare([src], tok, tmp_path / "trunc", context_length=31, val_fraction=0.2, packing="truncate")
+    starts = TokenShards(tmp_path / "trunc", "train").rows(np.arange(truncated["rows"]["train"]))[0][:, 0]
+    assert (starts == tok.bos_id).all()  # truncating: every row starts a document
     assert int(rows.max()) == meta["max_token_id"] < tok.vocab_size
     assert len(val) == meta["rows"]["val"]
     # Deterministic: preparing again gives identical shards and split.

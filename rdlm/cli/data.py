@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def register(subparsers) -> None:
@@ -15,6 +16,9 @@ def register(subparsers) -> None:
     d.add_argument("--out", required=True, help="output shard directory")
     d.add_argument("--context-length", type=int, required=True, help="model context; rows hold this + 1 tokens")
     d.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
+    d.add_argument("--packing", choices=("stream", "truncate"), default="stream",
+                   help="stream: documents continue into the next row, every token kept; truncate: a row never "
+                        "starts inside a document (the rest of a long document is dropped)")
     d.add_argument("--seed", type=int, default=0, help="seed of the choice of held-out documents")
     d.add_argument("--rows-per-shard", type=int, default=65536, help="rows per shard file")
     d.add_argument("--text-field", default="text", help="JSONL/parquet field holding the text")
@@ -29,7 +33,12 @@ def run_prepare(args: argparse.Namespace) -> int:
 
     separator = args.separator.encode().decode("unicode_escape") if args.separator is not None else None
     meta = prepare(args.inputs, Tokenizer.load(args.tokenizer), args.out, args.context_length,
-                   args.val_fraction, args.seed, args.rows_per_shard, args.text_field, separator)
+                   args.val_fraction, args.seed, args.rows_per_shard, args.text_field, separator,
+                   packing=args.packing)
     print(json.dumps({k: meta[k] for k in ("row_length", "documents", "train_documents", "val_documents",
-                                           "rows", "max_token_id", "vocab_size")}))
+                                           "rows", "tokens", "packing", "max_token_id", "vocab_size")}))
+    for split, count in meta["tokens"].items():
+        if count["total"]:
+            print(f"rdlm data prepare: {split}: kept {count['kept']:,} of {count['total']:,} tokens "
+                  f"({count['kept'] / count['total']:.1%}; packing {meta['packing']})", file=sys.stderr)
     return 0

@@ -306,38 +306,72 @@ def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text",
             yield from (text.split(separator) if separator else [text])
 
 
+PACKING = ("stream", "truncate")
+
+
 class Packer:
-    """Packs documents (each starting with BOS) into rows; a spill-over tail is dropped
-    (docs/architecture.md#data)."""
+    """Packs documents (each starting with BOS) into rows of `row_length` tokens, counting what is kept.
 
-    def __init__(self, row_length: int) -> None:
-        self.row_length = row_length
+    "stream" (the default, as nanoGPT and Megatron pack): the documents form one token stream cut into
+    rows, each row starting with the last token of the row before (one token of overlap), so every token
+    but the stream's first is the target of exactly one prediction. A long document continues into the
+    next rows; BOS marks where a document starts. Only the stream's final partial row is dropped.
+    "truncate": a row never starts inside a document: a document's tokens beyond the room left in the
+    current row are dropped. For documents longer than a row that keeps only their first row of tokens.
+    """
+
+    def __init__(self, row_length: int, policy: str = "stream") -> None:
+        if policy not in PACKING:
+            raise DataError(f"packing must be one of {', '.join(PACKING)}, got {policy!r}")
+        self.row_length, self.policy = row_length, policy
         self.row: list[int] = []
+        self.rows = 0
+        self.tokens = 0   # every token of every document added
 
-    def add(self, doc: Sequence[int]) -> np.ndarray | None:
-        room = self.row_length - len(self.row)
-        self.row.extend(doc[:room])  # the part beyond `room` would start a row without its context
-        if len(self.row) < self.row_length:
-            return None
-        row, self.row = np.asarray(self.row), []
-        return row
-    # A final partial row is an orphan tail too: never emitted.
+    def add(self, doc: Sequence[int]) -> list[np.ndarray]:
+        """The rows `doc` completes (none, one or several)."""
+        self.tokens += len(doc)
+        if self.policy == "truncate":
+            self.row.extend(doc[:self.row_length - len(self.row)])
+        else:
+            self.row.extend(doc)
+        done = []
+        while len(self.row) >= self.row_length:
+            done.append(np.asarray(self.row[:self.row_length]))
+            # stream: the row's last token opens the next row (the context of its first target)
+            self.row = self.row[self.row_length - 1:] if self.policy == "stream" else []
+        self.rows += len(done)
+        return done
+
+    @property
+    def kept_tokens(self) -> int:
+        """Distinct document tokens in the emitted rows (the stream's overlap token counted once)."""
+        if self.policy == "truncate":
+            return self.rows * self.row_length
+        return self.rows * (self.row_length - 1) + (1 if self.rows else 0)
+
+    @property
+    def dropped_tokens(self) -> int:
+        return self.tokens - self.kept_tokens
 
 
-def pack_documents(documents: Iterable[Sequence[int]], row_length: int) -> Iterator[np.ndarray]:
-    packer = Packer(row_length)
+def pack_documents(documents: Iterable[Sequence[int]], row_length: int, policy: str = "stream"
+                   ) -> Iterator[np.ndarray]:
+    packer = Packer(row_length, policy)
     for doc in documents:
-        row = packer.add(doc)
-        if row is not None:
-            yield row
+        yield from packer.add(doc)
 
 
 def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.PathLike,
             context_length: int, val_fraction: float = 0.05, seed: int = 0, rows_per_shard: int = 65536,
-            text_field: str = "text", separator: str | None = None, batch_docs: int = 256) -> dict:
-    """Tokenize documents into packed, memory-mappable shards with a held-out validation split."""
+            text_field: str = "text", separator: str | None = None, batch_docs: int = 256,
+            packing: str = "stream") -> dict:
+    """Tokenize documents into packed, memory-mappable shards with a held-out validation split (`packing`:
+    see `Packer`); meta.json records how many tokens the rows kept and how many were dropped."""
     if not inputs:
         raise DataError("no input files given")
+    if packing not in PACKING:
+        raise DataError(f"--packing must be one of {', '.join(PACKING)}, got {packing!r}")
     if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
         raise DataError(f"context_length must be an integer >= 1, got {context_length!r}")
     if not 0 <= val_fraction < 1:
@@ -362,16 +396,14 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
                 np.save(handle, np.stack(chunk).astype(dtype), allow_pickle=False)
             splits[split].append({"file": name, "rows": len(chunk)})
 
-    packers = {"train": Packer(row_length), "val": Packer(row_length)}
+    packers = {"train": Packer(row_length, packing), "val": Packer(row_length, packing)}
     pending: dict[str, list[str]] = {"train": [], "val": []}
 
     def encode_pending(which: str) -> None:
         nonlocal max_id
         for doc in tokenizer.encode_batch(pending[which], add_bos=True):
             max_id = max(max_id, max(doc))
-            row = packers[which].add(doc)
-            if row is not None:
-                buffers[which].append(row)
+            buffers[which].extend(packers[which].add(doc))
         pending[which] = []
         flush(which)
 
@@ -395,7 +427,9 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
                         f"({counts['documents']} documents)")
     meta = {"format": SHARD_FORMAT, "row_length": row_length, "context_length": context_length,
             "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
-            "max_token_id": max_id, "seed": seed, "val_fraction": val_fraction, **counts,
+            "max_token_id": max_id, "seed": seed, "val_fraction": val_fraction, **counts, "packing": packing,
+            "tokens": {k: {"total": pk.tokens, "kept": pk.kept_tokens, "dropped": pk.dropped_tokens}
+                       for k, pk in packers.items()},
             "rows": {k: sum(e["rows"] for e in v) for k, v in splits.items()}, "splits": splits}
     tokenizer.save(out / "tokenizer.json")
     write_json(out / META_FILE, meta)
