@@ -20,7 +20,7 @@ REPORT_FILES = ("results.json", "report.md", "accuracy_vs_r.png", "recurrent_vs_
                 "training_curves.png", "exit_histogram.png")
 
 
-def test_smoke_run_writes_a_complete_report(tmp_path):
+def test_smoke_run_writes_a_complete_report(tmp_path, capsys):
     cfg = DemoConfig(steps=3, batch_size=8, hidden_size=32, num_heads=2, mean_recurrence=2, backprop_depth=1,
                      eval_examples=12, eval_num_steps=(1, 2, 4), exit_max_steps=4, exit_thresholds=(1e-2, 1e-4),
                      out_dir=str(tmp_path), progress=False)
@@ -52,6 +52,29 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     model = load_pretrained(tmp_path / "model")
     assert model.config.hidden_size == 32
     assert json.loads((tmp_path / "model" / "task_tokenizer.json").read_text())["alphabet"] == T.ALPHABET
+    # The saved model takes text: its tokenizer.json maps the task's characters to the ids it trained on,
+    # and `rdlm generate --prompt` gives the tokens the demo's own decoding gives.
+    prompt = "3:abcab?"
+    assert main(["generate", "--model", str(tmp_path / "model"), "--prompt", prompt, "-r", "4",
+                 "--max-new-tokens", "6", "--no-stream", "--stats"]) == 0
+    printed = capsys.readouterr()
+    ids = [T.CharTokenizer().encode(prompt)]
+    from rdlm.inference.generate import GenerationConfig, generate
+    expected = generate(result.model, ids, GenerationConfig(num_steps=4, max_new_tokens=6,
+                                                            stop_tokens=(T.CharTokenizer().eos_id,)))
+    text = T.CharTokenizer().decode([t for t in expected.tokens[0] if t != T.CharTokenizer().eos_id])
+    assert printed.out == prompt + text + "\n"
+    # chat: no chat format in a task tokenizer, so each line is completed on its own, as generate does.
+    import io
+    import sys
+
+    stdin = sys.stdin
+    sys.stdin = io.TextIOWrapper(io.BytesIO(f"{prompt}\n".encode()))
+    try:
+        assert main(["chat", "--model", str(tmp_path / "model"), "-r", "4", "--max-new-tokens", "6"]) == 0
+    finally:
+        sys.stdin = stdin
+    assert capsys.readouterr().out == "Huginn> " + text.lstrip() + "\n"
     report = (tmp_path / "report.md").read_text()
     assert "Adaptive exits through rdlm.inference.generate" in report and "strict" in report and "## Splits" in report
 

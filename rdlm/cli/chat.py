@@ -36,12 +36,18 @@ def run(args: argparse.Namespace) -> int:
         without_tokenizer="chat reads and writes text: give a run directory or model directory with "
                           "tokenizer.json, e.g. one trained with `rdlm train --tokenizer ...`, or `rdlm generate "
                           "--prompt-ids` for a model without one")
-    config = config_from_args(args, model, stop_tokens=(tokenizer.end_turn_id, tokenizer.eos_id))
+    stops = tuple(i for i in (tokenizer.end_turn_id, tokenizer.eos_id) if i is not None)
+    config = config_from_args(args, model, stop_tokens=stops)
+    # A tokenizer without the chat tokens (a task model's, e.g. `rdlm demo`'s): each line is a prompt of
+    # its own, completed as `rdlm generate` would, with no conversation around it.
+    plain = not tokenizer.has_chat
     interactive = sys.stdin.isatty()
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)
     if interactive:
-        print("rdlm chat: /reset forgets the conversation, /exit quits.", file=sys.stderr)
+        print("rdlm chat: /reset forgets the conversation, /exit quits." if not plain else
+              "rdlm chat: this model has no chat format; each line is completed on its own. /exit quits.",
+              file=sys.stderr)
     # Bytes, decoded here: a line that is not UTF-8 is named and skipped, not the end of the chat.
     read_line = sys.stdin.buffer.readline if hasattr(sys.stdin, "buffer") else sys.stdin.readline
     number = 0
@@ -66,14 +72,17 @@ def run(args: argparse.Namespace) -> int:
         if text == "/reset":
             messages = list(opening)
             continue
-        messages.append({"role": "user", "content": text})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if plain:
+            prompt = tokenizer.encode(text, add_bos=True)
+        else:
+            messages.append({"role": "user", "content": text})
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         print("Huginn> ", end="", flush=True)
         # The reply's first token usually carries a word's leading space: "Huginn> " already ends in one.
         streamer = TextStreamer(tokenizer, strip_leading=True)
         result = generate(model, [prompt], config, decode=tokenizer.decode, on_token=streamer)
         streamer.finish()
-        reply = streamer.text.emitted
-        messages.append({"role": "assistant", "content": reply})
+        if not plain:
+            messages.append({"role": "assistant", "content": streamer.text.emitted})
         if args.stats:
             print_stats(result)

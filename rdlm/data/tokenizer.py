@@ -73,7 +73,10 @@ class Tokenizer:
     def __init__(self, backend: HFTokenizer, source: str = "<memory>") -> None:
         self.backend = backend
         self.source = source
-        missing = [t for t in SPECIAL_TOKENS if backend.token_to_id(t) is None]
+        # End of text and padding are what every path needs. A tokenizer without BOS (a task model's,
+        # such as `rdlm demo`'s) starts texts with no marker; one without the header tokens has no chat
+        # format, and the chat paths say so.
+        missing = [t for t in (EOS, PAD) if backend.token_to_id(t) is None]
         if missing:
             raise TokenizerError(f"{source}: tokenizer lacks the special token(s) {', '.join(missing)}")
         self.bos_id = self._id(BOS)
@@ -82,11 +85,23 @@ class Tokenizer:
         self.end_header_id = self._id(END_HEADER)
         self.end_turn_id = self._id(END_TURN)
         self.pad_id = self._id(PAD)
+        chat = (self.begin_header_id, self.end_header_id, self.end_turn_id)
+        if self.end_turn_id is not None and self.bos_id is None:
+            raise TokenizerError(f"{source}: tokenizer has the chat tokens but no {BOS}, which starts a chat")
+        if any(i is None for i in chat) and any(i is not None for i in chat):
+            raise TokenizerError(f"{source}: tokenizer has some chat tokens but not all of "
+                                 f"{', '.join((BEGIN_HEADER, END_HEADER, END_TURN))}")
         # One past the largest id: the embedding rows a model needs (ids may have gaps, as Huginn's do).
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
 
-    def _id(self, token: str) -> int:
-        return int(self.backend.token_to_id(token))
+    def _id(self, token: str) -> int | None:
+        found = self.backend.token_to_id(token)
+        return None if found is None else int(found)
+
+    @property
+    def has_chat(self) -> bool:
+        """Whether this tokenizer has the chat format's tokens (docs/checkpoint-format.md#tokenizer)."""
+        return self.end_turn_id is not None
 
     # ----------------------------------------------------------------------------------------------
     # Files
@@ -123,12 +138,21 @@ class Tokenizer:
     # Text
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if add_bos else ids
+        """Token ids of `text`; `add_bos` puts BOS first (where the tokenizer has one)."""
+        try:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        except Exception as err:  # tokenizers raises a bare Exception (e.g. a character with no token)
+            raise TokenizerError(f"{self.source} cannot encode {text[:60]!r}: {err} (a character outside "
+                                 "its vocabulary?)") from err
+        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
-        return [[self.bos_id, *e.ids] if add_bos else e.ids for e in encodings]
+        try:
+            encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        except Exception as err:
+            raise TokenizerError(f"{self.source} cannot encode a text of the batch: {err}") from err
+        bos = [self.bos_id] if add_bos and self.bos_id is not None else []
+        return [[*bos, *e.ids] for e in encodings]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -149,6 +173,9 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat:
+            raise TokenizerError(f"{self.source}: this tokenizer has no chat tokens ({BEGIN_HEADER}, "
+                                 f"{END_HEADER}, {END_TURN}): the model was not made for chats")
         return self.encode(self.format_chat(messages, add_generation_prompt))
 
 

@@ -160,6 +160,7 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     files = write_report(out, results, exit_steps)
     model_dir = out / "model"
     save_pretrained(model, model_dir)
+    tokenizer.to_tokenizer().save(model_dir)   # tokenizer.json: the model takes text everywhere
     write_json(model_dir / "task_tokenizer.json",
                {"type": "char", "alphabet": tokenizer.alphabet, "pad_id": tokenizer.pad_id,
                 "eos_id": tokenizer.eos_id, "task": cfg.task})

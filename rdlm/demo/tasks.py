@@ -85,6 +85,24 @@ class CharTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(self.alphabet[i] for i in ids)
 
+    def to_tokenizer(self):
+        """The same ids as an rdlm `Tokenizer` over a `tokenizers` model, which `save` writes as the
+        tokenizer.json that `rdlm generate --prompt`, `chat`, `serve` and `analyze` read: one token per
+        character, the padding and the end marker as rdlm's <|pad|> and <|end_text|> (so generation stops
+        at the end of an answer). No BOS and no chat tokens: task prompts start with no marker."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from rdlm.data.tokenizer import EOS as END_TEXT, PAD as PAD_TOKEN, Tokenizer
+
+        special = {self.pad_id: PAD_TOKEN, self.eos_id: END_TEXT}
+        vocab = {special.get(i, c): i for i, c in enumerate(self.alphabet)}
+        backend = HFTokenizer(models.WordLevel(vocab))  # no unknown token: other characters are refused
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+        backend.add_special_tokens([AddedToken(PAD_TOKEN, special=True), AddedToken(END_TEXT, special=True)])
+        return Tokenizer(backend, "the demo task's characters")
+
 
 # --------------------------------------------------------------------------------------------------
 # Task families. Each generator takes a random.Random and a difficulty and returns one Example.

@@ -496,6 +496,9 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         check_model(body.model)
+        if not tokenizer.has_chat:
+            raise APIError(400, "this model's tokenizer has no chat format (it was not made for chats): "
+                                "use /v1/completions", param="messages")
         ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         gen = generation_config(body, config.defaults, (tokenizer.end_turn_id, tokenizer.eos_id), max_tokens)

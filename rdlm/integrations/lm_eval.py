@@ -139,7 +139,10 @@ class RDLMEvalModel(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        return self.tokenizer.bos_id  # documents begin with <|begin_text|> (docs/architecture.md#data)
+        # Documents begin with <|begin_text|> (docs/architecture.md#data); a tokenizer without one (a task
+        # model's) ends them with <|end_text|>, which then precedes every document as well.
+        tok = self.tokenizer
+        return tok.bos_id if tok.bos_id is not None else tok.eos_id
 
     @property
     def device(self) -> torch.device:
