@@ -149,7 +149,7 @@ def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None 
     Each example is written in the chat format (docs/checkpoint-format.md#tokenizer); the loss falls on
     the assistant's reply and its closing <|end_turn|>, which teaches the model to stop.
     """
-    if not tokenizer.has_chat:
+    if not getattr(tokenizer, "has_chat", True):
         raise DataError(f"prompt/response data is written in the chat format; the tokenizer {tokenizer.source} "
                         "has no chat tokens")
     path = Path(path)
