@@ -229,7 +229,7 @@ def test_the_shipped_example_task_loads_without_warnings(caplog):
 
     root = Path(__file__).resolve().parents[1]
     with caplog.at_level(logging.WARNING):
-        tasks = TaskManager(include_path=str(root / "examples" / "lm_eval_task")).load_task_or_group(["rdlm_facts"])
+        tasks = TaskManager(include_path=str(root / "examples" / "lm_eval_task")).load(["rdlm_facts"])
     assert "rdlm_facts" in str(tasks)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not any("aggregation" in w or "higher_is_better" in w for w in warnings), warnings

@@ -88,8 +88,37 @@ def test_bad_files_are_named(tmp_path):
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         Tokenizer.from_file(bad)
     plain = HFTokenizer(models.BPE(vocab={"a": 0}, merges=[]))
-    with pytest.raises(TokenizerError, match="<\\|begin_text\\|>"):
+    with pytest.raises(TokenizerError, match="lacks the special token\\(s\\) <\\|end_text\\|>, <\\|pad\\|>"):
         Tokenizer(plain)
+
+
+def test_a_tokenizer_without_bos_or_chat_tokens_serves_text_but_no_chats():
+    """What a task model's tokenizer (rdlm demo's) may lack: BOS (nothing is prepended) and the chat tokens
+    (no chat format). Half a chat format, or a chat format without BOS, is refused."""
+    from tokenizers import AddedToken
+
+    from rdlm.data.tokenizer import BEGIN_HEADER, BOS, END_HEADER, END_TURN, EOS, PAD
+
+    def with_tokens(*names):
+        backend = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
+        backend.add_special_tokens([AddedToken(n, special=True) for n in names])
+        return Tokenizer(backend, "test")
+
+    plain = with_tokens(EOS, PAD)
+    assert plain.bos_id is None and not plain.has_chat
+    assert plain.encode("ab", add_bos=True) == plain.encode("ab") == [0, 1]
+    with pytest.raises(TokenizerError, match="no chat tokens"):
+        plain.apply_chat_template([{"role": "user", "content": "a"}])
+    with pytest.raises(TokenizerError, match="some chat tokens but not all"):
+        with_tokens(BOS, EOS, PAD, BEGIN_HEADER)
+    with pytest.raises(TokenizerError, match="chat tokens but no <\\|begin_text\\|>"):
+        with_tokens(EOS, PAD, BEGIN_HEADER, END_HEADER, END_TURN)
+    full = with_tokens(BOS, EOS, PAD, BEGIN_HEADER, END_HEADER, END_TURN)
+    assert full.has_chat and full.encode("a", add_bos=True) == [full.bos_id, 0]
+    words = HFTokenizer(models.WordLevel({"a": 0, EOS: 1, PAD: 2}))   # no unknown token, as the demo's
+    words.add_special_tokens([AddedToken(EOS, special=True), AddedToken(PAD, special=True)])
+    with pytest.raises(TokenizerError, match="cannot encode 'c'"):
+        Tokenizer(words, "test").encode("c")
 
 
 def test_vocab_size_too_small_is_rejected():
