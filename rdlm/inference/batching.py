@@ -199,6 +199,7 @@ class ContinuousBatch:
         mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
         cache.rows, cache.start, cache.budget, cache.slots, cache.end = rows, 0, budget, None, None
         e = model.embed(ids, rope, mask, cache)
+        state = model.start_state(e, state)
         for i in range(steps):
             state = model.step(state, e, i, rope, mask, cache)
         for q, length in zip(group, lengths):
@@ -242,7 +243,8 @@ class ContinuousBatch:
         self.embedded[select] = self.model.embed(ids, rope, mask, cache)
         for q in requests:
             if not q.config.continuous_cot:  # else s_0 is the previous token's final state, kept in place
-                self.state[q.row] = 0 if q.noise is None else q.noise[q.length]
+                noise = None if q.noise is None else q.noise[q.length]
+                self.state[q.row] = self.model.start_state(self.embedded[q.row], noise)
             q.iteration, q.iterating = 0, True
         self.streak[select] = 0
 

@@ -59,12 +59,12 @@ class RecurrentKVCache:
         if max_length > config.context_length:
             raise ValueError(f"max_length {max_length} exceeds the model's context length {config.context_length}")
         layers = config.prelude_layers + config.core_layers * num_slots + config.coda_layers
-        need = 2 * layers * batch_size * config.hidden_size * max_length * torch.empty((), dtype=dtype).element_size()
+        need = 2 * layers * batch_size * config.kv_heads * config.head_dim * max_length * torch.empty((), dtype=dtype).element_size()
         check_memory(need, device if device is not None else "cpu",
                      f"a {strategy} KV cache of {num_slots} core slot(s) for {batch_size} x {max_length} tokens")
         self.strategy, self.num_slots = strategy, num_slots
         self.batch_size, self.max_length = batch_size, max_length
-        shape = (batch_size, config.num_heads, max_length, config.head_dim)
+        shape = (batch_size, config.kv_heads, max_length, config.head_dim)
         new = lambda *lead: torch.zeros(*lead, *shape, dtype=dtype, device=device)  # noqa: E731
         self.prelude_k, self.prelude_v = new(config.prelude_layers), new(config.prelude_layers)
         self.core_k, self.core_v = new(config.core_layers, num_slots), new(config.core_layers, num_slots)

@@ -45,7 +45,7 @@ def noise_table(model: RecurrentDepthLM, seed: int, scale: float, length: int, d
     """s_0 for every position 0..length-1, [length, hidden]: a function of (seed, position) only, so a
     row gets the same noise alone or in any batch, and a draft the same as plain decoding. Drawn on the
     CPU (the same numbers on every device). None where s_0 is all zeros."""
-    if scale == 0 or model.config.state_init == "zero":
+    if scale == 0 or model.config.state_init != "random":
         return None
     blocks = []
     for b in range(math.ceil(length / NOISE_BLOCK)):
@@ -177,10 +177,9 @@ class Session:
         return (keys & (k <= q)) | (k == q)
 
     def initial_state(self, embedded: Tensor, positions: Tensor) -> Tensor:
-        """s_0 of tokens at `positions` ([B, n]): rows of the (seed, position) noise table."""
-        if self.noise is None:
-            return torch.zeros_like(embedded)
-        return self.noise[positions]
+        """s_0 of tokens at `positions` ([B, n]): rows of the (seed, position) noise table (or e, for a
+        model whose s_0 is its embedding)."""
+        return self.model.start_state(embedded, None if self.noise is None else self.noise[positions])
 
     # ---- block calls (prompt, drafts, verification): eager, over slices of the cache
 

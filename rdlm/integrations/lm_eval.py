@@ -228,6 +228,8 @@ class RDLMEvalModel(TemplateLM):
                 noise = self.initial_state(inputs[i])
                 if noise is not None:
                     states[row, :end] = noise
+            if self.model.config.state_init == "embedding":
+                states = None  # s_0 = e, made by the model
             scores = score_targets(self.model, ids.to(self._device), labels.to(self._device), self.num_steps,
                                    initial_state=states)
             for row, i in enumerate(batch):

@@ -12,11 +12,25 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-NORM_SCHEMES = ("sandwich", "prenorm")
+# Where a block normalizes (docs/model-families.md): "sandwich" (Huginn) x = n2(x + attn(n1 x)) and the same
+# around the MLP; "prenorm" x = x + attn(n1 x); "postnorm" (OLMo-2) x = x + n2(attn(x)); "peri" (Ouro)
+# x = x + n2(attn(n1 x)). Each branch has the norms the scheme names, in that order.
+NORM_SCHEMES = ("sandwich", "prenorm", "postnorm", "peri")
+# Where the model's final norm sits: "sandwich" before and after the coda (Huginn); "output" after the coda
+# only (the retrofitted models); "loop" after every core iteration, fed back into the next, so the state
+# the coda and the un-embedding read is already normalized (Ouro).
+FINAL_NORMS = ("sandwich", "output", "loop")
+# How RoPE pairs a head's dimensions: "adjacent" (2j, 2j+1) as Huginn; "halves" (j, j + d/2) as Llama.
+ROPE_PAIRS = ("adjacent", "halves")
+# The checkpoint layout a model is saved in (rdlm.model.families): names and config keys of that family.
+FAMILIES = ("huginn", "retrofit-llama", "retrofit-olmo", "ouro")
 # How the reference code's test-time noise shrinks with the iteration (its `test_time_noise_type`).
 NOISE_SCHEDULES = ("fixed", "geom", "sqrt", "line", "chi")
-INJECTIONS = ("concat", "add")
-STATE_INITS = ("random", "zero")
+# How the core reads the prelude's output e: a linear adapter over [s, e] ("concat"), s + e ("add"), or
+# not at all ("none": Ouro loops the layer stack on its own output, e enters only as s_0).
+INJECTIONS = ("concat", "add", "none")
+# s_0: random (truncated normal), zeros, or e itself ("embedding", Ouro).
+STATE_INITS = ("random", "zero", "embedding")
 
 
 class ConfigError(ValueError):
@@ -38,6 +52,25 @@ class RDLMConfig:
     norm_eps: float = 1e-6
     qk_bias: bool = True
     tie_embeddings: bool = True
+    # Grouped-query attention: key/value heads (None: num_heads) and the width of a head (None:
+    # hidden_size / num_heads).
+    num_kv_heads: int | None = None
+    head_size: int | None = None
+    # RMSNorm of the whole query and key projections before RoPE (OLMo-2).
+    qk_norm: bool = False
+    rope_pairs: str = "adjacent"
+    # transformers' `rope_scaling` (rope_type "llama3": factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None: plain RoPE.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # The token embedding is multiplied by this (None: sqrt(hidden_size), Huginn's).
+    embed_scale: float | None = None
+    final_norm: str = "sandwich"
+    adapter_bias: bool = False
+    # A learned exit gate Linear(h, 1) read after every core iteration (Ouro): lambda_i = sigmoid(gate(s_i)),
+    # and the threshold on the cumulative exit probability that `exit_criterion="gate"` uses by default.
+    exit_gate: bool = False
+    exit_threshold: float | None = None
+    family: str = "huginn"
     # Training-time recurrence: r ~ sampler(mean_recurrence), gradients through the last backprop_depth.
     mean_recurrence: int = 32
     backprop_depth: int = 8
@@ -73,11 +106,34 @@ class RDLMConfig:
             minimum = 0 if name in ("prelude_layers", "coda_layers") else 1
             if getattr(self, name) < minimum:
                 raise ConfigError(f"{name} must be >= {minimum}, got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads != 0:
+        for name in ("num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.head_size is None and self.hidden_size % self.num_heads != 0:
             raise ConfigError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.head_dim % 2 != 0:
-            raise ConfigError(f"head dimension hidden_size/num_heads = {self.head_dim} must be even for RoPE")
+            raise ConfigError(f"head dimension {self.head_dim} must be even for RoPE")
+        if self.num_heads % self.kv_heads != 0:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads})")
+        if self.qk_bias and self.kv_heads != self.num_heads:
+            raise ConfigError("qk_bias with grouped-query attention (num_kv_heads != num_heads) is not supported")
+        for name, allowed in (("final_norm", FINAL_NORMS), ("rope_pairs", ROPE_PAIRS), ("family", FAMILIES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.embed_scale is not None and (isinstance(self.embed_scale, bool) or not isinstance(
+                self.embed_scale, (int, float)) or not math.isfinite(self.embed_scale) or self.embed_scale <= 0):
+            raise ConfigError(f"embed_scale must be a finite number > 0 or None, got {self.embed_scale!r}")
+        if self.exit_threshold is not None and (isinstance(self.exit_threshold, bool) or not isinstance(
+                self.exit_threshold, (int, float)) or not 0 < self.exit_threshold <= 1):
+            raise ConfigError(f"exit_threshold must be a number in (0, 1] or None, got {self.exit_threshold!r}")
+        from rdlm.model.rope import check_scaling  # local import: rope imports nothing from here
+
+        try:
+            check_scaling(self.rope_scaling)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         for name in ("rope_base", "norm_eps", "recurrence_sigma", "test_time_noise"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -100,7 +156,8 @@ class RDLMConfig:
         if self.test_time_noise > 0 and self.norm_scheme != "sandwich":
             raise ConfigError("test_time_noise renormalizes with the core's last sandwich norm; "
                               f"norm_scheme {self.norm_scheme!r} has none")
-        for name in ("qk_bias", "tie_embeddings", "activation_checkpointing"):
+        for name in ("qk_bias", "tie_embeddings", "activation_checkpointing", "qk_norm", "adapter_bias",
+                     "exit_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, allowed in (("norm_scheme", NORM_SCHEMES), ("injection", INJECTIONS),
@@ -115,7 +172,16 @@ class RDLMConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.hidden_size // self.num_heads if self.head_size is None else self.head_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def embedding_scale(self) -> float:
+        """What the token embedding is multiplied by: `embed_scale`, by default sqrt(h)."""
+        return math.sqrt(self.hidden_size) if self.embed_scale is None else float(self.embed_scale)
 
     @property
     def state_std(self) -> float:

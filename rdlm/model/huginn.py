@@ -1,8 +1,10 @@
-"""Huginn-0125 checkpoint layout: the one home of conversion to and from it (docs/checkpoint-format.md).
+"""Model directories: the Huginn-0125 layout and the other families' (docs/checkpoint-format.md,
+docs/model-families.md); the one home of reading and writing them.
 
-A model directory holds `config.json` (the reference's keys, model_type "huginn_raven"), weights in
-safetensors (one file, or shards listed by `model.safetensors.index.json`) and optionally
-`tokenizer.json`. Weights are only ever read with safetensors: nothing is unpickled.
+A model directory holds `config.json` (the family's own keys: model_type "huginn_raven" for Huginn and
+the retrofitted models, "ouro" for Ouro), weights in safetensors (one file, or shards listed by
+`model.safetensors.index.json`) and optionally `tokenizer.json`. Weights are only ever read with
+safetensors: nothing is unpickled, and no code shipped beside the weights is run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from safetensors.torch import save_file
 
 from rdlm.model.config import RDLMConfig, check_keys
 from rdlm.fileio import confined_name, recover_dir, staging_dir, write_json
+from rdlm.model.families import (CheckpointError, check_ouro_shape, config_from_ouro, config_to_ouro, family_of,
+                                 from_huginn_name, from_ouro_tensors, ouro_name, retrofit_fields, retrofit_keys,
+                                 to_huginn_name, to_ouro_tensors)
 from rdlm.model.lm import RecurrentDepthLM, rope_tables
 
 CONFIG_NAME = "config.json"
@@ -29,49 +34,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 MODEL_TYPE = "huginn_raven"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-
-
-class CheckpointError(ValueError):
-    """A model directory or weight file is missing, malformed, or does not fit the config."""
-
-
-# ------------------------------------------------------------------------------------------------
-# Parameter names
-
-_GROUPS = {"prelude": "prelude", "core": "core_block", "coda": "coda"}
-_LAYER_PARTS = {"attn.qkv.weight": "attn.Wqkv.weight", "attn.qk_bias": "attn.qk_bias",
-                "attn.out.weight": "attn.proj.weight", "mlp.fc.weight": "mlp.fc.weight",
-                "mlp.out.weight": "mlp.proj.weight", **{f"norm_{i}.weight": f"norm_{i}.weight"
-                                                       for i in range(1, 5)}}
-_TOP = {"embedding.weight": "transformer.wte.weight", "adapter.weight": "transformer.adapter.weight",
-        "final_norm.weight": "transformer.ln_f.weight", "lm_head.weight": "lm_head.weight"}
-_LAYER_RE = re.compile(r"^(prelude|core|coda)\.(\d+)\.(.+)$")
-_HUGINN_LAYER_RE = re.compile(r"^transformer\.(prelude|core_block|coda)\.(\d+)\.(.+)$")
-
-
-def to_huginn_name(name: str) -> str:
-    if name in _TOP:
-        return _TOP[name]
-    match = _LAYER_RE.match(name)
-    if match and match.group(3) in _LAYER_PARTS:
-        group, index, part = match.groups()
-        return f"transformer.{_GROUPS[group]}.{index}.{_LAYER_PARTS[part]}"
-    raise KeyError(f"rdlm parameter {name!r} has no Huginn name")
-
-
-def from_huginn_name(name: str) -> str | None:
-    """The rdlm parameter name of a Huginn tensor name, or None if it names nothing rdlm has."""
-    for ours, theirs in _TOP.items():
-        if name == theirs:
-            return ours
-    match = _HUGINN_LAYER_RE.match(name)
-    if match:
-        group, index, part = match.groups()
-        ours_group = {v: k for k, v in _GROUPS.items()}[group]
-        for ours, theirs in _LAYER_PARTS.items():
-            if part == theirs:
-                return f"{ours_group}.{index}.{ours}"
-    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -91,15 +53,21 @@ _ALIASES = {"num_attention_heads": "n_heads", "hidden_size": "n_embd", "num_hidd
             "max_position_embeddings": "block_size"}
 
 
-def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME) -> RDLMConfig:
-    """Read a Huginn config.json dict; fields rdlm does not model must hold the values it assumes.
+def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME,
+                       tensor_names: set[str] | None = None) -> RDLMConfig:
+    """Read a config.json dict of any family rdlm runs (`rdlm.model.families.family_of`; the retrofitted
+    OLMo variant is told from the Llama one by its tensor names); fields rdlm does not model must hold
+    the values it assumes.
 
-    The one reader of Huginn configs: `rdlm.load_pretrained` and `rdlm.integrations.hf.RavenConfig.to_rdlm` both
-    come here. Keys that change the reference's outputs are honoured: `test_time_noise(_type)` (noise
+    The one reader of model configs: `rdlm.load_pretrained` and `rdlm.integrations.hf.RavenConfig.to_rdlm`
+    both come here. Keys that change the reference's outputs are honoured: `test_time_noise(_type)` (noise
     added to the state before every core iteration) and `init_values.std` (the scale of the random s_0).
     """
+    family = family_of(raw, tensor_names)
+    if family == "ouro":
+        return _with_rdlm_section(config_from_ouro(raw, source), raw, source)
     if raw.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-        raise CheckpointError(f"{source}: model_type is {raw['model_type']!r}, expected {MODEL_TYPE!r}")
+        raise CheckpointError(f"{source}: model_type is {raw['model_type']!r}, expected {MODEL_TYPE!r} or 'ouro'")
     raw = dict(raw)
     for alias, key in _ALIASES.items():
         if alias in raw:
@@ -133,14 +101,25 @@ def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME) -> RDLMCo
         raise CheckpointError(f"{source}: injection_type {injection!r} is not supported (linear, add)")
     values["injection"] = "concat" if injection == "linear" else "add"
     values["state_init"] = "zero" if raw.get("state_init") == "zero" else "random"
-    unsupported = {"bias": False, "num_key_value_heads": raw.get("n_heads"), "nonlin_name": "SiLU",
-                   "mlp_class_name": "GatedMLP"}
+    unsupported = {"nonlin_name": "SiLU", "mlp_class_name": "GatedMLP"}
+    if family == "huginn":  # (a Huginn model rdlm saved with grouped-query attention says so in its section)
+        extra = raw.get("rdlm") if isinstance(raw.get("rdlm"), dict) else {}
+        unsupported.update(bias=False, num_key_value_heads=extra.get("num_kv_heads") or raw.get("n_heads"))
     for key, expected in unsupported.items():
         if key in raw and raw[key] != expected:
             raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported (expected {expected!r})")
-    # Fields rdlm adds (sampler, ...) travel in their own section so a round trip is lossless.
+    if family != "huginn":
+        values.update(retrofit_fields(raw, family, source))
+    return _with_rdlm_section(values, raw, source)
+
+
+def _with_rdlm_section(values: dict[str, Any], raw: Mapping[str, Any], source: str) -> RDLMConfig:
+    """The config of `values` and the file's "rdlm" section: fields rdlm adds (sampler, ...) travel there,
+    so a round trip is lossless."""
     try:
         extra = raw.get("rdlm", {})
+        if not isinstance(extra, dict):
+            raise ValueError(f"the rdlm section must be an object, got {extra!r}")
         check_keys(extra)
         values.update(extra)
         return RDLMConfig.from_dict(values)
@@ -148,7 +127,26 @@ def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME) -> RDLMCo
         raise CheckpointError(f"{source}: {err}") from err
 
 
+# Fields beyond Huginn-0125's; a Huginn-layout file keeps those that differ from the default in its
+# "rdlm" section (the retrofitted and Ouro layouts have keys of their own for most of them).
+_GENERAL = ("num_kv_heads", "head_size", "qk_norm", "rope_pairs", "rope_scaling", "embed_scale", "final_norm",
+            "adapter_bias", "exit_gate", "exit_threshold")
+
+
+def _rdlm_section(config: RDLMConfig, general: bool) -> dict[str, Any]:
+    section = {key: getattr(config, key) for key in
+               ("family", "recurrence_sampler", "recurrence_sigma", "activation_checkpointing", "name")}
+    if general:
+        default = RDLMConfig()
+        section.update({key: getattr(config, key) for key in _GENERAL if getattr(config, key) != getattr(default, key)})
+    return section
+
+
 def config_to_huginn(config: RDLMConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The config.json of `config` in its family's layout."""
+    if config.family == "ouro":
+        check_ouro_shape(config)
+        return {**config_to_ouro(config, dtype), "rdlm": _rdlm_section(config, general=False)}
     h, depth = config.hidden_size, config.effective_depth
     raw: dict[str, Any] = {
         "architectures": ["RavenForCausalLM"],
@@ -158,7 +156,7 @@ def config_to_huginn(config: RDLMConfig, dtype: torch.dtype = torch.float32) -> 
         "padded_vocab_size": config.vocab_size,
         "n_layers": config.prelude_layers + config.core_layers + config.coda_layers,
         "head_dim": config.head_dim,
-        "num_key_value_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads,
         "bias": False,
         "block_class_name": "SandwichBlock" if config.norm_scheme == "sandwich" else "PreNormBlock",
         "injection_type": "linear" if config.injection == "concat" else "add",
@@ -169,17 +167,19 @@ def config_to_huginn(config: RDLMConfig, dtype: torch.dtype = torch.float32) -> 
         "effective_expected_depth": depth,
         "init_strategy": "takase",
         "init_values": {"std": config.state_std, "embedding": math.sqrt(2 / (5 * h)),
-                        "out_proj": math.sqrt(1 / (5 * h * depth)), "embed_scale": math.sqrt(h)},
+                        "out_proj": math.sqrt(1 / (5 * h * depth)), "embed_scale": config.embedding_scale},
         "test_time_noise": config.test_time_noise,
         "test_time_noise_type": config.test_time_noise_type,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "rdlm": {key: getattr(config, key) for key in
-                 ("recurrence_sampler", "recurrence_sigma", "activation_checkpointing", "name")},
+        "rdlm": _rdlm_section(config, general=config.family == "huginn"),
     }
+    if config.family != "huginn":
+        raw.update(retrofit_keys(config))
     return raw
 
 
 def read_config(path: str | os.PathLike) -> RDLMConfig:
+    """The model config of a model directory (config.json, and the tensor names where the family needs them)."""
     config_path = Path(path) / CONFIG_NAME
     if not config_path.is_file():
         raise CheckpointError(f"{path}: no {CONFIG_NAME} (not a model directory)")
@@ -189,7 +189,20 @@ def read_config(path: str | os.PathLike) -> RDLMConfig:
         raise CheckpointError(f"{config_path}: not valid JSON ({err})") from err
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
-    return config_from_huginn(raw, str(config_path))
+    names = tensor_names(path) if family_of(raw) != "huginn" and family_of(raw) != "ouro" else None
+    return config_from_huginn(raw, str(config_path), names)
+
+
+def tensor_names(path: str | os.PathLike) -> set[str]:
+    """The tensor names of a model directory, read from the index or the file headers only."""
+    names: set[str] = set()
+    for file in weight_files(path):
+        try:
+            with safe_open(file, framework="pt") as handle:
+                names.update(handle.keys())
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from err
+    return names
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,35 +255,39 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         print(f"rdlm: {note}", file=sys.stderr)
     config = read_config(path)
     tensors = read_weights(path)
-    state = {}
-    unexpected = []
-    rope_table = tensors.pop("freqs_cis", None)
-    for name, tensor in tensors.items():
-        ours = from_huginn_name(name)
-        if ours is None:
-            unexpected.append(name)
-        else:
-            state[ours] = tensor
+    family = config.family
+    rope_table = tensors.pop("freqs_cis", None) if family == "huginn" else None
+    if family == "ouro":
+        state, unexpected = from_ouro_tensors(tensors)
+    else:
+        state, unexpected = {}, []
+        for name, tensor in tensors.items():
+            ours = from_huginn_name(name, family)
+            if ours is None:
+                unexpected.append(name)
+            else:
+                state[ours] = tensor
+    file_name = ouro_name if family == "ouro" else lambda n: to_huginn_name(n, family)  # noqa: E731
     if config.tie_embeddings and "lm_head.weight" in state:
         # A tied head saved beside the embedding must equal it; it is not a parameter of its own.
         if not torch.equal(state.pop("lm_head.weight"), state.get("embedding.weight", torch.empty(0))):
-            raise CheckpointError(f"{path}: lm_head.weight differs from transformer.wte.weight, "
-                                  "but the config says tie_embeddings")
+            raise CheckpointError(f"{path}: lm_head.weight differs from {file_name('embedding.weight')}, "
+                                  "but the config says the embeddings are tied")
     with torch.device("meta"):
         model = RecurrentDepthLM(config)
     expected = {name: p.shape for name, p in model.named_parameters()}
-    missing = [to_huginn_name(n) for n in expected if n not in state]
-    unexpected += [to_huginn_name(n) for n in state if n not in expected]
+    missing = [file_name(n) for n in expected if n not in state]
+    unexpected += [file_name(n) for n in state if n not in expected]
     if missing or unexpected:
         parts = ([f"missing tensor(s) {_listing(missing)}"] if missing else []) + \
                 ([f"unexpected tensor(s) {_listing(unexpected)}"] if unexpected else [])
         raise CheckpointError(f"{path}: " + "; ".join(parts))
     for name, shape in expected.items():
         if state[name].shape != shape:
-            raise CheckpointError(f"{path}: tensor {to_huginn_name(name)} has shape "
+            raise CheckpointError(f"{path}: tensor {file_name(name)} has shape "
                                   f"{list(state[name].shape)}, expected {list(shape)}")
         if not state[name].is_floating_point():
-            raise CheckpointError(f"{path}: tensor {to_huginn_name(name)} has dtype {state[name].dtype}")
+            raise CheckpointError(f"{path}: tensor {file_name(name)} has dtype {state[name].dtype}")
     if dtype is None:
         dtype = state["embedding.weight"].dtype
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
@@ -292,7 +309,7 @@ def stored_rope_tables(table: torch.Tensor | None, config: RDLMConfig,
     so do we, whatever dtype the model is loaded in. A table that is not the config's RoPE beyond storage
     round-off is refused rather than used or silently replaced.
     """
-    cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
+    cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base, config.rope_scaling)
     if table is None:
         return cos, sin
     if table.is_complex():
@@ -333,12 +350,18 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
     path = Path(path)
     params = dict(model.named_parameters())
     dtype = dtype or next(iter(params.values())).dtype
-    tensors = {to_huginn_name(n): p.detach().to("cpu", dtype).contiguous() for n, p in params.items()}
     config = model.config
-    # The model's RoPE table (the one it was loaded with, or computed), in the reference's layout and in
-    # the checkpoint's dtype, as the reference saves it.
-    rope = torch.stack((model.rope_cos, model.rope_sin), dim=-1)[None, :, None]
-    tensors["freqs_cis"] = rope.to("cpu", dtype).contiguous()
+    raw_config = config_to_huginn(config, dtype)  # first: refuses a model the family's layout cannot hold
+    cpu = {n: p.detach().to("cpu", dtype).contiguous() for n, p in params.items()}
+    if config.family == "ouro":
+        tensors = to_ouro_tensors(cpu, config)
+    else:
+        tensors = {to_huginn_name(n, config.family): t for n, t in cpu.items()}
+    if config.family == "huginn":
+        # The model's RoPE table (the one it was loaded with, or computed), in the reference's layout and
+        # in the checkpoint's dtype, as the reference saves it.
+        rope = torch.stack((model.rope_cos, model.rope_sin), dim=-1)[None, :, None]
+        tensors["freqs_cis"] = rope.to("cpu", dtype).contiguous()
 
     with staging_dir(path) as tmp:
         shards = _shard(tensors, max_shard_bytes)
@@ -352,7 +375,7 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
                 weight_map.update({key: name for key in shard})
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        write_json(tmp / CONFIG_NAME, config_to_huginn(config, dtype))
+        write_json(tmp / CONFIG_NAME, raw_config)
         for name, data in (extra_json or {}).items():
             write_json(tmp / name, data)
         if path.is_dir():

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from rdlm.model.config import RDLMConfig
 from rdlm.model.loss import linear_cross_entropy
 from rdlm.model.recurrence import sample_num_steps
+from rdlm.model.rope import apply_rope, rope_tables  # noqa: F401  (rope_tables: also imported from here)
 
 # Identifies one attention layer at one point of the recurrence, for a KV cache:
 # ("prelude", layer, -1), ("core", layer, iteration), ("coda", layer, -1).
@@ -64,53 +65,57 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, length: int, base: float) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [length, head_dim/2] in float32, inv_freq_j = base^(-2j/d)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate adjacent pairs (2j, 2j+1) of each head (complex-number style). x: [B, S, ..., d], with
-    cos/sin broadcastable to x's pairs [B, S, ..., d/2]."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, imag * cos + real * sin), dim=-1)
-    return rotated.flatten(-2).type_as(x)
-
-
 class Attention(nn.Module):
+    """Causal self-attention with RoPE; grouped-query when the config has fewer key/value heads."""
+
     def __init__(self, config: RDLMConfig) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        h = config.hidden_size
-        self.qkv = nn.Linear(h, 3 * h, bias=False)  # output rows: q, then k, then v
+        self.num_heads, self.kv_heads, self.head_dim = config.num_heads, config.kv_heads, config.head_dim
+        self.rope_pairs = config.rope_pairs
+        h, q_width, kv_width = config.hidden_size, config.num_heads * config.head_dim, config.kv_heads * config.head_dim
+        self.qkv = nn.Linear(h, q_width + 2 * kv_width, bias=False)  # output rows: q, then k, then v
         # Learnable biases on queries (index 0) and keys (index 1) only, added before RoPE.
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.num_heads, self.head_dim)) if config.qk_bias else None
-        self.out = nn.Linear(h, h, bias=False)
+        # OLMo-2's QK-norm: one RMSNorm over all query heads together, one over all key heads.
+        self.q_norm = RMSNorm(q_width, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(kv_width, config.norm_eps) if config.qk_norm else None
+        self.out = nn.Linear(q_width, h, bias=False)
         # "sdpa": torch's fused kernels; "eager": the same arithmetic as plain matmuls and a softmax.
         self.implementation = "sdpa"
 
     def forward(self, x: Tensor, rope: Rope, mask: Tensor | None, cache: KVCacheHook | None,
                 key: LayerKey) -> Tensor:
         batch, seq, _ = x.shape
-        qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, self.head_dim)
-        qk, v = qkv[:, :, :2], qkv[:, :, 2]  # queries and keys get bias and RoPE together
-        if self.qk_bias is not None:
-            qk = qk + self.qk_bias.view(2, self.num_heads, self.head_dim)
         cos, sin = rope
-        q, k = apply_rope(qk, cos.unsqueeze(2), sin.unsqueeze(2)).unbind(dim=2)
+        if self.kv_heads == self.num_heads and self.q_norm is None:
+            qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, self.head_dim)
+            qk, v = qkv[:, :, :2], qkv[:, :, 2]  # queries and keys get bias and RoPE together
+            if self.qk_bias is not None:
+                qk = qk + self.qk_bias.view(2, self.num_heads, self.head_dim)
+            q, k = apply_rope(qk, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_pairs).unbind(dim=2)
+        else:
+            q, k, v = self.qkv(x).split((self.num_heads * self.head_dim, self.kv_heads * self.head_dim,
+                                         self.kv_heads * self.head_dim), dim=-1)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.view(batch, seq, self.num_heads, self.head_dim), k.view(batch, seq, self.kv_heads, self.head_dim)
+            if self.qk_bias is not None:  # (equal head counts: the config refuses it with grouped queries)
+                q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+            q, k = apply_rope(q, cos, sin, self.rope_pairs), apply_rope(k, cos, sin, self.rope_pairs)
+            v = v.view(batch, seq, self.kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(key, k, v)
+        gqa = {"enable_gqa": True} if self.kv_heads != self.num_heads else {}
         if mask is None and k.shape[2] == seq and self.implementation == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         else:
             if mask is None:  # a cache without an explicit mask: causal, queries are the last tokens
                 mask = causal_mask(seq, k.shape[2], x.device)
-            attend = F.scaled_dot_product_attention if self.implementation == "sdpa" else eager_attention
-            y = attend(q, k, v, attn_mask=mask)
+            if self.implementation == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+            else:
+                y = eager_attention(q, k, v, attn_mask=mask)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -120,6 +125,9 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v written out (what F.scaled_dot_product_attention computes), for
     debugging and for tools that hook the attention weights. Boolean masks: True = may attend."""
+    if k.shape[1] != q.shape[1]:  # grouped-query: each key/value head serves a group of query heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
     if attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
@@ -149,24 +157,35 @@ class GatedMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Sandwich block: x = n2(x + Attn(n1(x))); x = n4(x + MLP(n3(x))). Pre-norm drops n2 and n4."""
+    """One transformer layer; where it normalizes is the config's `norm_scheme`:
+
+        sandwich  x = n2(x + Attn(n1(x)));  x = n4(x + MLP(n3(x)))     Huginn
+        prenorm   x = x + Attn(n1(x));      x = x + MLP(n3(x))         Llama, the retrofitted Llama models
+        postnorm  x = x + n2(Attn(x));      x = x + n4(MLP(x))         OLMo-2
+        peri      x = x + n2(Attn(n1(x)));  x = x + n4(MLP(n3(x)))     Ouro
+    """
 
     def __init__(self, config: RDLMConfig) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.norm_eps
-        self.sandwich = config.norm_scheme == "sandwich"
-        self.norm_1, self.norm_3 = RMSNorm(h, eps), RMSNorm(h, eps)
-        if self.sandwich:
+        scheme = config.norm_scheme
+        self.sandwich = scheme == "sandwich"  # n2/n4 after the residual sum, not on the branch
+        if scheme != "postnorm":
+            self.norm_1, self.norm_3 = RMSNorm(h, eps), RMSNorm(h, eps)
+        if scheme != "prenorm":
             self.norm_2, self.norm_4 = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.pre, self.post = scheme != "postnorm", scheme in ("postnorm", "peri")
         self.attn = Attention(config)
         self.mlp = GatedMLP(config)
 
     def forward(self, x: Tensor, rope: Rope, mask: Tensor | None = None,
                 cache: KVCacheHook | None = None, key: LayerKey = ("", 0, -1)) -> Tensor:
-        x = x + self.attn(self.norm_1(x), rope, mask, cache, key)
+        branch = self.attn(self.norm_1(x) if self.pre else x, rope, mask, cache, key)
+        x = x + (self.norm_2(branch) if self.post else branch)
         if self.sandwich:
             x = self.norm_2(x)
-        x = x + self.mlp(self.norm_3(x))
+        branch = self.mlp(self.norm_3(x) if self.pre else x)
+        x = x + (self.norm_4(branch) if self.post else branch)
         return self.norm_4(x) if self.sandwich else x
 
 
@@ -179,15 +198,17 @@ class RecurrentDepthLM(nn.Module):
         self.config = config
         h = config.hidden_size
         self.embedding = nn.Embedding(config.vocab_size, h)
-        self.embed_scale = math.sqrt(h)
+        self.embed_scale = config.embedding_scale
         self.prelude = nn.ModuleList(Block(config) for _ in range(config.prelude_layers))
-        # Concatenating injection: adapter R^{2h} -> R^h over [state, embedding]; additive needs none.
-        self.adapter = nn.Linear(2 * h, h, bias=False) if config.injection == "concat" else None
+        # Concatenating injection: adapter R^{2h} -> R^h over [state, embedding]; the others need none.
+        self.adapter = nn.Linear(2 * h, h, bias=config.adapter_bias) if config.injection == "concat" else None
         self.core = nn.ModuleList(Block(config) for _ in range(config.core_layers))
         self.coda = nn.ModuleList(Block(config) for _ in range(config.coda_layers))
-        self.final_norm = RMSNorm(h, config.norm_eps)  # n_c: after the recurrence and after the coda
+        self.final_norm = RMSNorm(h, config.norm_eps)  # n_c: placed by config.final_norm
         self.lm_head = None if config.tie_embeddings else nn.Linear(h, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base)
+        # Ouro's learned exit gate: lambda_i = sigmoid(exit_gate(s_i)) after core iteration i.
+        self.exit_gate = nn.Linear(h, 1) if config.exit_gate else None
+        cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -206,7 +227,7 @@ class RecurrentDepthLM(nn.Module):
     def reset_parameters(self) -> None:
         std, out_std = self.init_std, self.out_proj_std
         for name, param in self.named_parameters():
-            if name.endswith("qk_bias"):
+            if name.endswith(("qk_bias", ".bias")):
                 nn.init.zeros_(param)
             elif param.ndim == 1:  # RMSNorm weights
                 nn.init.ones_(param)
@@ -235,8 +256,11 @@ class RecurrentDepthLM(nn.Module):
 
     def embed(self, input_ids: Tensor, rope: Rope, mask: Tensor | None = None,
               cache: KVCacheHook | None = None) -> Tensor:
-        """Prelude P: token embedding times sqrt(h), then the prelude layers. Returns e."""
-        x = self.embedding(input_ids) * self.embed_scale
+        """Prelude P: token embedding times the embedding scale (sqrt(h) for Huginn), then the prelude
+        layers. Returns e."""
+        x = self.embedding(input_ids)
+        if self.embed_scale != 1:
+            x = x * self.embed_scale
         for i, layer in enumerate(self.prelude):
             x = layer(x, rope, mask, cache, ("prelude", i, -1))
         return x
@@ -244,7 +268,10 @@ class RecurrentDepthLM(nn.Module):
     def init_state(self, embedded: Tensor, scale: float = 1.0,
                    generator: torch.Generator | None = None) -> Tensor:
         """s_0: truncated normal (3 sigma), std sqrt(2/(5h)) * sqrt(h) * scale; scale 0 gives zeros.
-        A checkpoint's `init_values.std` replaces sqrt(2/(5h)) (config.state_init_std)."""
+        A checkpoint's `init_values.std` replaces sqrt(2/(5h)) (config.state_init_std), its embedding scale
+        sqrt(h). With `state_init="embedding"` (Ouro) s_0 is e itself, whatever the scale."""
+        if self.config.state_init == "embedding":
+            return embedded
         state = torch.zeros_like(embedded)
         std = self.config.state_std
         if scale == 0 or std == 0 or self.config.state_init == "zero":
@@ -259,19 +286,36 @@ class RecurrentDepthLM(nn.Module):
             nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
         return state * (self.embed_scale * scale)
 
+    def start_state(self, embedded: Tensor, noise: Tensor | None) -> Tensor:
+        """s_0 from a caller's own draws: e itself for `state_init="embedding"` (Ouro), else `noise`
+        (None: zeros)."""
+        if self.config.state_init == "embedding":
+            return embedded
+        return torch.zeros_like(embedded) if noise is None else noise
+
     def step(self, state: Tensor, embedded: Tensor, iteration: int, rope: Rope,
              mask: Tensor | None = None, cache: KVCacheHook | None = None,
              generator: torch.Generator | None = None) -> Tensor:
-        """One core iteration R: s_i = core(adapter([s_{i-1}, e]))."""
+        """One core iteration R: s_i = core(adapter([s_{i-1}, e])) (Huginn); s_{i-1} + e goes in with
+        additive injection, s_{i-1} alone with none; final_norm "loop" normalizes s_i (Ouro)."""
         if self.config.test_time_noise > 0:
             state = self.add_state_noise(state, iteration, generator)
         if self.adapter is not None:
             x = self.adapter(torch.cat((state, embedded), dim=-1))
-        else:
+        elif self.config.injection == "add":
             x = state + embedded
+        else:
+            x = state
         for i, layer in enumerate(self.core):
             x = layer(x, rope, mask, cache, ("core", i, iteration))
-        return x
+        return self.final_norm(x) if self.config.final_norm == "loop" else x
+
+    def exit_probability(self, state: Tensor) -> Tensor:
+        """lambda_i = sigmoid(gate(s_i)) [batch, seq] in float32: the learned gate's probability of exiting
+        at the iteration that produced `state`, given it was reached (Ouro; config.exit_gate)."""
+        if self.exit_gate is None:
+            raise ValueError("this model has no learned exit gate (config.exit_gate is false)")
+        return torch.sigmoid(self.exit_gate(state).squeeze(-1).float())
 
     def compile_step(self, **options) -> "RecurrentDepthLM":
         """Compile one core iteration (`step`) with `torch.compile(**options)` and keep the loop over
@@ -308,16 +352,19 @@ class RecurrentDepthLM(nn.Module):
 
     def readout(self, state: Tensor, rope: Rope, mask: Tensor | None = None,
                 cache: KVCacheHook | None = None) -> Tensor:
-        """Coda C: final norm, coda layers, final norm, un-embedding. Returns float32 logits."""
+        """Coda C (final norm, coda layers, final norm: see `coda_output`), then the un-embedding.
+        Returns float32 logits."""
         return F.linear(self.coda_output(state, rope, mask, cache), self.unembedding_weight).float()
 
     def coda_output(self, state: Tensor, rope: Rope, mask: Tensor | None = None,
                     cache: KVCacheHook | None = None) -> Tensor:
-        """Coda C up to the un-embedding: final norm, coda layers, final norm."""
-        x = self.final_norm(state)
+        """Coda C up to the un-embedding: final norm, coda layers, final norm (Huginn). final_norm "output"
+        skips the first norm (the retrofitted models), "loop" both (the state is normalized already)."""
+        placement = self.config.final_norm
+        x = self.final_norm(state) if placement == "sandwich" else state
         for i, layer in enumerate(self.coda):
             x = layer(x, rope, mask, cache, ("coda", i, -1))
-        return self.final_norm(x)
+        return x if placement == "loop" else self.final_norm(x)
 
     @property
     def unembedding_weight(self) -> Tensor:

@@ -174,7 +174,7 @@ class Trainer(RunCheckpoints):
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor.to(self.device)
 
-    def _initial_state(self, batch: Batch, step: int, micro: int) -> Tensor:
+    def _initial_state(self, batch: Batch, step: int, micro: int) -> Tensor | None:
         """s_0 row by row, each from a generator keyed by the row's global position in the run.
 
         This makes s_0 independent of how the global batch is split across workers and of resumes.
@@ -182,6 +182,8 @@ class Trainer(RunCheckpoints):
         short step's GPU work (and a GPU's draws differ from a CPU's; each device type is reproducible).
         """
         c = self.model.config
+        if c.state_init == "embedding":
+            return None  # s_0 = e, made by the model
         positions = self.batches.positions(step, micro, self.world.rank)
         rows = []
         template = torch.empty(1, batch.input_ids.shape[1], c.hidden_size, device=self.device)

@@ -309,8 +309,8 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
                 self.model.check_positions(positions)
                 table = noise_table(self.model, seed, scale, int(positions.max()) + 1,
                                     self.model.embedding.weight.dtype, input_ids.device)
-                state = torch.zeros(*input_ids.shape, self.model.config.hidden_size, device=input_ids.device,
-                                    dtype=self.model.embedding.weight.dtype) if table is None else table[positions]
+                # No table: s_0 is zeros or the embedding, which the model makes itself from `scale`.
+                state = None if table is None else table[positions]
             logits = self.model(input_ids, num_steps=num_steps, initial_state=state, init_scale=scale,
                                 positions=position_ids, attention_mask=mask).logits
         loss = None

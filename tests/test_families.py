@@ -1,0 +1,180 @@
+"""The model families (docs/model-families.md): the retrofitted Llama/OLMo layouts and Ouro load and give
+their reference code's logits, save back in their own layout, and every bad config is named.
+
+The fixtures in tests/fixtures/families/ were saved by each family's own modeling code, with its float32
+logits (tests/fixtures/families/make_family_fixtures.py, run in a scratch environment).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from rdlm import CheckpointError, RDLMConfig, RecurrentDepthLM, load_pretrained, save_pretrained
+from rdlm.model.rope import inverse_frequencies
+
+FIXTURES = Path(__file__).parent / "fixtures" / "families"
+RETROFIT = ("retrofit-llama-tiny", "retrofit-olmo-tiny")
+pytestmark = pytest.mark.numerics
+
+
+def reference(name: str) -> dict[str, torch.Tensor]:
+    return load_file(FIXTURES / name / "reference_outputs.safetensors")
+
+
+@pytest.mark.parametrize("name", RETROFIT)
+def test_retrofitted_models_give_the_reference_logits(name):
+    model = load_pretrained(FIXTURES / name)
+    ref = reference(name)
+    assert model.config.family == name.removesuffix("-tiny")
+    assert model.config.kv_heads == 2 and not model.config.tie_embeddings and model.config.adapter_bias
+    with torch.no_grad():
+        for r in (1, 4, 8):
+            given = model(ref["input_ids"], r, initial_state=ref["initial_state"]).logits
+            zero = model(ref["input_ids"], r, init_scale=0.0).logits
+            torch.testing.assert_close(given, ref[f"logits_r{r}_given"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(zero, ref[f"logits_r{r}_zero"], rtol=0, atol=1e-5)
+    # The logits depend on r and on s_0: the comparison above is not trivially true.
+    assert (ref["logits_r8_given"] - ref["logits_r1_given"]).abs().max() > 0.1
+    assert (ref["logits_r8_given"] - ref["logits_r8_zero"]).abs().max() > 1e-3
+
+
+def test_the_retrofitted_variants_are_told_apart_and_configured():
+    llama = load_pretrained(FIXTURES / "retrofit-llama-tiny").config
+    olmo = load_pretrained(FIXTURES / "retrofit-olmo-tiny").config
+    assert (llama.norm_scheme, llama.qk_norm, llama.rope_scaling["rope_type"]) == ("prenorm", False, "llama3")
+    assert (olmo.norm_scheme, olmo.qk_norm, olmo.rope_scaling) == ("postnorm", True, None)
+    for config in (llama, olmo):
+        assert config.final_norm == "output" and config.rope_pairs == "halves" and config.embedding_scale == 1.0
+
+
+def test_ouro_gives_each_loops_reference_logits():
+    model = load_pretrained(FIXTURES / "ouro-tiny")
+    ref = reference("ouro-tiny")
+    c = model.config
+    assert (c.family, c.core_layers, c.prelude_layers, c.coda_layers, c.mean_recurrence) == ("ouro", 2, 0, 0, 4)
+    assert c.exit_gate and c.exit_threshold == 0.5
+    with torch.no_grad():
+        for r in (1, 2, 3, 4):
+            logits = model(ref["input_ids"], r).logits
+            torch.testing.assert_close(logits, ref[f"logits_step{r - 1}"], rtol=0, atol=1e-5)
+            if r < 4:  # the stack looped r times in the reference, read at its last loop
+                torch.testing.assert_close(logits, ref[f"logits_ut{r}"], rtol=0, atol=1e-5)
+    assert (ref["logits_step3"] - ref["logits_step0"]).abs().max() > 0.1
+
+
+def test_ouro_exit_distribution_matches_the_reference():
+    model = load_pretrained(FIXTURES / "ouro-tiny")
+    ref = reference("ouro-tiny")
+    with torch.no_grad():
+        out = model(ref["input_ids"], 4, return_trajectory=True)
+        lambdas = torch.stack([model.exit_probability(s) for s in out.trajectory[1:]], dim=2)
+    remaining, pdf = torch.ones_like(lambdas[..., 0]), []
+    for i in range(4):
+        pdf.append(lambdas[..., i] * remaining if i < 3 else remaining)
+        remaining = remaining * (1 - lambdas[..., i])
+    torch.testing.assert_close(torch.stack(pdf, dim=2), ref["exit_pdf"], rtol=0, atol=1e-6)
+    # A gate that means something: not every token exits at the same loop.
+    assert len(set(ref["exit_pdf"].cumsum(2).ge(0.5).float().argmax(2).flatten().tolist())) > 1
+
+
+@pytest.mark.parametrize("name", (*RETROFIT, "ouro-tiny"))
+def test_a_family_saves_back_in_its_own_layout(name, tmp_path):
+    model = load_pretrained(FIXTURES / name)
+    save_pretrained(model, tmp_path / "copy")
+    theirs = json.loads((FIXTURES / name / "config.json").read_text())
+    ours = json.loads((tmp_path / "copy" / "config.json").read_text())
+    assert ours["model_type"] == theirs["model_type"]
+    for key in ("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "tie_word_embeddings",
+                "tie_embeddings", "total_ut_steps", "early_exit_threshold", "max_position_embeddings"):
+        if key in theirs:
+            assert ours[key] == theirs[key], key
+    with safe_open(FIXTURES / name / "model.safetensors", "pt") as a, \
+            safe_open(tmp_path / "copy" / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys())  # the family's own tensor names
+        for key in a.keys():
+            assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+    again = load_pretrained(tmp_path / "copy")
+    assert again.config == model.config
+
+
+def test_remote_code_beside_the_weights_is_never_run(tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(FIXTURES / "retrofit-llama-tiny", target)
+    (target / "raven_modeling_minimal_llama.py").write_text("raise SystemExit('remote code ran')\n")
+    (target / "raven_config_minimal.py").write_text("raise SystemExit('remote code ran')\n")
+    assert "auto_map" in json.loads((target / "config.json").read_text())
+    load_pretrained(target)  # would exit if the auto_map code were imported
+
+
+def edit_config(tmp_path: Path, name: str, **changes) -> Path:
+    target = tmp_path / name
+    shutil.copytree(FIXTURES / name, target)
+    raw = json.loads((target / "config.json").read_text())
+    raw.update(changes)
+    (target / "config.json").write_text(json.dumps(raw))
+    return target
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("ouro-tiny", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("ouro-tiny", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ("ouro-tiny", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling type 'yarn'"),
+    ("ouro-tiny", {"num_key_value_heads": 3}, "multiple of num_kv_heads"),
+    ("retrofit-llama-tiny", {"initial_state_mode": "skip-adapter"}, "initial_state_mode='skip-adapter'"),
+    ("retrofit-llama-tiny", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ("retrofit-llama-tiny", {"head_dim": 8}, "head_dim=8"),
+])
+def test_configs_rdlm_cannot_represent_are_refused_by_name(tmp_path, name, changes, message):
+    with pytest.raises(CheckpointError, match=message):
+        load_pretrained(edit_config(tmp_path, name, **changes))
+
+
+def test_a_missing_ouro_projection_is_named(tmp_path):
+    target = tmp_path / "ouro"
+    shutil.copytree(FIXTURES / "ouro-tiny", target)
+    tensors = load_file(target / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    from safetensors.torch import save_file
+    save_file(tensors, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model\.layers\.1\.self_attn\.\{q,k,v\}_proj"):
+        load_pretrained(target)
+
+
+def test_llama3_rope_frequencies_equal_transformers():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    config = LlamaConfig(hidden_size=2048, num_attention_heads=32, rope_theta=500000.0, rope_scaling=scaling,
+                         max_position_embeddings=131072)
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = inverse_frequencies(64, 500000.0, scaling)
+    assert torch.equal(ours, theirs.float())
+    assert not torch.equal(ours, inverse_frequencies(64, 500000.0))  # the scaling does something
+
+
+def test_grouped_query_attention_decodes_as_the_full_forward():
+    """The KV cache holds the key/value heads only; decoding with it gives the no-cache forward's tokens."""
+    from rdlm.inference.generate import GenerationConfig, generate
+
+    config = RDLMConfig.from_preset("tiny", num_kv_heads=2, qk_bias=False, rope_pairs="halves", norm_scheme="prenorm",
+                                    final_norm="output", tie_embeddings=False, qk_norm=True)
+    torch.manual_seed(0)
+    model = RecurrentDepthLM(config).eval()
+    prompt = [5, 9, 11, 3]
+    out = generate(model, [prompt], GenerationConfig(max_new_tokens=6, num_steps=4, init_scale=0.0))
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            tokens.append(int(model(torch.tensor([tokens]), 4, init_scale=0.0).logits[0, -1].argmax()))
+    assert out.tokens[0] == tokens[len(prompt):]
+    assert model.core[0].attn.qkv.weight.shape[0] == (4 + 2 * 2) * 16
