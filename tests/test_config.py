@@ -28,7 +28,7 @@ def test_huginn_preset_has_the_released_shape():
     (dict(num_heads=0), "num_heads"),
     (dict(vocab_size=-5), "vocab_size"),
     (dict(norm_eps=0.0), "norm_eps"),
-    (dict(norm_scheme="postnorm"), "norm_scheme"),
+    (dict(norm_scheme="postlayer"), "norm_scheme"),
     (dict(injection="gated"), "injection"),
     (dict(state_init="ones"), "state_init"),
     (dict(qk_bias="yes"), "qk_bias"),

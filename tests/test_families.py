@@ -8,6 +8,7 @@ logits (tests/fixtures/families/make_family_fixtures.py, run in a scratch enviro
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -178,3 +179,127 @@ def test_grouped_query_attention_decodes_as_the_full_forward():
             tokens.append(int(model(torch.tensor([tokens]), 4, init_scale=0.0).logits[0, -1].argmax()))
     assert out.tokens[0] == tokens[len(prompt):]
     assert model.core[0].attn.qkv.weight.shape[0] == (4 + 2 * 2) * 16
+
+
+# ------------------------------------------------------------------------------------------------
+# The learned exit gate as an exit criterion
+
+def ouro():
+    return load_pretrained(FIXTURES / "ouro-tiny"), reference("ouro-tiny")
+
+
+def test_gate_selection_matches_the_reference_threshold_selection():
+    from rdlm.inference.evaluate import gate_exit_logits
+
+    model, ref = ouro()
+    for tenths in (3, 5, 9):
+        logits, steps = gate_exit_logits(model, ref["input_ids"], 4, tenths / 10)
+        torch.testing.assert_close(logits, ref[f"logits_threshold{tenths}"], rtol=0, atol=1e-5)
+        expected = ref["exit_pdf"].cumsum(2).ge(tenths / 10).float().argmax(2) + 1
+        assert torch.equal(steps, expected)
+    # No threshold given: the checkpoint's early_exit_threshold (0.5), as the reference's default forward.
+    torch.testing.assert_close(gate_exit_logits(model, ref["input_ids"], 4)[0], ref["logits_default"],
+                               rtol=0, atol=1e-5)
+
+
+def test_analysis_exit_steps_are_the_gates():
+    from rdlm.analysis.exit_steps import exit_steps
+    from rdlm.inference.exits import make_exit_criterion
+
+    model, ref = ouro()
+    for row in range(2):
+        steps = exit_steps(model, ref["input_ids"][row].tolist(), make_exit_criterion("gate", 0.5), 4)
+        assert steps.tolist() == (ref["exit_pdf"][row].cumsum(-1).ge(0.5).float().argmax(-1) + 1).tolist()
+
+
+def greedy_by_gate(model, prompt, n):
+    """Greedy decoding by recomputing the whole sequence, each token read out at its gate's exit."""
+    from rdlm.inference.evaluate import gate_exit_logits
+
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(gate_exit_logits(model, torch.tensor([tokens]), 4)[0][0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_gate_exact_decodes_as_the_reference_selects_and_gate_saves_iterations():
+    from rdlm.inference.generate import GenerationConfig, generate
+
+    model, ref = ouro()
+    prompts = [ref["input_ids"][0, :6].tolist(), ref["input_ids"][1, :9].tolist()]
+    exact = generate(model, prompts, GenerationConfig(max_new_tokens=8, num_steps=4, exit_criterion="gate-exact"))
+    for prompt, tokens, steps in zip(prompts, exact.tokens, exact.steps):
+        assert tokens == greedy_by_gate(model, prompt, 8)
+        assert steps == [4] * 8  # every iteration runs
+    early = generate(model, prompts, GenerationConfig(max_new_tokens=8, num_steps=4, exit_criterion="gate"))
+    later = [s for row in early.steps for s in row[1:]]  # the first token comes from the prefill
+    assert min(later) >= 1 and sum(later) < 4 * len(later)  # the gate stopped tokens early
+
+
+def test_gate_exits_in_the_continuous_batch_like_the_engine():
+    from rdlm.inference.batching import ContinuousBatch
+    from rdlm.inference.generate import GenerationConfig, generate
+
+    model, ref = ouro()
+    prompts = [ref["input_ids"][0, :6].tolist(), ref["input_ids"][1, :9].tolist()]
+    for criterion in ("gate", "gate-exact"):
+        config = GenerationConfig(max_new_tokens=6, num_steps=4, exit_criterion=criterion)
+        alone = generate(model, prompts, config)
+        batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4)
+        ids = [batch.add(p, config) for p in prompts]
+        tokens, steps = {i: [] for i in ids}, {i: [] for i in ids}
+        while batch.busy:
+            for event in batch.step():
+                tokens[event.request].append(event.token)
+                steps[event.request].append(event.steps)
+        assert [tokens[i] for i in ids] == alone.tokens, criterion
+        assert [steps[i] for i in ids] == alone.steps, criterion
+
+
+def test_a_gate_criterion_on_a_model_without_a_gate_is_refused():
+    from rdlm.inference.generate import GenerationConfig, generate
+
+    model = load_pretrained(FIXTURES / "retrofit-llama-tiny")
+    with pytest.raises(ValueError, match="needs a model with a learned exit gate"):
+        generate(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=2, num_steps=4, exit_criterion="gate"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Ouro's training objective: the expected loss over the exit distribution, with an entropy bonus
+
+def test_exit_distribution_and_expected_loss_follow_their_definitions():
+    from rdlm.model.loss import exit_distribution, expected_exit_loss
+
+    lambdas = torch.tensor([[0.2, 0.5, 0.9, 0.3]])
+    p = exit_distribution(lambdas)
+    expected = [0.2, 0.8 * 0.5, 0.8 * 0.5 * 0.9, 0.8 * 0.5 * 0.1]  # the last iteration takes the rest
+    torch.testing.assert_close(p, torch.tensor([expected]))
+    losses = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    entropy = -sum(x * math.log(x) for x in expected)
+    value = expected_exit_loss(losses, lambdas, torch.tensor([True]), beta=0.1)
+    assert value.item() == pytest.approx(sum(a * b for a, b in zip(expected, [4, 3, 2, 1])) - 0.1 * entropy, rel=1e-6)
+    assert expected_exit_loss(losses, lambdas, torch.tensor([False]), beta=0.1, reduction="sum").item() == 0
+
+
+def test_training_with_the_exit_loss_moves_the_gate_and_lowers_the_loss():
+    from rdlm.train import TrainConfig, train
+
+    torch.manual_seed(0)
+    rows = torch.arange(64 * 17).view(64, 17) % 32  # counting: easy to learn, so the loss falls
+    model = RecurrentDepthLM(RDLMConfig.from_preset("ouro-tiny", vocab_size=32))
+    gate = model.exit_gate.weight.detach().clone()
+    result = train(TrainConfig(steps=20, micro_batch_size=8, lr=3e-3, exit_loss_beta=0.01, progress=False,
+                               tensorboard=False, threads=1, warmup_steps=2), model=model, train_data=rows)
+    assert result.losses[-1] < result.losses[0] - 0.5
+    assert all(r == [4] for r in result.num_steps)  # a fixed r: every iteration read out
+    assert not torch.equal(model.exit_gate.weight.detach(), gate)
+
+
+def test_the_exit_loss_needs_a_gate_and_every_iteration_with_gradient():
+    model = RecurrentDepthLM(RDLMConfig.from_preset("tiny"))
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="learned exit gate"):
+        model(ids, 2, labels=ids, exit_loss_beta=0.1)
+    ouro_model = RecurrentDepthLM(RDLMConfig.from_preset("ouro-tiny"))
+    with pytest.raises(ValueError, match="every iteration"):
+        ouro_model(ids, (1, 2), labels=ids, exit_loss_beta=0.1)

@@ -33,10 +33,11 @@ def exit_steps(model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor, crite
     recurrence = Recurrence.for_prompt(model, token_ids)
     state = recurrence.initial_state(seed, init_scale)
     track = ExitTrack.start(state.shape[1], state.device,
-                            model.config.vocab_size if criterion.uses_logits else None)
+                            model.config.vocab_size if criterion.uses_logits else None, gate=criterion.uses_gate)
+    gate = model.exit_probability if criterion.uses_gate else None
     for i in range(max_steps):  # one iteration at a time: stop once every token has exited
         state, track = iterate_with_exits(lambda s, i, exited: recurrence.step(s, i), recurrence.readout, state,
-                                          track, criterion, i, 1, max_steps, min_steps=1, freeze=False)
+                                          track, criterion, i, 1, max_steps, min_steps=1, freeze=False, gate=gate)
         if bool(track.exited.all()):
             break
     return track.steps.cpu().numpy()

@@ -50,7 +50,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
     g.add_argument("--exit-criterion", choices=sorted(CRITERIA), help="per-token adaptive compute")
     g.add_argument("--exit-threshold", type=float, help="default: the criterion's (kl: 5e-4)")
-    g.add_argument("--min-steps", type=int, default=2, help="fewest iterations per token before an exit")
+    g.add_argument("--min-steps", type=int, default=None,
+                   help="fewest iterations per token before an exit (default 2; 1 for a learned gate)")
     g.add_argument("--exit-every", type=int, default=1,
                    help="evaluate the exit criterion every n iterations (1: after each, as in the paper)")
     g.add_argument("--exit-sync-every", type=int, default=4,

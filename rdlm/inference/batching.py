@@ -29,7 +29,7 @@ from torch import Tensor
 
 from rdlm.inference.cache import RecurrentKVCache
 from rdlm.inference.engine import NonFiniteLogitsError, noise_table, read_tokens
-from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule
+from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
 from rdlm.inference.params import Decode, GenerationConfig
 from rdlm.inference.sampling import sample
 from rdlm.model.lm import RecurrentDepthLM
@@ -57,6 +57,7 @@ class _Request:
     next_token: int = -1               # chosen, fed at the next start
     iteration: int = 0                 # iterations run for the token in progress
     iterating: bool = False
+    gate_exited: bool = False          # gate-exact: the gate chose this token's exit state already
     tokens: list[int] = field(default_factory=list)
 
 
@@ -88,6 +89,11 @@ class ContinuousBatch:
         self.embedded = torch.zeros_like(self.state)
         self.logits = torch.zeros(max_batch, c.vocab_size, device=self.device)  # latest, for exit criteria
         self.streak = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        # A learned exit gate's running sums per row (rdlm.inference.exits.gate_update), and gate-exact's
+        # chosen exit state.
+        self.gate_remaining = torch.ones(max_batch, device=self.device)
+        self.gate_cumulative = torch.zeros(max_batch, device=self.device)
+        self.exit_state = torch.zeros_like(self.state)
         self.seen = torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=self.device)
         self.waiting: deque[_Request] = deque()
         self.rows: list[_Request | None] = [None] * max_batch
@@ -122,7 +128,11 @@ class ContinuousBatch:
             raise ValueError(f"num_steps {config.max_steps} needs {budget} core cache slots and this batch "
                              f"has {self.num_slots}: use the shared cache (a KV-cache budget) of at most "
                              f"{self.num_slots} slots")
-        request = _Request(next(self.ids), list(prompt), config, config.criterion(), budget,
+        criterion = config.criterion(self.model.config)
+        if criterion is not None and criterion.uses_gate and self.model.exit_gate is None:
+            raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
+                             "(an Ouro checkpoint); this one has none")
+        request = _Request(next(self.ids), list(prompt), config, criterion, budget,
                            torch.Generator(device=self.device).manual_seed(config.seed),
                            noise_table(self.model, config.seed, config.init_scale,
                                        len(prompt) + config.max_new_tokens, self.dtype, self.device))
@@ -200,8 +210,24 @@ class ContinuousBatch:
         cache.rows, cache.start, cache.budget, cache.slots, cache.end = rows, 0, budget, None, None
         e = model.embed(ids, rope, mask, cache)
         state = model.start_state(e, state)
+        gated = [q.criterion is not None and q.criterion.uses_gate for q in group]
+        if any(gated):  # read out at each token's gate exit, as the engine's prefill (rdlm.inference.engine)
+            never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
+            thresholds = torch.tensor([q.criterion.threshold if g else never for q, g in zip(group, gated)],
+                                      device=self.device).view(-1, 1)
+            minimum = torch.tensor([q.config.min_steps for q in group], device=self.device).view(-1, 1)
+            remaining, cumulative = torch.ones(ids.shape, device=self.device), torch.zeros(ids.shape, device=self.device)
+            chosen, exited = state, torch.zeros(ids.shape, dtype=torch.bool, device=self.device)
         for i in range(steps):
             state = model.step(state, e, i, rope, mask, cache)
+            if any(gated):
+                passed, remaining, cumulative = gate_update(model.exit_probability(state), remaining, cumulative,
+                                                            thresholds)
+                fired = passed & (minimum <= i + 1) & ~exited
+                chosen = torch.where((fired | ~exited).unsqueeze(-1), state, chosen)
+                exited = exited | fired
+        if any(gated):
+            state = chosen
         for q, length in zip(group, lengths):
             cache.fill_missing(steps, 0, length, row=q.row, slots=budget)
         logits = model.readout(state, rope, mask, cache)
@@ -245,8 +271,9 @@ class ContinuousBatch:
             if not q.config.continuous_cot:  # else s_0 is the previous token's final state, kept in place
                 noise = None if q.noise is None else q.noise[q.length]
                 self.state[q.row] = self.model.start_state(self.embedded[q.row], noise)
-            q.iteration, q.iterating = 0, True
+            q.iteration, q.iterating, q.gate_exited = 0, True, False
         self.streak[select] = 0
+        self.gate_remaining[select], self.gate_cumulative[select] = 1.0, 0.0
 
     def _iterate(self, requests: list[_Request]) -> list[_Request]:
         """One core iteration for every request; returns those whose token is done."""
@@ -266,9 +293,10 @@ class ContinuousBatch:
         self.state[select] = state
         for q in requests:
             q.iteration += 1
+        gated = self._gate(requests, rows, state)
         evaluate, readout = [], []  # rows whose criterion is read now; rows that need this iteration's logits
         for j, q in enumerate(requests):
-            if q.criterion is None:
+            if q.criterion is None or q.criterion.uses_gate:
                 continue
             now, next_reads = exit_schedule(q.iteration - 1, q.config.num_steps, q.config.exit_every)
             if now:
@@ -276,7 +304,7 @@ class ContinuousBatch:
             if q.criterion.uses_logits and (now or next_reads):
                 readout.append(j)
         if not evaluate and not readout:
-            return [q for q in requests if q.iteration == q.config.num_steps]
+            return [q for q in requests if q.iteration == q.config.num_steps or q.id in gated]
         prev_logits = self.logits[select].clone()
         if readout:
             pick = torch.tensor(readout, device=self.device)
@@ -295,7 +323,37 @@ class ContinuousBatch:
                 crit, self.streak[rows[pick]], steps, min_steps, prev_logits[pick], self.logits[rows[pick]],
                 prev_state[pick, -1], state[pick, -1])
         exited = exited.tolist() if groups else [False] * len(requests)
-        return [q for q, out in zip(requests, exited) if out or q.iteration == q.config.num_steps]
+        return [q for q, out in zip(requests, exited) if out or q.iteration == q.config.num_steps or q.id in gated]
+
+    def _gate(self, requests: list[_Request], rows: Tensor, state: Tensor) -> set[int]:
+        """The learned exit gate after this iteration, for the requests that exit by it: ids of those whose
+        token is done (`gate`: the gate fired; `gate-exact` runs to num_steps and keeps the state of the
+        iteration the gate chose, read out when the token is done)."""
+        members = [j for j, q in enumerate(requests) if q.criterion is not None and q.criterion.uses_gate]
+        if not members:
+            return set()
+        pick = torch.tensor(members, device=self.device)
+        at = rows[pick]
+        thresholds = torch.tensor([requests[j].criterion.threshold for j in members], device=self.device)
+        passed, self.gate_remaining[at], self.gate_cumulative[at] = gate_update(
+            self.model.exit_probability(state[pick, -1]), self.gate_remaining[at], self.gate_cumulative[at],
+            thresholds)
+        steps = torch.tensor([requests[j].iteration for j in members], device=self.device)
+        minimum = torch.tensor([requests[j].config.min_steps for j in members], device=self.device)
+        fired = (passed & (steps >= minimum)).tolist()
+        done = set()
+        for j, now in zip(members, fired):
+            q = requests[j]
+            if not q.criterion.spec.exact:
+                if now:
+                    done.add(q.id)
+                continue
+            if (now or q.iteration == q.config.num_steps) and not q.gate_exited:
+                q.gate_exited = True
+                self.exit_state[q.row] = state[j]
+            if q.iteration == q.config.num_steps:
+                self.state[q.row] = self.exit_state[q.row]  # what the readout (and continuous CoT) reads
+        return done
 
     def _for(self, rows: Tensor | slice, index: Tensor) -> RecurrentKVCache:
         """The cache, set for a coda call of `rows` (a subset of the last `_inputs` call's rows)."""

@@ -81,12 +81,15 @@ class Rows:
     exited: Tensor           # [b] bool
     streak: Tensor           # [b] consecutive passing evaluations
     logits: Tensor | None    # [b, V] of the latest iteration when the criterion reads logits
+    remaining: Tensor | None = None   # [b] a learned gate's running sums (rdlm.inference.exits.ExitTrack)
+    cumulative: Tensor | None = None
 
     def select(self, keep: Tensor) -> "Rows":
         pick = lambda t: None if t is None else t[keep]  # noqa: E731
         return Rows(self.index[keep], self.state[keep], self.embedded[keep],
                     (self.rope[0][keep], self.rope[1][keep]), self.mask[keep], self.steps[keep],
-                    self.exited[keep], self.streak[keep], pick(self.logits))
+                    self.exited[keep], self.streak[keep], pick(self.logits), pick(self.remaining),
+                    pick(self.cumulative))
 
 
 def resolve_compile(compile: bool | None, device: torch.device) -> bool:
@@ -143,7 +146,10 @@ class Session:
             self.ids[b, self.prompt_length - len(p):] = torch.tensor(p, device=self.device)
         self.key_valid = torch.zeros(self.batch, max_length, dtype=torch.bool, device=self.device)
         self.length = 0  # buffer entries written so far
-        self.criterion = config.criterion()
+        self.criterion = config.criterion(model.config)
+        if self.criterion is not None and self.criterion.uses_gate and model.exit_gate is None:
+            raise ValueError(f"exit criterion {self.criterion.name!r} needs a model with a learned exit gate "
+                             "(an Ouro checkpoint); this one has none")
         self.noise = noise_table(model, config.seed, config.init_scale, max_length, self.dtype, self.device)
         self.samplers = [torch.Generator(device=self.device).manual_seed(config.seed)
                          for _ in range(self.batch)]
@@ -200,8 +206,18 @@ class Session:
         logits of the last token [B, V], or of every token [B, n, V] with `last_only=False`."""
         e, rope, mask, positions, start = self.begin(ids)
         state = self.initial_state(e, positions) if initial_state is None else initial_state
-        for i in range(num_steps):
-            state = self.model.step(state, e, i, rope, mask, self.cache)
+        if self.criterion is not None and self.criterion.uses_gate:
+            # Every token runs num_steps (a block call); each is read out at the iteration its gate chose,
+            # as the reference selects, so the first new token is the reference's.
+            track = ExitTrack.start(state.shape[0] * state.shape[1], self.device, gate=True)
+            _, track = iterate_with_exits(
+                lambda s, i, exited: self.model.step(s, e, i, rope, mask, self.cache), None, state, track,
+                self.criterion, 0, num_steps, num_steps, min_steps=self.config.min_steps, freeze=False,
+                gate=self.model.exit_probability)
+            state = track.exit_state.view_as(state)
+        else:
+            for i in range(num_steps):
+                state = self.model.step(state, e, i, rope, mask, self.cache)
         self.cache.fill_missing(num_steps, start, start + ids.shape[1])
         logits = self.model.readout(state, rope, mask, self.cache)
         self.length = start + ids.shape[1]
@@ -293,6 +309,8 @@ class Session:
         the host looks at the exit flags, and once some rows have exited the others go on alone."""
         c, cache = self.config, self.cache
         r, every = c.num_steps, c.exit_sync_every
+        if self.criterion.spec.exact:  # every row runs every iteration: one chunk, the exit only selects
+            return self.token_exact()
         rows = full = self.run(("adaptive", "start"), self.adaptive_start)[0]
         final, steps = rows.state.clone(), rows.steps.clone()
         i, compact = 0, False
@@ -323,6 +341,23 @@ class Session:
         logits = self.model.readout(final, full.rope, full.mask, cache)[:, -1]
         return logits, final, steps
 
+    def token_exact(self) -> tuple[Tensor, Tensor, Tensor]:
+        """`gate-exact`: all num_steps iterations for every row (every cache entry written, as the
+        reference computes), the logits read from each row's state at its gate exit. Steps reported: the
+        iterations run, num_steps."""
+        r, cache = self.config.num_steps, self.cache
+        rows = self.run(("adaptive", "start"), self.adaptive_start)[0]
+        track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
+        _, track = iterate_with_exits(
+            lambda state, i, exited: self.model.step(state, rows.embedded, i, rows.rope, rows.mask, cache),
+            None, rows.state, track, self.criterion, 0, r, r, min_steps=self.config.min_steps, freeze=False,
+            gate=self.model.exit_probability)
+        final = track.exit_state.view_as(rows.state)
+        steps = torch.full((self.batch,), r, device=self.device)
+        cache.fill_missing(steps, cache.start, None)
+        logits = self.model.readout(final, rows.rope, rows.mask, cache)[:, -1]
+        return logits, final, steps
+
     def adaptive_start(self) -> tuple[Rows]:
         """Prelude and s_0 of the token; every row active."""
         e, rope, mask, positions = self.decode_inputs()
@@ -331,8 +366,9 @@ class Session:
         logits = None
         if self.criterion.uses_logits:
             logits = torch.zeros(self.batch, self.model.config.vocab_size, device=self.device)
+        gate = ExitTrack.start(self.batch, self.device, gate=True) if self.criterion.uses_gate else None
         return (Rows(torch.arange(self.batch, device=self.device), state.clone(), e, rope, mask, zeros,
-                     zeros.bool(), zeros.clone(), logits),)
+                     zeros.bool(), zeros.clone(), logits, gate and gate.remaining, gate and gate.cumulative),)
 
     def iterate(self, rows: Rows, first: int, n: int, in_place: bool = False) -> Rows:
         """Iterations first .. first + n - 1 for `rows` (`iterate_with_exits`), deciding exits on the
@@ -347,14 +383,16 @@ class Session:
         def readout(state: Tensor) -> Tensor:
             return self.model.readout(state, rows.rope, rows.mask, cache)[:, -1]
 
-        track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits)
+        track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
+        gate = self.model.exit_probability if self.criterion.uses_gate else None
         state, track = iterate_with_exits(step, readout, rows.state, track, self.criterion, first, n,
-                                          c.num_steps, min_steps=c.min_steps, every=c.exit_every)
+                                          c.num_steps, min_steps=c.min_steps, every=c.exit_every, gate=gate)
         cache.core_writers = None
         out = dataclasses.replace(rows, state=state, steps=track.steps, exited=track.exited,
-                                  streak=track.streak, logits=track.logits)
+                                  streak=track.streak, logits=track.logits, remaining=track.remaining,
+                                  cumulative=track.cumulative)
         if in_place:
-            for name in ("state", "steps", "exited", "streak", "logits"):
+            for name in ("state", "steps", "exited", "streak", "logits", "remaining", "cumulative"):
                 target = getattr(rows, name)
                 if target is not None:
                     target.copy_(getattr(out, name))

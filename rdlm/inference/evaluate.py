@@ -84,6 +84,29 @@ def score_targets(model: RecurrentDepthLM, input_ids: Tensor, labels: Tensor, nu
 
 
 @torch.no_grad()
+@torch.no_grad()
+def gate_exit_logits(model: RecurrentDepthLM, input_ids: Tensor, num_steps: int, threshold: float | None = None,
+                     ) -> tuple[Tensor, Tensor]:
+    """(logits [B, S, V], exit iteration [B, S], 1-based) of a model with a learned exit gate (Ouro),
+    teacher-forced: every token runs `num_steps` iterations and is read out at the first iteration whose
+    cumulative exit probability reaches `threshold` (default the checkpoint's), the last if none does.
+    What the reference computes when given an exit threshold (rdlm.inference.exits, "gate-exact")."""
+    from rdlm.inference.exits import ExitTrack, iterate_with_exits, make_exit_criterion
+
+    threshold = model.config.exit_threshold if threshold is None else threshold
+    criterion = make_exit_criterion("gate", threshold)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    rope = model.rope(positions)
+    embedded = model.embed(input_ids, rope)
+    state = model.init_state(embedded)
+    track = ExitTrack.start(input_ids.numel(), input_ids.device, gate=True)
+    _, track = iterate_with_exits(lambda s, i, exited: model.step(s, embedded, i, rope), None, state, track,
+                                  criterion, 0, num_steps, num_steps, min_steps=1, freeze=False,
+                                  gate=model.exit_probability)
+    logits = model.readout(track.exit_state.view_as(state), rope)
+    return logits, track.steps.view(input_ids.shape)
+
+
 def nll_vs_steps(model: RecurrentDepthLM, batches: Iterable[tuple[Tensor, Tensor]], num_steps: Sequence[int], *,
                  seed: int = 0, init_scale: float = 1.0, autocast: ContextManager | None = None,
                  device: torch.device | None = None) -> dict[int, TargetScores]:

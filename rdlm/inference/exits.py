@@ -20,6 +20,14 @@ Shapes: logits are [..., vocab], states [..., hidden]; scores and decisions are 
 one decoded token per sequence, or [batch, seq]). Nothing here keeps state between calls: the streak
 counter for `patience` is passed in and returned (`ExitCriterion.update`).
 
+`gate` and `gate-exact` read a model's learned exit gate instead (Ouro; `RecurrentDepthLM.exit_probability`):
+after iteration i the gate gives lambda_i, the exit distribution is p_i = lambda_i * prod_{j<i}(1 - lambda_j),
+and a token exits at the first iteration whose cumulative probability reaches the threshold (default the
+checkpoint's `exit_threshold`), accumulated in the reference's order so decisions match it bit for bit.
+`gate` stops iterating the token there (compute saved; later tokens read its latest cache entry, as for
+every criterion here); `gate-exact` runs every iteration for every token, as the reference does, and only
+selects the exit iteration's state for the logits.
+
 `iterate_with_exits` is the one per-token exit loop: the decode engine (rdlm.inference.engine) and the
 exit-step analysis (rdlm.analysis.exit_steps) both run it; continuous batching, whose rows sit at
 different iterations, takes its `exit_schedule` and `exit_decision` one iteration at a time.
@@ -104,6 +112,10 @@ class CriterionSpec:
     # The threshold counts consecutive iterations whose score is 0 (argmax-stability): a token passes
     # an iteration when its score is below 0.5, and exits after `threshold` passes in a row.
     counts_steps: bool = False
+    # Reads the model's learned exit gate after every iteration (see the module doc); `exact`: every
+    # iteration still runs for every token, the exit only selects the state read out.
+    uses_gate: bool = False
+    exact: bool = False
 
 
 # Defaults: kl 5e-4 and latent-diff 0.03 are the paper's (section 6.1); the others are the reference
@@ -121,7 +133,21 @@ CRITERIA: dict[str, CriterionSpec] = {
                                       help="the most likely next token unchanged for n steps (threshold = n)"),
     "cosine": CriterionSpec(cosine_score, 1e-3, False, True,
                             help="cosine distance between successive latent states"),
+    "gate": CriterionSpec(lambda *args: None, 0.5, False, False, uses_gate=True,
+                          help="a learned exit gate (Ouro): cumulative exit probability >= threshold; "
+                               "stops iterating the token"),
+    "gate-exact": CriterionSpec(lambda *args: None, 0.5, False, False, uses_gate=True, exact=True,
+                                help="the learned exit gate as the reference uses it: every iteration runs, "
+                                     "the exit selects which one's logits are read"),
 }
+
+
+def gate_update(lam: Tensor, remaining: Tensor, cumulative: Tensor, threshold: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """(passed, remaining, cumulative) after one iteration whose gate gave `lam`: p_i = lam * remaining is
+    added to the cumulative exit probability (the reference's cumsum order), remaining *= 1 - lam."""
+    cumulative = cumulative + lam * remaining
+    return cumulative >= threshold, remaining * (1 - lam), cumulative
 
 
 @dataclass(frozen=True)
@@ -153,9 +179,15 @@ class ExitCriterion:
     def uses_state(self) -> bool:
         return self.spec.uses_state
 
+    @property
+    def uses_gate(self) -> bool:
+        return self.spec.uses_gate
+
     def score(self, prev_logits: Tensor | None = None, logits: Tensor | None = None,
               prev_state: Tensor | None = None, state: Tensor | None = None) -> Tensor:
         """The per-token score of this iteration (smaller is more converged)."""
+        if self.uses_gate:
+            raise ValueError(f"exit criterion {self.name!r} reads a model's exit gate: use gate_update")
         self._check_inputs(prev_logits, logits, prev_state, state)
         return self.spec.score(prev_logits, logits, prev_state, state, **dict(self.options))
 
@@ -210,6 +242,8 @@ def make_exit_criterion(name: str, threshold: float | None = None, *, patience: 
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                   or threshold != threshold):
         raise ValueError(f"exit threshold must be a number, got {threshold!r}")
+    if spec.uses_gate and threshold is not None and not 0 < threshold <= 1:
+        raise ValueError(f"{name!r} threshold is a cumulative exit probability in (0, 1], got {threshold!r}")
     if spec.counts_steps:
         if threshold is not None and patience is not None and threshold != patience:
             raise ValueError(f"{name!r} counts steps: give the threshold ({threshold}) or n/patience "
@@ -239,13 +273,20 @@ class ExitTrack:
     exited: Tensor           # [n] bool
     streak: Tensor           # [n] consecutive passing readings
     logits: Tensor | None    # [n, V] the latest readout, kept when the criterion reads logits
+    # The learned gate's running sums ([n] float32), when the criterion reads it: the probability of
+    # not having exited yet, and the cumulative exit probability.
+    remaining: Tensor | None = None
+    cumulative: Tensor | None = None
+    exit_state: Tensor | None = None  # [n, h] the state at each token's exit (gate-exact, not frozen)
 
     @classmethod
-    def start(cls, n: int, device: torch.device, vocab_size: int | None = None) -> "ExitTrack":
-        """No iteration run yet; `vocab_size` when the criterion reads logits."""
+    def start(cls, n: int, device: torch.device, vocab_size: int | None = None,
+              gate: bool = False) -> "ExitTrack":
+        """No iteration run yet; `vocab_size` when the criterion reads logits, `gate` when it reads a gate."""
         zeros = torch.zeros(n, dtype=torch.long, device=device)
         logits = None if vocab_size is None else torch.zeros(n, vocab_size, device=device)
-        return cls(zeros, zeros.bool(), zeros.clone(), logits)
+        ones = torch.ones(n, device=device) if gate else None
+        return cls(zeros, zeros.bool(), zeros.clone(), logits, ones, None if ones is None else ones * 0)
 
 
 def exit_schedule(iteration: int, num_steps: int, every: int) -> tuple[bool, bool]:
@@ -270,8 +311,8 @@ def exit_decision(criterion: ExitCriterion, streak: Tensor, steps: Tensor, min_s
 
 def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: Callable[[Tensor], Tensor],
                        state: Tensor, track: ExitTrack, criterion: ExitCriterion, first: int, n: int,
-                       num_steps: int, *, min_steps: int = 2, every: int = 1, freeze: bool = True
-                       ) -> tuple[Tensor, ExitTrack]:
+                       num_steps: int, *, min_steps: int = 2, every: int = 1, freeze: bool = True,
+                       gate: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, ExitTrack]:
     """Iterations first .. first + n - 1 (0-based) of a per-token adaptive loop capped at `num_steps`.
 
     step(state, i, exited) -> the state after iteration i; readout(state) -> next-token logits [..., V]
@@ -281,13 +322,30 @@ def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: C
     (`exit_decision`). `freeze`: an exited token keeps its state (decoding: its exit state is its final
     one); otherwise it goes on iterating and only its step count stops (teacher-forced analysis, where
     every token runs to the same depth). No host sync: the caller decides when to look at `exited`.
+    A gate criterion reads `gate(state)` (lambda per token) after every iteration instead; unfrozen, the
+    track keeps each token's state at its exit (`exit_state`).
     Returns the new state and a new track (the given one is not modified)."""
     tokens = state.shape[:-1]
     steps, exited, streak, logits = track.steps, track.exited, track.streak, track.logits
+    remaining, cumulative, exit_state = track.remaining, track.cumulative, track.exit_state
+    if criterion.uses_gate:
+        if gate is None or remaining is None:
+            raise ValueError(f"exit criterion {criterion.name!r} needs the model's gate and a track started with gate=True")
+        if not freeze and exit_state is None:
+            exit_state = state.reshape(-1, state.shape[-1]).clone()
     for i in range(first, first + n):
         prev_state, new = state, step(state, i, exited)
         state = torch.where(exited.view(*tokens, 1), prev_state, new) if freeze else new
         steps = steps + (~exited).long()
+        if criterion.uses_gate:
+            passed, remaining, cumulative = gate_update(gate(state).reshape(-1), remaining, cumulative,
+                                                        criterion.threshold)
+            exits = passed & (steps >= min_steps) & ~exited
+            if exit_state is not None:
+                flat = state.reshape(-1, state.shape[-1])
+                exit_state = torch.where((exits | ~exited).view(-1, 1), flat, exit_state)
+            exited = exited | exits
+            continue
         evaluate, next_evaluates = exit_schedule(i, num_steps, every)
         prev_logits = logits
         if criterion.uses_logits and (evaluate or next_evaluates):
@@ -298,4 +356,4 @@ def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: C
                                           prev_state.reshape(-1, state.shape[-1]),
                                           state.reshape(-1, state.shape[-1]))
             exited = exited | exits
-    return state, ExitTrack(steps, exited, streak, logits)
+    return state, ExitTrack(steps, exited, streak, logits, remaining, cumulative, exit_state)

@@ -23,8 +23,8 @@ class GenerationConfig:
     prefill_steps: int | None = None    # r for the prompt (default num_steps)
     # Per-token adaptive compute (paper section 6): a name of rdlm.inference.exits.CRITERIA or an ExitCriterion.
     exit_criterion: str | ExitCriterion | None = None
-    exit_threshold: float | None = None  # default: the criterion's own
-    min_steps: int = 2
+    exit_threshold: float | None = None  # default: the criterion's own (gate: the checkpoint's)
+    min_steps: int | None = None        # fewest iterations before an exit; None: 2 (1 for a learned gate)
     # Sampling; temperature 0 is greedy (the paper's evaluation convention).
     temperature: float = 0.0
     top_k: int | None = None
@@ -67,6 +67,9 @@ class GenerationConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
+        if self.min_steps is None:  # a learned gate may exit after the first iteration, as its reference does
+            gate = self.exit_criterion in ("gate", "gate-exact") or getattr(self.exit_criterion, "uses_gate", False)
+            object.__setattr__(self, "min_steps", 1 if gate else 2)
         positive("max_new_tokens", 0)
         positive("num_steps")
         positive("min_steps", 1)
@@ -128,10 +131,14 @@ class GenerationConfig:
                 raise ValueError("the parallel sampler has no repetition_penalty")
             self.freezer()  # raises on unknown names
 
-    def criterion(self) -> ExitCriterion | None:
+    def criterion(self, model_config=None) -> ExitCriterion | None:
+        """The exit criterion; a learned gate's default threshold is `model_config.exit_threshold`."""
         if self.exit_criterion is None or isinstance(self.exit_criterion, ExitCriterion):
             return self.exit_criterion
-        return make_exit_criterion(self.exit_criterion, self.exit_threshold)
+        threshold = self.exit_threshold
+        if threshold is None and self.exit_criterion in ("gate", "gate-exact"):
+            threshold = getattr(model_config, "exit_threshold", None)
+        return make_exit_criterion(self.exit_criterion, threshold)
 
     def freezer(self) -> ExitCriterion:
         """The parallel sampler's criterion that freezes a position (a name of CRITERIA or an ExitCriterion)."""

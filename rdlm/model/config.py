@@ -238,6 +238,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(prelude_layers=1, core_layers=2, coda_layers=1, hidden_size=64, num_heads=4,
                  intermediate_size=160, vocab_size=512, context_length=256, mean_recurrence=8,
                  backprop_depth=4),
+    # Ouro's wiring at test size: the whole stack (2 layers) looped 4 times, s_0 = e, no injection, the final
+    # norm after every loop, grouped-query attention, the learned exit gate (docs/model-families.md).
+    "ouro-tiny": dict(prelude_layers=0, core_layers=2, coda_layers=0, hidden_size=64, num_heads=4, num_kv_heads=2,
+                      intermediate_size=160, vocab_size=512, context_length=256, mean_recurrence=4,
+                      backprop_depth=4, recurrence_sampler="fixed", qk_bias=False, tie_embeddings=False,
+                      rope_pairs="halves", rope_base=10000.0, norm_scheme="peri", injection="none",
+                      state_init="embedding", final_norm="loop", embed_scale=1.0, exit_gate=True,
+                      exit_threshold=0.5, family="ouro"),
     # A CPU demo model: a few million parameters.
     "small": dict(prelude_layers=1, core_layers=2, coda_layers=1, hidden_size=256, num_heads=8,
                   intermediate_size=704, vocab_size=8192, context_length=512, mean_recurrence=8,

@@ -34,6 +34,23 @@ class CheckpointError(ValueError):
 # ------------------------------------------------------------------------------------------------
 # Recognising a checkpoint
 
+def standard_rope_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` with RoPE in the config.json spelling (`rope_theta`, `rope_scaling`): transformers 5 keeps both
+    inside `rope_parameters` (its configs' `to_dict()`), which is read the same way."""
+    raw = dict(raw)
+    params = raw.pop("rope_parameters", None)
+    if isinstance(params, dict):
+        params = dict(params)
+        theta = params.pop("rope_theta", None)
+        if raw.get("rope_theta") is None and theta is not None:
+            raw["rope_theta"] = theta
+        if raw.get("rope_scaling") is None and params.get("rope_type", "default") != "default":
+            raw["rope_scaling"] = params
+    if "rope_theta" in raw and raw["rope_theta"] is None:
+        del raw["rope_theta"]
+    return raw
+
+
 def family_of(raw: Mapping[str, Any], tensor_names: set[str] | None = None) -> str:
     """The family of a config.json dict (and, for the retrofitted OLMo variant, its tensor names)."""
     kind = raw.get("model_type", "huginn_raven")
@@ -44,7 +61,10 @@ def family_of(raw: Mapping[str, Any], tensor_names: set[str] | None = None) -> s
         return declared
     # Huginn-0125's config has neither key; the retrofitting converters add both RoPE keys.
     if "rope_theta" in raw or raw.get("rope_scaling") is not None:
-        olmo = any(name.endswith("attn.q_norm.weight") for name in tensor_names or ())
+        # The OLMo variant: its QK-norm tensors, or the modeling file its auto_map names (read, never run).
+        auto_map = raw.get("auto_map") if isinstance(raw.get("auto_map"), dict) else {}
+        olmo = any(name.endswith("attn.q_norm.weight") for name in tensor_names or ()) or any(
+            "olmo" in str(target).lower() for target in auto_map.values())
         return "retrofit-olmo" if olmo else "retrofit-llama"
     return "huginn"
 

@@ -17,7 +17,7 @@ def flops_per_token(model: RecurrentDepthLM, seq_len: int, no_grad_steps: int, g
     c = model.config
     groups = model.parameter_groups()
     head = c.vocab_size * c.hidden_size
-    attention = 4 * seq_len * c.hidden_size  # per layer, causal halving ignored (as is common)
+    attention = 4 * seq_len * c.num_heads * c.head_dim  # per layer, causal halving ignored (as is common)
     edges = groups["prelude"] + groups["coda"] + head
     edge_attn = (c.prelude_layers + c.coda_layers) * attention
     r = no_grad_steps + grad_steps
@@ -33,10 +33,12 @@ class ConfigSizes:
 
     def __init__(self, config) -> None:
         h, inter = config.hidden_size, config.intermediate_size
-        layer = 4 * h * h + 3 * h * inter  # attention (q, k, v, out) and the gated MLP
+        q, kv = config.num_heads * config.head_dim, config.kv_heads * config.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * inter  # attention (q, k, v, out) and the gated MLP
+        adapter = 2 * h * h if config.injection == "concat" else 0  # the adapter of [s, e]
         self.config = config
         self.groups = {"prelude": config.prelude_layers * layer, "coda": config.coda_layers * layer,
-                       "core": config.core_layers * layer + 2 * h * h}  # + the adapter of [s, e]
+                       "core": config.core_layers * layer + adapter}
 
     def parameter_groups(self) -> dict[str, int]:
         return self.groups

@@ -26,7 +26,7 @@ from rdlm.model.config import RDLMConfig, check_keys
 from rdlm.fileio import confined_name, recover_dir, staging_dir, write_json
 from rdlm.model.families import (CheckpointError, check_ouro_shape, config_from_ouro, config_to_ouro, family_of,
                                  from_huginn_name, from_ouro_tensors, ouro_name, retrofit_fields, retrofit_keys,
-                                 to_huginn_name, to_ouro_tensors)
+                                 standard_rope_keys, to_huginn_name, to_ouro_tensors)
 from rdlm.model.lm import RecurrentDepthLM, rope_tables
 
 CONFIG_NAME = "config.json"
@@ -63,6 +63,7 @@ def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME,
     both come here. Keys that change the reference's outputs are honoured: `test_time_noise(_type)` (noise
     added to the state before every core iteration) and `init_values.std` (the scale of the random s_0).
     """
+    raw = standard_rope_keys(raw)
     family = family_of(raw, tensor_names)
     if family == "ouro":
         return _with_rdlm_section(config_from_ouro(raw, source), raw, source)
@@ -189,7 +190,7 @@ def read_config(path: str | os.PathLike) -> RDLMConfig:
         raise CheckpointError(f"{config_path}: not valid JSON ({err})") from err
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
-    names = tensor_names(path) if family_of(raw) != "huginn" and family_of(raw) != "ouro" else None
+    names = tensor_names(path) if family_of(standard_rope_keys(raw)).startswith("retrofit") else None
     return config_from_huginn(raw, str(config_path), names)
 
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rdlm.model.config import RDLMConfig
-from rdlm.model.loss import linear_cross_entropy
+from rdlm.model.loss import expected_exit_loss, linear_cross_entropy
 from rdlm.model.recurrence import sample_num_steps
 from rdlm.model.rope import apply_rope, rope_tables  # noqa: F401  (rope_tables: also imported from here)
 
@@ -378,7 +378,7 @@ class RecurrentDepthLM(nn.Module):
                 attention_mask: Tensor | None = None, cache: KVCacheHook | None = None,
                 labels: Tensor | None = None, return_state: bool = False,
                 return_trajectory: bool = False, return_logits: bool = True, loss_reduction: str = "mean",
-                generator: torch.Generator | None = None) -> RecurrentOutput:
+                generator: torch.Generator | None = None, exit_loss_beta: float | None = None) -> RecurrentOutput:
         """Run prelude, `num_steps` core iterations and coda.
 
         num_steps: r (every iteration in the caller's grad mode), or (n, k): n iterations without
@@ -393,6 +393,9 @@ class RecurrentDepthLM(nn.Module):
         return_logits: False (with labels) computes the loss chunk by chunk without ever holding the
             [batch, seq, vocab] logits (rdlm.model.loss; what training uses); `logits` is then None.
         loss_reduction: "mean" over the counted targets, or "sum".
+        exit_loss_beta: with labels, on a model with a learned exit gate (Ouro): the loss is the expected
+            loss over the exit distribution minus beta times its entropy (rdlm.model.loss.expected_exit_loss),
+            every iteration read out; needs every iteration with gradient. `logits` are the last iteration's.
         """
         no_grad_steps, grad_steps = self.resolve_num_steps(num_steps, generator)
         if input_ids.ndim != 2:
@@ -419,6 +422,9 @@ class RecurrentDepthLM(nn.Module):
             state = initial_state.to(embedded.dtype)
         trajectory = [state] if return_trajectory else None
 
+        if exit_loss_beta is not None:
+            self._check_exit_loss(labels, no_grad_steps)
+            trajectory = [state] if trajectory is None else trajectory
         with torch.no_grad():
             for i in range(no_grad_steps):
                 state = self.step(state, embedded, i, rope, attention_mask, cache, generator)
@@ -434,7 +440,11 @@ class RecurrentDepthLM(nn.Module):
                 trajectory.append(state)
 
         loss = None
-        if labels is not None and not return_logits:
+        if exit_loss_beta is not None:
+            logits, loss = self._expected_exit_loss(trajectory[1:], rope, attention_mask, cache, labels,
+                                                    exit_loss_beta, loss_reduction)
+            trajectory = trajectory if return_trajectory else None
+        elif labels is not None and not return_logits:
             logits = None
             loss = linear_cross_entropy(self.coda_output(state, rope, attention_mask, cache),
                                         self.unembedding_weight, labels, loss_reduction)
@@ -445,6 +455,29 @@ class RecurrentDepthLM(nn.Module):
                                        reduction=loss_reduction)
         return RecurrentOutput(logits=logits, loss=loss, state=state if return_state else None,
                                trajectory=trajectory, num_steps=(no_grad_steps, grad_steps))
+
+    def _check_exit_loss(self, labels: Tensor | None, no_grad_steps: int) -> None:
+        if self.exit_gate is None:
+            raise ValueError("exit_loss_beta needs a model with a learned exit gate (config.exit_gate)")
+        if labels is None:
+            raise ValueError("exit_loss_beta needs labels")
+        if no_grad_steps:
+            raise ValueError("the expected exit loss reads every iteration: run them all with gradient "
+                             f"(got {no_grad_steps} without)")
+
+    def _expected_exit_loss(self, states: list[Tensor], rope: Rope, mask: Tensor | None,
+                            cache: KVCacheHook | None, labels: Tensor, beta: float,
+                            reduction: str) -> tuple[Tensor, Tensor]:
+        """(last iteration's logits, the expected loss over the gate's exit distribution)."""
+        losses, lambdas = [], []
+        for state in states:
+            logits = self.readout(state, rope, mask, cache)
+            losses.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                          reduction="none").view(labels.shape))
+            lambdas.append(self.exit_probability(state))
+        loss = expected_exit_loss(torch.stack(losses, dim=-1), torch.stack(lambdas, dim=-1), labels != -100,
+                                  beta, reduction)
+        return logits, loss
 
     def resolve_num_steps(self, num_steps: NumSteps | None,
                           generator: torch.Generator | None = None) -> tuple[int, int]:

@@ -75,3 +75,28 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, reducti
     if reduction == "sum":
         return total
     return total / (labels != IGNORE_INDEX).sum().clamp_min(1)
+
+
+def exit_distribution(lambdas: Tensor) -> Tensor:
+    """p_i = lambda_i * prod_{j<i} (1 - lambda_j) over the last dimension (the iterations), the last
+    iteration taking what is left, so each token's p sums to 1 (Ouro's exit distribution)."""
+    survival = torch.cumprod(1 - lambdas, dim=-1)
+    before = torch.cat((torch.ones_like(survival[..., :1]), survival[..., :-1]), dim=-1)
+    exits = lambdas * before
+    return torch.cat((exits[..., :-1], before[..., -1:]), dim=-1)
+
+
+def expected_exit_loss(step_losses: Tensor, lambdas: Tensor, counted: Tensor, beta: float,
+                       reduction: str = "mean") -> Tensor:
+    """Ouro's training objective: per token, sum_i p_i * loss_i - beta * H(p), with p the exit distribution
+    of the gate's lambdas (`exit_distribution`) and loss_i the cross-entropy read out after iteration i.
+
+    step_losses, lambdas: [..., T] (T iterations); counted: [...] bool, the tokens with a target.
+    The entropy term keeps the gate from collapsing onto one iteration early in training."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    p = exit_distribution(lambdas.float())
+    entropy = -(p * p.clamp_min(1e-12).log()).sum(dim=-1)
+    per_token = (p * step_losses.float()).sum(dim=-1) - beta * entropy
+    total = per_token.masked_fill(~counted, 0.0).sum()
+    return total / counted.sum().clamp_min(1) if reduction == "mean" else total

@@ -50,6 +50,9 @@ class TrainConfig:
                                                   "(default: the model's)")
     recurrence_sigma: float | None = option(None, "spread of the log-normal Poisson sampler (default: the "
                                                   "model's)")
+    exit_loss_beta: float | None = option(None, "train a model with a learned exit gate (Ouro) on its expected "
+                                                "loss over exit iterations minus beta x the exit distribution's "
+                                                "entropy; every iteration with gradient (None: rdlm's loss at r)")
     # Optimization (docs/architecture.md#optimizer).
     lr: float = option(1e-3, "peak learning rate")
     warmup_steps: int = option(10, "linear warm-up steps")
@@ -141,6 +144,8 @@ class TrainConfig:
         if self.cpu_offload and self.strategy not in ("auto", "fsdp"):
             raise ConfigError(f"cpu_offload needs strategy fsdp, got {self.strategy!r}")
         check_keys(self.model_overrides)
+        if self.exit_loss_beta is not None:
+            _check_number("exit_loss_beta", self.exit_loss_beta, 0.0, None)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":

@@ -130,6 +130,15 @@ class Trainer(RunCheckpoints):
         self.backprop_depth = c.backprop_depth if config.backprop_depth is None else config.backprop_depth
         self.sampler = c.recurrence_sampler if config.recurrence_sampler is None else config.recurrence_sampler
         self.sigma = c.recurrence_sigma if config.recurrence_sigma is None else config.recurrence_sigma
+        if config.exit_loss_beta is not None:  # Ouro's objective: every iteration read out, all with gradient
+            if not c.exit_gate:
+                raise TrainingError("exit_loss_beta needs a model with a learned exit gate (model config "
+                                    "exit_gate: an Ouro checkpoint, or --set exit_gate=true)")
+            self.backprop_depth = max(self.backprop_depth, self.mean_recurrence)
+            if self.sampler != "fixed":
+                print(f"rdlm train: exit_loss_beta trains at a fixed r = {self.mean_recurrence} (the sampler "
+                      f"{self.sampler!r} is not used)", file=sys.stderr)
+                self.sampler = "fixed"
         if self.mean_recurrence < 1 or self.backprop_depth < 1:
             raise ConfigError("mean_recurrence and backprop_depth must be >= 1")
 
@@ -247,7 +256,8 @@ class Trainer(RunCheckpoints):
                 with self.autocast:
                     # The summed loss, without materializing the logits (rdlm.model.loss).
                     loss = network(ids, num_steps=(no_grad, with_grad), initial_state=s0, labels=labels,
-                                   return_logits=False, loss_reduction="sum").loss
+                                   return_logits=False, loss_reduction="sum",
+                                   exit_loss_beta=cfg.exit_loss_beta).loss
                 (loss * scale).backward()
             loss_sum += loss.detach().double()
             tokens += ids.numel()

@@ -1,4 +1,5 @@
-"""Hugging Face `transformers` integration: a config + model pair for model_type "huginn_raven".
+"""Hugging Face `transformers` integration: config + model pairs for model_type "huginn_raven" (Huginn and the
+retrofitted models) and "ouro" (registered only where transformers has no "ouro" of its own).
 
     import rdlm.integrations.hf  # registers the classes with AutoConfig / AutoModelForCausalLM / AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained("path/to/huginn-dir")          # no trust_remote_code
@@ -35,13 +36,14 @@ _check_transformers_version()
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rdlm.integrations.hf.cache import RecurrentCache, padding_attention_mask  # noqa: E402
-from rdlm.integrations.hf.config import GENERATION_CONFIG_NAME, MODEL_TYPE, RavenConfig  # noqa: E402
+from rdlm.integrations.hf.config import GENERATION_CONFIG_NAME, MODEL_TYPE, OuroConfig, RavenConfig  # noqa: E402
 from rdlm.integrations.hf.generation import (RDLM_GENERATION_DEFAULTS, unsupported_generation_options,  # noqa: E402
                                              with_rdlm_generation_defaults)
-from rdlm.integrations.hf.model import RavenForCausalLM  # noqa: E402
+from rdlm.integrations.hf.model import OuroForCausalLM, RavenForCausalLM  # noqa: E402
 from rdlm.integrations.hf.tokenizer import RavenTokenizerFast, load_tokenizer  # noqa: E402
 
-__all__ = ["GENERATION_CONFIG_NAME", "MODEL_TYPE", "RDLM_GENERATION_DEFAULTS", "RavenConfig", "RavenForCausalLM",
+__all__ = ["GENERATION_CONFIG_NAME", "MODEL_TYPE", "RDLM_GENERATION_DEFAULTS", "OuroConfig", "OuroForCausalLM",
+           "RavenConfig", "RavenForCausalLM",
            "RavenTokenizerFast", "RecurrentCache", "SUPPORTED_TRANSFORMERS", "load_tokenizer",
            "padding_attention_mask", "register", "unsupported_generation_options", "with_rdlm_generation_defaults"]
 
@@ -50,14 +52,17 @@ def register() -> None:
     """Register with the Auto classes (idempotent). Done on import of this module."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if MODEL_TYPE not in CONFIG_MAPPING:
-        AutoConfig.register(MODEL_TYPE, RavenConfig)
-    if RavenConfig not in AutoModelForCausalLM._model_mapping:
-        AutoModelForCausalLM.register(RavenConfig, RavenForCausalLM)
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-    if RavenConfig not in TOKENIZER_MAPPING:
-        AutoTokenizer.register(RavenConfig, fast_tokenizer_class=RavenTokenizerFast)
+    for config, model in ((RavenConfig, RavenForCausalLM), (OuroConfig, OuroForCausalLM)):
+        if config.model_type not in CONFIG_MAPPING:  # a type transformers has itself stays its own
+            AutoConfig.register(config.model_type, config)
+        if CONFIG_MAPPING[config.model_type] is not config:
+            continue
+        if config not in AutoModelForCausalLM._model_mapping:
+            AutoModelForCausalLM.register(config, model)
+        if config is RavenConfig and config not in TOKENIZER_MAPPING:  # Ouro ships its own tokenizer class
+            AutoTokenizer.register(config, fast_tokenizer_class=RavenTokenizerFast)
 
 
 register()

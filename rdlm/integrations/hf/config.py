@@ -1,5 +1,6 @@
-"""The transformers config of model_type "huginn_raven": the Huginn config.json keys, read and written by
-`rdlm.model.huginn` (the one home of the layout)."""
+"""The transformers configs rdlm registers: model_type "huginn_raven" (Huginn and the retrofitted models)
+and "ouro" (where transformers itself has no such type), their config.json keys read and written by
+`rdlm.model.huginn` (the one home of the layouts)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,23 @@ class RavenConfig(PreTrainedConfig):
     @classmethod
     def from_rdlm(cls, config: RDLMConfig, dtype: torch.dtype = torch.float32) -> "RavenConfig":
         return cls(**huginn.config_to_huginn(config, dtype))
+
+
+class OuroConfig(PreTrainedConfig):
+    """Ouro's config.json keys (docs/model-families.md), kept as they are; `to_rdlm()` gives the model's
+    `RDLMConfig`. Registered only where transformers has no "ouro" type of its own."""
+
+    model_type = "ouro"
+    tie_word_embeddings: bool = False
+
+    def to_rdlm(self) -> RDLMConfig:
+        return huginn.config_from_huginn(self.to_dict(), source="ouro config")
+
+    @classmethod
+    def from_rdlm(cls, config: RDLMConfig, dtype: torch.dtype = torch.float32) -> "OuroConfig":
+        return cls(**huginn.config_to_huginn(config, dtype))
+
+
+def config_class_of(config: RDLMConfig) -> type[PreTrainedConfig]:
+    """The transformers config class of a model's family."""
+    return OuroConfig if config.family == "ouro" else RavenConfig

@@ -19,7 +19,7 @@ from rdlm.model.config import RDLMConfig
 REFERENCE_GENERATION_NAMES = {"criterion": "exit_criterion", "continuous_compute": "continuous_cot"}
 # rdlm's generation options, as generation_config entries; None here = taken from the model config.
 RDLM_GENERATION_DEFAULTS: dict[str, Any] = {
-    "num_steps": None, "exit_criterion": None, "exit_threshold": None, "min_steps": 2, "kv_cache_budget": None,
+    "num_steps": None, "exit_criterion": None, "exit_threshold": None, "min_steps": None, "kv_cache_budget": None,
     "continuous_cot": False, "init_scale": 1.0, "seed": 0, "draft_steps": None, "draft_length": 4}
 # transformers' generation options generate maps onto rdlm.inference.generate.
 MAPPED_GENERATION_OPTIONS = ("max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",

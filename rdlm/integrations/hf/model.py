@@ -19,7 +19,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from rdlm.inference.engine import noise_table
 from rdlm.integrations.hf.cache import RecurrentCache, padding_attention_mask
-from rdlm.integrations.hf.config import GENERATION_CONFIG_NAME, RavenConfig
+from rdlm.integrations.hf.config import GENERATION_CONFIG_NAME, OuroConfig, RavenConfig, config_class_of
 from rdlm.integrations.hf.generation import generate_with_engine, with_rdlm_generation_defaults
 from rdlm.integrations.hf.loading import HUB_KEYWORDS, INERT_LOAD_KEYWORDS, download_model, resolve_device
 from rdlm.model import huginn
@@ -107,10 +107,11 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
             path = path / subfolder if (path / subfolder).is_dir() else path
         model = huginn.load_pretrained(path, dtype=resolve_dtype(dtype if dtype is not None else torch_dtype),
                                        device=device)
-        if config is None or not isinstance(config, RavenConfig):
-            config = RavenConfig.from_pretrained(path)
+        config_class = config_class_of(model.config)
+        if config is None or not isinstance(config, config_class):
+            config = config_class.from_pretrained(path)
         config.name_or_path = str(pretrained_model_name_or_path)
-        wrapper = cls.from_model(model, config)
+        wrapper = model_class_of(model.config).from_model(model, config)
         if generation_config is None and (path / GENERATION_CONFIG_NAME).is_file():
             generation_config = GenerationConfig.from_pretrained(path)
         if generation_config is not None:
@@ -126,8 +127,10 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
     def from_model(cls, model: RecurrentDepthLM, config: RavenConfig | None = None,
                    **config_overrides: Any) -> "RavenForCausalLM":
         """Wrap an rdlm model (weights shared, not copied)."""
+        if cls.config_class is not config_class_of(model.config):
+            return model_class_of(model.config).from_model(model, config, **config_overrides)
         if config is None:
-            config = RavenConfig(**{**huginn.config_to_huginn(model.config), **config_overrides})
+            config = cls.config_class(**{**huginn.config_to_huginn(model.config), **config_overrides})
         with torch.device("meta"):  # a placeholder model, replaced at once: no random init of real weights
             wrapper = cls(config, model=RecurrentDepthLM(model.config))
         wrapper.model = model
@@ -342,3 +345,13 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         Anything else that would change the result (beam search, logits processors, scores, ...) is
         refused by name."""
         return generate_with_engine(self, inputs, generation_config, streamer, **kwargs)
+
+
+class OuroForCausalLM(RavenForCausalLM):
+    """The same wrapper for an Ouro checkpoint (model_type "ouro")."""
+
+    config_class = OuroConfig
+
+
+def model_class_of(config) -> type[RavenForCausalLM]:
+    return OuroForCausalLM if config.family == "ouro" else RavenForCausalLM
