@@ -105,9 +105,11 @@ def test_rdlm_eval_text_and_analyze_run(with_text, name, tmp_path, capsys):
     run = Run(capsys, ("eval", "--model", str(with_text[name]), "--text", str(text),
                "--num-steps", "1,4", "--seq-len", "32"))
     assert run.returncode == 0, run.stderr
+    criterion = "gate" if name == "ouro-tiny" else "kl"
     run = Run(capsys, ("analyze", "--model", str(with_text[name]), "--prompt", "the cat sat", "--num-steps", "4",
-               "--out", str(tmp_path / "analysis")))
+               "--exit-criterion", criterion, "--out", str(tmp_path / "analysis")))
     assert run.returncode == 0, run.stderr
+    assert (tmp_path / "analysis" / "report.html").is_file() and (tmp_path / "analysis" / "exit_steps.png").is_file()
 
 
 def test_a_family_model_trains_and_its_loss_falls():

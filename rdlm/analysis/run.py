@@ -97,7 +97,12 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
     if s.exit_criterion:  # build it first: a misspelt criterion should fail before minutes of work
         from rdlm.inference.exits import make_exit_criterion
 
-        criterion = make_exit_criterion(s.exit_criterion, s.exit_threshold)
+        threshold = s.exit_threshold
+        if threshold is None and s.exit_criterion in ("gate", "gate-exact"):  # the checkpoint's own
+            threshold = model.config.exit_threshold
+        if s.exit_criterion in ("gate", "gate-exact") and model.exit_gate is None:
+            raise ValueError(f"exit criterion {s.exit_criterion!r} needs a model with a learned exit gate")
+        criterion = make_exit_criterion(s.exit_criterion, threshold)
     limit_steps = 4 * s.num_steps if s.limit_steps is None else s.limit_steps
     # The trajectory to max(r, limit), the path-independence runs to r, the exit steps to their cap.
     iterations = max(s.num_steps, limit_steps) + s.num_runs * s.num_steps + (s.exit_max_steps or s.num_steps)

@@ -79,6 +79,9 @@ class ParallelSampler:
             raise ValueError(
                 f"the parallel sampler takes one prompt at a time, got {len(prompts)}; a batch would need "
                 "one wavefront per row (per-row start, width and commit bookkeeping; see rdlm.inference.parallel)")
+        if model.config.state_init == "embedding":
+            raise ValueError("the parallel sampler refines drafts from a noise state; a model whose s_0 is its "
+                             "embedding (Ouro) has none: use the sequential sampler")
         self.config = c = config
         prompt_length = len(prompts[0])
         room = model.config.context_length - prompt_length - c.max_new_tokens
