@@ -303,3 +303,25 @@ def test_the_exit_loss_needs_a_gate_and_every_iteration_with_gradient():
     ouro_model = RecurrentDepthLM(RDLMConfig.from_preset("ouro-tiny"))
     with pytest.raises(ValueError, match="every iteration"):
         ouro_model(ids, (1, 2), labels=ids, exit_loss_beta=0.1)
+
+
+def test_convert_writes_the_family_layout_in_shards(tmp_path):
+    from rdlm.cli import main
+
+    assert main(["convert", str(FIXTURES / "ouro-tiny"), str(tmp_path / "bf16"), "--dtype", "bf16",
+                 "--max-shard-size", "100KB"]) in (0, None)
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    assert "model.layers.0.self_attn.q_proj.weight" in index["weight_map"]
+    model = load_pretrained(tmp_path / "bf16")
+    assert model.config.family == "ouro" and model.embedding.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", (*RETROFIT, "ouro-tiny"))
+def test_the_heuristic_exit_criteria_run_on_every_family(name):
+    from rdlm.inference.generate import GenerationConfig, generate
+
+    model = load_pretrained(FIXTURES / name)
+    # A threshold every score passes: each token exits at its first reading, after min_steps = 2.
+    out = generate(model, [[4, 8, 15, 16]], GenerationConfig(max_new_tokens=5, num_steps=6, exit_criterion="kl",
+                                                              exit_threshold=1e9))
+    assert out.steps[0][1:] == [2, 2, 2, 2]

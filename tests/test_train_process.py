@@ -235,3 +235,21 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(shards, tmp_path):
     assert 1 <= done < 2000 and len(history(out)) == done
     run_cli(*train_args(shards, out, "--steps", str(done + 2), "--resume"))
     assert len(history(out)) == done + 2
+
+
+def test_an_ouro_model_on_its_objective_trains_with_fsdp_as_in_one_process(shards, tmp_path):
+    """The exit gate, grouped-query attention and the looped stack shard under FSDP2 like any model."""
+    def args(out: Path, *extra: str) -> list[str]:
+        base = train_args(shards, out, "--steps", "4", "--ema-decay", "none", "--eval-every", "0",
+                          "--set", "vocab_size=300", "--set", "context_length=24", "--exit-loss-beta", "0.05", *extra)
+        base[base.index("tiny")] = "ouro-tiny"
+        return base
+
+    run_cli(*args(tmp_path / "one", "--micro-batch-size", "4"))
+    torchrun("-m", "rdlm", *args(tmp_path / "two", "--micro-batch-size", "2"))
+    one, two = history(tmp_path / "one"), history(tmp_path / "two")
+    assert len(one) == 4 and one == pytest.approx(two, rel=1e-5, abs=1e-6)
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert "exit_gate.weight" in a
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)

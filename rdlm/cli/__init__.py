@@ -25,6 +25,7 @@ COMMANDS = [
     "rdlm.cli.demo",
     "rdlm.cli.lm_eval",
     "rdlm.cli.convert",
+    "rdlm.cli.retrofit",
     "rdlm.cli.eval",
 ]
 

@@ -4,6 +4,11 @@ and "ouro" (where transformers itself has no such type), their config.json keys 
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
+from typing import Iterator
+
 import torch
 from transformers import PreTrainedConfig
 
@@ -70,3 +75,18 @@ class OuroConfig(PreTrainedConfig):
 def config_class_of(config: RDLMConfig) -> type[PreTrainedConfig]:
     """The transformers config class of a model's family."""
     return OuroConfig if config.family == "ouro" else RavenConfig
+
+
+@contextlib.contextmanager
+def quiet_rope_notes() -> Iterator[None]:
+    """transformers 5 renames a config's `rope_scaling` to `rope_parameters` and says so on every load; the
+    retrofitted models' files spell it the old way (their authors' code reads that), so the note is noise."""
+    logger = logging.getLogger("transformers.configuration_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`rope_scaling` is deprecated", category=FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)

@@ -19,7 +19,8 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from rdlm.inference.engine import noise_table
 from rdlm.integrations.hf.cache import RecurrentCache, padding_attention_mask
-from rdlm.integrations.hf.config import GENERATION_CONFIG_NAME, OuroConfig, RavenConfig, config_class_of
+from rdlm.integrations.hf.config import (GENERATION_CONFIG_NAME, OuroConfig, RavenConfig, config_class_of,
+                                         quiet_rope_notes)
 from rdlm.integrations.hf.generation import generate_with_engine, with_rdlm_generation_defaults
 from rdlm.integrations.hf.loading import HUB_KEYWORDS, INERT_LOAD_KEYWORDS, download_model, resolve_device
 from rdlm.model import huginn
@@ -109,7 +110,8 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
                                        device=device)
         config_class = config_class_of(model.config)
         if config is None or not isinstance(config, config_class):
-            config = config_class.from_pretrained(path)
+            with quiet_rope_notes():
+                config = config_class.from_pretrained(path)
         config.name_or_path = str(pretrained_model_name_or_path)
         wrapper = model_class_of(model.config).from_model(model, config)
         if generation_config is None and (path / GENERATION_CONFIG_NAME).is_file():
@@ -130,7 +132,8 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         if cls.config_class is not config_class_of(model.config):
             return model_class_of(model.config).from_model(model, config, **config_overrides)
         if config is None:
-            config = cls.config_class(**{**huginn.config_to_huginn(model.config), **config_overrides})
+            with quiet_rope_notes():
+                config = cls.config_class(**{**huginn.config_to_huginn(model.config), **config_overrides})
         with torch.device("meta"):  # a placeholder model, replaced at once: no random init of real weights
             wrapper = cls(config, model=RecurrentDepthLM(model.config))
         wrapper.model = model

@@ -1,0 +1,212 @@
+"""Retrofit recurrence into a pretrained fixed-depth transformer (McLeish et al. 2025, "Teaching Pretrained
+Language Models to Think Deeper with Retrofitted Recurrence"; docs/retrofit.md).
+
+Some early layers of the source model become the prelude, some middle layers the core block that is
+iterated r times, the last layers the coda; layers not named are dropped. An adapter over [s, e] feeds the
+core, initialised by default to pass e through ([0 | I]), so at r = 1 the retrofitted model computes the
+source model with the dropped layers removed (and with none dropped, the source model itself). The result
+is a model directory in the retrofitted models' Huginn layout (`rdlm.model.families`), which the authors'
+code loads too; training it with a curriculum on r (`rdlm train --curriculum`) teaches it to use depth.
+
+Sources: transformers checkpoint directories of the Llama family (`LlamaForCausalLM`: Llama 2/3, TinyLlama,
+SmolLM) and OLMo-2 (`Olmo2ForCausalLM`), read from config.json and safetensors only; no code in the
+directory is run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from rdlm.model.config import RDLMConfig
+from rdlm.model.families import CheckpointError, standard_rope_keys
+from rdlm.model.huginn import read_weights, save_pretrained
+from rdlm.model.lm import RecurrentDepthLM
+
+# model_type -> the family the result belongs to.
+SOURCES = {"llama": "retrofit-llama", "olmo2": "retrofit-olmo"}
+ADAPTER_INITS = ("identity", "sum", "random")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+class RetrofitError(ValueError):
+    """The source model or the split cannot be retrofitted; the message names why."""
+
+
+def read_source_config(source: str | os.PathLike) -> dict[str, Any]:
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        raise RetrofitError(f"{source}: no config.json (not a transformers model directory)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RetrofitError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(raw, dict):
+        raise RetrofitError(f"{path}: expected a JSON object")
+    kind = raw.get("model_type")
+    if kind not in SOURCES:
+        raise RetrofitError(f"{path}: model_type {kind!r} is not supported (supported: {', '.join(SOURCES)}; "
+                            "Qwen2's q/k/v biases, for one, have no place in the retrofitted layout)")
+    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if raw.get(key, expected) != expected:
+            raise RetrofitError(f"{path}: {key}={raw[key]!r} is not supported (expected {expected!r})")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                           "vocab_size") if k not in raw]
+    if missing:
+        raise RetrofitError(f"{path}: missing required key(s) {', '.join(missing)}")
+    return standard_rope_keys(raw)
+
+
+def check_split(layers: int, prelude: Sequence[int], core: Sequence[int], coda: Sequence[int]) -> None:
+    if not core:
+        raise RetrofitError("the core block needs at least one layer (--core)")
+    seen: set[int] = set()
+    for name, indices in (("prelude", prelude), ("core", core), ("coda", coda)):
+        for index in indices:
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < layers:
+                raise RetrofitError(f"{name} layer {index!r} is out of range: the source has layers 0..{layers - 1}")
+            if index in seen:
+                raise RetrofitError(f"layer {index} is named twice; each source layer goes to one place")
+            seen.add(index)
+
+
+def retrofit_config(raw: dict[str, Any], prelude: int, core: int, coda: int, **overrides: Any) -> RDLMConfig:
+    """The RDLMConfig of a retrofitted model of source config `raw` with the given layer counts."""
+    family = SOURCES[raw["model_type"]]
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or hidden // heads
+    if family == "retrofit-llama" and head_dim * heads != hidden:
+        raise RetrofitError(f"head_dim={head_dim} x {heads} heads is not hidden_size {hidden}, which the "
+                            "retrofitted Llama layout requires")
+    values = dict(
+        family=family, prelude_layers=prelude, core_layers=core, coda_layers=coda, hidden_size=hidden,
+        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_size=None if head_dim * heads == hidden else head_dim, intermediate_size=raw["intermediate_size"],
+        vocab_size=raw["vocab_size"], context_length=raw.get("max_position_embeddings", 2048),
+        rope_base=float(raw.get("rope_theta", 10000.0)), rope_scaling=raw.get("rope_scaling"),
+        rope_pairs="halves", norm_eps=float(raw.get("rms_norm_eps", 1e-6)), qk_bias=False,
+        qk_norm=family == "retrofit-olmo", tie_embeddings=False,
+        norm_scheme="postnorm" if family == "retrofit-olmo" else "prenorm", final_norm="output", embed_scale=1.0,
+        injection="concat", state_init="random", mean_recurrence=4, backprop_depth=4)
+    if values["num_kv_heads"] == heads:
+        values["num_kv_heads"] = None
+    values.update(overrides)
+    try:
+        return RDLMConfig.from_dict(values)
+    except ValueError as err:
+        raise RetrofitError(f"the retrofitted config: {err}") from err
+
+
+def _layer_tensors(tensors: dict[str, torch.Tensor], source: int, family: str) -> dict[str, torch.Tensor]:
+    """rdlm block parameters (names within the block) of source layer `source`."""
+    prefix = f"model.layers.{source}."
+
+    def take(name: str) -> torch.Tensor:
+        key = prefix + name
+        if key not in tensors:
+            raise RetrofitError(f"the source checkpoint has no tensor {key}")
+        return tensors[key]
+
+    out = {"attn.qkv.weight": torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+           "attn.out.weight": take("self_attn.o_proj.weight"),
+           "mlp.fc.weight": torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
+           "mlp.out.weight": take("mlp.down_proj.weight")}
+    if family == "retrofit-olmo":  # post-norms on each branch, QK-norm
+        out.update({"norm_2.weight": take("post_attention_layernorm.weight"),
+                    "norm_4.weight": take("post_feedforward_layernorm.weight"),
+                    "attn.q_norm.weight": take("self_attn.q_norm.weight"),
+                    "attn.k_norm.weight": take("self_attn.k_norm.weight")})
+    else:
+        out.update({"norm_1.weight": take("input_layernorm.weight"),
+                    "norm_3.weight": take("post_attention_layernorm.weight")})
+    return out
+
+
+def adapter_weight(hidden: int, init: str, dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The adapter [h, 2h] over [s, e]: "identity" [0 | I] passes e (the source model's function at r = 1);
+    "sum" [I | I] adds s to e; "random" is rdlm's initialisation (truncated normal, std sqrt(2/(5h)))."""
+    if init not in ADAPTER_INITS:
+        raise RetrofitError(f"adapter init must be one of {ADAPTER_INITS}, got {init!r}")
+    weight = torch.zeros(hidden, 2 * hidden)
+    if init in ("identity", "sum"):
+        weight[:, hidden:] = torch.eye(hidden)
+    if init == "sum":
+        weight[:, :hidden] = torch.eye(hidden)
+    if init == "random":
+        std = math.sqrt(2 / (5 * hidden))
+        torch.nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std, generator=generator)
+    return weight.to(dtype)
+
+
+def retrofit(source: str | os.PathLike, out: str | os.PathLike, prelude: Sequence[int], core: Sequence[int],
+             coda: Sequence[int], *, adapter_init: str = "identity", dtype: torch.dtype | None = None,
+             seed: int = 0, **config_overrides: Any) -> RecurrentDepthLM:
+    """Write the retrofitted model of `source` to `out` (see the module doc) and return it."""
+    raw = read_source_config(source)
+    check_split(raw["num_hidden_layers"], prelude, core, coda)
+    if not (Path(source) / "tokenizer.json").is_file():
+        raise RetrofitError(f"{source}: no tokenizer.json to copy (the retrofitted model reads text with it)")
+    config = retrofit_config(raw, len(prelude), len(core), len(coda), **config_overrides)
+    try:
+        tensors = read_weights(source)
+    except CheckpointError as err:
+        raise RetrofitError(str(err)) from err
+    embedding = tensors.get("model.embed_tokens.weight")
+    if embedding is None:
+        raise RetrofitError(f"{source}: the source checkpoint has no tensor model.embed_tokens.weight")
+    # A tied source head becomes an untied copy: the retrofitted layout has its own lm_head.
+    head = tensors.get("lm_head.weight", embedding)
+    state = {"embedding.weight": embedding, "lm_head.weight": head.clone(),
+             "final_norm.weight": tensors["model.norm.weight"]}
+    for group, indices in (("prelude", prelude), ("core", core), ("coda", coda)):
+        for i, index in enumerate(indices):
+            for name, tensor in _layer_tensors(tensors, index, config.family).items():
+                state[f"{group}.{i}.{name}"] = tensor
+    dtype = dtype or embedding.dtype
+    state["adapter.weight"] = adapter_weight(config.hidden_size, adapter_init, dtype,
+                                             torch.Generator().manual_seed(seed))
+    if config.adapter_bias:
+        state["adapter.bias"] = torch.zeros(config.hidden_size, dtype=dtype)
+    with torch.device("meta"):
+        model = RecurrentDepthLM(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    for name, shape in expected.items():
+        if name not in state:
+            raise RetrofitError(f"nothing in the source maps to {name}")
+        if state[name].shape != shape:
+            raise RetrofitError(f"{name}: the source gives shape {list(state[name].shape)}, expected {list(shape)}")
+    model.load_state_dict({n: state[n].to(dtype) for n in expected}, assign=True)
+    model.rope_cos, model.rope_sin = _rope(config)
+    model.eval()
+    save_pretrained(model, out, dtype=dtype)
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(out) / name)
+    return model
+
+
+def _rope(config: RDLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    from rdlm.model.rope import rope_tables
+
+    return rope_tables(config.head_dim, config.context_length, config.rope_base, config.rope_scaling)
+
+
+def parse_layers(text: str) -> list[int]:
+    """"0,1,2,3" or ranges "0-3,10-17" -> layer indices, in order."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            if "-" in part:
+                first, last = (int(x) for x in part.split("-"))
+                out.extend(range(first, last + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise RetrofitError(f"{part!r} is not a layer index or range (e.g. 0,1,2 or 10-17)") from None
+    return out

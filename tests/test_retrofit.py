@@ -1,0 +1,151 @@
+"""`rdlm retrofit`: a pretrained Llama/OLMo-2 checkpoint becomes a recurrent-depth model that, at r = 1,
+computes the source model (without the dropped layers)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from rdlm import load_pretrained
+from rdlm.model.retrofit import RetrofitError, parse_layers, retrofit
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.numerics
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+def tokenizer_file(directory: Path) -> None:
+    from rdlm.demo.tasks import EOS, PAD, CharTokenizer
+
+    alphabet = PAD + EOS + "".join(map(chr, range(32, 127))) + "".join(map(chr, range(161, 192)))
+    CharTokenizer(alphabet).to_tokenizer().save(str(directory / "tokenizer.json"))
+
+
+def make_source(tmp_path: Path, kind: str = "llama", layers: int = 6, tied: bool = False) -> tuple[Path, object]:
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=tied)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING})
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Olmo2Config(**common)
+        model = transformers.Olmo2ForCausalLM(config)
+    with torch.no_grad():  # norms away from 1, so a norm in the wrong place shows
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.2 * torch.randn(p.shape))
+    model.eval()
+    path = tmp_path / f"{kind}-source"
+    model.save_pretrained(path)
+    tokenizer_file(path)
+    return path, model
+
+
+def without_layers(model, keep: list[int]):
+    """The source model with only `keep` layers, in that order."""
+    model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
+    model.config.num_hidden_layers = len(keep)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:len(keep)]
+    return model
+
+
+IDS = torch.tensor([[3, 17, 42, 99, 5, 64, 7, 120, 1, 33]])
+
+
+@pytest.mark.parametrize("kind", ["llama", "olmo2"])
+def test_with_no_layer_dropped_r1_is_the_source_model(tmp_path, kind):
+    source, model = make_source(tmp_path, kind)
+    retrofit(source, tmp_path / "out", [0, 1], [2, 3], [4, 5])
+    ours = load_pretrained(tmp_path / "out")
+    assert ours.config.family == ("retrofit-llama" if kind == "llama" else "retrofit-olmo")
+    with torch.no_grad():
+        expected = model(IDS, use_cache=False).logits
+        got = ours(IDS, 1).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        # [0 | I] ignores the state: until training moves the adapter, every r computes the same.
+        torch.testing.assert_close(ours(IDS, 3).logits, got, rtol=0, atol=1e-5)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_dropped_layers_give_the_source_without_them(tmp_path):
+    source, model = make_source(tmp_path, "llama", layers=8)
+    retrofit(source, tmp_path / "out", parse_layers("0-1"), parse_layers("4,5"), parse_layers("6-7"))
+    ours = load_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        expected = without_layers(model, [0, 1, 4, 5, 6, 7])(IDS, use_cache=False).logits
+        torch.testing.assert_close(ours(IDS, 1).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_a_tied_source_gets_its_own_head_and_the_layout_loads_back(tmp_path):
+    source, model = make_source(tmp_path, "llama", tied=True)
+    retrofit(source, tmp_path / "out", [0], [1, 2, 3, 4], [5])
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["model_type"] == "huginn_raven" and raw["tie_embeddings"] is False
+    assert raw["rope_scaling"]["rope_type"] == "llama3" and raw["num_key_value_heads"] == 2
+    ours = load_pretrained(tmp_path / "out")
+    assert torch.equal(ours.lm_head.weight, ours.embedding.weight)  # a copy, trained apart from here on
+    with torch.no_grad():
+        torch.testing.assert_close(ours(IDS, 1).logits, model(IDS, use_cache=False).logits, rtol=0, atol=1e-5)
+
+
+def test_adapter_initialisations(tmp_path):
+    source, _ = make_source(tmp_path, "llama")
+    for init in ("sum", "random"):
+        retrofit(source, tmp_path / init, [0, 1], [2, 3], [4, 5], adapter_init=init)
+    h = 64
+    summed = load_pretrained(tmp_path / "sum")
+    assert torch.equal(summed.adapter.weight, torch.cat([torch.eye(h), torch.eye(h)], dim=1))
+    with torch.no_grad():  # the state now feeds the core: depth changes the output
+        assert (summed(IDS, 3, init_scale=0).logits - summed(IDS, 1, init_scale=0).logits).abs().max() > 1e-3
+    random = load_pretrained(tmp_path / "random").adapter.weight
+    assert random[:, :h].abs().sum() > 0 and random.std() < 0.2
+
+
+@pytest.mark.parametrize("split, message", [
+    (([0], [], [5]), "at least one layer"),
+    (([0], [1, 9], [5]), "layer 9 is out of range"),
+    (([0, 1], [1, 2], [5]), "layer 1 is named twice"),
+])
+def test_bad_splits_are_named(tmp_path, split, message):
+    source, _ = make_source(tmp_path, "llama")
+    with pytest.raises(RetrofitError, match=message):
+        retrofit(source, tmp_path / "out", *split)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_sources_and_missing_tokenizers_are_named(tmp_path):
+    source, _ = make_source(tmp_path, "llama")
+    qwen = tmp_path / "qwen"
+    shutil.copytree(source, qwen)
+    raw = json.loads((qwen / "config.json").read_text())
+    (qwen / "config.json").write_text(json.dumps({**raw, "model_type": "qwen2"}))
+    with pytest.raises(RetrofitError, match="model_type 'qwen2' is not supported"):
+        retrofit(qwen, tmp_path / "out", [0], [1], [2])
+    (source / "tokenizer.json").unlink()
+    with pytest.raises(RetrofitError, match="no tokenizer.json"):
+        retrofit(source, tmp_path / "out", [0], [1], [2])
+    with pytest.raises(RetrofitError, match="'x' is not a layer index"):
+        parse_layers("0,x")
+
+
+def test_the_cli_retrofits_and_the_result_generates(tmp_path, capsys):
+    from rdlm.cli import main
+
+    source, _ = make_source(tmp_path, "llama")
+    assert main(["retrofit", str(source), str(tmp_path / "out"), "--prelude", "0-1", "--core", "2-3",
+                 "--coda", "4-5"]) == 0
+    assert "retrofit-llama" in capsys.readouterr().out
+    assert main(["generate", "--model", str(tmp_path / "out"), "--prompt", "the cat", "-r", "2",
+                 "--max-new-tokens", "4", "--no-stream"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
+    assert main(["retrofit", str(source), str(tmp_path / "bad"), "--core", "2-9"]) != 0
+    assert "out of range" in capsys.readouterr().err
