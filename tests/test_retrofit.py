@@ -149,3 +149,72 @@ def test_the_cli_retrofits_and_the_result_generates(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("the cat")
     assert main(["retrofit", str(source), str(tmp_path / "bad"), "--core", "2-9"]) != 0
     assert "out of range" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# Curriculum training (McLeish et al. 2025): the mean of r ramps up over training
+
+def test_curriculum_shapes():
+    from rdlm.train.schedule import RecurrenceCurriculum
+
+    linear = RecurrenceCurriculum(target=8, total_steps=100, kind="linear", start=1, fraction=0.5)
+    slow = RecurrenceCurriculum(target=8, total_steps=100, kind="1-sqrt", start=1, fraction=0.5)
+    means = [linear(s) for s in range(100)]
+    assert means[0] == 1 and means[49] == 8 and means[99] == 8 and means == sorted(means)
+    assert means[25] == 5  # ceil(1 + 7 * 0.5)
+    assert slow(25) == 4 and slow(25) < linear(25)  # 1 - sqrt(0.5) = 0.29: ceil(1 + 7 * 0.29)
+    with pytest.raises(ValueError, match="curriculum must be one of"):
+        RecurrenceCurriculum(target=8, total_steps=10, kind="cosine")
+
+
+def test_a_retrofitted_model_trains_with_the_curriculum_and_resumes_mid_ramp(tmp_path):
+    from rdlm.train import TrainConfig, train
+    from rdlm.train.monitor import read_log
+
+    source, _ = make_source(tmp_path, "llama")
+    retrofit(source, tmp_path / "model", [0, 1], [2, 3], [4, 5], adapter_init="sum", mean_recurrence=6)
+    rows = torch.arange(40 * 17).view(40, 17) % 100
+    common = dict(model=str(tmp_path / "model"), steps=8, micro_batch_size=4, curriculum="linear",
+                  curriculum_fraction=0.75, recurrence_sampler="fixed", progress=False, tensorboard=False,
+                  threads=1, warmup_steps=2, ema_decay=None, seed=1)
+    whole = train(TrainConfig(**common, out_dir=str(tmp_path / "whole")), train_data=rows)
+    means = [r["mean_recurrence"] for r in read_log(tmp_path / "whole" / "log.jsonl") if r["kind"] == "train"]
+    assert means == [1, 2, 3, 4, 5, 6, 6, 6]  # ramp over 6 of 8 steps, then the target
+    assert [n for (n,) in whole.num_steps] == means  # the fixed sampler draws the mean itself
+    with pytest.raises(_Stop):  # a run cut after step 3, mid-ramp
+        train(TrainConfig(**common, out_dir=str(tmp_path / "cut"), checkpoint_every=3), train_data=rows,
+              step_hooks=[lambda record: _stop_after(record, 3)])
+    resumed = train(TrainConfig(**common, out_dir=str(tmp_path / "cut"), resume=True), train_data=rows)
+    assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
+    means = [r["mean_recurrence"] for r in read_log(tmp_path / "cut" / "log.jsonl") if r["kind"] == "train"]
+    assert means[-5:] == [4, 5, 6, 6, 6]
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_after(record, step):
+    if record["kind"] == "train" and record["step"] == step:
+        raise _Stop
+
+
+def test_muon_trains_the_matrices_and_refuses_sharding(tmp_path):
+    from rdlm import RDLMConfig, RecurrentDepthLM
+    from rdlm.train import TrainConfig, train
+    from rdlm.train.optim import MuonAdamW, muon_parameters
+
+    torch.manual_seed(0)
+    model = RecurrentDepthLM(RDLMConfig.from_preset("tiny", vocab_size=32))
+    body, rest = muon_parameters(model)
+    assert all(p.ndim == 2 for p in body) and model.embedding.weight in [*rest]
+    rows = torch.arange(64 * 17).view(64, 17) % 32
+    result = train(TrainConfig(steps=20, micro_batch_size=8, optimizer="muon", muon_lr=0.02, lr=3e-3,
+                               progress=False, tensorboard=False, threads=1, warmup_steps=2,
+                               out_dir=str(tmp_path / "run")), model=model, train_data=rows)
+    assert result.losses[-1] < result.losses[0] - 0.5
+    optimizer = MuonAdamW(model, lr=1e-3)
+    assert optimizer.param_groups[0]["muon"] and optimizer.param_groups[0]["lr"] == 0.005
+    with pytest.raises(Exception, match="orthogonalizes whole matrices"):
+        from rdlm.train.build import parallelize
+        parallelize(model, TrainConfig(optimizer="muon"), "fsdp", torch.device("cpu"), None, False)

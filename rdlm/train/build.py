@@ -16,7 +16,7 @@ from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_memory, check_time, forward_seconds
 from rdlm.train.config import TrainConfig
 from rdlm.train.distributed import apply_fsdp
-from rdlm.train.optim import AdamW, parameter_groups
+from rdlm.train.optim import AdamW, MuonAdamW, parameter_groups
 
 
 def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple[RecurrentDepthLM, Path | None]:
@@ -154,6 +154,16 @@ def parallelize(model: RecurrentDepthLM, config: TrainConfig, strategy: str, dev
     opt_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
                       atan2=config.atan2, update_clip=config.update_clip)
     ddp = None
+    if config.optimizer == "muon":
+        if strategy == "fsdp" or (strategy == "ddp" and config.sharded_optimizer):
+            raise ConfigError("the muon optimizer orthogonalizes whole matrices: run one process, or "
+                                "--strategy ddp --no-sharded-optimizer")
+        if strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return MuonAdamW(model, muon_lr=config.muon_lr, muon_weight_decay=config.muon_weight_decay,
+                         **opt_kwargs), ddp
     if strategy == "fsdp":
         apply_fsdp(model, device, world, bf16, config.cpu_offload)
         optimizer = AdamW(parameter_groups(model), **opt_kwargs)

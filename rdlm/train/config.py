@@ -10,6 +10,7 @@ from typing import Any
 from rdlm.model.config import ConfigError, check_keys
 from rdlm.model.recurrence import SAMPLERS
 from rdlm.train.distributed import STRATEGIES
+from rdlm.train.schedule import CURRICULA
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *,
@@ -50,11 +51,19 @@ class TrainConfig:
                                                   "(default: the model's)")
     recurrence_sigma: float | None = option(None, "spread of the log-normal Poisson sampler (default: the "
                                                   "model's)")
+    curriculum: str | None = option(None, "ramp the mean of r over training, linear or 1-sqrt (retrofitted "
+                                          "recurrence, McLeish et al. 2025; None: a constant mean)")
+    curriculum_start: int = option(1, "mean r at the start of the curriculum")
+    curriculum_fraction: float = option(0.5, "fraction of the steps over which the mean ramps to mean_recurrence")
     exit_loss_beta: float | None = option(None, "train a model with a learned exit gate (Ouro) on its expected "
                                                 "loss over exit iterations minus beta x the exit distribution's "
                                                 "entropy; every iteration with gradient (None: rdlm's loss at r)")
     # Optimization (docs/architecture.md#optimizer).
     lr: float = option(1e-3, "peak learning rate")
+    optimizer: str = option("adamw", "adamw, or muon: Muon (torch.optim.Muon) for the blocks' weight matrices "
+                                     "and AdamW for the rest (McLeish et al. 2025); not with FSDP")
+    muon_lr: float = option(0.005, "peak learning rate of the Muon matrices (follows the lr schedule's shape)")
+    muon_weight_decay: float = option(1e-4, "weight decay of the Muon matrices")
     warmup_steps: int = option(10, "linear warm-up steps")
     cooldown_steps: int = option(0, "steps of the final linear decay to min_lr_ratio x lr (0: constant after "
                                     "warm-up)")
@@ -146,6 +155,17 @@ class TrainConfig:
         check_keys(self.model_overrides)
         if self.exit_loss_beta is not None:
             _check_number("exit_loss_beta", self.exit_loss_beta, 0.0, None)
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
+        _check_number("muon_lr", self.muon_lr, 0.0, None)
+        _check_number("muon_weight_decay", self.muon_weight_decay, 0.0, None)
+        if self.curriculum is not None and self.curriculum not in CURRICULA:
+            raise ConfigError(f"curriculum must be one of {CURRICULA}, got {self.curriculum!r}")
+        _check_number("curriculum_fraction", self.curriculum_fraction, 0.0, 1.0)
+        if self.curriculum_fraction <= 0:
+            raise ConfigError(f"curriculum_fraction must be in (0, 1], got {self.curriculum_fraction}")
+        if isinstance(self.curriculum_start, bool) or not isinstance(self.curriculum_start, int) or self.curriculum_start < 1:
+            raise ConfigError(f"curriculum_start must be an integer >= 1, got {self.curriculum_start!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":

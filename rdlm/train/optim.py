@@ -44,6 +44,9 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if group.get("muon"):
+                self._step_muon(group, params, found_inf)
+                continue
             for p in params:
                 state = self.state[p]
                 if not state:
@@ -99,6 +102,57 @@ class AdamW(torch.optim.Optimizer):
             if wd and p.ndim == 2:  # linear and embedding matrices; not norms, not qk_bias
                 p.mul_(1 - lr * wd)
             p.add_(update.to(p.dtype), alpha=-lr)
+
+
+    def _step_muon(self, group: dict, params: list[Tensor], found_inf: Tensor | None) -> None:
+        raise ValueError("a Muon parameter group needs MuonAdamW")
+
+
+class MuonAdamW(AdamW):
+    """Muon for the weight matrices of the blocks and the adapter, AdamW for the rest (embedding, head, norms,
+    biases, the exit gate): the split McLeish et al. 2025 found stable for retrofitted recurrence. The Muon
+    update is torch's (`torch.optim.Muon`: momentum, Nesterov, Newton-Schulz orthogonalization); its group has
+    its own learning rate (`lr_scale` x the schedule's) and weight decay. Orthogonalization needs whole
+    matrices, so the parameters must not be sharded (one process, or DDP without a sharded optimizer)."""
+
+    def __init__(self, model: nn.Module, lr: float, muon_lr: float = 0.005, muon_weight_decay: float = 1e-4,
+                 momentum: float = 0.95, **adamw) -> None:
+        try:
+            from torch.optim._muon import muon  # noqa: F401  (the functional form of torch.optim.Muon)
+        except ImportError as err:
+            raise ValueError(f"the muon optimizer needs torch.optim.Muon (torch >= 2.9); this torch is "
+                             f"{torch.__version__}") from err
+        body, rest = muon_parameters(model)
+        groups = [{"params": body, "muon": True, "lr_scale": muon_lr / lr, "lr": muon_lr,
+                   "weight_decay": muon_weight_decay, "momentum": momentum}, {"params": rest}]
+        super().__init__(groups, lr=lr, **adamw)
+
+    def _step_muon(self, group: dict, params: list[Tensor], found_inf: Tensor | None) -> None:
+        from torch.optim._muon import muon
+
+        if not params or (found_inf is not None and found_inf.item()):
+            return
+        buffers = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            buffers.append(state["momentum_buffer"])
+        muon(params, [p.grad.float() for p in params], buffers, lr=group["lr"], weight_decay=group["weight_decay"],
+             momentum=group["momentum"], nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7,
+             ns_steps=5, adjust_lr_fn=None, has_complex=False)
+
+
+def muon_parameters(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """(the blocks' and the adapter's weight matrices, everything else)."""
+    body, rest = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        matrix = p.ndim == 2 and name.endswith(".weight") and name.split(".")[0] in ("prelude", "core", "coda",
+                                                                                      "adapter")
+        (body if matrix else rest).append(p)
+    return body, rest
 
 
 def _fusable(p: Tensor) -> bool:

@@ -45,7 +45,7 @@ from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, peak_flop
 from rdlm.train.optim import EMA
 from rdlm.train.resume import RunCheckpoints, TrainingError
 from rdlm.train.rundir import RunDirError, RunLock, prepare_run_dir
-from rdlm.train.schedule import Schedule
+from rdlm.train.schedule import RecurrenceCurriculum, Schedule
 from rdlm.train.build import (check_compatible, check_step_fits, data_sources, parallelize, resolve_model,
                               resolve_tokenizer)
 
@@ -139,6 +139,8 @@ class Trainer(RunCheckpoints):
                 print(f"rdlm train: exit_loss_beta trains at a fixed r = {self.mean_recurrence} (the sampler "
                       f"{self.sampler!r} is not used)", file=sys.stderr)
                 self.sampler = "fixed"
+        self.curriculum = None if config.curriculum is None else RecurrenceCurriculum(
+            self.mean_recurrence, config.steps, config.curriculum, config.curriculum_start, config.curriculum_fraction)
         if self.mean_recurrence < 1 or self.backprop_depth < 1:
             raise ConfigError("mean_recurrence and backprop_depth must be >= 1")
 
@@ -227,7 +229,7 @@ class Trainer(RunCheckpoints):
         cfg, step = self.config, self.step
         lr = self.schedule(step)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # (the Muon group keeps its own peak)
         micro_batches = [self.batches.get(step, m, self.world.rank) for m in range(cfg.accumulation)]
         # Normalize by the global number of targets so that any split of the batch gives the same gradient.
         # (Counted on the host: a CPU collective, the device is not waited for.)
@@ -243,10 +245,11 @@ class Trainer(RunCheckpoints):
         tokens = 0
         flops = 0.0
         network = self.ddp if self.ddp is not None else self.model
+        mean = self.mean_recurrence if self.curriculum is None else self.curriculum(step)
         for m, batch in enumerate(micro_batches):
             index = step * cfg.accumulation + m
-            no_grad, with_grad = draw_for_microbatch(cfg.seed, index, self.mean_recurrence,
-                                                     self.backprop_depth, self.sampler, self.sigma)
+            no_grad, with_grad = draw_for_microbatch(cfg.seed, index, mean, self.backprop_depth, self.sampler,
+                                                     self.sigma)
             drawn.append(no_grad + with_grad)
             ids, labels = self._to_device(batch.input_ids), self._to_device(batch.labels)
             s0 = self._initial_state(batch, step, m)
@@ -275,7 +278,7 @@ class Trainer(RunCheckpoints):
         self.drawn.append(drawn)
         return {"kind": "train", "step": self.step, "loss": loss_sum, "lr": lr, "grad_norm": grad_norm,
                 "finite": finite, "total_targets": total_targets,
-                "num_steps": drawn[0] if len(drawn) == 1 else drawn,
+                "num_steps": drawn[0] if len(drawn) == 1 else drawn, "mean_recurrence": mean,
                 "tokens": tokens * self.world.size, "flops": flops * self.world.size}
 
     def settle(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
