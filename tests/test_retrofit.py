@@ -218,3 +218,23 @@ def test_muon_trains_the_matrices_and_refuses_sharding(tmp_path):
     with pytest.raises(Exception, match="orthogonalizes whole matrices"):
         from rdlm.train.build import parallelize
         parallelize(model, TrainConfig(optimizer="muon"), "fsdp", torch.device("cpu"), None, False)
+
+
+def test_a_plain_rdlm_model_is_a_llama(tmp_path):
+    """The fixed-depth baseline rdlm trains (plain_config) saves as a transformers Llama with the same logits,
+    and retrofitting it gives them back at r = 1."""
+    from rdlm import RecurrentDepthLM
+    from rdlm.model.retrofit import plain_config, save_as_llama
+
+    torch.manual_seed(0)
+    config = plain_config(core_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                          vocab_size=128, context_length=64, rope_base=10000.0)
+    model = RecurrentDepthLM(config).eval()
+    save_as_llama(model, tmp_path / "llama")
+    llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
+    with torch.no_grad():
+        ours = model(IDS, 1).logits
+        torch.testing.assert_close(llama(IDS, use_cache=False).logits, ours, rtol=0, atol=1e-5)
+        tokenizer_file(tmp_path / "llama")
+        back = retrofit(tmp_path / "llama", tmp_path / "retro", [0], [1, 2], [3])
+        torch.testing.assert_close(back(IDS, 1).logits, ours, rtol=0, atol=1e-5)

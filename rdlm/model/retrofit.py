@@ -191,6 +191,55 @@ def retrofit(source: str | os.PathLike, out: str | os.PathLike, prelude: Sequenc
     return model
 
 
+def plain_config(**values: Any) -> RDLMConfig:
+    """A fixed-depth Llama as an rdlm config: one pass of `core_layers` layers, s_0 = e, no injection, pre-norm
+    blocks, the final norm at the output. At r = 1 it is exactly a LlamaForCausalLM (`save_as_llama`), so
+    rdlm's trainer can pretrain the baseline that `retrofit` starts from."""
+    base = dict(prelude_layers=0, coda_layers=0, injection="none", state_init="embedding", final_norm="output",
+                norm_scheme="prenorm", rope_pairs="halves", qk_bias=False, tie_embeddings=False, embed_scale=1.0,
+                mean_recurrence=1, backprop_depth=1, recurrence_sampler="fixed", family="retrofit-llama")
+    return RDLMConfig.from_dict({**base, **values})
+
+
+def save_as_llama(model: RecurrentDepthLM, out: str | os.PathLike) -> Path:
+    """Write a `plain_config` model as a transformers Llama directory (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    from rdlm.fileio import staging_dir, write_json
+
+    c = model.config
+    if (c.prelude_layers, c.coda_layers, c.injection, c.state_init, c.norm_scheme) != (0, 0, "none", "embedding",
+                                                                                          "prenorm"):
+        raise RetrofitError("only a fixed-depth model (rdlm.model.retrofit.plain_config) is a Llama")
+    q, kv = c.num_heads * c.head_dim, c.kv_heads * c.head_dim
+    params = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
+    tensors = {"model.embed_tokens.weight": params["embedding.weight"], "model.norm.weight": params["final_norm.weight"],
+               "lm_head.weight": params["lm_head.weight"]}
+    for i in range(c.core_layers):
+        prefix, ours = f"model.layers.{i}.", f"core.{i}."
+        wq, wk, wv = params[ours + "attn.qkv.weight"].split((q, kv, kv))
+        gate, up = params[ours + "mlp.fc.weight"].chunk(2)
+        tensors.update({prefix + "self_attn.q_proj.weight": wq, prefix + "self_attn.k_proj.weight": wk,
+                        prefix + "self_attn.v_proj.weight": wv,
+                        prefix + "self_attn.o_proj.weight": params[ours + "attn.out.weight"],
+                        prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
+                        prefix + "mlp.down_proj.weight": params[ours + "mlp.out.weight"],
+                        prefix + "input_layernorm.weight": params[ours + "norm_1.weight"],
+                        prefix + "post_attention_layernorm.weight": params[ours + "norm_3.weight"]})
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
+              "intermediate_size": c.intermediate_size, "num_hidden_layers": c.core_layers,
+              "num_attention_heads": c.num_heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
+              "max_position_embeddings": c.context_length, "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_base,
+              "rope_scaling": c.rope_scaling, "tie_word_embeddings": False, "hidden_act": "silu",
+              "attention_bias": False, "mlp_bias": False, "vocab_size": c.vocab_size,
+              "torch_dtype": str(params["embedding.weight"].dtype).removeprefix("torch.")}
+    out = Path(out)
+    with staging_dir(out) as tmp:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
+    return out
+
+
 def _rope(config: RDLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from rdlm.model.rope import rope_tables
 

@@ -341,6 +341,7 @@ class Trainer(RunCheckpoints):
                 interval_start = time.perf_counter()
                 tokens, flops = sum(r["tokens"] for r in records), sum(r.pop("flops") for r in records)
                 record = records[-1]
+                record["flops"] = flops  # training FLOPs since the previous record (as the trainer counts them)
                 record["tokens_per_s"] = tokens / seconds
                 record["flops_per_s"] = flops / seconds
                 if self.peak:
