@@ -22,13 +22,13 @@ from rdlm.model.rope import inverse_frequencies
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 RETROFIT = ("retrofit-llama-tiny", "retrofit-olmo-tiny")
-pytestmark = pytest.mark.numerics
 
 
 def reference(name: str) -> dict[str, torch.Tensor]:
     return load_file(FIXTURES / name / "reference_outputs.safetensors")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", RETROFIT)
 def test_retrofitted_models_give_the_reference_logits(name):
     model = load_pretrained(FIXTURES / name)
@@ -55,6 +55,7 @@ def test_the_retrofitted_variants_are_told_apart_and_configured():
         assert config.final_norm == "output" and config.rope_pairs == "halves" and config.embedding_scale == 1.0
 
 
+@pytest.mark.numerics
 def test_ouro_gives_each_loops_reference_logits():
     model = load_pretrained(FIXTURES / "ouro-tiny")
     ref = reference("ouro-tiny")
@@ -70,6 +71,7 @@ def test_ouro_gives_each_loops_reference_logits():
     assert (ref["logits_step3"] - ref["logits_step0"]).abs().max() > 0.1
 
 
+@pytest.mark.numerics
 def test_ouro_exit_distribution_matches_the_reference():
     model = load_pretrained(FIXTURES / "ouro-tiny")
     ref = reference("ouro-tiny")
@@ -148,6 +150,7 @@ def test_a_missing_ouro_projection_is_named(tmp_path):
         load_pretrained(target)
 
 
+@pytest.mark.numerics
 def test_llama3_rope_frequencies_equal_transformers():
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
@@ -188,6 +191,7 @@ def ouro():
     return load_pretrained(FIXTURES / "ouro-tiny"), reference("ouro-tiny")
 
 
+@pytest.mark.numerics
 def test_gate_selection_matches_the_reference_threshold_selection():
     from rdlm.inference.evaluate import gate_exit_logits
 
@@ -202,6 +206,7 @@ def test_gate_selection_matches_the_reference_threshold_selection():
                                rtol=0, atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_analysis_exit_steps_are_the_gates():
     from rdlm.analysis.exit_steps import exit_steps
     from rdlm.inference.exits import make_exit_criterion
@@ -325,3 +330,18 @@ def test_the_heuristic_exit_criteria_run_on_every_family(name):
     out = generate(model, [[4, 8, 15, 16]], GenerationConfig(max_new_tokens=5, num_steps=6, exit_criterion="kl",
                                                               exit_threshold=1e9))
     assert out.steps[0][1:] == [2, 2, 2, 2]
+
+
+def test_a_huginn_layout_model_with_the_new_fields_round_trips(tmp_path):
+    """Fields beyond Huginn-0125's travel in the config's rdlm section of a Huginn-layout save."""
+    config = RDLMConfig.from_preset("tiny", num_kv_heads=2, qk_bias=False, qk_norm=True, rope_pairs="halves",
+                                    rope_scaling={"rope_type": "linear", "factor": 2.0}, embed_scale=1.0,
+                                    norm_scheme="peri", final_norm="output", adapter_bias=True)
+    torch.manual_seed(0)
+    model = RecurrentDepthLM(config).eval()
+    save_pretrained(model, tmp_path / "m")
+    again = load_pretrained(tmp_path / "m")
+    assert again.config == config
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(again(ids, 3, init_scale=0).logits, model(ids, 3, init_scale=0).logits)

@@ -14,7 +14,6 @@ from rdlm import load_pretrained
 from rdlm.model.retrofit import RetrofitError, parse_layers, retrofit
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.numerics
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -61,6 +60,7 @@ def without_layers(model, keep: list[int]):
 IDS = torch.tensor([[3, 17, 42, 99, 5, 64, 7, 120, 1, 33]])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("kind", ["llama", "olmo2"])
 def test_with_no_layer_dropped_r1_is_the_source_model(tmp_path, kind):
     source, model = make_source(tmp_path, kind)
@@ -76,6 +76,7 @@ def test_with_no_layer_dropped_r1_is_the_source_model(tmp_path, kind):
     assert (tmp_path / "out" / "tokenizer.json").is_file()
 
 
+@pytest.mark.numerics
 def test_dropped_layers_give_the_source_without_them(tmp_path):
     source, model = make_source(tmp_path, "llama", layers=8)
     retrofit(source, tmp_path / "out", parse_layers("0-1"), parse_layers("4,5"), parse_layers("6-7"))
@@ -85,6 +86,7 @@ def test_dropped_layers_give_the_source_without_them(tmp_path):
         torch.testing.assert_close(ours(IDS, 1).logits, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_a_tied_source_gets_its_own_head_and_the_layout_loads_back(tmp_path):
     source, model = make_source(tmp_path, "llama", tied=True)
     retrofit(source, tmp_path / "out", [0], [1, 2, 3, 4], [5])
@@ -220,6 +222,7 @@ def test_muon_trains_the_matrices_and_refuses_sharding(tmp_path):
         parallelize(model, TrainConfig(optimizer="muon"), "fsdp", torch.device("cpu"), None, False)
 
 
+@pytest.mark.numerics
 def test_a_plain_rdlm_model_is_a_llama(tmp_path):
     """The fixed-depth baseline rdlm trains (plain_config) saves as a transformers Llama with the same logits,
     and retrofitting it gives them back at r = 1."""

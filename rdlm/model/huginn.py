@@ -131,7 +131,7 @@ def _with_rdlm_section(values: dict[str, Any], raw: Mapping[str, Any], source: s
 # Fields beyond Huginn-0125's; a Huginn-layout file keeps those that differ from the default in its
 # "rdlm" section (the retrofitted and Ouro layouts have keys of their own for most of them).
 _GENERAL = ("num_kv_heads", "head_size", "qk_norm", "rope_pairs", "rope_scaling", "embed_scale", "final_norm",
-            "adapter_bias", "exit_gate", "exit_threshold")
+            "adapter_bias", "exit_gate", "exit_threshold", "norm_scheme", "injection", "state_init")
 
 
 def _rdlm_section(config: RDLMConfig, general: bool) -> dict[str, Any]:
