@@ -58,7 +58,8 @@ def test_every_criterion_is_exercised_with_mixed_exits(model):
                                                            exit_criterion=name, exit_threshold=threshold))
         decoded = {s for row in result.steps for s in row[1:]}
         assert len(decoded) > 1 and min(decoded) < 12, (name, decoded)
-    assert set(THRESHOLDS) == set(CRITERIA)
+    # every criterion but the learned gate's, which needs a model with a gate (tests/test_families.py)
+    assert set(THRESHOLDS) == {name for name, spec in CRITERIA.items() if not spec.uses_gate}
 
 
 @pytest.mark.parametrize("compile", [False, True])

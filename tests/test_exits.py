@@ -26,7 +26,10 @@ def logits_pair(batch=3, vocab=16, seed=0):
 
 
 def test_registry_has_the_criteria_of_the_paper():
-    assert set(CRITERIA) == {"kl", "entropy-diff", "latent-diff", "minp-kl", "argmax-stability", "cosine"}
+    heuristic = {"kl", "entropy-diff", "latent-diff", "minp-kl", "argmax-stability", "cosine"}
+    # plus the learned exit gate of a model that has one (Ouro; tests/test_families.py)
+    assert set(CRITERIA) == heuristic | {"gate", "gate-exact"}
+    assert {name for name, spec in CRITERIA.items() if spec.uses_gate} == {"gate", "gate-exact"}
     assert make_exit_criterion("kl").threshold == 5e-4
     assert make_exit_criterion("latent-diff").threshold == 0.03
 

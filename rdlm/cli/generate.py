@@ -67,7 +67,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inner-recurrence", type=int, default=4,
                    help="parallel: core iterations per wavefront step")
     g.add_argument("--headway", type=int, default=1, help="parallel: new positions per step")
-    g.add_argument("--freeze-criterion", choices=sorted(CRITERIA), default="latent-diff",
+    g.add_argument("--freeze-criterion", choices=sorted(n for n, s in CRITERIA.items() if not s.uses_gate),
+                   default="latent-diff",
                    help="parallel: when a position's state has settled")
     g.add_argument("--freeze-threshold", type=float, help="parallel: default the criterion's (latent-diff: 0.03)")
     g.add_argument("--max-wavefront", type=int, default=128, help="parallel: most positions in flight (0: no limit)")

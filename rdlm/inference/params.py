@@ -129,7 +129,9 @@ class GenerationConfig:
                                  f"({self.num_steps}), the iterations after which a position is final")
             if self.repetition_penalty != 1:
                 raise ValueError("the parallel sampler has no repetition_penalty")
-            self.freezer()  # raises on unknown names
+            if self.freezer().uses_gate:  # (raises on unknown names)
+                raise ValueError("the parallel sampler's freeze criterion compares a position's iterations; "
+                                 "a learned exit gate is not one")
 
     def criterion(self, model_config=None) -> ExitCriterion | None:
         """The exit criterion; a learned gate's default threshold is `model_config.exit_threshold`."""
