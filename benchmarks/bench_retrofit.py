@@ -12,7 +12,8 @@ r, for the same training FLOPs (counted as the trainer counts them), and compare
    `--mean-recurrence`; then (a) continue the pretrained model without recurrence until it has used the
    same FLOPs as (b). Same data order, optimizer and learning rate for both.
 3. Report the validation loss of (a) and of (b) at r = 1, 2, 4, 8, 16, 32, the curves over training FLOPs,
-   and a plot (`<out>/retrofit.png`).
+   and a plot (`<out>/retrofit-<settings>.png`, with the numbers in the .json beside it). `--reuse-base` starts
+   further comparisons (another `--adapter-init`, curriculum or budget) from the same pretrained model.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rdlm import RecurrentDepthLM, load_pretrained  # noqa: E402
+from rdlm import RecurrentDepthLM  # noqa: E402
 from rdlm.data.shards import prepare, read_documents  # noqa: E402
 from rdlm.data.tokenizer import train_tokenizer  # noqa: E402
-from rdlm.model.retrofit import plain_config, retrofit, save_as_llama  # noqa: E402
+from rdlm.data.tokenizer import Tokenizer  # noqa: E402
+from rdlm.model.retrofit import load_llama, plain_config, retrofit, save_as_llama  # noqa: E402
 from rdlm.resources import LongRunWarning  # noqa: E402
 from rdlm.train import TrainConfig  # noqa: E402
 from rdlm.train.monitor import evaluate  # noqa: E402
@@ -101,29 +103,40 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--adapter-init", default="identity", choices=("identity", "sum", "random"))
+    parser.add_argument("--reuse-base", action="store_true",
+                        help="start from the pretrained model an earlier run left in --out (skip pretraining)")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    tok = train_tokenizer(read_documents(files), 1024)
+    tok = Tokenizer.load(out / "llama") if args.reuse_base else train_tokenizer(read_documents(files), 1024)
     prepare(files, tok, out / "shards", context_length=args.seq_len, val_fraction=0.05, seed=0)
     config = plain_config(core_layers=8, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=384,
                           vocab_size=tok.vocab_size, context_length=args.seq_len, rope_base=10000.0)
-    torch.manual_seed(0)
-    base = run(RecurrentDepthLM(config), out / "shards", tok, seed=100, lr=args.lr, batch=args.batch,
-               minutes=args.base_minutes, eval_every=0, eval_r=(1,))
-    base_model = base["trainer"].model.eval()
-    save_as_llama(base_model, out / "llama")
-    tok.save(out / "llama")
-    result = {"base": {"steps": base["steps"], "seconds": round(base["seconds"], 1), "flops": base["flops"],
-                       "val_loss": final_losses(base["trainer"], (1,))[1], "parameters": base_model.num_parameters()},
-              "split": "prelude 0-1, core 2-5, coda 6-7", "curriculum": args.curriculum,
-              "mean_recurrence": args.mean_recurrence, "runs": []}
+    if args.reuse_base:
+        base_model = load_llama(out / "llama")
+        base_info = json.loads((out / "base.json").read_text())
+    else:
+        torch.manual_seed(0)
+        base = run(RecurrentDepthLM(config), out / "shards", tok, seed=100, lr=args.lr, batch=args.batch,
+                   minutes=args.base_minutes, eval_every=0, eval_r=(1,))
+        base_model = base["trainer"].model.eval()
+        save_as_llama(base_model, out / "llama")
+        tok.save(out / "llama")
+        base_info = {"steps": base["steps"], "seconds": round(base["seconds"], 1), "flops": base["flops"],
+                     "val_loss": final_losses(base["trainer"], (1,))[1], "parameters": base_model.num_parameters()}
+        (out / "base.json").write_text(json.dumps(base_info))
+    result = {"base": base_info, "split": "prelude 0-1, core 2-5, coda 6-7", "curriculum": args.curriculum,
+              "mean_recurrence": args.mean_recurrence, "adapter_init": args.adapter_init, "minutes": args.minutes,
+              "runs": []}
     print(json.dumps(result["base"]), flush=True)
+    tag = f"{args.adapter_init}-{args.curriculum}-r{args.mean_recurrence}-{args.minutes:g}min"
     for seed in map(int, args.seeds.split(",")):
         retrofitted = retrofit(out / "llama", out / f"retrofit-{seed}", [0, 1], [2, 3, 4, 5], [6, 7],
-                               mean_recurrence=args.mean_recurrence, backprop_depth=args.mean_recurrence)
+                               adapter_init=args.adapter_init, mean_recurrence=args.mean_recurrence,
+                               backprop_depth=args.mean_recurrence)
         b = run(retrofitted.train(), out / "shards", tok, seed=seed, lr=args.lr, batch=args.batch,
                 minutes=args.minutes, eval_every=50, eval_r=(1, args.mean_recurrence), curriculum=args.curriculum)
         a = run(copy.deepcopy(base_model).train(), out / "shards", tok, seed=seed, lr=args.lr, batch=args.batch,
@@ -138,8 +151,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k not in ("a", "b")} |
                          {"a": row["a"]["val_loss"], "b": row["b"]["val_loss"], "a_steps": a["steps"],
                           "b_steps": b["steps"]}), flush=True)
-    (out / "retrofit.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "retrofit.png")
+    (out / f"retrofit-{tag}.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / f"retrofit-{tag}.png")
     shutil.rmtree(out / "shards", ignore_errors=True)
 
 

@@ -227,7 +227,7 @@ def test_a_plain_rdlm_model_is_a_llama(tmp_path):
     """The fixed-depth baseline rdlm trains (plain_config) saves as a transformers Llama with the same logits,
     and retrofitting it gives them back at r = 1."""
     from rdlm import RecurrentDepthLM
-    from rdlm.model.retrofit import plain_config, save_as_llama
+    from rdlm.model.retrofit import load_llama, plain_config, save_as_llama
 
     torch.manual_seed(0)
     config = plain_config(core_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
@@ -241,3 +241,6 @@ def test_a_plain_rdlm_model_is_a_llama(tmp_path):
         tokenizer_file(tmp_path / "llama")
         back = retrofit(tmp_path / "llama", tmp_path / "retro", [0], [1, 2], [3])
         torch.testing.assert_close(back(IDS, 1).logits, ours, rtol=0, atol=1e-5)
+        plain = load_llama(tmp_path / "llama")  # and the Llama read back as the fixed-depth model
+        assert plain.config == config
+        assert torch.equal(plain(IDS, 1).logits, ours)

@@ -172,7 +172,7 @@ def config_to_huginn(config: RDLMConfig, dtype: torch.dtype = torch.float32) -> 
         "test_time_noise": config.test_time_noise,
         "test_time_noise_type": config.test_time_noise_type,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "rdlm": _rdlm_section(config, general=config.family == "huginn"),
+        "rdlm": _rdlm_section(config, general=True),
     }
     if config.family != "huginn":
         raw.update(retrofit_keys(config))

@@ -157,33 +157,13 @@ def retrofit(source: str | os.PathLike, out: str | os.PathLike, prelude: Sequenc
         tensors = read_weights(source)
     except CheckpointError as err:
         raise RetrofitError(str(err)) from err
-    embedding = tensors.get("model.embed_tokens.weight")
-    if embedding is None:
-        raise RetrofitError(f"{source}: the source checkpoint has no tensor model.embed_tokens.weight")
-    # A tied source head becomes an untied copy: the retrofitted layout has its own lm_head.
-    head = tensors.get("lm_head.weight", embedding)
-    state = {"embedding.weight": embedding, "lm_head.weight": head.clone(),
-             "final_norm.weight": tensors["model.norm.weight"]}
-    for group, indices in (("prelude", prelude), ("core", core), ("coda", coda)):
-        for i, index in enumerate(indices):
-            for name, tensor in _layer_tensors(tensors, index, config.family).items():
-                state[f"{group}.{i}.{name}"] = tensor
-    dtype = dtype or embedding.dtype
+    state = _source_state(source, tensors, config, prelude, core, coda)
+    dtype = dtype or state["embedding.weight"].dtype
     state["adapter.weight"] = adapter_weight(config.hidden_size, adapter_init, dtype,
                                              torch.Generator().manual_seed(seed))
     if config.adapter_bias:
         state["adapter.bias"] = torch.zeros(config.hidden_size, dtype=dtype)
-    with torch.device("meta"):
-        model = RecurrentDepthLM(config)
-    expected = {name: p.shape for name, p in model.named_parameters()}
-    for name, shape in expected.items():
-        if name not in state:
-            raise RetrofitError(f"nothing in the source maps to {name}")
-        if state[name].shape != shape:
-            raise RetrofitError(f"{name}: the source gives shape {list(state[name].shape)}, expected {list(shape)}")
-    model.load_state_dict({n: state[n].to(dtype) for n in expected}, assign=True)
-    model.rope_cos, model.rope_sin = _rope(config)
-    model.eval()
+    model = _assemble(config, state, dtype)
     save_pretrained(model, out, dtype=dtype)
     for name in TOKENIZER_FILES:
         if (Path(source) / name).is_file():
@@ -238,6 +218,52 @@ def save_as_llama(model: RecurrentDepthLM, out: str | os.PathLike) -> Path:
         save_file({n: t.contiguous() for n, t in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
     return out
+
+
+def load_llama(source: str | os.PathLike, dtype: torch.dtype | None = None) -> RecurrentDepthLM:
+    """A transformers Llama/OLMo-2 directory as rdlm's fixed-depth model (`plain_config`: every layer once, the
+    same logits as the source): the no-recurrence baseline to compare a retrofitted model with."""
+    raw = read_source_config(source)
+    layers = list(range(raw["num_hidden_layers"]))
+    config = retrofit_config(raw, 0, len(layers), 0, injection="none", state_init="embedding", mean_recurrence=1,
+                             backprop_depth=1, recurrence_sampler="fixed")
+    try:
+        tensors = read_weights(source)
+    except CheckpointError as err:
+        raise RetrofitError(str(err)) from err
+    state = _source_state(source, tensors, config, [], layers, [])
+    return _assemble(config, state, dtype or state["embedding.weight"].dtype)
+
+
+def _source_state(source, tensors: dict[str, torch.Tensor], config: RDLMConfig, prelude: Sequence[int],
+                  core: Sequence[int], coda: Sequence[int]) -> dict[str, torch.Tensor]:
+    """rdlm parameters from a source checkpoint's tensors (no adapter)."""
+    embedding = tensors.get("model.embed_tokens.weight")
+    if embedding is None:
+        raise RetrofitError(f"{source}: the source checkpoint has no tensor model.embed_tokens.weight")
+    # A tied source head becomes an untied copy: the retrofitted layout has its own lm_head.
+    head = tensors.get("lm_head.weight", embedding)
+    state = {"embedding.weight": embedding, "lm_head.weight": head.clone(),
+             "final_norm.weight": tensors["model.norm.weight"]}
+    for group, indices in (("prelude", prelude), ("core", core), ("coda", coda)):
+        for i, index in enumerate(indices):
+            for name, tensor in _layer_tensors(tensors, index, config.family).items():
+                state[f"{group}.{i}.{name}"] = tensor
+    return state
+
+
+def _assemble(config: RDLMConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> RecurrentDepthLM:
+    with torch.device("meta"):  # no random initialisation: every parameter comes from `state`
+        model = RecurrentDepthLM(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    for name, shape in expected.items():
+        if name not in state:
+            raise RetrofitError(f"nothing in the source maps to {name}")
+        if state[name].shape != shape:
+            raise RetrofitError(f"{name}: the source gives shape {list(state[name].shape)}, expected {list(shape)}")
+    model.load_state_dict({n: state[n].to(dtype) for n in expected}, assign=True)
+    model.rope_cos, model.rope_sin = _rope(config)
+    return model.eval()
 
 
 def _rope(config: RDLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
