@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--adapter-init", default="identity", choices=("identity", "sum", "random"))
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"), help="for both (a) and (b)")
     parser.add_argument("--reuse-base", action="store_true",
                         help="start from the pretrained model an earlier run left in --out (skip pretraining)")
     args = parser.parse_args()
@@ -130,17 +131,19 @@ def main() -> None:
         (out / "base.json").write_text(json.dumps(base_info))
     result = {"base": base_info, "split": "prelude 0-1, core 2-5, coda 6-7", "curriculum": args.curriculum,
               "mean_recurrence": args.mean_recurrence, "adapter_init": args.adapter_init, "minutes": args.minutes,
+              "optimizer": args.optimizer,
               "runs": []}
     print(json.dumps(result["base"]), flush=True)
-    tag = f"{args.adapter_init}-{args.curriculum}-r{args.mean_recurrence}-{args.minutes:g}min"
+    tag = f"{args.adapter_init}-{args.curriculum}-r{args.mean_recurrence}-{args.minutes:g}min-{args.optimizer}"
     for seed in map(int, args.seeds.split(",")):
         retrofitted = retrofit(out / "llama", out / f"retrofit-{seed}", [0, 1], [2, 3, 4, 5], [6, 7],
                                adapter_init=args.adapter_init, mean_recurrence=args.mean_recurrence,
                                backprop_depth=args.mean_recurrence)
         b = run(retrofitted.train(), out / "shards", tok, seed=seed, lr=args.lr, batch=args.batch,
-                minutes=args.minutes, eval_every=50, eval_r=(1, args.mean_recurrence), curriculum=args.curriculum)
+                minutes=args.minutes, eval_every=50, eval_r=(1, args.mean_recurrence), curriculum=args.curriculum,
+                optimizer=args.optimizer)
         a = run(copy.deepcopy(base_model).train(), out / "shards", tok, seed=seed, lr=args.lr, batch=args.batch,
-                flops_budget=b["flops"], eval_every=50, eval_r=(1,))
+                flops_budget=b["flops"], eval_every=50, eval_r=(1,), optimizer=args.optimizer)
         row = {"seed": seed,
                "a": {"steps": a["steps"], "flops": a["flops"], "seconds": round(a["seconds"], 1),
                      "val_loss": final_losses(a["trainer"], (1,))[1], "curve": a["curve"]},

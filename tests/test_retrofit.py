@@ -244,3 +244,24 @@ def test_a_plain_rdlm_model_is_a_llama(tmp_path):
         plain = load_llama(tmp_path / "llama")  # and the Llama read back as the fixed-depth model
         assert plain.config == config
         assert torch.equal(plain(IDS, 1).logits, ours)
+
+
+def test_a_trained_retrofitted_model_converts_and_serves(tmp_path, capsys):
+    pytest.importorskip("openai")
+    from rdlm.cli import main
+    from rdlm.train import TrainConfig, train
+    from test_serve import LiveServer
+
+    source, _ = make_source(tmp_path, "llama")
+    retrofit(source, tmp_path / "model", [0, 1], [2, 3], [4, 5])
+    rows = torch.arange(16 * 17).view(16, 17) % 100
+    train(TrainConfig(model=str(tmp_path / "model"), steps=3, micro_batch_size=4, curriculum="linear",
+                      progress=False, tensorboard=False, threads=1, warmup_steps=1, out_dir=str(tmp_path / "run")),
+          train_data=rows)
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "final")]) == 0
+    shutil.copy2(source / "tokenizer.json", tmp_path / "final" / "tokenizer.json")
+    assert load_pretrained(tmp_path / "final").config.family == "retrofit-llama"
+    with LiveServer(tmp_path / "final") as live:
+        out = live.client().completions.create(model="tiny", prompt="the cat", max_tokens=4, temperature=0,
+                                               extra_body={"num_steps": 3})
+    assert out.usage.completion_tokens == 4 and out.usage.model_extra["latent_iterations"] == 12
