@@ -103,7 +103,7 @@ def test_rdlm_eval_text_and_analyze_run(with_text, name, tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat. " * 8)
     run = Run(capsys, ("eval", "--model", str(with_text[name]), "--text", str(text),
-               "--num-steps", "1,4", "--seq-len", "32"))
+               "--num-steps", "1,4", "--seq-len", "32", "--out", str(tmp_path / "eval")))
     assert run.returncode == 0, run.stderr
     criterion = "gate" if name == "ouro-tiny" else "kl"
     run = Run(capsys, ("analyze", "--model", str(with_text[name]), "--prompt", "the cat sat", "--num-steps", "4",

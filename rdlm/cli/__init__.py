@@ -30,6 +30,26 @@ COMMANDS = [
 ]
 
 
+def _quantize_spec(text: str) -> str:
+    from rdlm.model.quantize import QuantizationError, QuantSpec
+
+    try:
+        QuantSpec.parse(text)
+    except QuantizationError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def add_quantize_arguments(parser) -> None:
+    """--quantize / --quantize-group-size: weight-only quantization at load time (rdlm.model.quantize)."""
+    parser.add_argument("--quantize", metavar="SPEC", type=_quantize_spec,
+                        help="weight-only quantization per part of the loop: int8, int4, or part=scheme items "
+                             "(parts prelude, core, coda, head; schemes none, int8, int4), e.g. "
+                             "'core=int8,prelude=int4,coda=int4,head=int8'; docs/quantization.md")
+    parser.add_argument("--quantize-group-size", type=int, default=128, metavar="N",
+                        help="int4: input columns per scale and zero point (32, 64, 128 or 256)")
+
+
 class CLIError(Exception):
     """A user error worth one clear line, not a traceback."""
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from rdlm.cli import add_model_argument
+from rdlm.cli import add_model_argument, add_quantize_arguments
 from rdlm.fileio import read_jsonl
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
 
@@ -46,6 +46,7 @@ def register(subparsers) -> None:
                    help="criterion for the exit-step histogram (rdlm.inference.exits; 'none' to skip)")
     p.add_argument("--exit-threshold", type=float, default=None, help="its threshold (default: its own)")
     p.add_argument("--exit-max-steps", type=int, default=None, help="cap on exit steps (default r)")
+    add_quantize_arguments(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N")
     p.set_defaults(func=run)
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         max_bytes=args.max_memory_mb * 2**20, stream=args.stream, num_runs=args.runs,
         exit_criterion=None if args.exit_criterion == "none" else args.exit_criterion,
         exit_threshold=args.exit_threshold, exit_max_steps=args.exit_max_steps)
-    model = found.load(device=args.device)
+    model = found.load(device=args.device, quantize=args.quantize, group_size=args.quantize_group_size)
     with torch.no_grad():
         result = analyze(model, prompts, args.out, settings, tokenizer=tokenizer, model_name=args.model)
     for name, p in result.summary["prompts"].items():

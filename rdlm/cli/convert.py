@@ -4,6 +4,7 @@ sharded with an index when large)."""
 from __future__ import annotations
 
 import argparse
+from rdlm.cli import add_quantize_arguments
 from rdlm.model import dtypes
 from rdlm.model.convert import convert
 
@@ -19,12 +20,14 @@ def register(subparsers) -> None:
                    help="from a training checkpoint: the EMA weights (default) or the raw ones")
     p.add_argument("--in-place", action="store_true",
                    help="allow DESTINATION to be the source model directory (its weights are replaced)")
+    add_quantize_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     out = convert(args.source, args.destination, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                  weights=args.weights, in_place=args.in_place)
+                  weights=args.weights, in_place=args.in_place, quantize=args.quantize,
+                  group_size=args.quantize_group_size)
     files = sorted(p.name for p in out.iterdir())
     shards = len(list(out.glob("*.safetensors")))
     print(f"wrote {out} ({shards} weight file(s)): {', '.join(files)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rdlm.cli import CLIError, add_model_argument
+from rdlm.cli import CLIError, add_model_argument, add_quantize_arguments
 from rdlm.fileio import read_jsonl, read_utf8
 
 
@@ -26,6 +26,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="rows (windows or requests) per forward")
     p.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: zero state)")
     p.add_argument("--out", default="eval-out", help="directory for results.json and plot.png")
+    add_quantize_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         found = resolve_model_source(args.model)
         if found.tokenizer_dir is None:
             raise CLIError(f"{args.model!r} has no {TOKENIZER_FILE}: perplexity on text needs the model's tokenizer")
-        model = found.load()
+        model = found.load(quantize=args.quantize, group_size=args.quantize_group_size)
         tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         docs = [tokenizer.encode(d, add_bos=True) for d in read_documents(Path(args.text))]
         sweeps = [perplexity_vs_steps(model, docs, steps, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -66,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
             from rdlm.integrations.lm_eval import accuracy_vs_steps
         except ImportError as err:
             raise CLIError(f"{err}; accuracy on lm-eval tasks needs lm-eval: pip install 'rdlm[eval]'") from err
-        extra = ",".join(a for a in (f"init_scale={args.init_scale}", args.model_args) if a)
+        quantize = args.quantize and (f"quantize={args.quantize.replace(',', '+').replace('=', ':')},"
+                                      f"quantize_group_size={args.quantize_group_size}")
+        extra = ",".join(a for a in (f"init_scale={args.init_scale}", quantize, args.model_args) if a)
         sweeps = accuracy_vs_steps(args.model, args.tasks.split(","), steps, include_path=args.include_path,
                                    metric=args.metric, model_args=extra, batch_size=args.batch_size,
                                    limit=args.limit)

@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from rdlm.cli import add_quantize_arguments
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
 from rdlm.model import dtypes
@@ -84,6 +85,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU)")
     g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32", help="weights and activations dtype")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add_quantize_arguments(g)
 
 
 def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ...] = ()) -> GenerationConfig:
@@ -105,9 +107,11 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
 
 
 def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False,
-                             without_tokenizer: str = "use --prompt-ids for token ids"):
-    """The model and, when it comes with tokenizer.json, its tokenizer (else None). `without_tokenizer`
-    ends the error when one is needed and missing: what the command can do instead."""
+                             without_tokenizer: str = "use --prompt-ids for token ids", quantize: str | None = None,
+                             group_size: int = 128):
+    """The model (quantized by `quantize`, when given) and, when it comes with tokenizer.json, its
+    tokenizer (else None). `without_tokenizer` ends the error when one is needed and missing: what the
+    command can do instead."""
     from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     check_device(device)
@@ -118,7 +122,12 @@ def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = 
     elif need_tokenizer:
         raise ValueError(f"{source!r} has no {TOKENIZER_FILE}: text needs a model directory with a "
                          f"tokenizer ({without_tokenizer})")
-    return found.load(dtype=dtype, device=device), tokenizer
+    model = found.load(dtype=dtype, device=device, quantize=quantize, group_size=group_size)
+    if getattr(model, "quantization", None) is not None:
+        from rdlm.model.quantize import describe
+
+        print(f"rdlm: quantized {describe(model)}", file=sys.stderr)
+    return model, tokenizer
 
 
 def parse_ids(text: str) -> list[int]:
@@ -167,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)  # a preset is a freshly initialized model: make it reproducible
     text_mode = args.prompt is not None
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device,
-                                                need_tokenizer=text_mode or bool(args.stop))
+                                                need_tokenizer=text_mode or bool(args.stop),
+                                                quantize=args.quantize, group_size=args.quantize_group_size)
     if text_mode:
         prompts = [tokenizer.encode(p, add_bos=not args.no_bos) for p in args.prompt]
         stop_tokens = (tokenizer.eos_id,)

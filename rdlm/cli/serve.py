@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if args.draft_steps is not None:
         raise ValueError("--draft-steps: speculative decoding is not available in the server")
     model, tokenizer = load_model_and_tokenizer(
-        args.model, args.dtype, args.device, need_tokenizer=True,
+        args.model, args.dtype, args.device, need_tokenizer=True, quantize=args.quantize,
+        group_size=args.quantize_group_size,
         without_tokenizer="the server takes and returns text: give a run directory or model directory with "
                           "tokenizer.json")
     defaults = config_from_args(args, model)

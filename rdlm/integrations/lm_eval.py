@@ -81,7 +81,8 @@ class RDLMEvalModel(TemplateLM):
                  kv_cache_budget: int | str | None = None, dtype: str = "float32", device: str | None = None,
                  batch_size: int | str | None = 8, max_batch_size: int | str | None = 64,
                  max_length: int | str | None = None, max_gen_toks: int | str = 256,
-                 add_bos_token: bool | str = True, **unused: Any) -> None:
+                 add_bos_token: bool | str = True, quantize: str | None = None,
+                 quantize_group_size: int | str = 128, **unused: Any) -> None:
         super().__init__()
         if unused:
             raise ValueError(f"rdlm model: unknown model argument(s) {', '.join(sorted(unused))}")
@@ -99,7 +100,8 @@ class RDLMEvalModel(TemplateLM):
         found = resolve_model_source(pretrained)
         if found.tokenizer_dir is None:
             raise ValueError(f"rdlm model: {pretrained} has no tokenizer.json")
-        self.model = found.load(dtype=torch_dtype, device=self._device)
+        self.model = found.load(dtype=torch_dtype, device=self._device, quantize=quantize or None,
+                                group_size=int(quantize_group_size))
         self.tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         config = self.model.config
         self.num_steps = config.mean_recurrence if (r := _optional(num_steps, int)) is None else r

@@ -19,6 +19,8 @@ import re
 import shutil
 from pathlib import Path
 
+from typing import Any
+
 import torch
 
 from rdlm.fileio import atomic_write
@@ -68,12 +70,14 @@ def check_destination(destination: str | os.PathLike, source: Path, in_place: bo
 
 
 def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
-            max_shard_bytes: int | str = DEFAULT_SHARD_BYTES, weights: str = "ema", in_place: bool = False) -> Path:
+            max_shard_bytes: int | str = DEFAULT_SHARD_BYTES, weights: str = "ema", in_place: bool = False,
+            quantize: Any = None, group_size: int = 128) -> Path:
     """Write the weights of `source` to `destination` in the Huginn layout.
 
     dtype: "bf16", "fp32", a torch dtype, or None / "keep" for the source's own. Shards larger than
     `max_shard_bytes` are split, with `model.safetensors.index.json`. Tokenizer and generation files of
-    the source are copied along.
+    the source are copied along. quantize: weight-only quantization (rdlm.model.quantize) of the saved
+    weights, in `dtype`'s activations.
 
     Only what the layout owns (config.json, the weight files, the index) is replaced in an existing
     model directory; anything else there stays. A file, a non-empty directory that is not a model
@@ -81,7 +85,8 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype:
     """
     dtype = resolve_dtype(dtype)
     found = resolve_source(source, weights)
-    model = found.load()  # the file's own dtype; FSDP shards are gathered (float32)
+    # the file's own dtype (FSDP shards are gathered in float32); quantized in the dtype it is saved in
+    model = found.load(dtype=dtype if quantize else None, quantize=quantize, group_size=group_size)
     # The tokenizer and generation files sit beside the weights, or beside trainer.json when sharded.
     src = found.checkpoint if found.sharded else found.directory
     destination = check_destination(destination, src, in_place)

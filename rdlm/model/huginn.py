@@ -255,8 +255,10 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     for note in recover_dir(path):  # a save that a crash interrupted: the complete copy comes back
         print(f"rdlm: {note}", file=sys.stderr)
     config = read_config(path)
+    spec = read_quantization(path)
     tensors = read_weights(path)
     family = config.family
+    quantized = _stored_quantized(tensors, family, path) if spec is not None else {}
     rope_table = tensors.pop("freqs_cis", None) if family == "huginn" else None
     if family == "ouro":
         state, unexpected = from_ouro_tensors(tensors)
@@ -276,6 +278,11 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                                   "but the config says the embeddings are tied")
     with torch.device("meta"):
         model = RecurrentDepthLM(config)
+    if dtype is None:
+        embedding = state.get("embedding.weight")
+        dtype = embedding.dtype if embedding is not None and embedding.is_floating_point() else torch.float32
+    if spec is not None:
+        _attach_stored_quantized(model, spec, quantized, state, dtype, device, path)
     expected = {name: p.shape for name, p in model.named_parameters()}
     missing = [file_name(n) for n in expected if n not in state]
     unexpected += [file_name(n) for n in state if n not in expected]
@@ -289,14 +296,62 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                                   f"{list(state[name].shape)}, expected {list(shape)}")
         if not state[name].is_floating_point():
             raise CheckpointError(f"{path}: tensor {file_name(name)} has dtype {state[name].dtype}")
-    if dtype is None:
-        dtype = state["embedding.weight"].dtype
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, assign=True)
     cos, sin = stored_rope_tables(rope_table, config, path)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.source = str(path)  # named by errors about the weights (non-finite logits)
     return model.eval()
+
+
+def read_quantization(path: str | os.PathLike):
+    """The QuantSpec a model directory's config.json records (rdlm.model.quantize), or None."""
+    from rdlm.model.quantize import CONFIG_KEY, QuantizationError, QuantSpec
+
+    raw = json.loads((Path(path) / CONFIG_NAME).read_text())  # read_config has validated the file
+    if raw.get(CONFIG_KEY) is None:
+        return None
+    try:
+        return QuantSpec.from_json(raw[CONFIG_KEY], f"{Path(path) / CONFIG_NAME}")
+    except QuantizationError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def _stored_quantized(tensors: dict[str, torch.Tensor], family: str, path) -> dict[str, torch.Tensor]:
+    """Take the quantized layers' tensors (`X.qweight`, `X.scales`, `X.zeros`) out of `tensors`, keyed by
+    rdlm's module names."""
+    from rdlm.model.quantize import SUFFIXES
+
+    if family == "ouro":
+        raise CheckpointError(f"{path}: a quantized checkpoint in Ouro's layout is not supported")
+    taken: dict[str, torch.Tensor] = {}
+    for name in [n for n in tensors if n.rpartition(".")[2] in SUFFIXES]:
+        base, _, suffix = name.rpartition(".")
+        ours = from_huginn_name(f"{base}.weight", family)
+        if ours is None:
+            raise CheckpointError(f"{path}: unexpected tensor {name}")
+        taken[f"{ours.removesuffix('.weight')}.{suffix}"] = tensors.pop(name)
+    return taken
+
+
+def _attach_stored_quantized(model, spec, quantized: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                             dtype: torch.dtype, device, path) -> None:
+    """Put the stored quantized layers into `model` (built on the meta device); their biases come out of
+    `state`. Anything left over or ill-fitting is refused in one line."""
+    from rdlm.model.quantize import QuantizationError, attach_quantized, layers
+
+    for part, name, module in list(layers(model)):
+        if getattr(spec, part) != "none" and f"{name}.bias" in state:
+            quantized[f"{name}.bias"] = state.pop(f"{name}.bias").to(device=device, dtype=dtype)
+    if spec.head != "none" and model.lm_head is None:
+        state.pop("lm_head.weight", None)  # a float copy of a tied head is the embedding; the quantized one is used
+    try:
+        attach_quantized(model, spec, quantized, dtype, device, str(path))
+    except QuantizationError as err:
+        raise CheckpointError(str(err)) from None
+    if quantized:
+        raise CheckpointError(f"{path}: unexpected quantized tensor(s) {_listing(list(quantized))} (config.json's "
+                              f"quantization is {spec})")
 
 
 def stored_rope_tables(table: torch.Tensor | None, config: RDLMConfig,
@@ -353,11 +408,23 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
     dtype = dtype or next(iter(params.values())).dtype
     config = model.config
     raw_config = config_to_huginn(config, dtype)  # first: refuses a model the family's layout cannot hold
+    spec = getattr(model, "quantization", None)
+    if spec is not None and config.family == "ouro":
+        raise CheckpointError("a quantized model in Ouro's layout cannot be saved; save the unquantized model "
+                              "and quantize it when loading (--quantize)")
     cpu = {n: p.detach().to("cpu", dtype).contiguous() for n, p in params.items()}
     if config.family == "ouro":
         tensors = to_ouro_tensors(cpu, config)
     else:
         tensors = {to_huginn_name(n, config.family): t for n, t in cpu.items()}
+    if spec is not None:
+        from rdlm.model.quantize import CONFIG_KEY, quantized_tensors
+
+        for name, tensor in quantized_tensors(model).items():
+            module, _, suffix = name.rpartition(".")
+            stored = to_huginn_name(f"{module}.weight", config.family).removesuffix(".weight")
+            tensors[f"{stored}.{suffix}"] = tensor if suffix != "bias" else tensor.to(dtype)
+        raw_config[CONFIG_KEY] = spec.to_json()
     if config.family == "huginn":
         # The model's RoPE table (the one it was loaded with, or computed), in the reference's layout and
         # in the checkpoint's dtype, as the reference saves it.

@@ -354,7 +354,9 @@ class RecurrentDepthLM(nn.Module):
                 cache: KVCacheHook | None = None) -> Tensor:
         """Coda C (final norm, coda layers, final norm: see `coda_output`), then the un-embedding.
         Returns float32 logits."""
-        return F.linear(self.coda_output(state, rope, mask, cache), self.unembedding_weight).float()
+        x = self.coda_output(state, rope, mask, cache)
+        # lm_head is a module when untied, or a quantized copy of a tied head (rdlm.model.quantize)
+        return (F.linear(x, self.embedding.weight) if self.lm_head is None else self.lm_head(x)).float()
 
     def coda_output(self, state: Tensor, rope: Rope, mask: Tensor | None = None,
                     cache: KVCacheHook | None = None) -> Tensor:

@@ -30,6 +30,8 @@ from rdlm.model.config import PRESETS, ConfigError, RDLMConfig
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import CONFIG_NAME, CheckpointError, load_pretrained
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model import quantize as quantization
+from rdlm.model.quantize import DEFAULT_GROUP_SIZE
 
 PRESET_PREFIX = "preset:"
 ACCEPTED = (f"a preset ({', '.join(PRESETS)}; random weights), a Huginn-layout model directory, "
@@ -58,9 +60,16 @@ class ModelSource:
         return where if where is not None and (where / TOKENIZER_FILE).is_file() else None
 
     def load(self, *, dtype: Any = None, device: torch.device | str = "cpu",
-             overrides: dict[str, Any] | None = None) -> RecurrentDepthLM:
+             overrides: dict[str, Any] | None = None, quantize: Any = None,
+             group_size: int = DEFAULT_GROUP_SIZE) -> RecurrentDepthLM:
         """The model, in eval mode. dtype: a name or torch dtype for the weights (None: the file's own;
-        float32 for presets and sharded checkpoints); overrides: config fields of a preset."""
+        float32 for presets and sharded checkpoints); overrides: config fields of a preset; quantize: a
+        QuantSpec or its text ("int8", "core=int4,head=int8", ...; rdlm.model.quantize) applied after
+        loading (a model saved quantized stays as saved)."""
+        model = self._load(dtype, device, overrides)
+        return quantization.apply(model, quantize, group_size)
+
+    def _load(self, dtype: Any, device: torch.device | str, overrides: dict[str, Any] | None) -> RecurrentDepthLM:
         dtype = resolve_dtype(dtype)
         if self.kind == "preset":
             model = RecurrentDepthLM(RDLMConfig.from_preset(self.preset, **(overrides or {})))
@@ -151,8 +160,9 @@ def _holds_model(path: Path) -> bool:
 
 
 def load_model(source: str | os.PathLike | ModelSource, *, dtype: Any = None, device: torch.device | str = "cpu",
-               weights: str = "ema") -> RecurrentDepthLM:
-    """The model `source` names (see the module docstring), in eval mode, on `device`."""
+               weights: str = "ema", quantize: Any = None, group_size: int = DEFAULT_GROUP_SIZE) -> RecurrentDepthLM:
+    """The model `source` names (see the module docstring), in eval mode, on `device`, quantized by
+    `quantize` (rdlm.model.quantize) when given."""
     if not isinstance(source, ModelSource):
         source = resolve_model_source(source, weights)
-    return source.load(dtype=dtype, device=device)
+    return source.load(dtype=dtype, device=device, quantize=quantize, group_size=group_size)

@@ -29,6 +29,9 @@ def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple
     if found.kind == "preset":
         return RecurrentDepthLM(RDLMConfig.from_preset(found.preset, **(overrides or {}))), None
     model = found.load(dtype=torch.float32)
+    if getattr(model, "quantization", None) is not None:
+        raise ConfigError(f"{source} is quantized ({model.quantization}): its integer weights cannot be trained; "
+                          "train the unquantized model and quantize it afterwards")
     if overrides:
         # Training-time fields (recurrence, checkpointing) may change; shapes may not.
         new = model.config.replace(**overrides)

@@ -1,0 +1,412 @@
+"""Weight-only quantization of the linear layers, chosen per part of the loop (docs/quantization.md).
+
+A recurrent-depth model applies its core block r times per token, so error in the core's weights is fed
+back into the recurrence r times, while the prelude's and coda's is applied once; each part therefore gets
+its own precision:
+
+    prelude   the prelude blocks
+    core      the core blocks and the adapter (everything applied once per iteration)
+    coda      the coda blocks
+    head      the un-embedding (a tied head gets a quantized copy; the embedding lookup stays exact)
+
+Schemes: "none" (the model dtype), "int8" (symmetric, one scale per output channel) and "int4"
+(asymmetric, one scale and zero point per group of `group_size` input columns, as gpt-fast and torchao's
+int4 weight-only). On the CPU the matmuls are PyTorch's own kernels (`torch._weight_int8pack_mm`,
+`aten._weight_int4pack_mm_for_cpu`); elsewhere the weights are dequantized inside the matmul (under
+torch.compile that fuses into one kernel, as gpt-fast's int8 does). The norms, the exit gate and the
+embedding table stay in the model dtype.
+
+On disk (safetensors, `save_pretrained`) a quantized linear layer `X.weight` is stored as `X.qweight`
+(int8 [out, in]; int4: uint8 [out, in/2], column 2j in the low nibble and 2j+1 in the high one),
+`X.scales` (float32: int8 [out], int4 [out, in/group]) and, for int4, `X.zeros` (float32, like the
+scales); config.json says which parts are quantized under "rdlm_quantization".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PARTS = ("prelude", "core", "coda", "head")
+SCHEMES = ("none", "int8", "int4")
+GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
+DEFAULT_GROUP_SIZE = 128
+CONFIG_KEY = "rdlm_quantization"
+SUFFIXES = ("qweight", "scales", "zeros")
+_CPU_BLOCK_N = 32  # the CPU int4 kernel packs output rows in blocks of 32 (see _to_cpu_int4_layout)
+
+
+class QuantizationError(ValueError):
+    """A quantization spec or stored quantized tensor that cannot be used (one line naming it)."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Which parts are quantized and how. `QuantSpec.parse("int8")`, `parse("core=int4,prelude=int8")`,
+    `parse("int4,head=int8")` (a bare scheme sets every part; `part=scheme` items override it; "+" and ":"
+    may stand for "," and "=", e.g. in lm-eval's model_args: `quantize=int4+head:int8`)."""
+
+    prelude: str = "none"
+    core: str = "none"
+    coda: str = "none"
+    head: str = "none"
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        for part in PARTS:
+            if getattr(self, part) not in SCHEMES:
+                raise QuantizationError(f"quantization of {part}: unknown scheme {getattr(self, part)!r} "
+                                        f"(expected one of {', '.join(SCHEMES)})")
+        if self.group_size not in GROUP_SIZES:
+            raise QuantizationError(f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                                    f"got {self.group_size}")
+
+    @classmethod
+    def parse(cls, text: str, group_size: int = DEFAULT_GROUP_SIZE) -> "QuantSpec":
+        values: dict[str, str] = {}
+        # "," and "=" as written; "+" and ":" also, for places where commas separate arguments (lm-eval)
+        items = [item.strip() for item in str(text).replace("+", ",").replace(":", "=").split(",")]
+        if not text or not all(items):
+            raise QuantizationError(f"empty item in quantization spec {text!r} (e.g. 'int8' or "
+                                    "'core=int4,prelude=int8,coda=none')")
+        for item in items:
+            if "=" not in item:
+                values.update(dict.fromkeys(PARTS, item))
+                continue
+            part, scheme = (s.strip() for s in item.split("=", 1))
+            if part not in PARTS:
+                raise QuantizationError(f"quantization spec {text!r}: unknown part {part!r} "
+                                        f"(expected {', '.join(PARTS)})")
+            values[part] = scheme
+        return cls(**values, group_size=group_size)
+
+    @property
+    def active(self) -> bool:
+        return any(getattr(self, part) != "none" for part in PARTS)
+
+    def __str__(self) -> str:
+        schemes = [getattr(self, part) for part in PARTS]
+        text = schemes[0] if len(set(schemes)) == 1 else ",".join(f"{p}={s}" for p, s in zip(PARTS, schemes))
+        return text + (f" (group {self.group_size})" if "int4" in schemes else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, raw: Any, source: str = "config.json") -> "QuantSpec":
+        if not isinstance(raw, dict) or set(raw) - {f.name for f in fields(cls)}:
+            raise QuantizationError(f"{source}: {CONFIG_KEY} must be an object with keys "
+                                    f"{', '.join(f.name for f in fields(cls))}, got {raw!r}")
+        return cls(**raw)
+
+
+def as_spec(value: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec | None:
+    """A spec from a spec, its text or None (None and all-"none" mean no quantization)."""
+    spec = QuantSpec.parse(value, group_size) if isinstance(value, str) else value
+    return spec if spec is not None and spec.active else None
+
+
+# ------------------------------------------------------------------------------------------------
+# The quantized linear layer
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ b) with W held in int8 or int4. Inference only: nothing here has a gradient.
+
+    Holds the kernel's own layout: on the CPU the int4 weights are packed for
+    `aten._weight_int4pack_mm_for_cpu` (blocks of 32 output rows); `canonical()` gives the portable form
+    that is saved, and `from_canonical` reads it back."""
+
+    def __init__(self, scheme: str, in_features: int, out_features: int, group_size: int,
+                 qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scheme, self.in_features, self.out_features, self.group_size = scheme, in_features, out_features, group_size
+        self.cpu_layout = scheme == "int4" and qweight.device.type == "cpu"
+        if self.cpu_layout:
+            qweight = _to_cpu_int4_layout(_unpack_nibbles(qweight))
+            # [in/group, out, 2]: scale and zero point, as the kernel reads them
+            self.register_buffer("scales_and_zeros", torch.stack((scales, zeros), -1).transpose(0, 1)
+                                 .contiguous().to(dtype), persistent=False)
+        else:
+            self.register_buffer("scales", scales.to(dtype), persistent=False)
+            self.register_buffer("zeros", None if zeros is None else zeros.to(dtype), persistent=False)
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int) -> "QuantizedLinear":
+        return cls.from_weight(linear.weight, linear.bias, scheme, group_size)
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, bias: Tensor | None, scheme: str, group_size: int) -> "QuantizedLinear":
+        """Quantize `weight` [out, in] (the layer's dtype and device are kept for the activations)."""
+        w = weight.detach().float()
+        out_features, in_features = w.shape
+        if scheme == "int8":
+            scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            return cls("int8", in_features, out_features, group_size, q, scales, None, bias, weight.dtype)
+        grouped = w.reshape(out_features, in_features // group_size, group_size)
+        low, high = grouped.amin(-1), grouped.amax(-1)
+        scales = ((high - low) / 15).clamp(min=1e-9)
+        q = torch.round((grouped - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+        zeros = low + 8 * scales  # the kernels' convention: w = (q - 8) * scale + zero
+        packed = _pack_nibbles(q.reshape(out_features, in_features))
+        return cls("int4", in_features, out_features, group_size, packed, scales, zeros, bias, weight.dtype)
+
+    @classmethod
+    def from_canonical(cls, name: str, tensors: Mapping[str, Tensor], bias: Tensor | None, out_features: int,
+                       in_features: int, group_size: int, dtype: torch.dtype, device) -> "QuantizedLinear":
+        """Read the stored form (see the module docstring), refusing tensors that do not fit the layer
+        `name` [out_features, in_features] in one line."""
+        q, scales, zeros = (tensors.get(s) for s in SUFFIXES)
+        if q is None or scales is None:
+            raise QuantizationError(f"{name}: needs {name}.qweight and {name}.scales")
+        if q.dtype == torch.int8:
+            scheme, expected = "int8", {"qweight": (out_features, in_features), "scales": (out_features,)}
+        elif q.dtype == torch.uint8:
+            scheme = "int4"
+            expected = {"qweight": (out_features, in_features // 2),
+                        "scales": (out_features, in_features // group_size),
+                        "zeros": (out_features, in_features // group_size)}
+            if zeros is None:
+                raise QuantizationError(f"{name}: an int4 weight needs {name}.zeros")
+        else:
+            raise QuantizationError(f"{name}.qweight has dtype {q.dtype}; expected int8 (int8) or uint8 (int4)")
+        if scheme == "int8" and zeros is not None:
+            raise QuantizationError(f"{name}.zeros is not part of an int8 weight")
+        given = {"qweight": q, "scales": scales, "zeros": zeros}
+        for key, shape in expected.items():
+            if tuple(given[key].shape) != shape:
+                raise QuantizationError(f"{name}.{key} has shape {list(given[key].shape)}, expected {list(shape)}"
+                                        + (f" (group size {group_size})" if scheme == "int4" and key != "qweight"
+                                           else ""))
+            if key != "qweight" and not given[key].is_floating_point():
+                raise QuantizationError(f"{name}.{key} has dtype {given[key].dtype}; expected a float tensor")
+            if key != "qweight" and not torch.isfinite(given[key]).all():
+                raise QuantizationError(f"{name}.{key} holds non-finite values")
+        if not (scales > 0).all():
+            raise QuantizationError(f"{name}.scales holds values <= 0")
+        to = dict(device=device)
+        return cls(scheme, in_features, out_features, group_size, q.to(**to), scales.float().to(**to),
+                   None if zeros is None else zeros.float().to(**to), None if bias is None else bias.to(**to), dtype)
+
+    def canonical(self) -> dict[str, Tensor]:
+        """The stored form: qweight, scales (and zeros for int4) on the CPU, scales in float32."""
+        if self.scheme == "int8":
+            return {"qweight": self.qweight.cpu(), "scales": self.scales.float().cpu()}
+        if self.cpu_layout:
+            q = _from_cpu_int4_layout(self.qweight, self.out_features, self.in_features)
+            scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+            return {"qweight": _pack_nibbles(q), "scales": scales.contiguous(), "zeros": zeros.contiguous()}
+        return {"qweight": self.qweight.cpu(), "scales": self.scales.float().cpu(), "zeros": self.zeros.float().cpu()}
+
+    # -- compute -----------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return (self.scales_and_zeros if self.cpu_layout else self.scales).dtype
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight [out, in] in the layer's dtype (for code that needs the matrix itself:
+        the chunked loss, analysis)."""
+        if self.scheme == "int8":
+            return (self.qweight.to(self.scales.dtype) * self.scales[:, None])
+        parts = self.canonical() if self.cpu_layout else {"qweight": self.qweight, "scales": self.scales,
+                                                          "zeros": self.zeros}
+        return dequantize_int4(parts["qweight"], parts["scales"], parts["zeros"], self.group_size) \
+            .to(device=self.qweight.device, dtype=self.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(self.dtype)
+        if self.scheme == "int8":
+            if x2.device.type == "cpu":
+                y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
+            else:
+                y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scales
+        elif self.cpu_layout:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.qweight, self.group_size,
+                                                           self.scales_and_zeros)
+        else:
+            y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size).to(x2.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.scheme == "int4" else ""
+        return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}{group}"
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
+    q = _unpack_nibbles(packed).float()
+    out_features, in_features = q.shape
+    grouped = q.reshape(out_features, in_features // group_size, group_size)
+    return ((grouped - 8) * scales.float()[..., None] + zeros.float()[..., None]).reshape(out_features, in_features)
+
+
+def _pack_nibbles(q: Tensor) -> Tensor:
+    """[out, in] values 0..15 -> uint8 [out, in/2]: column 2j low nibble, 2j+1 high."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def _unpack_nibbles(packed: Tensor) -> Tensor:
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def _to_cpu_int4_layout(q: Tensor) -> Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
+def _from_cpu_int4_layout(packed: Tensor, out_features: int, in_features: int) -> Tensor:
+    """The inverse of `_to_cpu_int4_layout` (tested against it): the CPU kernel keeps blocks of 32 output
+    rows, [out/32, in, 16] bytes, byte j of a block holding row j (low nibble) and row 16 + j (high)."""
+    blocks = packed.cpu().reshape(out_features // _CPU_BLOCK_N, in_features, _CPU_BLOCK_N // 2)
+    rows = torch.cat((blocks & 15, blocks >> 4), dim=-1)  # [out/32, in, 32]
+    return rows.transpose(1, 2).reshape(out_features, in_features)
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantizing a model
+
+
+def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether the int4 layout holds a [out, in] layer (others fall back to int8)."""
+    return in_features % group_size == 0 and out_features % _CPU_BLOCK_N == 0 and in_features % 2 == 0
+
+
+def layers(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
+    """(part, module name, module) of every linear layer a spec can quantize."""
+    for part, prefix in (("prelude", "prelude."), ("core", "core."), ("coda", "coda.")):
+        for name, module in model.named_modules():
+            if name.startswith(prefix) and isinstance(module, (nn.Linear, QuantizedLinear)):
+                yield part, name, module
+    if isinstance(model.adapter, (nn.Linear, QuantizedLinear)):
+        yield "core", "adapter", model.adapter
+    yield "head", "lm_head", model.lm_head if model.lm_head is not None else model.embedding
+
+
+def quantize(model: nn.Module, spec: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+    """Quantize `model` (a RecurrentDepthLM) in place by `spec` and return it; `model.quantization` records
+    the spec. A layer int4 cannot hold (in_features not a multiple of the group size, out_features not of
+    32) is quantized to int8 instead; `model.quantized_layers` says what each layer got."""
+    spec = as_spec(spec, group_size)
+    if spec is None:
+        return model
+    if getattr(model, "quantization", None) is not None:
+        raise QuantizationError(f"the model is quantized already ({model.quantization}); load the unquantized "
+                                "model to quantize it differently")
+    chosen: dict[str, str] = {}
+    with torch.no_grad():
+        for part, name, module in list(layers(model)):
+            scheme = getattr(spec, part)
+            if scheme == "none":
+                continue
+            weight = module.weight
+            if scheme == "int4" and not int4_fits(*weight.shape, spec.group_size):
+                scheme = "int8"
+            bias = module.bias if isinstance(module, nn.Linear) else None
+            quantized = QuantizedLinear.from_weight(weight, bias, scheme, spec.group_size)
+            _set_module(model, name, quantized)
+            chosen[name] = scheme
+    model.quantization = spec
+    model.quantized_layers = chosen
+    return model
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def apply(model: nn.Module, spec: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+    """`quantize` for a model just loaded: a model saved quantized keeps its quantization when `spec` asks for
+    nothing or for the same; asking a different one is refused (quantizing twice compounds the error)."""
+    spec = as_spec(spec, group_size)
+    stored = getattr(model, "quantization", None)
+    if spec is None or spec == stored:
+        return model
+    if stored is not None:
+        raise QuantizationError(f"the model is saved quantized ({stored}); --quantize {spec} would quantize it "
+                                "twice: drop --quantize, or quantize the unquantized model")
+    return quantize(model, spec)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return getattr(model, "quantization", None) is not None
+
+
+def quantized_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The stored tensors of every quantized layer, keyed `<module>.<qweight|scales|zeros>` (and
+    `<module>.bias` for a quantized layer with a bias)."""
+    out: dict[str, Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            for key, tensor in module.canonical().items():
+                out[f"{name}.{key}"] = tensor.contiguous()
+            if module.bias is not None:
+                out[f"{name}.bias"] = module.bias.detach().cpu()
+    return out
+
+
+def attach_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, Tensor], dtype: torch.dtype,
+                     device, source: str) -> None:
+    """Replace the layers `spec` quantizes by QuantizedLinear layers read from `tensors` (keys as
+    `quantized_tensors` writes them; used entries are removed). A missing, extra or ill-fitting tensor is
+    refused in one line naming it."""
+    chosen: dict[str, str] = {}
+    for part, name, module in list(layers(model)):
+        if getattr(spec, part) == "none":
+            continue
+        if isinstance(module, nn.Embedding):  # a tied head: its quantized copy
+            out_features, in_features = module.weight.shape
+            has_bias = False
+        else:
+            out_features, in_features = module.out_features, module.in_features
+            has_bias = module.bias is not None
+        parts = {s: tensors.pop(f"{name}.{s}") for s in SUFFIXES if f"{name}.{s}" in tensors}
+        bias = tensors.pop(f"{name}.bias", None) if has_bias else None
+        if has_bias and bias is None:
+            raise QuantizationError(f"{source}: missing {name}.bias")
+        try:
+            layer = QuantizedLinear.from_canonical(name, parts, bias, out_features, in_features, spec.group_size,
+                                                   dtype, device)
+        except QuantizationError as err:
+            raise QuantizationError(f"{source}: {err}") from None
+        _set_module(model, name, layer)
+        chosen[name] = layer.scheme
+    model.quantization = spec
+    model.quantized_layers = chosen
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights a forward pass reads (parameters and quantized buffers; RoPE tables excluded)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total + sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedLinear))
+
+
+def describe(model: nn.Module) -> str:
+    spec = getattr(model, "quantization", None)
+    if spec is None:
+        return "not quantized"
+    counts: dict[str, int] = {}
+    for scheme in model.quantized_layers.values():
+        counts[scheme] = counts.get(scheme, 0) + 1
+    layers_text = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    return f"{spec} ({layers_text} layers; weights {weight_bytes(model) / 2**20:.1f} MiB)"
+
+
+__all__ = ["QuantSpec", "QuantizedLinear", "QuantizationError", "quantize", "is_quantized", "quantized_tensors",
+           "attach_quantized", "weight_bytes", "describe", "PARTS", "SCHEMES", "CONFIG_KEY", "as_spec"]
