@@ -39,6 +39,7 @@ def logits(model, ids, r=6):
 
 @pytest.mark.parametrize("text, expected", [
     ("int8", dict(prelude="int8", core="int8", coda="int8", head="int8")),
+    ("w8a8,head=none", dict(prelude="w8a8", core="w8a8", coda="w8a8", head="none")),
     ("core=int4,prelude=int8", dict(prelude="int8", core="int4", coda="none", head="none")),
     ("int4,head=int8", dict(prelude="int4", core="int4", coda="int4", head="int8")),
     ("int4+head:int8", dict(prelude="int4", core="int4", coda="int4", head="int8")),
@@ -72,7 +73,7 @@ def test_the_cpu_int4_layout_is_undone_exactly(shape):
     assert torch.equal(_from_cpu_int4_layout(_to_cpu_int4_layout(q), *shape), q.to(torch.uint8))
 
 
-@pytest.mark.parametrize("scheme, group", [("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("scheme, group", [("int8", 32), ("int4", 32), ("int4", 64), ("w8a8", 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_quantized_layer_computes_with_its_dequantized_weight(scheme, group, dtype):
     gen = torch.Generator().manual_seed(0)
@@ -83,45 +84,56 @@ def test_a_quantized_layer_computes_with_its_dequantized_weight(scheme, group, d
     layer = QuantizedLinear.from_linear(linear, scheme, group)
     w = linear.weight.float()
     deq = layer.weight.float()
-    # Rounding to the grid moves each weight by at most half a step of its scale.
-    if scheme == "int8":
+    # Rounding to the grid moves each weight by at most half a step of its scale (the scales the kernel
+    # holds: bfloat16 on the CPU, so a step may be 2^-8 larger than computed).
+    if scheme != "int4":
         step = w.abs().amax(1, keepdim=True) / 127
     else:
         grouped = w.reshape(96, -1, group)
         step = ((grouped.amax(-1) - grouped.amin(-1)) / 15).repeat_interleave(group, dim=1)
-    slack = 1e-6 if dtype == torch.float32 else 2 ** -8 * w.abs().max()  # (bf16: the scales are rounded too)
-    assert ((deq - w).abs() <= step / 2 + slack).all()
+    assert ((deq - w).abs() <= step * (0.5 + 2 ** -7) + 1e-7).all()
     x = torch.randn(3, 5, 128, generator=gen).to(dtype)
     expected = x.float() @ deq.T + linear.bias.float()
     y = layer(x)
     assert y.shape == (3, 5, 96) and y.dtype == dtype
-    bound = 1e-4 if dtype == torch.float32 else 2 ** -7 * expected.abs().max()
-    assert (y.float() - expected).abs().max() <= bound
+    # The CPU kernels take bfloat16 activations (half a unit in the last place, 2^-9, per product), w8a8
+    # int8 ones per tensor (7 bits: half a step of max|x| / 63); a bfloat16 output rounds once more.
+    magnitude = x.float().abs() @ deq.abs().T
+    if scheme == "w8a8":
+        bound = (x.float().abs().amax() / 63 / 2) * deq.abs().sum(1) + 2 ** -8 * expected.abs()
+    else:
+        bound = 2 ** -8 * magnitude + 2 ** -8 * expected.abs() + 1e-5
+    assert ((y.float() - expected).abs() <= bound).all()
 
 
 def test_int8_holds_a_byte_per_weight_and_int4_half_a_byte_plus_its_group_scales():
     linear = torch.nn.Linear(256, 256, bias=False)
     n = linear.weight.numel()
-    assert QuantizedLinear.from_linear(linear, "int8", 128).nbytes() == n + 256 * 4  # + a float32 scale per row
-    # + a float32 scale and zero point per group of 128
-    assert QuantizedLinear.from_linear(linear, "int4", 128).nbytes() == n // 2 + 256 * 2 * 2 * 4
+    # + a scale per row (bfloat16 on the CPU)
+    assert QuantizedLinear.from_linear(linear, "int8", 128).nbytes() == n + 256 * 2
+    # + a scale and a zero point per group of 128
+    assert QuantizedLinear.from_linear(linear, "int4", 128).nbytes() == n // 2 + 256 * 2 * 2 * 2
 
 
-def test_a_layer_off_the_device_kernels_dequantizes_in_the_matmul():
-    # The path other devices take (CUDA: fused by torch.compile), run here by building the layer's
-    # portable form directly: it computes what the CPU kernel computes.
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_layer_off_the_cpu_dequantizes_in_the_matmul(scheme):
+    # The path other devices take (CUDA: fused by torch.compile), on a layer built in the portable layout
+    # (as off the CPU): x W^T with the dequantized weight, the CPU kernel's result up to its bfloat16 inputs.
     linear = torch.nn.Linear(64, 32, bias=False)
-    cpu = QuantizedLinear.from_linear(linear, "int4", 32)
-    portable = QuantizedLinear.from_linear(linear, "int4", 32)
+    cpu = QuantizedLinear.from_linear(linear, scheme, 32)
     parts = cpu.canonical()
-    portable.cpu_layout = False
-    del portable.scales_and_zeros
-    portable.qweight = parts["qweight"]
-    portable.register_buffer("scales", parts["scales"], persistent=False)
-    portable.register_buffer("zeros", parts["zeros"], persistent=False)
+    portable = QuantizedLinear(scheme, 64, 32, 32, parts["qweight"], parts["scales"], parts.get("zeros"), None)
+    if scheme == "int4":  # what __init__ holds off the CPU
+        del portable.scales_and_zeros
+        portable.qweight = parts["qweight"]
+        portable.register_buffer("scales", parts["scales"], persistent=False)
+        portable.register_buffer("zeros", parts["zeros"], persistent=False)
     x = torch.randn(4, 64)
-    torch.testing.assert_close(portable(x), cpu(x), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(portable.weight, dequantize_int4(parts["qweight"], parts["scales"], parts["zeros"], 32))
+    torch.testing.assert_close(portable.dequantized_matmul(x), x @ cpu.weight.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(portable.dequantized_matmul(x), cpu(x), rtol=2e-2, atol=2e-2)
+    portable.on_cpu = False  # as if built on a GPU: CPU input is refused, naming the fix
+    with pytest.raises(RuntimeError, match="quantize the model on the device it runs on"):
+        portable(x)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,7 +171,8 @@ def test_quantizing_twice_is_refused(tiny_model, tmp_path):
         quantize(tiny_model, "int4")
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4,head=int8", "core=int4,prelude=int8,coda=none,head=none"])
+@pytest.mark.parametrize("spec", ["int8", "int4,head=int8", "core=int4,prelude=int8,coda=none,head=none",
+                                  "w8a8,core=int8"])
 def test_a_saved_quantized_model_reloads_to_the_same_tokens(tiny_model, tmp_path, spec):
     quantize(tiny_model, spec, group_size=32)
     before = greedy(tiny_model, [[1, 2, 3], [4, 5]])

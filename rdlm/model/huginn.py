@@ -346,7 +346,7 @@ def _attach_stored_quantized(model, spec, quantized: dict[str, torch.Tensor], st
     if spec.head != "none" and model.lm_head is None:
         state.pop("lm_head.weight", None)  # a float copy of a tied head is the embedding; the quantized one is used
     try:
-        attach_quantized(model, spec, quantized, dtype, device, str(path))
+        attach_quantized(model, spec, quantized, device, str(path))
     except QuantizationError as err:
         raise CheckpointError(str(err)) from None
     if quantized:

@@ -9,21 +9,24 @@ its own precision:
     coda      the coda blocks
     head      the un-embedding (a tied head gets a quantized copy; the embedding lookup stays exact)
 
-Schemes: "none" (the model dtype), "int8" (symmetric, one scale per output channel) and "int4"
+Schemes: "none" (the model dtype), "int8" (symmetric, one scale per output channel), "int4"
 (asymmetric, one scale and zero point per group of `group_size` input columns, as gpt-fast and torchao's
-int4 weight-only). On the CPU the matmuls are PyTorch's own kernels (`torch._weight_int8pack_mm`,
-`aten._weight_int4pack_mm_for_cpu`); elsewhere the weights are dequantized inside the matmul (under
-torch.compile that fuses into one kernel, as gpt-fast's int8 does). The norms, the exit gate and the
-embedding table stay in the model dtype.
+int4 weight-only) and "w8a8" (int8 weights as "int8", and on the CPU the activations quantized to int8 per
+call as well: FBGEMM's dynamic linear). On the CPU the weight-only matmuls are PyTorch's own kernels
+(`torch._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`, with bfloat16 activations: see
+QuantizedLinear); elsewhere the weights are dequantized inside the matmul (under torch.compile that fuses
+into one kernel, as gpt-fast's int8 does). The norms, the exit gate and the embedding table stay in the
+model dtype.
 
 On disk (safetensors, `save_pretrained`) a quantized linear layer `X.weight` is stored as `X.qweight`
-(int8 [out, in]; int4: uint8 [out, in/2], column 2j in the low nibble and 2j+1 in the high one),
-`X.scales` (float32: int8 [out], int4 [out, in/group]) and, for int4, `X.zeros` (float32, like the
+(int8 and w8a8: int8 [out, in]; int4: uint8 [out, in/2], column 2j in the low nibble and 2j+1 in the
+high one), `X.scales` (float32: int8 [out], int4 [out, in/group]) and, for int4, `X.zeros` (float32, like the
 scales); config.json says which parts are quantized under "rdlm_quantization".
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Mapping
 
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 PARTS = ("prelude", "core", "coda", "head")
-SCHEMES = ("none", "int8", "int4")
+SCHEMES = ("none", "int8", "int4", "w8a8")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 DEFAULT_GROUP_SIZE = 128
 CONFIG_KEY = "rdlm_quantization"
@@ -115,27 +118,48 @@ def as_spec(value: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZ
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T (+ b) with W held in int8 or int4. Inference only: nothing here has a gradient.
+    """y = x W^T (+ b) with W held in int8 or int4. Inference only: nothing here has a gradient; the buffers
+    are not in the state dict (`quantized_tensors` saves them).
 
-    Holds the kernel's own layout: on the CPU the int4 weights are packed for
-    `aten._weight_int4pack_mm_for_cpu` (blocks of 32 output rows); `canonical()` gives the portable form
+    On the CPU, PyTorch's weight-only kernels run with bfloat16 activations whatever the model's dtype (their
+    float32 variants are 5-25x slower than the bfloat16 ones and than a float32 matmul on x86), so the
+    scales (and int4 zero points) are kept in bfloat16 and the integer weights are chosen for the rounded
+    scales; the output comes back in the input's dtype. The int4 weights are held packed for
+    `aten._weight_int4pack_mm_for_cpu` (blocks of 32 output rows). "w8a8" holds int8 weights like "int8" but
+    on the CPU also quantizes the activations per call (FBGEMM's dynamic int8 linear, 7-bit activations):
+    several times faster there, at the cost of activation rounding. `canonical()` gives the portable form
     that is saved, and `from_canonical` reads it back."""
 
     def __init__(self, scheme: str, in_features: int, out_features: int, group_size: int,
-                 qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> None:
+                 qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None) -> None:
         super().__init__()
         self.scheme, self.in_features, self.out_features, self.group_size = scheme, in_features, out_features, group_size
-        self.cpu_layout = scheme == "int4" and qweight.device.type == "cpu"
-        if self.cpu_layout:
-            qweight = _to_cpu_int4_layout(_unpack_nibbles(qweight))
+        self.on_cpu = qweight.device.type == "cpu"
+        kernel_dtype = torch.bfloat16 if self.on_cpu else torch.float32
+        self.packed = None
+        if scheme == "w8a8" and self.on_cpu:
+            # FBGEMM's prepacked weight (it keeps its own copy; qweight is not held twice)
+            try:
+                with warnings.catch_warnings():  # PyTorch marks its quantized tensors deprecated (docs/quantization.md)
+                    warnings.simplefilter("ignore", UserWarning)
+                    weight = torch._make_per_channel_quantized_tensor(qweight, scales.double(), torch.zeros(
+                        out_features, dtype=torch.long), 0)
+                    self.packed = torch.ops.quantized.linear_prepack(weight, None)
+            except (AttributeError, RuntimeError) as err:
+                raise QuantizationError(f"w8a8 needs PyTorch's FBGEMM quantized linear, which this PyTorch lacks "
+                                        f"({err}); use int8") from None
+            self.register_buffer("qweight", None, persistent=False)
+            self.register_buffer("scales", scales.float(), persistent=False)
+        elif scheme == "int4" and self.on_cpu:
+            self.register_buffer("qweight", _to_cpu_int4_layout(_unpack_nibbles(qweight)), persistent=False)
             # [in/group, out, 2]: scale and zero point, as the kernel reads them
             self.register_buffer("scales_and_zeros", torch.stack((scales, zeros), -1).transpose(0, 1)
-                                 .contiguous().to(dtype), persistent=False)
+                                 .contiguous().to(kernel_dtype), persistent=False)
         else:
-            self.register_buffer("scales", scales.to(dtype), persistent=False)
-            self.register_buffer("zeros", None if zeros is None else zeros.to(dtype), persistent=False)
-        self.register_buffer("qweight", qweight, persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
+            self.register_buffer("qweight", qweight, persistent=False)
+            self.register_buffer("scales", scales.to(kernel_dtype), persistent=False)
+            self.register_buffer("zeros", None if zeros is None else zeros.to(kernel_dtype), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -145,33 +169,36 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: Tensor, bias: Tensor | None, scheme: str, group_size: int) -> "QuantizedLinear":
-        """Quantize `weight` [out, in] (the layer's dtype and device are kept for the activations)."""
+        """Quantize `weight` [out, in] (on its device)."""
         w = weight.detach().float()
         out_features, in_features = w.shape
-        if scheme == "int8":
-            scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        # the scales as the kernel will hold them (bfloat16 on the CPU, except FBGEMM's float ones)
+        held = torch.bfloat16 if weight.device.type == "cpu" and scheme != "w8a8" else torch.float32
+        tiny = torch.finfo(torch.bfloat16).tiny
+        if scheme in ("int8", "w8a8"):
+            scales = (w.abs().amax(dim=1) / 127).clamp(min=tiny).to(held).float()
             q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-            return cls("int8", in_features, out_features, group_size, q, scales, None, bias, weight.dtype)
+            return cls(scheme, in_features, out_features, group_size, q, scales, None, bias)
         grouped = w.reshape(out_features, in_features // group_size, group_size)
         low, high = grouped.amin(-1), grouped.amax(-1)
-        scales = ((high - low) / 15).clamp(min=1e-9)
-        q = torch.round((grouped - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
-        zeros = low + 8 * scales  # the kernels' convention: w = (q - 8) * scale + zero
+        scales = ((high - low) / 15).clamp(min=tiny).to(held).float()
+        zeros = (low + 8 * scales).to(held).float()  # the kernels' convention: w = (q - 8) * scale + zero
+        q = torch.round((grouped - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15).to(torch.uint8)
         packed = _pack_nibbles(q.reshape(out_features, in_features))
-        return cls("int4", in_features, out_features, group_size, packed, scales, zeros, bias, weight.dtype)
+        return cls("int4", in_features, out_features, group_size, packed, scales, zeros, bias)
 
     @classmethod
-    def from_canonical(cls, name: str, tensors: Mapping[str, Tensor], bias: Tensor | None, out_features: int,
-                       in_features: int, group_size: int, dtype: torch.dtype, device) -> "QuantizedLinear":
-        """Read the stored form (see the module docstring), refusing tensors that do not fit the layer
-        `name` [out_features, in_features] in one line."""
+    def from_canonical(cls, name: str, scheme: str, tensors: Mapping[str, Tensor], bias: Tensor | None,
+                       out_features: int, in_features: int, group_size: int, device) -> "QuantizedLinear":
+        """Read the stored form (see the module docstring) of a layer `scheme` quantizes, refusing tensors
+        that do not fit the layer `name` [out_features, in_features] in one line."""
         q, scales, zeros = (tensors.get(s) for s in SUFFIXES)
         if q is None or scales is None:
             raise QuantizationError(f"{name}: needs {name}.qweight and {name}.scales")
         if q.dtype == torch.int8:
-            scheme, expected = "int8", {"qweight": (out_features, in_features), "scales": (out_features,)}
+            stored, expected = "int8", {"qweight": (out_features, in_features), "scales": (out_features,)}
         elif q.dtype == torch.uint8:
-            scheme = "int4"
+            stored = "int4"
             expected = {"qweight": (out_features, in_features // 2),
                         "scales": (out_features, in_features // group_size),
                         "zeros": (out_features, in_features // group_size)}
@@ -179,13 +206,15 @@ class QuantizedLinear(nn.Module):
                 raise QuantizationError(f"{name}: an int4 weight needs {name}.zeros")
         else:
             raise QuantizationError(f"{name}.qweight has dtype {q.dtype}; expected int8 (int8) or uint8 (int4)")
-        if scheme == "int8" and zeros is not None:
+        if stored == "int8" and zeros is not None:
             raise QuantizationError(f"{name}.zeros is not part of an int8 weight")
+        if scheme == "w8a8" and stored == "int8":
+            stored = "w8a8"
         given = {"qweight": q, "scales": scales, "zeros": zeros}
         for key, shape in expected.items():
             if tuple(given[key].shape) != shape:
                 raise QuantizationError(f"{name}.{key} has shape {list(given[key].shape)}, expected {list(shape)}"
-                                        + (f" (group size {group_size})" if scheme == "int4" and key != "qweight"
+                                        + (f" (group size {group_size})" if stored == "int4" and key != "qweight"
                                            else ""))
             if key != "qweight" and not given[key].is_floating_point():
                 raise QuantizationError(f"{name}.{key} has dtype {given[key].dtype}; expected a float tensor")
@@ -193,15 +222,17 @@ class QuantizedLinear(nn.Module):
                 raise QuantizationError(f"{name}.{key} holds non-finite values")
         if not (scales > 0).all():
             raise QuantizationError(f"{name}.scales holds values <= 0")
-        to = dict(device=device)
-        return cls(scheme, in_features, out_features, group_size, q.to(**to), scales.float().to(**to),
-                   None if zeros is None else zeros.float().to(**to), None if bias is None else bias.to(**to), dtype)
+        return cls(stored, in_features, out_features, group_size, q.to(device), scales.float().to(device),
+                   None if zeros is None else zeros.float().to(device), None if bias is None else bias.to(device))
 
     def canonical(self) -> dict[str, Tensor]:
         """The stored form: qweight, scales (and zeros for int4) on the CPU, scales in float32."""
-        if self.scheme == "int8":
+        if self.packed is not None:
+            weight, _ = torch.ops.quantized.linear_unpack(self.packed)
+            return {"qweight": weight.int_repr().contiguous(), "scales": self.scales.float().cpu()}
+        if self.scheme in ("int8", "w8a8"):
             return {"qweight": self.qweight.cpu(), "scales": self.scales.float().cpu()}
-        if self.cpu_layout:
+        if self.on_cpu:
             q = _from_cpu_int4_layout(self.qweight, self.out_features, self.in_features)
             scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
             return {"qweight": _pack_nibbles(q), "scales": scales.contiguous(), "zeros": zeros.contiguous()}
@@ -210,43 +241,54 @@ class QuantizedLinear(nn.Module):
     # -- compute -----------------------------------------------------------------------------
 
     @property
-    def dtype(self) -> torch.dtype:
-        return (self.scales_and_zeros if self.cpu_layout else self.scales).dtype
-
-    @property
     def weight(self) -> Tensor:
-        """The dequantized weight [out, in] in the layer's dtype (for code that needs the matrix itself:
-        the chunked loss, analysis)."""
-        if self.scheme == "int8":
-            return (self.qweight.to(self.scales.dtype) * self.scales[:, None])
-        parts = self.canonical() if self.cpu_layout else {"qweight": self.qweight, "scales": self.scales,
-                                                          "zeros": self.zeros}
-        return dequantize_int4(parts["qweight"], parts["scales"], parts["zeros"], self.group_size) \
-            .to(device=self.qweight.device, dtype=self.dtype)
+        """The dequantized weight [out, in] in float32 (for code that needs the matrix itself: the chunked
+        loss, analysis)."""
+        parts = self.canonical()
+        if self.scheme in ("int8", "w8a8"):
+            w = parts["qweight"].float() * parts["scales"][:, None]
+        else:
+            w = dequantize_int4(parts["qweight"], parts["scales"], parts["zeros"], self.group_size)
+        return w.to(self.bias.device if self.bias is not None else self._device())
+
+    def _device(self) -> torch.device:
+        return next((b.device for b in self.buffers()), torch.device("cpu"))
 
     def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(self.dtype)
-        if self.scheme == "int8":
-            if x2.device.type == "cpu":
-                y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
-            else:
-                y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scales
-        elif self.cpu_layout:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.qweight, self.group_size,
-                                                           self.scales_and_zeros)
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1])
+        if self.on_cpu != (x.device.type == "cpu"):
+            raise RuntimeError(f"a layer quantized {'on' if self.on_cpu else 'off'} the CPU got input on {x.device}: "
+                               "quantize the model on the device it runs on (load_model(..., device=..., "
+                               "quantize=...))")
+        if self.packed is not None:
+            y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True)
+        elif self.scheme in ("int8", "w8a8") and self.on_cpu:
+            y = torch._weight_int8pack_mm(x2.to(self.scales.dtype).contiguous(), self.qweight, self.scales)
+        elif self.on_cpu and self.scheme == "int4":
+            kernel = self.scales_and_zeros.dtype
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(kernel).contiguous(), self.qweight,
+                                                           self.group_size, self.scales_and_zeros)
         else:
-            y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size).to(x2.dtype))
+            y = self.dequantized_matmul(x2)
+        y = y.to(dtype)
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias.to(dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantized_matmul(self, x2: Tensor) -> Tensor:
+        """x2 W^T off the CPU (the portable layout): the weight dequantized inside the matmul, in x2's dtype."""
+        if self.scheme in ("int8", "w8a8"):
+            return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
+        return F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size).to(x2.dtype))
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.scheme == "int4" else ""
         return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}{group}"
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        held = sum(b.numel() * b.element_size() for b in self.buffers())
+        return held + (self.out_features * self.in_features if self.packed is not None else 0)
 
 
 def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
@@ -361,8 +403,7 @@ def quantized_tensors(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def attach_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, Tensor], dtype: torch.dtype,
-                     device, source: str) -> None:
+def attach_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, Tensor], device, source: str) -> None:
     """Replace the layers `spec` quantizes by QuantizedLinear layers read from `tensors` (keys as
     `quantized_tensors` writes them; used entries are removed). A missing, extra or ill-fitting tensor is
     refused in one line naming it."""
@@ -381,8 +422,8 @@ def attach_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, Tenso
         if has_bias and bias is None:
             raise QuantizationError(f"{source}: missing {name}.bias")
         try:
-            layer = QuantizedLinear.from_canonical(name, parts, bias, out_features, in_features, spec.group_size,
-                                                   dtype, device)
+            layer = QuantizedLinear.from_canonical(name, getattr(spec, part), parts, bias, out_features,
+                                                   in_features, spec.group_size, device)
         except QuantizationError as err:
             raise QuantizationError(f"{source}: {err}") from None
         _set_module(model, name, layer)
