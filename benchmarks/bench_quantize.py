@@ -204,14 +204,13 @@ def bytes_read(model) -> dict[str, int]:
 
 def rss_child(args) -> None:
     """In a fresh process: load the saved model, decode, print peak and current resident memory (MiB)."""
-    import resource
-
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
     decode(model, [[1, 2, 3, 4]], args.r, 8)
-    status = Path("/proc/self/status").read_text()
-    current = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS")) / 1024
-    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "current_mib": current}))
+    # VmHWM, not getrusage's ru_maxrss: Linux carries the parent's peak into a forked and exec'd child's maxrss
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    print(json.dumps({"peak_mib": int(status["VmHWM"].split()[0]) / 1024,
+                      "current_mib": int(status["VmRSS"].split()[0]) / 1024}))
 
 
 def speed(args) -> dict:

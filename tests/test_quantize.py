@@ -323,3 +323,21 @@ def test_the_server_serves_a_quantized_model(tmp_path):
         reply = live.client().completions.create(model="tiny", prompt="the cat", max_tokens=8, temperature=0)
         text, _ = live.expected(live.tokenizer.encode("the cat", add_bos=True), stop_tokens=(live.tokenizer.eos_id,))
     assert reply.choices[0].text == text
+
+
+def test_a_saved_quantized_model_loads_through_transformers_as_saved(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    import rdlm.integrations.hf  # noqa: F401  (registers the model type)
+
+    model = quantize(load_pretrained(FIXTURES / "retrofit-llama-tiny"), "int4,core=int8", group_size=32)
+    save_pretrained(model, tmp_path / "q")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    layers = [m for m in hf.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == len(model.quantized_layers)
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        through_hf = hf(ids, num_steps=6).logits
+    torch.testing.assert_close(through_hf, logits(model, ids), rtol=0, atol=0)

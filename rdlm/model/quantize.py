@@ -151,7 +151,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", None, persistent=False)
             self.register_buffer("scales", scales.float(), persistent=False)
         elif scheme == "int4" and self.on_cpu:
-            self.register_buffer("qweight", _to_cpu_int4_layout(_unpack_nibbles(qweight)), persistent=False)
+            self.register_buffer("qweight", _nibbles_to_cpu_int4_layout(qweight), persistent=False)
             # [in/group, out, 2]: scale and zero point, as the kernel reads them
             self.register_buffer("scales_and_zeros", torch.stack((scales, zeros), -1).transpose(0, 1)
                                  .contiguous().to(kernel_dtype), persistent=False)
@@ -310,6 +310,14 @@ def _unpack_nibbles(packed: Tensor) -> Tensor:
 
 def _to_cpu_int4_layout(q: Tensor) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
+def _nibbles_to_cpu_int4_layout(packed: Tensor, rows: int = 1024) -> Tensor:
+    """`_to_cpu_int4_layout(_unpack_nibbles(packed))` a block of rows at a time: the kernel's layout keeps
+    blocks of 32 output rows, and unpacking a whole head to int32 at once costs 8 bytes per weight of
+    transient memory (128 MiB for a 32768x1024 head)."""
+    return torch.cat([_to_cpu_int4_layout(_unpack_nibbles(packed[i:i + rows]))
+                      for i in range(0, packed.shape[0], rows)])
 
 
 def _from_cpu_int4_layout(packed: Tensor, out_features: int, in_features: int) -> Tensor:
