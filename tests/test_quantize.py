@@ -341,3 +341,15 @@ def test_a_saved_quantized_model_loads_through_transformers_as_saved(tmp_path):
     with torch.no_grad():
         through_hf = hf(ids, num_steps=6).logits
     torch.testing.assert_close(through_hf, logits(model, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4,core=int8", "w8a8"])
+def test_the_engines_static_step_gives_the_eager_tokens_with_quantized_weights(tiny_model, spec):
+    # the static decode step (the one CUDA graphs capture) runs the quantized layers as the eager path does,
+    # with per-row exits deciding at different iterations
+    quantize(tiny_model, spec, group_size=32)
+    prompts = [[5, 17, 99, 3, 42, 7], [250, 11]]
+    options = dict(r=12, n=8, exit_criterion="kl", exit_threshold=3e-3)
+    eager, static = greedy(tiny_model, prompts, compile=False, **options), greedy(tiny_model, prompts, compile=True, **options)
+    assert static.tokens == eager.tokens and static.steps == eager.steps
+    assert len({s for row in eager.steps for s in row[1:]}) > 1
