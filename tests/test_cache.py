@@ -15,10 +15,9 @@ def kv(batch=2, n=1, value=1.0):
 def test_update_writes_by_index_and_returns_everything_written_so_far():
     cache = RecurrentKVCache(CONFIG, batch_size=2, max_length=10, num_slots=4)
     k, v = kv(n=3, value=1.0)
-    k_all, v_all = cache.update(("prelude", 0, -1), k, v)
+    k_all, v_all = cache.at(0).update(("prelude", 0, -1), k, v)
     assert k_all.shape[2] == 3 and torch.equal(k_all, k) and torch.equal(v_all, v)
-    cache.start = 3
-    k_all, _ = cache.update(("prelude", 0, -1), *kv(n=1, value=2.0))
+    k_all, _ = cache.at(3).update(("prelude", 0, -1), *kv(n=1, value=2.0))
     assert k_all.shape[2] == 4 and k_all[:, :, 3].eq(2).all() and k_all[:, :, :3].eq(1).all()
     # the returned tensors are views of the preallocated buffer, not copies
     assert k_all.data_ptr() == cache.prelude_k[0].data_ptr()
@@ -27,16 +26,16 @@ def test_update_writes_by_index_and_returns_everything_written_so_far():
 def test_full_cache_uses_a_slot_per_iteration_and_refuses_too_many():
     cache = RecurrentKVCache(CONFIG, 1, 4, num_slots=3)
     for i in range(3):
-        cache.update(("core", 1, i), *kv(batch=1, value=float(i + 1)))
+        cache.at(0).update(("core", 1, i), *kv(batch=1, value=float(i + 1)))
     assert [cache.core_k[1, s, 0, 0, 0, 0].item() for s in range(3)] == [1, 2, 3]
     with pytest.raises(ValueError, match="iteration 3 needs a cache slot.*shared"):
-        cache.update(("core", 1, 3), *kv(batch=1))
+        cache.at(0).update(("core", 1, 3), *kv(batch=1))
 
 
 def test_shared_cache_uses_slot_i_mod_k():
     cache = RecurrentKVCache(CONFIG, 1, 4, num_slots=2, strategy="shared")
     for i in range(5):
-        cache.update(("core", 0, i), *kv(batch=1, value=float(i)))
+        cache.at(0).update(("core", 0, i), *kv(batch=1, value=float(i)))
     # slot 0 last written by iteration 4, slot 1 by iteration 3
     assert cache.core_k[0, 0, 0, 0, 0, 0].item() == 4 and cache.core_k[0, 1, 0, 0, 0, 0].item() == 3
 
@@ -52,16 +51,15 @@ def test_shared_cache_holds_k_over_r_of_the_full_core_cache():
 
 def test_rows_that_do_not_write_keep_their_entries():
     cache = RecurrentKVCache(CONFIG, 2, 4, num_slots=2)
-    cache.update(("core", 0, 0), *kv(value=1.0))
-    cache.core_writers = torch.tensor([True, False])
-    k_all, _ = cache.update(("core", 0, 0), *kv(value=5.0))
+    cache.at(0).update(("core", 0, 0), *kv(value=1.0))
+    k_all, _ = cache.at(0, core_writers=torch.tensor([True, False])).update(("core", 0, 0), *kv(value=5.0))
     assert k_all[0].eq(5).all() and k_all[1].eq(1).all()
 
 
 def test_fill_missing_gives_empty_slots_the_latest_entry():
     cache = RecurrentKVCache(CONFIG, 2, 4, num_slots=4)
     for i in range(4):
-        cache.update(("core", 0, i), *kv(value=float(i + 1)))
+        cache.at(0).update(("core", 0, i), *kv(value=float(i + 1)))
     cache.fill_missing(torch.tensor([2, 4]), 0, 1)      # row 0 exited after 2 iterations
     row0 = [cache.core_k[0, s, 0, 0, 0, 0].item() for s in range(4)]
     row1 = [cache.core_k[0, s, 1, 0, 0, 0].item() for s in range(4)]
@@ -75,4 +73,18 @@ def test_bad_arguments_are_named():
         RecurrentKVCache(CONFIG, 1, CONFIG.context_length + 1, 2)
     cache = RecurrentKVCache(CONFIG, 1, 2, 2)
     with pytest.raises(ValueError, match="holds 2 tokens"):
-        cache.update(("prelude", 0, -1), *kv(batch=1, n=3))
+        cache.at(0).update(("prelude", 0, -1), *kv(batch=1, n=3))
+
+
+def test_a_call_plan_is_an_argument_not_state_left_on_the_cache():
+    # two calls planned at once write where each says, and a plan changed with `but` leaves the first alone
+    cache = RecurrentKVCache(CONFIG, 2, 6, num_slots=2)
+    first, second = cache.at(1), cache.at(4, rows=torch.tensor([0]))
+    second.update(("prelude", 0, -1), *kv(batch=1, value=4.0))
+    first.update(("prelude", 0, -1), *kv(value=1.0))
+    assert cache.prelude_k[0, :, :, 1].eq(1).all() and cache.prelude_k[0, 0, :, 4].eq(4).all()
+    assert cache.prelude_k[0, 1, :, 4].eq(0).all()
+    budgeted = first.but(budget=1)
+    budgeted.update(("core", 0, 1), *kv(value=3.0))            # iteration 1 in a budget of 1 slot: slot 0
+    assert cache.core_k[0, 0, :, :, 1].eq(3).all() and cache.core_k[0, 1].eq(0).all()
+    assert first.plan.budget is None and budgeted.plan.start == 1

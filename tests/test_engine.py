@@ -135,12 +135,12 @@ def kv(batch, value):
 
 def test_static_update_writes_at_the_index_and_returns_the_whole_buffer():
     cache = RecurrentKVCache(CONFIG, 2, 6, num_slots=2)
-    cache.start = torch.tensor(3)
-    k_all, v_all = cache.update(("core", 1, 1), *kv(2, 7.0))
+    index = torch.tensor(3)
+    k_all, v_all = cache.at(index).update(("core", 1, 1), *kv(2, 7.0))
     assert k_all.shape[2] == 6 and k_all.data_ptr() == cache.core_k[1, 1].data_ptr()
     assert k_all[:, :, 3].eq(7).all() and k_all[:, :, :3].eq(0).all() and v_all[:, :, 3].eq(-7).all()
-    cache.rows = torch.tensor([1])                       # a subset of the rows: only row 1 is written
-    k_sub, _ = cache.update(("core", 1, 1), *kv(1, 9.0))
+    subset = cache.at(index, rows=torch.tensor([1]))      # a subset of the rows: only row 1 is written
+    k_sub, _ = subset.update(("core", 1, 1), *kv(1, 9.0))
     assert k_sub.shape[0] == 1 and k_sub[0, :, 3].eq(9).all()
     assert cache.core_k[1, 1, 0, :, 3].eq(7).all() and cache.core_k[1, 1, 1, :, 3].eq(9).all()
 
@@ -150,8 +150,7 @@ def test_fill_missing_at_a_device_index_equals_the_slice_path(steps):
     caches = [RecurrentKVCache(CONFIG, 2, 4, num_slots=4) for _ in range(2)]
     for cache in caches:
         for i in range(4):
-            cache.start = 2
-            cache.update(("core", 0, i), *kv(2, float(i + 1)))
+            cache.at(2).update(("core", 0, i), *kv(2, float(i + 1)))
     caches[0].fill_missing(steps, 2, 3)
     caches[1].fill_missing(steps, torch.tensor(2))
     assert torch.equal(caches[0].core_k, caches[1].core_k) and torch.equal(caches[0].core_v, caches[1].core_v)

@@ -207,8 +207,8 @@ class ContinuousBatch:
         rows = torch.tensor([q.row for q in group], device=self.device)
         rope = model.rope(torch.arange(n, device=self.device), check=False)
         mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
-        cache.rows, cache.start, cache.budget, cache.slots, cache.end = rows, 0, budget, None, None
-        e = model.embed(ids, rope, mask, cache)
+        call = cache.at(0, rows=rows, budget=budget)
+        e = model.embed(ids, rope, mask, call)
         state = model.start_state(e, state)
         gated = [q.criterion is not None and q.criterion.uses_gate for q in group]
         if any(gated):  # read out at each token's gate exit, as the engine's prefill (rdlm.inference.engine)
@@ -219,7 +219,7 @@ class ContinuousBatch:
             remaining, cumulative = torch.ones(ids.shape, device=self.device), torch.zeros(ids.shape, device=self.device)
             chosen, exited = state, torch.zeros(ids.shape, dtype=torch.bool, device=self.device)
         for i in range(steps):
-            state = model.step(state, e, i, rope, mask, cache)
+            state = model.step(state, e, i, rope, mask, call)
             if any(gated):
                 passed, remaining, cumulative = gate_update(model.exit_probability(state), remaining, cumulative,
                                                             thresholds)
@@ -230,20 +230,19 @@ class ContinuousBatch:
             state = chosen
         for q, length in zip(group, lengths):
             cache.fill_missing(steps, 0, length, row=q.row, slots=budget)
-        logits = model.readout(state, rope, mask, cache)
-        cache.budget = None
+        logits = model.readout(state, rope, mask, call)
         self._last_inputs = None
         for j, (q, length) in enumerate(zip(group, lengths)):
             q.length = length
             self.state[q.row] = state[j, length - 1:length]
             self._choose(q, logits[j, length - 1:length], steps, events)
 
-    def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Tensor | slice, Tensor, tuple[Tensor, Tensor], Tensor]:
-        """(rows, the same rows as a slice where they are consecutive, write indices, RoPE, mask) of the
-        token in progress of each request; the cache reads up to the longest of them."""
+    def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Tensor | slice, Tensor, tuple[Tensor, Tensor],
+                                                         Tensor, int]:
+        """(rows, the same rows as a slice where they are consecutive, write indices, RoPE, mask, end) of
+        the token in progress of each request; calls read the cache up to `end`, past the longest of them."""
         key = tuple((q.row, q.length) for q in requests)
         if self._last_inputs is not None and self._last_inputs[0] == key:  # unchanged since the last step
-            self.cache.end = max(length for _, length in key) + 1
             return self._last_inputs[1]
         numbers = [q.row for q in requests]
         rows = torch.tensor(numbers, device=self.device)
@@ -251,22 +250,20 @@ class ContinuousBatch:
         select = slice(numbers[0], numbers[-1] + 1) if consecutive else rows
         index = torch.tensor([q.length for q in requests], device=self.device)
         rope = self.model.rope(index.view(-1, 1), check=False)
-        self.cache.end = max(q.length for q in requests) + 1
-        inputs = rows, select, index, rope, self.key_valid[select, :self.cache.end][:, None, None, :]
+        end = max(q.length for q in requests) + 1
+        inputs = rows, select, index, rope, self.key_valid[select, :end][:, None, None, :], end
         self._last_inputs = (key, inputs)
         return inputs
 
     def _start(self, requests: list[_Request]) -> None:
         """Feed each request's chosen token: prelude and s_0 of its next position."""
-        rows, select, index, rope, _ = self._inputs(requests)
+        rows, select, index, rope, _, end = self._inputs(requests)
         self.key_valid[rows, index] = True
         self._last_inputs = None  # the mask changed
-        mask = self.key_valid[select, :self.cache.end][:, None, None, :]
+        mask = self.key_valid[select, :end][:, None, None, :]
         self.seen[rows, torch.tensor([q.next_token for q in requests], device=self.device)] = True
-        cache = self.cache
-        cache.rows, cache.start, cache.slots = select, index, None
         ids = torch.tensor([[q.next_token] for q in requests], device=self.device)
-        self.embedded[select] = self.model.embed(ids, rope, mask, cache)
+        self.embedded[select] = self.model.embed(ids, rope, mask, self.cache.at(index, rows=select, end=end))
         for q in requests:
             if not q.config.continuous_cot:  # else s_0 is the previous token's final state, kept in place
                 noise = None if q.noise is None else q.noise[q.length]
@@ -277,19 +274,18 @@ class ContinuousBatch:
 
     def _iterate(self, requests: list[_Request]) -> list[_Request]:
         """One core iteration for every request; returns those whose token is done."""
-        model, cache = self.model, self.cache
-        rows, select, index, rope, mask = self._inputs(requests)
+        model = self.model
+        rows, select, index, rope, mask, end = self._inputs(requests)
         slots = [q.iteration % q.budget for q in requests]
-        cache.start = index
         if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
-            cache.rows, cache.slots, iteration = select, None, slots[0]
+            cache, iteration = self.cache.at(index, rows=select, end=end), slots[0]
         else:
-            cache.rows, cache.slots, iteration = rows, torch.tensor(slots, device=self.device), 0
+            cache = self.cache.at(index, rows=rows, slots=torch.tensor(slots, device=self.device), end=end)
+            iteration = 0
         prev_state = self.state[select]
         if any(q.criterion is not None for q in requests):
             prev_state = prev_state.clone()  # `select` may be a view, overwritten below
         state = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
-        cache.slots = None
         self.state[select] = state
         for q in requests:
             q.iteration += 1
@@ -309,7 +305,7 @@ class ContinuousBatch:
         if readout:
             pick = torch.tensor(readout, device=self.device)
             logits = model.readout(state[pick], (rope[0][pick], rope[1][pick]), mask[pick],
-                                   self._for(rows[pick], index[pick]))
+                                   self.cache.at(index[pick], rows=rows[pick], end=end))
             self.logits[rows[pick]] = logits[:, -1]
         exited = torch.zeros(len(requests), dtype=torch.bool, device=self.device)
         groups: dict[ExitCriterion, list[int]] = {}
@@ -355,17 +351,12 @@ class ContinuousBatch:
                 self.state[q.row] = self.exit_state[q.row]  # what the readout (and continuous CoT) reads
         return done
 
-    def _for(self, rows: Tensor | slice, index: Tensor) -> RecurrentKVCache:
-        """The cache, set for a coda call of `rows` (a subset of the last `_inputs` call's rows)."""
-        self.cache.rows, self.cache.start, self.cache.slots = rows, index, None
-        return self.cache
-
     def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
         """The coda for requests whose token is done, then their next token."""
         for q in requests:
             self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
-        rows, select, index, rope, mask = self._inputs(requests)
-        logits = self.model.readout(self.state[select], rope, mask, self._for(select, index))[:, -1]
+        _, select, index, rope, mask, end = self._inputs(requests)
+        logits = self.model.readout(self.state[select], rope, mask, self.cache.at(index, rows=select, end=end))[:, -1]
         for j, q in enumerate(requests):
             q.length += 1
             q.iterating = False

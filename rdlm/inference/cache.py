@@ -16,8 +16,9 @@ smaller r) has no entries for its later slots; later tokens then read the latest
 that layer. `fill_missing` makes this true by copying the token's last written slot into its empty
 slots once, when the token is done, so reading stays a plain slice (no per-token gathers).
 
-The model calls `update(key, k, v)` for every attention layer. Before each model call the generator
-says where the new tokens go and which rows take part:
+Each model call gets the cache with its write plan, `cache.at(start, rows=..., ...)` (a `CacheCall`,
+which the model's attention layers call `update(key, k, v)` on): the plan says where the new tokens go
+and which rows take part, as an argument of the call, never as state set on the cache beforehand.
 - `start`: an int writes the new tokens at buffer index start.. and returns the keys/values up to
   their end (slices: the eager path). A 0-dim index tensor on the device writes one token per row at
   that index and returns the whole preallocated buffer, so every shape is fixed for the life of a
@@ -32,10 +33,13 @@ says where the new tokens go and which rows take part:
   different iterations in one call: continuous batching). Needs `rows` and a device-side `start`
   with one index per row. `end` then bounds the keys returned (the longest row's length), so a call
   reads what its rows hold, not the whole buffer.
+- `budget`: block calls (prompts) whose request cycles through fewer slots than the cache has:
+  iteration i uses slot i mod budget.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -45,6 +49,31 @@ from rdlm.model.config import RDLMConfig
 from rdlm.resources import check_memory
 
 Strategy = Literal["full", "shared"]
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """Where one model call writes and which rows take part (the module doc says what each field means)."""
+    start: int | Tensor = 0
+    rows: Tensor | slice | None = None
+    core_writers: Tensor | None = None
+    slots: Tensor | None = None
+    budget: int | None = None
+    end: int | None = None
+
+
+class CacheCall:
+    """The cache as one model call sees it: `update(key, k, v)` writes by the call's plan."""
+
+    def __init__(self, cache: RecurrentKVCache, plan: CacheWrite) -> None:
+        self.cache, self.plan = cache, plan
+
+    def update(self, key: tuple[str, int, int], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cache.write(self.plan, key, k, v)
+
+    def but(self, **changes) -> CacheCall:
+        """The same call with some fields of its plan changed (e.g. `core_writers` per iteration)."""
+        return CacheCall(self.cache, replace(self.plan, **changes))
 
 
 class RecurrentKVCache:
@@ -69,16 +98,15 @@ class RecurrentKVCache:
         self.prelude_k, self.prelude_v = new(config.prelude_layers), new(config.prelude_layers)
         self.core_k, self.core_v = new(config.core_layers, num_slots), new(config.core_layers, num_slots)
         self.coda_k, self.coda_v = new(config.coda_layers), new(config.coda_layers)
-        self.start: int | Tensor = 0             # where this call's tokens are written (see module doc)
-        self.rows: Tensor | slice | None = None  # this call's rows of the cache; None: all
-        self.core_writers: Tensor | None = None  # bool [this call's rows]: rows whose core entries are written
-        self.slots: Tensor | None = None         # [this call's rows]: each row's core slot (see module doc)
-        self.budget: int | None = None           # block calls: iteration i uses slot i mod budget
-        self.end: int | None = None              # device-side writes: return keys/values [:end] only
 
-    def slot(self, iteration: int) -> int:
-        if self.budget is not None:
-            return iteration % self.budget
+    def at(self, start: int | Tensor = 0, *, rows: Tensor | slice | None = None, core_writers: Tensor | None = None,
+           slots: Tensor | None = None, budget: int | None = None, end: int | None = None) -> CacheCall:
+        """The cache for one model call that writes its tokens at `start` (see the module doc)."""
+        return CacheCall(self, CacheWrite(start, rows, core_writers, slots, budget, end))
+
+    def slot(self, iteration: int, budget: int | None = None) -> int:
+        if budget is not None:
+            return iteration % budget
         if self.strategy == "shared":
             return iteration % self.num_slots
         if iteration >= self.num_slots:
@@ -86,17 +114,19 @@ class RecurrentKVCache:
                              f"{self.num_slots}; build it with num_slots >= r or use the shared strategy")
         return iteration
 
-    def update(self, key: tuple[str, int, int], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def write(self, plan: CacheWrite, key: tuple[str, int, int], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store one attention layer's new keys/values by `plan`; return the keys/values the call reads."""
         group, layer, iteration = key
-        if group == "core" and self.slots is not None:  # each row at its own slot and index
-            index = self.start.view(-1)
+        start, rows, end = plan.start, plan.rows, plan.end
+        if group == "core" and plan.slots is not None:  # each row at its own slot and index
+            index = start.view(-1)
             cache_k, cache_v = self.core_k[layer], self.core_v[layer]
-            cache_k[self.slots, self.rows, :, index] = k.squeeze(2)
-            cache_v[self.slots, self.rows, :, index] = v.squeeze(2)
-            window = slice(None, self.end)
-            return cache_k[self.slots, self.rows, :, window], cache_v[self.slots, self.rows, :, window]
+            cache_k[plan.slots, rows, :, index] = k.squeeze(2)
+            cache_v[plan.slots, rows, :, index] = v.squeeze(2)
+            window = slice(None, end)
+            return cache_k[plan.slots, rows, :, window], cache_v[plan.slots, rows, :, window]
         if group == "core":
-            slot = self.slot(iteration)
+            slot = self.slot(iteration, plan.budget)
             cache_k, cache_v = self.core_k[layer, slot], self.core_v[layer, slot]
         elif group == "prelude":
             cache_k, cache_v = self.prelude_k[layer], self.prelude_v[layer]
@@ -104,43 +134,44 @@ class RecurrentKVCache:
             cache_k, cache_v = self.coda_k[layer], self.coda_v[layer]
         else:
             raise ValueError(f"unknown layer group {group!r} in cache key {key!r}")
-        if group == "core" and self.core_writers is not None:
-            keep = ~self.core_writers.view(-1, 1, 1, 1)
-            k = torch.where(keep, self._read(cache_k, k.shape[2]), k)
-            v = torch.where(keep, self._read(cache_v, v.shape[2]), v)
-        if isinstance(self.start, Tensor):  # static: one token per row at a device-side index
-            index = self.start.view(-1)  # one index for all rows, or one per row of `rows`
-            if self.rows is None:
+        if group == "core" and plan.core_writers is not None:
+            keep = ~plan.core_writers.view(-1, 1, 1, 1)
+            k = torch.where(keep, self._read(plan, cache_k, k.shape[2]), k)
+            v = torch.where(keep, self._read(plan, cache_v, v.shape[2]), v)
+        if isinstance(start, Tensor):  # static: one token per row at a device-side index
+            index = start.view(-1)  # one index for all rows, or one per row of `rows`
+            if rows is None:
                 cache_k.index_copy_(2, index, k)
                 cache_v.index_copy_(2, index, v)
                 return cache_k, cache_v
-            if isinstance(self.rows, slice):  # consecutive rows: views, no gather
-                cache_k, cache_v = cache_k[self.rows], cache_v[self.rows]
-                rows = torch.arange(cache_k.shape[0], device=cache_k.device)
+            if isinstance(rows, slice):  # consecutive rows: views, no gather
+                cache_k, cache_v = cache_k[rows], cache_v[rows]
+                picked = torch.arange(cache_k.shape[0], device=cache_k.device)
             else:
-                rows = self.rows
-            cache_k[rows, :, index] = k.squeeze(2)
-            cache_v[rows, :, index] = v.squeeze(2)
-            if isinstance(self.rows, slice):
-                return cache_k[:, :, :self.end], cache_v[:, :, :self.end]
-            return cache_k[rows, :, :self.end], cache_v[rows, :, :self.end]
-        start, end = self.start, self.start + k.shape[2]
-        if end > self.max_length:
-            raise ValueError(f"the cache holds {self.max_length} tokens; writing up to {end} does not fit")
-        if self.rows is None:
-            cache_k[:, :, start:end] = k
-            cache_v[:, :, start:end] = v
-            return cache_k[:, :, :end], cache_v[:, :, :end]
-        cache_k[self.rows, :, start:end] = k
-        cache_v[self.rows, :, start:end] = v
-        return cache_k[self.rows, :, :end], cache_v[self.rows, :, :end]
+                picked = rows
+            cache_k[picked, :, index] = k.squeeze(2)
+            cache_v[picked, :, index] = v.squeeze(2)
+            if isinstance(rows, slice):
+                return cache_k[:, :, :end], cache_v[:, :, :end]
+            return cache_k[picked, :, :end], cache_v[picked, :, :end]
+        stop = start + k.shape[2]
+        if stop > self.max_length:
+            raise ValueError(f"the cache holds {self.max_length} tokens; writing up to {stop} does not fit")
+        if rows is None:
+            cache_k[:, :, start:stop] = k
+            cache_v[:, :, start:stop] = v
+            return cache_k[:, :, :stop], cache_v[:, :, :stop]
+        cache_k[rows, :, start:stop] = k
+        cache_v[rows, :, start:stop] = v
+        return cache_k[rows, :, :stop], cache_v[rows, :, :stop]
 
-    def _read(self, cache: Tensor, n: int) -> Tensor:
+    @staticmethod
+    def _read(plan: CacheWrite, cache: Tensor, n: int) -> Tensor:
         """The entries this call's new tokens would overwrite (to keep them for non-writers)."""
-        rows = cache if self.rows is None else cache[self.rows]
-        if isinstance(self.start, Tensor):
-            return rows.index_select(2, self.start.view(1))
-        return rows[:, :, self.start:self.start + n]
+        rows = cache if plan.rows is None else cache[plan.rows]
+        if isinstance(plan.start, Tensor):
+            return rows.index_select(2, plan.start.view(1))
+        return rows[:, :, plan.start:plan.start + n]
 
     def fill_missing(self, steps: int | Tensor, start: int | Tensor, end: int | None = None, *,
                      row: int | None = None, slots: int | None = None) -> None:

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from rdlm.inference.cache import RecurrentKVCache
+from rdlm.inference.cache import CacheCall, RecurrentKVCache
 from rdlm.inference.exits import ExitTrack, iterate_with_exits
 from rdlm.inference.params import GenerationConfig
 from rdlm.model.lm import RecurrentDepthLM, Rope
@@ -189,37 +189,39 @@ class Session:
 
     # ---- block calls (prompt, drafts, verification): eager, over slices of the cache
 
-    def begin(self, ids: Tensor) -> tuple[Tensor, Rope, Tensor, Tensor, int]:
-        """Mark the new tokens valid and run the prelude. Returns (e, rope, mask, positions, start)."""
+    def begin(self, ids: Tensor) -> tuple[Tensor, Rope, Tensor, Tensor, CacheCall]:
+        """Mark the new tokens valid and run the prelude. Returns (e, rope, mask, positions, the cache for
+        calls on these tokens)."""
         start, n = self.length, ids.shape[1]
         self.key_valid[:, start:start + n] = True
         if start == 0:
             self.key_valid[:, :n] &= torch.arange(n, device=self.device) >= self.pad.unsqueeze(1)
         positions = self.positions(start, n)
         rope, mask = self.model.rope(positions, check=False), self.mask(start, n)
-        self.cache.start, self.cache.rows = start, None
-        return self.model.embed(ids, rope, mask, self.cache), rope, mask, positions, start
+        cache = self.cache.at(start)
+        return self.model.embed(ids, rope, mask, cache), rope, mask, positions, cache
 
     def forward(self, ids: Tensor, num_steps: int, initial_state: Tensor | None = None,
                 last_only: bool = True) -> tuple[Tensor, Tensor]:
         """Run tokens through the model at a fixed r; append them to the cache. (logits, state): the
         logits of the last token [B, V], or of every token [B, n, V] with `last_only=False`."""
-        e, rope, mask, positions, start = self.begin(ids)
+        e, rope, mask, positions, cache = self.begin(ids)
+        start = cache.plan.start
         state = self.initial_state(e, positions) if initial_state is None else initial_state
         if self.criterion is not None and self.criterion.uses_gate:
             # Every token runs num_steps (a block call); each is read out at the iteration its gate chose,
             # as the reference selects, so the first new token is the reference's.
             track = ExitTrack.start(state.shape[0] * state.shape[1], self.device, gate=True)
             _, track = iterate_with_exits(
-                lambda s, i, exited: self.model.step(s, e, i, rope, mask, self.cache), None, state, track,
+                lambda s, i, exited: self.model.step(s, e, i, rope, mask, cache), None, state, track,
                 self.criterion, 0, num_steps, num_steps, min_steps=self.config.min_steps, freeze=False,
                 gate=self.model.exit_probability)
             state = track.exit_state.view_as(state)
         else:
             for i in range(num_steps):
-                state = self.model.step(state, e, i, rope, mask, self.cache)
+                state = self.model.step(state, e, i, rope, mask, cache)
         self.cache.fill_missing(num_steps, start, start + ids.shape[1])
-        logits = self.model.readout(state, rope, mask, self.cache)
+        logits = self.model.readout(state, rope, mask, cache)
         self.length = start + ids.shape[1]
         return (logits[:, -1] if last_only else logits), state
 
@@ -277,26 +279,31 @@ class Session:
         graph.replay()
         return outputs
 
+    def decode_cache(self) -> CacheCall:
+        """The cache for calls on the token being decoded, every row: static, it writes at the device-side
+        `self.index`; eager, at `self.length`."""
+        return self.cache.at(self.index if self.static else self.length)
+
     def decode_inputs(self) -> tuple[Tensor, Rope, Tensor, Tensor]:
         """(e, rope, mask, positions) of the token at buffer index `self.index`; the cache writes there."""
         positions = (self.index - self.pad).view(-1, 1)
         rope = self.model.rope(positions, check=False)
         if self.static:  # the whole buffer: a fixed shape; the mask hides what is not written yet
-            self.cache.start, mask = self.index, self.key_valid[:, None, None, :]
+            mask = self.key_valid[:, None, None, :]
         else:
-            self.cache.start, mask = self.length, self.key_valid[:, None, None, :self.length + 1]
-        self.cache.rows = None
-        return self.model.embed(self.tokens, rope, mask, self.cache), rope, mask, positions
+            mask = self.key_valid[:, None, None, :self.length + 1]
+        return self.model.embed(self.tokens, rope, mask, self.decode_cache()), rope, mask, positions
 
     def token_fixed(self) -> tuple[Tensor, Tensor]:
         """One token per row at r = num_steps: (logits [B, V], final state [B, 1, h])."""
         r = self.config.num_steps
         e, rope, mask, positions = self.decode_inputs()
+        cache = self.decode_cache()
         state = self.warm if self.config.continuous_cot else self.initial_state(e, positions)
         for i in range(r):
-            state = self.model.step(state, e, i, rope, mask, self.cache)
-        self.cache.fill_missing(r, self.cache.start, None)
-        return self.model.readout(state, rope, mask, self.cache)[:, -1], state
+            state = self.model.step(state, e, i, rope, mask, cache)
+        self.cache.fill_missing(r, cache.plan.start, None)
+        return self.model.readout(state, rope, mask, cache)[:, -1], state
 
     # ---- adaptive exits
 
@@ -307,7 +314,7 @@ class Session:
         While every row iterates, chunks of `exit_sync_every` iterations run as static steps (CUDA
         graphs on CUDA) over the whole batch, exited rows frozen on the device; at the end of a chunk
         the host looks at the exit flags, and once some rows have exited the others go on alone."""
-        c, cache = self.config, self.cache
+        c, cache = self.config, self.decode_cache()
         r, every = c.num_steps, c.exit_sync_every
         if self.criterion.spec.exact:  # every row runs every iteration: one chunk, the exit only selects
             return self.token_exact()
@@ -317,9 +324,9 @@ class Session:
         while i < r:
             n = min(every, r - i)
             if compact:
-                rows = self.iterate(rows, i, n)
+                rows = self.iterate(rows, i, n, cache.but(rows=rows.index))
             else:
-                self.run(("adaptive", i, n), lambda: (self.iterate(rows, i, n, in_place=True),),
+                self.run(("adaptive", i, n), lambda: (self.iterate(rows, i, n, cache, in_place=True),),
                          idempotent=False)
             i += n
             if i == r:
@@ -333,11 +340,9 @@ class Session:
                     rows = rows.select(~exited)
                     break
                 rows, compact = rows.select(~exited), True
-                cache.rows = rows.index
         final[rows.index] = rows.state
         steps[rows.index] = rows.steps
-        cache.rows, cache.core_writers = None, None
-        cache.fill_missing(steps, cache.start, None)
+        self.cache.fill_missing(steps, cache.plan.start, None)
         logits = self.model.readout(final, full.rope, full.mask, cache)[:, -1]
         return logits, final, steps
 
@@ -345,7 +350,7 @@ class Session:
         """`gate-exact`: all num_steps iterations for every row (every cache entry written, as the
         reference computes), the logits read from each row's state at its gate exit. Steps reported: the
         iterations run, num_steps."""
-        r, cache = self.config.num_steps, self.cache
+        r, cache = self.config.num_steps, self.decode_cache()
         rows = self.run(("adaptive", "start"), self.adaptive_start)[0]
         track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
         _, track = iterate_with_exits(
@@ -354,7 +359,7 @@ class Session:
             gate=self.model.exit_probability)
         final = track.exit_state.view_as(rows.state)
         steps = torch.full((self.batch,), r, device=self.device)
-        cache.fill_missing(steps, cache.start, None)
+        self.cache.fill_missing(steps, cache.plan.start, None)
         logits = self.model.readout(final, rows.rope, rows.mask, cache)[:, -1]
         return logits, final, steps
 
@@ -370,15 +375,16 @@ class Session:
         return (Rows(torch.arange(self.batch, device=self.device), state.clone(), e, rope, mask, zeros,
                      zeros.bool(), zeros.clone(), logits, gate and gate.remaining, gate and gate.cumulative),)
 
-    def iterate(self, rows: Rows, first: int, n: int, in_place: bool = False) -> Rows:
+    def iterate(self, rows: Rows, first: int, n: int, cache: CacheCall, in_place: bool = False) -> Rows:
         """Iterations first .. first + n - 1 for `rows` (`iterate_with_exits`), deciding exits on the
-        device. A row that exited keeps its state and stops writing core cache entries. `in_place`
-        writes the results into `rows`' own tensors (a static step's outputs are its inputs)."""
-        c, cache = self.config, self.cache
+        device; `cache` is the cache for these rows. A row that exited keeps its state and stops writing
+        core cache entries. `in_place` writes the results into `rows`' own tensors (a static step's outputs
+        are its inputs)."""
+        c = self.config
 
         def step(state: Tensor, i: int, exited: Tensor) -> Tensor:
-            cache.core_writers = ~exited if i else None
-            return self.model.step(state, rows.embedded, i, rows.rope, rows.mask, cache)
+            writing = cache.but(core_writers=~exited) if i else cache
+            return self.model.step(state, rows.embedded, i, rows.rope, rows.mask, writing)
 
         def readout(state: Tensor) -> Tensor:
             return self.model.readout(state, rows.rope, rows.mask, cache)[:, -1]
@@ -387,7 +393,6 @@ class Session:
         gate = self.model.exit_probability if self.criterion.uses_gate else None
         state, track = iterate_with_exits(step, readout, rows.state, track, self.criterion, first, n,
                                           c.num_steps, min_steps=c.min_steps, every=c.exit_every, gate=gate)
-        cache.core_writers = None
         out = dataclasses.replace(rows, state=state, steps=track.steps, exited=track.exited,
                                   streak=track.streak, logits=track.logits, remaining=track.remaining,
                                   cumulative=track.cumulative)
@@ -417,11 +422,11 @@ class Session:
         length = min(length, self.cache.max_length - start)
         fed, embedded, states = [pending], [], []
         for j in range(length):
-            e, rope, mask, positions, _ = self.begin(torch.tensor([[fed[-1]]], device=self.device))
+            e, rope, mask, positions, cache = self.begin(torch.tensor([[fed[-1]]], device=self.device))
             state = self.initial_state(e, positions)
             for i in range(n_draft):
-                state = self.model.step(state, e, i, rope, mask, self.cache)
-            logits = self.model.readout(state, rope, mask, self.cache)
+                state = self.model.step(state, e, i, rope, mask, cache)
+            logits = self.model.readout(state, rope, mask, cache)
             self.length += 1
             embedded.append(e)
             states.append(state)
@@ -430,11 +435,11 @@ class Session:
         # Verify: iterations N..M-1 for all L drafted positions at once.
         self.length = start
         rope, mask = self.model.rope(self.positions(start, length), check=False), self.mask(start, length)
-        self.cache.start, self.cache.rows = start, None
+        cache = self.cache.at(start)
         e, state = torch.cat(embedded, dim=1), torch.cat(states, dim=1)
         for i in range(n_draft, depth):
-            state = self.model.step(state, e, i, rope, mask, self.cache)
-        logits = self.model.readout(state, rope, mask, self.cache)[0]
+            state = self.model.step(state, e, i, rope, mask, cache)
+        logits = self.model.readout(state, rope, mask, cache)[0]
         verified, finite = read_tokens(logits.argmax(dim=-1), logits)
         if not finite:
             raise NonFiniteLogitsError(self.model, self.length + 1 - self.prompt_length)

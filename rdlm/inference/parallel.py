@@ -149,7 +149,7 @@ class ParallelSampler:
         c, s, model = self.config, self.session, self.model
         a, width = self.start, self.state.shape[1]
         s.length = a  # the wave's entries are (re)written from its start
-        e, rope, mask, _, _ = s.begin(self.tokens[a:a + width].view(1, width))
+        e, rope, mask, _, cache = s.begin(self.tokens[a:a + width].view(1, width))
         if self.smoothed is not None:  # EMA of the input embeddings as drafts change
             old = torch.where(self.exact.view(1, -1, 1), e, self.smoothed)
             e = self.smoothed = (1 - c.embedding_ema) * e + c.embedding_ema * old
@@ -159,11 +159,11 @@ class ParallelSampler:
             noise = model.init_state(torch.zeros_like(state), c.init_scale, self.noise)
             state = state * (1 - mix.view(1, -1, 1)) + mix.view(1, -1, 1) * noise
         for i in range(c.inner_recurrence):
-            state = model.step(state, e, i, rope, mask, s.cache)
+            state = model.step(state, e, i, rope, mask, cache)
         self.core_passes += c.inner_recurrence
         self.wave_steps += 1
         self.iterations[a:a + width] += c.inner_recurrence
-        logits = model.readout(state, rope, mask, s.cache)[0]  # [W, V]: logits at p draft p + 1
+        logits = model.readout(state, rope, mask, cache)[0]  # [W, V]: logits at p draft p + 1
         first_draft = max(self.final, a + 1)  # final tokens are never redrafted
         self.tokens[first_draft:a + width + 1] = self._draft(logits)[first_draft - a - 1:]
 
