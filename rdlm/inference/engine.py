@@ -201,6 +201,12 @@ class Session:
         cache = self.cache.at(start)
         return self.model.embed(ids, rope, mask, cache), rope, mask, positions, cache
 
+    def rewind(self, position: int) -> None:
+        """Forget the buffer entries from index `position` on: the next call writes its tokens there (their
+        cache entries are overwritten; until then the mask hides them)."""
+        self.length = position
+        self.key_valid[:, position:] = False
+
     def forward(self, ids: Tensor, num_steps: int, initial_state: Tensor | None = None,
                 last_only: bool = True) -> tuple[Tensor, Tensor]:
         """Run tokens through the model at a fixed r; append them to the cache. (logits, state): the
@@ -447,6 +453,5 @@ class Session:
         while accepted < length and drafts[accepted] == verified[accepted]:
             accepted += 1
         processed = min(accepted + 1, length)  # positions whose cache entries are now final
-        self.length = start + processed
-        self.key_valid[:, self.length:] = False
+        self.rewind(start + processed)
         return drafts[:processed - 1] + [verified[processed - 1]], length, accepted

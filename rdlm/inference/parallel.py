@@ -148,7 +148,7 @@ class ParallelSampler:
         """One wavefront step; returns the tokens that became final."""
         c, s, model = self.config, self.session, self.model
         a, width = self.start, self.state.shape[1]
-        s.length = a  # the wave's entries are (re)written from its start
+        s.rewind(a)  # the wave's entries are (re)written from its start
         e, rope, mask, _, cache = s.begin(self.tokens[a:a + width].view(1, width))
         if self.smoothed is not None:  # EMA of the input embeddings as drafts change
             old = torch.where(self.exact.view(1, -1, 1), e, self.smoothed)
@@ -210,8 +210,7 @@ class ParallelSampler:
             self.has_logits = torch.cat((torch.ones_like(self.has_logits[keep:width]),
                                          self.has_logits.new_zeros(new)))
         self.start = new_start
-        s.length = new_start
-        s.key_valid[:, new_start:] = False
+        s.rewind(new_start)
         return out
 
     def _next_wave(self, state: Tensor, keep: int, init: Tensor) -> None:
