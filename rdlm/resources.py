@@ -107,11 +107,13 @@ def check_time(total: float, unit: float, what: str, unit_name: str) -> None:
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    return f"{n:.3g} EiB"  # unreachable
+        if n < 1024:
+            return f"{n:.3g} {unit}"
+    return f"{n / 1024:.3g} PiB"
 
 
 def format_seconds(s: float) -> str:

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.cache import RecurrentKVCache
-from rdlm.inference.engine import NonFiniteLogitsError, noise_table, read_tokens
+from rdlm.inference.engine import NonFiniteLogitsError, read_tokens
+from rdlm.inference.noise import noise_table
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
 from rdlm.inference.params import Decode, GenerationConfig
 from rdlm.inference.sampling import sample

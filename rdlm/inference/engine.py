@@ -23,7 +23,6 @@ on the eager path (the same model calls over slices of the cache).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -33,26 +32,10 @@ from torch import Tensor
 
 from rdlm.inference.cache import CacheCall, RecurrentKVCache
 from rdlm.inference.exits import ExitTrack, iterate_with_exits
+from rdlm.inference.noise import noise_table
 from rdlm.inference.params import GenerationConfig
 from rdlm.model.lm import RecurrentDepthLM, Rope
 from rdlm.resources import check_time, forward_seconds
-
-NOISE_BLOCK = 256  # the s_0 table is drawn in blocks of positions, each from its own seed
-
-
-def noise_table(model: RecurrentDepthLM, seed: int, scale: float, length: int, dtype: torch.dtype,
-                device: torch.device) -> Tensor | None:
-    """s_0 for every position 0..length-1, [length, hidden]: a function of (seed, position) only, so a
-    row gets the same noise alone or in any batch, and a draft the same as plain decoding. Drawn on the
-    CPU (the same numbers on every device). None where s_0 is all zeros."""
-    if scale == 0 or model.config.state_init != "random":
-        return None
-    blocks = []
-    for b in range(math.ceil(length / NOISE_BLOCK)):
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + b)
-        blocks.append(model.init_state(torch.zeros(NOISE_BLOCK, model.config.hidden_size), scale, generator))
-    return torch.cat(blocks)[:length].to(device=device, dtype=dtype)
-
 
 class NonFiniteLogitsError(FloatingPointError):
     """The model's logits hold NaN or infinity: no token can be chosen from them."""

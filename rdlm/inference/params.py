@@ -16,6 +16,12 @@ from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 Decode = Callable[[list[int]], str]
 
 
+def kv_cache_budget(slots: int | None) -> dict:
+    """The `GenerationConfig` fields of a KV-cache budget of k core slots per token (the front ends'
+    `kv_cache_budget`: iteration i uses slot i mod k), or none for None (a slot per iteration)."""
+    return {} if slots is None else {"cache_strategy": "shared", "cache_slots": slots}
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 32

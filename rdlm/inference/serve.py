@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 
 from rdlm.inference.batching import BatchEvent, ContinuousBatch
-from rdlm.inference.generate import GenerationConfig
+from rdlm.inference.params import GenerationConfig, kv_cache_budget
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.data.tokenizer import Tokenizer
 
@@ -281,8 +281,7 @@ def generation_config(body: _Options, defaults: GenerationConfig, stop_tokens: t
             updates[name] = value
     if body.stop is not None:
         updates["stop_strings"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-    if body.kv_cache_budget is not None:
-        updates["cache_strategy"], updates["cache_slots"] = "shared", body.kv_cache_budget
+    updates.update(kv_cache_budget(body.kv_cache_budget))
     try:
         return replace(defaults, **updates)
     except (ValueError, TypeError) as err:

@@ -45,13 +45,14 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from rdlm.data.shards import IGNORE_INDEX
-from rdlm.inference.engine import noise_table
+from rdlm.inference.noise import noise_table
 from rdlm.inference.evaluate import DepthSweep, check_steps, check_sweep_fits, score_targets
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import read_config
 from rdlm.model.resolve import resolve_model_source
 from rdlm.inference.exits import make_exit_criterion
-from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.inference.generate import generate
+from rdlm.inference.params import GenerationConfig, kv_cache_budget
 from rdlm.data.tokenizer import CHAT_TEMPLATE, Tokenizer
 
 eval_logger = logging.getLogger(__name__)
@@ -303,11 +304,11 @@ class RDLMEvalModel(TemplateLM):
         max_new = int(kwargs.pop("max_gen_toks", kwargs.pop("max_new_tokens", self.max_gen_toks)))
         if kwargs:
             raise ValueError(f"rdlm model: unsupported generation argument(s) {', '.join(sorted(kwargs))}")
-        cache = {"cache_strategy": "shared", "cache_slots": self.kv_cache_budget} if self.kv_cache_budget else {}
         return GenerationConfig(max_new_tokens=max_new, num_steps=self.num_steps,
                                 exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold,
                                 stop_tokens=(self.eot_token_id,), stop_strings=tuple(u for u in until if u),
-                                init_scale=self.init_scale, seed=self.seed, **sampling, **cache)
+                                init_scale=self.init_scale, seed=self.seed, **sampling,
+                                **kv_cache_budget(self.kv_cache_budget))
 
 
 def accuracy_vs_steps(pretrained: str | os.PathLike, tasks: Sequence[str], num_steps: Sequence[int], *,

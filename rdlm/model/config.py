@@ -193,9 +193,6 @@ class RDLMConfig:
         """Expected effective depth L = l_P + r_mean * l_R + l_C (used by the Takase init)."""
         return self.prelude_layers + self.mean_recurrence * self.core_layers + self.coda_layers
 
-    def depth_at(self, num_steps: int) -> int:
-        return self.prelude_layers + num_steps * self.core_layers + self.coda_layers
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

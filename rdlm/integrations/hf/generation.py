@@ -11,7 +11,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rdlm.inference.generate import generate
-from rdlm.inference.params import GenerationConfig as RDLMGenerationConfig
+from rdlm.inference.params import GenerationConfig as RDLMGenerationConfig, kv_cache_budget
 from rdlm.model.config import RDLMConfig
 
 # The authors' RavenForCausalLM.generate spells some of rdlm's options differently: criterion ("none" =
@@ -130,8 +130,8 @@ def generate_with_engine(wrapper: PreTrainedModel, inputs: Tensor | None,
         repetition_penalty=config.repetition_penalty, stop_tokens=stop,
         stop_strings=tuple([config.stop_strings] if isinstance(config.stop_strings, str)
                            else config.stop_strings or ()),
-        cache_strategy="shared" if config.kv_cache_budget else "full", cache_slots=config.kv_cache_budget,
-        continuous_cot=bool(config.continuous_cot), init_scale=float(config.init_scale), seed=int(config.seed),
+        **kv_cache_budget(config.kv_cache_budget), continuous_cot=bool(config.continuous_cot),
+        init_scale=float(config.init_scale), seed=int(config.seed),
         draft_steps=config.draft_steps, draft_length=config.draft_length)
     decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     on_token = None
