@@ -84,7 +84,6 @@ def score_targets(model: RecurrentDepthLM, input_ids: Tensor, labels: Tensor, nu
 
 
 @torch.no_grad()
-@torch.no_grad()
 def gate_exit_logits(model: RecurrentDepthLM, input_ids: Tensor, num_steps: int, threshold: float | None = None,
                      ) -> tuple[Tensor, Tensor]:
     """(logits [B, S, V], exit iteration [B, S], 1-based) of a model with a learned exit gate (Ouro),
