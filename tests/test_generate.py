@@ -150,6 +150,27 @@ def test_streaming_iterator_and_callback_see_every_token(model):
     assert isinstance(first, TokenEvent) and first.token == result.tokens[0][0]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_are_the_model_s_distribution_at_each_token(model, temperature):
+    # from s_0 = 0, the logits of a full recompute of prompt + tokens so far are the ones each token was read from
+    config = GenerationConfig(num_steps=3, max_new_tokens=5, init_scale=0.0, logprobs=4, temperature=temperature)
+    events: list[TokenEvent] = []
+    result = generate(model, PROMPTS[0], config, on_token=events.append)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        for event in events:
+            logp = torch.log_softmax(model(ids, num_steps=3, init_scale=0.0).logits[0, -1].float(), dim=-1)
+            assert event.logprob == pytest.approx(float(logp[event.token]), abs=1e-5)
+            best = logp.topk(4)
+            assert [t for t, _ in event.top] == best.indices.tolist()
+            assert [v for _, v in event.top] == pytest.approx(best.values.tolist(), abs=1e-5)
+            ids = torch.cat([ids, torch.tensor([[event.token]])], dim=1)
+    assert result.logprobs == [[e.logprob for e in events]]
+    if temperature == 0:
+        assert all(e.top[0] == (e.token, e.logprob) for e in events)
+    assert generate(model, PROMPTS[0], GenerationConfig(num_steps=3, max_new_tokens=2)).logprobs is None
+
+
 def test_bad_generation_arguments_are_named(model):
     with pytest.raises(ValueError, match="unknown exit criterion"):
         GenerationConfig(exit_criterion="klx")
@@ -157,6 +178,10 @@ def test_bad_generation_arguments_are_named(model):
         GenerationConfig(cache_strategy="shared")
     with pytest.raises(ValueError, match="top_p"):
         GenerationConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="logprobs must be at most 20"):
+        GenerationConfig(logprobs=21)
+    with pytest.raises(ValueError, match="logprobs come with the sequential sampler"):
+        GenerationConfig(logprobs=1, draft_steps=2, num_steps=4)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         generate(model, [1, 10_000])
     with pytest.raises(ValueError, match="context length"):

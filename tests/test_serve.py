@@ -150,6 +150,52 @@ def test_concurrent_clients_at_different_depths_each_get_their_tokens_alone(live
         assert text == live.expected(live.tokenizer.encode(prompt, add_bos=True), **options)[0], prompt
 
 
+def test_logprobs_and_iterations_per_token_equal_generate_s(live):
+    client = live.client()
+    ids = live.tokenizer.encode("the cat", add_bos=True)
+    options = dict(max_new_tokens=6, stop_tokens=(live.tokenizer.eos_id,), num_steps=8, exit_criterion="kl",
+                   exit_threshold=1e-3, logprobs=3)
+    events = []
+    offline = generate(live.model, [ids], replace(DEFAULTS, **options), on_token=events.append)
+    extra = dict(num_steps=8, exit_criterion="kl", exit_threshold=1e-3)
+    out = client.completions.create(model="tiny", prompt="the cat", max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body=extra)
+    lp = out.choices[0].logprobs
+    kept = [e for e in events if e.token != live.tokenizer.eos_id]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in kept], abs=1e-5)
+    assert lp.model_extra["latent_iterations"] == [e.steps for e in kept]
+    assert [top for top in lp.top_logprobs] == [{live.tokenizer.token_text(t): v for t, v in e.top} for e in kept]
+    assert all(len(top) == 3 and max(top.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)  # greedy
+               for i, top in enumerate(lp.top_logprobs))
+    joined = b"".join(live.tokenizer.token_bytes(t) for t in offline.tokens[0] if t != live.tokenizer.eos_id)
+    assert joined.decode(errors="replace") == out.choices[0].text  # the tokens' bytes make up the text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert out.usage.model_extra["mean_latent_iterations"] == pytest.approx(sum(offline.steps[0]) / len(offline.steps[0]))
+    # chat, whole and streamed: one entry per token with its alternatives and iterations, the same numbers
+    messages = [{"role": "user", "content": "the dog"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, logprobs=True,
+                                           top_logprobs=2, extra_body=extra)
+    content = whole.choices[0].logprobs.content
+    assert len(content) >= 1 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert all(1 <= c.model_extra["latent_iterations"] <= 8 for c in content)
+    stops = (live.tokenizer.end_turn_id, live.tokenizer.eos_id)
+    chat_ids = live.tokenizer.apply_chat_template(messages)
+    alone = generate(live.model, [chat_ids], replace(DEFAULTS, max_new_tokens=5, stop_tokens=stops, logprobs=2,
+                                                     num_steps=8, exit_criterion="kl", exit_threshold=1e-3))
+    kept = [t for t in alone.tokens[0] if t not in stops]
+    assert [c.logprob for c in content] == pytest.approx(alone.logprobs[0][:len(kept)], abs=1e-5)
+    # the tokens' bytes make up their text (special tokens included, which the message's content skips)
+    assert b"".join(bytes(c.bytes) for c in content).decode(errors="replace") == live.tokenizer.decode(kept)
+    streamed = [c for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                                               logprobs=True, top_logprobs=2, stream=True,
+                                                               extra_body=extra)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 5)) for c in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+    no = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert no.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("body, status, fragment", [
     ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny", "prompt": "x", "num_steps": 0}, 400, "num_steps"),
@@ -158,10 +204,11 @@ def test_concurrent_clients_at_different_depths_each_get_their_tokens_alone(live
     ({"model": "tiny", "prompt": "x", "num_steps": 40}, 400, "core cache slots"),
     ({"model": "tiny", "prompt": "x", "colour": 1}, 400, "unknown field 'colour'"),
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": "tiny", "prompt": [99999]}, 400, "outside the vocabulary"),
     ({"model": "tiny", "prompt": "x", "sampler": "parallel"}, 400, "not available in a continuous batch"),
     ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs logprobs"),
     ("{not json", 400, "not valid JSON"),
 ])
 def test_bad_requests_get_openai_errors_and_disturb_nobody(live, body, status, fragment):
@@ -169,7 +216,8 @@ def test_bad_requests_get_openai_errors_and_disturb_nobody(live, body, status, f
     with ThreadPoolExecutor(1) as pool:
         good = pool.submit(client.completions.create, model="tiny", prompt="the cat", max_tokens=8)
         data = body if isinstance(body, str) else json.dumps(body)
-        reply = httpx.post(live.url + "/v1/completions", content=data, timeout=30,
+        endpoint = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+        reply = httpx.post(live.url + endpoint, content=data, timeout=30,
                            headers={"content-type": "application/json"})
         assert good.result(timeout=60).choices[0].finish_reason in ("length", "stop")
     assert reply.status_code == status

@@ -23,6 +23,18 @@ def test_round_trip_is_lossless(tok):
         assert tok.decode(tok.encode(text)) == text
 
 
+def test_each_token_s_bytes_make_up_the_text_and_its_text_is_unique(tok):
+    text = "Huginn ✓ 数字 Ünïcödé"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == text
+    # a token holding part of a character still has its own string (its vocabulary entry), not U+FFFD
+    partial = [i for i in range(tok.vocab_size) if tok.backend.id_to_token(i) is not None
+               and "\ufffd" in tok.decode([i])]
+    assert partial and all("\ufffd" not in tok.token_text(i) for i in partial)
+    texts = [tok.token_text(i) for i in range(tok.vocab_size) if tok.backend.id_to_token(i) is not None]
+    assert len(set(texts)) == len(texts)
+
+
 def test_special_tokens_follow_the_bpe_vocabulary(tok):
     ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
     assert ids == list(range(tok.vocab_size - len(SPECIAL_TOKENS), tok.vocab_size))

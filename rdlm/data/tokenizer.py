@@ -63,6 +63,23 @@ def format_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bo
                                             add_generation_prompt=add_generation_prompt)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table, which `tokenizers`' ByteLevel
+    uses): printable Latin-1 bytes stand for themselves, the others for chr(256 + n) in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 class TokenizerError(ValueError):
     """A tokenizer file is missing, unreadable, or lacks a token rdlm needs; the message names it."""
 
@@ -159,6 +176,25 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for. A byte-level BPE token may hold part of a character, which
+        `decode([token])` turns into U+FFFD; its vocabulary entry maps back to the exact bytes."""
+        piece = self.backend.id_to_token(int(token))
+        if piece is None:
+            raise TokenizerError(f"{self.source}: token id {token} is not in the vocabulary")
+        if type(self.backend.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.decode([token]).encode()
+
+    def token_text(self, token: int) -> str:
+        """One token as text: its characters, or for a token that holds part of a character its bytes
+        written as `bytes:\\xe2\\x9c` (vLLM's form), so that two tokens never read the same."""
+        data = self.token_bytes(token)
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     def __len__(self) -> int:
         return self.vocab_size

@@ -32,7 +32,7 @@ from rdlm.inference.engine import NonFiniteLogitsError, read_tokens
 from rdlm.inference.noise import noise_table
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
 from rdlm.inference.params import Decode, GenerationConfig
-from rdlm.inference.sampling import sample
+from rdlm.inference.sampling import sample, token_logprobs
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -42,6 +42,8 @@ class BatchEvent:
     token: int
     steps: int                   # core iterations run at the position whose logits chose this token
     finish_reason: str | None    # None while the request goes on; "stop_token", "stop_string", "length"
+    logprob: float | None = None                      # with GenerationConfig.logprobs (TokenEvent's)
+    top: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass
@@ -366,7 +368,9 @@ class ContinuousBatch:
     def _choose(self, q: _Request, logits: Tensor, steps: int, events: list[BatchEvent]) -> None:
         """Sample the request's next token from [1, V] logits; emit it; free the row when finished."""
         c = q.config
-        (token,), finite = read_tokens(sample(logits, c, [q.generator], self.seen[q.row:q.row + 1]), logits)
+        chosen = sample(logits, c, [q.generator], self.seen[q.row:q.row + 1])
+        scored = (None, None) if c.logprobs is None else token_logprobs(logits, chosen, c.logprobs)[0]
+        (token,), finite = read_tokens(chosen, logits)
         if not finite:
             raise NonFiniteLogitsError(self.model, len(q.tokens) + 1)
         q.tokens.append(token)
@@ -378,7 +382,7 @@ class ContinuousBatch:
             reason = "stop_string"
         elif len(q.tokens) >= c.max_new_tokens:
             reason = "length"
-        events.append(BatchEvent(q.id, token, steps, reason))
+        events.append(BatchEvent(q.id, token, steps, reason, *scored))
         if reason is not None:
             self.rows[q.row] = None
         else:

@@ -39,7 +39,7 @@ from torch import Tensor
 from rdlm.inference.engine import NonFiniteLogitsError, Session, read_tokens
 from rdlm.inference.parallel import ParallelSampler
 from rdlm.inference.params import Decode, GenerationConfig, GenerationResult, TokenEvent
-from rdlm.inference.sampling import sample
+from rdlm.inference.sampling import sample, token_logprobs
 from rdlm.model.lm import RecurrentDepthLM
 
 __all__ = ["Decode", "GenerationConfig", "GenerationResult", "TokenEvent", "generate", "sample", "stream"]
@@ -106,8 +106,12 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
     stop_tokens = set(config.stop_tokens)
     window = max((len(s) for s in config.stop_strings), default=0) + 8  # tokens decoded per check
 
-    def emit(row: int, token: int, n_steps: int) -> TokenEvent:
+    logprobs: list[list[float]] | None = None if config.logprobs is None else [[] for _ in range(batch)]
+
+    def emit(row: int, token: int, n_steps: int, scored: tuple | None = None) -> TokenEvent:
         tokens[row].append(token)
+        if scored is not None:
+            logprobs[row].append(scored[0])
         steps[row].append(n_steps)
         if token in stop_tokens:
             finished[row], reasons[row] = True, "stop_token"
@@ -115,7 +119,7 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
             finished[row], reasons[row] = True, "stop_string"
         elif len(tokens[row]) >= config.max_new_tokens:
             finished[row] = True
-        return TokenEvent(row, token, n_steps)
+        return TokenEvent(row, token, n_steps, *(scored or (None, None)))
 
     drafted = accepted = 0
     t0 = time.perf_counter()
@@ -147,12 +151,13 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
             # Sampled from finite numbers (a NaN would fail inside the sampler); the logits' own
             # finiteness comes back with the tokens.
             chosen = sample(torch.nan_to_num(logits), config, session.samplers, session.seen)
+            scored = None if config.logprobs is None else token_logprobs(logits, chosen, config.logprobs)
             chosen, finite = read_tokens(chosen, logits)
             if not finite:
                 raise NonFiniteLogitsError(model, max(map(len, tokens)) + 1)
             for row in range(batch):
                 if not finished[row]:
-                    yield emit(row, chosen[row], int(iterations[row]))
+                    yield emit(row, chosen[row], int(iterations[row]), scored and scored[row])
             if all(finished):
                 break
             logits, iterations = session.decode(torch.tensor(chosen, device=session.device))
@@ -169,7 +174,7 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
     return GenerationResult(tokens, steps, reasons, texts, t1 - t0, t2 - t1 - session.capture_seconds,
                             drafted, accepted, session.cache.nbytes, sum(len(p) for p in prompts),
                             session.capture_seconds, parallel.core_passes if parallel else 0,
-                            parallel.wave_steps if parallel else 0)
+                            parallel.wave_steps if parallel else 0, logprobs)
 
 
 def sync(device: torch.device) -> None:

@@ -14,6 +14,7 @@ from typing import Callable
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 
 Decode = Callable[[list[int]], str]
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
 
 
 def kv_cache_budget(slots: int | None) -> dict:
@@ -39,6 +40,9 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()  # needs a `decode` function
+    # Log-probabilities: None, or k in 0..20: each token's log-probability under the model (the raw logits,
+    # before penalty, temperature and filtering) and the k most likely tokens' (TokenEvent.logprob/.top).
+    logprobs: int | None = None
     # KV cache: "full" (a slot per iteration) or "shared" (k = cache_slots slots, slot i mod k).
     cache_strategy: str = "full"
     cache_slots: int | None = None
@@ -82,6 +86,12 @@ class GenerationConfig:
         positive("draft_length")
         positive("exit_every")
         positive("exit_sync_every")
+        if self.logprobs is not None:
+            positive("logprobs", 0)
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise ValueError(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+            if self.draft_steps is not None or self.sampler != "sequential":
+                raise ValueError("logprobs come with the sequential sampler without speculative decoding")
         for name in ("prefill_steps", "cache_slots", "top_k", "draft_steps"):
             if getattr(self, name) is not None:
                 positive(name)
@@ -164,6 +174,8 @@ class TokenEvent:
     row: int      # which prompt of the batch
     token: int
     steps: int    # core iterations run at the position whose logits chose this token
+    logprob: float | None = None                      # with GenerationConfig.logprobs: log p(token)
+    top: tuple[tuple[int, float], ...] | None = None  # ... and the k most likely (token, log p), best first
 
 
 @dataclass
@@ -181,6 +193,7 @@ class GenerationResult:
     compile_seconds: float = 0.0        # capturing the static decode step (not in decode_seconds)
     core_passes: int = 0                # parallel sampler: core block calls after the prefill, each
     wave_steps: int = 0                 # over a whole wave; and its wavefront steps
+    logprobs: list[list[float]] | None = None  # with GenerationConfig.logprobs: log p of each new token
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -11,6 +11,16 @@ from torch import Tensor
 from rdlm.inference.params import GenerationConfig
 
 
+def token_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Per row of logits [B, V]: (log p of the chosen token [B], the k most likely (token, log p), best
+    first), from the model's distribution (float32 log-softmax of the raw logits), in one host copy."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(-1, chosen.view(-1, 1).to(logp.device))
+    top = logp.topk(k, dim=-1) if k else None
+    values = torch.cat([picked] + ([top.values, top.indices.to(logp.dtype)] if k else []), dim=-1).tolist()
+    return [(row[0], tuple((int(i), v) for v, i in zip(row[1:1 + k], row[1 + k:]))) for row in values]
+
+
 def sample(logits: Tensor, config: GenerationConfig, generators: Sequence[torch.Generator] | None = None,
            seen: Tensor | None = None) -> Tensor:
     """Next tokens [B] from logits [B, V]: repetition penalty, then greedy or temperature with

@@ -10,7 +10,10 @@ server-sent events in OpenAI's chunk format (ending with `[DONE]`) or not; `/v1/
 Requests take OpenAI's fields (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`, `n`, ...)
 and rdlm's: `num_steps`, `exit_criterion`, `exit_threshold`, `min_steps`, `exit_every`,
 `kv_cache_budget`, `continuous_cot`, `init_scale`. `usage.latent_iterations` counts the core
-iterations spent on the completion.
+iterations spent on the completion (`usage.mean_latent_iterations` per token). With `logprobs` (completions:
+the number of alternatives, 0-20; chat: `logprobs: true` and `top_logprobs`) each token comes with its
+log-probability under the model, the most likely alternatives and `latent_iterations`, the core iterations
+that chose it.
 
 One worker thread owns a `ContinuousBatch` (rdlm/inference/batching.py): requests join and leave between core
 iterations, each row at its own depth, so a request whose tokens exit early makes room for others
@@ -36,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 
 from rdlm.inference.batching import BatchEvent, ContinuousBatch
-from rdlm.inference.params import GenerationConfig, kv_cache_budget
+from rdlm.inference.params import MAX_TOP_LOGPROBS, GenerationConfig, kv_cache_budget
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.data.tokenizer import Tokenizer
 
@@ -82,7 +85,6 @@ class _Options(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(1, ge=1, le=16)
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
@@ -101,6 +103,7 @@ class _Options(BaseModel):
 class CompletionRequest(_Options):
     prompt: str | list[int] | list[str]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
@@ -113,6 +116,7 @@ class ChatRequest(_Options):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,16 +265,24 @@ def _put_all(items: list[tuple[Ticket, BatchEvent]]) -> None:
 # --------------------------------------------------------------------------------------------------
 # From a request to generation configs and back to OpenAI's responses
 
+def requested_logprobs(body: _Options) -> int | None:
+    """How many alternatives per token the request asks for (0: the chosen token's only), or None."""
+    if isinstance(body, ChatRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
+
+
 def generation_config(body: _Options, defaults: GenerationConfig, stop_tokens: tuple[int, ...],
                       max_tokens: int | None) -> GenerationConfig:
-    if body.logprobs not in (None, False, 0):
-        raise APIError(400, "logprobs are not supported", param="logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) != 0:
             raise APIError(400, f"{name} is not supported; use repetition_penalty", param=name)
     if body.n > 1 and body.stream:
         raise APIError(400, "n > 1 is not supported with stream", param="n")
-    updates: dict[str, Any] = {"stop_tokens": tuple(defaults.stop_tokens) + stop_tokens}
+    updates: dict[str, Any] = {"stop_tokens": tuple(defaults.stop_tokens) + stop_tokens,
+                               "logprobs": requested_logprobs(body)}
     if max_tokens is not None:
         updates["max_new_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "num_steps",
@@ -299,15 +311,43 @@ class Completion:
     def __init__(self, tokenizer: Tokenizer, config: GenerationConfig) -> None:
         self.tokenizer, self.config = tokenizer, config
         self.tokens: list[int] = []
+        self.events: list[BatchEvent] = []
         self.steps = 0
         self.finish_reason: str | None = None
         self.sent = 0
+        self.scored = 0  # events whose logprobs were sent (streaming)
 
     def add(self, event: BatchEvent) -> None:
         self.tokens.append(event.token)
+        self.events.append(event)
         self.steps += event.steps
         if event.finish_reason is not None:
             self.finish_reason = "stop" if event.finish_reason != "length" else "length"
+
+
+    def logprobs(self, chat: bool, new_only: bool = False) -> dict | None:
+        """OpenAI's logprobs object for the tokens so far (or those not sent yet), each with
+        `latent_iterations`; None when the request did not ask. A stop token that ended the completion is
+        not part of it (as it is not part of the text)."""
+        if self.config.logprobs is None:
+            return None
+        first = self.scored if new_only else 0
+        if new_only:
+            self.scored = len(self.events)
+        events = [e for e in self.events if e.finish_reason != "stop_token"]
+        text = self.tokenizer.token_text
+        if chat:
+            entry = lambda token, lp: {"token": text(token), "logprob": lp,  # noqa: E731
+                                       "bytes": list(self.tokenizer.token_bytes(token))}
+            return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top],
+                                 "latent_iterations": e.steps} for e in events[first:]], "refusal": None}
+        offsets = [0]
+        for e in events:
+            offsets.append(offsets[-1] + len(text(e.token)))
+        events = events[first:]
+        return {"tokens": [text(e.token) for e in events], "token_logprobs": [e.logprob for e in events],
+                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in events] if self.config.logprobs else None,
+                "text_offset": offsets[first:first + len(events)], "latent_iterations": [e.steps for e in events]}
 
     @property
     def text(self) -> str:
@@ -418,8 +458,9 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
 
     def usage(prompt: list[int], completions: list[Completion]) -> dict:
         out = sum(len(c.tokens) for c in completions)
+        spent = sum(c.steps for c in completions)
         return {"prompt_tokens": len(prompt), "completion_tokens": out, "total_tokens": len(prompt) + out,
-                "latent_iterations": sum(c.steps for c in completions)}
+                "latent_iterations": spent, "mean_latent_iterations": spent / out if out else 0.0}
 
     async def respond(request: Request, body: _Options, prompt: list[int], gen: GenerationConfig, chat: bool):
         started = await start(prompt, gen, body.n)
@@ -430,10 +471,11 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
             completions = [c for _, c in started]
             if chat:
                 choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
-            else:
-                choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                            "logprobs": c.logprobs(chat), "finish_reason": c.finish_reason}
                            for i, c in enumerate(completions)]
+            else:
+                choices = [{"index": i, "text": c.text, "logprobs": c.logprobs(chat),
+                            "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
             metrics.requests.labels(endpoint, "200").inc()
             return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                  "created": created, "model": config.model_name, "choices": choices,
@@ -443,11 +485,12 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
         def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+            logprobs = None if role else completion.logprobs(chat, new_only=True)
             if chat:
                 content = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": content, "finish_reason": finish}
+                choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
             data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created, "model": config.model_name, "choices": [choice]}
             return f"data: {json.dumps(data)}\n\n"
