@@ -265,9 +265,43 @@ def test_a_full_queue_answers_503_with_retry_after(model_dir):
     assert "capacity" in reply.json()["error"]["message"]
 
 
+def test_an_api_key_and_a_body_limit_guard_the_api(model_dir):
+    with LiveServer(model_dir, api_key="s3cret", max_request_bytes=2000) as live:
+        assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # a probe needs no key
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            live.client().completions.create(model="tiny", prompt="the cat", max_tokens=2)   # a wrong key
+        reply = httpx.get(live.url + "/v1/models", timeout=10)                                # no key
+        assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+        keyed = openai.OpenAI(base_url=live.url + "/v1", api_key="s3cret", max_retries=0, timeout=30)
+        out = keyed.completions.create(model="tiny", prompt="the cat", max_tokens=3, temperature=0)
+        assert out.choices[0].text == live.expected(live.tokenizer.encode("the cat", add_bos=True), max_new_tokens=3,
+                                                    stop_tokens=(live.tokenizer.eos_id,))[0]
+        big = json.dumps({"model": "tiny", "prompt": "x" * 3000}).encode()
+        auth = {"authorization": "Bearer s3cret", "content-type": "application/json"}
+        reply = httpx.post(live.url + "/v1/completions", content=big, headers=auth, timeout=10)
+        assert reply.status_code == 413 and "2000 bytes" in reply.json()["error"]["message"]
+        chunks = (big[i:i + 500] for i in range(0, len(big), 500))   # no Content-Length: counted as it arrives
+        reply = httpx.post(live.url + "/v1/completions", content=chunks, headers=auth, timeout=10)
+        assert reply.status_code == 413
+        assert keyed.completions.create(model="tiny", prompt="the", max_tokens=2).choices[0].finish_reason
+
+
+def test_serve_flags_for_a_server_beyond_this_machine(model_dir, capsys):
+    from rdlm.cli import main
+    from rdlm.cli.serve import _loopback
+
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
+    assert not _loopback("0.0.0.0") and not _loopback("192.168.1.4") and not _loopback("example.org")
+    for flags, fragment in ((["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+                            (["--api-key", " "], "--api-key is empty")):
+        assert main(["serve", str(model_dir), *flags]) != 0
+        assert fragment in capsys.readouterr().err
+
+
 def test_rdlm_serve_shuts_down_cleanly_on_sigterm(model_dir):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RDLM_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "rdlm", "serve", str(model_dir), "--port", str(port),
                              "-r", "4", "--max-new-tokens", "4", "--shutdown-timeout", "5"],
                             env=env, stderr=subprocess.PIPE, text=True)

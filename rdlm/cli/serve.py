@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import signal
 import sys
 
@@ -28,10 +30,23 @@ def register(subparsers) -> None:
                                                   "model's context, at most 2048)")
     p.add_argument("--num-slots", type=int, help="core cache slots per token, the largest r without "
                                                  "kv_cache_budget (default: the default r, at least 32)")
+    p.add_argument("--api-key", default=os.environ.get("RDLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $RDLM_API_KEY; none)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted, in bytes (default 1 MiB); larger ones get 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     add_generation_args(p)
     p.set_defaults(func=run)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,8 +71,16 @@ def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else min(c.context_length, 2048)
     num_slots = args.num_slots if args.num_slots is not None else max(defaults.max_steps, 32)
     name = args.model_name or Path(args.model).resolve().name
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty")
     config = ServeConfig(model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
-                         max_length=max_length, num_slots=num_slots, defaults=defaults)
+                         max_length=max_length, num_slots=num_slots, defaults=defaults, api_key=args.api_key,
+                         max_request_bytes=args.max_request_bytes)
+    if args.api_key is None and not _loopback(args.host):
+        print(f"rdlm serve: warning: listening on {args.host} without an API key; anyone who can reach it may "
+              f"use it (--api-key or $RDLM_API_KEY)", file=sys.stderr, flush=True)
     app = create_app(model, tokenizer, config)
     cache = app.state.worker.batch.cache.nbytes / 2 ** 30
     print(f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "

@@ -23,6 +23,7 @@ instead of waiting for them. A request's tokens are those of `rdlm.inference.gen
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import queue
 import threading
@@ -53,6 +54,8 @@ class ServeConfig:
     num_slots: int = 32                 # core cache slots per token: the largest r without a cache budget
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
     retry_after: int = 1                # seconds, in the Retry-After of a 503
+    api_key: str | None = None          # when set, /v1/ requests need "Authorization: Bearer <api_key>"
+    max_request_bytes: int = 1 << 20    # larger request bodies are answered 413 before they are parsed
 
 
 class APIError(Exception):
@@ -65,6 +68,54 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# --------------------------------------------------------------------------------------------------
+# In front of the app: the API key and the size of a request body (plain ASGI, before FastAPI parses).
+
+class Guard:
+    """Refuses, with OpenAI's error shape, a /v1/ request without the server's API key (401) and a body
+    over `max_bytes` (413: by its Content-Length, or as it arrives without one, never holding more)."""
+
+    def __init__(self, app, api_key: str | None, max_bytes: int) -> None:
+        self.app, self.api_key, self.max_bytes = app, api_key, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
+                error = APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                 code="invalid_api_key", kind="authentication_error",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                return await error.response()(scope, receive, send)
+        too_large = APIError(413, f"the request body exceeds the server's limit of {self.max_bytes} bytes",
+                             code="request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await too_large.response()(scope, receive, send)
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body, more = b"", True  # read (at most max_bytes of) the body here, then hand it on whole
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await too_large.response()(scope, receive, send)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: what the client does next (a disconnect)
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,6 +432,7 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
 
     app = FastAPI(title="rdlm", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
+    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
