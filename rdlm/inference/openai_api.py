@@ -1,0 +1,231 @@
+"""The OpenAI API as rdlm's server speaks it (rdlm/inference/serve.py): request bodies (OpenAI's fields and
+rdlm's, anything else refused by name), their translation into a `GenerationConfig`, errors in OpenAI's
+shape, a completion's text and logprobs, and the guard in front of the app (API key, body size)."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import replace
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from rdlm.data.tokenizer import Tokenizer
+from rdlm.inference.batching import BatchEvent
+from rdlm.inference.params import MAX_TOP_LOGPROBS, GenerationConfig, kv_cache_budget
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# --------------------------------------------------------------------------------------------------
+# In front of the app: the API key and the size of a request body (plain ASGI, before FastAPI parses).
+
+class Guard:
+    """Refuses, with OpenAI's error shape, a /v1/ request without the server's API key (401) and a body
+    over `max_bytes` (413: by its Content-Length, or as it arrives without one, never holding more)."""
+
+    def __init__(self, app, api_key: str | None, max_bytes: int) -> None:
+        self.app, self.api_key, self.max_bytes = app, api_key, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
+                error = APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                 code="invalid_api_key", kind="authentication_error",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                return await error.response()(scope, receive, send)
+        too_large = APIError(413, f"the request body exceeds the server's limit of {self.max_bytes} bytes",
+                             code="request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await too_large.response()(scope, receive, send)
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body, more = b"", True  # read (at most max_bytes of) the body here, then hand it on whole
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await too_large.response()(scope, receive, send)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: what the client does next (a disconnect)
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+# --------------------------------------------------------------------------------------------------
+# Request bodies: OpenAI's fields and rdlm's; anything else is refused by name.
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = Field(1, ge=1, le=16)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # rdlm: test-time compute
+    num_steps: int | None = None
+    exit_criterion: str | None = None
+    exit_threshold: float | None = None
+    min_steps: int | None = None
+    exit_every: int | None = None
+    kv_cache_budget: int | None = None
+    continuous_cot: bool | None = None
+    init_scale: float | None = None
+    sampler: str | None = None
+
+
+class CompletionRequest(Options):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(Options):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+# --------------------------------------------------------------------------------------------------
+# From a request to generation configs and back to OpenAI's responses
+
+def requested_logprobs(body: Options) -> int | None:
+    """How many alternatives per token the request asks for (0: the chosen token's only), or None."""
+    if isinstance(body, ChatRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
+
+
+def generation_config(body: Options, defaults: GenerationConfig, stop_tokens: tuple[int, ...],
+                      max_tokens: int | None) -> GenerationConfig:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0:
+            raise APIError(400, f"{name} is not supported; use repetition_penalty", param=name)
+    if body.n > 1 and body.stream:
+        raise APIError(400, "n > 1 is not supported with stream", param="n")
+    updates: dict[str, Any] = {"stop_tokens": tuple(defaults.stop_tokens) + stop_tokens,
+                               "logprobs": requested_logprobs(body)}
+    if max_tokens is not None:
+        updates["max_new_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "num_steps",
+                 "exit_criterion", "exit_threshold", "min_steps", "exit_every", "continuous_cot", "init_scale",
+                 "sampler"):
+        value = getattr(body, name)
+        if value is not None:
+            updates[name] = value
+    if body.stop is not None:
+        updates["stop_strings"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    updates.update(kv_cache_budget(body.kv_cache_budget))
+    try:
+        return replace(defaults, **updates)
+    except (ValueError, TypeError) as err:
+        raise APIError(400, str(err)) from None
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    return text[:min((text.find(s) for s in stops if s in text), default=len(text))]
+
+
+class Completion:
+    """Collects one ticket's tokens into text; `delta` gives what is safe to stream so far (nothing
+    that may still turn out to be a stop string or half a character)."""
+
+    def __init__(self, tokenizer: Tokenizer, config: GenerationConfig) -> None:
+        self.tokenizer, self.config = tokenizer, config
+        self.tokens: list[int] = []
+        self.events: list[BatchEvent] = []
+        self.steps = 0
+        self.finish_reason: str | None = None
+        self.sent = 0
+        self.scored = 0  # events whose logprobs were sent (streaming)
+
+    def add(self, event: BatchEvent) -> None:
+        self.tokens.append(event.token)
+        self.events.append(event)
+        self.steps += event.steps
+        if event.finish_reason is not None:
+            self.finish_reason = "stop" if event.finish_reason != "length" else "length"
+
+
+    def logprobs(self, chat: bool, new_only: bool = False) -> dict | None:
+        """OpenAI's logprobs object for the tokens so far (or those not sent yet), each with
+        `latent_iterations`; None when the request did not ask. A stop token that ended the completion is
+        not part of it (as it is not part of the text)."""
+        if self.config.logprobs is None:
+            return None
+        first = self.scored if new_only else 0
+        if new_only:
+            self.scored = len(self.events)
+        events = [e for e in self.events if e.finish_reason != "stop_token"]
+        text = self.tokenizer.token_text
+        if chat:
+            entry = lambda token, lp: {"token": text(token), "logprob": lp,  # noqa: E731
+                                       "bytes": list(self.tokenizer.token_bytes(token))}
+            return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top],
+                                 "latent_iterations": e.steps} for e in events[first:]], "refusal": None}
+        offsets = [0]
+        for e in events:
+            offsets.append(offsets[-1] + len(text(e.token)))
+        events = events[first:]
+        return {"tokens": [text(e.token) for e in events], "token_logprobs": [e.logprob for e in events],
+                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in events] if self.config.logprobs else None,
+                "text_offset": offsets[first:first + len(events)], "latent_iterations": [e.steps for e in events]}
+
+    @property
+    def text(self) -> str:
+        return cut_at_stop(self.tokenizer.decode(self.tokens, skip_special_tokens=True), self.config.stop_strings)
+
+    def delta(self) -> str:
+        text = self.text
+        if self.finish_reason is None:
+            hold = max((len(s) - 1 for s in self.config.stop_strings), default=0)
+            safe = len(text) - hold
+            if text[:safe].endswith("\ufffd"):
+                safe -= 1
+            text = text[:max(safe, self.sent)]
+        new, self.sent = text[self.sent:], len(text)
+        return new
