@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -171,6 +173,33 @@ def test_logprobs_are_the_model_s_distribution_at_each_token(model, temperature)
     assert generate(model, PROMPTS[0], GenerationConfig(num_steps=3, max_new_tokens=2)).logprobs is None
 
 
+@pytest.mark.parametrize("extra", [dict(), dict(exit_criterion="kl", exit_threshold=3e-3)])
+def test_a_depth_budget_bounds_the_response_s_iterations(model, extra):
+    config = GenerationConfig(num_steps=8, max_new_tokens=6, seed=1, **extra)
+    free = generate(model, PROMPTS, config)
+    # a budget that binds nowhere gives every row its tokens and steps unchanged
+    loose = generate(model, PROMPTS, replace(config, max_latent_iterations=1000, target_mean_iterations=8))
+    assert loose.tokens == free.tokens and loose.steps == free.steps
+    capped = generate(model, PROMPTS, replace(config, max_latent_iterations=20))
+    for steps in capped.steps:
+        assert sum(steps) <= 20 and min(steps) >= 1 and len(steps) == 6
+    paced = generate(model, PROMPTS, replace(config, target_mean_iterations=3.5))
+    for steps in paced.steps:
+        assert all(sum(steps[:n]) <= 3.5 * n for n in range(1, len(steps) + 1)) and min(steps) >= 1
+    # a budget smaller than one iteration per token ends the response when it is spent
+    short = generate(model, PROMPTS[0], replace(config, max_latent_iterations=4))
+    assert sum(short.steps[0]) == 4 and short.finish_reasons == ["length"] and len(short.tokens[0]) < 6
+
+
+def test_depth_cap_keeps_an_iteration_for_each_later_token():
+    config = GenerationConfig(num_steps=8, prefill_steps=5, max_new_tokens=4, max_latent_iterations=12)
+    assert config.depth_cap(0, 0) == 5              # the first token is the prompt's depth, under 12 - 3
+    assert config.depth_cap(1, 5) == 5              # 7 left, 2 tokens after this one
+    assert config.depth_cap(3, 11) == 1 and config.depth_cap(3, 12) == 0
+    paced = GenerationConfig(num_steps=8, target_mean_iterations=2.5)
+    assert [paced.depth_cap(n, spent) for n, spent in ((0, 0), (1, 2), (2, 5), (3, 6))] == [2, 3, 2, 4]
+
+
 def test_bad_generation_arguments_are_named(model):
     with pytest.raises(ValueError, match="unknown exit criterion"):
         GenerationConfig(exit_criterion="klx")
@@ -178,6 +207,10 @@ def test_bad_generation_arguments_are_named(model):
         GenerationConfig(cache_strategy="shared")
     with pytest.raises(ValueError, match="top_p"):
         GenerationConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="target_mean_iterations must be a finite number >= 1"):
+        GenerationConfig(target_mean_iterations=0.5)
+    with pytest.raises(ValueError, match="max_latent_iterations must be an integer >= 1"):
+        GenerationConfig(max_latent_iterations=0)
     with pytest.raises(ValueError, match="logprobs must be at most 20"):
         GenerationConfig(logprobs=21)
     with pytest.raises(ValueError, match="logprobs come with the sequential sampler"):

@@ -196,6 +196,17 @@ def test_logprobs_and_iterations_per_token_equal_generate_s(live):
     assert no.choices[0].logprobs is None
 
 
+def test_a_depth_budget_per_request_is_honoured(live):
+    client = live.client()
+    ids = live.tokenizer.encode("the cat", add_bos=True)
+    for budget in (dict(max_latent_iterations=12), dict(target_mean_iterations=2.5)):
+        out = client.completions.create(model="tiny", prompt="the cat", max_tokens=6, temperature=0,
+                                        extra_body=dict(num_steps=8, **budget))
+        text, steps = live.expected(ids, max_new_tokens=6, stop_tokens=(live.tokenizer.eos_id,), num_steps=8, **budget)
+        assert out.choices[0].text == text and out.usage.model_extra["latent_iterations"] == sum(steps)
+        assert sum(steps) <= 12 if "max_latent_iterations" in budget else sum(steps) <= 2.5 * len(steps)
+
+
 @pytest.mark.parametrize("body, status, fragment", [
     ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny", "prompt": "x", "num_steps": 0}, 400, "num_steps"),
@@ -208,6 +219,7 @@ def test_logprobs_and_iterations_per_token_equal_generate_s(live):
     ({"model": "tiny", "prompt": [99999]}, 400, "outside the vocabulary"),
     ({"model": "tiny", "prompt": "x", "sampler": "parallel"}, 400, "not available in a continuous batch"),
     ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "target_mean_iterations": 0.5}, 400, "target_mean_iterations"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs logprobs"),
     ("{not json", 400, "not valid JSON"),
 ])

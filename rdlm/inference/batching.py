@@ -59,6 +59,8 @@ class _Request:
     length: int = 0                    # tokens in the cache
     next_token: int = -1               # chosen, fed at the next start
     iteration: int = 0                 # iterations run for the token in progress
+    cap: int = 0                       # iterations it may run (num_steps, or less under a depth budget)
+    spent: int = 0                     # iterations run by the tokens chosen so far
     iterating: bool = False
     gate_exited: bool = False          # gate-exact: the gate chose this token's exit state already
     tokens: list[int] = field(default_factory=list)
@@ -189,7 +191,8 @@ class ContinuousBatch:
             q = self.waiting.popleft()
             q.row = self.rows.index(None)
             self.rows[q.row] = q
-            groups.setdefault((q.config.prefill_steps or q.config.num_steps, q.budget), []).append(q)
+            q.cap = q.config.depth_cap(0, 0)
+            groups.setdefault((q.cap, q.budget), []).append(q)
         for (steps, budget), group in groups.items():
             self._prefill(group, steps, budget, events)
 
@@ -272,6 +275,7 @@ class ContinuousBatch:
                 noise = None if q.noise is None else q.noise[q.length]
                 self.state[q.row] = self.model.start_state(self.embedded[q.row], noise)
             q.iteration, q.iterating, q.gate_exited = 0, True, False
+            q.cap = q.config.depth_cap(len(q.tokens), q.spent)
         self.streak[select] = 0
         self.gate_remaining[select], self.gate_cumulative[select] = 1.0, 0.0
 
@@ -297,13 +301,13 @@ class ContinuousBatch:
         for j, q in enumerate(requests):
             if q.criterion is None or q.criterion.uses_gate:
                 continue
-            now, next_reads = exit_schedule(q.iteration - 1, q.config.num_steps, q.config.exit_every)
+            now, next_reads = exit_schedule(q.iteration - 1, q.cap, q.config.exit_every)
             if now:
                 evaluate.append(j)
             if q.criterion.uses_logits and (now or next_reads):
                 readout.append(j)
         if not evaluate and not readout:
-            return [q for q in requests if q.iteration == q.config.num_steps or q.id in gated]
+            return [q for q in requests if q.iteration == q.cap or q.id in gated]
         prev_logits = self.logits[select].clone()
         if readout:
             pick = torch.tensor(readout, device=self.device)
@@ -322,11 +326,11 @@ class ContinuousBatch:
                 crit, self.streak[rows[pick]], steps, min_steps, prev_logits[pick], self.logits[rows[pick]],
                 prev_state[pick, -1], state[pick, -1])
         exited = exited.tolist() if groups else [False] * len(requests)
-        return [q for q, out in zip(requests, exited) if out or q.iteration == q.config.num_steps or q.id in gated]
+        return [q for q, out in zip(requests, exited) if out or q.iteration == q.cap or q.id in gated]
 
     def _gate(self, requests: list[_Request], rows: Tensor, state: Tensor) -> set[int]:
         """The learned exit gate after this iteration, for the requests that exit by it: ids of those whose
-        token is done (`gate`: the gate fired; `gate-exact` runs to num_steps and keeps the state of the
+        token is done (`gate`: the gate fired; `gate-exact` runs to its cap and keeps the state of the
         iteration the gate chose, read out when the token is done)."""
         members = [j for j, q in enumerate(requests) if q.criterion is not None and q.criterion.uses_gate]
         if not members:
@@ -347,10 +351,10 @@ class ContinuousBatch:
                 if now:
                     done.add(q.id)
                 continue
-            if (now or q.iteration == q.config.num_steps) and not q.gate_exited:
+            if (now or q.iteration == q.cap) and not q.gate_exited:
                 q.gate_exited = True
                 self.exit_state[q.row] = state[j]
-            if q.iteration == q.config.num_steps:
+            if q.iteration == q.cap:
                 self.state[q.row] = self.exit_state[q.row]  # what the readout (and continuous CoT) reads
         return done
 
@@ -374,13 +378,14 @@ class ContinuousBatch:
         if not finite:
             raise NonFiniteLogitsError(self.model, len(q.tokens) + 1)
         q.tokens.append(token)
+        q.spent += steps
         reason = None
         if token in c.stop_tokens:
             reason = "stop_token"
         elif c.stop_strings and any(s in self.decode(q.tokens[-(max(map(len, c.stop_strings)) + 8):])
                                     for s in c.stop_strings):
             reason = "stop_string"
-        elif len(q.tokens) >= c.max_new_tokens:
+        elif len(q.tokens) >= c.max_new_tokens or (c.has_depth_budget and c.depth_cap(len(q.tokens), q.spent) == 0):
             reason = "length"
         events.append(BatchEvent(q.id, token, steps, reason, *scored))
         if reason is not None:

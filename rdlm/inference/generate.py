@@ -38,7 +38,7 @@ from torch import Tensor
 
 from rdlm.inference.engine import NonFiniteLogitsError, Session, read_tokens
 from rdlm.inference.parallel import ParallelSampler
-from rdlm.inference.params import Decode, GenerationConfig, GenerationResult, TokenEvent
+from rdlm.inference.params import Decode, GenerationConfig, GenerationResult, TokenEvent, cut_at_stop
 from rdlm.inference.sampling import sample, token_logprobs
 from rdlm.model.lm import RecurrentDepthLM
 
@@ -89,8 +89,41 @@ def generate(model: RecurrentDepthLM, prompts, config: GenerationConfig | None =
             on_token(event)
 
 
+def _run_batched(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
+                 decode: Decode | None) -> Iterator[TokenEvent]:
+    """Every prompt as a request of a continuous batch (rdlm.inference.batching), run until idle: the path
+    of a depth budget, which each row spends at its own pace."""
+    from rdlm.inference.batching import ContinuousBatch
+
+    longest = max(map(len, prompts)) + config.max_new_tokens
+    slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
+    batch = ContinuousBatch(model, max_batch=len(prompts), max_length=longest, num_slots=slots, decode=decode)
+    rows = {batch.add(p, config): row for row, p in enumerate(prompts)}
+    result = GenerationResult([[] for _ in prompts], [[] for _ in prompts], ["length"] * len(prompts),
+                              cache_bytes=batch.cache.nbytes, prompt_tokens=sum(map(len, prompts)),
+                              logprobs=None if config.logprobs is None else [[] for _ in prompts])
+    t0 = time.perf_counter()
+    while batch.busy:
+        for event in batch.step():
+            row = rows[event.request]
+            result.tokens[row].append(event.token)
+            result.steps[row].append(event.steps)
+            if result.logprobs is not None:
+                result.logprobs[row].append(event.logprob)
+            if event.finish_reason is not None:
+                result.finish_reasons[row] = event.finish_reason
+            yield TokenEvent(row, event.token, event.steps, event.logprob, event.top)
+    sync(batch.device)
+    result.decode_seconds = time.perf_counter() - t0
+    if decode is not None:
+        result.texts = [cut_at_stop(decode(row), config.stop_strings) for row in result.tokens]
+    return result
+
+
 def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
          decode: Decode | None) -> Iterator[TokenEvent]:
+    if config.has_depth_budget and config.max_new_tokens > 0:
+        return (yield from _run_batched(model, prompts, config, decode))
     speculative = config.draft_steps is not None
     parallel = None
     if config.sampler == "parallel":
@@ -164,13 +197,7 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
             iterations = iterations.cpu()
     sync(session.device)
     t2 = time.perf_counter()
-    texts = None
-    if decode is not None:
-        texts = []
-        for row in tokens:
-            text = decode(row)
-            cut = min((text.find(s) for s in config.stop_strings if s in text), default=len(text))
-            texts.append(text[:cut])
+    texts = None if decode is None else [cut_at_stop(decode(row), config.stop_strings) for row in tokens]
     return GenerationResult(tokens, steps, reasons, texts, t1 - t0, t2 - t1 - session.capture_seconds,
                             drafted, accepted, session.cache.nbytes, sum(len(p) for p in prompts),
                             session.capture_seconds, parallel.core_passes if parallel else 0,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rdlm.data.tokenizer import Tokenizer
 from rdlm.inference.batching import BatchEvent
-from rdlm.inference.params import MAX_TOP_LOGPROBS, GenerationConfig, kv_cache_budget
+from rdlm.inference.params import MAX_TOP_LOGPROBS, GenerationConfig, cut_at_stop, kv_cache_budget
 
 
 class APIError(Exception):
@@ -104,6 +104,8 @@ class Options(BaseModel):
     min_steps: int | None = None
     exit_every: int | None = None
     kv_cache_budget: int | None = None
+    max_latent_iterations: int | None = None
+    target_mean_iterations: float | None = None
     continuous_cot: bool | None = None
     init_scale: float | None = None
     sampler: str | None = None
@@ -153,7 +155,7 @@ def generation_config(body: Options, defaults: GenerationConfig, stop_tokens: tu
         updates["max_new_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "num_steps",
                  "exit_criterion", "exit_threshold", "min_steps", "exit_every", "continuous_cot", "init_scale",
-                 "sampler"):
+                 "sampler", "max_latent_iterations", "target_mean_iterations"):
         value = getattr(body, name)
         if value is not None:
             updates[name] = value
@@ -164,10 +166,6 @@ def generation_config(body: Options, defaults: GenerationConfig, stop_tokens: tu
         return replace(defaults, **updates)
     except (ValueError, TypeError) as err:
         raise APIError(400, str(err)) from None
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
-    return text[:min((text.find(s) for s in stops if s in text), default=len(text))]
 
 
 class Completion:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 
 Decode = Callable[[list[int]], str]
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """The text before the first stop string in it (what a response returns of a text that hit one)."""
+    return text[:min((text.find(s) for s in stops if s in text), default=len(text))]
 
 
 def kv_cache_budget(slots: int | None) -> dict:
@@ -43,6 +48,12 @@ class GenerationConfig:
     # Log-probabilities: None, or k in 0..20: each token's log-probability under the model (the raw logits,
     # before penalty, temperature and filtering) and the k most likely tokens' (TokenEvent.logprob/.top).
     logprobs: int | None = None
+    # A depth budget for the whole response, honoured by the continuous batch (rdlm serve): at most
+    # `max_latent_iterations` core iterations over all new tokens (the first token's are the prompt's), and
+    # a running mean of at most `target_mean_iterations` per token; a token gets at least one iteration,
+    # and the response ends ("length") when the budget cannot give the next one any (see `depth_cap`).
+    max_latent_iterations: int | None = None
+    target_mean_iterations: float | None = None
     # KV cache: "full" (a slot per iteration) or "shared" (k = cache_slots slots, slot i mod k).
     cache_strategy: str = "full"
     cache_slots: int | None = None
@@ -92,6 +103,16 @@ class GenerationConfig:
                 raise ValueError(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.logprobs}")
             if self.draft_steps is not None or self.sampler != "sequential":
                 raise ValueError("logprobs come with the sequential sampler without speculative decoding")
+        if self.max_latent_iterations is not None:
+            positive("max_latent_iterations")
+        if self.target_mean_iterations is not None:
+            value = self.target_mean_iterations
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+                raise ValueError(f"target_mean_iterations must be a finite number >= 1, got {value!r}")
+        if (self.max_latent_iterations, self.target_mean_iterations) != (None, None) and (
+                self.draft_steps is not None or self.sampler != "sequential"):
+            raise ValueError("a depth budget (max_latent_iterations, target_mean_iterations) goes with the "
+                             "sequential sampler without speculative decoding")
         for name in ("prefill_steps", "cache_slots", "top_k", "draft_steps"):
             if getattr(self, name) is not None:
                 positive(name)
@@ -163,6 +184,24 @@ class GenerationConfig:
         if isinstance(self.freeze_criterion, ExitCriterion):
             return self.freeze_criterion
         return make_exit_criterion(self.freeze_criterion, self.freeze_threshold)
+
+    def depth_cap(self, produced: int, spent: int) -> int:
+        """Core iterations the next new token may run, after `produced` tokens that ran `spent` in all:
+        num_steps (prefill_steps for the first), bounded by the depth budget; 0 when the budget is spent."""
+        cap = self.num_steps if produced else (self.prefill_steps or self.num_steps)
+        if self.max_latent_iterations is not None:
+            remaining = self.max_latent_iterations - spent
+            if remaining < 1:
+                return 0
+            later = max(self.max_new_tokens - produced - 1, 0)  # keep one iteration for each later token
+            cap = min(cap, max(1, remaining - later))
+        if self.target_mean_iterations is not None:
+            cap = min(cap, max(1, math.floor(self.target_mean_iterations * (produced + 1) - spent + 1e-9)))
+        return cap
+
+    @property
+    def has_depth_budget(self) -> bool:
+        return self.max_latent_iterations is not None or self.target_mean_iterations is not None
 
     @property
     def max_steps(self) -> int:

@@ -9,7 +9,8 @@ server-sent events in OpenAI's chunk format (ending with `[DONE]`) or not; `/v1/
 
 Requests take OpenAI's fields (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`, `n`, ...)
 and rdlm's: `num_steps`, `exit_criterion`, `exit_threshold`, `min_steps`, `exit_every`,
-`kv_cache_budget`, `continuous_cot`, `init_scale`. `usage.latent_iterations` counts the core
+`kv_cache_budget`, `continuous_cot`, `init_scale`, `max_latent_iterations`, `target_mean_iterations`.
+`usage.latent_iterations` counts the core
 iterations spent on the completion (`usage.mean_latent_iterations` per token). With `logprobs` (completions:
 the number of alternatives, 0-20; chat: `logprobs: true` and `top_logprobs`) each token comes with its
 log-probability under the model, the most likely alternatives and `latent_iterations`, the core iterations
