@@ -8,8 +8,11 @@ time, against offline batched `generate` on the same model and prompts.
 The server runs as a subprocess (`rdlm serve` on 127.0.0.1, a free port); each client thread sends
 streamed completions back to back (plain HTTP, server-sent events) until the time is up. Printed:
 served completion tokens/s; time to first token and time per output token (p50/p99); offline
-`generate` tokens/s for one batch of `--max-batch` of the same prompts; their ratio. Prompts are
-cycled from --prompt-text. This is a script, not a test.
+`generate` tokens/s for one batch of `--max-batch` of the same prompts; their ratio. With an exit
+criterion the fixed-r run is measured too (unless --no-fixed), and the adaptive speed-up, served and
+offline, is set against its ideal: r / the mean core iterations per token (from `usage.latent_iterations`).
+Prompts are cycled from --prompt-text ('|' between prompts) or --prompt-file (one per line). This is a
+script, not a test.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -46,12 +48,12 @@ def http_client():
         return httpx
 
 
-def start_server(args, port: int) -> subprocess.Popen:
+def start_server(args, port: int, exit_criterion: str | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rdlm", "serve", args.model, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-queue", str(4 * args.clients), "-r", str(args.num_steps),
            "--model-name", "bench", "--max-length", str(args.max_length)]
-    if args.exit_criterion:
-        cmd += ["--exit-criterion", args.exit_criterion]
+    if exit_criterion:
+        cmd += ["--exit-criterion", exit_criterion]
         if args.exit_threshold is not None:
             cmd += ["--exit-threshold", str(args.exit_threshold)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -68,7 +70,7 @@ def start_server(args, port: int) -> subprocess.Popen:
             time.sleep(0.3)
 
 
-def serve(args, prompts: list[str]) -> dict:
+def serve(args, prompts: list[str], exit_criterion: str | None) -> dict:
     import json
 
     httpx = http_client()  # raw SSE keeps the clients light
@@ -76,8 +78,8 @@ def serve(args, prompts: list[str]) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = start_server(args, port)
-    ttft, tpot, tokens, lock = [], [], [0], threading.Lock()
+    proc = start_server(args, port, exit_criterion)
+    ttft, tpot, tokens, iterations, lock = [], [], [0], [0], threading.Lock()
     stop_at = time.perf_counter() + args.seconds
     url = f"http://127.0.0.1:{port}/v1/completions"
 
@@ -87,18 +89,20 @@ def serve(args, prompts: list[str]) -> dict:
             while time.perf_counter() < stop_at:
                 body = {"model": "bench", "prompt": prompts[j % len(prompts)], "stream": True, "temperature": 0,
                         "max_tokens": args.new_tokens, "stream_options": {"include_usage": True}}
-                t0, stamps, used = time.perf_counter(), [], 0
+                t0, stamps, used, spent = time.perf_counter(), [], 0, 0
                 with http.stream("POST", url, json=body) as response:
                     for line in response.iter_lines():
                         if not line.startswith("data: {"):
                             continue
                         if '"usage"' in line and '"choices": []' in line:
-                            used = json.loads(line[6:])["usage"]["completion_tokens"]
+                            usage = json.loads(line[6:])["usage"]
+                            used, spent = usage["completion_tokens"], usage["latent_iterations"]
                         else:
                             stamps.append(time.perf_counter())
                 j += args.clients
                 with lock:
                     tokens[0] += used
+                    iterations[0] += spent
                     if stamps:
                         ttft.append(stamps[0] - t0)
                         if used > 1:
@@ -115,10 +119,11 @@ def serve(args, prompts: list[str]) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    return dict(tps=tokens[0] / elapsed, ttft=ttft, tpot=tpot, requests=len(ttft))
+    return dict(tps=tokens[0] / elapsed, ttft=ttft, tpot=tpot, requests=len(ttft),
+                mean_iterations=iterations[0] / max(tokens[0], 1))
 
 
-def offline(args, prompts: list[str]) -> float:
+def offline(args, prompts: list[str], exit_criterion: str | None) -> dict:
     import rdlm
     from rdlm.inference.generate import GenerationConfig, generate
     from rdlm.data.tokenizer import Tokenizer
@@ -126,11 +131,38 @@ def offline(args, prompts: list[str]) -> float:
     model, tok = rdlm.load_pretrained(args.model).eval(), Tokenizer.from_dir(args.model)
     ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(args.max_batch)]
     config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
-                              exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold)
+                              exit_criterion=exit_criterion, exit_threshold=args.exit_threshold if exit_criterion else None)
     generate(model, ids, config)  # warm-up
     t0 = time.perf_counter()
     result = generate(model, ids, config)
-    return sum(len(t) for t in result.tokens) / (time.perf_counter() - t0)
+    tokens = sum(len(t) for t in result.tokens)
+    return dict(tps=tokens / (time.perf_counter() - t0), mean_iterations=sum(map(sum, result.steps)) / tokens)
+
+
+def profile(args, prompts: list[str], exit_criterion: str | None) -> dict:
+    """The server's batch in this process, without HTTP: 2 x --max-batch requests run until idle, with the
+    seconds of each phase of a step (ContinuousBatch.timings) and what is left (host bookkeeping)."""
+    import rdlm
+    from rdlm.data.tokenizer import Tokenizer
+    from rdlm.inference.batching import ContinuousBatch
+    from rdlm.inference.generate import GenerationConfig
+
+    model, tok = rdlm.load_pretrained(args.model).eval(), Tokenizer.from_dir(args.model)
+    config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
+                              exit_criterion=exit_criterion, exit_threshold=args.exit_threshold if exit_criterion else None)
+    batch = ContinuousBatch(model, args.max_batch, args.max_length, max(args.num_steps, 32))
+    for k in range(2 * args.max_batch):
+        batch.add(tok.encode(prompts[k % len(prompts)], add_bos=True), config)
+    batch.timings = {}
+    tokens = iterations = 0
+    t0 = time.perf_counter()
+    while batch.busy:
+        for event in batch.step():
+            tokens, iterations = tokens + 1, iterations + event.steps
+    total = time.perf_counter() - t0
+    phases = dict(batch.timings)
+    phases["host bookkeeping (the rest)"] = total - sum(phases.values())
+    return dict(tps=tokens / total, seconds=total, phases=phases, mean_iterations=iterations / tokens)
 
 
 def main() -> None:
@@ -145,23 +177,49 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument("--prompt-text", default="the cat sat on|12 13 14 15|a dog looked at|the old man walked to")
+    p.add_argument("--prompt-file", help="prompts, one per line (instead of --prompt-text)")
+    p.add_argument("--no-fixed", action="store_true", help="with an exit criterion: skip the fixed-r run")
+    p.add_argument("--profile", action="store_true",
+                   help="also run the batch in this process without HTTP and print the seconds per phase of a step")
     p.add_argument("--threads", type=int, help="torch threads of the offline run (the server takes torch's default)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = args.prompt_text.split("|")
+    prompts = (Path(args.prompt_file).read_text().splitlines() if args.prompt_file else args.prompt_text.split("|"))
+    prompts = [p.replace("\\n", "\n") for p in prompts if p.strip()]
+    modes = [args.exit_criterion] if args.exit_criterion else [None]
+    if args.exit_criterion and not args.no_fixed:
+        modes.append(None)
     load = os.getloadavg()[0]
-    served = serve(args, prompts)
-    offline_tps = offline(args, prompts)
-    mode = f"{args.exit_criterion} {args.exit_threshold}" if args.exit_criterion else "fixed"
-    print(f"model {args.model} | r {args.num_steps} ({mode}) | clients {args.clients} | max batch {args.max_batch} "
+    results = {}
+    for mode in modes:
+        results[mode] = (serve(args, prompts, mode), offline(args, prompts, mode))
+    print(f"model {args.model} | r {args.num_steps} | clients {args.clients} | max batch {args.max_batch} "
           f"| {args.new_tokens} new tokens | {args.seconds:.0f} s | load {load:.2f} -> {os.getloadavg()[0]:.2f}")
-    print(f"served   {served['tps']:8.1f} tok/s over {served['requests']} requests | TTFT p50 "
-          f"{percentile(served['ttft'], 0.5) * 1e3:.0f} ms p99 {percentile(served['ttft'], 0.99) * 1e3:.0f} ms | "
-          f"per token p50 {percentile(served['tpot'], 0.5) * 1e3:.1f} ms p99 {percentile(served['tpot'], 0.99) * 1e3:.1f} ms")
-    print(f"offline  {offline_tps:8.1f} tok/s (generate, one batch of {args.max_batch})")
-    print(f"served / offline {served['tps'] / offline_tps:.2f}"
-          f" | mean TTFT {statistics.mean(served['ttft']) * 1e3:.0f} ms" if served["ttft"] else "")
+    for mode, (served, off) in results.items():
+        name = f"{mode} {args.exit_threshold}" if mode else "fixed r"
+        print(f"{name}: served {served['tps']:.1f} tok/s over {served['requests']} requests, "
+              f"{served['mean_iterations']:.2f} iterations/token | TTFT p50 "
+              f"{percentile(served['ttft'], 0.5) * 1e3:.0f} ms p99 {percentile(served['ttft'], 0.99) * 1e3:.0f} ms | "
+              f"per token p50 {percentile(served['tpot'], 0.5) * 1e3:.1f} ms p99 "
+              f"{percentile(served['tpot'], 0.99) * 1e3:.1f} ms")
+        print(f"{name}: offline {off['tps']:.1f} tok/s (generate, one batch of {args.max_batch}), "
+              f"{off['mean_iterations']:.2f} iterations/token | served / offline {served['tps'] / off['tps']:.2f}")
+    if args.profile:
+        for mode in modes:
+            name = f"{mode} {args.exit_threshold}" if mode else "fixed r"
+            prof = profile(args, prompts, mode)
+            print(f"{name}: in-process batch {prof['tps']:.1f} tok/s ({prof['seconds']:.1f} s, "
+                  f"{prof['mean_iterations']:.2f} iterations/token); per phase:")
+            for phase, seconds in prof["phases"].items():
+                print(f"    {phase:32s} {seconds:7.2f} s  {seconds / prof['seconds']:6.1%}")
+    if args.exit_criterion and None in results:
+        for where, k in (("served", 0), ("offline", 1)):
+            adaptive, fixed = results[args.exit_criterion][k], results[None][k]
+            ideal = args.num_steps / adaptive["mean_iterations"]
+            speedup = adaptive["tps"] / fixed["tps"]
+            print(f"adaptive speed-up, {where}: {speedup:.2f}x of an ideal {ideal:.2f}x "
+                  f"(r / mean iterations) = {speedup / ideal:.0%}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@ same exit decisions, the same per-request sampling generator.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
+from contextlib import contextmanager
+from typing import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +108,7 @@ class ContinuousBatch:
         self.ids = itertools.count()
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
         self.cancelled: set[int] = set()
+        self.timings: dict[str, float] | None = None  # set to {} to accumulate seconds per phase of a step
 
     # ---- requests
 
@@ -162,16 +166,32 @@ class ContinuousBatch:
         events: list[BatchEvent] = []
         with torch.inference_mode():
             self._drop_cancelled()
-            self._admit(events)
+            with self._timed("admission and prefill"):
+                self._admit(events)
             starting = [q for q in self.active if not q.iterating]
             if starting:
-                self._start(starting)
+                with self._timed("prelude and s_0"):
+                    self._start(starting)
             iterating = self.active
             if iterating:
                 done = self._iterate(iterating)
                 if done:
-                    self._finish(done, events)
+                    with self._timed("coda and sampling"):
+                        self._finish(done, events)
         return events
+
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Adds the phase's seconds to `timings` when it is a dict (the device synchronized around it)."""
+        if self.timings is None:
+            yield
+            return
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)
+        sync(self.device)
+        t0 = time.perf_counter()
+        yield
+        sync(self.device)
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0
 
     def _drop_cancelled(self) -> None:
         if not self.cancelled:
@@ -292,10 +312,18 @@ class ContinuousBatch:
         prev_state = self.state[select]
         if any(q.criterion is not None for q in requests):
             prev_state = prev_state.clone()  # `select` may be a view, overwritten below
-        state = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
-        self.state[select] = state
+        with self._timed("core iteration"):
+            state = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
+            self.state[select] = state
         for q in requests:
             q.iteration += 1
+        with self._timed("exit evaluation"):
+            return self._exits(requests, rows, index, rope, mask, end, prev_state, state)
+
+    def _exits(self, requests: list[_Request], rows: Tensor, index: Tensor, rope: tuple[Tensor, Tensor],
+               mask: Tensor, end: int, prev_state: Tensor, state: Tensor) -> list[_Request]:
+        """Each request's exit decision after this iteration; the requests whose token is done."""
+        model = self.model
         gated = self._gate(requests, rows, state)
         evaluate, readout = [], []  # rows whose criterion is read now; rows that need this iteration's logits
         for j, q in enumerate(requests):
@@ -308,7 +336,7 @@ class ContinuousBatch:
                 readout.append(j)
         if not evaluate and not readout:
             return [q for q in requests if q.iteration == q.cap or q.id in gated]
-        prev_logits = self.logits[select].clone()
+        prev_logits = self.logits[rows]  # a copy (rows is an index tensor)
         if readout:
             pick = torch.tensor(readout, device=self.device)
             logits = model.readout(state[pick], (rope[0][pick], rope[1][pick]), mask[pick],
