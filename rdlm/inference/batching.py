@@ -24,16 +24,16 @@ import itertools
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Iterator
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import Tensor
 
 from rdlm.inference.cache import RecurrentKVCache
 from rdlm.inference.engine import NonFiniteLogitsError, read_tokens
-from rdlm.inference.noise import noise_table
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
+from rdlm.inference.noise import noise_table
 from rdlm.inference.params import Decode, GenerationConfig
 from rdlm.inference.sampling import sample, token_logprobs
 from rdlm.model.lm import RecurrentDepthLM

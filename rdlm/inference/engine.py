@@ -37,6 +37,7 @@ from rdlm.inference.params import GenerationConfig
 from rdlm.model.lm import RecurrentDepthLM, Rope
 from rdlm.resources import check_time, forward_seconds
 
+
 class NonFiniteLogitsError(FloatingPointError):
     """The model's logits hold NaN or infinity: no token can be chosen from them."""
 
