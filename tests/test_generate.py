@@ -254,6 +254,18 @@ def test_cli_generate_ids_matches_the_api(model, capsys):
     assert "iterations per token [0]: 3 3 3 3 3" in err
 
 
+def test_cli_generate_takes_a_depth_budget(capsys):
+    from rdlm.cli import main
+
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "-r", "8", "--max-new-tokens", "5",
+                 "--max-latent-iterations", "12", "--stats"]) == 0
+    err = capsys.readouterr().err
+    steps = [int(n) for n in err.split("iterations per token [0]:")[1].split("\n")[0].split()]
+    assert steps == [8, 1, 1, 1, 1]  # the first token is the prompt's depth; one kept for each later token
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1", "--target-mean-iterations", "0.5"]) != 0
+    assert "target_mean_iterations must be a finite number >= 1" in capsys.readouterr().err
+
+
 def test_cli_generate_text_and_chat_use_the_tokenizer(model_dir, capsys, monkeypatch):
     import io
 

@@ -57,6 +57,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="evaluate the exit criterion every n iterations (1: after each, as in the paper)")
     g.add_argument("--exit-sync-every", type=int, default=4,
                    help="the host reads exit flags every n iterations (speed only, never the tokens)")
+    g.add_argument("--max-latent-iterations", type=int,
+                   help="depth budget: most core iterations for all of a response's tokens (at least 1 each)")
+    g.add_argument("--target-mean-iterations", type=float,
+                   help="depth budget: keep a response's running mean of iterations per token at most this")
     g.add_argument("--cache", choices=["full", "shared"], default="full", help="KV-cache strategy")
     g.add_argument("--cache-slots", type=int, help="k for --cache shared (iteration i uses slot i mod k)")
     g.add_argument("--continuous-cot", action="store_true",
@@ -103,7 +107,8 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
         inner_recurrence=args.inner_recurrence, headway=args.headway, freeze_criterion=args.freeze_criterion,
         freeze_threshold=args.freeze_threshold, max_wavefront=args.max_wavefront or None,
         state_noise_mixing=args.state_noise_mixing, embedding_ema=args.embedding_ema,
-        full_prefill=args.full_prefill)
+        full_prefill=args.full_prefill, max_latent_iterations=args.max_latent_iterations,
+        target_mean_iterations=args.target_mean_iterations)
 
 
 def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False,
