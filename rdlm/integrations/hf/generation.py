@@ -20,7 +20,8 @@ REFERENCE_GENERATION_NAMES = {"criterion": "exit_criterion", "continuous_compute
 # rdlm's generation options, as generation_config entries; None here = taken from the model config.
 RDLM_GENERATION_DEFAULTS: dict[str, Any] = {
     "num_steps": None, "exit_criterion": None, "exit_threshold": None, "min_steps": None, "kv_cache_budget": None,
-    "continuous_cot": False, "init_scale": 1.0, "seed": 0, "draft_steps": None, "draft_length": 4}
+    "continuous_cot": False, "init_scale": 1.0, "seed": 0, "draft_steps": None, "draft_length": 4,
+    "max_latent_iterations": None, "target_mean_iterations": None}
 # transformers' generation options generate maps onto rdlm.inference.generate.
 MAPPED_GENERATION_OPTIONS = ("max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
                              "min_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id",
@@ -132,7 +133,8 @@ def generate_with_engine(wrapper: PreTrainedModel, inputs: Tensor | None,
                            else config.stop_strings or ()),
         **kv_cache_budget(config.kv_cache_budget), continuous_cot=bool(config.continuous_cot),
         init_scale=float(config.init_scale), seed=int(config.seed),
-        draft_steps=config.draft_steps, draft_length=config.draft_length)
+        draft_steps=config.draft_steps, draft_length=config.draft_length,
+        max_latent_iterations=config.max_latent_iterations, target_mean_iterations=config.target_mean_iterations)
     decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     on_token = None
     if streamer is not None:

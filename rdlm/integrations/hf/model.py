@@ -343,7 +343,8 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         repetition_penalty, eos_token_id, pad_token_id, stop_strings (with tokenizer=), streamer (one
         prompt), return_dict_in_generate. rdlm's (RDLM_GENERATION_DEFAULTS): num_steps, exit_criterion,
         exit_threshold, min_steps, kv_cache_budget, continuous_cot, init_scale, seed (s_0 and sampling
-        draws; never torch's global generator), draft_steps, draft_length. The authors' spelling works too:
+        draws; never torch's global generator), draft_steps, draft_length, max_latent_iterations and
+        target_mean_iterations (a depth budget per row). The authors' spelling works too:
         `criterion=` ("none" = no adaptive exits), `exit_threshold="auto"`, `continuous_compute=`.
         Anything else that would change the result (beam search, logits processors, scores, ...) is
         refused by name."""
