@@ -188,7 +188,6 @@ class Completion:
         if event.finish_reason is not None:
             self.finish_reason = "stop" if event.finish_reason != "length" else "length"
 
-
     def logprobs(self, chat: bool, new_only: bool = False) -> dict | None:
         """OpenAI's logprobs object for the tokens so far (or those not sent yet), each with
         `latent_iterations`; None when the request did not ask. A stop token that ended the completion is
