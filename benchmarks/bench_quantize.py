@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rdlm import load_model  # noqa: E402
 from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
-from rdlm.model.quantize import QuantizedLinear, describe, quantize, weight_bytes  # noqa: E402
+from rdlm.model.quantize import QuantizedLinear, describe, layers, quantize, weight_bytes  # noqa: E402
 
 SETTINGS = ("int8", "int4", "int4,core=int8", "int8,core=int4", "core=int8", "core=int4", "int4,head=int8")
 R_VALUES = (1, 4, 8, 16, 32, 64)
@@ -187,19 +187,13 @@ def speed_model(args):
 
 
 def bytes_read(model) -> dict[str, int]:
-    """Weight bytes one decoded token reads: the prelude and coda once, the core r times, the head once."""
-    def part(prefix):
-        total = 0
-        for name, module in model.named_modules():
-            if name.startswith(prefix) and isinstance(module, (torch.nn.Linear, QuantizedLinear)):
-                total += module.nbytes() if isinstance(module, QuantizedLinear) else module.weight.numel() * module.weight.element_size()
-        return total
-    head = model.lm_head if model.lm_head is not None else model.embedding
-    head_bytes = head.nbytes() if isinstance(head, QuantizedLinear) else head.weight.numel() * head.weight.element_size()
-    adapter = model.adapter
-    adapter_bytes = adapter.nbytes() if isinstance(adapter, QuantizedLinear) else adapter.weight.numel() * adapter.weight.element_size()
-    return {"prelude": part("prelude."), "core": part("core.") + adapter_bytes, "coda": part("coda."),
-            "head": head_bytes}
+    """Weight bytes one decoded token reads per part (rdlm.model.quantize.layers: the prelude and coda once, the
+    core and adapter r times, the head once)."""
+    read = dict.fromkeys(("prelude", "core", "coda", "head"), 0)
+    for part, _, module in layers(model):
+        weight = None if isinstance(module, QuantizedLinear) else module.weight
+        read[part] += module.nbytes() if weight is None else weight.numel() * weight.element_size()
+    return read
 
 
 def rss_child(args) -> None:
