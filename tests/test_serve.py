@@ -170,6 +170,11 @@ def test_logprobs_and_iterations_per_token_equal_generate_s(live):
     joined = b"".join(live.tokenizer.token_bytes(t) for t in offline.tokens[0] if t != live.tokenizer.eos_id)
     assert joined.decode(errors="replace") == out.choices[0].text  # the tokens' bytes make up the text
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt="the cat", max_tokens=6, temperature=0, logprobs=3, stream=True, extra_body=extra)
+        if c.choices and c.choices[0].logprobs]
+    assert sum((c.tokens for c in chunks), []) == lp.tokens                 # streamed pieces make up the whole
+    assert sum((c.text_offset for c in chunks), []) == lp.text_offset
     assert out.usage.model_extra["mean_latent_iterations"] == pytest.approx(sum(offline.steps[0]) / len(offline.steps[0]))
     # chat, whole and streamed: one entry per token with its alternatives and iterations, the same numbers
     messages = [{"role": "user", "content": "the dog"}]

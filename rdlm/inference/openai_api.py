@@ -179,7 +179,7 @@ class Completion:
         self.steps = 0
         self.finish_reason: str | None = None
         self.sent = 0
-        self.scored = 0  # events whose logprobs were sent (streaming)
+        self.scored = self.scored_chars = 0  # events whose logprobs were sent (streaming), and their characters
 
     def add(self, event: BatchEvent) -> None:
         self.tokens.append(event.token)
@@ -189,28 +189,30 @@ class Completion:
             self.finish_reason = "stop" if event.finish_reason != "length" else "length"
 
     def logprobs(self, chat: bool, new_only: bool = False) -> dict | None:
-        """OpenAI's logprobs object for the tokens so far (or those not sent yet), each with
+        """OpenAI's logprobs object for the tokens so far (or, streaming, those not sent yet), each with
         `latent_iterations`; None when the request did not ask. A stop token that ended the completion is
         not part of it (as it is not part of the text)."""
         if self.config.logprobs is None:
             return None
-        first = self.scored if new_only else 0
-        if new_only:
-            self.scored = len(self.events)
-        events = [e for e in self.events if e.finish_reason != "stop_token"]
+        first, at = (self.scored, self.scored_chars) if new_only else (0, 0)
+        events = [e for e in self.events[first:] if e.finish_reason != "stop_token"]
         text = self.tokenizer.token_text
         if chat:
             entry = lambda token, lp: {"token": text(token), "logprob": lp,  # noqa: E731
                                        "bytes": list(self.tokenizer.token_bytes(token))}
-            return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top],
-                                 "latent_iterations": e.steps} for e in events[first:]], "refusal": None}
-        offsets = [0]
-        for e in events:
-            offsets.append(offsets[-1] + len(text(e.token)))
-        events = events[first:]
-        return {"tokens": [text(e.token) for e in events], "token_logprobs": [e.logprob for e in events],
-                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in events] if self.config.logprobs else None,
-                "text_offset": offsets[first:first + len(events)], "latent_iterations": [e.steps for e in events]}
+            out = {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top],
+                                "latent_iterations": e.steps} for e in events], "refusal": None}
+        else:
+            tokens, offsets = [text(e.token) for e in events], []
+            for token in tokens:
+                offsets.append(at)
+                at += len(token)
+            out = {"tokens": tokens, "token_logprobs": [e.logprob for e in events],
+                   "top_logprobs": [{text(t): lp for t, lp in e.top} for e in events] if self.config.logprobs
+                   else None, "text_offset": offsets, "latent_iterations": [e.steps for e in events]}
+        if new_only:
+            self.scored, self.scored_chars = len(self.events), at
+        return out
 
     @property
     def text(self) -> str:
