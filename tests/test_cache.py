@@ -88,16 +88,3 @@ def test_a_call_plan_is_an_argument_not_state_left_on_the_cache():
     budgeted.update(("core", 0, 1), *kv(value=3.0))            # iteration 1 in a budget of 1 slot: slot 0
     assert cache.core_k[0, 0, :, :, 1].eq(3).all() and cache.core_k[0, 1].eq(0).all()
     assert first.plan.budget is None and budgeted.plan.start == 1
-
-
-def test_fill_rows_equals_fill_missing_row_by_row():
-    caches = [RecurrentKVCache(CONFIG, 3, 6, num_slots=5) for _ in range(2)]
-    for cache in caches:
-        cache.core_k.copy_(torch.randn(cache.core_k.shape, generator=torch.Generator().manual_seed(0)))
-        cache.core_v.copy_(torch.randn(cache.core_v.shape, generator=torch.Generator().manual_seed(1)))
-    plan = [(0, 2, 3, 5), (2, 4, 1, 4), (1, 0, 5, 5)]  # (row, position, steps, slots): the last fills nothing
-    for row, position, steps, slots in plan:
-        caches[0].fill_missing(steps, position, position + 1, row=row, slots=slots)
-    caches[1].fill_rows(*map(list, zip(*plan)))
-    assert torch.equal(caches[0].core_k, caches[1].core_k) and torch.equal(caches[0].core_v, caches[1].core_v)
-    assert torch.equal(caches[1].core_k[:, 3, 0, :, 2], caches[1].core_k[:, 2, 0, :, 2])

@@ -258,12 +258,10 @@ class ContinuousBatch:
             cache.fill_missing(steps, 0, length, row=q.row, slots=budget)
         logits = model.readout(state, rope, mask, call)
         self._last_inputs = None
-        last = torch.tensor(lengths, device=self.device) - 1
-        picked = torch.arange(len(group), device=self.device)
-        self.state[rows] = state[picked, last].unsqueeze(1)
-        for q, length in zip(group, lengths):
+        for j, (q, length) in enumerate(zip(group, lengths)):
             q.length = length
-        self._choose(group, logits[picked, last], [steps] * len(group), events)
+            self.state[q.row] = state[j, length - 1:length]
+            self._choose(q, logits[j, length - 1:length], steps, events)
 
     def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Tensor | slice, Tensor, tuple[Tensor, Tensor],
                                                          Tensor, int]:
@@ -292,13 +290,10 @@ class ContinuousBatch:
         self.seen[rows, torch.tensor([q.next_token for q in requests], device=self.device)] = True
         ids = torch.tensor([[q.next_token] for q in requests], device=self.device)
         self.embedded[select] = self.model.embed(ids, rope, mask, self.cache.at(index, rows=select, end=end))
-        fresh = [q for q in requests if not q.config.continuous_cot]  # else s_0 is the last token's final state
-        if fresh:
-            at = torch.tensor([q.row for q in fresh], device=self.device)
-            zeros = self.state.new_zeros(self.state.shape[-1])
-            noise = torch.stack([zeros if q.noise is None else q.noise[q.length] for q in fresh]).unsqueeze(1)
-            self.state[at] = self.model.start_state(self.embedded[at], noise)
         for q in requests:
+            if not q.config.continuous_cot:  # else s_0 is the previous token's final state, kept in place
+                noise = None if q.noise is None else q.noise[q.length]
+                self.state[q.row] = self.model.start_state(self.embedded[q.row], noise)
             q.iteration, q.iterating, q.gate_exited = 0, True, False
             q.cap = q.config.depth_cap(len(q.tokens), q.spent)
         self.streak[select] = 0
@@ -393,41 +388,22 @@ class ContinuousBatch:
 
     def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
         """The coda for requests whose token is done, then their next token."""
-        self.cache.fill_rows([q.row for q in requests], [q.length for q in requests],
-                             [q.iteration for q in requests], [q.budget for q in requests])
+        for q in requests:
+            self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
         _, select, index, rope, mask, end = self._inputs(requests)
         logits = self.model.readout(self.state[select], rope, mask, self.cache.at(index, rows=select, end=end))[:, -1]
-        for q in requests:
+        for j, q in enumerate(requests):
             q.length += 1
             q.iterating = False
-        self._choose(requests, logits, [q.iteration for q in requests], events)
+            self._choose(q, logits[j:j + 1], q.iteration, events)
 
-    def _choose(self, requests: list[_Request], logits: Tensor, steps: list[int], events: list[BatchEvent]) -> None:
-        """Choose each request's next token from its row of logits [n, V] (greedy requests in one argmax and
-        one read, the others with their own sampler) and emit it."""
-        chosen = [None] * len(requests)
-        greedy = [j for j, q in enumerate(requests) if q.config.temperature == 0 and q.config.repetition_penalty == 1]
-        if greedy:
-            pick = torch.tensor(greedy, device=self.device)
-            tokens, finite = read_tokens(logits[pick].argmax(dim=-1), logits[pick])
-            if not finite:
-                raise NonFiniteLogitsError(self.model, len(requests[greedy[0]].tokens) + 1)
-            for j, token in zip(greedy, tokens):
-                chosen[j] = token
-        for j, q in enumerate(requests):
-            if chosen[j] is None:
-                row = logits[j:j + 1]
-                picked = sample(row, q.config, [q.generator], self.seen[q.row:q.row + 1])
-                (chosen[j],), finite = read_tokens(picked, row)
-                if not finite:
-                    raise NonFiniteLogitsError(self.model, len(q.tokens) + 1)
-            scored = (None, None)
-            if q.config.logprobs is not None:
-                scored = token_logprobs(logits[j:j + 1], torch.tensor([chosen[j]]), q.config.logprobs)[0]
-            self._emit(q, chosen[j], steps[j], scored, events)
-
-    def _emit(self, q: _Request, token: int, steps: int, scored: tuple, events: list[BatchEvent]) -> None:
-        """The request's next token: its stop checks, its event; the row is freed when it is finished."""
+    def _choose(self, q: _Request, logits: Tensor, steps: int, events: list[BatchEvent]) -> None:
+        """Sample the request's next token from [1, V] logits; emit it; free the row when finished."""
+        chosen = sample(logits, q.config, [q.generator], self.seen[q.row:q.row + 1])
+        scored = (None, None) if q.config.logprobs is None else token_logprobs(logits, chosen, q.config.logprobs)[0]
+        (token,), finite = read_tokens(chosen, logits)
+        if not finite:
+            raise NonFiniteLogitsError(self.model, len(q.tokens) + 1)
         c = q.config
         q.tokens.append(token)
         q.spent += steps

@@ -217,18 +217,6 @@ class RecurrentKVCache:
             if static:
                 cache.index_copy_(4, start, filled)
 
-    def fill_rows(self, rows: list[int], positions: list[int], steps: list[int], slots: list[int]) -> None:
-        """`fill_missing` for one token per row, each its own: the token of row rows[j] at buffer index
-        positions[j] ran steps[j] iterations in a cache it cycles through slots[j] slots of; its slots
-        steps[j] .. slots[j] - 1 get a copy of slot steps[j] - 1. One gather and one scatter per tensor."""
-        pairs = [(row, pos, n - 1, slot) for row, pos, n, k in zip(rows, positions, steps, slots)
-                 for slot in range(n, k)]
-        if not pairs:
-            return
-        row, pos, source, target = torch.tensor(pairs, device=self.core_k.device).unbind(1)
-        for cache in (self.core_k, self.core_v):   # [l_R, slots, batch, H, T, d]
-            cache[:, target, row, :, pos] = cache[:, source, row, :, pos]
-
     @property
     def core_nbytes(self) -> int:
         return self.core_k.nbytes + self.core_v.nbytes
