@@ -1,6 +1,7 @@
 """rdlm.demo.run: a smoke run with a tiny budget (fast), the selection rules and option checks, and the
 issue's claims with the defaults (slow)."""
 
+import dataclasses
 import json
 import os
 import time
@@ -139,6 +140,58 @@ def test_a_claim_met_exactly_holds_despite_rounding():
     assert all(c["holds"] for c in checks), [c for c in checks if not c["holds"]]
 
 
+def test_models_trained_side_by_side_in_processes_equal_one_process(tmp_path, capsys):
+    """`workers`: the models train and are scored in spawned processes, one thread each; the numbers
+    (weights, losses, every accuracy, the exits) are those of the same jobs run one after another here."""
+    import torch
+    from rdlm.demo.config import model_config
+    from rdlm.demo.jobs import Job, job_cost, run_jobs
+    from rdlm.demo.run import task_rows
+
+    base = DemoConfig(steps=4, batch_size=8, hidden_size=32, num_heads=2, mean_recurrence=2, backprop_depth=1,
+                      eval_examples=6, eval_num_steps=(1, 3), exit_max_steps=3, exit_thresholds=(1e-2,),
+                      seed=3, out_dir=str(tmp_path))
+    tok = T.CharTokenizer()
+    splits = T.make_splits("permutations", base.steps * base.batch_size, base.eval_examples, base.seed)
+    rows = task_rows(splits.pop("train"), tok)
+    jobs = [Job(kind, model_config(base, tok.vocab_size, 64, kind), (1, 3) if kind == "recurrent" else (1,),
+                job_cost(base, model_config(base, tok.vocab_size, 64, kind))) for kind in base.models()]
+    one = run_jobs(dataclasses.replace(base, workers=1, progress=False), jobs, rows, splits)
+    two = run_jobs(dataclasses.replace(base, workers=2, progress=True), jobs, rows, splits)
+    assert set(one) == set(two) == {"recurrent", "twin", "depth_matched"}
+    for kind in one:
+        assert one[kind].state.keys() == two[kind].state.keys()
+        assert all(torch.equal(one[kind].state[k], two[kind].state[k]) for k in one[kind].state), kind
+        assert one[kind].history["losses"] == two[kind].history["losses"]
+        assert one[kind].table == two[kind].table
+    assert one["recurrent"].exits["validation_sweep"] == two["recurrent"].exits["validation_sweep"]
+    assert one["recurrent"].exit_steps == two["recurrent"].exit_steps
+    # Progress: the steps of each model and an estimate of the time left, one line at a time.
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed and all(line.startswith("rdlm demo: recurrent") or line.startswith("rdlm demo: depth")
+                           for line in printed)
+    assert "twin done" in printed[-1] and "recurrent done" in printed[-1]
+
+
+def test_the_learning_rate_cools_down_over_the_last_fraction_of_the_steps(tmp_path):
+    from rdlm.demo.config import model_config
+    from rdlm.demo.jobs import train_model
+    from rdlm.demo.run import task_rows
+
+    cfg = DemoConfig(steps=10, batch_size=4, hidden_size=32, num_heads=2, mean_recurrence=2, backprop_depth=1,
+                     warmup_steps=2, lr=1e-3, cooldown_fraction=0.5, progress=False)
+    tok = T.CharTokenizer()
+    rows = task_rows(T.generate("permutations", 40, seed=0), tok)
+    _, history = train_model(cfg, model_config(cfg, tok.vocab_size, 64, "twin"), rows, "twin")
+    lr = history["lr"]
+    assert lr[2:5] == [1e-3] * 3                     # constant after the warm-up ...
+    assert all(a > b for a, b in zip(lr[5:], lr[6:]))  # ... then down over the last 5 steps
+    assert lr[-1] < 0.25e-3
+    _, constant = train_model(dataclasses.replace(cfg, cooldown_fraction=0.0),
+                              model_config(cfg, tok.vocab_size, 64, "twin"), rows, "twin")
+    assert constant["lr"][2:] == [1e-3] * 8
+
+
 def test_difficulty_bins_are_contiguous_and_cover_everything():
     bins = difficulty_bins(list(range(2, 13)), 3)
     assert len(bins) == 3 and sum(bins, []) == list(range(2, 13))
@@ -156,10 +209,15 @@ def test_bad_demo_config_is_rejected_with_the_field_named():
         DemoConfig(hidden_size=7)
     with pytest.raises(ValueError, match="exit_thresholds"):
         DemoConfig(exit_thresholds=(1e-3, -1.0))
+    with pytest.raises(ValueError, match="workers must be 0"):
+        DemoConfig(workers=-1)
+    with pytest.raises(ValueError, match="cooldown_fraction"):
+        DemoConfig(cooldown_fraction=1.5)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "steps must be a positive integer"),
+    (["--workers", "-2"], "workers must be 0 (one per model) or a positive integer, got -2"),
     (["--hidden-size", "7"], "hidden_size (7) must be divisible by num_heads (4)"),
     (["--out", "/proc/forbidden"], "cannot write the report directory '/proc/forbidden'"),
 ])

@@ -38,6 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per model")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="training rows per step")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--cooldown-fraction", type=float, default=d.cooldown_fraction,
+                   help="last fraction of the steps over which the learning rate decays linearly to 0 (0: constant)")
     p.add_argument("--hidden-size", type=int, default=d.hidden_size, help="model width h")
     p.add_argument("--num-heads", type=int, default=d.num_heads, help="attention heads")
     p.add_argument("--layers", type=_ints, default=d.layers, help="prelude,core,coda layers")
@@ -58,7 +60,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-twin", action="store_true", help="skip the parameter-matched twin")
     p.add_argument("--no-depth-matched", action="store_true", help="skip the depth-matched non-recurrent model")
     p.add_argument("--threads", type=int, default=d.threads,
-                   help="CPU threads (1: the same numbers on every machine)")
+                   help="CPU threads per model (1: the same numbers on every machine)")
+    p.add_argument("--workers", type=int, default=d.workers,
+                   help="processes the models train in side by side (0: one per model; "
+                        "the numbers do not depend on it)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -67,13 +72,14 @@ def run(args: argparse.Namespace) -> int:
     # Every option is checked here (DemoConfig) and the report directory is proven writable (run_demo)
     # before any data is drawn or any model trained.
     cfg = DemoConfig(task=args.task, out_dir=args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
-                     lr=args.lr, hidden_size=args.hidden_size, num_heads=args.num_heads, layers=args.layers,
+                     lr=args.lr, cooldown_fraction=args.cooldown_fraction, hidden_size=args.hidden_size,
+                     num_heads=args.num_heads, layers=args.layers,
                      mean_recurrence=args.mean_recurrence, backprop_depth=args.backprop_depth,
                      eval_examples=args.eval_examples, eval_num_steps=args.num_steps,
                      exit_criterion=args.exit_criterion, exit_thresholds=args.exit_thresholds,
                      exit_tolerance=args.exit_tolerance, exit_max_steps=args.exit_max_steps,
                      train_twin=not args.no_twin, train_depth_matched=not args.no_depth_matched,
-                     threads=args.threads, progress=not args.quiet)
+                     threads=args.threads, workers=args.workers, progress=not args.quiet)
     if cfg.threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         # torch's OpenMP workers busy-wait between parallel regions; on a shared CPU that can slow training
         # many times over. The policy is read when torch loads, so it has to come from the environment.

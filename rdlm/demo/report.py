@@ -35,6 +35,17 @@ def _range(values: Sequence[int]) -> str:
     return f"{min(values)}-{max(values)}" if len(values) and min(values) != max(values) else f"{min(values)}"
 
 
+def _machine(res: dict[str, Any]) -> str:
+    machine = res.get("machine")
+    if not machine:
+        return ""
+    per_model = res.get("timings", {}).get("per_model", {})
+    each = "; ".join(f"{MODEL_LABELS.get(k, k)}: training {v['train']:.0f} s, scoring {v['score']:.0f} s"
+                     for k, v in per_model.items())
+    return (f" on {machine['cpu']} ({machine['cores']} cores; the models in {machine['workers']} processes side "
+            f"by side{': ' + each if each else ''})")
+
+
 def markdown_report(res: dict[str, Any]) -> str:
     cfg, claims, task = res["config"], res["claims"], res["task"]
     rec, twin, deep = res["recurrent"], res.get("fixed_depth_twin"), res.get("depth_matched")
@@ -46,8 +57,8 @@ def markdown_report(res: dict[str, Any]) -> str:
              f"{params['recurrent'] / 1e6:.2f}M parameters, log-normal Poisson r with mean "
              f"{claims['train_mean_r']} (mean_recurrence {cfg['mean_recurrence']} + 1), backprop depth "
              f"{cfg['backprop_depth']}; {cfg['steps']} steps of {cfg['batch_size']}, seed {cfg['seed']}, "
-             f"{cfg['threads']} thread(s). Total time {res.get('seconds', 0):.0f} s, CPU time "
-             f"{res.get('cpu_seconds', 0):.0f} s (load average "
+             f"{cfg['threads']} thread(s) per model. Total time {res.get('seconds', 0):.0f} s, CPU time "
+             f"{res.get('cpu_seconds', 0):.0f} s{_machine(res)} (load average "
              f"{res.get('load_average', {}).get('start')} at the start, {res.get('load_average', {}).get('end')} "
              "at the end).", "",
              "Baselines, trained on the same rows for the same steps at r=1: the parameter-matched twin "

@@ -34,8 +34,9 @@ from torch import Tensor
 
 from rdlm.demo import tasks as T
 from rdlm.demo.config import MARGIN_EPS, DemoConfig, model_config
-from rdlm.demo.report import MODEL_LABELS, plot_code, write_report
-from rdlm.demo.scoring import accuracy_table, adaptive_exits, choose_best_r
+from rdlm.demo.jobs import Job, job_cost, run_jobs, train_model
+from rdlm.demo.report import plot_code, write_report
+from rdlm.demo.scoring import choose_best_r
 from rdlm.model.config import RDLMConfig
 from rdlm.fileio import write_json, write_text
 from rdlm.inference.evaluate import nll_vs_steps
@@ -66,30 +67,6 @@ def prepare_out_dir(path: str | os.PathLike) -> Path:
 
 # --------------------------------------------------------------------------------------------------
 # Models and training
-
-def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str) -> tuple[RecurrentDepthLM, dict]:
-    """Train through rdlm.train (log-normal Poisson r, truncated backprop, AdamW, clipping)."""
-    from rdlm.train import TrainConfig, train
-
-    torch.manual_seed(cfg.seed)
-    model = RecurrentDepthLM(config)
-    records: list[dict] = []
-
-    def keep(record: dict) -> None:
-        if record.get("kind") == "train":
-            records.append({"step": record["step"], "loss": record["loss"], "num_steps": record["num_steps"]})
-
-    if cfg.progress:
-        print(f"rdlm demo: training the {label} ({model.num_parameters() / 1e6:.2f}M parameters, "
-              f"{cfg.steps} steps of {cfg.batch_size})", flush=True)
-    tc = TrainConfig(model=config.name, seed=cfg.seed, steps=cfg.steps, micro_batch_size=cfg.batch_size,
-                     lr=cfg.lr, warmup_steps=min(cfg.warmup_steps, cfg.steps - 1), weight_decay=0.01,
-                     ema_decay=None, precision="fp32", device="cpu", threads=cfg.threads,
-                     progress=cfg.progress, tensorboard=False, out_dir=None)
-    result = train(tc, model=model, train_data=rows, step_hooks=[keep])
-    return result.model.eval(), {"losses": [r["loss"] for r in records],
-                                 "num_steps": [r["num_steps"] for r in records], "seconds": result.seconds}
-
 
 def task_rows(examples: Sequence[T.Example], tokenizer: T.CharTokenizer):
     """MemoryRows of prompt + replies, loss on the reply tokens (and the trace) only."""
@@ -122,6 +99,27 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         torch.set_num_threads(threads)
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished child processes (the demo's workers), all threads."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as `lscpu` shows it (the numbers depend on the CPU's float kernels)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def _load() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -130,33 +128,39 @@ def _load() -> list[float] | None:
 
 
 def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
-    start, cpu_start, load_start = time.perf_counter(), time.process_time(), _load()
+    start, cpu_start, load_start = time.perf_counter(), _cpu_seconds(), _load()
     family = T.get_task(cfg.task)
     tokenizer = T.CharTokenizer()
     splits = T.make_splits(family, cfg.steps * cfg.batch_size, cfg.eval_examples, cfg.seed)
     train_examples = splits.pop("train")
     split_info = {"train": T.describe_split(train_examples)} | {k: T.describe_split(v) for k, v in splits.items()}
     rows = task_rows(train_examples, tokenizer)
+    drawn = time.perf_counter()
     longest = max(rows.row_length, *(len(ex.prompt) + len(ex.reply) + 1 for s in splits.values() for ex in s))
     context = 1 << max(6, math.ceil(math.log2(longest + 1)))
 
-    models: dict[str, RecurrentDepthLM] = {}
-    histories: dict[str, dict] = {}
-    tables: dict[str, dict] = {}
-    rs = sorted(set(cfg.eval_num_steps) | {cfg.train_mean_r, cfg.exit_max_steps})
-    for kind in cfg.models():
-        models[kind], histories[kind] = train_model(cfg, model_config(cfg, tokenizer.vocab_size, context, kind),
-                                                    rows, MODEL_LABELS[kind])
-        tables[kind] = accuracy_table(models[kind], splits, tokenizer, rs if kind == "recurrent" else [1], cfg,
-                                      MODEL_LABELS[kind])
+    rs = tuple(sorted(set(cfg.eval_num_steps) | {cfg.train_mean_r, cfg.exit_max_steps}))
+    configs = {kind: model_config(cfg, tokenizer.vocab_size, context, kind) for kind in cfg.models()}
+    jobs = [Job(kind, config, rs if kind == "recurrent" else (1,), job_cost(cfg, config))
+            for kind, config in configs.items()]
+    done = run_jobs(cfg, jobs, rows, splits)
+    trained = time.perf_counter()
+    models = {kind: done[kind].model(configs[kind]) for kind in cfg.models()}
+    histories = {kind: done[kind].history | {"score_seconds": done[kind].seconds["score"]} for kind in cfg.models()}
+    tables = {kind: done[kind].table for kind in cfg.models()}
     model = models["recurrent"]
-    fixed = {name: tables["recurrent"][name]["overall"][cfg.exit_max_steps] for name in ("validation", "test")}
-    exits, exit_steps = adaptive_exits(model, splits, tokenizer, cfg, fixed)
+    exits, exit_steps = done["recurrent"].exits, done["recurrent"].exit_steps
 
     results = summarize(cfg, family, models, tables, exits, histories, split_info)
     results["seconds"] = round(time.perf_counter() - start, 1)
-    results["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # this process, all its threads
+    results["cpu_seconds"] = round(_cpu_seconds() - cpu_start, 1)  # this process and its workers
+    results["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(), "workers": min(cfg.processes, len(jobs)),
+                          "threads_per_model": cfg.threads}
     results["load_average"] = {"start": load_start, "end": _load()}  # as `uptime` prints it: 1, 5, 15 min
+    # Where the time went (seconds): the data, the models (side by side: the wall time of all of them; each
+    # model's training and scoring in its own process are under "training"), and the report below.
+    results["timings"] = {"data": round(drawn - start, 1), "models": round(trained - drawn, 1)}
+    results["timings"]["per_model"] = {kind: r.seconds for kind, r in done.items()}
     files = write_report(out, results, exit_steps)
     model_dir = out / "model"
     save_pretrained(model, model_dir)

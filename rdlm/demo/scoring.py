@@ -93,14 +93,15 @@ def by_difficulty(correct: Sequence[bool], examples: Sequence[T.Example]) -> dic
 
 
 def accuracy_table(model: RecurrentDepthLM, splits: dict[str, list[T.Example]], tokenizer: T.CharTokenizer,
-                   rs: Sequence[int], cfg: DemoConfig, label: str) -> dict[str, Any]:
+                   rs: Sequence[int], cfg: DemoConfig, label: str, progress: bool | None = None) -> dict[str, Any]:
     """{split: {"overall": {r: acc}, "by_difficulty": {d: {r: acc}}, "strict": {r: acc}}}: decoded
     exact match on every split; the strict score on test and harder."""
     from tqdm.auto import tqdm
 
     table: dict[str, Any] = {}
     jobs = [(name, r) for name in splits for r in rs]
-    for name, r in tqdm(jobs, desc=f"evaluating the {label}", disable=not cfg.progress, leave=False):
+    show = cfg.progress if progress is None else progress
+    for name, r in tqdm(jobs, desc=f"evaluating the {label}", disable=not show, leave=False):
         examples = splits[name]
         decoded = decode_answers(model, examples, tokenizer, r, cfg.eval_batch_size, cfg.seed)
         entry = table.setdefault(name, {"overall": {}, "by_difficulty": {}, "strict": {}})

@@ -1,0 +1,242 @@
+"""Training and scoring the demo's models side by side.
+
+Each model (recurrent, twin, depth-matched) is one job: train it through `rdlm.train`, then score it
+(`rdlm.demo.scoring`; the recurrent model's adaptive exits too). With `workers` > 1 the jobs run in
+spawned processes of one thread each, so the default demo keeps the cores of a small machine busy while
+every number stays that of a one-thread run: a job's result depends on its seed, not on where or when it
+ran (a test checks one worker against two). Each job reports its steps through a queue; the parent
+prints them with an estimate of the time left.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rdlm.demo import tasks as T
+from rdlm.demo.config import DemoConfig
+from rdlm.demo.report import MODEL_LABELS
+from rdlm.demo.scoring import accuracy_table, adaptive_exits
+from rdlm.model.config import RDLMConfig
+from rdlm.model.lm import RecurrentDepthLM
+
+REPORT_EVERY = 10  # training steps between two progress reports of a job
+
+
+@dataclass
+class Job:
+    kind: str               # "recurrent", "twin" or "depth_matched"
+    config: RDLMConfig
+    rs: tuple[int, ...]     # the r values it is scored at
+    cost: float             # relative work, for the estimate of the time left (see `job_cost`)
+
+
+@dataclass
+class JobResult:
+    kind: str
+    state: dict[str, torch.Tensor]
+    history: dict[str, Any]
+    table: dict[str, Any]
+    exits: dict[str, Any] | None = None
+    exit_steps: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # "train" and "score"
+
+    def model(self, config: RDLMConfig) -> RecurrentDepthLM:
+        model = RecurrentDepthLM(config)
+        model.load_state_dict(self.state)
+        return model.eval()
+
+
+def job_cost(cfg: DemoConfig, config: RDLMConfig) -> float:
+    """Layer passes per training token, forward and backward (backward ~ twice a forward), plus the
+    scoring of the recurrent model (decoding at every r of the sweep, on every split)."""
+    outer = config.prelude_layers + config.coda_layers
+    if config.recurrence_sampler == "fixed":
+        return cfg.steps * 3 * (outer + config.core_layers * config.mean_recurrence)
+    mean_r = cfg.train_mean_r
+    train = cfg.steps * (outer * 3 + config.core_layers * (mean_r + 2 * min(cfg.backprop_depth, mean_r)))
+    return train * 1.35  # its scoring sweep, measured on the default demo
+
+
+# --------------------------------------------------------------------------------------------------
+
+def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
+                on_step: Callable[[int], None] | None = None, progress: bool | None = None
+                ) -> tuple[RecurrentDepthLM, dict]:
+    """Train through rdlm.train (log-normal Poisson r, truncated backprop, AdamW, clipping).
+    `on_step(step)` is called every `REPORT_EVERY` steps."""
+    from rdlm.train import TrainConfig, train
+
+    progress = cfg.progress if progress is None else progress
+    torch.manual_seed(cfg.seed)
+    model = RecurrentDepthLM(config)
+    records: list[dict] = []
+
+    def keep(record: dict) -> None:
+        if record.get("kind") == "train":
+            records.append({"step": record["step"], "loss": record["loss"], "num_steps": record["num_steps"],
+                            "lr": record["lr"]})
+            if on_step is not None and record["step"] % REPORT_EVERY == 0:
+                on_step(record["step"])
+
+    if progress:
+        print(f"rdlm demo: training the {label} ({model.num_parameters() / 1e6:.2f}M parameters, "
+              f"{cfg.steps} steps of {cfg.batch_size})", flush=True)
+    warmup, cooldown = min(cfg.warmup_steps, cfg.steps - 1), round(cfg.cooldown_fraction * cfg.steps)
+    tc = TrainConfig(model=config.name, seed=cfg.seed, steps=cfg.steps, micro_batch_size=cfg.batch_size,
+                     lr=cfg.lr, warmup_steps=warmup, cooldown_steps=min(cooldown, cfg.steps - warmup), weight_decay=0.01,
+                     ema_decay=None, precision="fp32", device="cpu", threads=cfg.threads,
+                     progress=progress, tensorboard=False, out_dir=None)
+    result = train(tc, model=model, train_data=rows, step_hooks=[keep])
+    return result.model.eval(), {"losses": [r["loss"] for r in records], "lr": [r["lr"] for r in records],
+                                 "num_steps": [r["num_steps"] for r in records], "seconds": result.seconds}
+
+
+_reports: Any = None  # in a worker process: the queue its job reports into
+
+
+def _worker_init(reports) -> None:
+    global _reports
+    _reports = reports
+
+
+def run_job(cfg: DemoConfig, job: Job, rows, splits: dict[str, list[T.Example]], progress: bool | None = None,
+            on_step: Callable[[str, int], None] | None = None) -> JobResult:
+    """Train one model and score it; with the recurrent model, also its adaptive exits."""
+    torch.set_num_threads(cfg.threads)
+    label = MODEL_LABELS[job.kind]
+    report = on_step or (lambda kind, step: _reports.put((kind, step)) if _reports is not None else None)
+    start = time.perf_counter()
+    model, history = train_model(cfg, job.config, rows, label, lambda step: report(job.kind, step), progress)
+    trained = time.perf_counter()
+    report(job.kind, -1)  # scoring
+    tokenizer = T.CharTokenizer()
+    table = accuracy_table(model, splits, tokenizer, job.rs, cfg, label, progress=progress)
+    result = JobResult(job.kind, {k: v.detach().clone() for k, v in model.state_dict().items()}, history, table)
+    if job.kind == "recurrent":
+        fixed = {name: table[name]["overall"][cfg.exit_max_steps] for name in ("validation", "test")}
+        result.exits, result.exit_steps = adaptive_exits(model, splits, tokenizer, cfg, fixed)
+    result.seconds = {"train": round(trained - start, 1), "score": round(time.perf_counter() - trained, 1)}
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+
+class Progress:
+    """Steps done per job and the time left, printed one line at a time (a line every `every` seconds,
+    overwritten in place on a terminal). The estimate: the work left on the busiest worker, at the rate
+    measured so far (work per second, in `Job.cost` units)."""
+
+    def __init__(self, cfg: DemoConfig, jobs: Sequence[Job], workers: int, every: float = 10.0) -> None:
+        self.cfg, self.jobs, self.workers, self.every = cfg, {j.kind: j for j in jobs}, workers, every
+        self.step = {j.kind: 0 for j in jobs}
+        self.scoring: set[str] = set()
+        self.done: set[str] = set()
+        self.start = time.perf_counter()
+        self.last = 0.0
+        self.tty = cfg.progress and sys.stdout.isatty()
+
+    def update(self, kind: str, step: int) -> None:
+        if step < 0:
+            self.scoring.add(kind)
+        else:
+            self.step[kind] = step
+
+    def finish(self, kind: str) -> None:
+        self.done.add(kind)
+
+    def _fraction(self, kind: str) -> float:
+        """Of a job's work: training is the part before scoring (see `job_cost`)."""
+        if kind in self.done:
+            return 1.0
+        train_part = 1 / 1.35 if kind == "recurrent" else 1.0
+        if kind in self.scoring:
+            return train_part
+        return train_part * self.step[kind] / self.cfg.steps
+
+    def seconds_left(self) -> float | None:
+        """The work left at the throughput so far (all processes together), and no sooner than the
+        biggest job left can finish on one core. None until every running job has made some progress."""
+        elapsed = time.perf_counter() - self.start
+        started = sum(self._fraction(k) > 0 for k in self.jobs)
+        if elapsed < 20 or started < min(self.workers, len(self.jobs)):
+            return None
+        throughput = sum(self._fraction(k) * j.cost for k, j in self.jobs.items()) / elapsed
+        left = [(1 - self._fraction(k)) * j.cost for k, j in self.jobs.items()]
+        running = max(1, min(self.workers, os.cpu_count() or 1, len(self.jobs) - len(self.done)))
+        return max(sum(left), max(left) * running) / throughput
+
+    def line(self) -> str:
+        parts = []
+        for kind in self.jobs:
+            state = ("done" if kind in self.done else "scoring" if kind in self.scoring
+                     else f"{self.step[kind]}/{self.cfg.steps}")
+            parts.append(f"{kind.replace('_', '-')} {state}")
+        left = self.seconds_left()
+        eta = f", about {_duration(left)} left" if left is not None else ""
+        return f"rdlm demo: {', '.join(parts)} ({_duration(time.perf_counter() - self.start)}{eta})"
+
+    def show(self, force: bool = False) -> None:
+        if not self.cfg.progress:
+            return
+        now = time.perf_counter()
+        if not force and now - self.last < (1.0 if self.tty else self.every):
+            return
+        self.last = now
+        print(("\r\033[K" if self.tty else "") + self.line(), end="" if self.tty else "\n", flush=True)
+
+    def close(self) -> None:
+        if self.cfg.progress:
+            self.show(force=True)
+            if self.tty:
+                print(flush=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
+
+
+def run_jobs(cfg: DemoConfig, jobs: Sequence[Job], rows, splits: dict[str, list[T.Example]]) -> dict[str, JobResult]:
+    """Every job, in `cfg.processes` worker processes (in this process when 1), the longest first."""
+    ordered = sorted(jobs, key=lambda j: -j.cost)
+    workers = min(cfg.processes, len(ordered))
+    progress = Progress(cfg, ordered, workers)
+    results: dict[str, JobResult] = {}
+    if workers <= 1:
+        def on_step(kind: str, step: int) -> None:
+            progress.update(kind, step)
+            progress.show()
+
+        for job in ordered:
+            results[job.kind] = run_job(cfg, job, rows, splits, progress=False, on_step=on_step)
+            progress.finish(job.kind)
+        progress.close()
+        return results
+    context = multiprocessing.get_context("spawn")  # no fork of a process with OpenMP threads
+    reports = context.Queue()
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                             initargs=(reports,)) as pool:
+        pending = {pool.submit(run_job, cfg, job, rows, splits, False): job.kind for job in ordered}
+        while pending:
+            finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            while True:
+                try:
+                    progress.update(*reports.get_nowait())
+                except queue.Empty:
+                    break
+            for future in finished:
+                kind = pending.pop(future)
+                results[kind] = future.result()  # a worker's exception is raised here
+                progress.finish(kind)
+            progress.show()
+    progress.close()
+    return results
