@@ -242,7 +242,7 @@ def tiny_demo_model():
 
 
 # Seeds of the slow test: a representative subset of the five in the README (RDLM_DEMO_SEEDS=0,1,2,3,4
-# runs them all, about 10-14 minutes each on a 2-core machine; the demo trains on one thread).
+# runs them all, about 13 minutes each on a 2-core machine: three processes of one thread).
 SLOW_SEEDS = [int(s) for s in os.environ.get("RDLM_DEMO_SEEDS", "0,3").split(",")]
 
 
