@@ -171,6 +171,12 @@ def test_models_trained_side_by_side_in_processes_equal_one_process(tmp_path, ca
     assert printed and all(line.startswith("rdlm demo: recurrent") or line.startswith("rdlm demo: depth")
                            for line in printed)
     assert "twin done" in printed[-1] and "recurrent done" in printed[-1]
+    # A job that fails in its process fails the demo at once, with the job's own error.
+    splits["harder"][0] = T.Example(prompt="9:ab\u00e9?", answer="1", difficulty=13)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="is not in the task alphabet"):
+        run_jobs(dataclasses.replace(base, workers=2, steps=200, progress=False), jobs, rows, splits)
+    assert time.perf_counter() - start < 60
 
 
 def test_the_learning_rate_cools_down_over_the_last_fraction_of_the_steps(tmp_path):

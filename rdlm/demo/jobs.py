@@ -135,8 +135,7 @@ def run_job(cfg: DemoConfig, job: Job, rows, splits: dict[str, list[T.Example]],
 
 class Progress:
     """Steps done per job and the time left, printed one line at a time (a line every `every` seconds,
-    overwritten in place on a terminal). The estimate: the work left on the busiest worker, at the rate
-    measured so far (work per second, in `Job.cost` units)."""
+    overwritten in place on a terminal); the estimate is `seconds_left`'s."""
 
     def __init__(self, cfg: DemoConfig, jobs: Sequence[Job], workers: int, every: float = 10.0) -> None:
         self.cfg, self.jobs, self.workers, self.every = cfg, {j.kind: j for j in jobs}, workers, every
@@ -229,17 +228,25 @@ def run_jobs(cfg: DemoConfig, jobs: Sequence[Job], rows, splits: dict[str, list[
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
                              initargs=(reports,)) as pool:
         pending = {pool.submit(run_job, cfg, job, rows, splits, False): job.kind for job in ordered}
-        while pending:
-            finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            while True:
-                try:
-                    progress.update(*reports.get_nowait())
-                except queue.Empty:
-                    break
-            for future in finished:
-                kind = pending.pop(future)
-                results[kind] = future.result()  # a worker's exception is raised here
-                progress.finish(kind)
-            progress.show()
+        try:
+            while pending:
+                finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                while True:
+                    try:
+                        progress.update(*reports.get_nowait())
+                    except queue.Empty:
+                        break
+                for future in finished:
+                    kind = pending.pop(future)
+                    results[kind] = future.result()  # a worker's exception is raised here
+                    progress.finish(kind)
+                progress.show()
+        except BaseException:
+            # A failed job (or Ctrl-C) ends the demo now, not after the other models have trained for minutes.
+            for future in pending:
+                future.cancel()
+            for child in multiprocessing.active_children():
+                child.terminate()
+            raise
     progress.close()
     return results
