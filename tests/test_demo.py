@@ -179,6 +179,27 @@ def test_models_trained_side_by_side_in_processes_equal_one_process(tmp_path, ca
     assert time.perf_counter() - start < 60
 
 
+def test_a_script_without_a_main_guard_runs_the_demo_once(tmp_path):
+    """Spawned workers do not re-run the calling script: the README's three-line example, saved as a file
+    with no `if __name__ == "__main__":`, trains its models in worker processes and finishes once."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "my_demo.py"
+    script.write_text(
+        "from rdlm.demo.run import DemoConfig, run_demo\n"
+        "print('script body ran', flush=True)\n"
+        f"result = run_demo(DemoConfig(steps=2, batch_size=4, hidden_size=32, num_heads=2, mean_recurrence=2, "
+        f"backprop_depth=1, eval_examples=6, eval_num_steps=(1, 2), exit_max_steps=2, exit_thresholds=(1e-2,), "
+        f"workers=2, progress=False, out_dir={str(tmp_path / 'report')!r}))\n"
+        "print(sorted(result.results['claims'])[:1])\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("script body ran") == 1
+    assert (tmp_path / "report" / "results.json").is_file()
+
+
 def test_the_learning_rate_cools_down_over_the_last_fraction_of_the_steps(tmp_path):
     from rdlm.demo.config import model_config
     from rdlm.demo.jobs import train_model

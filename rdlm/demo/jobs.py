@@ -10,6 +10,7 @@ prints them with an estimate of the time left.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -103,12 +104,20 @@ def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
                                  "num_steps": [r["num_steps"] for r in records], "seconds": result.seconds}
 
 
-_reports: Any = None  # in a worker process: the queue its job reports into
+# In a worker process: the queue its jobs report into, and the data every job reads (given once, when the
+# worker starts, so that a job's own message stays small).
+_reports: Any = None
+_data: tuple[Any, dict[str, list[T.Example]]] | None = None
 
 
-def _worker_init(reports) -> None:
-    global _reports
-    _reports = reports
+def _worker_init(reports, rows, splits) -> None:
+    global _reports, _data
+    _reports, _data = reports, (rows, splits)
+
+
+def _run_in_worker(cfg: DemoConfig, job: Job) -> JobResult:
+    rows, splits = _data
+    return run_job(cfg, job, rows, splits, progress=False)
 
 
 def run_job(cfg: DemoConfig, job: Job, rows, splits: dict[str, list[T.Example]], progress: bool | None = None,
@@ -207,6 +216,26 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
 
 
+@contextlib.contextmanager
+def _main_not_rerun():
+    """A spawned worker re-runs the parent's `__main__` script (by its file or module name) before its
+    job. A user's script that calls `run_demo` without an `if __name__ == "__main__":` guard would then
+    start the demo again inside every worker, and fail. The jobs need nothing from `__main__`, so it is
+    anonymous while the workers start."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved_spec, saved_file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not None:
+            main.__file__ = saved_file
+
+
 def run_jobs(cfg: DemoConfig, jobs: Sequence[Job], rows, splits: dict[str, list[T.Example]]) -> dict[str, JobResult]:
     """Every job, in `cfg.processes` worker processes (in this process when 1), the longest first."""
     ordered = sorted(jobs, key=lambda j: -j.cost)
@@ -226,8 +255,9 @@ def run_jobs(cfg: DemoConfig, jobs: Sequence[Job], rows, splits: dict[str, list[
     context = multiprocessing.get_context("spawn")  # no fork of a process with OpenMP threads
     reports = context.Queue()
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                             initargs=(reports,)) as pool:
-        pending = {pool.submit(run_job, cfg, job, rows, splits, False): job.kind for job in ordered}
+                             initargs=(reports, rows, splits)) as pool:
+        with _main_not_rerun():  # the workers start at the first submissions
+            pending = {pool.submit(_run_in_worker, cfg, job): job.kind for job in ordered}
         try:
             while pending:
                 finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -246,7 +276,7 @@ def run_jobs(cfg: DemoConfig, jobs: Sequence[Job], rows, splits: dict[str, list[
             for future in pending:
                 future.cancel()
             for child in multiprocessing.active_children():
-                child.terminate()
+                child.kill()  # not SIGTERM: the trainer takes that as "save this step, then stop"
             raise
     progress.close()
     return results
