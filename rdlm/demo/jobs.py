@@ -132,7 +132,7 @@ def run_job(cfg: DemoConfig, job: Job, rows, splits: dict[str, list[T.Example]],
     report(job.kind, -1)  # scoring
     tokenizer = T.CharTokenizer()
     table = accuracy_table(model, splits, tokenizer, job.rs, cfg, label, progress=progress)
-    result = JobResult(job.kind, {k: v.detach().clone() for k, v in model.state_dict().items()}, history, table)
+    result = JobResult(job.kind, model.state_dict(), history, table)
     if job.kind == "recurrent":
         fixed = {name: table[name]["overall"][cfg.exit_max_steps] for name in ("validation", "test")}
         result.exits, result.exit_steps = adaptive_exits(model, splits, tokenizer, cfg, fixed)

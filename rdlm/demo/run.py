@@ -37,7 +37,6 @@ from rdlm.demo.config import MARGIN_EPS, DemoConfig, model_config
 from rdlm.demo.jobs import Job, job_cost, run_jobs, train_model
 from rdlm.demo.report import plot_code, write_report
 from rdlm.demo.scoring import choose_best_r
-from rdlm.model.config import RDLMConfig
 from rdlm.fileio import write_json, write_text
 from rdlm.inference.evaluate import nll_vs_steps
 from rdlm.model.huginn import save_pretrained
@@ -146,7 +145,7 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     done = run_jobs(cfg, jobs, rows, splits)
     trained = time.perf_counter()
     models = {kind: done[kind].model(configs[kind]) for kind in cfg.models()}
-    histories = {kind: done[kind].history | {"score_seconds": done[kind].seconds["score"]} for kind in cfg.models()}
+    histories = {kind: done[kind].history for kind in cfg.models()}
     tables = {kind: done[kind].table for kind in cfg.models()}
     model = models["recurrent"]
     exits, exit_steps = done["recurrent"].exits, done["recurrent"].exit_steps
@@ -157,8 +156,8 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     results["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(), "workers": min(cfg.processes, len(jobs)),
                           "threads_per_model": cfg.threads}
     results["load_average"] = {"start": load_start, "end": _load()}  # as `uptime` prints it: 1, 5, 15 min
-    # Where the time went (seconds): the data, the models (side by side: the wall time of all of them; each
-    # model's training and scoring in its own process are under "training"), and the report below.
+    # Where the time went (seconds): drawing the data, then the models (side by side: the wall time of all
+    # of them), and each model's training and scoring in its own process.
     results["timings"] = {"data": round(drawn - start, 1), "models": round(trained - drawn, 1)}
     results["timings"]["per_model"] = {kind: r.seconds for kind, r in done.items()}
     files = write_report(out, results, exit_steps)
