@@ -73,6 +73,23 @@ def test_the_cpu_int4_layout_is_undone_exactly(shape):
     assert torch.equal(_from_cpu_int4_layout(_to_cpu_int4_layout(q), *shape), q.to(torch.uint8))
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_layer_read_from_an_unaligned_buffer_computes(scheme):
+    # safetensors hands out tensors anywhere in a file's buffer; PyTorch's AVX-512 int8 kernel crashed
+    # (segmentation fault) on a weight not starting on a 64-byte boundary.
+    layer = QuantizedLinear.from_weight(torch.randn(128, 64, generator=torch.Generator().manual_seed(0)), None,
+                                        scheme, 32)
+    stored = {}
+    for key, tensor in layer.canonical().items():
+        buffer = torch.empty(tensor.numel() * tensor.element_size() + 8, dtype=torch.uint8)
+        stored[key] = buffer[8:].view(tensor.dtype).view(tensor.shape)  # 8 bytes past an aligned start
+        stored[key].copy_(tensor)
+    assert stored["qweight"].data_ptr() % 64 != 0
+    reread = QuantizedLinear.from_canonical("layer", scheme, stored, None, 128, 64, 32, "cpu")
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(reread(x), layer(x))
+
+
 @pytest.mark.parametrize("scheme, group", [("int8", 32), ("int4", 32), ("int4", 64), ("w8a8", 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_quantized_layer_computes_with_its_dequantized_weight(scheme, group, dtype):

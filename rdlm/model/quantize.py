@@ -26,6 +26,7 @@ scales); config.json says which parts are quantized under "rdlm_quantization".
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Mapping
@@ -40,7 +41,7 @@ GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 DEFAULT_GROUP_SIZE = 128
 CONFIG_KEY = "rdlm_quantization"
 SUFFIXES = ("qweight", "scales", "zeros")
-_CPU_BLOCK_N = 32  # the CPU int4 kernel packs output rows in blocks of 32 (see _to_cpu_int4_layout)
+_CPU_BLOCK_N = 32  # the CPU int4 kernel packs output rows in blocks of 32 or 64, a tail of 16/32/48 (_to_cpu_int4_layout)
 
 
 class QuantizationError(ValueError):
@@ -125,7 +126,7 @@ class QuantizedLinear(nn.Module):
     float32 variants are 5-25x slower than the bfloat16 ones and than a float32 matmul on x86), so the
     scales (and int4 zero points) are kept in bfloat16 and the integer weights are chosen for the rounded
     scales; the output comes back in the input's dtype. The int4 weights are held packed for
-    `aten._weight_int4pack_mm_for_cpu` (blocks of 32 output rows). "w8a8" holds int8 weights like "int8" but
+    `aten._weight_int4pack_mm_for_cpu` (its own layout, which depends on the CPU's kernels). "w8a8" holds int8 weights like "int8" but
     on the CPU also quantizes the activations per call (FBGEMM's dynamic int8 linear, 7-bit activations):
     several times faster there, at the cost of activation rounding. `canonical()` gives the portable form
     that is saved, and `from_canonical` reads it back."""
@@ -156,8 +157,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales_and_zeros", torch.stack((scales, zeros), -1).transpose(0, 1)
                                  .contiguous().to(kernel_dtype), persistent=False)
         else:
-            self.register_buffer("qweight", qweight, persistent=False)
-            self.register_buffer("scales", scales.to(kernel_dtype), persistent=False)
+            self.register_buffer("qweight", _aligned(qweight), persistent=False)
+            self.register_buffer("scales", _aligned(scales.to(kernel_dtype)), persistent=False)
             self.register_buffer("zeros", None if zeros is None else zeros.to(kernel_dtype), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
 
@@ -308,6 +309,13 @@ def _unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
+def _aligned(tensor: Tensor) -> Tensor:
+    """`tensor`, copied where its data does not start on a 64-byte boundary. A tensor read from a
+    safetensors file can start anywhere in the file's buffer, and PyTorch's AVX-512 int8 kernel
+    (`_weight_int8pack_mm`) crashes on such a weight; its own allocations are 64-byte aligned."""
+    return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
+
+
 def _to_cpu_int4_layout(q: Tensor) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
 
@@ -320,12 +328,33 @@ def _nibbles_to_cpu_int4_layout(packed: Tensor, rows: int = 1024) -> Tensor:
                       for i in range(0, packed.shape[0], rows)])
 
 
-def _from_cpu_int4_layout(packed: Tensor, out_features: int, in_features: int) -> Tensor:
-    """The inverse of `_to_cpu_int4_layout` (tested against it): the CPU kernel keeps blocks of 32 output
-    rows, [out/32, in, 16] bytes, byte j of a block holding row j (low nibble) and row 16 + j (high)."""
-    blocks = packed.cpu().reshape(out_features // _CPU_BLOCK_N, in_features, _CPU_BLOCK_N // 2)
-    rows = torch.cat((blocks & 15, blocks >> 4), dim=-1)  # [out/32, in, 32]
-    return rows.transpose(1, 2).reshape(out_features, in_features)
+def _from_cpu_int4_layout(packed: Tensor, out_features: int, in_features: int, rows: int = 1024) -> Tensor:
+    """The inverse of `_to_cpu_int4_layout` (tested against it), a block of rows at a time as
+    `_nibbles_to_cpu_int4_layout` packs them. The layout is PyTorch's and depends on the CPU's kernels
+    (blocks of 64 output rows with AVX-512, 32 with AVX2, adjacent rows paired without either), so it is
+    read off the kernel itself (`_cpu_int4_order`), not assumed."""
+    packed = packed.cpu()
+    blocks = []
+    for start in range(0, out_features, rows):
+        chunk = packed[start:start + rows]
+        order = _cpu_int4_order(chunk.shape[0], in_features)
+        values = torch.empty(chunk.shape[0] * in_features, dtype=torch.uint8)
+        values[order.long()] = _unpack_nibbles(chunk).flatten()
+        blocks.append(values.view(chunk.shape[0], in_features))
+    return torch.cat(blocks)
+
+
+@functools.lru_cache(maxsize=4)
+def _cpu_int4_order(out_features: int, in_features: int) -> Tensor:
+    """For each nibble of the kernel's packed [out, in] weight (read as `_unpack_nibbles` does), the flat
+    index (row * in + column) of the weight it holds. Packing is a permutation of the nibbles, so packing
+    the indices themselves, 4 bits at a time, spells it out."""
+    index = torch.arange(out_features * in_features, dtype=torch.int32).view(out_features, in_features)
+    order = torch.zeros(out_features * in_features, dtype=torch.int32)
+    for shift in range(0, max(1, (out_features * in_features - 1).bit_length()), 4):
+        digits = _unpack_nibbles(_to_cpu_int4_layout((index >> shift) & 15)).flatten()
+        order |= digits.to(torch.int32) << shift
+    return order
 
 
 # ------------------------------------------------------------------------------------------------
