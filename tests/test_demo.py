@@ -12,7 +12,7 @@ import pytest
 from rdlm.cli import main
 from rdlm.demo.config import DemoConfig
 from rdlm.demo.report import difficulty_bins
-from rdlm.demo.run import run_demo
+from rdlm.demo.run import CLAIM_BOUNDS, run_demo
 from rdlm.demo.scoring import answer_correct, choose_best_r, choose_exit_threshold, decode_answers
 from rdlm.model.huginn import load_pretrained
 from rdlm.demo import tasks as T
@@ -136,7 +136,7 @@ def test_a_claim_met_exactly_holds_despite_rounding():
     exits = {"threshold": 1e-3, "test_answer_steps": 3.0, "max_steps": 32, "test_fixed_accuracy": acc(290),
              "test_accuracy": acc(284)}
     claims, checks = claims_and_checks(cfg, {"recurrent": rec}, exits)
-    assert acc(194) - acc(191) < 0.01 and claims["best_r_on_validation"] == 8
+    assert acc(194) - acc(191) < CLAIM_BOUNDS["harder"] and claims["best_r_on_validation"] == 8
     assert all(c["holds"] for c in checks), [c for c in checks if not c["holds"]]
 
 
@@ -256,6 +256,29 @@ def test_cli_rejects_a_bad_option_before_any_work(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, steps, rs", [
+    ([], 1000, (1, 2, 4, 8, 16, 32, 64)),
+    (["--full"], 2000, (1, 2, 4, 8, 16, 32, 64, 128)),
+    (["--full", "--steps", "30", "--num-steps", "1,4"], 30, (1, 4)),   # explicit options win
+])
+def test_full_trains_longer_and_sweeps_r_further(argv, steps, rs, monkeypatch, tmp_path):
+    import rdlm.cli.demo as cli_demo
+
+    seen = []
+
+    class Done(Exception):
+        pass
+
+    def capture(cfg):
+        seen.append(cfg)
+        raise Done
+
+    monkeypatch.setattr(cli_demo, "run_demo", capture)
+    with pytest.raises(Done):
+        main(["demo", *argv, "--out", str(tmp_path), "--quiet"])
+    assert (seen[0].steps, seen[0].eval_num_steps) == (steps, rs)
+
+
 @pytest.fixture
 def tiny_demo_model():
     import torch
@@ -269,7 +292,7 @@ def tiny_demo_model():
 
 
 # Seeds of the slow test: a representative subset of the five in the README (RDLM_DEMO_SEEDS=0,1,2,3,4
-# runs them all, about 13 minutes each on a 2-core machine: three processes of one thread).
+# runs them all, about 5 minutes each on a 2-core AMD EPYC (Zen 4), 13 on a Zen 5 whose PyTorch picked AVX2 kernels).
 SLOW_SEEDS = [int(s) for s in os.environ.get("RDLM_DEMO_SEEDS", "0,3").split(",")]
 
 
@@ -286,15 +309,16 @@ def test_defaults_show_the_papers_central_result(seed, tmp_path):
     print(json.dumps(c, indent=2), f"seconds={result.results['seconds']}")
     for check in result.results["checks"]:
         print(f"{'PASS' if check['holds'] else 'FAIL'} {check['claim']} (margin {check['margin']:+.3f})")
-    eps = 1e-9  # accuracies are counts / 300: a difference equal to a bound must pass
+    eps, b = 1e-9, CLAIM_BOUNDS  # accuracies are counts / 300: a difference equal to a bound must pass
     best = c["test_at_best_r"]
-    assert best >= 0.90 - eps
-    assert best - c["test_at_r1"] >= 0.30 - eps
-    assert c["test_at_max_r"] - best >= -0.02 - eps                  # stable beyond the training depth
-    assert c["harder_gain"] >= 0.01 - eps                            # r=64 vs the training mean r
-    assert best - c["twin_test"] >= 0.15 - eps
-    assert best - c["depth_matched_test"] >= 0.0 - eps
-    assert c["exit_answer_steps_fraction"] <= 0.60 + eps and c["exit_test_accuracy_drop"] <= 0.02 + eps
+    assert best >= b["test"] - eps
+    assert best - c["test_at_r1"] >= b["helps"] - eps
+    assert c["test_at_max_r"] - best >= b["stable"] - eps             # stable beyond the training depth
+    assert c["harder_gain"] >= b["harder"] - eps                      # r=64 vs the training mean r
+    assert best - c["twin_test"] >= b["twin"] - eps
+    assert best - c["depth_matched_test"] >= b["depth_matched"] - eps
+    assert c["exit_answer_steps_fraction"] <= b["exit_steps"] + eps
+    assert c["exit_test_accuracy_drop"] <= b["exit_drop"] + eps
     assert all(check["holds"] for check in result.results["checks"])
 
 

@@ -11,6 +11,11 @@ from rdlm.demo.run import DemoConfig, run_demo
 from rdlm.demo.tasks import TASKS
 
 
+# `--full`: the models trained twice as long, and r swept twice as far.
+FULL_STEPS = 2000
+FULL_NUM_STEPS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
@@ -35,7 +40,11 @@ def register(subparsers) -> None:
     p.add_argument("--task", default=d.task, choices=[*TASKS, "code"], help="task family")
     p.add_argument("--out", default=d.out_dir, help="report directory")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the data and of training")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per model")
+    p.add_argument("--full", action="store_true",
+                   help=f"the longer, more thorough run: {FULL_STEPS} steps per model and r up to {max(FULL_NUM_STEPS)} "
+                        "(about twice the time; --steps and --num-steps still override it)")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per model (default {d.steps}, "
+                                                            f"{FULL_STEPS} with --full)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="training rows per step")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--cooldown-fraction", type=float, default=d.cooldown_fraction,
@@ -49,7 +58,9 @@ def register(subparsers) -> None:
                    help="k: iterations backpropagated through")
     p.add_argument("--eval-examples", type=int, default=d.eval_examples,
                    help="examples per evaluation split (validation, test, harder)")
-    p.add_argument("--num-steps", type=_ints, default=d.eval_num_steps, help="r values to evaluate")
+    p.add_argument("--num-steps", type=_ints, default=None,
+                   help=f"r values to evaluate (default {','.join(map(str, d.eval_num_steps))}, "
+                        f"{','.join(map(str, FULL_NUM_STEPS))} with --full)")
     p.add_argument("--exit-criterion", default=d.exit_criterion, help="adaptive exit criterion evaluated")
     p.add_argument("--exit-thresholds", type=_floats, default=d.exit_thresholds,
                    help="exit thresholds to try on validation (the loosest within --exit-tolerance is used)")
@@ -71,11 +82,14 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     # Every option is checked here (DemoConfig) and the report directory is proven writable (run_demo)
     # before any data is drawn or any model trained.
-    cfg = DemoConfig(task=args.task, out_dir=args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
+    d = DemoConfig()
+    steps = args.steps if args.steps is not None else FULL_STEPS if args.full else d.steps
+    num_steps = args.num_steps if args.num_steps is not None else FULL_NUM_STEPS if args.full else d.eval_num_steps
+    cfg = DemoConfig(task=args.task, out_dir=args.out, seed=args.seed, steps=steps, batch_size=args.batch_size,
                      lr=args.lr, cooldown_fraction=args.cooldown_fraction, hidden_size=args.hidden_size,
                      num_heads=args.num_heads, layers=args.layers,
                      mean_recurrence=args.mean_recurrence, backprop_depth=args.backprop_depth,
-                     eval_examples=args.eval_examples, eval_num_steps=args.num_steps,
+                     eval_examples=args.eval_examples, eval_num_steps=num_steps,
                      exit_criterion=args.exit_criterion, exit_thresholds=args.exit_thresholds,
                      exit_tolerance=args.exit_tolerance, exit_max_steps=args.exit_max_steps,
                      train_twin=not args.no_twin, train_depth_matched=not args.no_depth_matched,

@@ -23,10 +23,13 @@ class DemoConfig:
     seed: int = 0
     out_dir: str = "demo-report"
     # Model: (l_P, l_R, l_C), width. Small enough to train in minutes on two CPU cores.
-    # A one-layer core: each iteration advances the state by about one move, so r visibly buys depth.
+    # A one-layer core: each iteration advances the state by about two moves, so r visibly buys depth.
     layers: tuple[int, int, int] = (1, 1, 1)
     hidden_size: int = 128
     num_heads: int = 4
+    # The training mean r = 9. A lower one can make the harder split gain more from extra iterations, but
+    # trains less reliably (README, Demo: mean_recurrence 3 gave harder +26 / +13 / +2 points and test
+    # accuracy 98 / 89 / 83% on seeds 0-2 after 1000 steps).
     mean_recurrence: int = 8
     backprop_depth: int = 4
     # Training budget (the same for the recurrent model and both baselines).

@@ -174,8 +174,8 @@ class TaskFamily:
 
 
 TASKS: dict[str, TaskFamily] = {
-    # Harder words are just longer than any trained on: a one-layer core advances about one move per
-    # iteration, so they need more iterations than the training mean r = 8.
+    # Harder words are just longer than any trained on: the demo's model does about two moves per
+    # iteration, so the longest need more iterations than its training mean r = 9.
     "permutations": TaskFamily("permutations", permutations_example, tuple(range(2, 13)),
                                tuple(range(13, 21)), "state tracking over S5; difficulty = moves"),
     "variables": TaskFamily("variables", variables_example, tuple(range(1, 7)), tuple(range(7, 13)),
