@@ -41,7 +41,8 @@ GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 DEFAULT_GROUP_SIZE = 128
 CONFIG_KEY = "rdlm_quantization"
 SUFFIXES = ("qweight", "scales", "zeros")
-_CPU_BLOCK_N = 32  # the CPU int4 kernel packs output rows in blocks of 32 or 64, a tail of 16/32/48 (_to_cpu_int4_layout)
+_CPU_BLOCK_N = 32  # the CPU int4 kernel packs output rows in blocks of 32 or 64 (a tail of 16/32/48)
+_PACK_ROWS = 1024  # rows packed (and unpacked) at a time: a multiple of every block, so blocks never straddle two
 
 
 class QuantizationError(ValueError):
@@ -126,10 +127,10 @@ class QuantizedLinear(nn.Module):
     float32 variants are 5-25x slower than the bfloat16 ones and than a float32 matmul on x86), so the
     scales (and int4 zero points) are kept in bfloat16 and the integer weights are chosen for the rounded
     scales; the output comes back in the input's dtype. The int4 weights are held packed for
-    `aten._weight_int4pack_mm_for_cpu` (its own layout, which depends on the CPU's kernels). "w8a8" holds int8 weights like "int8" but
-    on the CPU also quantizes the activations per call (FBGEMM's dynamic int8 linear, 7-bit activations):
-    several times faster there, at the cost of activation rounding. `canonical()` gives the portable form
-    that is saved, and `from_canonical` reads it back."""
+    `aten._weight_int4pack_mm_for_cpu` (in its layout, which depends on the CPU's kernels). "w8a8" holds
+    int8 weights like "int8" but on the CPU also quantizes the activations per call (FBGEMM's dynamic int8
+    linear, 7-bit activations): several times faster there, at the cost of activation rounding.
+    `canonical()` gives the portable form that is saved, and `from_canonical` reads it back."""
 
     def __init__(self, scheme: str, in_features: int, out_features: int, group_size: int,
                  qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None) -> None:
@@ -320,15 +321,15 @@ def _to_cpu_int4_layout(q: Tensor) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
 
 
-def _nibbles_to_cpu_int4_layout(packed: Tensor, rows: int = 1024) -> Tensor:
+def _nibbles_to_cpu_int4_layout(packed: Tensor, rows: int = _PACK_ROWS) -> Tensor:
     """`_to_cpu_int4_layout(_unpack_nibbles(packed))` a block of rows at a time: the kernel's layout keeps
-    blocks of 32 output rows, and unpacking a whole head to int32 at once costs 8 bytes per weight of
+    blocks of 32 or 64 output rows, and unpacking a whole head to int32 at once costs 8 bytes per weight of
     transient memory (128 MiB for a 32768x1024 head)."""
     return torch.cat([_to_cpu_int4_layout(_unpack_nibbles(packed[i:i + rows]))
                       for i in range(0, packed.shape[0], rows)])
 
 
-def _from_cpu_int4_layout(packed: Tensor, out_features: int, in_features: int, rows: int = 1024) -> Tensor:
+def _from_cpu_int4_layout(packed: Tensor, out_features: int, in_features: int, rows: int = _PACK_ROWS) -> Tensor:
     """The inverse of `_to_cpu_int4_layout` (tested against it), a block of rows at a time as
     `_nibbles_to_cpu_int4_layout` packs them. The layout is PyTorch's and depends on the CPU's kernels
     (blocks of 64 output rows with AVX-512, 32 with AVX2, adjacent rows paired without either), so it is
