@@ -51,7 +51,7 @@ def http_client():
 def start_server(args, port: int, exit_criterion: str | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rdlm", "serve", args.model, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-queue", str(4 * args.clients), "-r", str(args.num_steps),
-           "--model-name", "bench", "--max-length", str(args.max_length)]
+           "--model-name", "bench", "--max-length", str(args.max_length), "--exit-sync-every", str(args.sync_every)]
     if exit_criterion:
         cmd += ["--exit-criterion", exit_criterion]
         if args.exit_threshold is not None:
@@ -150,7 +150,7 @@ def profile(args, prompts: list[str], exit_criterion: str | None) -> dict:
     model, tok = rdlm.load_pretrained(args.model).eval(), Tokenizer.from_dir(args.model)
     config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
                               exit_criterion=exit_criterion, exit_threshold=args.exit_threshold if exit_criterion else None)
-    batch = ContinuousBatch(model, args.max_batch, args.max_length, max(args.num_steps, 32))
+    batch = ContinuousBatch(model, args.max_batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every)
     for k in range(2 * args.max_batch):
         batch.add(tok.encode(prompts[k % len(prompts)], add_bos=True), config)
     batch.timings = {}
@@ -179,6 +179,8 @@ def main() -> None:
     p.add_argument("--prompt-text", default="the cat sat on|12 13 14 15|a dog looked at|the old man walked to")
     p.add_argument("--prompt-file", help="prompts, one per line (instead of --prompt-text)")
     p.add_argument("--no-fixed", action="store_true", help="with an exit criterion: skip the fixed-r run")
+    p.add_argument("--sync-every", type=int, default=4,
+                   help="steps between the batch's looks at its exit flags (the server's --exit-sync-every)")
     p.add_argument("--profile", action="store_true",
                    help="also run the batch in this process without HTTP and print the seconds per phase of a step")
     p.add_argument("--threads", type=int, help="torch threads of the offline run (the server takes torch's default)")
@@ -194,7 +196,8 @@ def main() -> None:
     results = {}
     for mode in modes:
         results[mode] = (serve(args, prompts, mode), offline(args, prompts, mode))
-    print(f"model {args.model} | r {args.num_steps} | clients {args.clients} | max batch {args.max_batch} "
+    print(f"model {args.model} | r {args.num_steps} | sync every {args.sync_every} | clients {args.clients} "
+          f"| max batch {args.max_batch} "
           f"| {args.new_tokens} new tokens | {args.seconds:.0f} s | load {load:.2f} -> {os.getloadavg()[0]:.2f}")
     for mode, (served, off) in results.items():
         name = f"{mode} {args.exit_threshold}" if mode else "fixed r"

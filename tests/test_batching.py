@@ -36,11 +36,13 @@ def drain(batch: ContinuousBatch) -> dict[int, list]:
     return events
 
 
-def test_a_busy_batch_gives_each_request_its_tokens_alone(model):
+@pytest.mark.parametrize("sync_every", [1, 3, 4])
+def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every):
+    """Whenever the host looks at the exit flags (every step, or every 3 or 4 with rows frozen between)."""
     rng = random.Random(0)
     requests = [([rng.randrange(512) for _ in range(rng.randint(1, 9))], CONFIGS[k % len(CONFIGS)])
                 for k in range(12)]
-    batch = ContinuousBatch(model, max_batch=4, max_length=32, num_slots=12)   # requests wait for rows
+    batch = ContinuousBatch(model, max_batch=4, max_length=32, num_slots=12, sync_every=sync_every)
     ids = [batch.add(prompt, config) for prompt, config in requests]
     events = drain(batch)
     for rid, (prompt, config) in zip(ids, requests):

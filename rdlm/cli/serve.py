@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
     config = ServeConfig(model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
-                         max_length=max_length, num_slots=num_slots, defaults=defaults, api_key=args.api_key,
+                         max_length=max_length, num_slots=num_slots, sync_every=defaults.exit_sync_every,
+                         defaults=defaults, api_key=args.api_key,
                          max_request_bytes=args.max_request_bytes)
     if args.api_key is None and not _loopback(args.host):
         print(f"rdlm serve: warning: listening on {args.host} without an API key; anyone who can reach it may "

@@ -8,10 +8,19 @@ its last token. Every `ContinuousBatch.step()`:
 2. starts the next token on every row whose previous token is done (prelude, s_0);
 3. runs **one** core iteration for every iterating row, in one batched call, although the rows are at
    different tokens and iterations, with different r, exit criteria, cache budgets and sampling;
-4. evaluates each row's exit criterion; rows whose token is done (exit, or r iterations) run the coda
-   and choose their next token, which starts at the next step. A row that exits early goes on to its
-   next token instead of idling while the others iterate, which is where adaptive depth (paper section
+4. evaluates each row's exit criterion on the device: a row whose token is done (exit, or r
+   iterations) is frozen there (its state kept, no more core cache writes). Every `sync_every` steps
+   the host looks at the exit flags (one read); the rows found done then run the coda together and
+   choose their next token, which starts at the next step. A row that exits early goes on to its next
+   token instead of idling while the others iterate, which is where adaptive depth (paper section
    6.1) turns into throughput.
+
+How often to look is a trade: the coda and the head cost as much for one row as for a batch of them
+(their weights are read once per call) and a look is a host sync, so looking every step spends them on
+one or two rows at a time; looking every k steps pays them once per k steps at the cost of a done row
+waiting up to k - 1 steps. Rows restart at looks, so with a fixed r that is a multiple of k every row
+finishes exactly at a look and waits for nothing. `sync_every` changes cost and latency only, never
+tokens.
 
 A request gives the tokens `rdlm.inference.generate` gives for its prompt alone with the same `GenerationConfig`:
 the same s_0 table (seed, position), the same cache slots (`cache_slots` or one per iteration), the
@@ -65,7 +74,6 @@ class _Request:
     cap: int = 0                       # iterations it may run (num_steps, or less under a depth budget)
     spent: int = 0                     # iterations run by the tokens chosen so far
     iterating: bool = False
-    gate_exited: bool = False          # gate-exact: the gate chose this token's exit state already
     tokens: list[int] = field(default_factory=list)
 
 
@@ -80,16 +88,19 @@ class ContinuousBatch:
     """
 
     def __init__(self, model: RecurrentDepthLM, max_batch: int = 8, max_length: int | None = None,
-                 num_slots: int = 32, decode: Decode | None = None) -> None:
+                 num_slots: int = 32, decode: Decode | None = None, sync_every: int = 1) -> None:
         c = model.config
         max_length = c.context_length if max_length is None else max_length
-        for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots)):
+        for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
+                            ("sync_every", sync_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         param = next(model.parameters())
         self.model, self.decode = model.eval(), decode
         self.device, self.dtype = param.device, param.dtype
         self.max_batch, self.max_length, self.num_slots = max_batch, max_length, num_slots
+        self.sync_every = sync_every
+        self.since_look = 0                   # steps since the host last read the exit flags
         self.cache = RecurrentKVCache(c, max_batch, max_length, num_slots, "full", self.dtype, self.device)
         self.key_valid = torch.zeros(max_batch, max_length, dtype=torch.bool, device=self.device)
         h = c.hidden_size
@@ -102,6 +113,13 @@ class ContinuousBatch:
         self.gate_remaining = torch.ones(max_batch, device=self.device)
         self.gate_cumulative = torch.zeros(max_batch, device=self.device)
         self.exit_state = torch.zeros_like(self.state)
+        # Each row's token in progress, on the device: iterations run, done (exited or at its cap: frozen
+        # until the host looks), its cap and min_steps, and whether gate-exact's gate fired already.
+        long = dict(dtype=torch.long, device=self.device)
+        self.steps, self.cap = torch.zeros(max_batch, **long), torch.zeros(max_batch, **long)
+        self.min_steps = torch.zeros(max_batch, **long)
+        self.done = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
+        self.gate_fired = torch.zeros_like(self.done)
         self.seen = torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=self.device)
         self.waiting: deque[_Request] = deque()
         self.rows: list[_Request | None] = [None] * max_batch
@@ -174,10 +192,13 @@ class ContinuousBatch:
                     self._start(starting)
             iterating = self.active
             if iterating:
-                done = self._iterate(iterating)
-                if done:
+                self._iterate(iterating)
+                self.since_look += 1
+                # Look when it is time, or when every row is surely done (each at its cap).
+                if self.since_look >= self.sync_every or all(q.iteration >= q.cap for q in iterating):
+                    self.since_look = 0
                     with self._timed("coda and sampling"):
-                        self._finish(done, events)
+                        self._finish(iterating, events)
         return events
 
     @contextmanager
@@ -294,37 +315,51 @@ class ContinuousBatch:
             if not q.config.continuous_cot:  # else s_0 is the previous token's final state, kept in place
                 noise = None if q.noise is None else q.noise[q.length]
                 self.state[q.row] = self.model.start_state(self.embedded[q.row], noise)
-            q.iteration, q.iterating, q.gate_exited = 0, True, False
+            q.iteration, q.iterating = 0, True
             q.cap = q.config.depth_cap(len(q.tokens), q.spent)
-        self.streak[select] = 0
+        limits = torch.tensor([[q.cap, q.config.min_steps] for q in requests], device=self.device)
+        self.cap[select], self.min_steps[select] = limits[:, 0], limits[:, 1]
+        self.steps[select], self.streak[select] = 0, 0
+        self.done[select], self.gate_fired[select] = False, False
         self.gate_remaining[select], self.gate_cumulative[select] = 1.0, 0.0
 
-    def _iterate(self, requests: list[_Request]) -> list[_Request]:
-        """One core iteration for every request; returns those whose token is done."""
+    def _iterate(self, requests: list[_Request]) -> None:
+        """One core iteration for every request whose token is in progress. Rows found done on the device
+        since the host last looked (`self.done`) are frozen: their state stays, they write no core cache
+        entries, their iteration count stops."""
         model = self.model
         rows, select, index, rope, mask, end = self._inputs(requests)
+        # Right after a look nobody is done; later only a row with an exit criterion or at its cap can be.
+        may_be_done = self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap for q in requests)
+        frozen = self.done[select] if may_be_done else None
         slots = [q.iteration % q.budget for q in requests]
+        writers = None if frozen is None else ~frozen
         if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
-            cache, iteration = self.cache.at(index, rows=select, end=end), slots[0]
+            cache, iteration = self.cache.at(index, rows=select, end=end, core_writers=writers), slots[0]
         else:
-            cache = self.cache.at(index, rows=rows, slots=torch.tensor(slots, device=self.device), end=end)
+            cache = self.cache.at(index, rows=rows, slots=torch.tensor(slots, device=self.device), end=end,
+                                  core_writers=writers)
             iteration = 0
-        prev_state = self.state[select]
-        if any(q.criterion is not None for q in requests):
-            prev_state = prev_state.clone()  # `select` may be a view, overwritten below
+        prev_state = self.state[select].clone()  # `select` may be a view, overwritten below
         with self._timed("core iteration"):
             state = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
+            if frozen is not None:
+                state = torch.where(frozen.view(-1, 1, 1), prev_state, state)
             self.state[select] = state
+        running = ~self.done[select]
+        self.steps[select] += running.long()
         for q in requests:
             q.iteration += 1
         with self._timed("exit evaluation"):
-            return self._exits(requests, rows, index, rope, mask, end, prev_state, state)
+            self._exits(requests, rows, select, index, rope, mask, end, prev_state, state, running)
+            steps = self.steps[select]
+            self.done[select] |= steps >= self.cap[select]
 
-    def _exits(self, requests: list[_Request], rows: Tensor, index: Tensor, rope: tuple[Tensor, Tensor],
-               mask: Tensor, end: int, prev_state: Tensor, state: Tensor) -> list[_Request]:
-        """Each request's exit decision after this iteration; the requests whose token is done."""
-        model = self.model
-        gated = self._gate(requests, rows, state)
+    def _exits(self, requests: list[_Request], rows: Tensor, select: Tensor | slice, index: Tensor,
+               rope: tuple[Tensor, Tensor], mask: Tensor, end: int, prev_state: Tensor, state: Tensor,
+               running: Tensor) -> None:
+        """Each running row's exit decision after this iteration, on the device (`self.done`)."""
+        self._gate(requests, rows, state, running)
         evaluate, readout = [], []  # rows whose criterion is read now; rows that need this iteration's logits
         for j, q in enumerate(requests):
             if q.criterion is None or q.criterion.uses_gate:
@@ -335,67 +370,78 @@ class ContinuousBatch:
             if q.criterion.uses_logits and (now or next_reads):
                 readout.append(j)
         if not evaluate and not readout:
-            return [q for q in requests if q.iteration == q.cap or q.id in gated]
-        prev_logits = self.logits[rows]  # a copy (rows is an index tensor)
-        if readout:
-            pick = torch.tensor(readout, device=self.device)
-            logits = model.readout(state[pick], (rope[0][pick], rope[1][pick]), mask[pick],
-                                   self.cache.at(index[pick], rows=rows[pick], end=end))
-            self.logits[rows[pick]] = logits[:, -1]
-        exited = torch.zeros(len(requests), dtype=torch.bool, device=self.device)
+            return
         groups: dict[ExitCriterion, list[int]] = {}
         for j in evaluate:
             groups.setdefault(requests[j].criterion, []).append(j)
-        for crit, members in groups.items():
-            pick = torch.tensor(members, device=self.device)
-            min_steps = torch.tensor([requests[j].config.min_steps for j in members], device=self.device)
-            steps = torch.tensor([requests[j].iteration for j in members], device=self.device)
-            exited[pick], self.streak[rows[pick]] = exit_decision(
-                crit, self.streak[rows[pick]], steps, min_steps, prev_logits[pick], self.logits[rows[pick]],
-                prev_state[pick, -1], state[pick, -1])
-        exited = exited.tolist() if groups else [False] * len(requests)
-        return [q for q, out in zip(requests, exited) if out or q.iteration == q.cap or q.id in gated]
+        everyone = list(range(len(requests)))
 
-    def _gate(self, requests: list[_Request], rows: Tensor, state: Tensor) -> set[int]:
-        """The learned exit gate after this iteration, for the requests that exit by it: ids of those whose
-        token is done (`gate`: the gate fired; `gate-exact` runs to its cap and keeps the state of the
-        iteration the gate chose, read out when the token is done)."""
+        def where(members: list[int]) -> tuple[Tensor | slice, Tensor | slice]:
+            """(positions in this call, rows of the batch) of `members`: views when they are every row."""
+            if members == everyone:
+                return slice(None), select
+            pick = torch.tensor(members, device=self.device)
+            return pick, rows[pick]
+
+        # The previous reading's logits, before this iteration's readout replaces them.
+        previous = {crit: self.logits[where(members)[1]].clone()
+                    for crit, members in groups.items() if crit.uses_logits}
+        if readout:
+            pick, at = where(readout)
+            logits = self.model.readout(state[pick], (rope[0][pick], rope[1][pick]), mask[pick],
+                                        self.cache.at(index[pick], rows=at, end=end))
+            self.logits[at] = logits[:, -1]
+        for crit, members in groups.items():
+            pick, at = where(members)
+            logits = self.logits[at] if crit.uses_logits else None
+            exited, streak = exit_decision(crit, self.streak[at], self.steps[at], self.min_steps[at],
+                                           previous.get(crit), logits, prev_state[pick, -1], state[pick, -1])
+            live = running[pick]
+            self.streak[at] = torch.where(live, streak, self.streak[at])
+            self.done[at] |= exited & live
+
+    def _gate(self, requests: list[_Request], rows: Tensor, state: Tensor, running: Tensor) -> None:
+        """The learned exit gate after this iteration, for the rows that exit by it: `gate` is done once
+        the gate fires; `gate-exact` runs to its cap and keeps the state of the iteration the gate chose
+        (`exit_state`, read out when the token is done)."""
         members = [j for j, q in enumerate(requests) if q.criterion is not None and q.criterion.uses_gate]
         if not members:
-            return set()
+            return
         pick = torch.tensor(members, device=self.device)
         at = rows[pick]
         thresholds = torch.tensor([requests[j].criterion.threshold for j in members], device=self.device)
-        passed, self.gate_remaining[at], self.gate_cumulative[at] = gate_update(
+        exact = torch.tensor([requests[j].criterion.spec.exact for j in members], device=self.device)
+        live = running[pick]
+        passed, remaining, cumulative = gate_update(
             self.model.exit_probability(state[pick, -1]), self.gate_remaining[at], self.gate_cumulative[at],
             thresholds)
-        steps = torch.tensor([requests[j].iteration for j in members], device=self.device)
-        minimum = torch.tensor([requests[j].config.min_steps for j in members], device=self.device)
-        fired = (passed & (steps >= minimum)).tolist()
-        done = set()
-        for j, now in zip(members, fired):
-            q = requests[j]
-            if not q.criterion.spec.exact:
-                if now:
-                    done.add(q.id)
-                continue
-            if (now or q.iteration == q.cap) and not q.gate_exited:
-                q.gate_exited = True
-                self.exit_state[q.row] = state[j]
-            if q.iteration == q.cap:
-                self.state[q.row] = self.exit_state[q.row]  # what the readout (and continuous CoT) reads
-        return done
+        self.gate_remaining[at] = torch.where(live, remaining, self.gate_remaining[at])
+        self.gate_cumulative[at] = torch.where(live, cumulative, self.gate_cumulative[at])
+        fired = passed & (self.steps[at] >= self.min_steps[at]) & live
+        self.done[at] |= fired & ~exact
+        # gate-exact: the state where the gate first fired, or the last one if it never does
+        chosen = exact & live & ((fired & ~self.gate_fired[at]) | ((self.steps[at] >= self.cap[at]) & ~self.gate_fired[at]))
+        self.exit_state[at] = torch.where(chosen.view(-1, 1, 1), state[pick], self.exit_state[at])
+        self.gate_fired[at] |= exact & fired
 
     def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
-        """The coda for requests whose token is done, then their next token."""
-        for q in requests:
-            self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
-        _, select, index, rope, mask, end = self._inputs(requests)
+        """The host's look: the rows whose token is done run the coda together and choose their next token."""
+        _, select, _, _, _, _ = self._inputs(requests)
+        flags = torch.stack((self.done[select].long(), self.steps[select])).tolist()  # the one read
+        done = [(q, steps) for q, finished, steps in zip(requests, *flags) if finished]
+        if not done:
+            return
+        for q, steps in done:
+            self.cache.fill_missing(steps, q.length, q.length + 1, row=q.row, slots=q.budget)
+            if q.criterion is not None and q.criterion.spec.exact:
+                self.state[q.row] = self.exit_state[q.row]  # what the readout (and continuous CoT) reads
+        finished = [q for q, _ in done]
+        _, select, index, rope, mask, end = self._inputs(finished)
         logits = self.model.readout(self.state[select], rope, mask, self.cache.at(index, rows=select, end=end))[:, -1]
-        for j, q in enumerate(requests):
+        for j, (q, steps) in enumerate(done):
             q.length += 1
             q.iterating = False
-            self._choose(q, logits[j:j + 1], q.iteration, events)
+            self._choose(q, logits[j:j + 1], steps, events)
 
     def _choose(self, q: _Request, logits: Tensor, steps: int, events: list[BatchEvent]) -> None:
         """Sample the request's next token from [1, V] logits; emit it; free the row when finished."""

@@ -28,7 +28,7 @@ and which rows take part, as an argument of the call, never as state set on the 
   leave the core's matmuls): an index tensor, a slice for consecutive rows (read as views, without
   a gather), or None for all of them.
 - `core_writers`: bool over this call's rows; rows that exited early stop writing core entries, so
-  nobody reads states computed only for others.
+  nobody reads states computed only for others (with `slots` too: continuous batching's frozen rows).
 - `slots`: one core slot per row of this call, instead of the slot of the key's iteration (rows at
   different iterations in one call: continuous batching). Needs `rows` and a device-side `start`
   with one index per row. `end` then bounds the keys returned (the longest row's length), so a call
@@ -121,10 +121,18 @@ class RecurrentKVCache:
         if group == "core" and plan.slots is not None:  # each row at its own slot and index
             index = start.view(-1)
             cache_k, cache_v = self.core_k[layer], self.core_v[layer]
-            cache_k[plan.slots, rows, :, index] = k.squeeze(2)
-            cache_v[plan.slots, rows, :, index] = v.squeeze(2)
-            window = slice(None, end)
-            return cache_k[plan.slots, rows, :, window], cache_v[plan.slots, rows, :, window]
+            k, v = k.squeeze(2), v.squeeze(2)
+            if plan.core_writers is not None:
+                keep = ~plan.core_writers.view(-1, 1, 1)
+                k = torch.where(keep, cache_k[plan.slots, rows, :, index], k)
+                v = torch.where(keep, cache_v[plan.slots, rows, :, index], v)
+            cache_k[plan.slots, rows, :, index] = k
+            cache_v[plan.slots, rows, :, index] = v
+            # (slot, row) pairs as rows of the flattened [slots * batch] axis: index_select reads the
+            # window 3x faster than the equivalent advanced indexing (measured on a CPU)
+            pairs = plan.slots * self.batch_size + rows
+            flat = lambda c: c.flatten(0, 1)[:, :, :end].index_select(0, pairs)  # noqa: E731
+            return flat(cache_k), flat(cache_v)
         if group == "core":
             slot = self.slot(iteration, plan.budget)
             cache_k, cache_v = self.core_k[layer, slot], self.core_v[layer, slot]
@@ -170,7 +178,10 @@ class RecurrentKVCache:
         """The entries this call's new tokens would overwrite (to keep them for non-writers)."""
         rows = cache if plan.rows is None else cache[plan.rows]
         if isinstance(plan.start, Tensor):
-            return rows.index_select(2, plan.start.view(1))
+            index = plan.start.view(-1)
+            if index.numel() == 1:
+                return rows.index_select(2, index)
+            return rows[torch.arange(rows.shape[0], device=index.device), :, index].unsqueeze(2)  # one per row
         return rows[:, :, plan.start:plan.start + n]
 
     def fill_missing(self, steps: int | Tensor, start: int | Tensor, end: int | None = None, *,

@@ -97,7 +97,8 @@ def _run_batched(model: RecurrentDepthLM, prompts: list[list[int]], config: Gene
 
     longest = max(map(len, prompts)) + config.max_new_tokens
     slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
-    batch = ContinuousBatch(model, max_batch=len(prompts), max_length=longest, num_slots=slots, decode=decode)
+    batch = ContinuousBatch(model, max_batch=len(prompts), max_length=longest, num_slots=slots, decode=decode,
+                            sync_every=config.exit_sync_every)
     rows = {batch.add(p, config): row for row, p in enumerate(prompts)}
     result = GenerationResult([[] for _ in prompts], [[] for _ in prompts], ["length"] * len(prompts),
                               cache_bytes=batch.cache.nbytes, prompt_tokens=sum(map(len, prompts)),

@@ -54,6 +54,8 @@ class ServeConfig:
     max_queue: int = 64                 # requests waiting for a row before the server answers 503
     max_length: int | None = None       # tokens per row (prompt + completion); default: the model's context
     num_slots: int = 32                 # core cache slots per token: the largest r without a cache budget
+    sync_every: int = 4                 # steps between the batch's looks at the exit flags (the done rows'
+                                        # coda runs together then: rdlm.inference.batching)
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
     retry_after: int = 1                # seconds, in the Retry-After of a 503
     api_key: str | None = None          # when set, /v1/ requests need "Authorization: Bearer <api_key>"
@@ -107,7 +109,8 @@ class Worker:
 
     def _new_batch(self) -> ContinuousBatch:
         c = self.config
-        return ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode)
+        return ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode,
+                               sync_every=c.sync_every)
 
     def start(self) -> None:
         self.thread.start()
