@@ -51,7 +51,10 @@ def http_client():
 def start_server(args, port: int, exit_criterion: str | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rdlm", "serve", args.model, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-queue", str(4 * args.clients), "-r", str(args.num_steps),
-           "--model-name", "bench", "--max-length", str(args.max_length), "--exit-sync-every", str(args.sync_every)]
+           "--model-name", "bench", "--max-length", str(args.max_length), "--exit-sync-every", str(args.sync_every),
+           "--coda-every", str(args.coda_every)]
+    if args.profile:
+        cmd += ["--profile"]
     if exit_criterion:
         cmd += ["--exit-criterion", exit_criterion]
         if args.exit_threshold is not None:
@@ -110,17 +113,37 @@ def serve(args, prompts: list[str], exit_criterion: str | None) -> dict:
 
     try:
         threads = [threading.Thread(target=client, args=(k,)) for k in range(args.clients)]
+        clients_cpu, server_cpu = time.process_time(), cpu_seconds(proc.pid)
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=args.seconds + 600)
         elapsed = time.perf_counter() - t0
+        clients_cpu, server_cpu = time.process_time() - clients_cpu, cpu_seconds(proc.pid) - server_cpu
+        with httpx.Client(timeout=30) as http:
+            exported = http.get(f"http://127.0.0.1:{port}/metrics").text
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    return dict(tps=tokens[0] / elapsed, ttft=ttft, tpot=tpot, requests=len(ttft),
-                mean_iterations=iterations[0] / max(tokens[0], 1))
+    phases = {}
+    for line in exported.splitlines():  # rdlm_batch_phase_seconds_total{phase="..."} 1.23
+        if line.startswith("rdlm_batch_phase_seconds_total{"):
+            phases[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("rdlm_batch_step_seconds_total "):
+            phases["steps"] = float(line.rsplit(" ", 1)[1])
+    return dict(tps=tokens[0] / elapsed, ttft=ttft, tpot=tpot, requests=len(ttft), seconds=elapsed,
+                mean_iterations=iterations[0] / max(tokens[0], 1), phases=phases, clients_cpu=clients_cpu,
+                server_cpu=server_cpu)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; nan elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def offline(args, prompts: list[str], exit_criterion: str | None) -> dict:
@@ -150,7 +173,8 @@ def profile(args, prompts: list[str], exit_criterion: str | None) -> dict:
     model, tok = rdlm.load_pretrained(args.model).eval(), Tokenizer.from_dir(args.model)
     config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
                               exit_criterion=exit_criterion, exit_threshold=args.exit_threshold if exit_criterion else None)
-    batch = ContinuousBatch(model, args.max_batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every)
+    batch = ContinuousBatch(model, args.max_batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every,
+                            coda_every=args.coda_every)
     for k in range(2 * args.max_batch):
         batch.add(tok.encode(prompts[k % len(prompts)], add_bos=True), config)
     batch.timings = {}
@@ -181,8 +205,11 @@ def main() -> None:
     p.add_argument("--no-fixed", action="store_true", help="with an exit criterion: skip the fixed-r run")
     p.add_argument("--sync-every", type=int, default=4,
                    help="steps between the batch's looks at its exit flags (the server's --exit-sync-every)")
+    p.add_argument("--coda-every", type=int, default=8,
+                   help="steps a done row may wait for others' codas (the server's --coda-every)")
     p.add_argument("--profile", action="store_true",
-                   help="also run the batch in this process without HTTP and print the seconds per phase of a step")
+                   help="print the server's seconds per phase of its steps (rdlm serve --profile), then run the "
+                        "batch in this process without HTTP and print the same")
     p.add_argument("--threads", type=int, help="torch threads of the offline run (the server takes torch's default)")
     args = p.parse_args()
     if args.threads:
@@ -196,7 +223,8 @@ def main() -> None:
     results = {}
     for mode in modes:
         results[mode] = (serve(args, prompts, mode), offline(args, prompts, mode))
-    print(f"model {args.model} | r {args.num_steps} | sync every {args.sync_every} | clients {args.clients} "
+    print(f"model {args.model} | r {args.num_steps} | sync every {args.sync_every} | coda every {args.coda_every} "
+          f"| clients {args.clients} "
           f"| max batch {args.max_batch} "
           f"| {args.new_tokens} new tokens | {args.seconds:.0f} s | load {load:.2f} -> {os.getloadavg()[0]:.2f}")
     for mode, (served, off) in results.items():
@@ -206,12 +234,23 @@ def main() -> None:
               f"{percentile(served['ttft'], 0.5) * 1e3:.0f} ms p99 {percentile(served['ttft'], 0.99) * 1e3:.0f} ms | "
               f"per token p50 {percentile(served['tpot'], 0.5) * 1e3:.1f} ms p99 "
               f"{percentile(served['tpot'], 0.99) * 1e3:.1f} ms")
+        print(f"{name}: {served['seconds']:.1f} s: the batch stepped {served['phases'].get('steps', float('nan')):.1f} s; "
+              f"CPU seconds: server {served['server_cpu']:.1f}, clients {served['clients_cpu']:.1f}")
+        if args.profile:
+            steps = served["phases"].get("steps", 0.0)
+            for phase, seconds in served["phases"].items():
+                if phase != "steps":
+                    print(f"    {phase:32s} {seconds:7.2f} s  {seconds / served['seconds']:6.1%}")
+            rest = steps - sum(v for p, v in served["phases"].items() if p != "steps")
+            print(f"    {'host bookkeeping in steps':32s} {rest:7.2f} s  {rest / served['seconds']:6.1%}")
+            print(f"    {'outside steps (idle, HTTP)':32s} {served['seconds'] - steps:7.2f} s  "
+                  f"{(served['seconds'] - steps) / served['seconds']:6.1%}")
         print(f"{name}: offline {off['tps']:.1f} tok/s (generate, one batch of {args.max_batch}), "
               f"{off['mean_iterations']:.2f} iterations/token | served / offline {served['tps'] / off['tps']:.2f}")
     if args.profile:
         for mode in modes:
             name = f"{mode} {args.exit_threshold}" if mode else "fixed r"
-            prof = profile(args, prompts, mode)
+            prof = profile(args, prompts, mode)  # the same batch in this process, every request queued at once
             print(f"{name}: in-process batch {prof['tps']:.1f} tok/s ({prof['seconds']:.1f} s, "
                   f"{prof['mean_iterations']:.2f} iterations/token); per phase:")
             for phase, seconds in prof["phases"].items():

@@ -36,13 +36,16 @@ def drain(batch: ContinuousBatch) -> dict[int, list]:
     return events
 
 
-@pytest.mark.parametrize("sync_every", [1, 3, 4])
-def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every):
-    """Whenever the host looks at the exit flags (every step, or every 3 or 4 with rows frozen between)."""
+@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6)])
+def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every, prefill_chunk, coda_every):
+    """Whenever the host looks at the exit flags (every step, or every 3 or 4 with rows frozen between), with
+    prompts prefilled whole or in chunks of 2, 3 or 5 tokens interleaved with the decoding rows, and with
+    done rows running their coda at once or waiting for others (up to 4 or 6 steps)."""
     rng = random.Random(0)
     requests = [([rng.randrange(512) for _ in range(rng.randint(1, 9))], CONFIGS[k % len(CONFIGS)])
                 for k in range(12)]
-    batch = ContinuousBatch(model, max_batch=4, max_length=32, num_slots=12, sync_every=sync_every)
+    batch = ContinuousBatch(model, max_batch=4, max_length=32, num_slots=12, sync_every=sync_every,
+                            prefill_chunk=prefill_chunk, coda_every=coda_every)
     ids = [batch.add(prompt, config) for prompt, config in requests]
     events = drain(batch)
     for rid, (prompt, config) in zip(ids, requests):
@@ -55,12 +58,12 @@ def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every):
 
 def test_rows_that_exit_early_go_on_to_their_next_token(model, monkeypatch):
     """Iteration granularity: a step runs one core iteration for rows at different tokens, and the core
-    never runs more row-iterations than the tokens used (no idling behind the slowest row)."""
-    rows_run = []
+    never runs more token-iterations than the tokens used (no idling behind the slowest row)."""
+    tokens_run = []
     step = model.step
 
     def counting_step(state, *args, **kwargs):
-        rows_run.append(state.shape[0])
+        tokens_run.append(state.shape[0] * state.shape[1])  # rows x tokens: prompts are packed in one row
         return step(state, *args, **kwargs)
 
     config = GenerationConfig(num_steps=12, max_new_tokens=6, exit_criterion="kl", exit_threshold=3e-3)
@@ -69,21 +72,58 @@ def test_rows_that_exit_early_go_on_to_their_next_token(model, monkeypatch):
     monkeypatch.setattr(model, "step", counting_step)
     events = drain(batch)
     decoded = sum(e.steps for rid in ids for e in events[rid][1:])
-    prefill = 12 * 3                                       # each prompt: one call of 12 iterations
-    assert sum(rows_run) - prefill == decoded
+    prefill = 12 * 3 * 4             # the prompts admitted together: 3 rows padded to 4 tokens, 12 iterations
+    assert sum(tokens_run) - prefill == decoded
     assert len(set(e.steps for rid in ids for e in events[rid][1:])) > 1   # tokens exited at different depths
+
+
+def test_a_long_prompt_prefills_while_the_other_rows_go_on_decoding(model):
+    """A prompt runs its iterations inside the batch's steps, a chunk at a time, in the same call as the
+    decoding rows: they go on producing tokens while it prefills, and both get their tokens alone."""
+    config = GenerationConfig(num_steps=2, max_new_tokens=12)
+    batch = ContinuousBatch(model, max_batch=2, max_length=48, num_slots=4, prefill_chunk=8)
+    short = batch.add([7, 8], config)
+    while not batch.step():                                  # the short prompt's first token
+        pass
+    long_prompt = list(range(3, 33))                         # 30 tokens: 4 chunks of at most 8
+    late = batch.add(long_prompt, config)
+    events = []
+    while batch.busy:
+        events += batch.step()
+    order = [e.request for e in events]
+    # Four chunks of 2 iterations each: 8 steps, in which the short request (a token every 2 steps) goes on.
+    assert order[:order.index(late)].count(short) >= 3
+    for rid, prompt in ((late, long_prompt), (short, [7, 8])):
+        tokens = [e.token for e in events if e.request == rid]
+        assert tokens == generate(model, prompt, config).tokens[0][-len(tokens):]
 
 
 def test_cancel_frees_the_row_and_others_are_undisturbed(model):
     config = GenerationConfig(num_steps=4, max_new_tokens=8)
     batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4)
     a, b, c = (batch.add(p, config) for p in ([1, 2], [3, 4, 5], [6]))
-    first = batch.step()
-    assert {e.request for e in first} == {a, b}              # c waits for a row
+    first, steps = [], 0
+    while not first:                                         # the prompts prefill over r = 4 steps
+        first, steps = batch.step(), steps + 1
+    assert steps == 4 and {e.request for e in first} == {a, b}   # c waits for a row
     batch.cancel(a)
     events = drain(batch)
     assert a not in events and len(events[b]) == 7 and len(events[c]) == 8
     assert [e.token for e in events[c]] == generate(model, [6], config).tokens[0]
+
+
+def test_a_request_cancelled_while_its_prompt_prefills_leaves_its_row_clean(model):
+    """Cancelled mid-prefill: its prompt stops writing to the row (which the next request takes over), and
+    the request prefilled beside it is undisturbed."""
+    config = GenerationConfig(num_steps=6, max_new_tokens=5)
+    batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=6)
+    a, b, c = (batch.add(p, config) for p in ([9, 8, 7, 6, 5], [4, 3], [2, 1, 11]))
+    assert batch.step() == [] and batch.step() == []          # a and b are 2 of their 6 iterations in
+    batch.cancel(a)
+    events = drain(batch)
+    assert a not in events
+    for rid, prompt in ((b, [4, 3]), (c, [2, 1, 11])):
+        assert [e.token for e in events[rid]] == generate(model, prompt, config).tokens[0]
 
 
 def test_requests_that_cannot_be_served_are_refused_by_name(model):

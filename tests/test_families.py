@@ -251,7 +251,8 @@ def test_gate_exits_in_the_continuous_batch_like_the_engine():
     for criterion, sync_every in itertools.product(("gate", "gate-exact"), (1, 3)):
         config = GenerationConfig(max_new_tokens=6, num_steps=4, exit_criterion=criterion)
         alone = generate(model, prompts, config)
-        batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, sync_every=sync_every)
+        batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, sync_every=sync_every,
+                                prefill_chunk=4, coda_every=sync_every)
         ids = [batch.add(p, config) for p in prompts]
         tokens, steps = {i: [] for i in ids}, {i: [] for i in ids}
         while batch.busy:

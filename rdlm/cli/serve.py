@@ -34,6 +34,15 @@ def register(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $RDLM_API_KEY; none)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body accepted, in bytes (default 1 MiB); larger ones get 413")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens per request prefilled at a time: a prompt runs its iterations inside the "
+                        "batch's steps, a chunk of it at a time, so running requests keep decoding")
+    p.add_argument("--coda-every", type=int, default=8,
+                   help="steps a row whose token is done may wait for others, so that their codas (and the "
+                        "head) run in one call")
+    p.add_argument("--profile", action="store_true",
+                   help="time each phase of the batch's steps and export them on /metrics "
+                        "(rdlm_batch_phase_seconds; on CUDA a device sync around each phase)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     add_generation_args(p)
@@ -71,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else min(c.context_length, 2048)
     num_slots = args.num_slots if args.num_slots is not None else max(defaults.max_steps, 32)
     name = args.model_name or Path(args.model).resolve().name
+    for flag, value in (("--prefill-chunk", args.prefill_chunk), ("--coda-every", args.coda_every)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.api_key is not None and not args.api_key.strip():
@@ -78,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                          max_length=max_length, num_slots=num_slots, sync_every=defaults.exit_sync_every,
                          defaults=defaults, api_key=args.api_key,
-                         max_request_bytes=args.max_request_bytes)
+                         max_request_bytes=args.max_request_bytes, prefill_chunk=args.prefill_chunk,
+                         coda_every=args.coda_every, profile=args.profile)
     if args.api_key is None and not _loopback(args.host):
         print(f"rdlm serve: warning: listening on {args.host} without an API key; anyone who can reach it may "
               f"use it (--api-key or $RDLM_API_KEY)", file=sys.stderr, flush=True)

@@ -3,24 +3,27 @@
 A fixed number of rows share one `RecurrentKVCache`; each request occupies one row from its prompt to
 its last token. Every `ContinuousBatch.step()`:
 
-1. admits waiting requests into free rows: the prompt runs through the model at the request's own r
-   and its first token is chosen;
+1. admits waiting requests into free rows; their prompts start prefilling (rdlm.inference.prefill:
+   a chunk of each prompt runs its iterations inside the following steps, one per step, so the rows
+   already decoding go on; a prompt's first new token is chosen when its last chunk is done);
 2. starts the next token on every row whose previous token is done (prelude, s_0);
-3. runs **one** core iteration for every iterating row, in one batched call, although the rows are at
-   different tokens and iterations, with different r, exit criteria, cache budgets and sampling;
+3. runs **one** core iteration for every iterating row and every prompt chunk, in one model call,
+   although the rows are at different tokens and iterations, with different r, exit criteria, cache
+   budgets and sampling;
 4. evaluates each row's exit criterion on the device: a row whose token is done (exit, or r
    iterations) is frozen there (its state kept, no more core cache writes). Every `sync_every` steps
-   the host looks at the exit flags (one read); the rows found done then run the coda together and
-   choose their next token, which starts at the next step. A row that exits early goes on to its next
-   token instead of idling while the others iterate, which is where adaptive depth (paper section
-   6.1) turns into throughput.
+   the host looks at the exit flags (one read) and the rows found done leave the core's calls; they
+   run the coda together once one of them has waited `coda_every` - 1 steps (or half the rows wait),
+   and choose their next token, which starts at the next step. A row that exits early goes on to its
+   next token instead of idling while the others iterate, which is where adaptive depth (paper
+   section 6.1) turns into throughput.
 
-How often to look is a trade: the coda and the head cost as much for one row as for a batch of them
-(their weights are read once per call) and a look is a host sync, so looking every step spends them on
-one or two rows at a time; looking every k steps pays them once per k steps at the cost of a done row
-waiting up to k - 1 steps. Rows restart at looks, so with a fixed r that is a multiple of k every row
-finishes exactly at a look and waits for nothing. `sync_every` changes cost and latency only, never
-tokens.
+How often to look and to run the coda is a trade: the coda and the head cost about as much for one row
+as for a batch of them (on a CPU their weights are read once per call) and a look is a host sync, so
+doing both every step spends them on one or two rows at a time; every few steps pays them once for
+many rows, at the cost of a done row waiting a few steps (`benchmarks/bench_serve.py` measures it;
+`rdlm serve` looks every 4 steps and lets a row wait up to 8). Neither changes any token, only cost
+and latency.
 
 A request gives the tokens `rdlm.inference.generate` gives for its prompt alone with the same `GenerationConfig`:
 the same s_0 table (seed, position), the same cache slots (`cache_slots` or one per iteration), the
@@ -39,10 +42,11 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.cache import RecurrentKVCache
+from rdlm.inference.cache import PackedCall, RecurrentKVCache, Segment
 from rdlm.inference.engine import NonFiniteLogitsError, read_tokens
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
 from rdlm.inference.noise import noise_table
+from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.params import Decode, GenerationConfig
 from rdlm.inference.sampling import sample, token_logprobs
 from rdlm.model.lm import RecurrentDepthLM
@@ -74,6 +78,9 @@ class _Request:
     cap: int = 0                       # iterations it may run (num_steps, or less under a depth budget)
     spent: int = 0                     # iterations run by the tokens chosen so far
     iterating: bool = False
+    prefilling: bool = False           # its prompt is being prefilled (a PromptChunk), until the first token
+    ready: bool = False                # its token is done (iteration: the iterations it ran), the coda not yet
+    ready_since: int = 0               # the batch's step at which the host found it done
     tokens: list[int] = field(default_factory=list)
 
 
@@ -88,19 +95,23 @@ class ContinuousBatch:
     """
 
     def __init__(self, model: RecurrentDepthLM, max_batch: int = 8, max_length: int | None = None,
-                 num_slots: int = 32, decode: Decode | None = None, sync_every: int = 1) -> None:
+                 num_slots: int = 32, decode: Decode | None = None, sync_every: int = 1,
+                 prefill_chunk: int = 256, coda_every: int = 1) -> None:
         c = model.config
         max_length = c.context_length if max_length is None else max_length
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
-                            ("sync_every", sync_every)):
+                            ("sync_every", sync_every), ("prefill_chunk", prefill_chunk),
+                            ("coda_every", coda_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         param = next(model.parameters())
         self.model, self.decode = model.eval(), decode
         self.device, self.dtype = param.device, param.dtype
         self.max_batch, self.max_length, self.num_slots = max_batch, max_length, num_slots
-        self.sync_every = sync_every
+        self.sync_every, self.prefill_chunk, self.coda_every = sync_every, prefill_chunk, coda_every
+        self.steps_run = 0
         self.since_look = 0                   # steps since the host last read the exit flags
+        self.chunks: list[PromptChunk] = []   # prompts being prefilled (rdlm.inference.prefill)
         self.cache = RecurrentKVCache(c, max_batch, max_length, num_slots, "full", self.dtype, self.device)
         self.key_valid = torch.zeros(max_batch, max_length, dtype=torch.bool, device=self.device)
         h = c.hidden_size
@@ -184,22 +195,37 @@ class ContinuousBatch:
         events: list[BatchEvent] = []
         with torch.inference_mode():
             self._drop_cancelled()
-            with self._timed("admission and prefill"):
-                self._admit(events)
-            starting = [q for q in self.active if not q.iterating]
+            with self._timed("admission and prompt prelude"):
+                self._admit()
+            starting = [q for q in self.active if not (q.prefilling or q.iterating or q.ready)]
             if starting:
                 with self._timed("prelude and s_0"):
                     self._start(starting)
-            iterating = self.active
-            if iterating:
+            iterating = [q for q in self.active if q.iterating]
+            if iterating or self.chunks:
                 self._iterate(iterating)
+            if self.chunks:
+                with self._timed("prompt coda and first token"):
+                    self._end_chunks(events)
+            self.steps_run += 1
+            if iterating:
                 self.since_look += 1
                 # Look when it is time, or when every row is surely done (each at its cap).
                 if self.since_look >= self.sync_every or all(q.iteration >= q.cap for q in iterating):
                     self.since_look = 0
-                    with self._timed("coda and sampling"):
-                        self._finish(iterating, events)
+                    self._look(iterating)
+            ready = [q for q in self.active if q.ready]
+            if ready and self._coda_due(ready):
+                with self._timed("coda and sampling"):
+                    self._finish(ready, events)
         return events
+
+    def _coda_due(self, ready: list[_Request]) -> bool:
+        """Whether the rows whose token is done run their coda now: once one has waited `coda_every` - 1
+        steps, or half the decoding rows wait, or none is left iterating."""
+        decoding = [q for q in self.active if not q.prefilling]
+        return (self.steps_run - min(q.ready_since for q in ready) >= self.coda_every - 1
+                or 2 * len(ready) >= len(decoding) or not any(q.iterating for q in decoding))
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
@@ -221,68 +247,51 @@ class ContinuousBatch:
         for q in self.active:
             if q.id in self.cancelled:
                 self.rows[q.row] = None
+        for chunk in list(self.chunks):  # a prompt being prefilled stops writing to the row it leaves
+            keep = [j for j, q in enumerate(chunk.requests) if q.id not in self.cancelled]
+            if len(keep) < len(chunk.requests):
+                self.chunks.remove(chunk)
+                if keep:
+                    self.chunks.append(chunk.select(keep))
         self.cancelled.clear()
 
-    def _admit(self, events: list[BatchEvent]) -> None:
-        """Prompts of waiting requests into free rows, first tokens chosen: one block call for the
-        requests that share a prefill depth and cache budget (prompts right-padded; a pad writes
-        entries past its prompt that the row's own tokens overwrite, and no real token attends to it)."""
+    def _admit(self) -> None:
+        """Waiting requests into free rows; those admitted together with the same prefill depth and cache
+        budget start prefilling their prompts as one chunk."""
         groups: dict[tuple[int, int], list[_Request]] = {}
         while self.waiting and None in self.rows:
             q = self.waiting.popleft()
             q.row = self.rows.index(None)
             self.rows[q.row] = q
-            q.cap = q.config.depth_cap(0, 0)
-            groups.setdefault((q.cap, q.budget), []).append(q)
-        for (steps, budget), group in groups.items():
-            self._prefill(group, steps, budget, events)
-
-    def _prefill(self, group: list[_Request], steps: int, budget: int, events: list[BatchEvent]) -> None:
-        model, cache = self.model, self.cache
-        lengths = [len(q.prompt) for q in group]
-        n = max(lengths)
-        ids = torch.zeros(len(group), n, dtype=torch.long, device=self.device)
-        state = torch.zeros(len(group), n, model.config.hidden_size, dtype=self.dtype, device=self.device)
-        for j, q in enumerate(group):
-            ids[j, :lengths[j]] = torch.tensor(q.prompt, device=self.device)
-            if q.noise is not None:
-                state[j, :lengths[j]] = q.noise[:lengths[j]]
+            q.cap, q.prefilling = q.config.depth_cap(0, 0), True
             self.key_valid[q.row] = False
-            self.key_valid[q.row, :lengths[j]] = True
             self.seen[q.row] = False
-            self.seen[q.row, ids[j, :lengths[j]]] = True
-        rows = torch.tensor([q.row for q in group], device=self.device)
-        rope = model.rope(torch.arange(n, device=self.device), check=False)
-        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril().view(1, 1, n, n)
-        call = cache.at(0, rows=rows, budget=budget)
-        e = model.embed(ids, rope, mask, call)
-        state = model.start_state(e, state)
-        gated = [q.criterion is not None and q.criterion.uses_gate for q in group]
-        if any(gated):  # read out at each token's gate exit, as the engine's prefill (rdlm.inference.engine)
-            never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
-            thresholds = torch.tensor([q.criterion.threshold if g else never for q, g in zip(group, gated)],
-                                      device=self.device).view(-1, 1)
-            minimum = torch.tensor([q.config.min_steps for q in group], device=self.device).view(-1, 1)
-            remaining, cumulative = torch.ones(ids.shape, device=self.device), torch.zeros(ids.shape, device=self.device)
-            chosen, exited = state, torch.zeros(ids.shape, dtype=torch.bool, device=self.device)
-        for i in range(steps):
-            state = model.step(state, e, i, rope, mask, call)
-            if any(gated):
-                passed, remaining, cumulative = gate_update(model.exit_probability(state), remaining, cumulative,
-                                                            thresholds)
-                fired = passed & (minimum <= i + 1) & ~exited
-                chosen = torch.where((fired | ~exited).unsqueeze(-1), state, chosen)
-                exited = exited | fired
-        if any(gated):
-            state = chosen
-        for q, length in zip(group, lengths):
-            cache.fill_missing(steps, 0, length, row=q.row, slots=budget)
-        logits = model.readout(state, rope, mask, call)
-        self._last_inputs = None
-        for j, (q, length) in enumerate(zip(group, lengths)):
-            q.length = length
-            self.state[q.row] = state[j, length - 1:length]
-            self._choose(q, logits[j, length - 1:length], steps, events)
+            self.seen[q.row, torch.tensor(q.prompt, device=self.device)] = True
+            groups.setdefault((q.cap, q.budget), []).append(q)
+        for (cap, budget), group in groups.items():
+            self._begin_chunk(group, 0, cap, budget)
+
+    def _begin_chunk(self, requests: list[_Request], start: int, cap: int, budget: int) -> None:
+        self.chunks.append(PromptChunk.begin(self.model, self.cache, self.key_valid, requests, start, cap, budget,
+                                             self.prefill_chunk))
+
+    def _end_chunks(self, events: list[BatchEvent]) -> None:
+        """Chunks that ran their iterations: the coda over their tokens, then the next chunk, or the first
+        new token (chosen from the logits of the prompt's last token) and decoding."""
+        for chunk in [c for c in self.chunks if c.done]:
+            self.chunks.remove(chunk)
+            state, logits = chunk.finish(self.model, self.cache)
+            going_on = []
+            for j, (q, length) in enumerate(zip(chunk.requests, chunk.lengths)):
+                if chunk.start + length < len(q.prompt):
+                    going_on.append(q)
+                    continue
+                q.length, q.prefilling = len(q.prompt), False
+                self.state[q.row] = state[j, length - 1:length]
+                self._choose(q, logits[j, length - 1:length], chunk.cap, events)
+            self._last_inputs = None
+            if going_on:  # they ran n tokens each
+                self._begin_chunk(going_on, chunk.start + chunk.n, chunk.cap, chunk.budget)
 
     def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Tensor | slice, Tensor, tuple[Tensor, Tensor],
                                                          Tensor, int]:
@@ -324,28 +333,57 @@ class ContinuousBatch:
         self.gate_remaining[select], self.gate_cumulative[select] = 1.0, 0.0
 
     def _iterate(self, requests: list[_Request]) -> None:
-        """One core iteration for every request whose token is in progress. Rows found done on the device
-        since the host last looked (`self.done`) are frozen: their state stays, they write no core cache
-        entries, their iteration count stops."""
-        model = self.model
-        rows, select, index, rope, mask, end = self._inputs(requests)
-        # Right after a look nobody is done; later only a row with an exit criterion or at its cap can be.
-        may_be_done = self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap for q in requests)
-        frozen = self.done[select] if may_be_done else None
-        slots = [q.iteration % q.budget for q in requests]
-        writers = None if frozen is None else ~frozen
-        if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
-            cache, iteration = self.cache.at(index, rows=select, end=end, core_writers=writers), slots[0]
-        else:
-            cache = self.cache.at(index, rows=rows, slots=torch.tensor(slots, device=self.device), end=end,
-                                  core_writers=writers)
-            iteration = 0
-        prev_state = self.state[select].clone()  # `select` may be a view, overwritten below
+        """One core iteration for every request whose token is in progress and every prompt chunk being
+        prefilled, in one model call. Rows found done on the device since the host last looked
+        (`self.done`) are frozen: their state stays, they write no core cache entries, their iteration
+        count stops."""
+        model, h = self.model, self.model.config.hidden_size
+        segments, states, embedded, cos, sin = [], [], [], [], []
+        if requests:
+            rows, select, index, rope, mask, end = self._inputs(requests)
+            # Right after a look nobody is done; later only a row with an exit criterion or at its cap can be.
+            may_be_done = self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap
+                                                      for q in requests)
+            frozen = self.done[select] if may_be_done else None
+            slots = [q.iteration % q.budget for q in requests]
+            writers = None if frozen is None else ~frozen
+            if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
+                cache, iteration = self.cache.at(index, rows=select, end=end, core_writers=writers), slots[0]
+            else:
+                cache = self.cache.at(index, rows=rows, slots=torch.tensor(slots, device=self.device), end=end,
+                                      core_writers=writers)
+                iteration = 0
+            prev_state = self.state[select].clone()  # `select` may be a view, overwritten below
+            n = len(requests)
+            segments.append(Segment(slice(0, n), n, cache.plan, mask, iteration))
+            states.append(prev_state.view(1, n, h))
+            embedded.append(self.embedded[select].view(1, n, h))
+            cos.append(rope[0].reshape(1, n, 1, -1))
+            sin.append(rope[1].reshape(1, n, 1, -1))
+        at = len(requests)
+        for c in self.chunks:
+            segment = c.segment(self.cache, at)
+            segments.append(segment)
+            states.append(c.state.reshape(1, -1, h))
+            embedded.append(c.embedded.reshape(1, -1, h))
+            cos.append(c.rope[0].repeat(1, segment.rows, 1, 1))
+            sin.append(c.rope[1].repeat(1, segment.rows, 1, 1))
+            at = segment.tokens.stop
         with self._timed("core iteration"):
-            state = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
-            if frozen is not None:
-                state = torch.where(frozen.view(-1, 1, 1), prev_state, state)
-            self.state[select] = state
+            if not self.chunks:  # the decoding rows alone: a plain batched call
+                out = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
+            else:
+                out = model.step(torch.cat(states, dim=1), torch.cat(embedded, dim=1), 0,
+                                 (torch.cat(cos, dim=1), torch.cat(sin, dim=1)), None,
+                                 PackedCall(self.cache, segments))
+        for c, segment in zip(self.chunks, segments[len(segments) - len(self.chunks):]):
+            c.advance(model, out[:, segment.tokens])
+        if not requests:
+            return
+        state = out.reshape(-1, 1, h)[:len(requests)]
+        if frozen is not None:
+            state = torch.where(frozen.view(-1, 1, 1), prev_state, state)
+        self.state[select] = state
         running = ~self.done[select]
         self.steps[select] += running.long()
         for q in requests:
@@ -424,24 +462,27 @@ class ContinuousBatch:
         self.exit_state[at] = torch.where(chosen.view(-1, 1, 1), state[pick], self.exit_state[at])
         self.gate_fired[at] |= exact & fired
 
-    def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
-        """The host's look: the rows whose token is done run the coda together and choose their next token."""
+    def _look(self, requests: list[_Request]) -> None:
+        """The host reads the exit flags (one read): rows whose token is done leave the core's calls and wait
+        for their coda."""
         _, select, _, _, _, _ = self._inputs(requests)
-        flags = torch.stack((self.done[select].long(), self.steps[select])).tolist()  # the one read
-        done = [(q, steps) for q, finished, steps in zip(requests, *flags) if finished]
-        if not done:
-            return
-        for q, steps in done:
-            self.cache.fill_missing(steps, q.length, q.length + 1, row=q.row, slots=q.budget)
+        flags = torch.stack((self.done[select].long(), self.steps[select])).tolist()
+        for q, finished, steps in zip(requests, *flags):
+            if finished:
+                q.iterating, q.ready, q.ready_since, q.iteration = False, True, self.steps_run, steps
+
+    def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
+        """The coda for rows whose token is done, together, and their next tokens."""
+        for q in requests:
+            self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
             if q.criterion is not None and q.criterion.spec.exact:
                 self.state[q.row] = self.exit_state[q.row]  # what the readout (and continuous CoT) reads
-        finished = [q for q, _ in done]
-        _, select, index, rope, mask, end = self._inputs(finished)
+        _, select, index, rope, mask, end = self._inputs(requests)
         logits = self.model.readout(self.state[select], rope, mask, self.cache.at(index, rows=select, end=end))[:, -1]
-        for j, (q, steps) in enumerate(done):
+        for j, q in enumerate(requests):
             q.length += 1
-            q.iterating = False
-            self._choose(q, logits[j:j + 1], steps, events)
+            q.ready = False
+            self._choose(q, logits[j:j + 1], q.iteration, events)
 
     def _choose(self, q: _Request, logits: Tensor, steps: int, events: list[BatchEvent]) -> None:
         """Sample the request's next token from [1, V] logits; emit it; free the row when finished."""

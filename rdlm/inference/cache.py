@@ -40,7 +40,7 @@ and which rows take part, as an argument of the call, never as state set on the 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
@@ -74,6 +74,46 @@ class CacheCall:
     def but(self, **changes) -> CacheCall:
         """The same call with some fields of its plan changed (e.g. `core_writers` per iteration)."""
         return CacheCall(self.cache, replace(self.plan, **changes))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One call's worth of a packed call: `rows` x n tokens at `tokens` of the packed sequence (row-major),
+    attending to their own cache rows by `plan`, with `mask` ([rows, 1, n, keys] boolean); `iteration`
+    is the core iteration its cache slot stands for."""
+    tokens: slice
+    rows: int
+    plan: CacheWrite
+    mask: Tensor
+    iteration: int
+
+
+class PackedCall:
+    """Several core calls in one: their tokens form one sequence [1, T, h], so every per-token operation
+    of a core iteration (norms, projections, the MLP: the weights, read once) runs once for all of them,
+    and attention runs per segment against its own cache rows. The continuous batch runs its decoding
+    rows and the prompts being prefilled (each at its own iteration) this way."""
+
+    def __init__(self, cache: RecurrentKVCache, segments: list[Segment]) -> None:
+        self.cache, self.segments = cache, segments
+
+    def attend(self, key: tuple[str, int, int], q: Tensor, k: Tensor, v: Tensor,
+               attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """q, k, v: [1, heads, T, d] of the packed tokens; returns attention's output, the same shape."""
+        group, layer, _ = key
+        if group != "core":
+            raise ValueError(f"a packed call runs core iterations only, not {group!r} layers")
+
+        def split(x: Tensor, seg: Segment) -> Tensor:  # [1, H, rows * n, d] -> [rows, H, n, d]
+            x = x[0, :, seg.tokens]
+            return x.view(x.shape[0], seg.rows, -1, x.shape[-1]).transpose(0, 1)
+
+        out = []
+        for seg in self.segments:
+            ks, vs = self.cache.write(seg.plan, (group, layer, seg.iteration), split(k, seg), split(v, seg))
+            y = attention(split(q, seg), ks, vs, seg.mask)                     # [rows, H, n, d]
+            out.append(y.transpose(0, 1).reshape(y.shape[1], -1, y.shape[-1]))  # [H, rows * n, d]
+        return torch.cat(out, dim=1).unsqueeze(0)
 
 
 class RecurrentKVCache:

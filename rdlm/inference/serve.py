@@ -54,12 +54,15 @@ class ServeConfig:
     max_queue: int = 64                 # requests waiting for a row before the server answers 503
     max_length: int | None = None       # tokens per row (prompt + completion); default: the model's context
     num_slots: int = 32                 # core cache slots per token: the largest r without a cache budget
+    prefill_chunk: int = 256            # prompt tokens per row prefilled at a time, interleaved with decoding
+    coda_every: int = 8                 # steps a done row may wait for others to run the coda with
     sync_every: int = 4                 # steps between the batch's looks at the exit flags (the done rows'
                                         # coda runs together then: rdlm.inference.batching)
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
     retry_after: int = 1                # seconds, in the Retry-After of a 503
     api_key: str | None = None          # when set, /v1/ requests need "Authorization: Bearer <api_key>"
     max_request_bytes: int = 1 << 20    # larger request bodies are answered 413 before they are parsed
+    profile: bool = False               # time each phase of the batch's steps (/metrics: rdlm_batch_phase_seconds)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,6 +91,10 @@ class Metrics:
         self.batch = Gauge("rdlm_batch_size", "rows being decoded", registry=r)
         self.iterations = Histogram("rdlm_iterations_per_token", "core iterations per generated token",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.step_seconds = Counter("rdlm_batch_step_seconds", "seconds the batch spent in its steps "
+                                    "(the rest of the server's time: idle, or HTTP)", registry=r)
+        self.phase_seconds = Counter("rdlm_batch_phase_seconds", "seconds per phase of the batch's steps "
+                                     "(rdlm serve --profile)", ["phase"], registry=r)
         self.ttft = Histogram("rdlm_time_to_first_token_seconds", "from submission to the first token",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
 
@@ -109,8 +116,11 @@ class Worker:
 
     def _new_batch(self) -> ContinuousBatch:
         c = self.config
-        return ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode,
-                               sync_every=c.sync_every)
+        batch = ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode,
+                                sync_every=c.sync_every, prefill_chunk=c.prefill_chunk, coda_every=c.coda_every)
+        if c.profile:
+            batch.timings = {}
+        return batch
 
     def start(self) -> None:
         self.thread.start()
@@ -144,7 +154,14 @@ class Worker:
             try:
                 self._take(block=not self.batch.busy)
                 if self.batch.busy:
-                    self._deliver(self.batch.step())
+                    t0 = time.perf_counter()
+                    events = self.batch.step()
+                    self.metrics.step_seconds.inc(time.perf_counter() - t0)
+                    self._deliver(events)
+                    if self.batch.timings:
+                        for phase, seconds in self.batch.timings.items():
+                            self.metrics.phase_seconds.labels(phase).inc(seconds)
+                        self.batch.timings.clear()
             except Exception as err:  # a failure of the step itself: fail what is in flight, go on
                 for ticket in self.tickets.values():
                     self._send(ticket, ("error", f"generation failed: {err}"))

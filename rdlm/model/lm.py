@@ -104,19 +104,26 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin, self.rope_pairs), apply_rope(k, cos, sin, self.rope_pairs)
             v = v.view(batch, seq, self.kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(key, k, v)
-        gqa = {"enable_gqa": True} if self.kv_heads != self.num_heads else {}
-        if mask is None and k.shape[2] == seq and self.implementation == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        if hasattr(cache, "attend"):  # several calls packed in one sequence (rdlm.inference.cache.PackedCall)
+            y = cache.attend(key, q, k, v, self.attention)
         else:
-            if mask is None:  # a cache without an explicit mask: causal, queries are the last tokens
+            if cache is not None:
+                k, v = cache.update(key, k, v)
+            if mask is None and k.shape[2] != seq:  # a cache without an explicit mask: queries are the last tokens
                 mask = causal_mask(seq, k.shape[2], x.device)
-            if self.implementation == "sdpa":
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-            else:
-                y = eager_attention(q, k, v, attn_mask=mask)
+            y = self.attention(q, k, v, mask)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """softmax(q k^T / sqrt(d) + mask) v over [batch, heads, n, d]; no mask: causal (as many keys as queries)."""
+        gqa = {"enable_gqa": True} if self.kv_heads != self.num_heads else {}
+        if mask is None and self.implementation == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        if mask is None:
+            mask = causal_mask(q.shape[2], k.shape[2], q.device)
+        if self.implementation == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+        return eager_attention(q, k, v, attn_mask=mask)
 
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")

@@ -1,0 +1,121 @@
+"""Prompts prefilled inside the continuous batch's steps (rdlm.inference.batching), a chunk at a time.
+
+A prompt does not run its r iterations in one call that stalls every decoding row: the prompts admitted
+together form a `PromptChunk` (right-padded to the longest), and each step of the batch runs one core
+iteration of every chunk in flight in the same model call as the decoding rows (a packed call,
+rdlm.inference.cache.PackedCall), each chunk at its own iteration. When a chunk has run its iterations
+the coda runs over its tokens; the logits of a prompt's last token choose its first new token. A
+prompt longer than the chunk size goes on with its next chunk, which reads the earlier chunks' keys of
+the same iteration from the cache, so the tokens are those of a prefill in one piece; that needs a
+cache slot per iteration, so a request that cycles through fewer slots than its prefill runs
+iterations (a KV-cache budget) is prefilled in one chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rdlm.inference.cache import RecurrentKVCache, Segment
+from rdlm.inference.exits import gate_update
+from rdlm.model.lm import RecurrentDepthLM
+
+
+@dataclass
+class PromptChunk:
+    """Prompt tokens start .. start + n - 1 of requests admitted together (right-padded to n). A pad
+    writes cache entries past its prompt that the row's own tokens overwrite later; no real token
+    attends to it."""
+    requests: list[Any]                # the batch's requests (prompt, row, config, criterion)
+    start: int
+    lengths: list[int]                 # each request's tokens in this chunk
+    cap: int                           # prefill iterations
+    budget: int                        # core cache slots the requests cycle through
+    state: Tensor                      # [g, n, h]
+    embedded: Tensor
+    rope: tuple[Tensor, Tensor]        # [1, n, 1, d/2]
+    mask: Tensor                       # [1, 1, n, start + n]
+    rows: Tensor                       # [g]: the requests' rows of the cache
+    iteration: int = 0
+    gate: list[Tensor] | None = None   # a learned gate's (remaining, cumulative, chosen state, exited), [g, n]
+    thresholds: Tensor | None = None   # [g, 1]: the gate's threshold, or one it never reaches
+
+    @classmethod
+    def begin(cls, model: RecurrentDepthLM, cache: RecurrentKVCache, key_valid: Tensor, requests: list[Any],
+              start: int, cap: int, budget: int, size: int) -> "PromptChunk":
+        """The prelude and s_0 of the requests' next chunk of prompt: at most `size` tokens each, or the
+        whole rest when they cycle through fewer cache slots than the prefill runs iterations. Marks the
+        chunk's tokens valid in `key_valid` (rows of the cache x positions)."""
+        device, whole = key_valid.device, budget < cap
+        lengths = [len(q.prompt) - start if whole else min(len(q.prompt) - start, size) for q in requests]
+        g, n = len(requests), max(lengths)
+        ids = torch.zeros(g, n, dtype=torch.long, device=device)
+        noise = torch.zeros(g, n, model.config.hidden_size, dtype=cache.core_k.dtype, device=device)
+        for j, (q, length) in enumerate(zip(requests, lengths)):
+            ids[j, :length] = torch.tensor(q.prompt[start:start + length], device=device)
+            if q.noise is not None:
+                noise[j, :length] = q.noise[start:start + length]
+            key_valid[q.row, start:start + length] = True
+        positions = torch.arange(start, start + n, device=device)
+        mask = (torch.arange(start + n, device=device).view(1, -1) <= positions.view(-1, 1))
+        mask, rope = mask.view(1, 1, n, start + n), model.rope(positions.view(1, -1), check=False)
+        rows = torch.tensor([q.row for q in requests], device=device)
+        e = model.embed(ids, rope, mask, cache.at(start, rows=rows))
+        chunk = cls(requests, start, lengths, cap, budget, model.start_state(e, noise), e, rope, mask, rows)
+        gated = [q.criterion is not None and q.criterion.uses_gate for q in requests]
+        if any(gated):  # read out at each token's gate exit, as the engine's prefill (rdlm.inference.engine)
+            never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
+            chunk.thresholds = torch.tensor([q.criterion.threshold if gate else never
+                                             for q, gate in zip(requests, gated)], device=device).view(-1, 1)
+            chunk.gate = [torch.ones(g, n, device=device), torch.zeros(g, n, device=device), chunk.state,
+                          torch.zeros(g, n, dtype=torch.bool, device=device)]
+        return chunk
+
+    @property
+    def n(self) -> int:
+        return self.state.shape[1]
+
+    @property
+    def done(self) -> bool:
+        return self.iteration >= self.cap
+
+    def segment(self, cache: RecurrentKVCache, at: int) -> Segment:
+        """Its part of a packed call whose tokens start at `at`."""
+        g, n = self.state.shape[:2]
+        plan = cache.at(self.start, rows=self.rows, budget=self.budget).plan
+        return Segment(slice(at, at + g * n), g, plan, self.mask, self.iteration)
+
+    def advance(self, model: RecurrentDepthLM, state: Tensor) -> None:
+        """Take the state of the iteration just run ([1, g * n, h]); a learned gate keeps, per token, the
+        state where it first fired."""
+        self.state = state.view(self.state.shape)
+        self.iteration += 1
+        if self.gate is None:
+            return
+        remaining, cumulative, chosen, exited = self.gate
+        minimum = torch.tensor([q.config.min_steps for q in self.requests], device=self.rows.device).view(-1, 1)
+        passed, remaining, cumulative = gate_update(model.exit_probability(self.state), remaining, cumulative,
+                                                    self.thresholds)
+        fired = passed & (minimum <= self.iteration) & ~exited
+        chosen = torch.where((fired | ~exited).unsqueeze(-1), self.state, chosen)
+        self.gate = [remaining, cumulative, chosen, exited | fired]
+
+    def finish(self, model: RecurrentDepthLM, cache: RecurrentKVCache) -> tuple[Tensor, Tensor]:
+        """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]."""
+        for q, length in zip(self.requests, self.lengths):
+            cache.fill_missing(self.cap, self.start, self.start + length, row=q.row, slots=self.budget)
+        state = self.state if self.gate is None else self.gate[2]
+        return state, model.readout(state, self.rope, self.mask, cache.at(self.start, rows=self.rows))
+
+    def select(self, keep: list[int]) -> "PromptChunk":
+        """The chunk of the requests at positions `keep` only."""
+        pick = torch.tensor(keep, device=self.rows.device)
+        gate = None if self.gate is None else [t[pick] for t in self.gate]
+        return dataclasses.replace(
+            self, requests=[self.requests[j] for j in keep], lengths=[self.lengths[j] for j in keep],
+            state=self.state[pick], embedded=self.embedded[pick], rows=self.rows[pick], gate=gate,
+            thresholds=None if self.thresholds is None else self.thresholds[pick])
