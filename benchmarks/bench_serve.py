@@ -52,7 +52,7 @@ def start_server(args, port: int, exit_criterion: str | None) -> subprocess.Pope
     cmd = [sys.executable, "-m", "rdlm", "serve", args.model, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-queue", str(4 * args.clients), "-r", str(args.num_steps),
            "--model-name", "bench", "--max-length", str(args.max_length), "--exit-sync-every", str(args.sync_every),
-           "--coda-every", str(args.coda_every)]
+           "--coda-every", str(args.coda_every), "--prefill-chunk", str(args.prefill_chunk)]
     if args.profile:
         cmd += ["--profile"]
     if exit_criterion:
@@ -132,6 +132,8 @@ def serve(args, prompts: list[str], exit_criterion: str | None) -> dict:
             phases[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("rdlm_batch_step_seconds_total "):
             phases["steps"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(("rdlm_time_to_first_token_seconds_sum ", "rdlm_time_to_first_token_seconds_count ")):
+            phases[line.split()[0]] = float(line.rsplit(" ", 1)[1])
     return dict(tps=tokens[0] / elapsed, ttft=ttft, tpot=tpot, requests=len(ttft), seconds=elapsed,
                 mean_iterations=iterations[0] / max(tokens[0], 1), phases=phases, clients_cpu=clients_cpu,
                 server_cpu=server_cpu)
@@ -174,7 +176,7 @@ def profile(args, prompts: list[str], exit_criterion: str | None) -> dict:
     config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
                               exit_criterion=exit_criterion, exit_threshold=args.exit_threshold if exit_criterion else None)
     batch = ContinuousBatch(model, args.max_batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every,
-                            coda_every=args.coda_every)
+                            coda_every=args.coda_every, prefill_chunk=args.prefill_chunk)
     for k in range(2 * args.max_batch):
         batch.add(tok.encode(prompts[k % len(prompts)], add_bos=True), config)
     batch.timings = {}
@@ -207,6 +209,8 @@ def main() -> None:
                    help="steps between the batch's looks at its exit flags (the server's --exit-sync-every)")
     p.add_argument("--coda-every", type=int, default=8,
                    help="steps a done row may wait for others' codas (the server's --coda-every)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt token-iterations per step (the server's --prefill-chunk)")
     p.add_argument("--profile", action="store_true",
                    help="print the server's seconds per phase of its steps (rdlm serve --profile), then run the "
                         "batch in this process without HTTP and print the same")
@@ -224,7 +228,7 @@ def main() -> None:
     for mode in modes:
         results[mode] = (serve(args, prompts, mode), offline(args, prompts, mode))
     print(f"model {args.model} | r {args.num_steps} | sync every {args.sync_every} | coda every {args.coda_every} "
-          f"| clients {args.clients} "
+          f"| prefill chunk {args.prefill_chunk} | clients {args.clients} "
           f"| max batch {args.max_batch} "
           f"| {args.new_tokens} new tokens | {args.seconds:.0f} s | load {load:.2f} -> {os.getloadavg()[0]:.2f}")
     for mode, (served, off) in results.items():
@@ -234,14 +238,18 @@ def main() -> None:
               f"{percentile(served['ttft'], 0.5) * 1e3:.0f} ms p99 {percentile(served['ttft'], 0.99) * 1e3:.0f} ms | "
               f"per token p50 {percentile(served['tpot'], 0.5) * 1e3:.1f} ms p99 "
               f"{percentile(served['tpot'], 0.99) * 1e3:.1f} ms")
-        print(f"{name}: {served['seconds']:.1f} s: the batch stepped {served['phases'].get('steps', float('nan')):.1f} s; "
-              f"CPU seconds: server {served['server_cpu']:.1f}, clients {served['clients_cpu']:.1f}")
+        ph = served["phases"]
+        server_ttft = ph.get("rdlm_time_to_first_token_seconds_sum", float("nan")) / max(
+            ph.get("rdlm_time_to_first_token_seconds_count", 0), 1)
+        print(f"{name}: {served['seconds']:.1f} s: the batch stepped {ph.get('steps', float('nan')):.1f} s; "
+              f"CPU seconds: server {served['server_cpu']:.1f}, clients {served['clients_cpu']:.1f}; "
+              f"TTFT in the server (from submission) mean {server_ttft * 1e3:.0f} ms")
         if args.profile:
             steps = served["phases"].get("steps", 0.0)
             for phase, seconds in served["phases"].items():
-                if phase != "steps":
+                if phase != "steps" and not phase.startswith("rdlm_"):
                     print(f"    {phase:32s} {seconds:7.2f} s  {seconds / served['seconds']:6.1%}")
-            rest = steps - sum(v for p, v in served["phases"].items() if p != "steps")
+            rest = steps - sum(v for p, v in served["phases"].items() if p != "steps" and not p.startswith("rdlm_"))
             print(f"    {'host bookkeeping in steps':32s} {rest:7.2f} s  {rest / served['seconds']:6.1%}")
             print(f"    {'outside steps (idle, HTTP)':32s} {served['seconds'] - steps:7.2f} s  "
                   f"{(served['seconds'] - steps) / served['seconds']:6.1%}")

@@ -1,6 +1,7 @@
 """Continuous batching: a request in a busy batch gives the tokens of `generate` for its prompt alone."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,11 +37,13 @@ def drain(batch: ContinuousBatch) -> dict[int, list]:
     return events
 
 
-@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6)])
+@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6),
+                                                                 (2, 12, 2)])
 def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every, prefill_chunk, coda_every):
     """Whenever the host looks at the exit flags (every step, or every 3 or 4 with rows frozen between), with
     prompts prefilled whole or in chunks of 2, 3 or 5 tokens interleaved with the decoding rows, and with
-    done rows running their coda at once or waiting for others (up to 4 or 6 steps)."""
+    done rows running their coda at once or waiting for others (up to 4 or 6 steps). (A chunk of fewer
+    tokens than prefill_chunk runs several iterations per step.)"""
     rng = random.Random(0)
     requests = [([rng.randrange(512) for _ in range(rng.randint(1, 9))], CONFIGS[k % len(CONFIGS)])
                 for k in range(12)]
@@ -102,10 +105,8 @@ def test_cancel_frees_the_row_and_others_are_undisturbed(model):
     config = GenerationConfig(num_steps=4, max_new_tokens=8)
     batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4)
     a, b, c = (batch.add(p, config) for p in ([1, 2], [3, 4, 5], [6]))
-    first, steps = [], 0
-    while not first:                                         # the prompts prefill over r = 4 steps
-        first, steps = batch.step(), steps + 1
-    assert steps == 4 and {e.request for e in first} == {a, b}   # c waits for a row
+    first = batch.step()                     # no row decodes yet: the prompts prefill in one step
+    assert {e.request for e in first} == {a, b}              # c waits for a row
     batch.cancel(a)
     events = drain(batch)
     assert a not in events and len(events[b]) == 7 and len(events[c]) == 8
@@ -116,14 +117,18 @@ def test_a_request_cancelled_while_its_prompt_prefills_leaves_its_row_clean(mode
     """Cancelled mid-prefill: its prompt stops writing to the row (which the next request takes over), and
     the request prefilled beside it is undisturbed."""
     config = GenerationConfig(num_steps=6, max_new_tokens=5)
-    batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=6)
+    batch = ContinuousBatch(model, max_batch=3, max_length=32, num_slots=6, prefill_chunk=10)
+    d = batch.add([12, 13], replace(config, max_new_tokens=12))
+    assert [e.request for e in batch.step()] == [d]         # alone, its prompt is prefilled in one step
     a, b, c = (batch.add(p, config) for p in ([9, 8, 7, 6, 5], [4, 3], [2, 1, 11]))
-    assert batch.step() == [] and batch.step() == []          # a and b are 2 of their 6 iterations in
+    batch.step(), batch.step()              # 2 prompts padded to 5 tokens: one iteration a step beside d
+    assert batch.chunks and batch.chunks[0].iteration == 2
     batch.cancel(a)
     events = drain(batch)
     assert a not in events
     for rid, prompt in ((b, [4, 3]), (c, [2, 1, 11])):
         assert [e.token for e in events[rid]] == generate(model, prompt, config).tokens[0]
+    assert [e.token for e in events[d]] == generate(model, [12, 13], replace(config, max_new_tokens=12)).tokens[0][1:]
 
 
 def test_requests_that_cannot_be_served_are_refused_by_name(model):

@@ -267,6 +267,24 @@ def test_metrics_count_tokens_iterations_and_time_to_first_token(live):
     assert float(exits[0].split()[-1]) >= 2            # a threshold of 1.0 exits at min_steps
 
 
+def test_a_profiled_server_with_chunked_prompts_exports_its_phases(model_dir):
+    """--profile: seconds per phase of the batch's steps on /metrics; prompts prefilled 3 tokens at a time,
+    with rows looking every step and running their coda at once, still give generate's text."""
+    with LiveServer(model_dir, profile=True, prefill_chunk=3, sync_every=1, coda_every=1) as live:
+        prompt = "the cat sat on the mat. the dog"
+        out = live.client().completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+        ids = live.tokenizer.encode(prompt, add_bos=True)
+        assert len(ids) > 6                                             # three chunks or more
+        assert out.choices[0].text == live.expected(ids, max_new_tokens=5, stop_tokens=(live.tokenizer.eos_id,))[0]
+        text = httpx.get(live.url + "/metrics", timeout=10).text
+    seconds = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("rdlm_batch_phase_seconds_total{")}
+    assert {"core iteration", "coda and sampling", "prompt coda and first token"} <= set(seconds)
+    assert all(v >= 0 for v in seconds.values()) and seconds["core iteration"] > 0
+    steps = [line for line in text.splitlines() if line.startswith("rdlm_batch_step_seconds_total ")]
+    assert float(steps[0].split()[-1]) >= sum(seconds.values())
+
+
 def test_a_full_queue_answers_503_with_retry_after(model_dir):
     with LiveServer(model_dir, max_batch=1, max_queue=0) as server:
         slow = threading.Thread(target=lambda: server.client().completions.create(
@@ -310,7 +328,9 @@ def test_serve_flags_for_a_server_beyond_this_machine(model_dir, capsys):
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
     assert not _loopback("0.0.0.0") and not _loopback("192.168.1.4") and not _loopback("example.org")
     for flags, fragment in ((["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
-                            (["--api-key", " "], "--api-key is empty")):
+                            (["--api-key", " "], "--api-key is empty"),
+                            (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+                            (["--coda-every", "0"], "--coda-every must be >= 1")):
         assert main(["serve", str(model_dir), *flags]) != 0
         assert fragment in capsys.readouterr().err
 

@@ -35,8 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body accepted, in bytes (default 1 MiB); larger ones get 413")
     p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens per request prefilled at a time: a prompt runs its iterations inside the "
-                        "batch's steps, a chunk of it at a time, so running requests keep decoding")
+                   help="prompt token-iterations per step of the batch: prompts run their iterations inside the "
+                        "steps (a longer prompt in chunks of this many tokens, one iteration per step), so running "
+                        "requests keep decoding")
     p.add_argument("--coda-every", type=int, default=8,
                    help="steps a row whose token is done may wait for others, so that their codas (and the "
                         "head) run in one call")

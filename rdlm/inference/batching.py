@@ -4,8 +4,11 @@ A fixed number of rows share one `RecurrentKVCache`; each request occupies one r
 its last token. Every `ContinuousBatch.step()`:
 
 1. admits waiting requests into free rows; their prompts start prefilling (rdlm.inference.prefill:
-   a chunk of each prompt runs its iterations inside the following steps, one per step, so the rows
-   already decoding go on; a prompt's first new token is chosen when its last chunk is done);
+   a chunk of each prompt runs its iterations inside the following steps, so the rows already decoding
+   go on; a prompt's first new token is chosen when its last chunk is done). A step gives the prompts
+   `prefill_chunk` token-iterations: a chunk of that many tokens runs one iteration per step, in the
+   decoding rows' call; chunks of fewer tokens run proportionally more (the extra ones in calls of
+   their own), so a short prompt is prefilled within a few steps and a long one never stalls the batch;
 2. starts the next token on every row whose previous token is done (prelude, s_0);
 3. runs **one** core iteration for every iterating row and every prompt chunk, in one model call,
    although the rows are at different tokens and iterations, with different r, exit criteria, cache
@@ -378,6 +381,14 @@ class ContinuousBatch:
                                  PackedCall(self.cache, segments))
         for c, segment in zip(self.chunks, segments[len(segments) - len(self.chunks):]):
             c.advance(model, out[:, segment.tokens])
+        # The prompts' share of a step is `prefill_chunk` token-iterations: chunks of few tokens run more
+        # iterations (alone, in calls of their own), so a short prompt's first token comes within a few steps.
+        # With no row decoding there is nobody to keep waiting: the prompts run on until a chunk is done.
+        extra = self.prefill_chunk // max(1, sum(c.state.shape[0] * c.n for c in self.chunks)) - 1
+        if not requests and self.chunks:
+            extra = max(extra, min(c.cap - c.iteration for c in self.chunks))
+        for _ in range(extra):
+            self._iterate_prompts()
         if not requests:
             return
         state = out.reshape(-1, 1, h)[:len(requests)]
@@ -392,6 +403,24 @@ class ContinuousBatch:
             self._exits(requests, rows, select, index, rope, mask, end, prev_state, state, running)
             steps = self.steps[select]
             self.done[select] |= steps >= self.cap[select]
+
+    def _iterate_prompts(self) -> None:
+        """One more core iteration of the prompt chunks that have iterations left, in one packed call."""
+        chunks = [c for c in self.chunks if not c.done]
+        if not chunks:
+            return
+        h, segments, at = self.model.config.hidden_size, [], 0
+        for c in chunks:
+            segments.append(c.segment(self.cache, at))
+            at = segments[-1].tokens.stop
+        state = torch.cat([c.state.reshape(1, -1, h) for c in chunks], dim=1)
+        embedded = torch.cat([c.embedded.reshape(1, -1, h) for c in chunks], dim=1)
+        rope = tuple(torch.cat([c.rope[k].repeat(1, seg.rows, 1, 1) for c, seg in zip(chunks, segments)], dim=1)
+                     for k in (0, 1))
+        with self._timed("core iteration"):
+            out = self.model.step(state, embedded, 0, rope, None, PackedCall(self.cache, segments))
+        for c, segment in zip(chunks, segments):
+            c.advance(self.model, out[:, segment.tokens])
 
     def _exits(self, requests: list[_Request], rows: Tensor, select: Tensor | slice, index: Tensor,
                rope: tuple[Tensor, Tensor], mask: Tensor, end: int, prev_state: Tensor, state: Tensor,

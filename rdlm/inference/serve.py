@@ -54,7 +54,7 @@ class ServeConfig:
     max_queue: int = 64                 # requests waiting for a row before the server answers 503
     max_length: int | None = None       # tokens per row (prompt + completion); default: the model's context
     num_slots: int = 32                 # core cache slots per token: the largest r without a cache budget
-    prefill_chunk: int = 256            # prompt tokens per row prefilled at a time, interleaved with decoding
+    prefill_chunk: int = 256            # prompt token-iterations per step (and the longest chunk of a prompt)
     coda_every: int = 8                 # steps a done row may wait for others to run the coda with
     sync_every: int = 4                 # steps between the batch's looks at the exit flags (the done rows'
                                         # coda runs together then: rdlm.inference.batching)
