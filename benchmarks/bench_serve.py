@@ -166,7 +166,7 @@ def offline(args, prompts: list[str], exit_criterion: str | None) -> dict:
 
 def profile(args, prompts: list[str], exit_criterion: str | None) -> dict:
     """The server's batch in this process, without HTTP: 2 x --max-batch requests run until idle, with the
-    seconds of each phase of a step (ContinuousBatch.timings) and what is left (host bookkeeping)."""
+    seconds of each phase of a step (ContinuousBatch(profile=True)) and what is left (host bookkeeping)."""
     import rdlm
     from rdlm.data.tokenizer import Tokenizer
     from rdlm.inference.batching import ContinuousBatch
@@ -176,17 +176,16 @@ def profile(args, prompts: list[str], exit_criterion: str | None) -> dict:
     config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
                               exit_criterion=exit_criterion, exit_threshold=args.exit_threshold if exit_criterion else None)
     batch = ContinuousBatch(model, args.max_batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every,
-                            coda_every=args.coda_every, prefill_chunk=args.prefill_chunk)
+                            coda_every=args.coda_every, prefill_chunk=args.prefill_chunk, profile=True)
     for k in range(2 * args.max_batch):
         batch.add(tok.encode(prompts[k % len(prompts)], add_bos=True), config)
-    batch.timings = {}
     tokens = iterations = 0
     t0 = time.perf_counter()
     while batch.busy:
         for event in batch.step():
             tokens, iterations = tokens + 1, iterations + event.steps
     total = time.perf_counter() - t0
-    phases = dict(batch.timings)
+    phases = batch.take_timings()
     phases["host bookkeeping (the rest)"] = total - sum(phases.values())
     return dict(tps=tokens / total, seconds=total, phases=phases, mean_iterations=iterations / tokens)
 

@@ -99,7 +99,7 @@ class ContinuousBatch:
 
     def __init__(self, model: RecurrentDepthLM, max_batch: int = 8, max_length: int | None = None,
                  num_slots: int = 32, decode: Decode | None = None, sync_every: int = 1,
-                 prefill_chunk: int = 256, coda_every: int = 1) -> None:
+                 prefill_chunk: int = 256, coda_every: int = 1, profile: bool = False) -> None:
         c = model.config
         max_length = c.context_length if max_length is None else max_length
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
@@ -140,7 +140,8 @@ class ContinuousBatch:
         self.ids = itertools.count()
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
         self.cancelled: set[int] = set()
-        self.timings: dict[str, float] | None = None  # set to {} to accumulate seconds per phase of a step
+        # With `profile`: seconds per phase of the steps, accumulated (`take_timings` hands them over)
+        self.timings: dict[str, float] | None = {} if profile else None
 
     # ---- requests
 
@@ -229,6 +230,13 @@ class ContinuousBatch:
         decoding = [q for q in self.active if not q.prefilling]
         return (self.steps_run - min(q.ready_since for q in ready) >= self.coda_every - 1
                 or 2 * len(ready) >= len(decoding) or not any(q.iterating for q in decoding))
+
+    def take_timings(self) -> dict[str, float]:
+        """The seconds per phase accumulated since the last call (empty without `profile`)."""
+        if not self.timings:
+            return {}
+        taken, self.timings = self.timings, {}
+        return taken
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:

@@ -116,11 +116,9 @@ class Worker:
 
     def _new_batch(self) -> ContinuousBatch:
         c = self.config
-        batch = ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode,
-                                sync_every=c.sync_every, prefill_chunk=c.prefill_chunk, coda_every=c.coda_every)
-        if c.profile:
-            batch.timings = {}
-        return batch
+        return ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode,
+                               sync_every=c.sync_every, prefill_chunk=c.prefill_chunk, coda_every=c.coda_every,
+                               profile=c.profile)
 
     def start(self) -> None:
         self.thread.start()
@@ -158,10 +156,8 @@ class Worker:
                     events = self.batch.step()
                     self.metrics.step_seconds.inc(time.perf_counter() - t0)
                     self._deliver(events)
-                    if self.batch.timings:
-                        for phase, seconds in self.batch.timings.items():
-                            self.metrics.phase_seconds.labels(phase).inc(seconds)
-                        self.batch.timings.clear()
+                    for phase, seconds in self.batch.take_timings().items():
+                        self.metrics.phase_seconds.labels(phase).inc(seconds)
             except Exception as err:  # a failure of the step itself: fail what is in flight, go on
                 for ticket in self.tickets.values():
                     self._send(ticket, ("error", f"generation failed: {err}"))
