@@ -112,7 +112,7 @@ class ContinuousBatch:
         self.device, self.dtype = param.device, param.dtype
         self.max_batch, self.max_length, self.num_slots = max_batch, max_length, num_slots
         self.sync_every, self.prefill_chunk, self.coda_every = sync_every, prefill_chunk, coda_every
-        self.steps_run = 0
+        self.steps_run = 0                    # steps run: the clock of the waits for a coda
         self.since_look = 0                   # steps since the host last read the exit flags
         self.chunks: list[PromptChunk] = []   # prompts being prefilled (rdlm.inference.prefill)
         self.cache = RecurrentKVCache(c, max_batch, max_length, num_slots, "full", self.dtype, self.device)
