@@ -528,17 +528,9 @@ class ContinuousBatch:
         (token,), finite = read_tokens(chosen, logits)
         if not finite:
             raise NonFiniteLogitsError(self.model, len(q.tokens) + 1)
-        c = q.config
         q.tokens.append(token)
         q.spent += steps
-        reason = None
-        if token in c.stop_tokens:
-            reason = "stop_token"
-        elif c.stop_strings and any(s in self.decode(q.tokens[-(max(map(len, c.stop_strings)) + 8):])
-                                    for s in c.stop_strings):
-            reason = "stop_string"
-        elif len(q.tokens) >= c.max_new_tokens or (c.has_depth_budget and c.depth_cap(len(q.tokens), q.spent) == 0):
-            reason = "length"
+        reason = q.config.finish_reason(q.tokens, q.spent, self.decode)
         events.append(BatchEvent(q.id, token, steps, reason, *scored))
         if reason is not None:
             self.rows[q.row] = None

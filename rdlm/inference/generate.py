@@ -137,8 +137,6 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
     steps: list[list[int]] = [[] for _ in range(batch)]
     reasons = ["length"] * batch
     finished = [config.max_new_tokens == 0] * batch
-    stop_tokens = set(config.stop_tokens)
-    window = max((len(s) for s in config.stop_strings), default=0) + 8  # tokens decoded per check
 
     logprobs: list[list[float]] | None = None if config.logprobs is None else [[] for _ in range(batch)]
 
@@ -147,12 +145,9 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
         if scored is not None:
             logprobs[row].append(scored[0])
         steps[row].append(n_steps)
-        if token in stop_tokens:
-            finished[row], reasons[row] = True, "stop_token"
-        elif config.stop_strings and any(s in decode(tokens[row][-window:]) for s in config.stop_strings):
-            finished[row], reasons[row] = True, "stop_string"
-        elif len(tokens[row]) >= config.max_new_tokens:
-            finished[row] = True
+        reason = config.finish_reason(tokens[row], decode=decode)
+        if reason is not None:
+            finished[row], reasons[row] = True, reason
         return TokenEvent(row, token, n_steps, *(scored or (None, None)))
 
     drafted = accepted = 0

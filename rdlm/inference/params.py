@@ -207,6 +207,21 @@ class GenerationConfig:
     def max_steps(self) -> int:
         return max(self.num_steps, self.prefill_steps or self.num_steps)
 
+    def finish_reason(self, tokens: Sequence[int], spent: int = 0, decode: Decode | None = None) -> str | None:
+        """Why a response ends with its latest token (`tokens`: all its new tokens so far; `spent`: their
+        core iterations): "stop_token", "stop_string" (in the text of its last tokens, through `decode`),
+        "length" (max_new_tokens, or a depth budget with nothing left for another token); None while it
+        goes on. The one stop check of generate and the continuous batch."""
+        if tokens[-1] in self.stop_tokens:
+            return "stop_token"
+        if self.stop_strings:
+            window = max(map(len, self.stop_strings)) + 8  # tokens decoded per check
+            if any(s in decode(tokens[-window:]) for s in self.stop_strings):
+                return "stop_string"
+        if len(tokens) >= self.max_new_tokens or (self.has_depth_budget and self.depth_cap(len(tokens), spent) == 0):
+            return "length"
+        return None
+
 
 @dataclass(frozen=True)
 class TokenEvent:
