@@ -57,7 +57,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="evaluate the exit criterion every n iterations (1: after each, as in the paper)")
     g.add_argument("--exit-sync-every", type=int, default=4,
                    help="the host reads exit flags every n iterations (speed only, never the tokens); in "
-                        "rdlm serve, every n steps of the batch, and the tokens done since run the coda together")
+                        "rdlm serve, every n steps of the batch (rows found done then leave its calls)")
     g.add_argument("--max-latent-iterations", type=int,
                    help="depth budget: most core iterations for all of a response's tokens (at least 1 each)")
     g.add_argument("--target-mean-iterations", type=float,
