@@ -214,8 +214,8 @@ class ContinuousBatch:
             self.steps_run += 1
             if iterating:
                 self.since_look += 1
-                # Look when it is time, or when every row is surely done (each at its cap).
-                if self.since_look >= self.sync_every or all(q.iteration >= q.cap for q in iterating):
+                # Look when it is time, or when a row is surely done (at its cap: no need to wait for it).
+                if self.since_look >= self.sync_every or any(q.iteration >= q.cap for q in iterating):
                     self.since_look = 0
                     self._look(iterating)
             ready = [q for q in self.active if q.ready]
@@ -226,10 +226,13 @@ class ContinuousBatch:
 
     def _coda_due(self, ready: list[_Request]) -> bool:
         """Whether the rows whose token is done run their coda now: once one has waited `coda_every` - 1
-        steps, or half the decoding rows wait, or none is left iterating."""
+        steps, or half the decoding rows wait, or no other row can be done before then (a row with an
+        exit criterion may exit any time; one without ends at its cap)."""
         decoding = [q for q in self.active if not q.prefilling]
-        return (self.steps_run - min(q.ready_since for q in ready) >= self.coda_every - 1
-                or 2 * len(ready) >= len(decoding) or not any(q.iterating for q in decoding))
+        wait = self.coda_every - 1 - (self.steps_run - min(q.ready_since for q in ready))
+        if wait <= 0 or 2 * len(ready) >= len(decoding):
+            return True
+        return not any(q.iterating and (q.criterion is not None or q.cap - q.iteration <= wait) for q in decoding)
 
     def take_timings(self) -> dict[str, float]:
         """The seconds per phase accumulated since the last call (empty without `profile`)."""
