@@ -18,9 +18,8 @@ its last token. Every `ContinuousBatch.step()`:
    the host looks at the exit flags (one read; at once when a row reaches its cap) and the rows found
    done leave the core's calls; they run the coda together once one of them has waited `coda_every` - 1
    steps, or half the rows wait, or no other row can be done before then, and choose their next token,
-   which starts at the next step. A row that exits early goes on to its
-   next token instead of idling while the others iterate, which is where adaptive depth (paper
-   section 6.1) turns into throughput.
+   which starts at the next step. A row that exits early goes on to its next token instead of idling
+   while the others iterate, which is where adaptive depth (paper section 6.1) turns into throughput.
 
 How often to look and to run the coda is a trade: the coda and the head cost about as much for one row
 as for a batch of them (on a CPU their weights are read once per call) and a look is a host sync, so
@@ -375,15 +374,7 @@ class ContinuousBatch:
             embedded.append(self.embedded[select].view(1, n, h))
             cos.append(rope[0].reshape(1, n, 1, -1))
             sin.append(rope[1].reshape(1, n, 1, -1))
-        at = len(requests)
-        for c in self.chunks:
-            segment = c.segment(self.cache, at)
-            segments.append(segment)
-            states.append(c.state.reshape(1, -1, h))
-            embedded.append(c.embedded.reshape(1, -1, h))
-            cos.append(c.rope[0].repeat(1, segment.rows, 1, 1))
-            sin.append(c.rope[1].repeat(1, segment.rows, 1, 1))
-            at = segment.tokens.stop
+        self._pack_prompts(self.chunks, len(requests), segments, states, embedded, cos, sin)
         with self._timed("core iteration"):
             if not self.chunks:  # the decoding rows alone: a plain batched call
                 out = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
@@ -421,18 +412,22 @@ class ContinuousBatch:
         chunks = [c for c in self.chunks if not c.done]
         if not chunks:
             return
-        h, segments, at = self.model.config.hidden_size, [], 0
-        for c in chunks:
-            segments.append(c.segment(self.cache, at))
-            at = segments[-1].tokens.stop
-        state = torch.cat([c.state.reshape(1, -1, h) for c in chunks], dim=1)
-        embedded = torch.cat([c.embedded.reshape(1, -1, h) for c in chunks], dim=1)
-        rope = tuple(torch.cat([c.rope[k].repeat(1, seg.rows, 1, 1) for c, seg in zip(chunks, segments)], dim=1)
-                     for k in (0, 1))
+        segments, states, embedded, cos, sin = [], [], [], [], []
+        self._pack_prompts(chunks, 0, segments, states, embedded, cos, sin)
         with self._timed("core iteration"):
-            out = self.model.step(state, embedded, 0, rope, None, PackedCall(self.cache, segments))
+            out = self.model.step(torch.cat(states, dim=1), torch.cat(embedded, dim=1), 0,
+                                  (torch.cat(cos, dim=1), torch.cat(sin, dim=1)), None,
+                                  PackedCall(self.cache, segments))
         for c, segment in zip(chunks, segments):
             c.advance(self.model, out[:, segment.tokens])
+
+    def _pack_prompts(self, chunks: list[PromptChunk], at: int, *parts: list) -> None:
+        """Append the chunks' parts of a packed call whose tokens go on from `at` to the lists `parts`
+        (segments, states, e, cos, sin)."""
+        for c in chunks:
+            for part, value in zip(parts, c.packed(self.cache, at)):
+                part.append(value)
+            at = parts[0][-1].tokens.stop
 
     def _exits(self, requests: list[_Request], rows: Tensor, select: Tensor | slice, index: Tensor,
                rope: tuple[Tensor, Tensor], mask: Tensor, end: int, prev_state: Tensor, state: Tensor,
@@ -499,7 +494,7 @@ class ContinuousBatch:
         fired = passed & (self.steps[at] >= self.min_steps[at]) & live
         self.done[at] |= fired & ~exact
         # gate-exact: the state where the gate first fired, or the last one if it never does
-        chosen = exact & live & ((fired & ~self.gate_fired[at]) | ((self.steps[at] >= self.cap[at]) & ~self.gate_fired[at]))
+        chosen = exact & live & ~self.gate_fired[at] & (fired | (self.steps[at] >= self.cap[at]))
         self.exit_state[at] = torch.where(chosen.view(-1, 1, 1), state[pick], self.exit_state[at])
         self.gate_fired[at] |= exact & fired
 

@@ -43,6 +43,7 @@ class PromptChunk:
     iteration: int = 0
     gate: list[Tensor] | None = None   # a learned gate's (remaining, cumulative, chosen state, exited), [g, n]
     thresholds: Tensor | None = None   # [g, 1]: the gate's threshold, or one it never reaches
+    minimum: Tensor | None = None      # [g, 1]: the requests' min_steps, with a gate
 
     @classmethod
     def begin(cls, model: RecurrentDepthLM, cache: RecurrentKVCache, key_valid: Tensor, requests: list[Any],
@@ -71,6 +72,7 @@ class PromptChunk:
             never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
             chunk.thresholds = torch.tensor([q.criterion.threshold if gate else never
                                              for q, gate in zip(requests, gated)], device=device).view(-1, 1)
+            chunk.minimum = torch.tensor([q.config.min_steps for q in requests], device=device).view(-1, 1)
             chunk.gate = [torch.ones(g, n, device=device), torch.zeros(g, n, device=device), chunk.state,
                           torch.zeros(g, n, dtype=torch.bool, device=device)]
         return chunk
@@ -83,11 +85,14 @@ class PromptChunk:
     def done(self) -> bool:
         return self.iteration >= self.cap
 
-    def segment(self, cache: RecurrentKVCache, at: int) -> Segment:
-        """Its part of a packed call whose tokens start at `at`."""
-        g, n = self.state.shape[:2]
+    def packed(self, cache: RecurrentKVCache, at: int) -> tuple[Segment, Tensor, Tensor, Tensor, Tensor]:
+        """Its part of a packed call whose tokens start at `at`: (segment, state, e, cos, sin), the tensors
+        as one row of g * n tokens."""
+        g, n, h = self.state.shape
         plan = cache.at(self.start, rows=self.rows, budget=self.budget).plan
-        return Segment(slice(at, at + g * n), g, plan, self.mask, self.iteration)
+        segment = Segment(slice(at, at + g * n), g, plan, self.mask, self.iteration)
+        return (segment, self.state.reshape(1, g * n, h), self.embedded.reshape(1, g * n, h),
+                self.rope[0].repeat(1, g, 1, 1), self.rope[1].repeat(1, g, 1, 1))
 
     def advance(self, model: RecurrentDepthLM, state: Tensor) -> None:
         """Take the state of the iteration just run ([1, g * n, h]); a learned gate keeps, per token, the
@@ -97,10 +102,9 @@ class PromptChunk:
         if self.gate is None:
             return
         remaining, cumulative, chosen, exited = self.gate
-        minimum = torch.tensor([q.config.min_steps for q in self.requests], device=self.rows.device).view(-1, 1)
         passed, remaining, cumulative = gate_update(model.exit_probability(self.state), remaining, cumulative,
                                                     self.thresholds)
-        fired = passed & (minimum <= self.iteration) & ~exited
+        fired = passed & (self.minimum <= self.iteration) & ~exited
         chosen = torch.where((fired | ~exited).unsqueeze(-1), self.state, chosen)
         self.gate = [remaining, cumulative, chosen, exited | fired]
 
@@ -118,4 +122,5 @@ class PromptChunk:
         return dataclasses.replace(
             self, requests=[self.requests[j] for j in keep], lengths=[self.lengths[j] for j in keep],
             state=self.state[pick], embedded=self.embedded[pick], rows=self.rows[pick], gate=gate,
-            thresholds=None if self.thresholds is None else self.thresholds[pick])
+            thresholds=None if self.thresholds is None else self.thresholds[pick],
+            minimum=None if self.minimum is None else self.minimum[pick])
