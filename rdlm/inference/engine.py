@@ -1,8 +1,9 @@
 """The decode engine: a batch of sequences over one preallocated `RecurrentKVCache`.
 
-`Session` owns everything a generation touches: the cache, the attention mask (`key_valid`), the
-positions, the s_0 noise table and the static decode buffers. `rdlm.inference.generate` (and every caller of it:
-the CLI, chat, the transformers and lm-eval integrations) drives it.
+`Session` owns a generation's state: its `ModelRunner` (rdlm.inference.runner: the model, the cache, the
+valid entries the masks read, the s_0 noise table), the buffer length, the sampling generators and the
+static decode buffers. `rdlm.inference.generate` (and every caller of it: the CLI, chat, the
+transformers and lm-eval integrations) drives it.
 
 A decoded token is data, not control flow. Its inputs live in preallocated device tensors (the token
 ids, the buffer index it is written at, the mask over the whole cache), so every shape is fixed for the
@@ -17,7 +18,7 @@ life of a generation and no host sync happens inside a token:
   the iterations its exits save. When to look does not change any result, only the cost.
 
 The prompt, speculative drafts and their verification are blocks of several tokens per row; they run
-on the eager path (the same model calls over slices of the cache).
+on the eager path (the same runner calls over slices of the cache).
 """
 
 from __future__ import annotations
@@ -30,11 +31,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from rdlm.inference.cache import CacheCall, RecurrentKVCache
 from rdlm.inference.exits import ExitTrack, iterate_with_exits
-from rdlm.inference.noise import noise_table
 from rdlm.inference.params import GenerationConfig
-from rdlm.model.lm import RecurrentDepthLM, Rope
+from rdlm.inference.runner import Call, ModelRunner
+from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_time, forward_seconds
 
 
@@ -59,8 +59,7 @@ class Rows:
     index: Tensor            # [b] rows of the batch
     state: Tensor            # [b, 1, h]
     embedded: Tensor         # [b, 1, h]
-    rope: Rope
-    mask: Tensor             # [b, 1, 1, keys]
+    call: Call               # these rows' RoPE, mask and cache rows
     steps: Tensor            # [b] iterations run
     exited: Tensor           # [b] bool
     streak: Tensor           # [b] consecutive passing evaluations
@@ -70,8 +69,8 @@ class Rows:
 
     def select(self, keep: Tensor) -> "Rows":
         pick = lambda t: None if t is None else t[keep]  # noqa: E731
-        return Rows(self.index[keep], self.state[keep], self.embedded[keep],
-                    (self.rope[0][keep], self.rope[1][keep]), self.mask[keep], self.steps[keep],
+        index = self.index[keep]
+        return Rows(index, self.state[keep], self.embedded[keep], self.call.select(keep, index), self.steps[keep],
                     self.exited[keep], self.streak[keep], pick(self.logits), pick(self.remaining),
                     pick(self.cumulative))
 
@@ -122,19 +121,18 @@ class Session:
         self.static = resolve_compile(config.compile, self.device)
         self.graphs = self.static and self.device.type == "cuda"
         slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
-        self.cache = RecurrentKVCache(model.config, self.batch, max_length, slots, config.cache_strategy,
-                                      self.dtype, self.device)
-        self.pad = torch.tensor([self.prompt_length - len(p) for p in prompts], device=self.device)
+        pad = torch.tensor([self.prompt_length - len(p) for p in prompts], device=self.device)
+        self.runner = ModelRunner(model, self.batch, max_length, slots, config.cache_strategy, pad, config.seed,
+                                  config.init_scale)
+        self.cache = self.runner.cache
         self.ids = torch.zeros(self.batch, self.prompt_length, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             self.ids[b, self.prompt_length - len(p):] = torch.tensor(p, device=self.device)
-        self.key_valid = torch.zeros(self.batch, max_length, dtype=torch.bool, device=self.device)
         self.length = 0  # buffer entries written so far
         self.criterion = config.criterion(model.config)
         if self.criterion is not None and self.criterion.uses_gate and model.exit_gate is None:
             raise ValueError(f"exit criterion {self.criterion.name!r} needs a model with a learned exit gate "
                              "(an Ouro checkpoint); this one has none")
-        self.noise = noise_table(model, config.seed, config.init_scale, max_length, self.dtype, self.device)
         self.samplers = [torch.Generator(device=self.device).manual_seed(config.seed)
                          for _ in range(self.batch)]
         self.seen = torch.zeros(self.batch, vocab, dtype=torch.bool, device=self.device)
@@ -149,69 +147,41 @@ class Session:
         self.graphed: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # key -> (graph, its outputs)
         self.capture_seconds = 0.0
 
-    # ---- inputs of one model call: tokens at buffer indices start .. start + n - 1
-
-    def positions(self, start: int, n: int) -> Tensor:
-        index = torch.arange(start, start + n, device=self.device)
-        return (index.unsqueeze(0) - self.pad.unsqueeze(1)).clamp_min(0)
-
-    def mask(self, start: int, n: int) -> Tensor:
-        """[B, 1, n, start + n]: causal over the buffer and no padding; a pad query sees itself only
-        (so its softmax is defined; nobody attends to it)."""
-        end = start + n
-        keys = self.key_valid[:, None, None, :end]
-        if n == 1:
-            return keys
-        q = torch.arange(start, end, device=self.device).view(-1, 1)
-        k = torch.arange(end, device=self.device).view(1, -1)
-        return (keys & (k <= q)) | (k == q)
-
-    def initial_state(self, embedded: Tensor, positions: Tensor) -> Tensor:
-        """s_0 of tokens at `positions` ([B, n]): rows of the (seed, position) noise table (or e, for a
-        model whose s_0 is its embedding)."""
-        return self.model.start_state(embedded, None if self.noise is None else self.noise[positions])
-
     # ---- block calls (prompt, drafts, verification): eager, over slices of the cache
 
-    def begin(self, ids: Tensor) -> tuple[Tensor, Rope, Tensor, Tensor, CacheCall]:
-        """Mark the new tokens valid and run the prelude. Returns (e, rope, mask, positions, the cache for
-        calls on these tokens)."""
-        start, n = self.length, ids.shape[1]
-        self.key_valid[:, start:start + n] = True
-        if start == 0:
-            self.key_valid[:, :n] &= torch.arange(n, device=self.device) >= self.pad.unsqueeze(1)
-        positions = self.positions(start, n)
-        rope, mask = self.model.rope(positions, check=False), self.mask(start, n)
-        cache = self.cache.at(start)
-        return self.model.embed(ids, rope, mask, cache), rope, mask, positions, cache
+    def begin(self, ids: Tensor) -> tuple[Tensor, Call]:
+        """Mark the new tokens (buffer indices from `self.length` on) valid and run the prelude: (e, the
+        call for these tokens)."""
+        self.runner.admit(self.length, ids.shape[1])
+        call = self.runner.block(self.length, ids.shape[1])
+        return self.runner.embed(ids, call), call
 
     def rewind(self, position: int) -> None:
         """Forget the buffer entries from index `position` on: the next call writes its tokens there (their
         cache entries are overwritten; until then the mask hides them)."""
         self.length = position
-        self.key_valid[:, position:] = False
+        self.runner.rewind(position)
 
     def forward(self, ids: Tensor, num_steps: int, initial_state: Tensor | None = None,
                 last_only: bool = True) -> tuple[Tensor, Tensor]:
         """Run tokens through the model at a fixed r; append them to the cache. (logits, state): the
         logits of the last token [B, V], or of every token [B, n, V] with `last_only=False`."""
-        e, rope, mask, positions, cache = self.begin(ids)
-        start = cache.plan.start
-        state = self.initial_state(e, positions) if initial_state is None else initial_state
+        e, call = self.begin(ids)
+        start, runner = self.length, self.runner
+        state = runner.initial_state(e, call.positions) if initial_state is None else initial_state
         if self.criterion is not None and self.criterion.uses_gate:
             # Every token runs num_steps (a block call); each is read out at the iteration its gate chose,
             # as the reference selects, so the first new token is the reference's.
             track = ExitTrack.start(state.shape[0] * state.shape[1], self.device, gate=True)
             _, track = iterate_with_exits(
-                lambda s, i, exited: self.model.step(s, e, i, rope, mask, cache), None, state, track,
+                lambda s, i, exited: runner.step(s, e, i, call), None, state, track,
                 self.criterion, 0, num_steps, num_steps, min_steps=self.config.min_steps, freeze=False,
-                gate=self.model.exit_probability)
+                gate=runner.exit_probability)
             state = track.exit_state.view_as(state)
         else:
-            for i in range(num_steps):
-                state = self.model.step(state, e, i, rope, mask, cache)
+            state = runner.iterate(state, e, call, range(num_steps))
         self.cache.fill_missing(num_steps, start, start + ids.shape[1])
-        logits = self.model.readout(state, rope, mask, cache)
+        logits = runner.readout(state, call)
         self.length = start + ids.shape[1]
         return (logits[:, -1] if last_only else logits), state
 
@@ -227,7 +197,7 @@ class Session:
         """Feed one token per row; returns (next logits [B, V], iterations run [B])."""
         self.seen[torch.arange(self.batch, device=self.device), tokens] = True
         t = self.length
-        self.key_valid[:, t] = True
+        self.runner.admit(t)
         self.index.fill_(t)
         self.tokens.copy_(tokens.view(-1, 1))
         if self.config.continuous_cot:
@@ -269,31 +239,20 @@ class Session:
         graph.replay()
         return outputs
 
-    def decode_cache(self) -> CacheCall:
-        """The cache for calls on the token being decoded, every row: static, it writes at the device-side
-        `self.index`; eager, at `self.length`."""
-        return self.cache.at(self.index if self.static else self.length)
-
-    def decode_inputs(self) -> tuple[Tensor, Rope, Tensor, Tensor]:
-        """(e, rope, mask, positions) of the token at buffer index `self.index`; the cache writes there."""
-        positions = (self.index - self.pad).view(-1, 1)
-        rope = self.model.rope(positions, check=False)
-        if self.static:  # the whole buffer: a fixed shape; the mask hides what is not written yet
-            mask = self.key_valid[:, None, None, :]
-        else:
-            mask = self.key_valid[:, None, None, :self.length + 1]
-        return self.model.embed(self.tokens, rope, mask, self.decode_cache()), rope, mask, positions
+    def decode_start(self) -> tuple[Tensor, Tensor, Call]:
+        """Prelude and s_0 of the token being decoded, every row: (e, s_0, its call). Static, the call
+        writes at the device-side `self.index` and sees the whole buffer; eager, at `self.length`."""
+        call = self.runner.block(self.index if self.static else self.length)
+        e = self.runner.embed(self.tokens, call)
+        return e, self.warm if self.config.continuous_cot else self.runner.initial_state(e, call.positions), call
 
     def token_fixed(self) -> tuple[Tensor, Tensor]:
         """One token per row at r = num_steps: (logits [B, V], final state [B, 1, h])."""
         r = self.config.num_steps
-        e, rope, mask, positions = self.decode_inputs()
-        cache = self.decode_cache()
-        state = self.warm if self.config.continuous_cot else self.initial_state(e, positions)
-        for i in range(r):
-            state = self.model.step(state, e, i, rope, mask, cache)
-        self.cache.fill_missing(r, cache.plan.start, None)
-        return self.model.readout(state, rope, mask, cache)[:, -1], state
+        e, state, call = self.decode_start()
+        state = self.runner.iterate(state, e, call, range(r))
+        self.cache.fill_missing(r, call.start, None)
+        return self.runner.readout(state, call)[:, -1], state
 
     # ---- adaptive exits
 
@@ -304,7 +263,7 @@ class Session:
         While every row iterates, chunks of `exit_sync_every` iterations run as static steps (CUDA
         graphs on CUDA) over the whole batch, exited rows frozen on the device; at the end of a chunk
         the host looks at the exit flags, and once some rows have exited the others go on alone."""
-        c, cache = self.config, self.decode_cache()
+        c = self.config
         r, every = c.num_steps, c.exit_sync_every
         if self.criterion.spec.exact:  # every row runs every iteration: one chunk, the exit only selects
             return self.token_exact()
@@ -314,10 +273,9 @@ class Session:
         while i < r:
             n = min(every, r - i)
             if compact:
-                rows = self.iterate(rows, i, n, cache.but(rows=rows.index))
+                rows = self.iterate(rows, i, n)
             else:
-                self.run(("adaptive", i, n), lambda: (self.iterate(rows, i, n, cache, in_place=True),),
-                         idempotent=False)
+                self.run(("adaptive", i, n), lambda: (self.iterate(rows, i, n, in_place=True),), idempotent=False)
             i += n
             if i == r:
                 break
@@ -332,55 +290,50 @@ class Session:
                 rows, compact = rows.select(~exited), True
         final[rows.index] = rows.state
         steps[rows.index] = rows.steps
-        self.cache.fill_missing(steps, cache.plan.start, None)
-        logits = self.model.readout(final, full.rope, full.mask, cache)[:, -1]
-        return logits, final, steps
+        self.cache.fill_missing(steps, full.call.start, None)
+        return self.runner.readout(final, full.call)[:, -1], final, steps
 
     def token_exact(self) -> tuple[Tensor, Tensor, Tensor]:
         """`gate-exact`: all num_steps iterations for every row (every cache entry written, as the
         reference computes), the logits read from each row's state at its gate exit. Steps reported: the
         iterations run, num_steps."""
-        r, cache = self.config.num_steps, self.decode_cache()
+        r = self.config.num_steps
         rows = self.run(("adaptive", "start"), self.adaptive_start)[0]
         track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
         _, track = iterate_with_exits(
-            lambda state, i, exited: self.model.step(state, rows.embedded, i, rows.rope, rows.mask, cache),
+            lambda state, i, exited: self.runner.step(state, rows.embedded, i, rows.call),
             None, rows.state, track, self.criterion, 0, r, r, min_steps=self.config.min_steps, freeze=False,
-            gate=self.model.exit_probability)
+            gate=self.runner.exit_probability)
         final = track.exit_state.view_as(rows.state)
         steps = torch.full((self.batch,), r, device=self.device)
-        self.cache.fill_missing(steps, cache.plan.start, None)
-        logits = self.model.readout(final, rows.rope, rows.mask, cache)[:, -1]
-        return logits, final, steps
+        self.cache.fill_missing(steps, rows.call.start, None)
+        return self.runner.readout(final, rows.call)[:, -1], final, steps
 
     def adaptive_start(self) -> tuple[Rows]:
         """Prelude and s_0 of the token; every row active."""
-        e, rope, mask, positions = self.decode_inputs()
-        state = self.warm if self.config.continuous_cot else self.initial_state(e, positions)
+        e, state, call = self.decode_start()
         zeros = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         logits = None
         if self.criterion.uses_logits:
             logits = torch.zeros(self.batch, self.model.config.vocab_size, device=self.device)
         gate = ExitTrack.start(self.batch, self.device, gate=True) if self.criterion.uses_gate else None
-        return (Rows(torch.arange(self.batch, device=self.device), state.clone(), e, rope, mask, zeros,
+        return (Rows(torch.arange(self.batch, device=self.device), state.clone(), e, call, zeros,
                      zeros.bool(), zeros.clone(), logits, gate and gate.remaining, gate and gate.cumulative),)
 
-    def iterate(self, rows: Rows, first: int, n: int, cache: CacheCall, in_place: bool = False) -> Rows:
+    def iterate(self, rows: Rows, first: int, n: int, in_place: bool = False) -> Rows:
         """Iterations first .. first + n - 1 for `rows` (`iterate_with_exits`), deciding exits on the
-        device; `cache` is the cache for these rows. A row that exited keeps its state and stops writing
-        core cache entries. `in_place` writes the results into `rows`' own tensors (a static step's outputs
-        are its inputs)."""
+        device. A row that exited keeps its state and stops writing core cache entries. `in_place` writes
+        the results into `rows`' own tensors (a static step's outputs are its inputs)."""
         c = self.config
 
         def step(state: Tensor, i: int, exited: Tensor) -> Tensor:
-            writing = cache.but(core_writers=~exited) if i else cache
-            return self.model.step(state, rows.embedded, i, rows.rope, rows.mask, writing)
+            return self.runner.step(state, rows.embedded, i, rows.call.but(core_writers=~exited) if i else rows.call)
 
         def readout(state: Tensor) -> Tensor:
-            return self.model.readout(state, rows.rope, rows.mask, cache)[:, -1]
+            return self.runner.readout(state, rows.call)[:, -1]
 
         track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
-        gate = self.model.exit_probability if self.criterion.uses_gate else None
+        gate = self.runner.exit_probability if self.criterion.uses_gate else None
         state, track = iterate_with_exits(step, readout, rows.state, track, self.criterion, first, n,
                                           c.num_steps, min_steps=c.min_steps, every=c.exit_every, gate=gate)
         out = dataclasses.replace(rows, state=state, steps=track.steps, exited=track.exited,
@@ -412,11 +365,9 @@ class Session:
         length = min(length, self.cache.max_length - start)
         fed, embedded, states = [pending], [], []
         for j in range(length):
-            e, rope, mask, positions, cache = self.begin(torch.tensor([[fed[-1]]], device=self.device))
-            state = self.initial_state(e, positions)
-            for i in range(n_draft):
-                state = self.model.step(state, e, i, rope, mask, cache)
-            logits = self.model.readout(state, rope, mask, cache)
+            e, call = self.begin(torch.tensor([[fed[-1]]], device=self.device))
+            state = self.runner.iterate(self.runner.initial_state(e, call.positions), e, call, range(n_draft))
+            logits = self.runner.readout(state, call)
             self.length += 1
             embedded.append(e)
             states.append(state)
@@ -424,12 +375,9 @@ class Session:
         drafts = fed[1:]
         # Verify: iterations N..M-1 for all L drafted positions at once.
         self.length = start
-        rope, mask = self.model.rope(self.positions(start, length), check=False), self.mask(start, length)
-        cache = self.cache.at(start)
-        e, state = torch.cat(embedded, dim=1), torch.cat(states, dim=1)
-        for i in range(n_draft, depth):
-            state = self.model.step(state, e, i, rope, mask, cache)
-        logits = self.model.readout(state, rope, mask, cache)[0]
+        call, e = self.runner.block(start, length), torch.cat(embedded, dim=1)
+        state = self.runner.iterate(torch.cat(states, dim=1), e, call, range(n_draft, depth))
+        logits = self.runner.readout(state, call)[0]
         verified, finite = read_tokens(logits.argmax(dim=-1), logits)
         if not finite:
             raise NonFiniteLogitsError(self.model, self.length + 1 - self.prompt_length)

@@ -117,7 +117,7 @@ class ParallelSampler:
         """s_0 of new positions: the session's (seed, position) noise, the same as sequential decoding."""
         s = self.session
         shape = (1, n, self.model.config.hidden_size)
-        return s.initial_state(torch.zeros(shape, dtype=s.dtype, device=s.device), s.positions(start, n))
+        return s.runner.initial_state(torch.zeros(shape, dtype=s.dtype, device=s.device), s.runner.positions(start, n))
 
     # ---- decoding
 
@@ -146,24 +146,23 @@ class ParallelSampler:
 
     def step(self) -> list[tuple[int, int]]:
         """One wavefront step; returns the tokens that became final."""
-        c, s, model = self.config, self.session, self.model
+        c, s, runner = self.config, self.session, self.session.runner
         a, width = self.start, self.state.shape[1]
         s.rewind(a)  # the wave's entries are (re)written from its start
-        e, rope, mask, _, cache = s.begin(self.tokens[a:a + width].view(1, width))
+        e, call = s.begin(self.tokens[a:a + width].view(1, width))
         if self.smoothed is not None:  # EMA of the input embeddings as drafts change
             old = torch.where(self.exact.view(1, -1, 1), e, self.smoothed)
             e = self.smoothed = (1 - c.embedding_ema) * e + c.embedding_ema * old
         prev, state = self.previous, self.state
         if c.state_noise_mixing > 0:  # dampened: positions that iterated more get less noise
             mix = c.state_noise_mixing / (1 + self.iterations[a:a + width].to(state.dtype))
-            noise = model.init_state(torch.zeros_like(state), c.init_scale, self.noise)
+            noise = runner.state_noise(state, c.init_scale, self.noise)
             state = state * (1 - mix.view(1, -1, 1)) + mix.view(1, -1, 1) * noise
-        for i in range(c.inner_recurrence):
-            state = model.step(state, e, i, rope, mask, cache)
+        state = runner.iterate(state, e, call, range(c.inner_recurrence))
         self.core_passes += c.inner_recurrence
         self.wave_steps += 1
         self.iterations[a:a + width] += c.inner_recurrence
-        logits = model.readout(state, rope, mask, cache)[0]  # [W, V]: logits at p draft p + 1
+        logits = runner.readout(state, call)[0]  # [W, V]: logits at p draft p + 1
         first_draft = max(self.final, a + 1)  # final tokens are never redrafted
         self.tokens[first_draft:a + width + 1] = self._draft(logits)[first_draft - a - 1:]
 
@@ -180,7 +179,7 @@ class ParallelSampler:
         finite = torch.isfinite(logits).all().long()
         settled, done, finite = torch.stack((settled, done, finite)).tolist()  # the one host sync of a step
         if not finite:
-            raise NonFiniteLogitsError(model, a + 1 - self.session.prompt_length)
+            raise NonFiniteLogitsError(self.model, a + 1 - self.session.prompt_length)
         new_start = a + max(settled, done, 0)
         new_final = max(self.final, new_start + 1)
         out = [(int(t), int(n)) for t, n in zip(self.tokens[self.final:new_final].tolist(),

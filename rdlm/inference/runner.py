@@ -1,0 +1,152 @@
+"""The model runner: the one place the inference engines call the model (issue #29).
+
+Every engine runs the same three parts of the model (paper section 3, docs/inference.md): the prelude
+over new tokens (`embed`), core iterations on the latent state (`step`), the coda and the head
+(`readout`), each with the RoPE of the tokens' positions, an attention mask over the cache's valid
+entries, and the cache with a write plan. `ModelRunner` owns the model, the `RecurrentKVCache`, which
+buffer entries hold a token (`key_valid`, the keys of every mask) and the s_0 noise table; a caller
+says which rows and buffer indices a call covers (a `Call`, from `block`) and at which iterations, and
+the runner builds the positions and the mask and calls the model. The engines above it (`Session`,
+`ParallelSampler`) decide what runs when and hold no model call of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rdlm.inference.cache import CacheCall, RecurrentKVCache, Strategy
+from rdlm.inference.noise import noise_table
+from rdlm.model.lm import RecurrentDepthLM, Rope
+
+
+@dataclass(frozen=True)
+class Call:
+    """What model calls over one block of tokens take besides the tokens or states: the RoPE of the
+    tokens' positions, the attention mask ([rows | 1, 1, n, keys] boolean) and the cache with its write
+    plan (`CacheWrite`: start, rows, slots, ...)."""
+    rope: Rope
+    mask: Tensor
+    cache: CacheCall
+    positions: Tensor      # [rows | 1, n]
+
+    @property
+    def start(self) -> int | Tensor:
+        return self.cache.plan.start
+
+    @property
+    def rows(self) -> Tensor | slice | None:
+        return self.cache.plan.rows
+
+    def but(self, **changes) -> Call:
+        """The same call with some fields of its cache plan changed (`CacheCall.but`)."""
+        return dataclasses.replace(self, cache=self.cache.but(**changes))
+
+    def select(self, keep: Tensor | slice, rows: Tensor | slice) -> Call:
+        """The call of its rows at `keep` only, rows `rows` of the cache (a per-row start goes with them)."""
+        start = self.start
+        if isinstance(start, Tensor) and start.ndim:
+            start = start[keep]
+        return Call((self.rope[0][keep], self.rope[1][keep]), self.mask[keep],
+                    self.cache.but(start=start, rows=rows), self.positions[keep])
+
+
+class ModelRunner:
+    """The model, its KV cache, the valid buffer entries of each row and the s_0 table (see the module
+    doc). Buffer index t of row b holds that row's token at position t - pad[b] (`Session` left-pads its
+    prompts to a common length; without `pad`, every row starts at index 0)."""
+
+    def __init__(self, model: RecurrentDepthLM, batch: int, max_length: int, num_slots: int,
+                 strategy: Strategy = "full", pad: Tensor | None = None, seed: int | None = None,
+                 init_scale: float = 1.0) -> None:
+        param = next(model.parameters())
+        self.model, self.device, self.dtype = model, param.device, param.dtype
+        self.cache = RecurrentKVCache(model.config, batch, max_length, num_slots, strategy, self.dtype, self.device)
+        self.key_valid = torch.zeros(batch, max_length, dtype=torch.bool, device=self.device)
+        self.pad = torch.zeros(batch, dtype=torch.long, device=self.device) if pad is None else pad
+        # s_0 of every position for `seed` (all rows), or None: a caller passes its own rows of a table
+        self.noise = None if seed is None else self.noise_table(seed, init_scale, max_length)
+
+    # ---- which entries hold a token
+
+    def admit(self, start: int | Tensor, n: int = 1, rows: Tensor | slice | int = slice(None)) -> None:
+        """Mark new tokens' buffer entries valid (later queries attend to them): indices start .. start +
+        n - 1 of `rows`, or one per row at the index tensor `start`. A row's left padding never is."""
+        if isinstance(start, Tensor):
+            self.key_valid[rows, start] = True
+            return
+        self.key_valid[rows, start:start + n] = True
+        if start == 0:
+            self.key_valid[rows, :n] &= torch.arange(n, device=self.device) >= self.pad[rows].unsqueeze(-1)
+
+    def rewind(self, position: int, rows: Tensor | slice | int = slice(None)) -> None:
+        """Forget the entries of `rows` from buffer index `position` on (the mask hides them until rewritten)."""
+        self.key_valid[rows, position:] = False
+
+    # ---- the calls' inputs
+
+    def positions(self, start: int | Tensor, n: int) -> Tensor:
+        """[rows, n]: the positions of every row's tokens at buffer indices start .. start + n - 1."""
+        index = start + torch.arange(n, device=self.device)
+        return (index.unsqueeze(0) - self.pad.unsqueeze(1)).clamp_min(0)
+
+    def block(self, start: int | Tensor, n: int = 1) -> Call:
+        """n tokens of every row at buffer indices start..: causal over the valid entries; a pad query sees
+        itself only (so its softmax is defined; nobody attends to it). A 0-dim index tensor `start` (one
+        token: the static decode step) sees the whole buffer, a fixed shape; the mask hides what is not
+        written yet."""
+        positions = self.positions(start, n)
+        if isinstance(start, Tensor):
+            mask = self.key_valid[:, None, None, :]
+        else:
+            mask = self.key_valid[:, None, None, :start + n]
+            if n > 1:
+                q = torch.arange(start, start + n, device=self.device).view(-1, 1)
+                k = torch.arange(start + n, device=self.device).view(1, -1)
+                mask = (mask & (k <= q)) | (k == q)
+        return Call(self.model.rope(positions, check=False), mask, self.cache.at(start), positions)
+
+    # ---- s_0 (docs/inference.md, "s0 at inference")
+
+    def noise_table(self, seed: int, scale: float, length: int) -> Tensor | None:
+        """s_0 of positions 0 .. length - 1 drawn from (seed, position) alone (rdlm.inference.noise)."""
+        return noise_table(self.model, seed, scale, length, self.dtype, self.device)
+
+    def start_state(self, embedded: Tensor, noise: Tensor | None) -> Tensor:
+        """s_0 from rows of a noise table (None: zeros), or e itself for a model whose s_0 is its embedding."""
+        return self.model.start_state(embedded, noise)
+
+    def initial_state(self, embedded: Tensor, positions: Tensor) -> Tensor:
+        """s_0 of tokens at `positions`: rows of this runner's table."""
+        return self.start_state(embedded, None if self.noise is None else self.noise[positions])
+
+    def state_noise(self, like: Tensor, scale: float, generator: torch.Generator) -> Tensor:
+        """A fresh draw from s_0's distribution, shaped like `like` (the parallel sampler's state mixing)."""
+        return self.model.init_state(torch.zeros_like(like), scale, generator)
+
+    # ---- the model
+
+    def embed(self, ids: Tensor, call: Call) -> Tensor:
+        """The prelude: e of the call's tokens."""
+        return self.model.embed(ids, call.rope, call.mask, call.cache)
+
+    def step(self, state: Tensor, embedded: Tensor, iteration: int, call: Call) -> Tensor:
+        """Core iteration `iteration`."""
+        return self.model.step(state, embedded, iteration, call.rope, call.mask, call.cache)
+
+    def iterate(self, state: Tensor, embedded: Tensor, call: Call, iterations: range) -> Tensor:
+        """Core iterations `iterations`, one after the other."""
+        for i in iterations:
+            state = self.step(state, embedded, i, call)
+        return state
+
+    def readout(self, state: Tensor, call: Call) -> Tensor:
+        """The coda and the head: float32 logits of the call's tokens."""
+        return self.model.readout(state, call.rope, call.mask, call.cache)
+
+    def exit_probability(self, state: Tensor) -> Tensor:
+        """A learned exit gate's probability of exiting at `state` (Ouro)."""
+        return self.model.exit_probability(state)
