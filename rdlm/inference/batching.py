@@ -45,12 +45,11 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.cache import PackedCall, RecurrentKVCache, Segment
 from rdlm.inference.engine import NonFiniteLogitsError, read_tokens
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
-from rdlm.inference.noise import noise_table
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.params import Decode, GenerationConfig
+from rdlm.inference.runner import Call, ModelRunner, Pack
 from rdlm.inference.sampling import sample, token_logprobs
 from rdlm.model.lm import RecurrentDepthLM
 
@@ -115,8 +114,8 @@ class ContinuousBatch:
         self.steps_run = 0                    # steps run: the clock of the waits for a coda
         self.since_look = 0                   # steps since the host last read the exit flags
         self.chunks: list[PromptChunk] = []   # prompts being prefilled (rdlm.inference.prefill)
-        self.cache = RecurrentKVCache(c, max_batch, max_length, num_slots, "full", self.dtype, self.device)
-        self.key_valid = torch.zeros(max_batch, max_length, dtype=torch.bool, device=self.device)
+        self.runner = ModelRunner(model, max_batch, max_length, num_slots, "full")
+        self.cache = self.runner.cache
         h = c.hidden_size
         self.state = torch.zeros(max_batch, 1, h, dtype=self.dtype, device=self.device)
         self.embedded = torch.zeros_like(self.state)
@@ -176,8 +175,7 @@ class ContinuousBatch:
                              "(an Ouro checkpoint); this one has none")
         request = _Request(next(self.ids), list(prompt), config, criterion, budget,
                            torch.Generator(device=self.device).manual_seed(config.seed),
-                           noise_table(self.model, config.seed, config.init_scale,
-                                       len(prompt) + config.max_new_tokens, self.dtype, self.device))
+                           self.runner.noise_table(config.seed, config.init_scale, len(prompt) + config.max_new_tokens))
         self.waiting.append(request)
         return request.id
 
@@ -278,7 +276,7 @@ class ContinuousBatch:
             q.row = self.rows.index(None)
             self.rows[q.row] = q
             q.cap, q.prefilling = q.config.depth_cap(0, 0), True
-            self.key_valid[q.row] = False
+            self.runner.rewind(0, q.row)
             self.seen[q.row] = False
             self.seen[q.row, torch.tensor(q.prompt, device=self.device)] = True
             groups.setdefault((q.cap, q.budget), []).append(q)
@@ -286,15 +284,14 @@ class ContinuousBatch:
             self._begin_chunk(group, 0, cap, budget)
 
     def _begin_chunk(self, requests: list[_Request], start: int, cap: int, budget: int) -> None:
-        self.chunks.append(PromptChunk.begin(self.model, self.cache, self.key_valid, requests, start, cap, budget,
-                                             self.prefill_chunk))
+        self.chunks.append(PromptChunk.begin(self.runner, requests, start, cap, budget, self.prefill_chunk))
 
     def _end_chunks(self, events: list[BatchEvent]) -> None:
         """Chunks that ran their iterations: the coda over their tokens, then the next chunk, or the first
         new token (chosen from the logits of the prompt's last token) and decoding."""
         for chunk in [c for c in self.chunks if c.done]:
             self.chunks.remove(chunk)
-            state, logits = chunk.finish(self.model, self.cache)
+            state, logits = chunk.finish(self.runner)
             going_on = []
             for j, (q, length) in enumerate(zip(chunk.requests, chunk.lengths)):
                 if chunk.start + length < len(q.prompt):
@@ -307,37 +304,30 @@ class ContinuousBatch:
             if going_on:  # they ran n tokens each
                 self._begin_chunk(going_on, chunk.start + chunk.n, chunk.cap, chunk.budget)
 
-    def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Tensor | slice, Tensor, tuple[Tensor, Tensor],
-                                                         Tensor, int]:
-        """(rows, the same rows as a slice where they are consecutive, write indices, RoPE, mask, end) of
-        the token in progress of each request; calls read the cache up to `end`, past the longest of them."""
+    def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Call]:
+        """(rows, call) of the token in progress of each request (`ModelRunner.tokens`: the call's rows are
+        a slice where they are consecutive, its start their write indices)."""
         key = tuple((q.row, q.length) for q in requests)
         if self._last_inputs is not None and self._last_inputs[0] == key:  # unchanged since the last step
             return self._last_inputs[1]
-        numbers = [q.row for q in requests]
-        rows = torch.tensor(numbers, device=self.device)
-        consecutive = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
-        select = slice(numbers[0], numbers[-1] + 1) if consecutive else rows
-        index = torch.tensor([q.length for q in requests], device=self.device)
-        rope = self.model.rope(index.view(-1, 1), check=False)
-        end = max(q.length for q in requests) + 1
-        inputs = rows, select, index, rope, self.key_valid[select, :end][:, None, None, :], end
+        inputs = self.runner.tokens([q.row for q in requests], [q.length for q in requests])
         self._last_inputs = (key, inputs)
         return inputs
 
     def _start(self, requests: list[_Request]) -> None:
         """Feed each request's chosen token: prelude and s_0 of its next position."""
-        rows, select, index, rope, _, end = self._inputs(requests)
-        self.key_valid[rows, index] = True
+        self.runner.admit(torch.tensor([q.length for q in requests], device=self.device),
+                          rows=torch.tensor([q.row for q in requests], device=self.device))
         self._last_inputs = None  # the mask changed
-        mask = self.key_valid[select, :end][:, None, None, :]
+        rows, call = self._inputs(requests)
+        select = call.rows
         self.seen[rows, torch.tensor([q.next_token for q in requests], device=self.device)] = True
         ids = torch.tensor([[q.next_token] for q in requests], device=self.device)
-        self.embedded[select] = self.model.embed(ids, rope, mask, self.cache.at(index, rows=select, end=end))
+        self.embedded[select] = self.runner.embed(ids, call)
         for q in requests:
             if not q.config.continuous_cot:  # else s_0 is the previous token's final state, kept in place
                 noise = None if q.noise is None else q.noise[q.length]
-                self.state[q.row] = self.model.start_state(self.embedded[q.row], noise)
+                self.state[q.row] = self.runner.start_state(self.embedded[q.row], noise)
             q.iteration, q.iterating = 0, True
             q.cap = q.config.depth_cap(len(q.tokens), q.spent)
         limits = torch.tensor([[q.cap, q.config.min_steps] for q in requests], device=self.device)
@@ -351,10 +341,10 @@ class ContinuousBatch:
         prefilled, in one model call. Rows found done on the device since the host last looked
         (`self.done`) are frozen: their state stays, they write no core cache entries, their iteration
         count stops."""
-        model, h = self.model, self.model.config.hidden_size
-        segments, states, embedded, cos, sin = [], [], [], [], []
+        h = self.model.config.hidden_size
         if requests:
-            rows, select, index, rope, mask, end = self._inputs(requests)
+            rows, call = self._inputs(requests)
+            select = call.rows
             # Right after a look nobody is done; later only a row with an exit criterion or at its cap can be.
             may_be_done = self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap
                                                       for q in requests)
@@ -362,28 +352,19 @@ class ContinuousBatch:
             slots = [q.iteration % q.budget for q in requests]
             writers = None if frozen is None else ~frozen
             if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
-                cache, iteration = self.cache.at(index, rows=select, end=end, core_writers=writers), slots[0]
+                core, iteration = call.but(core_writers=writers), slots[0]
             else:
-                cache = self.cache.at(index, rows=rows, slots=torch.tensor(slots, device=self.device), end=end,
-                                      core_writers=writers)
+                core = call.but(rows=rows, slots=torch.tensor(slots, device=self.device), core_writers=writers)
                 iteration = 0
             prev_state = self.state[select].clone()  # `select` may be a view, overwritten below
-            n = len(requests)
-            segments.append(Segment(slice(0, n), n, cache.plan, mask, iteration))
-            states.append(prev_state.view(1, n, h))
-            embedded.append(self.embedded[select].view(1, n, h))
-            cos.append(rope[0].reshape(1, n, 1, -1))
-            sin.append(rope[1].reshape(1, n, 1, -1))
-        self._pack_prompts(self.chunks, len(requests), segments, states, embedded, cos, sin)
-        with self._timed("core iteration"):
-            if not self.chunks:  # the decoding rows alone: a plain batched call
-                out = model.step(prev_state, self.embedded[select], iteration, rope, mask, cache)
-            else:
-                out = model.step(torch.cat(states, dim=1), torch.cat(embedded, dim=1), 0,
-                                 (torch.cat(cos, dim=1), torch.cat(sin, dim=1)), None,
-                                 PackedCall(self.cache, segments))
-        for c, segment in zip(self.chunks, segments[len(segments) - len(self.chunks):]):
-            c.advance(model, out[:, segment.tokens])
+        if not self.chunks:  # the decoding rows alone: a plain batched call
+            with self._timed("core iteration"):
+                out = self.runner.step(prev_state, self.embedded[select], iteration, core)
+        else:
+            pack = Pack()
+            if requests:
+                pack.add(core, prev_state, self.embedded[select], iteration)
+            out = self._run_packed(pack, self.chunks)
         # The prompts' share of a step is `prefill_chunk` token-iterations: chunks of few tokens run more
         # iterations (alone, in calls of their own), so a short prompt's first token comes within a few steps.
         # With no row decoding there is nobody to keep waiting: the prompts run on until a chunk is done.
@@ -403,34 +384,26 @@ class ContinuousBatch:
         for q in requests:
             q.iteration += 1
         with self._timed("exit evaluation"):
-            self._exits(requests, rows, select, index, rope, mask, end, prev_state, state, running)
+            self._exits(requests, rows, call, prev_state, state, running)
             steps = self.steps[select]
             self.done[select] |= steps >= self.cap[select]
 
     def _iterate_prompts(self) -> None:
         """One more core iteration of the prompt chunks that have iterations left, in one packed call."""
         chunks = [c for c in self.chunks if not c.done]
-        if not chunks:
-            return
-        segments, states, embedded, cos, sin = [], [], [], [], []
-        self._pack_prompts(chunks, 0, segments, states, embedded, cos, sin)
+        if chunks:
+            self._run_packed(Pack(), chunks)
+
+    def _run_packed(self, pack: Pack, chunks: list[PromptChunk]) -> Tensor:
+        """One core iteration of `pack` (the decoding rows' part, or nothing) and of `chunks`, in one call."""
+        tokens = [c.pack(pack) for c in chunks]
         with self._timed("core iteration"):
-            out = self.model.step(torch.cat(states, dim=1), torch.cat(embedded, dim=1), 0,
-                                  (torch.cat(cos, dim=1), torch.cat(sin, dim=1)), None,
-                                  PackedCall(self.cache, segments))
-        for c, segment in zip(chunks, segments):
-            c.advance(self.model, out[:, segment.tokens])
+            out = self.runner.step_packed(pack)
+        for c, part in zip(chunks, tokens):
+            c.advance(self.runner, out[:, part])
+        return out
 
-    def _pack_prompts(self, chunks: list[PromptChunk], at: int, *parts: list) -> None:
-        """Append the chunks' parts of a packed call whose tokens go on from `at` to the lists `parts`
-        (segments, states, e, cos, sin)."""
-        for c in chunks:
-            for part, value in zip(parts, c.packed(self.cache, at)):
-                part.append(value)
-            at = parts[0][-1].tokens.stop
-
-    def _exits(self, requests: list[_Request], rows: Tensor, select: Tensor | slice, index: Tensor,
-               rope: tuple[Tensor, Tensor], mask: Tensor, end: int, prev_state: Tensor, state: Tensor,
+    def _exits(self, requests: list[_Request], rows: Tensor, call: Call, prev_state: Tensor, state: Tensor,
                running: Tensor) -> None:
         """Each running row's exit decision after this iteration, on the device (`self.done`)."""
         self._gate(requests, rows, state, running)
@@ -453,7 +426,7 @@ class ContinuousBatch:
         def where(members: list[int]) -> tuple[Tensor | slice, Tensor | slice]:
             """(positions in this call, rows of the batch) of `members`: views when they are every row."""
             if members == everyone:
-                return slice(None), select
+                return slice(None), call.rows
             pick = torch.tensor(members, device=self.device)
             return pick, rows[pick]
 
@@ -462,9 +435,7 @@ class ContinuousBatch:
                     for crit, members in groups.items() if crit.uses_logits}
         if readout:
             pick, at = where(readout)
-            logits = self.model.readout(state[pick], (rope[0][pick], rope[1][pick]), mask[pick],
-                                        self.cache.at(index[pick], rows=at, end=end))
-            self.logits[at] = logits[:, -1]
+            self.logits[at] = self.runner.readout(state[pick], call.select(pick, at))[:, -1]
         for crit, members in groups.items():
             pick, at = where(members)
             logits = self.logits[at] if crit.uses_logits else None
@@ -487,7 +458,7 @@ class ContinuousBatch:
         exact = torch.tensor([requests[j].criterion.spec.exact for j in members], device=self.device)
         live = running[pick]
         passed, remaining, cumulative = gate_update(
-            self.model.exit_probability(state[pick, -1]), self.gate_remaining[at], self.gate_cumulative[at],
+            self.runner.exit_probability(state[pick, -1]), self.gate_remaining[at], self.gate_cumulative[at],
             thresholds)
         self.gate_remaining[at] = torch.where(live, remaining, self.gate_remaining[at])
         self.gate_cumulative[at] = torch.where(live, cumulative, self.gate_cumulative[at])
@@ -501,7 +472,7 @@ class ContinuousBatch:
     def _look(self, requests: list[_Request]) -> None:
         """The host reads the exit flags (one read): rows whose token is done leave the core's calls and wait
         for their coda."""
-        _, select, _, _, _, _ = self._inputs(requests)
+        select = self._inputs(requests)[1].rows
         flags = torch.stack((self.done[select].long(), self.steps[select])).tolist()
         for q, finished, steps in zip(requests, *flags):
             if finished:
@@ -513,8 +484,8 @@ class ContinuousBatch:
             self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
             if q.criterion is not None and q.criterion.spec.exact:
                 self.state[q.row] = self.exit_state[q.row]  # what the readout (and continuous CoT) reads
-        _, select, index, rope, mask, end = self._inputs(requests)
-        logits = self.model.readout(self.state[select], rope, mask, self.cache.at(index, rows=select, end=end))[:, -1]
+        call = self._inputs(requests)[1]
+        logits = self.runner.readout(self.state[call.rows], call)[:, -1]
         for j, q in enumerate(requests):
             q.length += 1
             q.ready = False

@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rdlm.inference.cache import RecurrentKVCache, Segment
 from rdlm.inference.exits import gate_update
-from rdlm.model.lm import RecurrentDepthLM
+from rdlm.inference.runner import Call, ModelRunner, Pack
 
 
 @dataclass
@@ -37,36 +36,31 @@ class PromptChunk:
     budget: int                        # core cache slots the requests cycle through
     state: Tensor                      # [g, n, h]
     embedded: Tensor
-    rope: tuple[Tensor, Tensor]        # [1, n, 1, d/2]
-    mask: Tensor                       # [1, 1, n, start + n]
-    rows: Tensor                       # [g]: the requests' rows of the cache
+    call: Call                         # RoPE [1, n, 1, d/2], mask [1, 1, n, start + n], the requests' rows
     iteration: int = 0
     gate: list[Tensor] | None = None   # a learned gate's (remaining, cumulative, chosen state, exited), [g, n]
     thresholds: Tensor | None = None   # [g, 1]: the gate's threshold, or one it never reaches
     minimum: Tensor | None = None      # [g, 1]: the requests' min_steps, with a gate
 
     @classmethod
-    def begin(cls, model: RecurrentDepthLM, cache: RecurrentKVCache, key_valid: Tensor, requests: list[Any],
-              start: int, cap: int, budget: int, size: int) -> "PromptChunk":
+    def begin(cls, runner: ModelRunner, requests: list[Any], start: int, cap: int, budget: int,
+              size: int) -> "PromptChunk":
         """The prelude and s_0 of the requests' next chunk of prompt: at most `size` tokens each, or the
         whole rest when they cycle through fewer cache slots than the prefill runs iterations. Marks the
-        chunk's tokens valid in `key_valid` (rows of the cache x positions)."""
-        device, whole = key_valid.device, budget < cap
+        chunk's tokens valid (`ModelRunner.admit`)."""
+        device, whole = runner.device, budget < cap
         lengths = [len(q.prompt) - start if whole else min(len(q.prompt) - start, size) for q in requests]
         g, n = len(requests), max(lengths)
         ids = torch.zeros(g, n, dtype=torch.long, device=device)
-        noise = torch.zeros(g, n, model.config.hidden_size, dtype=cache.core_k.dtype, device=device)
+        noise = torch.zeros(g, n, runner.model.config.hidden_size, dtype=runner.dtype, device=device)
         for j, (q, length) in enumerate(zip(requests, lengths)):
             ids[j, :length] = torch.tensor(q.prompt[start:start + length], device=device)
             if q.noise is not None:
                 noise[j, :length] = q.noise[start:start + length]
-            key_valid[q.row, start:start + length] = True
-        positions = torch.arange(start, start + n, device=device)
-        mask = (torch.arange(start + n, device=device).view(1, -1) <= positions.view(-1, 1))
-        mask, rope = mask.view(1, 1, n, start + n), model.rope(positions.view(1, -1), check=False)
-        rows = torch.tensor([q.row for q in requests], device=device)
-        e = model.embed(ids, rope, mask, cache.at(start, rows=rows))
-        chunk = cls(requests, start, lengths, cap, budget, model.start_state(e, noise), e, rope, mask, rows)
+            runner.admit(start, length, q.row)
+        call = runner.prompt(start, n, torch.tensor([q.row for q in requests], device=device), budget)
+        e = runner.embed(ids, call)
+        chunk = cls(requests, start, lengths, cap, budget, runner.start_state(e, noise), e, call)
         gated = [q.criterion is not None and q.criterion.uses_gate for q in requests]
         if any(gated):  # read out at each token's gate exit, as the engine's prefill (rdlm.inference.engine)
             never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
@@ -85,16 +79,11 @@ class PromptChunk:
     def done(self) -> bool:
         return self.iteration >= self.cap
 
-    def packed(self, cache: RecurrentKVCache, at: int) -> tuple[Segment, Tensor, Tensor, Tensor, Tensor]:
-        """Its part of a packed call whose tokens start at `at`: (segment, state, e, cos, sin), the tensors
-        as one row of g * n tokens."""
-        g, n, h = self.state.shape
-        plan = cache.at(self.start, rows=self.rows, budget=self.budget).plan
-        segment = Segment(slice(at, at + g * n), g, plan, self.mask, self.iteration)
-        return (segment, self.state.reshape(1, g * n, h), self.embedded.reshape(1, g * n, h),
-                self.rope[0].repeat(1, g, 1, 1), self.rope[1].repeat(1, g, 1, 1))
+    def pack(self, pack: Pack) -> slice:
+        """Add its next core iteration to a packed call; returns its tokens there."""
+        return pack.add(self.call, self.state, self.embedded, self.iteration)
 
-    def advance(self, model: RecurrentDepthLM, state: Tensor) -> None:
+    def advance(self, runner: ModelRunner, state: Tensor) -> None:
         """Take the state of the iteration just run ([1, g * n, h]); a learned gate keeps, per token, the
         state where it first fired."""
         self.state = state.view(self.state.shape)
@@ -102,25 +91,25 @@ class PromptChunk:
         if self.gate is None:
             return
         remaining, cumulative, chosen, exited = self.gate
-        passed, remaining, cumulative = gate_update(model.exit_probability(self.state), remaining, cumulative,
+        passed, remaining, cumulative = gate_update(runner.exit_probability(self.state), remaining, cumulative,
                                                     self.thresholds)
         fired = passed & (self.minimum <= self.iteration) & ~exited
         chosen = torch.where((fired | ~exited).unsqueeze(-1), self.state, chosen)
         self.gate = [remaining, cumulative, chosen, exited | fired]
 
-    def finish(self, model: RecurrentDepthLM, cache: RecurrentKVCache) -> tuple[Tensor, Tensor]:
+    def finish(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
         """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]."""
         for q, length in zip(self.requests, self.lengths):
-            cache.fill_missing(self.cap, self.start, self.start + length, row=q.row, slots=self.budget)
+            runner.cache.fill_missing(self.cap, self.start, self.start + length, row=q.row, slots=self.budget)
         state = self.state if self.gate is None else self.gate[2]
-        return state, model.readout(state, self.rope, self.mask, cache.at(self.start, rows=self.rows))
+        return state, runner.readout(state, self.call)
 
     def select(self, keep: list[int]) -> "PromptChunk":
         """The chunk of the requests at positions `keep` only."""
-        pick = torch.tensor(keep, device=self.rows.device)
+        pick = torch.tensor(keep, device=self.state.device)
         gate = None if self.gate is None else [t[pick] for t in self.gate]
         return dataclasses.replace(
             self, requests=[self.requests[j] for j in keep], lengths=[self.lengths[j] for j in keep],
-            state=self.state[pick], embedded=self.embedded[pick], rows=self.rows[pick], gate=gate,
-            thresholds=None if self.thresholds is None else self.thresholds[pick],
+            state=self.state[pick], embedded=self.embedded[pick], call=self.call.but(rows=self.call.rows[pick]),
+            gate=gate, thresholds=None if self.thresholds is None else self.thresholds[pick],
             minimum=None if self.minimum is None else self.minimum[pick])

@@ -5,9 +5,10 @@ over new tokens (`embed`), core iterations on the latent state (`step`), the cod
 (`readout`), each with the RoPE of the tokens' positions, an attention mask over the cache's valid
 entries, and the cache with a write plan. `ModelRunner` owns the model, the `RecurrentKVCache`, which
 buffer entries hold a token (`key_valid`, the keys of every mask) and the s_0 noise table; a caller
-says which rows and buffer indices a call covers (a `Call`, from `block`) and at which iterations, and
-the runner builds the positions and the mask and calls the model. The engines above it (`Session`,
-`ParallelSampler`) decide what runs when and hold no model call of their own.
+says which rows and buffer indices a call covers (a `Call`, from `block`, `tokens` or `prompt`) and at
+which iterations, and the runner builds the positions and the mask and calls the model. The engines
+above it (`Session`, `ContinuousBatch` with its `PromptChunk`s, `ParallelSampler`) decide what runs
+when and hold no model call of their own.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.cache import CacheCall, RecurrentKVCache, Strategy
+from rdlm.inference.cache import CacheCall, PackedCall, RecurrentKVCache, Segment, Strategy
 from rdlm.inference.noise import noise_table
 from rdlm.model.lm import RecurrentDepthLM, Rope
 
@@ -52,6 +53,25 @@ class Call:
             start = start[keep]
         return Call((self.rope[0][keep], self.rope[1][keep]), self.mask[keep],
                     self.cache.but(start=start, rows=rows), self.positions[keep])
+
+
+class Pack:
+    """Core iterations of several calls run as one: their tokens form one sequence [1, T, h], and
+    attention runs per segment against its own cache rows (`PackedCall`)."""
+
+    def __init__(self) -> None:
+        self.segments: list[Segment] = []
+        self.parts: list[list[Tensor]] = [[], [], [], []]  # states, e, cos, sin
+
+    def add(self, call: Call, state: Tensor, embedded: Tensor, iteration: int) -> slice:
+        """Append g rows x n tokens (`state` [g, n, h]) at `iteration`; returns their tokens in the pack."""
+        g, n, h = state.shape
+        at = self.segments[-1].tokens.stop if self.segments else 0
+        tokens = slice(at, at + g * n)
+        self.segments.append(Segment(tokens, g, call.cache.plan, call.mask, iteration))
+        for part, value in zip(self.parts, (state, embedded, *call.rope)):
+            part.append(value.expand(g, n, *value.shape[2:]).reshape(1, g * n, *value.shape[2:]))
+        return tokens
 
 
 class ModelRunner:
@@ -109,6 +129,27 @@ class ModelRunner:
                 mask = (mask & (k <= q)) | (k == q)
         return Call(self.model.rope(positions, check=False), mask, self.cache.at(start), positions)
 
+    def tokens(self, rows: list[int], index: list[int]) -> tuple[Tensor, Call]:
+        """One token per row, row rows[j] at its own buffer index index[j] (the continuous batch): (the rows
+        as a tensor, the call). The call's cache rows are a slice where they are consecutive (views, no
+        gather); it reads the cache up to the longest row's end."""
+        numbers, rows = rows, torch.tensor(rows, device=self.device)
+        consecutive = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+        select = slice(numbers[0], numbers[-1] + 1) if consecutive else rows
+        positions = torch.tensor(index, device=self.device).view(-1, 1)
+        end = max(index) + 1
+        mask = self.key_valid[select, :end][:, None, None, :]
+        cache = self.cache.at(positions.view(-1), rows=select, end=end)
+        return rows, Call(self.model.rope(positions, check=False), mask, cache, positions)
+
+    def prompt(self, start: int, n: int, rows: Tensor, budget: int) -> Call:
+        """Prompt tokens at buffer indices (= positions) start .. start + n - 1 of `rows`, right-padded to
+        n, causal over the buffer (no real token attends to a pad); the core cycles through `budget` slots."""
+        positions = torch.arange(start, start + n, device=self.device).view(1, -1)
+        mask = torch.arange(start + n, device=self.device).view(1, -1) <= positions.view(-1, 1)
+        return Call(self.model.rope(positions, check=False), mask.view(1, 1, n, start + n),
+                    self.cache.at(start, rows=rows, budget=budget), positions)
+
     # ---- s_0 (docs/inference.md, "s0 at inference")
 
     def noise_table(self, seed: int, scale: float, length: int) -> Tensor | None:
@@ -142,6 +183,11 @@ class ModelRunner:
         for i in iterations:
             state = self.step(state, embedded, i, call)
         return state
+
+    def step_packed(self, pack: Pack) -> Tensor:
+        """One core iteration of every call in `pack` in one model call: the new states, [1, T, h]."""
+        states, embedded, cos, sin = (torch.cat(part, dim=1) for part in pack.parts)
+        return self.model.step(states, embedded, 0, (cos, sin), None, PackedCall(self.cache, pack.segments))
 
     def readout(self, state: Tensor, call: Call) -> Tensor:
         """The coda and the head: float32 logits of the call's tokens."""
