@@ -45,23 +45,12 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import NonFiniteLogitsError, read_tokens
+from rdlm.inference.engine import choose, sync
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
 from rdlm.inference.prefill import PromptChunk
-from rdlm.inference.params import Decode, GenerationConfig
+from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner, Pack
-from rdlm.inference.sampling import sample, token_logprobs
 from rdlm.model.lm import RecurrentDepthLM
-
-
-@dataclass(frozen=True)
-class BatchEvent:
-    request: int                 # the id `add` returned
-    token: int
-    steps: int                   # core iterations run at the position whose logits chose this token
-    finish_reason: str | None    # None while the request goes on; "stop_token", "stop_string", "length"
-    logprob: float | None = None                      # with GenerationConfig.logprobs (TokenEvent's)
-    top: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass
@@ -86,7 +75,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
 
 
-class ContinuousBatch:
+class ContinuousBatch(Engine):
     """Requests in, tokens out, one core iteration at a time. Not thread-safe: one thread calls
     `add`, `cancel` and `step` (a server runs it in a worker thread and hands requests over).
 
@@ -191,6 +180,10 @@ class ContinuousBatch:
     def busy(self) -> bool:
         return bool(self.waiting) or any(q is not None for q in self.rows)
 
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes
+
     # ---- one step
 
     def step(self) -> list[BatchEvent]:
@@ -245,7 +238,6 @@ class ContinuousBatch:
         if self.timings is None:
             yield
             return
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)
         sync(self.device)
         t0 = time.perf_counter()
         yield
@@ -493,15 +485,12 @@ class ContinuousBatch:
 
     def _choose(self, q: _Request, logits: Tensor, steps: int, events: list[BatchEvent]) -> None:
         """Sample the request's next token from [1, V] logits; emit it; free the row when finished."""
-        chosen = sample(logits, q.config, [q.generator], self.seen[q.row:q.row + 1])
-        scored = (None, None) if q.config.logprobs is None else token_logprobs(logits, chosen, q.config.logprobs)[0]
-        (token,), finite = read_tokens(chosen, logits)
-        if not finite:
-            raise NonFiniteLogitsError(self.model, len(q.tokens) + 1)
+        (token,), scored = choose(self.model, logits, q.config, [q.generator], self.seen[q.row:q.row + 1],
+                                  len(q.tokens))
         q.tokens.append(token)
         q.spent += steps
         reason = q.config.finish_reason(q.tokens, q.spent, self.decode)
-        events.append(BatchEvent(q.id, token, steps, reason, *scored))
+        events.append(BatchEvent(q.id, token, steps, reason, *((None, None) if scored is None else scored[0])))
         if reason is not None:
             self.rows[q.row] = None
         else:

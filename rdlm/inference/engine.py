@@ -2,8 +2,9 @@
 
 `Session` owns a generation's state: its `ModelRunner` (rdlm.inference.runner: the model, the cache, the
 valid entries the masks read, the s_0 noise table), the buffer length, the sampling generators and the
-static decode buffers. `rdlm.inference.generate` (and every caller of it: the CLI, chat, the
-transformers and lm-eval integrations) drives it.
+static decode buffers. `StaticBatch` (rdlm.inference.static) puts it behind the engine interface that
+`rdlm.inference.generate` (and every caller of it: the CLI, chat, the transformers and lm-eval
+integrations) drives.
 
 A decoded token is data, not control flow. Its inputs live in preallocated device tensors (the token
 ids, the buffer index it is written at, the mask over the whole cache), so every shape is fixed for the
@@ -34,6 +35,7 @@ from torch import Tensor
 from rdlm.inference.exits import ExitTrack, iterate_with_exits
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner
+from rdlm.inference.sampling import sample, token_logprobs
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_time, forward_seconds
 
@@ -51,6 +53,25 @@ def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
     anyway: the check costs no synchronization of its own (the CUDA-graph step included)."""
     values = torch.cat([chosen.reshape(-1), torch.isfinite(logits).all().reshape(1).to(chosen.dtype)]).tolist()
     return values[:-1], bool(values[-1])
+
+
+def choose(model: RecurrentDepthLM, logits: Tensor, config: GenerationConfig, generators: list[torch.Generator],
+           seen: Tensor, produced: int) -> tuple[list[int], list | None]:
+    """The next token of each row of `logits` [rows, V] (`sample`) and, with `config.logprobs`, its log p
+    and the top k (`token_logprobs`), after `produced` new tokens. Sampled from finite numbers (a NaN
+    would fail inside the sampler); the logits' own finiteness comes back with the tokens."""
+    chosen = sample(torch.nan_to_num(logits), config, generators, seen)
+    scored = None if config.logprobs is None else token_logprobs(logits, chosen, config.logprobs)
+    tokens, finite = read_tokens(chosen, logits)
+    if not finite:
+        raise NonFiniteLogitsError(model, produced + 1)
+    return tokens, scored
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a clock read after it counts that work)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass

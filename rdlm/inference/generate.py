@@ -26,6 +26,11 @@ Per decoded token the work is: prelude, r core iterations and the coda for one p
 preallocated cache, as a static step of the decode engine (rdlm/inference/engine.py: CUDA graphs on CUDA, exits
 decided on the device). Nothing is re-stacked, and no Python structure grows with the sequence except
 the list of output tokens.
+
+`generate` is one driver over the engine interface (`Engine`, rdlm.inference.params): add every prompt
+to an engine, step it until idle, and turn its events into `TokenEvent`s and one `GenerationResult`.
+The engine is a `StaticBatch` (rdlm.inference.static: all rows in lockstep, speculative decoding, the
+parallel sampler), or a `ContinuousBatch` (rdlm.inference.batching) for a depth budget.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import NonFiniteLogitsError, Session, read_tokens
-from rdlm.inference.parallel import ParallelSampler
-from rdlm.inference.params import Decode, GenerationConfig, GenerationResult, TokenEvent, cut_at_stop
-from rdlm.inference.sampling import sample, token_logprobs
+from rdlm.inference.batching import ContinuousBatch
+from rdlm.inference.engine import Session, sync
+from rdlm.inference.params import Decode, Engine, GenerationConfig, GenerationResult, TokenEvent, cut_at_stop
+from rdlm.inference.sampling import sample
+from rdlm.inference.static import StaticBatch
 from rdlm.model.lm import RecurrentDepthLM
 
-__all__ = ["Decode", "GenerationConfig", "GenerationResult", "TokenEvent", "generate", "sample", "stream"]
+__all__ = ["Decode", "GenerationConfig", "GenerationResult", "Session", "TokenEvent", "generate", "sample", "stream"]
 
 # --------------------------------------------------------------------------------------------------
 # Public API
@@ -89,117 +95,42 @@ def generate(model: RecurrentDepthLM, prompts, config: GenerationConfig | None =
             on_token(event)
 
 
-def _run_batched(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
-                 decode: Decode | None) -> Iterator[TokenEvent]:
-    """Every prompt as a request of a continuous batch (rdlm.inference.batching), run until idle: the path
-    of a depth budget, which each row spends at its own pace."""
-    from rdlm.inference.batching import ContinuousBatch
-
+def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
+            decode: Decode | None) -> Engine:
+    """The engine for these prompts: a continuous batch (rdlm.inference.batching) for a depth budget, which
+    each row spends at its own pace; else a static batch (rdlm.inference.static)."""
+    if not (config.has_depth_budget and config.max_new_tokens > 0):
+        return StaticBatch(model, config, decode)
     longest = max(map(len, prompts)) + config.max_new_tokens
     slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
-    batch = ContinuousBatch(model, max_batch=len(prompts), max_length=longest, num_slots=slots, decode=decode,
-                            sync_every=config.exit_sync_every)
-    rows = {batch.add(p, config): row for row, p in enumerate(prompts)}
-    result = GenerationResult([[] for _ in prompts], [[] for _ in prompts], ["length"] * len(prompts),
-                              cache_bytes=batch.cache.nbytes, prompt_tokens=sum(map(len, prompts)),
-                              logprobs=None if config.logprobs is None else [[] for _ in prompts])
-    t0 = time.perf_counter()
-    while batch.busy:
-        for event in batch.step():
-            row = rows[event.request]
-            result.tokens[row].append(event.token)
-            result.steps[row].append(event.steps)
-            if result.logprobs is not None:
-                result.logprobs[row].append(event.logprob)
-            if event.finish_reason is not None:
-                result.finish_reasons[row] = event.finish_reason
-            yield TokenEvent(row, event.token, event.steps, event.logprob, event.top)
-    sync(batch.device)
-    result.decode_seconds = time.perf_counter() - t0
-    if decode is not None:
-        result.texts = [cut_at_stop(decode(row), config.stop_strings) for row in result.tokens]
-    return result
+    return ContinuousBatch(model, max_batch=len(prompts), max_length=longest, num_slots=slots, decode=decode,
+                           sync_every=config.exit_sync_every)
 
 
 def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
          decode: Decode | None) -> Iterator[TokenEvent]:
-    if config.has_depth_budget and config.max_new_tokens > 0:
-        return (yield from _run_batched(model, prompts, config, decode))
-    speculative = config.draft_steps is not None
-    parallel = None
-    if config.sampler == "parallel":
-        parallel = ParallelSampler(model, prompts, config)
-        session = parallel.session
-    else:
-        session = Session(model, prompts, config, extra_tokens=config.draft_length if speculative else 0)
-    batch = session.batch
-    tokens: list[list[int]] = [[] for _ in range(batch)]
-    steps: list[list[int]] = [[] for _ in range(batch)]
-    reasons = ["length"] * batch
-    finished = [config.max_new_tokens == 0] * batch
-
-    logprobs: list[list[float]] | None = None if config.logprobs is None else [[] for _ in range(batch)]
-
-    def emit(row: int, token: int, n_steps: int, scored: tuple | None = None) -> TokenEvent:
-        tokens[row].append(token)
-        if scored is not None:
-            logprobs[row].append(scored[0])
-        steps[row].append(n_steps)
-        reason = config.finish_reason(tokens[row], decode=decode)
-        if reason is not None:
-            finished[row], reasons[row] = True, reason
-        return TokenEvent(row, token, n_steps, *(scored or (None, None)))
-
-    drafted = accepted = 0
+    """Add every prompt to an engine and step it until idle: its tokens as they come, then the result."""
+    engine = _engine(model, prompts, config, decode)
+    rows = {engine.add(p, config): row for row, p in enumerate(prompts)}
+    tokens: list[list[int]] = [[] for _ in prompts]
+    steps: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] | None = None if config.logprobs is None else [[] for _ in prompts]
+    reasons = ["length"] * len(prompts)
     t0 = time.perf_counter()
-    logits = session.prefill() if parallel is None or config.full_prefill else None
-    sync(session.device)
-    t1 = time.perf_counter()
-    iterations = torch.full((batch,), config.prefill_steps or config.num_steps)
-    if speculative:
-        (pending,), finite = read_tokens(logits[0].argmax(), logits)
-        if not finite:
-            raise NonFiniteLogitsError(model, 1)
-        if not finished[0]:
-            yield emit(0, pending, int(iterations[0]))
-        while not finished[0]:
-            new, n_drafted, n_accepted = session.speculate(pending)
-            drafted, accepted = drafted + n_drafted, accepted + n_accepted
-            for token in new:
-                yield emit(0, token, config.num_steps)
-                if finished[0]:
-                    break
-            pending = new[-1]
-    elif parallel is not None and not finished[0]:
-        for token, n_steps in parallel.run(logits):
-            yield emit(0, token, n_steps)
-            if finished[0]:
-                break
-    else:
-        while not all(finished):
-            # Sampled from finite numbers (a NaN would fail inside the sampler); the logits' own
-            # finiteness comes back with the tokens.
-            chosen = sample(torch.nan_to_num(logits), config, session.samplers, session.seen)
-            scored = None if config.logprobs is None else token_logprobs(logits, chosen, config.logprobs)
-            chosen, finite = read_tokens(chosen, logits)
-            if not finite:
-                raise NonFiniteLogitsError(model, max(map(len, tokens)) + 1)
-            for row in range(batch):
-                if not finished[row]:
-                    yield emit(row, chosen[row], int(iterations[row]), scored and scored[row])
-            if all(finished):
-                break
-            logits, iterations = session.decode(torch.tensor(chosen, device=session.device))
-            iterations = iterations.cpu()
-    sync(session.device)
-    t2 = time.perf_counter()
+    while engine.busy:
+        for event in engine.step():
+            row = rows[event.request]
+            tokens[row].append(event.token)
+            steps[row].append(event.steps)
+            if logprobs is not None:
+                logprobs[row].append(event.logprob)
+            if event.finish_reason is not None:
+                reasons[row] = event.finish_reason
+            yield TokenEvent(row, event.token, event.steps, event.logprob, event.top)
+    sync(engine.device)
+    decode_seconds = time.perf_counter() - (t0 if engine.decode_start is None else engine.decode_start)
     texts = None if decode is None else [cut_at_stop(decode(row), config.stop_strings) for row in tokens]
-    return GenerationResult(tokens, steps, reasons, texts, t1 - t0, t2 - t1 - session.capture_seconds,
-                            drafted, accepted, session.cache.nbytes, sum(len(p) for p in prompts),
-                            session.capture_seconds, parallel.core_passes if parallel else 0,
-                            parallel.wave_steps if parallel else 0, logprobs)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return GenerationResult(tokens, steps, reasons, texts, engine.prefill_seconds,
+                            decode_seconds - engine.capture_seconds, engine.drafted, engine.accepted,
+                            engine.cache_bytes, sum(map(len, prompts)), engine.capture_seconds,
+                            engine.core_passes, engine.wave_steps, logprobs)

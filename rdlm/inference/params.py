@@ -1,7 +1,8 @@
 """What a generation request asks for: `GenerationConfig` (sampling, depth, exits, the cache, continuous
-chain of thought, speculative and parallel decoding) and what it returns (`TokenEvent`, `GenerationResult`).
+chain of thought, speculative and parallel decoding), what it returns (`TokenEvent`, `GenerationResult`),
+and what an engine that serves requests offers its driver (`Engine`, `BatchEvent`).
 
-A leaf of rdlm.inference: the engine, the samplers and every front end (the CLI, the server, the
+A leaf of rdlm.inference: the engines, the samplers and every front end (the CLI, the server, the
 transformers and lm-eval integrations) import it; it imports only the exit criteria.
 """
 
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
+
+import torch
 
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 
@@ -221,6 +224,48 @@ class GenerationConfig:
         if len(tokens) >= self.max_new_tokens or (self.has_depth_budget and self.depth_cap(len(tokens), spent) == 0):
             return "length"
         return None
+
+
+@dataclass(frozen=True)
+class BatchEvent:
+    """A token an engine chose for one of its requests."""
+    request: int                 # the id `Engine.add` returned
+    token: int
+    steps: int                   # core iterations run at the position whose logits chose this token
+    finish_reason: str | None    # None while the request goes on; "stop_token", "stop_string", "length"
+    logprob: float | None = None                      # with GenerationConfig.logprobs (TokenEvent's)
+    top: tuple[tuple[int, float], ...] | None = None
+
+
+class Engine(Protocol):
+    """Requests in, tokens out, one `step` at a time: what `generate` drives (docs/inference.md, "Decode
+    engine"). `StaticBatch` (rdlm.inference.static) decodes the requests added before its first step in
+    lockstep; `ContinuousBatch` (rdlm.inference.batching) admits and finishes them one by one. Either ends
+    a request with `GenerationConfig.finish_reason`. The counters are `GenerationResult`'s, zero for an
+    engine that does not do that work."""
+    device: torch.device
+    prefill_seconds = 0.0                 # prefilling the prompts before the first token's step
+    decode_start: float | None = None     # time.perf_counter() when decoding began; None: at the first step
+    capture_seconds = 0.0                 # capturing CUDA graphs (rdlm.inference.engine.Session.run)
+    drafted = accepted = 0                # self-speculative decoding
+    core_passes = wave_steps = 0          # the parallel sampler
+
+    def add(self, prompt: list[int], config: GenerationConfig) -> int:
+        """Queue a request; returns its id. Raises ValueError for what this engine cannot serve."""
+
+    def step(self) -> list[BatchEvent]:
+        """Run the engine's next step; the tokens it chose."""
+
+    def cancel(self, request: int) -> None:
+        """Drop a request; it gets no more tokens."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is waiting or running."""
+
+    @property
+    def cache_bytes(self) -> int:
+        """The KV cache's size."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,101 @@
+"""The static engine: a `Session` (rdlm.inference.engine) behind the engine interface (`Engine`).
+
+Every request is added before the first step and they share one `GenerationConfig`; the first step
+prefills all prompts at once, each later step decodes one token of every row (the static, CUDA-graph
+step), or runs one round of self-speculative decoding, or takes one token of the parallel sampler
+(rdlm.inference.parallel). A request's id is its row.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+
+from rdlm.inference.engine import Session, choose, sync
+from rdlm.inference.parallel import ParallelSampler
+from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig
+from rdlm.model.lm import RecurrentDepthLM
+
+
+class StaticBatch(Engine):
+    """Requests decoded in lockstep over one session (see the module doc)."""
+
+    def __init__(self, model: RecurrentDepthLM, config: GenerationConfig, decode: Decode | None = None) -> None:
+        self.model, self.config, self.decode = model, config, decode
+        self.device = next(model.parameters()).device
+        self.prompts: list[list[int]] = []
+        self.tokens: list[list[int]] = []
+        self.finished: list[bool] = []
+        self.session: Session | None = None
+        self.rounds = self._rounds()
+
+    def add(self, prompt: list[int], config: GenerationConfig) -> int:
+        if self.session is not None or config != self.config:
+            raise ValueError("a static batch takes its requests, all with its own config, before its first step")
+        self.prompts.append(list(prompt))
+        self.tokens.append([])
+        self.finished.append(config.max_new_tokens == 0)
+        return len(self.prompts) - 1
+
+    def cancel(self, request: int) -> None:
+        self.finished[request] = True
+
+    @property
+    def busy(self) -> bool:
+        return self.session is None or not all(self.finished)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.session.cache.nbytes
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.session.capture_seconds
+
+    def step(self) -> list[BatchEvent]:
+        """The next round's tokens, each row's until it finishes (a speculative round may overshoot)."""
+        events = []
+        for row, token, steps, scored in next(self.rounds, None) or []:
+            if self.finished[row]:
+                continue
+            self.tokens[row].append(token)
+            reason = self.config.finish_reason(self.tokens[row], decode=self.decode)
+            self.finished[row] = reason is not None
+            events.append(BatchEvent(row, token, steps, reason, *((None, None) if scored is None else scored)))
+        return events
+
+    def _rounds(self) -> Iterator[list[tuple[int, int, int, tuple | None]]]:
+        """The prefill (a round of no tokens), then rounds of (row, token, iterations at the position that
+        chose it, (log p, top) or None)."""
+        c, model = self.config, self.model
+        parallel = ParallelSampler(model, self.prompts, c) if c.sampler == "parallel" else None
+        speculative = c.draft_steps is not None
+        s = self.session = parallel.session if parallel else Session(
+            model, self.prompts, c, extra_tokens=c.draft_length if speculative else 0)
+        t0 = time.perf_counter()
+        logits = s.prefill() if parallel is None or c.full_prefill else None
+        sync(s.device)
+        self.decode_start = time.perf_counter()
+        self.prefill_seconds = self.decode_start - t0
+        yield []
+        if parallel is not None:
+            for token, steps in parallel.run(logits):
+                self.core_passes, self.wave_steps = parallel.core_passes, parallel.wave_steps
+                yield [(0, token, steps, None)]
+            self.core_passes, self.wave_steps = parallel.core_passes, parallel.wave_steps
+            self.finished = [True]  # the wave ran out of room
+            return
+        iterations = [c.prefill_steps or c.num_steps] * s.batch
+        while True:
+            chosen, scored = choose(model, logits, c, s.samplers, s.seen, max(map(len, self.tokens)))
+            yield [(row, token, iterations[row], None if scored is None else scored[row])
+                   for row, token in enumerate(chosen)]
+            while speculative:
+                new, drafted, accepted = s.speculate(chosen[0])
+                self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
+                yield [(0, token, c.num_steps, None) for token in new]
+                chosen = new[-1:]
+            logits, steps = s.decode(torch.tensor(chosen, device=s.device))
+            iterations = steps.tolist()
