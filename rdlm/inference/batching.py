@@ -45,7 +45,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import choose, sync
+from rdlm.inference.engine import check_request, choose, sync
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig
@@ -105,6 +105,7 @@ class ContinuousBatch(Engine):
         self.chunks: list[PromptChunk] = []   # prompts being prefilled (rdlm.inference.prefill)
         self.runner = ModelRunner(model, max_batch, max_length, num_slots, "full")
         self.cache = self.runner.cache
+        self.cache_bytes = self.cache.nbytes
         h = c.hidden_size
         self.state = torch.zeros(max_batch, 1, h, dtype=self.dtype, device=self.device)
         self.embedded = torch.zeros_like(self.state)
@@ -135,14 +136,9 @@ class ContinuousBatch(Engine):
 
     def add(self, prompt: list[int], config: GenerationConfig) -> int:
         """Queue a request; returns its id. Raises ValueError for what this batch cannot serve."""
-        if not prompt:
-            raise ValueError("the prompt needs at least one token")
+        criterion = check_request(self.model, prompt, config)
         if config.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 in a continuous batch, got {config.max_new_tokens}")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
         if len(prompt) + config.max_new_tokens > self.max_length:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) "
                              f"exceeds the context of {self.max_length} tokens")
@@ -153,15 +149,11 @@ class ContinuousBatch(Engine):
                              f"available in a continuous batch (use rdlm generate)")
         if config.stop_strings and self.decode is None:
             raise ValueError("stop_strings need a decode function (a tokenizer)")
-        budget = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
+        budget = config.core_slots
         if budget > self.num_slots:
             raise ValueError(f"num_steps {config.max_steps} needs {budget} core cache slots and this batch "
                              f"has {self.num_slots}: use the shared cache (a KV-cache budget) of at most "
                              f"{self.num_slots} slots")
-        criterion = config.criterion(self.model.config)
-        if criterion is not None and criterion.uses_gate and self.model.exit_gate is None:
-            raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
-                             "(an Ouro checkpoint); this one has none")
         request = _Request(next(self.ids), list(prompt), config, criterion, budget,
                            torch.Generator(device=self.device).manual_seed(config.seed),
                            self.runner.noise_table(config.seed, config.init_scale, len(prompt) + config.max_new_tokens))
@@ -179,10 +171,6 @@ class ContinuousBatch(Engine):
     @property
     def busy(self) -> bool:
         return bool(self.waiting) or any(q is not None for q in self.rows)
-
-    @property
-    def cache_bytes(self) -> int:
-        return self.cache.nbytes
 
     # ---- one step
 

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitTrack, iterate_with_exits
+from rdlm.inference.exits import ExitCriterion, ExitTrack, iterate_with_exits
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner
 from rdlm.inference.sampling import sample, token_logprobs
@@ -53,6 +53,21 @@ def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
     anyway: the check costs no synchronization of its own (the CUDA-graph step included)."""
     values = torch.cat([chosen.reshape(-1), torch.isfinite(logits).all().reshape(1).to(chosen.dtype)]).tolist()
     return values[:-1], bool(values[-1])
+
+
+def check_request(model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig) -> ExitCriterion | None:
+    """Refuse a request no engine can run (an empty prompt, an id outside the vocabulary, an exit gate the
+    model lacks); returns its exit criterion."""
+    vocab = model.config.vocab_size
+    bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad or not prompt:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})" if bad else
+                         "every prompt needs at least one token")
+    criterion = config.criterion(model.config)
+    if criterion is not None and criterion.uses_gate and model.exit_gate is None:
+        raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
+                         "(an Ouro checkpoint); this one has none")
+    return criterion
 
 
 def choose(model: RecurrentDepthLM, logits: Tensor, config: GenerationConfig, generators: list[torch.Generator],
@@ -122,13 +137,8 @@ class Session:
 
     def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
                  extra_tokens: int = 0) -> None:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        vocab = model.config.vocab_size
-        for p in prompts:
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        for p in prompts or [[]]:  # no prompt is refused as an empty one
+            self.criterion = check_request(model, p, config)
         self.model, self.config = model, config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -141,22 +151,17 @@ class Session:
         check_generation_time(model.config, self.device, self.batch, self.prompt_length, config)
         self.static = resolve_compile(config.compile, self.device)
         self.graphs = self.static and self.device.type == "cuda"
-        slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
         pad = torch.tensor([self.prompt_length - len(p) for p in prompts], device=self.device)
-        self.runner = ModelRunner(model, self.batch, max_length, slots, config.cache_strategy, pad, config.seed,
-                                  config.init_scale)
+        self.runner = ModelRunner(model, self.batch, max_length, config.core_slots, config.cache_strategy, pad,
+                                  config.seed, config.init_scale)
         self.cache = self.runner.cache
         self.ids = torch.zeros(self.batch, self.prompt_length, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             self.ids[b, self.prompt_length - len(p):] = torch.tensor(p, device=self.device)
         self.length = 0  # buffer entries written so far
-        self.criterion = config.criterion(model.config)
-        if self.criterion is not None and self.criterion.uses_gate and model.exit_gate is None:
-            raise ValueError(f"exit criterion {self.criterion.name!r} needs a model with a learned exit gate "
-                             "(an Ouro checkpoint); this one has none")
         self.samplers = [torch.Generator(device=self.device).manual_seed(config.seed)
                          for _ in range(self.batch)]
-        self.seen = torch.zeros(self.batch, vocab, dtype=torch.bool, device=self.device)
+        self.seen = torch.zeros(self.batch, model.config.vocab_size, dtype=torch.bool, device=self.device)
         for b, p in enumerate(prompts):
             self.seen[b, torch.tensor(p, device=self.device)] = True
         self.last_state: Tensor | None = None

@@ -102,9 +102,8 @@ def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: Generatio
     if not (config.has_depth_budget and config.max_new_tokens > 0):
         return StaticBatch(model, config, decode)
     longest = max(map(len, prompts)) + config.max_new_tokens
-    slots = config.cache_slots if config.cache_strategy == "shared" else config.max_steps
-    return ContinuousBatch(model, max_batch=len(prompts), max_length=longest, num_slots=slots, decode=decode,
-                           sync_every=config.exit_sync_every)
+    return ContinuousBatch(model, max_batch=len(prompts), max_length=longest, num_slots=config.core_slots,
+                           decode=decode, sync_every=config.exit_sync_every)
 
 
 def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,

@@ -210,6 +210,11 @@ class GenerationConfig:
     def max_steps(self) -> int:
         return max(self.num_steps, self.prefill_steps or self.num_steps)
 
+    @property
+    def core_slots(self) -> int:
+        """The core cache slots a request cycles through: `cache_slots` when shared, else one per iteration."""
+        return self.cache_slots if self.cache_strategy == "shared" else self.max_steps
+
     def finish_reason(self, tokens: Sequence[int], spent: int = 0, decode: Decode | None = None) -> str | None:
         """Why a response ends with its latest token (`tokens`: all its new tokens so far; `spent`: their
         core iterations): "stop_token", "stop_string" (in the text of its last tokens, through `decode`),
@@ -238,34 +243,29 @@ class BatchEvent:
 
 
 class Engine(Protocol):
-    """Requests in, tokens out, one `step` at a time: what `generate` drives (docs/inference.md, "Decode
-    engine"). `StaticBatch` (rdlm.inference.static) decodes the requests added before its first step in
-    lockstep; `ContinuousBatch` (rdlm.inference.batching) admits and finishes them one by one. Either ends
-    a request with `GenerationConfig.finish_reason`. The counters are `GenerationResult`'s, zero for an
-    engine that does not do that work."""
+    """Requests in, tokens out, one step at a time: what `generate` drives (docs/inference.md, "Decode
+    engine"). `add` queues a request and returns its id (ValueError for what the engine cannot serve),
+    `step` runs the next step and returns the tokens it chose, `cancel` drops a request, `busy` says whether
+    one is waiting or running. `StaticBatch` (rdlm.inference.static) decodes the requests added before its
+    first step in lockstep; `ContinuousBatch` (rdlm.inference.batching) admits and finishes them one by one.
+    Either ends a request with `GenerationConfig.finish_reason`. The numbers below are `GenerationResult`'s,
+    zero for an engine that does not do that work."""
     device: torch.device
+    cache_bytes: int                      # the KV cache's size
     prefill_seconds = 0.0                 # prefilling the prompts before the first token's step
     decode_start: float | None = None     # time.perf_counter() when decoding began; None: at the first step
     capture_seconds = 0.0                 # capturing CUDA graphs (rdlm.inference.engine.Session.run)
     drafted = accepted = 0                # self-speculative decoding
     core_passes = wave_steps = 0          # the parallel sampler
 
-    def add(self, prompt: list[int], config: GenerationConfig) -> int:
-        """Queue a request; returns its id. Raises ValueError for what this engine cannot serve."""
+    def add(self, prompt: list[int], config: GenerationConfig) -> int: ...
 
-    def step(self) -> list[BatchEvent]:
-        """Run the engine's next step; the tokens it chose."""
+    def step(self) -> list[BatchEvent]: ...
 
-    def cancel(self, request: int) -> None:
-        """Drop a request; it gets no more tokens."""
+    def cancel(self, request: int) -> None: ...
 
     @property
-    def busy(self) -> bool:
-        """Whether a request is waiting or running."""
-
-    @property
-    def cache_bytes(self) -> int:
-        """The KV cache's size."""
+    def busy(self) -> bool: ...
 
 
 @dataclass(frozen=True)

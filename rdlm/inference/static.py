@@ -47,10 +47,6 @@ class StaticBatch(Engine):
         return self.session is None or not all(self.finished)
 
     @property
-    def cache_bytes(self) -> int:
-        return self.session.cache.nbytes
-
-    @property
     def capture_seconds(self) -> float:
         return self.session.capture_seconds
 
@@ -74,6 +70,7 @@ class StaticBatch(Engine):
         speculative = c.draft_steps is not None
         s = self.session = parallel.session if parallel else Session(
             model, self.prompts, c, extra_tokens=c.draft_length if speculative else 0)
+        self.cache_bytes = s.cache.nbytes
         t0 = time.perf_counter()
         logits = s.prefill() if parallel is None or c.full_prefill else None
         sync(s.device)
