@@ -60,7 +60,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import NonFiniteLogitsError, Session, read_tokens
+from rdlm.inference.engine import NonFiniteLogitsError, Session, choose
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.sampling import sample
 from rdlm.model.lm import RecurrentDepthLM
@@ -128,9 +128,7 @@ class ParallelSampler:
         c, s = self.config, self.session
         prompt_length = s.prompt_length
         if prefill_logits is not None:
-            (first,), finite = read_tokens(self._draft(prefill_logits)[:1], prefill_logits)
-            if not finite:
-                raise NonFiniteLogitsError(self.model, 1)
+            (first,), _ = choose(self.model, prefill_logits, c, s.samplers, s.seen, 0)
             self.tokens[prompt_length] = first
             self.final = prompt_length + 1
             self._open(prompt_length, 1, exact=True)
