@@ -89,10 +89,11 @@ class StaticBatch(Engine):
             chosen, scored = choose(model, logits, c, s.samplers, s.seen, max(map(len, self.tokens)))
             yield [(row, token, iterations[row], None if scored is None else scored[row])
                    for row, token in enumerate(chosen)]
-            while speculative:
-                new, drafted, accepted = s.speculate(chosen[0])
-                self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
-                yield [(0, token, c.num_steps, None) for token in new]
-                chosen = new[-1:]
+            if speculative:
+                break
             logits, steps = s.decode(torch.tensor(chosen, device=s.device))
             iterations = steps.tolist()
+        while True:  # self-speculative decoding: from the token chosen last, a round per step
+            chosen, drafted, accepted = s.speculate(chosen[-1])
+            self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
+            yield [(0, token, c.num_steps, None) for token in chosen]
