@@ -25,14 +25,13 @@ on the eager path (the same runner calls over slices of the cache).
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion, ExitTrack, iterate_with_exits
+from rdlm.inference.graphs import StaticSteps
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner
 from rdlm.inference.sampling import sample, token_logprobs
@@ -150,7 +149,6 @@ class Session:
                              f"the context length {model.config.context_length}")
         check_generation_time(model.config, self.device, self.batch, self.prompt_length, config)
         self.static = resolve_compile(config.compile, self.device)
-        self.graphs = self.static and self.device.type == "cuda"
         pad = torch.tensor([self.prompt_length - len(p) for p in prompts], device=self.device)
         self.runner = ModelRunner(model, self.batch, max_length, config.core_slots, config.cache_strategy, pad,
                                   config.seed, config.init_scale)
@@ -170,8 +168,11 @@ class Session:
         self.index = torch.zeros((), dtype=torch.long, device=self.device)     # its buffer index
         self.tokens = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
         self.warm = torch.zeros(self.batch, 1, h, dtype=self.dtype, device=self.device)
-        self.graphed: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # key -> (graph, its outputs)
-        self.capture_seconds = 0.0
+        self.static_steps = StaticSteps(self.device, self.static)
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.static_steps.capture_seconds
 
     # ---- block calls (prompt, drafts, verification): eager, over slices of the cache
 
@@ -229,41 +230,13 @@ class Session:
         if self.config.continuous_cot:
             self.warm.copy_(self.last_state)
         if self.criterion is None:
-            logits, state = self.run(("fixed",), self.token_fixed)
+            logits, state = self.static_steps.run(("fixed",), self.token_fixed)
             steps = torch.full((self.batch,), self.config.num_steps, device=self.device)
         else:
             logits, state, steps = self.token_adaptive()
         self.length = t + 1
         self.last_state = state
         return logits, steps
-
-    def run(self, key: tuple, body: Callable[[], tuple], idempotent: bool = True) -> tuple:
-        """Run a static body: eagerly, or on CUDA through a CUDA graph captured on first use. A
-        replay's outputs are the graph's own tensors, overwritten by the next replay. The first call
-        runs the body once to warm up (allocator, cuBLAS workspaces), captures it, then replays it;
-        a body that updates its inputs in place (`idempotent=False`) is not replayed after the warm-up
-        that already did its work."""
-        if not self.graphs:
-            return body()
-        if key in self.graphed:
-            graph, outputs = self.graphed[key]
-            graph.replay()
-            return outputs
-        t0 = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            warm = body()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = body()
-        self.graphed[key] = (graph, outputs)
-        self.capture_seconds += time.perf_counter() - t0
-        if not idempotent:
-            return warm
-        graph.replay()
-        return outputs
 
     def decode_start(self) -> tuple[Tensor, Tensor, Call]:
         """Prelude and s_0 of the token being decoded, every row: (e, s_0, its call). Static, the call
@@ -293,7 +266,7 @@ class Session:
         r, every = c.num_steps, c.exit_sync_every
         if self.criterion.spec.exact:  # every row runs every iteration: one chunk, the exit only selects
             return self.token_exact()
-        rows = full = self.run(("adaptive", "start"), self.adaptive_start)[0]
+        rows = full = self.static_steps.run(("adaptive", "start"), self.adaptive_start)[0]
         final, steps = rows.state.clone(), rows.steps.clone()
         i, compact = 0, False
         while i < r:
@@ -301,7 +274,8 @@ class Session:
             if compact:
                 rows = self.iterate(rows, i, n)
             else:
-                self.run(("adaptive", i, n), lambda: (self.iterate(rows, i, n, in_place=True),), idempotent=False)
+                self.static_steps.run(("adaptive", i, n), lambda: (self.iterate(rows, i, n, in_place=True),),
+                                      idempotent=False)
             i += n
             if i == r:
                 break
@@ -324,7 +298,7 @@ class Session:
         reference computes), the logits read from each row's state at its gate exit. Steps reported: the
         iterations run, num_steps."""
         r = self.config.num_steps
-        rows = self.run(("adaptive", "start"), self.adaptive_start)[0]
+        rows = self.static_steps.run(("adaptive", "start"), self.adaptive_start)[0]
         track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
         _, track = iterate_with_exits(
             lambda state, i, exited: self.runner.step(state, rows.embedded, i, rows.call),

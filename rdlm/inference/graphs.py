@@ -1,0 +1,57 @@
+"""Static steps: model calls whose every tensor has a fixed shape and lives on the device, so the host
+asks nothing inside them and CUDA can capture them once as a graph and replay it (docs/inference.md,
+"the decode engine").
+
+`Session` (rdlm.inference.engine) runs its decoded token this way and `ContinuousBatch`
+(rdlm.inference.batching) its decoding rows' core iteration; each holds one `StaticSteps`, the cache of
+its captured graphs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+class StaticSteps:
+    """Runs static bodies: eagerly on the CPU, on CUDA through a CUDA graph captured on a body's first
+    use and keyed by what the body runs. `static` False marks an engine that takes its eager path
+    instead (`resolve_compile`); `runs` counts the bodies run (eager or replayed), so a caller can tell
+    the static path was taken."""
+
+    def __init__(self, device: torch.device, static: bool) -> None:
+        self.device, self.static = device, static
+        self.graphs = static and device.type == "cuda"
+        self.graphed: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # key -> (graph, its outputs)
+        self.capture_seconds = 0.0
+        self.runs = 0
+
+    def run(self, key: tuple, body: Callable[[], tuple], idempotent: bool = True) -> tuple:
+        """Run a static body. A replay's outputs are the graph's own tensors, overwritten by the next
+        replay. The first call runs the body once to warm up (allocator, cuBLAS workspaces), captures it,
+        then replays it; a body that updates its inputs in place (`idempotent=False`) is not replayed
+        after the warm-up that already did its work."""
+        self.runs += 1
+        if not self.graphs:
+            return body()
+        if key in self.graphed:
+            graph, outputs = self.graphed[key]
+            graph.replay()
+            return outputs
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            warm = body()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = body()
+        self.graphed[key] = (graph, outputs)
+        self.capture_seconds += time.perf_counter() - t0
+        if not idempotent:
+            return warm
+        graph.replay()
+        return outputs
