@@ -37,18 +37,13 @@ def drain(batch: ContinuousBatch) -> dict[int, list]:
     return events
 
 
-@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6),
-                                                                 (2, 12, 2)])
-def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every, prefill_chunk, coda_every):
-    """Whenever the host looks at the exit flags (every step, or every 3 or 4 with rows frozen between), with
-    prompts prefilled whole or in chunks of 2, 3 or 5 tokens interleaved with the decoding rows, and with
-    done rows running their coda at once or waiting for others (up to 4 or 6 steps). (A chunk of fewer
-    tokens than prefill_chunk runs several iterations per step.)"""
+def busy_batch_alone(model: RecurrentDepthLM, **options) -> ContinuousBatch:
+    """Twelve requests with every kind of config through a batch of 4 rows; asserts that each gets the tokens,
+    iterations and finish reason of `generate` for its prompt alone. Returns the drained batch."""
     rng = random.Random(0)
     requests = [([rng.randrange(512) for _ in range(rng.randint(1, 9))], CONFIGS[k % len(CONFIGS)])
                 for k in range(12)]
-    batch = ContinuousBatch(model, max_batch=4, max_length=32, num_slots=12, sync_every=sync_every,
-                            prefill_chunk=prefill_chunk, coda_every=coda_every)
+    batch = ContinuousBatch(model, max_batch=4, max_length=32, num_slots=12, **options)
     ids = [batch.add(prompt, config) for prompt, config in requests]
     events = drain(batch)
     for rid, (prompt, config) in zip(ids, requests):
@@ -57,6 +52,34 @@ def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every, pre
         assert [e.steps for e in events[rid]] == alone.steps[0]
         assert [e.finish_reason for e in events[rid]][-1] == alone.finish_reasons[0]
         assert all(e.finish_reason is None for e in events[rid][:-1])
+    return batch
+
+
+@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6),
+                                                                 (2, 12, 2)])
+def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every, prefill_chunk, coda_every):
+    """Whenever the host looks at the exit flags (every step, or every 3 or 4 with rows frozen between), with
+    prompts prefilled whole or in chunks of 2, 3 or 5 tokens interleaved with the decoding rows, and with
+    done rows running their coda at once or waiting for others (up to 4 or 6 steps). (A chunk of fewer
+    tokens than prefill_chunk runs several iterations per step.)"""
+    batch = busy_batch_alone(model, sync_every=sync_every, prefill_chunk=prefill_chunk, coda_every=coda_every)
+    assert batch.static_steps.runs == 0                      # the CPU's default: the eager path
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
+@pytest.mark.parametrize("sync_every,coda_every", [(1, 1), (4, 6)])
+def test_the_static_step_gives_each_request_its_tokens_alone(model, device, sync_every, coda_every):
+    """`compile=True`: steps without a prompt chunk run the decoding rows' core iteration as one fixed-shape
+    step over all 4 rows (a CUDA graph captured once on CUDA), rows that are free, prefilling, done or
+    waiting for their coda masked out on the device; every request still gets its tokens alone."""
+    model = model.to(device)
+    try:
+        batch = busy_batch_alone(model, sync_every=sync_every, prefill_chunk=3, coda_every=coda_every, compile=True)
+    finally:
+        model.to("cpu")
+    assert batch.static_steps.runs > 50                      # the static step ran (most iterations go through it)
+    assert len(batch.static_steps.graphed) == (device == "cuda")   # one graph, replayed at every later step
 
 
 def test_rows_that_exit_early_go_on_to_their_next_token(model, monkeypatch):

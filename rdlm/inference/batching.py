@@ -45,8 +45,9 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import check_request, choose, sync
+from rdlm.inference.engine import check_request, choose, resolve_compile, sync
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
+from rdlm.inference.graphs import StaticSteps
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner, Pack
@@ -87,7 +88,8 @@ class ContinuousBatch(Engine):
 
     def __init__(self, model: RecurrentDepthLM, max_batch: int = 8, max_length: int | None = None,
                  num_slots: int = 32, decode: Decode | None = None, sync_every: int = 1,
-                 prefill_chunk: int = 256, coda_every: int = 1, profile: bool = False) -> None:
+                 prefill_chunk: int = 256, coda_every: int = 1, profile: bool = False,
+                 compile: bool | None = None) -> None:
         c = model.config
         max_length = c.context_length if max_length is None else max_length
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
@@ -124,6 +126,12 @@ class ContinuousBatch(Engine):
         self.done = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
         self.gate_fired = torch.zeros_like(self.done)
         self.seen = torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=self.device)
+        # The static core iteration (`_step_static`, `compile` as in `resolve_compile`): each row's buffer
+        # index, core cache budget and whether it decodes, read in place by a captured step.
+        self.static_steps = StaticSteps(self.device, resolve_compile(compile, self.device))
+        self.write_index, self.budget = torch.zeros(max_batch, **long), torch.ones(max_batch, **long)
+        self.decoding = torch.zeros_like(self.done)
+        self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.waiting: deque[_Request] = deque()
         self.rows: list[_Request | None] = [None] * max_batch
         self.ids = itertools.count()
@@ -296,8 +304,8 @@ class ContinuousBatch(Engine):
 
     def _start(self, requests: list[_Request]) -> None:
         """Feed each request's chosen token: prelude and s_0 of its next position."""
-        self.runner.admit(torch.tensor([q.length for q in requests], device=self.device),
-                          rows=torch.tensor([q.row for q in requests], device=self.device))
+        lengths = torch.tensor([q.length for q in requests], device=self.device)
+        self.runner.admit(lengths, rows=torch.tensor([q.row for q in requests], device=self.device))
         self._last_inputs = None  # the mask changed
         rows, call = self._inputs(requests)
         select = call.rows
@@ -310,8 +318,9 @@ class ContinuousBatch(Engine):
                 self.state[q.row] = self.runner.start_state(self.embedded[q.row], noise)
             q.iteration, q.iterating = 0, True
             q.cap = q.config.depth_cap(len(q.tokens), q.spent)
-        limits = torch.tensor([[q.cap, q.config.min_steps] for q in requests], device=self.device)
-        self.cap[select], self.min_steps[select] = limits[:, 0], limits[:, 1]
+        limits = torch.tensor([[q.cap, q.config.min_steps, q.budget] for q in requests], device=self.device)
+        self.cap[select], self.min_steps[select], self.budget[select] = limits.unbind(1)
+        self.write_index[select] = lengths
         self.steps[select], self.streak[select] = 0, 0
         self.done[select], self.gate_fired[select] = False, False
         self.gate_remaining[select], self.gate_cumulative[select] = 1.0, 0.0
@@ -321,30 +330,17 @@ class ContinuousBatch(Engine):
         prefilled, in one model call. Rows found done on the device since the host last looked
         (`self.done`) are frozen: their state stays, they write no core cache entries, their iteration
         count stops."""
-        h = self.model.config.hidden_size
         if requests:
             rows, call = self._inputs(requests)
             select = call.rows
-            # Right after a look nobody is done; later only a row with an exit criterion or at its cap can be.
-            may_be_done = self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap
-                                                      for q in requests)
-            frozen = self.done[select] if may_be_done else None
-            slots = [q.iteration % q.budget for q in requests]
-            writers = None if frozen is None else ~frozen
-            if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
-                core, iteration = call.but(core_writers=writers), slots[0]
-            else:
-                core = call.but(rows=rows, slots=torch.tensor(slots, device=self.device), core_writers=writers)
-                iteration = 0
             prev_state = self.state[select].clone()  # `select` may be a view, overwritten below
-        if not self.chunks:  # the decoding rows alone: a plain batched call
-            with self._timed("core iteration"):
-                out = self.runner.step(prev_state, self.embedded[select], iteration, core)
+            if self.static_steps.static and not self.chunks:
+                with self._timed("core iteration"):
+                    state = self._step_static(requests)[select]
+            else:
+                state = self._step(requests, rows, call, prev_state)
         else:
-            pack = Pack()
-            if requests:
-                pack.add(core, prev_state, self.embedded[select], iteration)
-            out = self._run_packed(pack, self.chunks)
+            self._run_packed(Pack(), self.chunks)
         # The prompts' share of a step is `prefill_chunk` token-iterations: chunks of few tokens run more
         # iterations (alone, in calls of their own), so a short prompt's first token comes within a few steps.
         # With no row decoding there is nobody to keep waiting: the prompts run on until a chunk is done.
@@ -355,9 +351,6 @@ class ContinuousBatch(Engine):
             self._iterate_prompts()
         if not requests:
             return
-        state = out.reshape(-1, 1, h)[:len(requests)]
-        if frozen is not None:
-            state = torch.where(frozen.view(-1, 1, 1), prev_state, state)
         self.state[select] = state
         running = ~self.done[select]
         self.steps[select] += running.long()
@@ -367,6 +360,49 @@ class ContinuousBatch(Engine):
             self._exits(requests, rows, call, prev_state, state, running)
             steps = self.steps[select]
             self.done[select] |= steps >= self.cap[select]
+
+    def _step(self, requests: list[_Request], rows: Tensor, call: Call, prev_state: Tensor) -> Tensor:
+        """The decoding rows' core iteration in a call over them alone, packed with the prompt chunks' when
+        there are any: their new states (a frozen row's kept)."""
+        # Right after a look nobody is done; later only a row with an exit criterion or at its cap can be.
+        may_be_done = self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap
+                                                  for q in requests)
+        frozen = self.done[call.rows] if may_be_done else None
+        slots = [q.iteration % q.budget for q in requests]
+        writers = None if frozen is None else ~frozen
+        if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
+            core, iteration = call.but(core_writers=writers), slots[0]
+        else:
+            core = call.but(rows=rows, slots=torch.tensor(slots, device=self.device), core_writers=writers)
+            iteration = 0
+        embedded = self.embedded[call.rows]
+        if not self.chunks:  # the decoding rows alone: a plain batched call
+            with self._timed("core iteration"):
+                out = self.runner.step(prev_state, embedded, iteration, core)
+        else:
+            pack = Pack()
+            pack.add(core, prev_state, embedded, iteration)
+            out = self._run_packed(pack, self.chunks)
+        state = out.reshape(-1, 1, self.model.config.hidden_size)[:len(requests)]
+        return state if frozen is None else torch.where(frozen.view(-1, 1, 1), prev_state, state)
+
+    def _step_static(self, requests: list[_Request]) -> Tensor:
+        """The decoding rows' core iteration as one fixed-shape call over all `max_batch` rows, the same at
+        every step (CUDA captures it once): each row's buffer index, core slot (iterations run, modulo its
+        budget) and whether it writes are device tensors, not a plan built per step. A row that is not
+        decoding (free, prefilling, waiting for its coda) or is done keeps its state and writes nothing.
+        Every row's new state."""
+        decoding = tuple(q.row for q in requests)
+        if decoding != self._decoding_rows:
+            self._decoding_rows = decoding
+            self.decoding.copy_(torch.tensor([b in decoding for b in range(self.max_batch)]))
+        return self.static_steps.run(("core iteration",), self._core_static)[0]
+
+    def _core_static(self) -> tuple[Tensor]:
+        writers = self.decoding & ~self.done
+        call = self.runner.every_row(self.write_index, self.steps % self.budget, writers)
+        out = self.runner.step(self.state, self.embedded, 0, call)
+        return (torch.where(writers.view(-1, 1, 1), out, self.state),)
 
     def _iterate_prompts(self) -> None:
         """One more core iteration of the prompt chunks that have iterations left, in one packed call."""

@@ -103,7 +103,7 @@ def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: Generatio
         return StaticBatch(model, config, decode)
     longest = max(map(len, prompts)) + config.max_new_tokens
     return ContinuousBatch(model, max_batch=len(prompts), max_length=longest, num_slots=config.core_slots,
-                           decode=decode, sync_every=config.exit_sync_every)
+                           decode=decode, sync_every=config.exit_sync_every, compile=config.compile)
 
 
 def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,

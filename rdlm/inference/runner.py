@@ -87,6 +87,7 @@ class ModelRunner:
         self.cache = RecurrentKVCache(model.config, batch, max_length, num_slots, strategy, self.dtype, self.device)
         self.key_valid = torch.zeros(batch, max_length, dtype=torch.bool, device=self.device)
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device) if pad is None else pad
+        self.batch_rows = torch.arange(batch, device=self.device)
         # s_0 of every position for `seed` (all rows), or None: a caller passes its own rows of a table
         self.noise = None if seed is None else self.noise_table(seed, init_scale, max_length)
 
@@ -141,6 +142,14 @@ class ModelRunner:
         mask = self.key_valid[select, :end][:, None, None, :]
         cache = self.cache.at(positions.view(-1), rows=select, end=end)
         return rows, Call(self.model.rope(positions, check=False), mask, cache, positions)
+
+    def every_row(self, index: Tensor, slots: Tensor, writers: Tensor) -> Call:
+        """One token per row of the whole batch, row b at buffer index index[b] and core slot slots[b]
+        (device tensors), only the `writers` rows writing core entries (the continuous batch's static
+        step): every shape is fixed, the whole buffer is read and the mask hides what is not written."""
+        positions = (index - self.pad).clamp_min(0).view(-1, 1)
+        cache = self.cache.at(index, rows=self.batch_rows, slots=slots, core_writers=writers)
+        return Call(self.model.rope(positions, check=False), self.key_valid[:, None, None, :], cache, positions)
 
     def prompt(self, start: int, n: int, rows: Tensor, budget: int) -> Call:
         """Prompt tokens at buffer indices (= positions) start .. start + n - 1 of `rows`, right-padded to
