@@ -127,6 +127,19 @@ def test_chat_streamed_equals_chat_whole_and_uses_the_template(live):
 def test_concurrent_clients_at_different_depths_each_get_their_tokens_alone(live):
     """A busy batch: requests with different r, exit criteria and sampling join and leave between
     iterations; each still gets exactly the tokens of its prompt decoded alone."""
+    ask_concurrently(live)
+
+
+def test_the_static_step_serves_each_client_its_tokens_alone(model_dir):
+    """compile=True (`rdlm serve --compile`): the batch's core iterations run as its fixed-shape static step."""
+    with LiveServer(model_dir, compile=True) as live:
+        ask_concurrently(live)
+    assert live.app.state.worker.batch.static_steps.runs > 0
+
+
+def ask_concurrently(live: LiveServer) -> None:
+    """Six requests with different r, exit criteria, cache budgets and sampling at once; each gets the text
+    of its prompt decoded alone."""
     requests = [("the cat", dict(num_steps=3)), ("the dog sat", dict(num_steps=12, exit_criterion="kl",
                                                                       exit_threshold=3e-3)),
                 ("1 2 3", dict(num_steps=8, kv_cache_budget=2)), ("on the", dict(num_steps=5, seed=4)),
@@ -333,6 +346,16 @@ def test_serve_flags_for_a_server_beyond_this_machine(model_dir, capsys):
                             (["--coda-every", "0"], "--coda-every must be >= 1")):
         assert main(["serve", str(model_dir), *flags]) != 0
         assert fragment in capsys.readouterr().err
+
+
+def test_serve_compile_turns_the_batch_s_static_step_on(model_dir, capsys, monkeypatch):
+    """--compile (default: on with CUDA, off on CPU) reaches the batch; its banner says which step runs."""
+    from rdlm.cli import main
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
+    for flags, static in (([], "off"), (["--compile"], "on"), (["--no-compile"], "off")):
+        assert main(["serve", str(model_dir), *flags]) == 0
+        assert f"static step {static})" in capsys.readouterr().err
 
 
 def test_rdlm_serve_shuts_down_cleanly_on_sigterm(model_dir):

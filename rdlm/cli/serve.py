@@ -92,14 +92,16 @@ def run(args: argparse.Namespace) -> int:
                          max_length=max_length, num_slots=num_slots, sync_every=defaults.exit_sync_every,
                          defaults=defaults, api_key=args.api_key,
                          max_request_bytes=args.max_request_bytes, prefill_chunk=args.prefill_chunk,
-                         coda_every=args.coda_every, profile=args.profile)
+                         coda_every=args.coda_every, profile=args.profile, compile=defaults.compile)
     if args.api_key is None and not _loopback(args.host):
         print(f"rdlm serve: warning: listening on {args.host} without an API key; anyone who can reach it may "
               f"use it (--api-key or $RDLM_API_KEY)", file=sys.stderr, flush=True)
     app = create_app(model, tokenizer, config)
-    cache = app.state.worker.batch.cache.nbytes / 2 ** 30
+    batch = app.state.worker.batch
+    static = "on" if batch.static_steps.static else "off"
     print(f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
-          f"per row, {num_slots} core slots, KV cache {cache:.2f} GiB, default r {defaults.num_steps})",
+          f"per row, {num_slots} core slots, KV cache {batch.cache.nbytes / 2 ** 30:.2f} GiB, default r "
+          f"{defaults.num_steps}, static step {static})",
           file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: a finished
     # shutdown is a normal exit here, not a death by signal.

@@ -63,6 +63,8 @@ class ServeConfig:
     api_key: str | None = None          # when set, /v1/ requests need "Authorization: Bearer <api_key>"
     max_request_bytes: int = 1 << 20    # larger request bodies are answered 413 before they are parsed
     profile: bool = False               # time each phase of the batch's steps (/metrics: rdlm_batch_phase_seconds)
+    compile: bool | None = None         # the batch's static core step (default: on with CUDA, off on CPU;
+                                        # rdlm.inference.batching)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ class Worker:
         c = self.config
         return ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode,
                                sync_every=c.sync_every, prefill_chunk=c.prefill_chunk, coda_every=c.coda_every,
-                               profile=c.profile)
+                               profile=c.profile, compile=c.compile)
 
     def start(self) -> None:
         self.thread.start()
