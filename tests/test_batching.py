@@ -37,17 +37,20 @@ def drain(batch: ContinuousBatch) -> dict[int, list]:
     return events
 
 
-def busy_batch_alone(model: RecurrentDepthLM, **options) -> ContinuousBatch:
+def busy_batch(model: RecurrentDepthLM, **options) -> ContinuousBatch:
+    return ContinuousBatch(model, max_batch=4, max_length=32, num_slots=12, **options)
+
+
+def each_alone(batch: ContinuousBatch) -> ContinuousBatch:
     """Twelve requests with every kind of config through a batch of 4 rows; asserts that each gets the tokens,
     iterations and finish reason of `generate` for its prompt alone. Returns the drained batch."""
     rng = random.Random(0)
     requests = [([rng.randrange(512) for _ in range(rng.randint(1, 9))], CONFIGS[k % len(CONFIGS)])
                 for k in range(12)]
-    batch = ContinuousBatch(model, max_batch=4, max_length=32, num_slots=12, **options)
     ids = [batch.add(prompt, config) for prompt, config in requests]
     events = drain(batch)
     for rid, (prompt, config) in zip(ids, requests):
-        alone = generate(model, prompt, config)
+        alone = generate(batch.model, prompt, config)
         assert [e.token for e in events[rid]] == alone.tokens[0]
         assert [e.steps for e in events[rid]] == alone.steps[0]
         assert [e.finish_reason for e in events[rid]][-1] == alone.finish_reasons[0]
@@ -62,7 +65,7 @@ def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every, pre
     prompts prefilled whole or in chunks of 2, 3 or 5 tokens interleaved with the decoding rows, and with
     done rows running their coda at once or waiting for others (up to 4 or 6 steps). (A chunk of fewer
     tokens than prefill_chunk runs several iterations per step.)"""
-    batch = busy_batch_alone(model, sync_every=sync_every, prefill_chunk=prefill_chunk, coda_every=coda_every)
+    batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk, coda_every=coda_every))
     assert batch.static_steps.runs == 0                      # the CPU's default: the eager path
 
 
@@ -75,11 +78,27 @@ def test_the_static_step_gives_each_request_its_tokens_alone(model, device, sync
     waiting for their coda masked out on the device; every request still gets its tokens alone."""
     model = model.to(device)
     try:
-        batch = busy_batch_alone(model, sync_every=sync_every, prefill_chunk=3, coda_every=coda_every, compile=True)
+        batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=3, coda_every=coda_every,
+                                      compile=True))
     finally:
         model.to("cpu")
     assert batch.static_steps.runs > 50                      # the static step ran (most iterations go through it)
     assert len(batch.static_steps.graphed) == (device == "cuda")   # one graph, replayed at every later step
+
+
+def test_the_static_step_compiles_to_one_graph_for_the_whole_run(model, monkeypatch):
+    """The step is data, not control flow: torch.compile takes it whole (fullgraph: no host sync, no graph
+    break) once, and every later step, whatever rows decode at whatever iterations, reuses that graph."""
+    graphs = []
+
+    def count(graph: torch.fx.GraphModule, example_inputs) -> object:
+        graphs.append(graph)
+        return graph.forward                                 # dynamo's capture only: inductor's codegen is slow on CPU
+
+    batch = busy_batch(model, sync_every=4, prefill_chunk=3, coda_every=6, compile=True)
+    monkeypatch.setattr(batch, "_core_static", torch.compile(batch._core_static, fullgraph=True, backend=count))
+    each_alone(batch)
+    assert batch.static_steps.runs > 50 and len(graphs) == 1
 
 
 def test_rows_that_exit_early_go_on_to_their_next_token(model, monkeypatch):
