@@ -184,6 +184,10 @@ class ContinuousBatch(Engine):
     def busy(self) -> bool:
         return bool(self.waiting) or any(q is not None for q in self.rows)
 
+    @property
+    def capture_seconds(self) -> float:
+        return self.static_steps.capture_seconds
+
     # ---- one step
 
     def step(self) -> list[BatchEvent]:

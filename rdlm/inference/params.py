@@ -254,7 +254,7 @@ class Engine(Protocol):
     cache_bytes: int                      # the KV cache's size
     prefill_seconds = 0.0                 # prefilling the prompts before the first token's step
     decode_start: float | None = None     # time.perf_counter() when decoding began; None: at the first step
-    capture_seconds = 0.0                 # capturing CUDA graphs (rdlm.inference.engine.Session.run)
+    capture_seconds = 0.0                 # capturing CUDA graphs (rdlm.inference.graphs.StaticSteps)
     drafted = accepted = 0                # self-speculative decoding
     core_passes = wave_steps = 0          # the parallel sampler
 
