@@ -58,8 +58,10 @@ def each_alone(batch: ContinuousBatch) -> ContinuousBatch:
     return batch
 
 
-@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6),
-                                                                 (2, 12, 2)])
+BUSY = [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6), (2, 12, 2)]   # sync_every, prefill_chunk, coda_every
+
+
+@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", BUSY)
 def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every, prefill_chunk, coda_every):
     """Whenever the host looks at the exit flags (every step, or every 3 or 4 with rows frozen between), with
     prompts prefilled whole or in chunks of 2, 3 or 5 tokens interleaved with the decoding rows, and with
@@ -71,15 +73,15 @@ def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every, pre
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
-@pytest.mark.parametrize("sync_every,coda_every", [(1, 1), (4, 6)])
-def test_the_static_step_gives_each_request_its_tokens_alone(model, device, sync_every, coda_every):
+@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", BUSY)
+def test_the_static_step_gives_each_request_its_tokens_alone(model, device, sync_every, prefill_chunk, coda_every):
     """`compile=True`: steps without a prompt chunk run the decoding rows' core iteration as one fixed-shape
-    step over all 4 rows (a CUDA graph captured once on CUDA), rows that are free, prefilling, done or
-    waiting for their coda masked out on the device; every request still gets its tokens alone."""
+    step over all 4 rows (a CUDA graph captured once on CUDA), rows that are free, done or waiting for their
+    coda masked out on the device; every request still gets its tokens alone."""
     model = model.to(device)
     try:
-        batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=3, coda_every=coda_every,
-                                      compile=True))
+        batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk,
+                                      coda_every=coda_every, compile=True))
     finally:
         model.to("cpu")
     assert batch.static_steps.runs > 50                      # the static step ran (most iterations go through it)

@@ -398,7 +398,8 @@ class ContinuousBatch(Engine):
         """The decoding rows' core iteration as one fixed-shape call over all `max_batch` rows, the same at
         every step (CUDA captures it once): each row's buffer index, core slot (iterations run, modulo its
         budget) and whether it writes are device tensors, not a plan built per step. A row that is not
-        decoding (free, prefilling, waiting for its coda) or is done keeps its state and writes nothing.
+        decoding (free, or waiting for its coda; a prompt being prefilled makes the step eager) or is done
+        keeps its state and writes nothing.
         Every row's new state."""
         decoding = tuple(q.row for q in requests)
         if decoding != self._decoding_rows:
