@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     batch = app.state.worker.batch
     static = "on" if batch.static_steps.static else "off"
     print(f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
-          f"per row, {num_slots} core slots, KV cache {batch.cache.nbytes / 2 ** 30:.2f} GiB, default r "
+          f"per row, {num_slots} core slots, KV cache {batch.cache_bytes / 2 ** 30:.2f} GiB, default r "
           f"{defaults.num_steps}, static step {static})",
           file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: a finished
