@@ -87,8 +87,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: all-zero state)")
     g.add_argument("--seed", type=int, default=0, help="seed of s_0 and of sampling (per row)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="the static decode step (rdlm serve: the batch's core iteration) captured in a CUDA "
-                        "graph (default: on with CUDA, off on CPU)")
+                   help="the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU); "
+                        "rdlm serve: the batch's static core iteration (default: off)")
     g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32", help="weights and activations dtype")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     add_quantize_arguments(g)

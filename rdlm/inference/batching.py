@@ -28,7 +28,7 @@ many rows, at the cost of a done row waiting a few steps (`benchmarks/bench_serv
 `rdlm serve` looks every 4 steps and lets a row wait up to 8). Neither changes any token, only cost
 and latency.
 
-With `compile` (on by default with CUDA) a step without prompt chunks runs step 3 as the static step: one
+With `compile=True` (off by default: its CUDA graph has not yet run on a GPU) a step without prompt chunks runs step 3 as the static step: one
 call of fixed shape over every row, its per-row index, slot and writers on the device, which CUDA captures
 once as a graph (`_step_static`; docs/inference.md, continuous batching).
 
@@ -49,7 +49,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import check_request, choose, resolve_compile, sync
+from rdlm.inference.engine import check_request, choose, sync
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
 from rdlm.inference.graphs import StaticSteps
 from rdlm.inference.prefill import PromptChunk
@@ -130,9 +130,10 @@ class ContinuousBatch(Engine):
         self.done = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
         self.gate_fired = torch.zeros_like(self.done)
         self.seen = torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=self.device)
-        # The static core iteration (`_step_static`, `compile` as in `resolve_compile`): each row's buffer
+        # The static core iteration (`_step_static`, only with `compile=True`: unlike `generate`'s static step,
+        # this one has not yet been captured on a GPU, so None keeps it off on every device): each row's buffer
         # index, core cache budget and whether it decodes, read in place by a captured step.
-        self.static_steps = StaticSteps(self.device, resolve_compile(compile, self.device))
+        self.static_steps = StaticSteps(self.device, bool(compile))
         self.write_index, self.budget = torch.zeros(max_batch, **long), torch.ones(max_batch, **long)
         self.decoding = torch.zeros_like(self.done)
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
