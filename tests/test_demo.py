@@ -126,17 +126,17 @@ def test_selection_rules():
 def test_a_claim_met_exactly_holds_despite_rounding():
     from rdlm.demo.run import claims_and_checks
 
-    cfg = DemoConfig(eval_num_steps=(1, 8, 64), mean_recurrence=8)
+    cfg = DemoConfig(eval_num_steps=(1, 8, 64), mean_recurrence=8)  # the training mean r = 9
     acc = lambda n: n / 300  # noqa: E731
     split = lambda accs: {"overall": accs, "strict": accs, "by_difficulty": {}}  # noqa: E731
     rec = {"validation": split({1: acc(150), 8: acc(290), 9: acc(290), 64: acc(290)}),
            "test": split({1: acc(150), 8: acc(290), 9: acc(290), 64: acc(290)}),
-           # 194 - 191 = 3 of 300: exactly the +0.01 bound, which 194/300 - 191/300 misses by rounding
-           "harder": split({1: acc(60), 8: acc(170), 9: acc(191), 64: acc(194)})}
+           # 187 - 157 = 30 of 300: exactly the +0.10 bound, which 187/300 - 157/300 misses by rounding
+           "harder": split({1: acc(60), 8: acc(150), 9: acc(157), 64: acc(187)})}
     exits = {"threshold": 1e-3, "test_answer_steps": 3.0, "max_steps": 32, "test_fixed_accuracy": acc(290),
              "test_accuracy": acc(284)}
     claims, checks = claims_and_checks(cfg, {"recurrent": rec}, exits)
-    assert acc(194) - acc(191) < CLAIM_BOUNDS["harder"] and claims["best_r_on_validation"] == 8
+    assert acc(187) - acc(157) < CLAIM_BOUNDS["harder"] and claims["best_r_on_validation"] == 8
     assert all(c["holds"] for c in checks), [c for c in checks if not c["holds"]]
 
 
@@ -292,7 +292,7 @@ def tiny_demo_model():
 
 
 # Seeds of the slow test: a representative subset of the five in the README (RDLM_DEMO_SEEDS=0,1,2,3,4
-# runs them all, about 5 minutes each on a 2-core AMD EPYC (Zen 4), 13 on a Zen 5 whose PyTorch picked AVX2 kernels).
+# runs them all, about 5 minutes each on a 2-core AMD EPYC (Zen 5, on its AVX-512 kernels; 294-306 s measured).
 SLOW_SEEDS = [int(s) for s in os.environ.get("RDLM_DEMO_SEEDS", "0,3").split(",")]
 
 

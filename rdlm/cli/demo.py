@@ -54,6 +54,8 @@ def register(subparsers) -> None:
     p.add_argument("--layers", type=_ints, default=d.layers, help="prelude,core,coda layers")
     p.add_argument("--mean-recurrence", type=int, default=d.mean_recurrence,
                    help="mean r of training (the sampled r has mean this + 1)")
+    p.add_argument("--recurrence-sigma", type=float, default=d.recurrence_sigma,
+                   help="spread of the sampled training r (the log-normal's sigma)")
     p.add_argument("--backprop-depth", type=int, default=d.backprop_depth,
                    help="k: iterations backpropagated through")
     p.add_argument("--eval-examples", type=int, default=d.eval_examples,
@@ -88,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(task=args.task, out_dir=args.out, seed=args.seed, steps=steps, batch_size=args.batch_size,
                      lr=args.lr, cooldown_fraction=args.cooldown_fraction, hidden_size=args.hidden_size,
                      num_heads=args.num_heads, layers=args.layers,
-                     mean_recurrence=args.mean_recurrence, backprop_depth=args.backprop_depth,
+                     mean_recurrence=args.mean_recurrence,
+                     recurrence_sigma=args.recurrence_sigma, backprop_depth=args.backprop_depth,
                      eval_examples=args.eval_examples, eval_num_steps=num_steps,
                      exit_criterion=args.exit_criterion, exit_thresholds=args.exit_thresholds,
                      exit_tolerance=args.exit_tolerance, exit_max_steps=args.exit_max_steps,
