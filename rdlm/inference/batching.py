@@ -28,9 +28,9 @@ many rows, at the cost of a done row waiting a few steps (`benchmarks/bench_serv
 `rdlm serve` looks every 4 steps and lets a row wait up to 8). Neither changes any token, only cost
 and latency.
 
-With `compile=True` (off by default: its CUDA graph has not yet run on a GPU) a step without prompt chunks runs step 3 as the static step: one
-call of fixed shape over every row, its per-row index, slot and writers on the device, which CUDA captures
-once as a graph (`_step_static`; docs/inference.md, continuous batching).
+With `compile=True` (off by default: its CUDA graph has not yet run on a GPU) a step without prompt chunks
+runs step 3 as the static step: one call of fixed shape over every row, its per-row index, slot and writers
+on the device, which CUDA captures once as a graph (`_step_static`; docs/inference.md, continuous batching).
 
 A request gives the tokens `rdlm.inference.generate` gives for its prompt alone with the same `GenerationConfig`:
 the same s_0 table (seed, position), the same cache slots (`cache_slots` or one per iteration), the
