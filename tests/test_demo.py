@@ -240,12 +240,17 @@ def test_bad_demo_config_is_rejected_with_the_field_named():
         DemoConfig(workers=-1)
     with pytest.raises(ValueError, match="cooldown_fraction"):
         DemoConfig(cooldown_fraction=1.5)
+    for sigma in (-0.1, float("nan"), 4.0, "1.0", True):
+        with pytest.raises(ValueError, match="recurrence_sigma must be in"):
+            DemoConfig(recurrence_sigma=sigma)
+    assert DemoConfig(recurrence_sigma=0).recurrence_sigma == 0
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "steps must be a positive integer"),
     (["--workers", "-2"], "workers must be 0 (one per model) or a positive integer, got -2"),
     (["--hidden-size", "7"], "hidden_size (7) must be divisible by num_heads (4)"),
+    (["--recurrence-sigma", "-1"], "recurrence_sigma must be in [0, 3], got -1.0"),
     (["--out", "/proc/forbidden"], "cannot write the report directory '/proc/forbidden'"),
 ])
 def test_cli_rejects_a_bad_option_before_any_work(argv, message, capsys):

@@ -85,7 +85,8 @@ class DemoConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if not self.exit_thresholds or any(not t > 0 for t in self.exit_thresholds):
             raise ValueError(f"exit_thresholds must be positive numbers, got {self.exit_thresholds!r}")
-        if not 0 <= self.recurrence_sigma <= 3:
+        sigma = self.recurrence_sigma
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 <= sigma <= 3:
             raise ValueError(f"recurrence_sigma must be in [0, 3], got {self.recurrence_sigma!r}")
         if not 0 <= self.cooldown_fraction <= 1:
             raise ValueError(f"cooldown_fraction must be in [0, 1], got {self.cooldown_fraction!r}")
