@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
+
+if TYPE_CHECKING:  # an annotation only: the module stays a leaf that imports only the exit criteria
+    import torch
 
 Decode = Callable[[list[int]], str]
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
