@@ -335,3 +335,31 @@ def test_chat_names_and_skips_a_line_that_is_not_utf8(model_dir, monkeypatch, ca
     captured = capsys.readouterr()
     assert "input line 1 is not UTF-8 (byte 0xe9 at 3); skipped" in captured.err
     assert captured.out.count("Huginn> ") == 1
+
+
+@pytest.mark.parametrize("options", [dict(), dict(exit_criterion="kl"), dict(draft_steps=2), dict(sampler="parallel")])
+def test_a_finished_generation_frees_its_session_without_the_garbage_collector(model, monkeypatch, options):
+    """A session (with its CUDA graphs on a GPU) goes with its last reference, not at a garbage collection
+    that could run inside another engine's graph capture and invalidate it."""
+    import gc
+    import weakref
+
+    from rdlm.inference import engine
+
+    sessions, init = [], engine.Session.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        sessions.append(weakref.ref(self))
+
+    monkeypatch.setattr(engine.Session, "__init__", tracked)
+    gc.collect()
+    gc.disable()
+    try:
+        generate(model, [[1, 2, 3]], GenerationConfig(num_steps=4, max_new_tokens=3, **options))
+        for _ in stream(model, [1, 2], GenerationConfig(num_steps=4, max_new_tokens=2, **options)):
+            pass
+        alive = [ref() is not None for ref in sessions]
+    finally:
+        gc.enable()
+    assert len(sessions) == 2 and not any(alive)

@@ -9,6 +9,7 @@ its captured graphs.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Callable
 
@@ -47,8 +48,14 @@ class StaticSteps:
             warm = body()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = body()
+        collecting = gc.isenabled()
+        gc.disable()  # a collection inside the capture that frees another graph's memory would invalidate it
+        try:
+            with torch.cuda.graph(graph):  # collects garbage first
+                outputs = body()
+        finally:
+            if collecting:
+                gc.enable()
         self.graphed[key] = (graph, outputs)
         self.capture_seconds += time.perf_counter() - t0
         if not idempotent:

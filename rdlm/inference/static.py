@@ -60,6 +60,11 @@ class StaticBatch(Engine):
             reason = self.config.finish_reason(self.tokens[row], decode=self.decode)
             self.finished[row] = reason is not None
             events.append(BatchEvent(row, token, steps, reason, *((None, None) if scored is None else scored)))
+        if not self.busy:
+            # The rounds' suspended frame holds this batch: closing it leaves no cycle, so the session and
+            # its CUDA graphs go with the last reference instead of at a garbage collection that may come
+            # during another engine's capture (rdlm.inference.graphs).
+            self.rounds.close()
         return events
 
     def _rounds(self) -> Iterator[list[tuple[int, int, int, tuple | None]]]:
