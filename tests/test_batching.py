@@ -61,18 +61,26 @@ def each_alone(batch: ContinuousBatch) -> ContinuousBatch:
 BUSY = [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6), (2, 12, 2)]   # sync_every, prefill_chunk, coda_every
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", BUSY)
-def test_a_busy_batch_gives_each_request_its_tokens_alone(model, sync_every, prefill_chunk, coda_every):
+def test_a_busy_batch_gives_each_request_its_tokens_alone(model, device, sync_every, prefill_chunk, coda_every):
     """Whenever the host looks at the exit flags (every step, or every 3 or 4 with rows frozen between), with
     prompts prefilled whole or in chunks of 2, 3 or 5 tokens interleaved with the decoding rows, and with
     done rows running their coda at once or waiting for others (up to 4 or 6 steps). (A chunk of fewer
     tokens than prefill_chunk runs several iterations per step.)"""
-    batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk, coda_every=coda_every))
-    assert batch.static_steps.runs == 0                      # the CPU's default: the eager path
+    model = model.to(device)
+    try:
+        batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk,
+                                      coda_every=coda_every))
+    finally:
+        model.to("cpu")
+    assert batch.static_steps.runs == 0                      # the default: the eager path
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", BUSY)
 def test_the_static_step_gives_each_request_its_tokens_alone(model, device, sync_every, prefill_chunk, coda_every):
     """`compile=True`: steps without a prompt chunk run the decoding rows' core iteration as one fixed-shape
