@@ -4,6 +4,8 @@ time, against offline batched `generate` on the same model and prompts.
     python benchmarks/bench_serve.py --model out/spec-tiny --clients 16 --max-batch 16 -r 32 --seconds 30
     python benchmarks/bench_serve.py --model out/spec-tiny --clients 16 --max-batch 16 -r 32 \\
         --exit-criterion latent-diff --exit-threshold 0.01             # adaptive exits at the same max r
+    python benchmarks/bench_serve.py --random huginn-0125 --tokenizer tokenizer.json --device cuda \\
+        --dtype bfloat16 --clients 16,64 --static both -r 32 --max-length 96   # Huginn's shape on a GPU
 
 The server runs as a subprocess (`rdlm serve` on 127.0.0.1, a free port); each client thread sends
 streamed completions back to back (plain HTTP, server-sent events) until the time is up. Printed:
@@ -11,8 +13,15 @@ served completion tokens/s; time to first token and time per output token (p50/p
 `generate` tokens/s for one batch of `--max-batch` of the same prompts; their ratio. With an exit
 criterion the fixed-r run is measured too (unless --no-fixed), and the adaptive speed-up, served and
 offline, is set against its ideal: r / the mean core iterations per token (from `usage.latent_iterations`).
-Prompts are cycled from --prompt-text ('|' between prompts) or --prompt-file (one per line). This is a
-script, not a test.
+Prompts are cycled from --prompt-text ('|' between prompts) or --prompt-file (one per line).
+
+`--clients 16,64` measures each client count in turn (the batch as large as the clients unless
+--max-batch says otherwise); `--static both` alternates the server's eager step and its static core
+step (`rdlm serve --compile`: one fixed-shape step over all rows, a CUDA graph on CUDA) for each count.
+Offline `generate` runs with its own default (its static decode step in a CUDA graph on CUDA).
+`--random PRESET` writes a model of that preset with random weights (in --dtype) and --tokenizer to a
+temporary directory, so a large shape can be measured without a checkpoint; exits mean little on random
+weights, so measure fixed r there. This is a script, not a test.
 """
 
 from __future__ import annotations
@@ -48,9 +57,11 @@ def http_client():
         return httpx
 
 
-def start_server(args, port: int, exit_criterion: str | None) -> subprocess.Popen:
+def start_server(args, port: int, exit_criterion: str | None, clients: int, batch: int,
+                 static: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rdlm", "serve", args.model, "--port", str(port), "--max-batch",
-           str(args.max_batch), "--max-queue", str(4 * args.clients), "-r", str(args.num_steps),
+           str(batch), "--max-queue", str(4 * clients), "-r", str(args.num_steps),
+           "--device", args.device, "--dtype", args.dtype, "--compile" if static else "--no-compile",
            "--model-name", "bench", "--max-length", str(args.max_length), "--exit-sync-every", str(args.sync_every),
            "--coda-every", str(args.coda_every), "--prefill-chunk", str(args.prefill_chunk)]
     if args.profile:
@@ -62,7 +73,7 @@ def start_server(args, port: int, exit_criterion: str | None) -> subprocess.Pope
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env)
     httpx = http_client()
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     while True:
         if proc.poll() is not None or time.time() > deadline:
             raise SystemExit("rdlm serve did not start")
@@ -73,7 +84,7 @@ def start_server(args, port: int, exit_criterion: str | None) -> subprocess.Pope
             time.sleep(0.3)
 
 
-def serve(args, prompts: list[str], exit_criterion: str | None) -> dict:
+def serve(args, prompts: list[str], exit_criterion: str | None, clients: int, batch: int, static: bool) -> dict:
     import json
 
     httpx = http_client()  # raw SSE keeps the clients light
@@ -81,7 +92,7 @@ def serve(args, prompts: list[str], exit_criterion: str | None) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = start_server(args, port, exit_criterion)
+    proc = start_server(args, port, exit_criterion, clients, batch, static)
     ttft, tpot, tokens, iterations, lock = [], [], [0], [0], threading.Lock()
     stop_at = time.perf_counter() + args.seconds
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -102,7 +113,7 @@ def serve(args, prompts: list[str], exit_criterion: str | None) -> dict:
                             used, spent = usage["completion_tokens"], usage["latent_iterations"]
                         else:
                             stamps.append(time.perf_counter())
-                j += args.clients
+                j += clients
                 with lock:
                     tokens[0] += used
                     iterations[0] += spent
@@ -112,7 +123,7 @@ def serve(args, prompts: list[str], exit_criterion: str | None) -> dict:
                             tpot.append((stamps[-1] - stamps[0]) / (used - 1))
 
     try:
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(args.clients)]
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
         clients_cpu, server_cpu = time.process_time(), cpu_seconds(proc.pid)
         t0 = time.perf_counter()
         for t in threads:
@@ -148,53 +159,185 @@ def cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
-def offline(args, prompts: list[str], exit_criterion: str | None) -> dict:
-    import rdlm
-    from rdlm.inference.generate import GenerationConfig, generate
-    from rdlm.data.tokenizer import Tokenizer
+_LOADED: dict = {}
 
-    model, tok = rdlm.load_pretrained(args.model).eval(), Tokenizer.from_dir(args.model)
-    ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(args.max_batch)]
-    config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
-                              exit_criterion=exit_criterion, exit_threshold=args.exit_threshold if exit_criterion else None)
-    generate(model, ids, config)  # warm-up
+
+def load(args):
+    """The model and tokenizer, loaded once per run of this script (on --device, in --dtype)."""
+    if not _LOADED:
+        from rdlm.cli.generate import load_model_and_tokenizer
+
+        _LOADED["pair"] = load_model_and_tokenizer(args.model, args.dtype, args.device, need_tokenizer=True)
+    return _LOADED["pair"]
+
+
+def generation_config(args, tok, exit_criterion: str | None):
+    from rdlm.inference.generate import GenerationConfig
+
+    return GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
+                            exit_criterion=exit_criterion,
+                            exit_threshold=args.exit_threshold if exit_criterion else None)
+
+
+def synchronize(args) -> None:
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def offline(args, prompts: list[str], exit_criterion: str | None, batch: int) -> dict:
+    from rdlm.inference.generate import generate
+
+    model, tok = load(args)
+    ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(batch)]
+    config = generation_config(args, tok, exit_criterion)
+    generate(model, ids, config)  # warm-up (and on CUDA the graphs' capture)
+    synchronize(args)
     t0 = time.perf_counter()
     result = generate(model, ids, config)
+    synchronize(args)
     tokens = sum(len(t) for t in result.tokens)
     return dict(tps=tokens / (time.perf_counter() - t0), mean_iterations=sum(map(sum, result.steps)) / tokens)
 
 
-def profile(args, prompts: list[str], exit_criterion: str | None) -> dict:
-    """The server's batch in this process, without HTTP: 2 x --max-batch requests run until idle, with the
+def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, static: bool) -> dict:
+    """The server's batch in this process, without HTTP: 2 x `batch` requests run until idle, with the
     seconds of each phase of a step (ContinuousBatch(profile=True)) and what is left (host bookkeeping)."""
-    import rdlm
-    from rdlm.data.tokenizer import Tokenizer
     from rdlm.inference.batching import ContinuousBatch
-    from rdlm.inference.generate import GenerationConfig
 
-    model, tok = rdlm.load_pretrained(args.model).eval(), Tokenizer.from_dir(args.model)
-    config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
-                              exit_criterion=exit_criterion, exit_threshold=args.exit_threshold if exit_criterion else None)
-    batch = ContinuousBatch(model, args.max_batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every,
-                            coda_every=args.coda_every, prefill_chunk=args.prefill_chunk, profile=True)
-    for k in range(2 * args.max_batch):
-        batch.add(tok.encode(prompts[k % len(prompts)], add_bos=True), config)
+    model, tok = load(args)
+    config = generation_config(args, tok, exit_criterion)
+    engine = ContinuousBatch(model, batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every,
+                             coda_every=args.coda_every, prefill_chunk=args.prefill_chunk, profile=True,
+                             compile=static)
+    for k in range(2 * batch):
+        engine.add(tok.encode(prompts[k % len(prompts)], add_bos=True), config)
     tokens = iterations = 0
     t0 = time.perf_counter()
-    while batch.busy:
-        for event in batch.step():
+    while engine.busy:
+        for event in engine.step():
             tokens, iterations = tokens + 1, iterations + event.steps
     total = time.perf_counter() - t0
-    phases = batch.take_timings()
+    phases = engine.take_timings()
     phases["host bookkeeping (the rest)"] = total - sum(phases.values())
     return dict(tps=tokens / total, seconds=total, phases=phases, mean_iterations=iterations / tokens)
 
 
+def write_random(args, directory: Path) -> None:
+    """A model of preset `args.random` with random weights in --dtype, and --tokenizer, in `directory`."""
+    import shutil
+
+    from bench_generate import build_random  # this folder's: random weights allocated in the dtype
+
+    from rdlm.data.tokenizer import Tokenizer
+    from rdlm.model import dtypes
+    from rdlm.model.huginn import save_pretrained
+
+    if not args.tokenizer:
+        raise SystemExit("--random needs --tokenizer (a tokenizer.json whose vocabulary fits the preset's)")
+    size = len(Tokenizer.from_file(args.tokenizer))
+    model = build_random(args.random, dtypes.resolve_dtype(args.dtype), args.device)
+    if size > model.config.vocab_size:
+        raise SystemExit(f"--tokenizer has {size} tokens, more than the {model.config.vocab_size} of {args.random}")
+    save_pretrained(model, directory)
+    shutil.copy(args.tokenizer, directory / "tokenizer.json")
+    del model
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def counts(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def report(args, name: str, served: dict, off: dict, batch: int) -> None:
+    print(f"{name}: served {served['tps']:.1f} tok/s over {served['requests']} requests, "
+          f"{served['mean_iterations']:.2f} iterations/token | TTFT p50 "
+          f"{percentile(served['ttft'], 0.5) * 1e3:.0f} ms p99 {percentile(served['ttft'], 0.99) * 1e3:.0f} ms | "
+          f"per token p50 {percentile(served['tpot'], 0.5) * 1e3:.1f} ms p99 "
+          f"{percentile(served['tpot'], 0.99) * 1e3:.1f} ms")
+    ph = served["phases"]
+    server_ttft = ph.get("rdlm_time_to_first_token_seconds_sum", float("nan")) / max(
+        ph.get("rdlm_time_to_first_token_seconds_count", 0), 1)
+    print(f"{name}: {served['seconds']:.1f} s: the batch stepped {ph.get('steps', float('nan')):.1f} s; "
+          f"CPU seconds: server {served['server_cpu']:.1f}, clients {served['clients_cpu']:.1f}; "
+          f"TTFT in the server (from submission) mean {server_ttft * 1e3:.0f} ms")
+    if args.profile:
+        steps = ph.get("steps", 0.0)
+        for phase, seconds in ph.items():
+            if phase != "steps" and not phase.startswith("rdlm_"):
+                print(f"    {phase:32s} {seconds:7.2f} s  {seconds / served['seconds']:6.1%}")
+        rest = steps - sum(v for p, v in ph.items() if p != "steps" and not p.startswith("rdlm_"))
+        print(f"    {'host bookkeeping in steps':32s} {rest:7.2f} s  {rest / served['seconds']:6.1%}")
+        print(f"    {'outside steps (idle, HTTP)':32s} {served['seconds'] - steps:7.2f} s  "
+              f"{(served['seconds'] - steps) / served['seconds']:6.1%}")
+    print(f"{name}: offline {off['tps']:.1f} tok/s (generate, one batch of {batch}), "
+          f"{off['mean_iterations']:.2f} iterations/token | served / offline {served['tps'] / off['tps']:.2f}",
+          flush=True)
+
+
+def run_name(args, mode: str | None, static: bool) -> str:
+    return (f"{mode} {args.exit_threshold}" if mode else "fixed r") + (", static step" if static else "")
+
+
+def measure(args, prompts: list[str]) -> None:
+    modes = [args.exit_criterion] if args.exit_criterion else [None]
+    if args.exit_criterion and not args.no_fixed:
+        modes.append(None)
+    statics = {"off": [False], "on": [True], "both": [False, True]}[args.static]
+    for clients in args.clients:
+        batch = args.max_batch or clients
+        load_start = os.getloadavg()[0]
+        results = {}
+        for mode in modes:
+            off = offline(args, prompts, mode, batch)
+            for static in statics:
+                results[mode, static] = (serve(args, prompts, mode, clients, batch, static), off)
+        print(f"model {args.random or args.model} | {args.device} {args.dtype} | r {args.num_steps} "
+              f"| sync every {args.sync_every} | coda every {args.coda_every} | prefill chunk {args.prefill_chunk} "
+              f"| clients {clients} | max batch {batch} | {args.new_tokens} new tokens | {args.seconds:.0f} s "
+              f"| load {load_start:.2f} -> {os.getloadavg()[0]:.2f}")
+        for (mode, static), (served, off) in results.items():
+            report(args, run_name(args, mode, static), served, off, batch)
+        if args.profile:
+            for mode in modes:
+                for static in statics:
+                    name = run_name(args, mode, static)
+                    prof = profile(args, prompts, mode, batch, static)  # every request queued at once, no HTTP
+                    print(f"{name}: in-process batch {prof['tps']:.1f} tok/s ({prof['seconds']:.1f} s, "
+                          f"{prof['mean_iterations']:.2f} iterations/token); per phase:")
+                    for phase, seconds in prof["phases"].items():
+                        print(f"    {phase:32s} {seconds:7.2f} s  {seconds / prof['seconds']:6.1%}")
+        if args.exit_criterion and None in modes:
+            for static in statics:
+                for where, k in (("served", 0), ("offline", 1)):
+                    adaptive, fixed = results[args.exit_criterion, static][k], results[None, static][k]
+                    ideal = args.num_steps / adaptive["mean_iterations"]
+                    speedup = adaptive["tps"] / fixed["tps"]
+                    print(f"adaptive speed-up, {where}{', static step' if static and k == 0 else ''}: "
+                          f"{speedup:.2f}x of an ideal {ideal:.2f}x (r / mean iterations) = {speedup / ideal:.0%}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a trained model directory with tokenizer.json")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--max-batch", type=int, default=8)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a trained model directory with tokenizer.json")
+    source.add_argument("--random", metavar="PRESET",
+                        help="a model of this preset with random weights (e.g. huginn-0125), with --tokenizer")
+    p.add_argument("--tokenizer", help="tokenizer.json for --random (its vocabulary must fit the preset's)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (server and offline)")
+    p.add_argument("--dtype", default="float32", help="weights and activations (server and offline)")
+    p.add_argument("--clients", type=counts, default=[8],
+                   help="concurrent clients; comma-separated for one measurement per count")
+    p.add_argument("--max-batch", type=int,
+                   help="rows of the server's batch and of offline generate (default: the client count)")
+    p.add_argument("--static", choices=("off", "on", "both"), default="off",
+                   help="the server's static core step (rdlm serve --compile); both: each count with and without")
     p.add_argument("--num-steps", "-r", type=int, default=32)
     p.add_argument("--exit-criterion")
     p.add_argument("--exit-threshold", type=float)
@@ -219,56 +362,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     prompts = (Path(args.prompt_file).read_text().splitlines() if args.prompt_file else args.prompt_text.split("|"))
     prompts = [p.replace("\\n", "\n") for p in prompts if p.strip()]
-    modes = [args.exit_criterion] if args.exit_criterion else [None]
-    if args.exit_criterion and not args.no_fixed:
-        modes.append(None)
-    load = os.getloadavg()[0]
-    results = {}
-    for mode in modes:
-        results[mode] = (serve(args, prompts, mode), offline(args, prompts, mode))
-    print(f"model {args.model} | r {args.num_steps} | sync every {args.sync_every} | coda every {args.coda_every} "
-          f"| prefill chunk {args.prefill_chunk} | clients {args.clients} "
-          f"| max batch {args.max_batch} "
-          f"| {args.new_tokens} new tokens | {args.seconds:.0f} s | load {load:.2f} -> {os.getloadavg()[0]:.2f}")
-    for mode, (served, off) in results.items():
-        name = f"{mode} {args.exit_threshold}" if mode else "fixed r"
-        print(f"{name}: served {served['tps']:.1f} tok/s over {served['requests']} requests, "
-              f"{served['mean_iterations']:.2f} iterations/token | TTFT p50 "
-              f"{percentile(served['ttft'], 0.5) * 1e3:.0f} ms p99 {percentile(served['ttft'], 0.99) * 1e3:.0f} ms | "
-              f"per token p50 {percentile(served['tpot'], 0.5) * 1e3:.1f} ms p99 "
-              f"{percentile(served['tpot'], 0.99) * 1e3:.1f} ms")
-        ph = served["phases"]
-        server_ttft = ph.get("rdlm_time_to_first_token_seconds_sum", float("nan")) / max(
-            ph.get("rdlm_time_to_first_token_seconds_count", 0), 1)
-        print(f"{name}: {served['seconds']:.1f} s: the batch stepped {ph.get('steps', float('nan')):.1f} s; "
-              f"CPU seconds: server {served['server_cpu']:.1f}, clients {served['clients_cpu']:.1f}; "
-              f"TTFT in the server (from submission) mean {server_ttft * 1e3:.0f} ms")
-        if args.profile:
-            steps = served["phases"].get("steps", 0.0)
-            for phase, seconds in served["phases"].items():
-                if phase != "steps" and not phase.startswith("rdlm_"):
-                    print(f"    {phase:32s} {seconds:7.2f} s  {seconds / served['seconds']:6.1%}")
-            rest = steps - sum(v for p, v in served["phases"].items() if p != "steps" and not p.startswith("rdlm_"))
-            print(f"    {'host bookkeeping in steps':32s} {rest:7.2f} s  {rest / served['seconds']:6.1%}")
-            print(f"    {'outside steps (idle, HTTP)':32s} {served['seconds'] - steps:7.2f} s  "
-                  f"{(served['seconds'] - steps) / served['seconds']:6.1%}")
-        print(f"{name}: offline {off['tps']:.1f} tok/s (generate, one batch of {args.max_batch}), "
-              f"{off['mean_iterations']:.2f} iterations/token | served / offline {served['tps'] / off['tps']:.2f}")
-    if args.profile:
-        for mode in modes:
-            name = f"{mode} {args.exit_threshold}" if mode else "fixed r"
-            prof = profile(args, prompts, mode)  # the same batch in this process, every request queued at once
-            print(f"{name}: in-process batch {prof['tps']:.1f} tok/s ({prof['seconds']:.1f} s, "
-                  f"{prof['mean_iterations']:.2f} iterations/token); per phase:")
-            for phase, seconds in prof["phases"].items():
-                print(f"    {phase:32s} {seconds:7.2f} s  {seconds / prof['seconds']:6.1%}")
-    if args.exit_criterion and None in results:
-        for where, k in (("served", 0), ("offline", 1)):
-            adaptive, fixed = results[args.exit_criterion][k], results[None][k]
-            ideal = args.num_steps / adaptive["mean_iterations"]
-            speedup = adaptive["tps"] / fixed["tps"]
-            print(f"adaptive speed-up, {where}: {speedup:.2f}x of an ideal {ideal:.2f}x "
-                  f"(r / mean iterations) = {speedup / ideal:.0%}")
+    if not args.random:
+        measure(args, prompts)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
+        args.model = str(Path(directory) / "model")
+        t0 = time.perf_counter()
+        write_random(args, Path(args.model))
+        print(f"random {args.random} written in {time.perf_counter() - t0:.0f} s", flush=True)
+        measure(args, prompts)
 
 
 if __name__ == "__main__":
