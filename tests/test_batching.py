@@ -74,10 +74,19 @@ def test_a_busy_batch_gives_each_request_its_tokens_alone(model, device, sync_ev
     model = model.to(device)
     try:
         batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk,
-                                      coda_every=coda_every))
+                                      coda_every=coda_every, compile=False))
     finally:
         model.to("cpu")
-    assert batch.static_steps.runs == 0                      # the default: the eager path
+    assert batch.static_steps.runs == 0                      # the eager path
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_static_step_is_the_default_on_cuda_only(model, device):
+    model = model.to(device)
+    try:
+        assert busy_batch(model).static_steps.static == (device == "cuda")
+    finally:
+        model.to("cpu")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -132,22 +141,27 @@ def test_rows_that_exit_early_go_on_to_their_next_token(model, monkeypatch):
     assert len(set(e.steps for rid in ids for e in events[rid][1:])) > 1   # tokens exited at different depths
 
 
-def test_a_long_prompt_prefills_while_the_other_rows_go_on_decoding(model):
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_long_prompt_prefills_while_the_other_rows_go_on_decoding(model, compile):
     """A prompt runs its iterations inside the batch's steps, a chunk at a time, in the same call as the
-    decoding rows: they go on producing tokens while it prefills, and both get their tokens alone."""
+    decoding rows (with the static step: a call beside it): they go on producing tokens while it prefills,
+    and both get their tokens alone."""
     config = GenerationConfig(num_steps=2, max_new_tokens=12)
-    batch = ContinuousBatch(model, max_batch=2, max_length=48, num_slots=4, prefill_chunk=8)
+    batch = ContinuousBatch(model, max_batch=2, max_length=48, num_slots=4, prefill_chunk=8, compile=compile)
     short = batch.add([7, 8], config)
     while not batch.step():                                  # the short prompt's first token
         pass
     long_prompt = list(range(3, 33))                         # 30 tokens: 4 chunks of at most 8
     late = batch.add(long_prompt, config)
-    events = []
+    events, static_runs = [], None
     while batch.busy:
         events += batch.step()
+        if static_runs is None and any(e.request == late for e in events):
+            static_runs = batch.static_steps.runs           # the static steps run while the long prompt prefilled
     order = [e.request for e in events]
     # Four chunks of 2 iterations each: 8 steps, in which the short request (a token every 2 steps) goes on.
     assert order[:order.index(late)].count(short) >= 3
+    assert static_runs >= 6 if compile else static_runs == 0
     for rid, prompt in ((late, long_prompt), (short, [7, 8])):
         tokens = [e.token for e in events if e.request == rid]
         assert tokens == generate(model, prompt, config).tokens[0][-len(tokens):]

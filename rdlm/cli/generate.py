@@ -88,7 +88,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of s_0 and of sampling (per row)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU); "
-                        "rdlm serve: the batch's static core iteration (default: off)")
+                        "rdlm serve: the batch's static core iteration, the same default")
     g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32", help="weights and activations dtype")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     add_quantize_arguments(g)

@@ -28,9 +28,10 @@ many rows, at the cost of a done row waiting a few steps (`benchmarks/bench_serv
 `rdlm serve` looks every 4 steps and lets a row wait up to 8). Neither changes any token, only cost
 and latency.
 
-With `compile=True` (off by default: its CUDA graph has not yet run on a GPU) a step without prompt chunks
-runs step 3 as the static step: one call of fixed shape over every row, its per-row index, slot and writers
-on the device, which CUDA captures once as a graph (`_step_static`; docs/inference.md, continuous batching).
+With `compile=True` (the default on CUDA) step 3 is the static step: one call of fixed shape over every
+row, its per-row index, slot and writers on the device, which CUDA captures once as a graph
+(`_step_static`; docs/inference.md, continuous batching); the prompt chunks in flight then run their
+iteration in a call of their own.
 
 A request gives the tokens `rdlm.inference.generate` gives for its prompt alone with the same `GenerationConfig`:
 the same s_0 table (seed, position), the same cache slots (`cache_slots` or one per iteration), the
@@ -49,7 +50,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import check_request, choose, sync
+from rdlm.inference.engine import NonFiniteLogitsError, check_request, choose, resolve_compile, sync
 from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
 from rdlm.inference.graphs import StaticSteps
 from rdlm.inference.prefill import PromptChunk
@@ -130,10 +131,10 @@ class ContinuousBatch(Engine):
         self.done = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
         self.gate_fired = torch.zeros_like(self.done)
         self.seen = torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=self.device)
-        # The static core iteration (`_step_static`, only with `compile=True`: unlike `generate`'s static step,
-        # this one has not yet been captured on a GPU, so None keeps it off on every device): each row's buffer
-        # index, core cache budget and whether it decodes, read in place by a captured step.
-        self.static_steps = StaticSteps(self.device, bool(compile))
+        # The static core iteration (`_step_static`; `compile` None: on with CUDA, off on the CPU, as
+        # `generate`'s): each row's buffer index, core cache budget and whether it decodes, read in place by a
+        # captured step.
+        self.static_steps = StaticSteps(self.device, resolve_compile(compile, self.device))
         self.write_index, self.budget = torch.zeros(max_batch, **long), torch.ones(max_batch, **long)
         self.decoding = torch.zeros_like(self.done)
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
@@ -275,7 +276,7 @@ class ContinuousBatch(Engine):
             q.cap, q.prefilling = q.config.depth_cap(0, 0), True
             self.runner.rewind(0, q.row)
             self.seen[q.row] = False
-            self.seen[q.row, torch.tensor(q.prompt, device=self.device)] = True
+            self.seen[q.row, self.runner.upload(q.prompt)] = True
             groups.setdefault((q.cap, q.budget), []).append(q)
         for (cap, budget), group in groups.items():
             self._begin_chunk(group, 0, cap, budget)
@@ -289,14 +290,18 @@ class ContinuousBatch(Engine):
         for chunk in [c for c in self.chunks if c.done]:
             self.chunks.remove(chunk)
             state, logits = chunk.finish(self.runner)
-            going_on = []
+            going_on, ended, last = [], [], []
             for j, (q, length) in enumerate(zip(chunk.requests, chunk.lengths)):
                 if chunk.start + length < len(q.prompt):
                     going_on.append(q)
                     continue
                 q.length, q.prefilling = len(q.prompt), False
-                self.state[q.row] = state[j, length - 1:length]
-                self._choose(q, logits[j, length - 1:length], chunk.cap, events)
+                ended.append(q)
+                last.append(j * chunk.n + length - 1)  # the prompt's last token, in the chunk's [g * n]
+            if ended:
+                index = self.runner.upload(last)
+                self.state[self.runner.upload([q.row for q in ended])] = state.flatten(0, 1)[index].unsqueeze(1)
+                self._choose(ended, logits.flatten(0, 1)[index], [chunk.cap] * len(ended), events)
             self._last_inputs = None
             if going_on:  # they ran n tokens each
                 self._begin_chunk(going_on, chunk.start + chunk.n, chunk.cap, chunk.budget)
@@ -313,21 +318,25 @@ class ContinuousBatch(Engine):
 
     def _start(self, requests: list[_Request]) -> None:
         """Feed each request's chosen token: prelude and s_0 of its next position."""
-        lengths = torch.tensor([q.length for q in requests], device=self.device)
-        self.runner.admit(lengths, rows=torch.tensor([q.row for q in requests], device=self.device))
+        lengths = self.runner.upload([q.length for q in requests])
+        self.runner.admit(lengths, rows=self.runner.upload([q.row for q in requests]))
         self._last_inputs = None  # the mask changed
         rows, call = self._inputs(requests)
         select = call.rows
-        self.seen[rows, torch.tensor([q.next_token for q in requests], device=self.device)] = True
-        ids = torch.tensor([[q.next_token] for q in requests], device=self.device)
+        self.seen[rows, self.runner.upload([q.next_token for q in requests])] = True
+        ids = self.runner.upload([[q.next_token] for q in requests])
         self.embedded[select] = self.runner.embed(ids, call)
+        fresh = [q for q in requests if not q.config.continuous_cot]  # else s_0 is the last final state, kept
+        if fresh:
+            at = self.runner.upload([q.row for q in fresh])
+            drawn = [None if q.noise is None else q.noise[q.length] for q in fresh]
+            noise = None if all(d is None for d in drawn) else torch.stack(
+                [torch.zeros_like(self.state[0, 0]) if d is None else d for d in drawn]).unsqueeze(1)
+            self.state[at] = self.runner.start_state(self.embedded[at], noise)
         for q in requests:
-            if not q.config.continuous_cot:  # else s_0 is the previous token's final state, kept in place
-                noise = None if q.noise is None else q.noise[q.length]
-                self.state[q.row] = self.runner.start_state(self.embedded[q.row], noise)
             q.iteration, q.iterating = 0, True
             q.cap = q.config.depth_cap(len(q.tokens), q.spent)
-        limits = torch.tensor([[q.cap, q.config.min_steps, q.budget] for q in requests], device=self.device)
+        limits = self.runner.upload([[q.cap, q.config.min_steps, q.budget] for q in requests])
         self.cap[select], self.min_steps[select], self.budget[select] = limits.unbind(1)
         self.write_index[select] = lengths
         self.steps[select], self.streak[select] = 0, 0
@@ -343,9 +352,11 @@ class ContinuousBatch(Engine):
             rows, call = self._inputs(requests)
             select = call.rows
             prev_state = self.state[select].clone()  # `select` may be a view, overwritten below
-            if self.static_steps.static and not self.chunks:
+            if self.static_steps.static:
                 with self._timed("core iteration"):
                     state = self._step_static(requests)[select]
+                if self.chunks:  # the prompts' iteration in a call of their own: the step keeps its graph
+                    self._run_packed(Pack(), self.chunks)
             else:
                 state = self._step(requests, rows, call, prev_state)
         else:
@@ -353,11 +364,12 @@ class ContinuousBatch(Engine):
         # The prompts' share of a step is `prefill_chunk` token-iterations: chunks of few tokens run more
         # iterations (alone, in calls of their own), so a short prompt's first token comes within a few steps.
         # With no row decoding there is nobody to keep waiting: the prompts run on until a chunk is done.
-        extra = self.prefill_chunk // max(1, sum(c.state.shape[0] * c.n for c in self.chunks)) - 1
-        if not requests and self.chunks:
-            extra = max(extra, min(c.cap - c.iteration for c in self.chunks))
-        for _ in range(extra):
-            self._iterate_prompts()
+        if self.chunks:
+            extra = self.prefill_chunk // sum(c.state.shape[0] * c.n for c in self.chunks) - 1
+            if not requests:
+                extra = max(extra, min(c.cap - c.iteration for c in self.chunks))
+            for _ in range(extra):
+                self._iterate_prompts()
         if not requests:
             return
         self.state[select] = state
@@ -382,7 +394,7 @@ class ContinuousBatch(Engine):
         if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
             core, iteration = call.but(core_writers=writers), slots[0]
         else:
-            core = call.but(rows=rows, slots=torch.tensor(slots, device=self.device), core_writers=writers)
+            core = call.but(rows=rows, slots=self.runner.upload(slots), core_writers=writers)
             iteration = 0
         embedded = self.embedded[call.rows]
         if not self.chunks:  # the decoding rows alone: a plain batched call
@@ -399,13 +411,13 @@ class ContinuousBatch(Engine):
         """The decoding rows' core iteration as one fixed-shape call over all `max_batch` rows, the same at
         every step (CUDA captures it once): each row's buffer index, core slot (iterations run, modulo its
         budget) and whether it writes are device tensors, not a plan built per step. A row that is not
-        decoding (free, or waiting for its coda; a prompt being prefilled makes the step eager) or is done
-        keeps its state and writes nothing.
+        decoding (free, prefilling its prompt or waiting for its coda) or is done keeps its state and writes
+        nothing.
         Every row's new state."""
         decoding = tuple(q.row for q in requests)
         if decoding != self._decoding_rows:
             self._decoding_rows = decoding
-            self.decoding.copy_(torch.tensor([b in decoding for b in range(self.max_batch)]))
+            self.decoding.copy_(self.runner.upload([b in decoding for b in range(self.max_batch)]))
         return self.static_steps.run(("core iteration",), self._core_static)[0]
 
     def _core_static(self) -> tuple[Tensor]:
@@ -453,7 +465,7 @@ class ContinuousBatch(Engine):
             """(positions in this call, rows of the batch) of `members`: views when they are every row."""
             if members == everyone:
                 return slice(None), call.rows
-            pick = torch.tensor(members, device=self.device)
+            pick = self.runner.upload(members)
             return pick, rows[pick]
 
         # The previous reading's logits, before this iteration's readout replaces them.
@@ -478,10 +490,10 @@ class ContinuousBatch(Engine):
         members = [j for j, q in enumerate(requests) if q.criterion is not None and q.criterion.uses_gate]
         if not members:
             return
-        pick = torch.tensor(members, device=self.device)
+        pick = self.runner.upload(members)
         at = rows[pick]
-        thresholds = torch.tensor([requests[j].criterion.threshold for j in members], device=self.device)
-        exact = torch.tensor([requests[j].criterion.spec.exact for j in members], device=self.device)
+        thresholds = self.runner.upload([requests[j].criterion.threshold for j in members])
+        exact = self.runner.upload([requests[j].criterion.spec.exact for j in members])
         live = running[pick]
         passed, remaining, cumulative = gate_update(
             self.runner.exit_probability(state[pick, -1]), self.gate_remaining[at], self.gate_cumulative[at],
@@ -512,20 +524,36 @@ class ContinuousBatch(Engine):
                 self.state[q.row] = self.exit_state[q.row]  # what the readout (and continuous CoT) reads
         call = self._inputs(requests)[1]
         logits = self.runner.readout(self.state[call.rows], call)[:, -1]
-        for j, q in enumerate(requests):
+        for q in requests:
             q.length += 1
             q.ready = False
-            self._choose(q, logits[j:j + 1], q.iteration, events)
+        self._choose(requests, logits, [q.iteration for q in requests], events)
 
-    def _choose(self, q: _Request, logits: Tensor, steps: int, events: list[BatchEvent]) -> None:
-        """Sample the request's next token from [1, V] logits; emit it; free the row when finished."""
-        (token,), scored = choose(self.model, logits, q.config, [q.generator], self.seen[q.row:q.row + 1],
-                                  len(q.tokens))
-        q.tokens.append(token)
-        q.spent += steps
-        reason = q.config.finish_reason(q.tokens, q.spent, self.decode)
-        events.append(BatchEvent(q.id, token, steps, reason, *((None, None) if scored is None else scored[0])))
-        if reason is not None:
-            self.rows[q.row] = None
-        else:
-            q.next_token = token
+    def _choose(self, requests: list[_Request], logits: Tensor, steps: list[int], events: list[BatchEvent]) -> None:
+        """Sample each request's next token from its row of logits [n, V], one call (and one host read) per
+        config; emit them in order; free the rows that finished."""
+        groups: dict[GenerationConfig, list[int]] = {}
+        for j, q in enumerate(requests):
+            groups.setdefault(q.config, []).append(j)
+        chosen: dict[int, tuple[int, tuple | None]] = {}
+        for config, members in groups.items():
+            rows = self.runner.upload([requests[j].row for j in members])
+            pick = self.runner.upload(members)
+            try:
+                tokens, scored = choose(self.model, logits[pick], config, [requests[j].generator for j in members],
+                                        self.seen[rows], 0)
+            except NonFiniteLogitsError:  # name the first broken row's token
+                broken = members[int((~torch.isfinite(logits[pick]).all(dim=-1)).nonzero()[0])]
+                raise NonFiniteLogitsError(self.model, len(requests[broken].tokens) + 1) from None
+            for k, j in enumerate(members):
+                chosen[j] = tokens[k], None if scored is None else scored[k]
+        for j, q in enumerate(requests):
+            token, scored = chosen[j]
+            q.tokens.append(token)
+            q.spent += steps[j]
+            reason = q.config.finish_reason(q.tokens, q.spent, self.decode)
+            events.append(BatchEvent(q.id, token, steps[j], reason, *((None, None) if scored is None else scored)))
+            if reason is not None:
+                self.rows[q.row] = None
+            else:
+                q.next_token = token

@@ -51,22 +51,22 @@ class PromptChunk:
         device, whole = runner.device, budget < cap
         lengths = [len(q.prompt) - start if whole else min(len(q.prompt) - start, size) for q in requests]
         g, n = len(requests), max(lengths)
-        ids = torch.zeros(g, n, dtype=torch.long, device=device)
+        ids = runner.upload([q.prompt[start:start + length] + [0] * (n - length)
+                             for q, length in zip(requests, lengths)])
         noise = torch.zeros(g, n, runner.model.config.hidden_size, dtype=runner.dtype, device=device)
         for j, (q, length) in enumerate(zip(requests, lengths)):
-            ids[j, :length] = torch.tensor(q.prompt[start:start + length], device=device)
             if q.noise is not None:
                 noise[j, :length] = q.noise[start:start + length]
             runner.admit(start, length, q.row)
-        call = runner.prompt(start, n, torch.tensor([q.row for q in requests], device=device), budget)
+        call = runner.prompt(start, n, runner.upload([q.row for q in requests]), budget)
         e = runner.embed(ids, call)
         chunk = cls(requests, start, lengths, cap, budget, runner.start_state(e, noise), e, call)
         gated = [q.criterion is not None and q.criterion.uses_gate for q in requests]
         if any(gated):  # read out at each token's gate exit, as the engine's prefill (rdlm.inference.engine)
             never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
-            chunk.thresholds = torch.tensor([q.criterion.threshold if gate else never
-                                             for q, gate in zip(requests, gated)], device=device).view(-1, 1)
-            chunk.minimum = torch.tensor([q.config.min_steps for q in requests], device=device).view(-1, 1)
+            chunk.thresholds = runner.upload([q.criterion.threshold if gate else never
+                                              for q, gate in zip(requests, gated)]).view(-1, 1)
+            chunk.minimum = runner.upload([q.config.min_steps for q in requests]).view(-1, 1)
             chunk.gate = [torch.ones(g, n, device=device), torch.zeros(g, n, device=device), chunk.state,
                           torch.zeros(g, n, dtype=torch.bool, device=device)]
         return chunk

@@ -91,6 +91,15 @@ class ModelRunner:
         # s_0 of every position for `seed` (all rows), or None: a caller passes its own rows of a table
         self.noise = None if seed is None else self.noise_table(seed, init_scale, max_length)
 
+    def upload(self, values: list) -> Tensor:
+        """Host values (a list, nested or not) as a tensor on the runner's device. On CUDA through pinned
+        memory and without waiting: a copy from pageable memory would first wait for all queued work, a host
+        sync at every step that feeds the device a few indices."""
+        host = torch.tensor(values)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     # ---- which entries hold a token
 
     def admit(self, start: int | Tensor, n: int = 1, rows: Tensor | slice | int = slice(None)) -> None:
@@ -134,10 +143,10 @@ class ModelRunner:
         """One token per row, row rows[j] at its own buffer index index[j] (the continuous batch): (the rows
         as a tensor, the call). The call's cache rows are a slice where they are consecutive (views, no
         gather); it reads the cache up to the longest row's end."""
-        numbers, rows = rows, torch.tensor(rows, device=self.device)
+        numbers, rows = rows, self.upload(rows)
         consecutive = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
         select = slice(numbers[0], numbers[-1] + 1) if consecutive else rows
-        positions = torch.tensor(index, device=self.device).view(-1, 1)
+        positions = self.upload(index).view(-1, 1)
         end = max(index) + 1
         mask = self.key_valid[select, :end][:, None, None, :]
         cache = self.cache.at(positions.view(-1), rows=select, end=end)

@@ -63,7 +63,7 @@ class ServeConfig:
     api_key: str | None = None          # when set, /v1/ requests need "Authorization: Bearer <api_key>"
     max_request_bytes: int = 1 << 20    # larger request bodies are answered 413 before they are parsed
     profile: bool = False               # time each phase of the batch's steps (/metrics: rdlm_batch_phase_seconds)
-    compile: bool | None = None         # the batch's static core step (None: off; rdlm.inference.batching)
+    compile: bool | None = None         # the batch's static core step (None: on with CUDA; rdlm.inference.batching)
 
 
 # --------------------------------------------------------------------------------------------------
