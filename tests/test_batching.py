@@ -228,3 +228,26 @@ def test_non_finite_logits_fail_the_step_naming_the_weights():
     batch.add([1, 2, 3], GenerationConfig(num_steps=2, max_new_tokens=3))
     with pytest.raises(NonFiniteLogitsError, match="non-finite logits at new token 1; weights may be NaN: runs/broken"):
         drain(batch)
+
+
+def test_an_engine_counts_its_queued_and_running_requests(model):
+    """What `rdlm serve` exports as its queue length and batch size (the Engine interface)."""
+    from rdlm.inference.static import StaticBatch
+
+    config = GenerationConfig(num_steps=2, max_new_tokens=3)
+    batch = ContinuousBatch(model, max_batch=2, max_length=16, num_slots=4)
+    for prompt in ([1, 2], [3], [4, 5, 6]):
+        batch.add(prompt, config)
+    assert (batch.queued, batch.running) == (3, 0)
+    batch.step()
+    assert (batch.queued, batch.running) == (1, 2)
+    drain(batch)
+    assert (batch.queued, batch.running) == (0, 0)
+    static = StaticBatch(model, config)
+    static.add([1, 2], config), static.add([3], config)
+    assert (static.queued, static.running) == (2, 0)
+    static.step()
+    assert (static.queued, static.running) == (0, 2)
+    while static.busy:
+        static.step()
+    assert (static.queued, static.running, static.take_timings()) == (0, 0, {})

@@ -187,6 +187,14 @@ class ContinuousBatch(Engine):
         return bool(self.waiting) or any(q is not None for q in self.rows)
 
     @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return sum(q is not None for q in self.rows)
+
+    @property
     def capture_seconds(self) -> float:
         return self.static_steps.capture_seconds
 

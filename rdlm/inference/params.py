@@ -268,6 +268,14 @@ class Engine(Protocol):
     @property
     def busy(self) -> bool: ...
 
+    @property
+    def queued(self) -> int: ...          # requests waiting for a row
+
+    @property
+    def running(self) -> int: ...         # requests in rows, not finished
+
+    def take_timings(self) -> dict[str, float]: ...   # seconds per phase since the last call (a profiling engine)
+
 
 @dataclass(frozen=True)
 class TokenEvent:

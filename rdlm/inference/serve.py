@@ -211,8 +211,8 @@ class Worker:
                 self._done()
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
-        m.queue.set(len(self.batch.waiting))
-        m.batch.set(len(self.batch.active))
+        m.queue.set(self.batch.queued)
+        m.batch.set(self.batch.running)
 
 
 def _put_all(items: list[tuple[Ticket, BatchEvent]]) -> None:

@@ -47,6 +47,17 @@ class StaticBatch(Engine):
         return self.session is None or not all(self.finished)
 
     @property
+    def queued(self) -> int:
+        return 0 if self.session is not None else len(self.prompts)
+
+    @property
+    def running(self) -> int:
+        return 0 if self.session is None else self.finished.count(False)
+
+    def take_timings(self) -> dict[str, float]:
+        return {}
+
+    @property
     def capture_seconds(self) -> float:
         return self.session.capture_seconds
 
