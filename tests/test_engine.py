@@ -157,3 +157,49 @@ def test_fill_missing_at_a_device_index_equals_the_slice_path(steps):
     assert torch.equal(caches[0].core_k, caches[1].core_k) and torch.equal(caches[0].core_v, caches[1].core_v)
     expected = [1, 2, 2, 2] if isinstance(steps, int) else [1, 1, 1, 1]
     assert [caches[1].core_k[0, s, 0, 0, 2, 0].item() for s in range(4)] == expected
+
+
+def test_a_failed_graph_capture_leaves_the_engine_running_eagerly(monkeypatch):
+    """A CUDA error inside a capture (an H200 run once hit one) does not fail the request: the warm-up's
+    outputs stand, a warning says so, and the engine's later static steps run eagerly. (The CUDA calls are
+    stand-ins here; the CUDA variants of tests/test_batching.py capture for real.)"""
+    import contextlib
+    import gc
+
+    from rdlm.inference.graphs import StaticSteps
+
+    class Stream:
+        def __init__(self, device=None) -> None:
+            pass
+
+        def wait_stream(self, other) -> None:
+            pass
+
+    class FailingCapture:
+        def __init__(self, graph) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", FailingCapture)
+    steps = StaticSteps(torch.device("cpu"), True)
+    steps.graphs = True                                    # as on CUDA
+    runs = []
+
+    def body() -> tuple:
+        runs.append(len(runs) + 1)
+        return (torch.tensor(runs[-1]),)
+
+    with pytest.warns(RuntimeWarning, match="runs its static steps eagerly"):
+        first = steps.run(("step",), body)
+    assert int(first[0]) == 1 and runs == [1, 2]           # the warm-up's output; the failed capture ran the body
+    assert steps.graphs is False and not steps.graphed and gc.isenabled()
+    assert int(steps.run(("step",), body)[0]) == 3 and steps.runs == 2   # eager from now on

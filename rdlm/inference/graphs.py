@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -33,7 +34,8 @@ class StaticSteps:
         """Run a static body. A replay's outputs are the graph's own tensors, overwritten by the next
         replay. The first call runs the body once to warm up (allocator, cuBLAS workspaces), captures it,
         then replays it; a body that updates its inputs in place (`idempotent=False`) is not replayed
-        after the warm-up that already did its work."""
+        after the warm-up that already did its work. A capture that fails (a CUDA error inside it) leaves
+        the warm-up's outputs and makes every later run eager, with a warning."""
         self.runs += 1
         if not self.graphs:
             return body()
@@ -53,6 +55,12 @@ class StaticSteps:
         try:
             with torch.cuda.graph(graph):  # collects garbage first
                 outputs = body()
+        except RuntimeError as err:  # the capture failed (the warm-up ran): this engine goes on eagerly
+            self.graphs = False
+            self.capture_seconds += time.perf_counter() - t0
+            warnings.warn(f"capturing a CUDA graph failed, so this engine runs its static steps eagerly "
+                          f"from now on (the same results, without graphs): {err}", RuntimeWarning, stacklevel=2)
+            return warm
         finally:
             if collecting:
                 gc.enable()
