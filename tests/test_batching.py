@@ -92,9 +92,10 @@ def test_the_static_step_is_the_default_on_cuda_only(model, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", BUSY)
 def test_the_static_step_gives_each_request_its_tokens_alone(model, device, sync_every, prefill_chunk, coda_every):
-    """`compile=True`: steps without a prompt chunk run the decoding rows' core iteration as one fixed-shape
-    step over all 4 rows (a CUDA graph captured once on CUDA), rows that are free, done or waiting for their
-    coda masked out on the device; every request still gets its tokens alone."""
+    """`compile=True`: every step runs the decoding rows' core iteration as one fixed-shape step over all 4
+    rows (a CUDA graph captured once on CUDA), rows that are free, prefilling, done or waiting for their coda
+    masked out on the device, and the prompt chunks in a call of their own; every request still gets its
+    tokens alone."""
     model = model.to(device)
     try:
         batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk,
