@@ -32,7 +32,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -223,10 +223,189 @@ def _put_all(items: list[tuple[Ticket, BatchEvent]]) -> None:
 # --------------------------------------------------------------------------------------------------
 # The app
 
+class OpenAIServer:
+    """OpenAI's endpoints over the worker's batch: a request body becomes a prompt and a `GenerationConfig`
+    (rdlm/inference/openai_api.py), its tickets go to the worker, and their tokens come back as
+    completions, whole (JSON) or streamed (server-sent events)."""
+
+    def __init__(self, worker: Worker, tokenizer: Tokenizer, config: ServeConfig, metrics: Metrics) -> None:
+        self.worker, self.tokenizer, self.config, self.metrics = worker, tokenizer, config, metrics
+
+    # ---- errors and the small endpoints
+
+    async def api_error(self, request: Request, err: APIError) -> JSONResponse:
+        self.metrics.requests.labels(request.url.path, str(err.status)).inc()
+        return err.response()
+
+    async def invalid(self, request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message, where = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+        elif first.get("type") == "extra_forbidden":
+            message = f"unknown field {where!r}"
+        elif where:
+            message = f"{where}: {message}"
+        self.metrics.requests.labels(request.url.path, "400").inc()
+        return APIError(400, message, param=where).response()
+
+    async def health(self) -> dict:
+        return {"status": "ok", "model": self.config.model_name}
+
+    async def prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "rdlm"}]}
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server has {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # ---- the completion endpoints
+
+    async def completions(self, request: Request, body: CompletionRequest):
+        self.check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (send several requests)", param="prompt")
+            prompt = prompt[0]
+        ids = self.tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        gen = generation_config(body, self.config.defaults, (self.tokenizer.eos_id,), body.max_tokens)
+        return await self.respond(request, body, ids, gen, chat=False)
+
+    async def chat_completions(self, request: Request, body: ChatRequest):
+        self.check_model(body.model)
+        tok = self.tokenizer
+        if not tok.has_chat:
+            raise APIError(400, "this model's tokenizer has no chat format (it was not made for chats): "
+                                "use /v1/completions", param="messages")
+        ids = tok.apply_chat_template([m.model_dump() for m in body.messages])
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        gen = generation_config(body, self.config.defaults, (tok.end_turn_id, tok.eos_id), max_tokens)
+        return await self.respond(request, body, ids, gen, chat=True)
+
+    async def respond(self, request: Request, body: Options, prompt: list[int], gen: GenerationConfig, chat: bool):
+        started = await self.start(prompt, gen, body.n)
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        name = self.config.model_name
+
+        def head(kind: str) -> dict:  # what every response object and chunk begins with
+            return {"id": rid, "object": kind, "created": created, "model": name}
+
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self.stream(request.url.path, head, prompt, *started[0], chat, include_usage),
+                                     media_type="text/event-stream")
+        await self.collect(request, started)
+        completions = [c for _, c in started]
+        if chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": c.logprobs(chat), "finish_reason": c.finish_reason}
+                       for i, c in enumerate(completions)]
+        else:
+            choices = [{"index": i, "text": c.text, "logprobs": c.logprobs(chat),
+                        "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
+        self.metrics.requests.labels(request.url.path, "200").inc()
+        return JSONResponse({**head("chat.completion" if chat else "text_completion"), "choices": choices,
+                             "usage": usage(prompt, completions)})
+
+    async def stream(self, endpoint: str, head: Callable[[str], dict], prompt: list[int], ticket: Ticket,
+                     completion: Completion, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        """One completion as server-sent events: a chunk per new piece of text (chat: a first one with the
+        role), the usage when asked for, then [DONE]; an error mid-stream as an error event."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+            logprobs = None if role else completion.logprobs(chat, new_only=True)
+            if chat:
+                content = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+                choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
+            return f"data: {json.dumps({**head(kind), 'choices': [choice]})}\n\n"
+
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            while completion.finish_reason is None:
+                self.take(ticket, completion, await ticket.events.get())
+                delta = completion.delta()
+                if delta or completion.finish_reason is not None:
+                    yield chunk(delta, completion.finish_reason)
+            if include_usage:
+                data = {**head(kind), "choices": [], "usage": usage(prompt, [completion])}
+                yield f"data: {json.dumps(data)}\n\n"
+            yield "data: [DONE]\n\n"
+            self.metrics.requests.labels(endpoint, "200").inc()
+        except APIError as err:
+            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
+        finally:
+            if completion.finish_reason is None:  # the client went away, or an error: free the row
+                self.worker.cancel(ticket)
+
+    # ---- tickets
+
+    async def start(self, prompt: list[int], gen: GenerationConfig, n: int) -> list[tuple[Ticket, Completion]]:
+        """Submit the request's n completions (sampled ones with seeds seed, seed + 1, ...); wait until the
+        batch has taken or refused each."""
+        loop = asyncio.get_running_loop()
+        started = []
+        for i in range(n):
+            seeded = gen if gen.temperature == 0 else replace(gen, seed=gen.seed + i)
+            ticket = Ticket(prompt, seeded, loop)
+            self.worker.submit(ticket)
+            started.append((ticket, Completion(self.tokenizer, seeded)))
+        for ticket, _ in started:
+            first = await ticket.events.get()
+            if first[0] == "error":
+                for other, _ in started:
+                    self.worker.cancel(other)
+                raise APIError(400, first[1])
+        return started
+
+    async def collect(self, request: Request, started: list[tuple[Ticket, Completion]]) -> None:
+        """Wait for every ticket to finish; a client that goes away cancels them."""
+        for ticket, completion in started:
+            while completion.finish_reason is None:
+                try:
+                    item = await asyncio.wait_for(ticket.events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        for other, _ in started:
+                            self.worker.cancel(other)
+                        raise APIError(499, "the client disconnected")
+                    continue
+                self.take(ticket, completion, item)
+
+    def take(self, ticket: Ticket, completion: Completion, item) -> None:
+        if isinstance(item, tuple) and item[0] == "error":
+            raise APIError(500, item[1], kind="server_error")
+        if not completion.tokens:
+            self.metrics.ttft.observe(time.perf_counter() - ticket.submitted)
+        completion.add(item)
+
+
+def usage(prompt: list[int], completions: list[Completion]) -> dict:
+    out = sum(len(c.tokens) for c in completions)
+    spent = sum(c.steps for c in completions)
+    return {"prompt_tokens": len(prompt), "completion_tokens": out, "total_tokens": len(prompt) + out,
+            "latent_iterations": spent, "mean_latent_iterations": spent / out if out else 0.0}
+
+
 def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig | None = None) -> FastAPI:
     config = config or ServeConfig()
     metrics = Metrics()
     worker = Worker(model, tokenizer, config, metrics)
+    server = OpenAIServer(worker, tokenizer, config, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -237,169 +416,11 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
     app = FastAPI(title="rdlm", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
     app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError) -> JSONResponse:
-        metrics.requests.labels(request.url.path, str(err.status)).inc()
-        return err.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message, where = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
-        elif first.get("type") == "extra_forbidden":
-            message = f"unknown field {where!r}"
-        elif where:
-            message = f"{where}: {message}"
-        metrics.requests.labels(request.url.path, "400").inc()
-        return APIError(400, message, param=where).response()
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": config.model_name}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "rdlm"}]}
-
-    def check_model(name: str) -> None:
-        if name != config.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server has {config.model_name!r}",
-                           param="model", code="model_not_found")
-
-    async def start(prompt: list[int], gen: GenerationConfig, n: int) -> list[tuple[Ticket, Completion]]:
-        loop = asyncio.get_running_loop()
-        started = []
-        for i in range(n):
-            seeded = gen if gen.temperature == 0 else replace(gen, seed=gen.seed + i)
-            ticket = Ticket(prompt, seeded, loop)
-            worker.submit(ticket)
-            started.append((ticket, Completion(tokenizer, seeded)))
-        for ticket, _ in started:
-            first = await ticket.events.get()
-            if first[0] == "error":
-                for other, _ in started:
-                    worker.cancel(other)
-                raise APIError(400, first[1])
-        return started
-
-    async def collect(request: Request, started: list[tuple[Ticket, Completion]]) -> None:
-        """Wait for every ticket to finish; a client that goes away cancels them."""
-        for ticket, completion in started:
-            while completion.finish_reason is None:
-                try:
-                    item = await asyncio.wait_for(ticket.events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        for other, _ in started:
-                            worker.cancel(other)
-                        raise APIError(499, "the client disconnected")
-                    continue
-                take(ticket, completion, item)
-
-    def take(ticket: Ticket, completion: Completion, item) -> None:
-        if isinstance(item, tuple) and item[0] == "error":
-            raise APIError(500, item[1], kind="server_error")
-        if not completion.tokens:
-            metrics.ttft.observe(time.perf_counter() - ticket.submitted)
-        completion.add(item)
-
-    def usage(prompt: list[int], completions: list[Completion]) -> dict:
-        out = sum(len(c.tokens) for c in completions)
-        spent = sum(c.steps for c in completions)
-        return {"prompt_tokens": len(prompt), "completion_tokens": out, "total_tokens": len(prompt) + out,
-                "latent_iterations": spent, "mean_latent_iterations": spent / out if out else 0.0}
-
-    async def respond(request: Request, body: Options, prompt: list[int], gen: GenerationConfig, chat: bool):
-        started = await start(prompt, gen, body.n)
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        endpoint = request.url.path
-        if not body.stream:
-            await collect(request, started)
-            completions = [c for _, c in started]
-            if chat:
-                choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": c.logprobs(chat), "finish_reason": c.finish_reason}
-                           for i, c in enumerate(completions)]
-            else:
-                choices = [{"index": i, "text": c.text, "logprobs": c.logprobs(chat),
-                            "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
-            metrics.requests.labels(endpoint, "200").inc()
-            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                 "created": created, "model": config.model_name, "choices": choices,
-                                 "usage": usage(prompt, completions)})
-
-        ticket, completion = started[0]
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
-            logprobs = None if role else completion.logprobs(chat, new_only=True)
-            if chat:
-                content = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
-            data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": config.model_name, "choices": [choice]}
-            return f"data: {json.dumps(data)}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                if chat:
-                    yield chunk(None, None, role=True)
-                while completion.finish_reason is None:
-                    take(ticket, completion, await ticket.events.get())
-                    delta = completion.delta()
-                    if delta or completion.finish_reason is not None:
-                        yield chunk(delta, completion.finish_reason)
-                if include_usage:
-                    data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": created, "model": config.model_name, "choices": [],
-                            "usage": usage(prompt, [completion])}
-                    yield f"data: {json.dumps(data)}\n\n"
-                yield "data: [DONE]\n\n"
-                metrics.requests.labels(endpoint, "200").inc()
-            except APIError as err:
-                yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
-            finally:
-                if completion.finish_reason is None:  # the client went away, or an error: free the row
-                    worker.cancel(ticket)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest):
-        check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "one prompt per request (send several requests)", param="prompt")
-            prompt = prompt[0]
-        ids = tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        gen = generation_config(body, config.defaults, (tokenizer.eos_id,), body.max_tokens)
-        return await respond(request, body, ids, gen, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatRequest):
-        check_model(body.model)
-        if not tokenizer.has_chat:
-            raise APIError(400, "this model's tokenizer has no chat format (it was not made for chats): "
-                                "use /v1/completions", param="messages")
-        ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        gen = generation_config(body, config.defaults, (tokenizer.end_turn_id, tokenizer.eos_id), max_tokens)
-        return await respond(request, body, ids, gen, chat=True)
-
+    app.add_exception_handler(APIError, server.api_error)
+    app.add_exception_handler(RequestValidationError, server.invalid)
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.prometheus, methods=["GET"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     return app
