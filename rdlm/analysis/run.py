@@ -93,16 +93,7 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
     out.mkdir(parents=True, exist_ok=True)
     model = model.eval()
     s = settings or AnalysisSettings()
-    criterion = None
-    if s.exit_criterion:  # build it first: a misspelt criterion should fail before minutes of work
-        from rdlm.inference.exits import make_exit_criterion
-
-        threshold = s.exit_threshold
-        if threshold is None and s.exit_criterion in ("gate", "gate-exact"):  # the checkpoint's own
-            threshold = model.config.exit_threshold
-        if s.exit_criterion in ("gate", "gate-exact") and model.exit_gate is None:
-            raise ValueError(f"exit criterion {s.exit_criterion!r} needs a model with a learned exit gate")
-        criterion = make_exit_criterion(s.exit_criterion, threshold)
+    criterion = _exit_criterion(model, s)  # first: a misspelt criterion should fail before minutes of work
     limit_steps = 4 * s.num_steps if s.limit_steps is None else s.limit_steps
     # The trajectory to max(r, limit), the path-independence runs to r, the exit steps to their cap.
     iterations = max(s.num_steps, limit_steps) + s.num_runs * s.num_steps + (s.exit_max_steps or s.num_steps)
@@ -115,74 +106,12 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
     sections: list[Section] = []
     figures: list[Path] = []
     counts: dict[str, dict[str, int]] = {}
-
     for prompt in prompts:
-        ids = prompt.token_ids
-        traj = record_trajectory(
-            model, ids, s.num_steps, limit_steps=limit_steps, seed=s.seed, init_scale=s.init_scale,
-            max_tokens=s.max_tokens, iteration_stride=s.iteration_stride, max_bytes=s.max_bytes,
-            stream_to=out / "states" / f"{prompt.name}.npy" if s.stream else None)
-        labels = token_labels(ids, traj.positions, tokenizer)
-
-        # Figure 6: PCA over all recorded tokens, chosen tokens' paths in planes (1,2), (3,4), (5,6).
-        pca = trajectory_pca(traj, num_components=6)
-        if s.plot_positions is not None:
-            wanted = [int(p) for p in s.plot_positions]
-            missing = [p for p in wanted if p not in set(traj.positions.tolist())]
-            if missing:
-                raise ValueError(f"plot positions {missing} are not among the recorded positions of "
-                                 f"prompt {prompt.name!r} (length {len(ids)})")
-            rows = [int(np.flatnonzero(traj.positions == p)[0]) for p in wanted]
-        else:
-            rows = select_positions(traj.num_tokens, s.plot_tokens).tolist()
-        projected = project_trajectory(traj, pca)
-        fig_traj = plots.plot_trajectories(projected[rows], traj.iterations, [labels[r] for r in rows], pca,
-                                           out / f"trajectories_{prompt.name}.png",
-                                           title=f"{prompt.name}: latent paths, r = {s.num_steps}")
-
-        # Figure 5: distance to s*.
-        conv = convergence(traj)
-        fig_conv = plots.plot_convergence(conv, labels, out / f"convergence_{prompt.name}.png",
-                                          title=f"{prompt.name}: ||s_i - s*||")
-
-        dynamics = classify_trajectory(traj, s.thresholds)
-        counts[prompt.name] = count_labels(dynamics)
-
-        plotted_positions = traj.positions[rows]
-        pi = path_independence(model, ids, s.num_steps, num_runs=s.num_runs, seed=s.seed + 1,
-                               init_scale=s.init_scale, path_positions=plotted_positions,
-                               path_iterations=traj.iterations)
-        fig_pi = plots.plot_path_independence(pi, [labels[r] for r in rows], pca,
-                                              out / f"path_independence_{prompt.name}.png",
-                                              title=f"{prompt.name}: path independence")
-        figures += [fig_traj, fig_conv, fig_pi]
-
-        prompt_summary = {
-            "text": prompt.text, "num_tokens": len(ids), "category": prompt.category,
-            "recorded_positions": traj.positions.tolist(), "recorded_iterations": traj.iterations.tolist()
-            if traj.iterations.size <= 64 else f"{traj.iterations.size} iterations, stride "
-            f"{int(traj.iterations[1] - traj.iterations[0])}",
-            "storage": traj.storage,
-            "pca_explained_ratio": [round(float(x), 4) for x in pca.explained_ratio],
-            "convergence": conv.summary(),
-            "dynamics_counts": counts[prompt.name],
-            "dynamics": {labels[j]: d.to_dict() for j, d in enumerate(dynamics)},
-            "path_independence": pi.summary(),
-        }
+        prompt_summary, section, prompt_figures = _analyze_prompt(model, prompt, s, limit_steps, out, tokenizer)
         summary["prompts"][prompt.name] = prompt_summary
-        sections.append(Section(
-            title=f"Prompt {prompt.name}" + (f" ({prompt.category})" if prompt.category else ""),
-            text=prompt.text if prompt.text is not None else " ".join(map(str, ids)),
-            notes=[f"storage: {'; '.join(traj.storage)}",
-                   f"s* is the state after {limit_steps} iterations from the same s_0"],
-            figures=[Figure(fig_traj, "Latent trajectories (Figure 6 style): PCA over all recorded "
-                                      "tokens' states; o marks s_0, * marks s_r, colour runs with i."),
-                     Figure(fig_conv, "Convergence (Figure 5 style): distance of s_i to s* per token."),
-                     Figure(fig_pi, f"Path independence: {s.num_runs} random s_0.")],
-            tables={"dynamics": [{"token": labels[j], **d.to_dict()} for j, d in enumerate(dynamics)],
-                    "numbers": [{"quantity": k, "value": json.dumps(v)} for k, v in {
-                        **conv.summary(), **pi.summary(),
-                        "pca_explained_ratio": prompt_summary["pca_explained_ratio"]}.items()]}))
+        counts[prompt.name] = prompt_summary["dynamics_counts"]
+        sections.append(section)
+        figures += prompt_figures
 
     fig_dyn = plots.plot_dynamics_counts(counts, out / "dynamics_counts.png")
     figures.append(fig_dyn)
@@ -191,29 +120,10 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
                         notes=[plots_doc_dynamics(s.thresholds)],
                         figures=[Figure(fig_dyn, "Tokens labelled fixed point / orbit / slider.")],
                         tables={"counts": [{"prompt": k, **v} for k, v in counts.items()]})]
-
     if criterion is not None:
-        from rdlm.analysis.exit_steps import exit_steps
-
-        max_steps = s.num_steps if s.exit_max_steps is None else s.exit_max_steps
-        groups: dict[str, list[np.ndarray]] = {}
-        for prompt in prompts:
-            steps = exit_steps(model, prompt.token_ids, criterion, max_steps, seed=s.seed,
-                               init_scale=s.init_scale)
-            groups.setdefault(prompt.category or prompt.name, []).append(steps)
-        merged = {k: np.concatenate(v) for k, v in groups.items()}
-        name = f"{criterion.name} < {criterion.threshold:g}"
-        fig_exit = plots.plot_exit_histograms(merged, max_steps, name, out / "exit_steps.png")
+        summary["exit_steps"], section, fig_exit = _exit_steps_section(model, prompts, criterion, s, out)
         figures.append(fig_exit)
-        summary["exit_steps"] = {"criterion": name, "max_steps": max_steps, "groups": {
-            k: {"mean": float(v.mean()), "median": float(np.median(v)),
-                "never_exited": int((v == max_steps).sum()), "tokens": int(v.size)} for k, v in merged.items()}}
-        overview.append(Section(
-            title="Exit steps (Figure 4 style)", text="",
-            notes=["Teacher-forced: the prompt is iterated as a whole and read out after every iteration; "
-                   f"a token's exit step is the first iteration where {name} holds (capped at {max_steps})."],
-            figures=[Figure(fig_exit, "Distribution of per-token exit steps per group.")],
-            tables={"exit steps": [{"group": k, **v} for k, v in summary["exit_steps"]["groups"].items()]}))
+        overview.append(section)
 
     write_json(out / "summary.json", summary)
     report = write_report(out / "report.html", title=f"Latent analysis {model_name}".strip(),
@@ -221,6 +131,113 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
                                  f"init scale {s.init_scale}, {len(prompts)} prompt(s)."),
                           sections=overview + sections)
     return AnalysisResult(out_dir=out, summary=summary, figures=figures, report=report)
+
+
+def _exit_criterion(model: RecurrentDepthLM, s: AnalysisSettings):
+    """The exit criterion of `s` (None without one); a gate's threshold defaults to the checkpoint's own."""
+    if not s.exit_criterion:
+        return None
+    from rdlm.inference.exits import make_exit_criterion
+
+    threshold = s.exit_threshold
+    if threshold is None and s.exit_criterion in ("gate", "gate-exact"):  # the checkpoint's own
+        threshold = model.config.exit_threshold
+    if s.exit_criterion in ("gate", "gate-exact") and model.exit_gate is None:
+        raise ValueError(f"exit criterion {s.exit_criterion!r} needs a model with a learned exit gate")
+    return make_exit_criterion(s.exit_criterion, threshold)
+
+
+def _analyze_prompt(model: RecurrentDepthLM, prompt: Prompt, s: AnalysisSettings, limit_steps: int, out: Path,
+                    tokenizer) -> tuple[dict, Section, list[Path]]:
+    """One prompt's trajectory, convergence, dynamics and path independence: (its summary, its report
+    section, its figures)."""
+    ids = prompt.token_ids
+    traj = record_trajectory(
+        model, ids, s.num_steps, limit_steps=limit_steps, seed=s.seed, init_scale=s.init_scale,
+        max_tokens=s.max_tokens, iteration_stride=s.iteration_stride, max_bytes=s.max_bytes,
+        stream_to=out / "states" / f"{prompt.name}.npy" if s.stream else None)
+    labels = token_labels(ids, traj.positions, tokenizer)
+
+    # Figure 6: PCA over all recorded tokens, chosen tokens' paths in planes (1,2), (3,4), (5,6).
+    pca = trajectory_pca(traj, num_components=6)
+    if s.plot_positions is not None:
+        wanted = [int(p) for p in s.plot_positions]
+        missing = [p for p in wanted if p not in set(traj.positions.tolist())]
+        if missing:
+            raise ValueError(f"plot positions {missing} are not among the recorded positions of "
+                             f"prompt {prompt.name!r} (length {len(ids)})")
+        rows = [int(np.flatnonzero(traj.positions == p)[0]) for p in wanted]
+    else:
+        rows = select_positions(traj.num_tokens, s.plot_tokens).tolist()
+    projected = project_trajectory(traj, pca)
+    fig_traj = plots.plot_trajectories(projected[rows], traj.iterations, [labels[r] for r in rows], pca,
+                                       out / f"trajectories_{prompt.name}.png",
+                                       title=f"{prompt.name}: latent paths, r = {s.num_steps}")
+
+    # Figure 5: distance to s*.
+    conv = convergence(traj)
+    fig_conv = plots.plot_convergence(conv, labels, out / f"convergence_{prompt.name}.png",
+                                      title=f"{prompt.name}: ||s_i - s*||")
+
+    dynamics = classify_trajectory(traj, s.thresholds)
+    pi = path_independence(model, ids, s.num_steps, num_runs=s.num_runs, seed=s.seed + 1,
+                           init_scale=s.init_scale, path_positions=traj.positions[rows],
+                           path_iterations=traj.iterations)
+    fig_pi = plots.plot_path_independence(pi, [labels[r] for r in rows], pca,
+                                          out / f"path_independence_{prompt.name}.png",
+                                          title=f"{prompt.name}: path independence")
+
+    prompt_summary = {
+        "text": prompt.text, "num_tokens": len(ids), "category": prompt.category,
+        "recorded_positions": traj.positions.tolist(), "recorded_iterations": traj.iterations.tolist()
+        if traj.iterations.size <= 64 else f"{traj.iterations.size} iterations, stride "
+        f"{int(traj.iterations[1] - traj.iterations[0])}",
+        "storage": traj.storage,
+        "pca_explained_ratio": [round(float(x), 4) for x in pca.explained_ratio],
+        "convergence": conv.summary(),
+        "dynamics_counts": count_labels(dynamics),
+        "dynamics": {labels[j]: d.to_dict() for j, d in enumerate(dynamics)},
+        "path_independence": pi.summary(),
+    }
+    section = Section(
+        title=f"Prompt {prompt.name}" + (f" ({prompt.category})" if prompt.category else ""),
+        text=prompt.text if prompt.text is not None else " ".join(map(str, ids)),
+        notes=[f"storage: {'; '.join(traj.storage)}",
+               f"s* is the state after {limit_steps} iterations from the same s_0"],
+        figures=[Figure(fig_traj, "Latent trajectories (Figure 6 style): PCA over all recorded "
+                                  "tokens' states; o marks s_0, * marks s_r, colour runs with i."),
+                 Figure(fig_conv, "Convergence (Figure 5 style): distance of s_i to s* per token."),
+                 Figure(fig_pi, f"Path independence: {s.num_runs} random s_0.")],
+        tables={"dynamics": [{"token": labels[j], **d.to_dict()} for j, d in enumerate(dynamics)],
+                "numbers": [{"quantity": k, "value": json.dumps(v)} for k, v in {
+                    **conv.summary(), **pi.summary(),
+                    "pca_explained_ratio": prompt_summary["pca_explained_ratio"]}.items()]})
+    return prompt_summary, section, [fig_traj, fig_conv, fig_pi]
+
+
+def _exit_steps_section(model: RecurrentDepthLM, prompts: Sequence[Prompt], criterion, s: AnalysisSettings,
+                        out: Path) -> tuple[dict, Section, Path]:
+    """Figure 4: per-token exit steps by prompt group: (their summary, the report section, the figure)."""
+    from rdlm.analysis.exit_steps import exit_steps
+
+    max_steps = s.num_steps if s.exit_max_steps is None else s.exit_max_steps
+    groups: dict[str, list[np.ndarray]] = {}
+    for prompt in prompts:
+        steps = exit_steps(model, prompt.token_ids, criterion, max_steps, seed=s.seed, init_scale=s.init_scale)
+        groups.setdefault(prompt.category or prompt.name, []).append(steps)
+    merged = {k: np.concatenate(v) for k, v in groups.items()}
+    name = f"{criterion.name} < {criterion.threshold:g}"
+    fig_exit = plots.plot_exit_histograms(merged, max_steps, name, out / "exit_steps.png")
+    summary = {"criterion": name, "max_steps": max_steps, "groups": {
+        k: {"mean": float(v.mean()), "median": float(np.median(v)),
+            "never_exited": int((v == max_steps).sum()), "tokens": int(v.size)} for k, v in merged.items()}}
+    section = Section(
+        title="Exit steps (Figure 4 style)", text="",
+        notes=["Teacher-forced: the prompt is iterated as a whole and read out after every iteration; "
+               f"a token's exit step is the first iteration where {name} holds (capped at {max_steps})."],
+        figures=[Figure(fig_exit, "Distribution of per-token exit steps per group.")],
+        tables={"exit steps": [{"group": k, **v} for k, v in summary["groups"].items()]})
+    return summary, section, fig_exit
 
 
 def plots_doc_dynamics(t: DynamicsThresholds) -> str:
