@@ -77,6 +77,30 @@ def _rdlm_generation_names(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def to_rdlm_config(config: GenerationConfig, default_steps: int, stop: tuple[int, ...],
+                   max_new: int) -> RDLMGenerationConfig:
+    """A transformers generation config (with rdlm's fields, already checked) as rdlm's: greedy unless
+    do_sample with a temperature, r defaulting to the model's mean recurrence."""
+    sampling = config.do_sample and config.temperature != 0
+    return RDLMGenerationConfig(
+        max_new_tokens=max_new,
+        num_steps=config.num_steps if config.num_steps is not None else default_steps,
+        exit_criterion=config.exit_criterion,
+        exit_threshold=config.exit_threshold if config.exit_criterion is not None else None,
+        min_steps=config.min_steps,
+        temperature=float(config.temperature) if sampling else 0.0,
+        top_k=config.top_k if sampling and config.top_k else None,
+        top_p=config.top_p if sampling and config.top_p is not None and config.top_p < 1 else None,
+        min_p=config.min_p if sampling else None,
+        repetition_penalty=config.repetition_penalty, stop_tokens=stop,
+        stop_strings=tuple([config.stop_strings] if isinstance(config.stop_strings, str)
+                           else config.stop_strings or ()),
+        **kv_cache_budget(config.kv_cache_budget), continuous_cot=bool(config.continuous_cot),
+        init_scale=float(config.init_scale), seed=int(config.seed),
+        draft_steps=config.draft_steps, draft_length=config.draft_length,
+        max_latent_iterations=config.max_latent_iterations, target_mean_iterations=config.target_mean_iterations)
+
+
 def generate_with_engine(wrapper: PreTrainedModel, inputs: Tensor | None,
                          generation_config: GenerationConfig | None, streamer: Any,
                          **kwargs: Any) -> Tensor | GenerateDecoderOnlyOutput:
@@ -117,24 +141,7 @@ def generate_with_engine(wrapper: PreTrainedModel, inputs: Tensor | None,
     pad = config.pad_token_id if config.pad_token_id is not None else (stop[0] if stop else 0)
     max_new = config.max_new_tokens if config.max_new_tokens is not None else \
         max(config.max_length - input_ids.shape[1], 0)
-    sampling = config.do_sample and config.temperature != 0
-    rdlm_config = RDLMGenerationConfig(
-        max_new_tokens=max_new,
-        num_steps=config.num_steps if config.num_steps is not None else wrapper.model.config.mean_recurrence,
-        exit_criterion=config.exit_criterion,
-        exit_threshold=config.exit_threshold if config.exit_criterion is not None else None,
-        min_steps=config.min_steps,
-        temperature=float(config.temperature) if sampling else 0.0,
-        top_k=config.top_k if sampling and config.top_k else None,
-        top_p=config.top_p if sampling and config.top_p is not None and config.top_p < 1 else None,
-        min_p=config.min_p if sampling else None,
-        repetition_penalty=config.repetition_penalty, stop_tokens=stop,
-        stop_strings=tuple([config.stop_strings] if isinstance(config.stop_strings, str)
-                           else config.stop_strings or ()),
-        **kv_cache_budget(config.kv_cache_budget), continuous_cot=bool(config.continuous_cot),
-        init_scale=float(config.init_scale), seed=int(config.seed),
-        draft_steps=config.draft_steps, draft_length=config.draft_length,
-        max_latent_iterations=config.max_latent_iterations, target_mean_iterations=config.target_mean_iterations)
+    rdlm_config = to_rdlm_config(config, wrapper.model.config.mean_recurrence, stop, max_new)
     decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     on_token = None
     if streamer is not None:
