@@ -13,8 +13,8 @@ its last token. Every `ContinuousBatch.step()`:
 3. runs **one** core iteration for every iterating row and every prompt chunk, in one model call,
    although the rows are at different tokens and iterations, with different r, exit criteria, cache
    budgets and sampling;
-4. evaluates each row's exit criterion on the device: a row whose token is done (exit, or r
-   iterations) is frozen there (its state kept, no more core cache writes). Every `sync_every` steps
+4. evaluates each row's exit criterion on the device (rdlm.inference.row_exits): a row whose token is
+   done (exit, or r iterations) is frozen there (its state kept, no more core cache writes). Every `sync_every` steps
    the host looks at the exit flags (one read; at once when a row reaches its cap) and the rows found
    done leave the core's calls; they run the coda together once one of them has waited `coda_every` - 1
    steps, or half the rows wait, or no other row can be done before then, and choose their next token,
@@ -51,9 +51,10 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.engine import NonFiniteLogitsError, check_request, choose, resolve_compile, sync
-from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
+from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.graphs import StaticSteps
 from rdlm.inference.prefill import PromptChunk
+from rdlm.inference.row_exits import RowExits
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner, Pack
 from rdlm.model.lm import RecurrentDepthLM
@@ -116,20 +117,13 @@ class ContinuousBatch(Engine):
         h = c.hidden_size
         self.state = torch.zeros(max_batch, 1, h, dtype=self.dtype, device=self.device)
         self.embedded = torch.zeros_like(self.state)
-        self.logits = torch.zeros(max_batch, c.vocab_size, device=self.device)  # latest, for exit criteria
-        self.streak = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        # A learned exit gate's running sums per row (rdlm.inference.exits.gate_update), and gate-exact's
-        # chosen exit state.
-        self.gate_remaining = torch.ones(max_batch, device=self.device)
-        self.gate_cumulative = torch.zeros(max_batch, device=self.device)
-        self.exit_state = torch.zeros_like(self.state)
+        self.exits = RowExits(self.runner, max_batch, c.vocab_size, self.state)  # the criteria's per-row state
         # Each row's token in progress, on the device: iterations run, done (exited or at its cap: frozen
-        # until the host looks), its cap and min_steps, and whether gate-exact's gate fired already.
+        # until the host looks), its cap and min_steps.
         long = dict(dtype=torch.long, device=self.device)
         self.steps, self.cap = torch.zeros(max_batch, **long), torch.zeros(max_batch, **long)
         self.min_steps = torch.zeros(max_batch, **long)
         self.done = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
-        self.gate_fired = torch.zeros_like(self.done)
         self.seen = torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=self.device)
         # The static core iteration (`_step_static`; `compile` None: on with CUDA, off on the CPU, as
         # `generate`'s): each row's buffer index, core cache budget and whether it decodes, read in place by a
@@ -347,9 +341,8 @@ class ContinuousBatch(Engine):
         limits = self.runner.upload([[q.cap, q.config.min_steps, q.budget] for q in requests])
         self.cap[select], self.min_steps[select], self.budget[select] = limits.unbind(1)
         self.write_index[select] = lengths
-        self.steps[select], self.streak[select] = 0, 0
-        self.done[select], self.gate_fired[select] = False, False
-        self.gate_remaining[select], self.gate_cumulative[select] = 1.0, 0.0
+        self.steps[select], self.done[select] = 0, False
+        self.exits.reset(select)
 
     def _iterate(self, requests: list[_Request]) -> None:
         """One core iteration for every request whose token is in progress and every prompt chunk being
@@ -386,7 +379,8 @@ class ContinuousBatch(Engine):
         for q in requests:
             q.iteration += 1
         with self._timed("exit evaluation"):
-            self._exits(requests, rows, call, prev_state, state, running)
+            self.exits.update(requests, rows, call, prev_state, state, running, self.steps, self.min_steps, self.cap,
+                              self.done)
             steps = self.steps[select]
             self.done[select] |= steps >= self.cap[select]
 
@@ -449,72 +443,6 @@ class ContinuousBatch(Engine):
             c.advance(self.runner, out[:, part])
         return out
 
-    def _exits(self, requests: list[_Request], rows: Tensor, call: Call, prev_state: Tensor, state: Tensor,
-               running: Tensor) -> None:
-        """Each running row's exit decision after this iteration, on the device (`self.done`)."""
-        self._gate(requests, rows, state, running)
-        evaluate, readout = [], []  # rows whose criterion is read now; rows that need this iteration's logits
-        for j, q in enumerate(requests):
-            if q.criterion is None or q.criterion.uses_gate:
-                continue
-            now, next_reads = exit_schedule(q.iteration - 1, q.cap, q.config.exit_every)
-            if now:
-                evaluate.append(j)
-            if q.criterion.uses_logits and (now or next_reads):
-                readout.append(j)
-        if not evaluate and not readout:
-            return
-        groups: dict[ExitCriterion, list[int]] = {}
-        for j in evaluate:
-            groups.setdefault(requests[j].criterion, []).append(j)
-        everyone = list(range(len(requests)))
-
-        def where(members: list[int]) -> tuple[Tensor | slice, Tensor | slice]:
-            """(positions in this call, rows of the batch) of `members`: views when they are every row."""
-            if members == everyone:
-                return slice(None), call.rows
-            pick = self.runner.upload(members)
-            return pick, rows[pick]
-
-        # The previous reading's logits, before this iteration's readout replaces them.
-        previous = {crit: self.logits[where(members)[1]].clone()
-                    for crit, members in groups.items() if crit.uses_logits}
-        if readout:
-            pick, at = where(readout)
-            self.logits[at] = self.runner.readout(state[pick], call.select(pick, at))[:, -1]
-        for crit, members in groups.items():
-            pick, at = where(members)
-            logits = self.logits[at] if crit.uses_logits else None
-            exited, streak = exit_decision(crit, self.streak[at], self.steps[at], self.min_steps[at],
-                                           previous.get(crit), logits, prev_state[pick, -1], state[pick, -1])
-            live = running[pick]
-            self.streak[at] = torch.where(live, streak, self.streak[at])
-            self.done[at] |= exited & live
-
-    def _gate(self, requests: list[_Request], rows: Tensor, state: Tensor, running: Tensor) -> None:
-        """The learned exit gate after this iteration, for the rows that exit by it: `gate` is done once
-        the gate fires; `gate-exact` runs to its cap and keeps the state of the iteration the gate chose
-        (`exit_state`, read out when the token is done)."""
-        members = [j for j, q in enumerate(requests) if q.criterion is not None and q.criterion.uses_gate]
-        if not members:
-            return
-        pick = self.runner.upload(members)
-        at = rows[pick]
-        thresholds = self.runner.upload([requests[j].criterion.threshold for j in members])
-        exact = self.runner.upload([requests[j].criterion.spec.exact for j in members])
-        live = running[pick]
-        passed, remaining, cumulative = gate_update(
-            self.runner.exit_probability(state[pick, -1]), self.gate_remaining[at], self.gate_cumulative[at],
-            thresholds)
-        self.gate_remaining[at] = torch.where(live, remaining, self.gate_remaining[at])
-        self.gate_cumulative[at] = torch.where(live, cumulative, self.gate_cumulative[at])
-        fired = passed & (self.steps[at] >= self.min_steps[at]) & live
-        self.done[at] |= fired & ~exact
-        # gate-exact: the state where the gate first fired, or the last one if it never does
-        chosen = exact & live & ~self.gate_fired[at] & (fired | (self.steps[at] >= self.cap[at]))
-        self.exit_state[at] = torch.where(chosen.view(-1, 1, 1), state[pick], self.exit_state[at])
-        self.gate_fired[at] |= exact & fired
-
     def _look(self, requests: list[_Request]) -> None:
         """The host reads the exit flags (one read): rows whose token is done leave the core's calls and wait
         for their coda."""
@@ -529,7 +457,7 @@ class ContinuousBatch(Engine):
         for q in requests:
             self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
             if q.criterion is not None and q.criterion.spec.exact:
-                self.state[q.row] = self.exit_state[q.row]  # what the readout (and continuous CoT) reads
+                self.state[q.row] = self.exits.exit_state[q.row]  # what the readout (and continuous CoT) reads
         call = self._inputs(requests)[1]
         logits = self.runner.readout(self.state[call.rows], call)[:, -1]
         for q in requests:
