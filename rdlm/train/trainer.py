@@ -126,23 +126,7 @@ class Trainer(RunCheckpoints):
         self.model = model.to("cpu" if config.cpu_offload else self.device).train()
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         c = self.model.config
-        self.mean_recurrence = c.mean_recurrence if config.mean_recurrence is None else config.mean_recurrence
-        self.backprop_depth = c.backprop_depth if config.backprop_depth is None else config.backprop_depth
-        self.sampler = c.recurrence_sampler if config.recurrence_sampler is None else config.recurrence_sampler
-        self.sigma = c.recurrence_sigma if config.recurrence_sigma is None else config.recurrence_sigma
-        if config.exit_loss_beta is not None:  # Ouro's objective: every iteration read out, all with gradient
-            if not c.exit_gate:
-                raise TrainingError("exit_loss_beta needs a model with a learned exit gate (model config "
-                                    "exit_gate: an Ouro checkpoint, or --set exit_gate=true)")
-            self.backprop_depth = max(self.backprop_depth, self.mean_recurrence)
-            if self.sampler != "fixed":
-                print(f"rdlm train: exit_loss_beta trains at a fixed r = {self.mean_recurrence} (the sampler "
-                      f"{self.sampler!r} is not used)", file=sys.stderr)
-                self.sampler = "fixed"
-        self.curriculum = None if config.curriculum is None else RecurrenceCurriculum(
-            self.mean_recurrence, config.steps, config.curriculum, config.curriculum_start, config.curriculum_fraction)
-        if self.mean_recurrence < 1 or self.backprop_depth < 1:
-            raise ConfigError("mean_recurrence and backprop_depth must be >= 1")
+        self._set_recurrence(config)
 
         bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda"
                                               and torch.cuda.is_bf16_supported())
@@ -176,6 +160,28 @@ class Trainer(RunCheckpoints):
         if config.resume:
             self._resume()
         self.peak = peak_flops(self.device, config.peak_flops)
+
+    def _set_recurrence(self, config) -> None:
+        """How r is drawn in training: the run's settings over the model config's, Ouro's exit loss at a
+        fixed r, and the curriculum."""
+        c = self.model.config
+        self.mean_recurrence = c.mean_recurrence if config.mean_recurrence is None else config.mean_recurrence
+        self.backprop_depth = c.backprop_depth if config.backprop_depth is None else config.backprop_depth
+        self.sampler = c.recurrence_sampler if config.recurrence_sampler is None else config.recurrence_sampler
+        self.sigma = c.recurrence_sigma if config.recurrence_sigma is None else config.recurrence_sigma
+        if config.exit_loss_beta is not None:  # Ouro's objective: every iteration read out, all with gradient
+            if not c.exit_gate:
+                raise TrainingError("exit_loss_beta needs a model with a learned exit gate (model config "
+                                    "exit_gate: an Ouro checkpoint, or --set exit_gate=true)")
+            self.backprop_depth = max(self.backprop_depth, self.mean_recurrence)
+            if self.sampler != "fixed":
+                print(f"rdlm train: exit_loss_beta trains at a fixed r = {self.mean_recurrence} (the sampler "
+                      f"{self.sampler!r} is not used)", file=sys.stderr)
+                self.sampler = "fixed"
+        self.curriculum = None if config.curriculum is None else RecurrenceCurriculum(
+            self.mean_recurrence, config.steps, config.curriculum, config.curriculum_start, config.curriculum_fraction)
+        if self.mean_recurrence < 1 or self.backprop_depth < 1:
+            raise ConfigError("mean_recurrence and backprop_depth must be >= 1")
 
     # ---------------------------------------------------------------------------------------------
 
