@@ -252,3 +252,16 @@ def test_an_engine_counts_its_queued_and_running_requests(model):
     while static.busy:
         static.step()
     assert (static.queued, static.running, static.take_timings()) == (0, 0, {})
+
+
+def test_a_config_given_lists_works_in_the_batch_as_with_tuples(model):
+    """Stops passed as lists (or one stop string as a str) are kept as tuples: the config stays hashable
+    and the batch groups rows by config to choose their tokens."""
+    listed = GenerationConfig(num_steps=2, max_new_tokens=4, stop_tokens=[7, 9], stop_strings="ab")
+    assert listed.stop_tokens == (7, 9) and listed.stop_strings == ("ab",) and isinstance(hash(listed), int)
+    config = GenerationConfig(num_steps=2, max_new_tokens=4, stop_tokens=[7, 9])
+    batch = ContinuousBatch(model, max_batch=2, max_length=16, num_slots=4)
+    ids = [batch.add(prompt, config) for prompt in ([1, 2], [3])]
+    events = drain(batch)
+    for rid, prompt in zip(ids, ([1, 2], [3])):
+        assert [e.token for e in events[rid]] == generate(model, prompt, replace(config, stop_tokens=(7, 9))).tokens[0]

@@ -468,11 +468,15 @@ class ContinuousBatch(Engine):
     def _choose(self, requests: list[_Request], logits: Tensor, steps: list[int], events: list[BatchEvent]) -> None:
         """Sample each request's next token from its row of logits [n, V], one call (and one host read) per
         config; emit them in order; free the rows that finished."""
-        groups: dict[GenerationConfig, list[int]] = {}
+        groups: list[tuple[GenerationConfig, list[int]]] = []
         for j, q in enumerate(requests):
-            groups.setdefault(q.config, []).append(j)
+            same = next((members for config, members in groups if config == q.config), None)
+            if same is None:
+                groups.append((q.config, [j]))
+            else:
+                same.append(j)
         chosen: dict[int, tuple[int, tuple | None]] = {}
-        for config, members in groups.items():
+        for config, members in groups:
             rows = self.runner.upload([requests[j].row for j in members])
             pick = self.runner.upload(members)
             try:

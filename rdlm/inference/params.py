@@ -92,6 +92,11 @@ class GenerationConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
+        # Stops as tuples (a frozen, hashable config; one stop string given as a str is one string, not its letters).
+        if isinstance(self.stop_strings, str):
+            object.__setattr__(self, "stop_strings", (self.stop_strings,))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
         if self.min_steps is None:  # a learned gate may exit after the first iteration, as its reference does
             gate = self.exit_criterion in ("gate", "gate-exact") or getattr(self.exit_criterion, "uses_gate", False)
             object.__setattr__(self, "min_steps", 1 if gate else 2)
