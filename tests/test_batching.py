@@ -265,3 +265,50 @@ def test_a_config_given_lists_works_in_the_batch_as_with_tuples(model):
     events = drain(batch)
     for rid, prompt in zip(ids, ([1, 2], [3])):
         assert [e.token for e in events[rid]] == generate(model, prompt, replace(config, stop_tokens=(7, 9))).tokens[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_without_exits_run_several_iterations_in_one_static_call(model, device):
+    """With the static step and nothing that can change between iterations but their counts (no exit
+    criterion, no prompt in flight or able to join, no row waiting for its coda), a step runs the largest
+    power of two of iterations that no row's cap cuts short, in one call (a graph per power of two on
+    CUDA); every request still gets its tokens, iterations and finish reason alone."""
+    rng = random.Random(3)
+    configs = [GenerationConfig(num_steps=8, max_new_tokens=5, seed=1),
+               GenerationConfig(num_steps=12, max_new_tokens=4, temperature=0.8, top_k=40, seed=2),
+               GenerationConfig(num_steps=5, max_new_tokens=6, cache_strategy="shared", cache_slots=3)]
+    requests = [([rng.randrange(512) for _ in range(rng.randint(1, 6))], configs[k % 3]) for k in range(9)]
+    model = model.to(device)
+    try:
+        batch = busy_batch(model, sync_every=4, coda_every=6, compile=True)
+        ids = [batch.add(prompt, config) for prompt, config in requests]
+        events = drain(batch)
+        for rid, (prompt, config) in zip(ids, requests):
+            alone = generate(model, prompt, config)
+            assert [e.token for e in events[rid]] == alone.tokens[0]
+            assert [e.steps for e in events[rid]] == alone.steps[0]
+            assert events[rid][-1].finish_reason == alone.finish_reasons[0]
+    finally:
+        model.to("cpu")
+    assert batch.fused_iterations >= 16                 # (46 of the 354 here: rows often wait for a coda)
+    assert any(key[0] == "core iterations" for key in batch.static_steps.graphed) == (device == "cuda")
+
+
+def test_the_fused_iterations_compile_to_one_graph_per_count(model, monkeypatch):
+    """Several iterations in one call are data too: torch.compile takes each count whole (fullgraph: no
+    host sync, no graph break), one graph per power of two, reused by every later call of that count."""
+    graphs = []
+
+    def count(graph: torch.fx.GraphModule, example_inputs) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    batch = busy_batch(model, sync_every=4, coda_every=6, compile=True)
+    compiled = torch.compile(batch._core_static_iterations, fullgraph=True, backend=count)
+    counts = []
+    monkeypatch.setattr(batch, "_core_static_iterations", lambda n: (counts.append(n), compiled(n))[1])
+    config = GenerationConfig(num_steps=8, max_new_tokens=5)
+    for prompt in ([1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11, 12]):
+        batch.add(prompt, config)
+    drain(batch)
+    assert len(counts) > 5 and len(graphs) == len(set(counts)) <= 4   # counts 2, 4 and 8

@@ -176,7 +176,7 @@ def test_a_failed_graph_capture_leaves_the_engine_running_eagerly(monkeypatch):
             pass
 
     class FailingCapture:
-        def __init__(self, graph) -> None:
+        def __init__(self, graph, pool=None) -> None:
             pass
 
         def __enter__(self):

@@ -128,10 +128,11 @@ class ContinuousBatch(Engine):
         # The static core iteration (`_step_static`; `compile` None: on with CUDA, off on the CPU, as
         # `generate`'s): each row's buffer index, core cache budget and whether it decodes, read in place by a
         # captured step.
-        self.static_steps = StaticSteps(self.device, resolve_compile(compile, self.device))
+        self.static_steps = StaticSteps(self.device, resolve_compile(compile, self.device), shared_pool=True)
         self.write_index, self.budget = torch.zeros(max_batch, **long), torch.ones(max_batch, **long)
         self.decoding = torch.zeros_like(self.done)
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
+        self.fused_iterations = 0             # core iterations run several to a call (`_iterate_fused`)
         self.waiting: deque[_Request] = deque()
         self.rows: list[_Request | None] = [None] * max_batch
         self.ids = itertools.count()
@@ -349,6 +350,10 @@ class ContinuousBatch(Engine):
         prefilled, in one model call. Rows found done on the device since the host last looked
         (`self.done`) are frozen: their state stays, they write no core cache entries, their iteration
         count stops."""
+        fused = self._fusable(requests) if requests else 1
+        if fused > 1:
+            self._iterate_fused(requests, fused)
+            return
         if requests:
             rows, call = self._inputs(requests)
             select = call.rows
@@ -416,17 +421,51 @@ class ContinuousBatch(Engine):
         decoding (free, prefilling its prompt or waiting for its coda) or is done keeps its state and writes
         nothing.
         Every row's new state."""
+        self._mark_decoding(requests)
+        return self.static_steps.run(("core iteration",), self._core_static)[0]
+
+    def _mark_decoding(self, requests: list[_Request]) -> None:
+        """`self.decoding`: the rows of `requests` (copied to the device when they changed)."""
         decoding = tuple(q.row for q in requests)
         if decoding != self._decoding_rows:
             self._decoding_rows = decoding
             self.decoding.copy_(self.runner.upload([b in decoding for b in range(self.max_batch)]))
-        return self.static_steps.run(("core iteration",), self._core_static)[0]
 
     def _core_static(self) -> tuple[Tensor]:
         writers = self.decoding & ~self.done
         call = self.runner.every_row(self.write_index, self.steps % self.budget, writers)
         out = self.runner.step(self.state, self.embedded, 0, call)
         return (torch.where(writers.view(-1, 1, 1), out, self.state),)
+
+    def _fusable(self, requests: list[_Request]) -> int:
+        """How many core iterations the next step may run at once (1: the usual one). With the static step,
+        when nothing can change between iterations but the iteration counts (no row with an exit criterion,
+        no prompt in flight or able to join, no row waiting for its coda), the largest power of two that
+        no row's cap cuts short: one captured call (a graph per power of two) instead of that many steps
+        of host bookkeeping."""
+        if (not self.static_steps.static or self.chunks or (self.waiting and None in self.rows)
+                or any(q.criterion is not None for q in requests) or len(requests) < self.running):
+            return 1
+        left = min(q.cap - q.iteration for q in requests)
+        return 1 << (left.bit_length() - 1) if left > 1 else 1
+
+    def _iterate_fused(self, requests: list[_Request], n: int) -> None:
+        """n core iterations of the decoding rows in one static call (`_fusable`): each exactly the static
+        step, the rows' iteration counts and done flags updated on the device as the one-step path does."""
+        self._mark_decoding(requests)
+        with self._timed("core iteration"):
+            self.static_steps.run(("core iterations", n), lambda: self._core_static_iterations(n), idempotent=False)
+        self.fused_iterations += n
+        for q in requests:
+            q.iteration += n
+
+    def _core_static_iterations(self, n: int) -> tuple:
+        for _ in range(n):
+            writers = self.decoding & ~self.done
+            self.state.copy_(self._core_static()[0])
+            self.steps += writers.long()
+            self.done |= self.decoding & (self.steps >= self.cap)
+        return ()
 
     def _iterate_prompts(self) -> None:
         """One more core iteration of the prompt chunks that have iterations left, in one packed call."""

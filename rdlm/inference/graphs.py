@@ -23,9 +23,12 @@ class StaticSteps:
     instead (`resolve_compile`); `runs` counts the bodies run (eager or replayed), so a caller can tell
     the static path was taken."""
 
-    def __init__(self, device: torch.device, static: bool) -> None:
+    def __init__(self, device: torch.device, static: bool, shared_pool: bool = False) -> None:
         self.device, self.static = device, static
         self.graphs = static and device.type == "cuda"
+        # One memory pool for all of this engine's graphs (their scratch memory is not multiplied by their
+        # number): safe when every graph's outputs are read before another of them replays.
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs and shared_pool else None
         self.graphed: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # key -> (graph, its outputs)
         self.capture_seconds = 0.0
         self.runs = 0
@@ -53,7 +56,7 @@ class StaticSteps:
         collecting = gc.isenabled()
         gc.disable()  # a collection inside the capture that frees another graph's memory would invalidate it
         try:
-            with torch.cuda.graph(graph):  # collects garbage first
+            with torch.cuda.graph(graph, pool=self.pool):  # collects garbage first
                 outputs = body()
         except RuntimeError as err:  # the capture failed (the warm-up ran): this engine goes on eagerly
             self.graphs = False
