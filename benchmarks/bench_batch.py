@@ -109,15 +109,20 @@ def closed_loop(args, model, prompts: list[list[int]], config: GenerationConfig,
               f"the prompts' own core calls {packed[0]:.2f} s of the core iteration")
 
 
-def offline(model, prompts: list[list[int]], config: GenerationConfig, rows: int, device: torch.device) -> None:
-    ids = [prompts[k % len(prompts)] for k in range(rows)]
-    generate(model, ids, config)  # warm-up (and on CUDA the graphs' capture)
+def timed_generate(model, ids: list[list[int]], config: GenerationConfig):
+    """(tokens/s, result) of offline `generate` on `ids`, after one warm-up run (on CUDA the graphs' capture)."""
+    device = next(model.parameters()).device
+    generate(model, ids, config)
     synchronize(device)
     t0 = time.perf_counter()
     result = generate(model, ids, config)
     synchronize(device)
-    tokens = sum(len(t) for t in result.tokens)
-    print(f"  offline generate: {tokens / (time.perf_counter() - t0):.1f} tok/s (one batch of {rows})", flush=True)
+    return sum(len(t) for t in result.tokens) / (time.perf_counter() - t0), result
+
+
+def offline(model, prompts: list[list[int]], config: GenerationConfig, rows: int) -> None:
+    tps, _ = timed_generate(model, [prompts[k % len(prompts)] for k in range(rows)], config)
+    print(f"  offline generate: {tps:.1f} tok/s (one batch of {rows})", flush=True)
 
 
 def main() -> None:
@@ -146,7 +151,7 @@ def main() -> None:
     for rows in (int(b) for b in args.batch.split(",")):
         print(f"{args.preset} {args.device} {args.dtype} | batch {rows} | r {args.num_steps} | {args.new_tokens} new "
               f"tokens | prefill chunk {args.prefill_chunk} | load {os.getloadavg()[0]:.2f}", flush=True)
-        offline(model, prompts, config, rows, device)
+        offline(model, prompts, config, rows)
         for static in statics:
             closed_loop(args, model, prompts, config, rows, static, profile=False)
         if args.profile:

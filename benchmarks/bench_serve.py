@@ -179,24 +179,14 @@ def generation_config(args, tok, exit_criterion: str | None):
                             exit_threshold=args.exit_threshold if exit_criterion else None)
 
 
-def synchronize(args) -> None:
-    if torch.device(args.device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def offline(args, prompts: list[str], exit_criterion: str | None, batch: int) -> dict:
-    from rdlm.inference.generate import generate
+    from bench_batch import timed_generate  # this folder's
 
     model, tok = load(args)
     ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(batch)]
-    config = generation_config(args, tok, exit_criterion)
-    generate(model, ids, config)  # warm-up (and on CUDA the graphs' capture)
-    synchronize(args)
-    t0 = time.perf_counter()
-    result = generate(model, ids, config)
-    synchronize(args)
+    tps, result = timed_generate(model, ids, generation_config(args, tok, exit_criterion))
     tokens = sum(len(t) for t in result.tokens)
-    return dict(tps=tokens / (time.perf_counter() - t0), mean_iterations=sum(map(sum, result.steps)) / tokens)
+    return dict(tps=tps, mean_iterations=sum(map(sum, result.steps)) / tokens)
 
 
 def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, static: bool) -> dict:
