@@ -290,7 +290,7 @@ def test_rows_without_exits_run_several_iterations_in_one_static_call(model, dev
             assert events[rid][-1].finish_reason == alone.finish_reasons[0]
     finally:
         model.to("cpu")
-    assert batch.fused_iterations >= 16                 # (46 of the 354 here: rows often wait for a coda)
+    assert batch.fused_iterations >= 16         # not most: with these caps rows often wait for a coda
     assert any(key[0] == "core iterations" for key in batch.static_steps.graphed) == (device == "cuda")
 
 
