@@ -349,7 +349,8 @@ def test_serve_flags_for_a_server_beyond_this_machine(model_dir, capsys):
 
 
 def test_serve_compile_turns_the_batch_s_static_step_on(model_dir, capsys, monkeypatch):
-    """--compile (default: off) reaches the batch; its banner says which step runs."""
+    """--compile (default: on with CUDA, off on the CPU, where this runs) reaches the batch; its banner says
+    which step runs."""
     from rdlm.cli import main
 
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
