@@ -431,11 +431,12 @@ class ContinuousBatch(Engine):
             self._decoding_rows = decoding
             self.decoding.copy_(self.runner.upload([b in decoding for b in range(self.max_batch)]))
 
-    def _core_static(self) -> tuple[Tensor]:
+    def _core_static(self) -> tuple[Tensor, Tensor]:
+        """The static body: (every row's new state, the rows that iterated: decoding and not done)."""
         writers = self.decoding & ~self.done
         call = self.runner.every_row(self.write_index, self.steps % self.budget, writers)
         out = self.runner.step(self.state, self.embedded, 0, call)
-        return (torch.where(writers.view(-1, 1, 1), out, self.state),)
+        return torch.where(writers.view(-1, 1, 1), out, self.state), writers
 
     def _fusable(self, requests: list[_Request]) -> int:
         """How many core iterations the next step may run at once (1: the usual one). With the static step,
@@ -461,8 +462,8 @@ class ContinuousBatch(Engine):
 
     def _core_static_iterations(self, n: int) -> tuple:
         for _ in range(n):
-            writers = self.decoding & ~self.done
-            self.state.copy_(self._core_static()[0])
+            state, writers = self._core_static()
+            self.state.copy_(state)
             self.steps += writers.long()
             self.done |= self.decoding & (self.steps >= self.cap)
         return ()
