@@ -1,6 +1,7 @@
 """Continuous batching: a request in a busy batch gives the tokens of `generate` for its prompt alone."""
 
 import random
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -41,12 +42,23 @@ def busy_batch(model: RecurrentDepthLM, **options) -> ContinuousBatch:
     return ContinuousBatch(model, max_batch=4, max_length=32, num_slots=12, **options)
 
 
-def each_alone(batch: ContinuousBatch) -> ContinuousBatch:
-    """Twelve requests with every kind of config through a batch of 4 rows; asserts that each gets the tokens,
-    iterations and finish reason of `generate` for its prompt alone. Returns the drained batch."""
-    rng = random.Random(0)
-    requests = [([rng.randrange(512) for _ in range(rng.randint(1, 9))], CONFIGS[k % len(CONFIGS)])
-                for k in range(12)]
+@contextmanager
+def on(model: RecurrentDepthLM, device: str):
+    """The module's model on `device` for a while, back on the CPU afterwards."""
+    try:
+        yield model.to(device)
+    finally:
+        model.to("cpu")
+
+
+def each_alone(batch: ContinuousBatch, requests: list | None = None) -> ContinuousBatch:
+    """`requests` (prompt, config), by default twelve with every kind of config, through the batch; asserts
+    that each gets the tokens, iterations and finish reason of `generate` for its prompt alone. Returns the
+    drained batch."""
+    if requests is None:
+        rng = random.Random(0)
+        requests = [([rng.randrange(512) for _ in range(rng.randint(1, 9))], CONFIGS[k % len(CONFIGS)])
+                    for k in range(12)]
     ids = [batch.add(prompt, config) for prompt, config in requests]
     events = drain(batch)
     for rid, (prompt, config) in zip(ids, requests):
@@ -71,22 +83,16 @@ def test_a_busy_batch_gives_each_request_its_tokens_alone(model, device, sync_ev
     prompts prefilled whole or in chunks of 2, 3 or 5 tokens interleaved with the decoding rows, and with
     done rows running their coda at once or waiting for others (up to 4 or 6 steps). (A chunk of fewer
     tokens than prefill_chunk runs several iterations per step.)"""
-    model = model.to(device)
-    try:
+    with on(model, device):
         batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk,
                                       coda_every=coda_every, compile=False))
-    finally:
-        model.to("cpu")
     assert batch.static_steps.runs == 0                      # the eager path
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_static_step_is_the_default_on_cuda_only(model, device):
-    model = model.to(device)
-    try:
+    with on(model, device):
         assert busy_batch(model).static_steps.static == (device == "cuda")
-    finally:
-        model.to("cpu")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -96,12 +102,9 @@ def test_the_static_step_gives_each_request_its_tokens_alone(model, device, sync
     rows (a CUDA graph captured once on CUDA), rows that are free, prefilling, done or waiting for their coda
     masked out on the device, and the prompt chunks in a call of their own; every request still gets its
     tokens alone."""
-    model = model.to(device)
-    try:
+    with on(model, device):
         batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk,
                                       coda_every=coda_every, compile=True))
-    finally:
-        model.to("cpu")
     assert batch.static_steps.runs > 50                      # the static step ran (most iterations go through it)
     assert len(batch.static_steps.graphed) == (device == "cuda")   # one graph, replayed at every later step
 
@@ -278,18 +281,8 @@ def test_rows_without_exits_run_several_iterations_in_one_static_call(model, dev
                GenerationConfig(num_steps=12, max_new_tokens=4, temperature=0.8, top_k=40, seed=2),
                GenerationConfig(num_steps=5, max_new_tokens=6, cache_strategy="shared", cache_slots=3)]
     requests = [([rng.randrange(512) for _ in range(rng.randint(1, 6))], configs[k % 3]) for k in range(9)]
-    model = model.to(device)
-    try:
-        batch = busy_batch(model, sync_every=4, coda_every=6, compile=True)
-        ids = [batch.add(prompt, config) for prompt, config in requests]
-        events = drain(batch)
-        for rid, (prompt, config) in zip(ids, requests):
-            alone = generate(model, prompt, config)
-            assert [e.token for e in events[rid]] == alone.tokens[0]
-            assert [e.steps for e in events[rid]] == alone.steps[0]
-            assert events[rid][-1].finish_reason == alone.finish_reasons[0]
-    finally:
-        model.to("cpu")
+    with on(model, device):
+        batch = each_alone(busy_batch(model, sync_every=4, coda_every=6, compile=True), requests)
     assert batch.fused_iterations >= 16         # not most: with these caps rows often wait for a coda
     assert any(key[0] == "core iterations" for key in batch.static_steps.graphed) == (device == "cuda")
 
