@@ -27,6 +27,7 @@ weights, so measure fixed r there. This is a script, not a test.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import subprocess
@@ -159,16 +160,12 @@ def cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
-_LOADED: dict = {}
+@functools.cache
+def load(model: str, dtype: str, device: str):
+    """The model and tokenizer, loaded once per run of this script."""
+    from rdlm.cli.generate import load_model_and_tokenizer
 
-
-def load(args):
-    """The model and tokenizer, loaded once per run of this script (on --device, in --dtype)."""
-    if not _LOADED:
-        from rdlm.cli.generate import load_model_and_tokenizer
-
-        _LOADED["pair"] = load_model_and_tokenizer(args.model, args.dtype, args.device, need_tokenizer=True)
-    return _LOADED["pair"]
+    return load_model_and_tokenizer(model, dtype, device, need_tokenizer=True)
 
 
 def generation_config(args, tok, exit_criterion: str | None):
@@ -182,7 +179,7 @@ def generation_config(args, tok, exit_criterion: str | None):
 def offline(args, prompts: list[str], exit_criterion: str | None, batch: int) -> dict:
     from bench_batch import timed_generate  # this folder's
 
-    model, tok = load(args)
+    model, tok = load(args.model, args.dtype, args.device)
     ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(batch)]
     tps, result = timed_generate(model, ids, generation_config(args, tok, exit_criterion))
     tokens = sum(len(t) for t in result.tokens)
@@ -194,7 +191,7 @@ def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, st
     seconds of each phase of a step (ContinuousBatch(profile=True)) and what is left (host bookkeeping)."""
     from rdlm.inference.batching import ContinuousBatch
 
-    model, tok = load(args)
+    model, tok = load(args.model, args.dtype, args.device)
     config = generation_config(args, tok, exit_criterion)
     engine = ContinuousBatch(model, batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every,
                              coda_every=args.coda_every, prefill_chunk=args.prefill_chunk, profile=True,
