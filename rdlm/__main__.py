@@ -1,3 +1,3 @@
-from rdlm.cli import main
+from rdlm.cli import console
 
-raise SystemExit(main())
+console()

@@ -121,6 +121,34 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 180) -> subprocess.Com
     return proc
 
 
+AT_EXIT = """
+import atexit, pathlib, runpy, sys
+mark = pathlib.Path(sys.argv.pop(1))
+atexit.register(lambda: mark.write_text("torn down"))
+runpy.run_module("rdlm", run_name="__main__")
+"""
+
+
+def test_a_process_with_a_process_group_ends_without_the_interpreter_teardown(shards, tmp_path):
+    """A gloo worker thread that releases a collective's buffers while the interpreter finalizes aborts
+    the process after a successful run (seen under torchrun: rank 0 killed by SIGABRT). `python -m rdlm`
+    therefore ends a process that made a process group at once, its output flushed; others end as usual."""
+    mark = tmp_path / "torn-down"
+    proc = subprocess.run([sys.executable, "-c", AT_EXIT, str(mark),
+                           *train_args(shards, tmp_path / "run", "--steps", "2", "--strategy", "fsdp",
+                                       "--eval-every", "0")],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["steps"] == 2  # the whole summary reached the pipe
+    assert not mark.exists()
+    assert (latest_checkpoint(tmp_path / "run") / "dcp" / ".metadata").is_file()
+
+    proc = subprocess.run([sys.executable, "-c", AT_EXIT, str(mark), "info", str(tmp_path / "run")],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert mark.read_text() == "torn down"
+
+
 def weights(out: Path, which: str = "model") -> dict[str, torch.Tensor]:
     return dict(load_weights(latest_checkpoint(out), which).named_parameters())
 

@@ -124,6 +124,15 @@ def one_line_warnings(command: str, default):
     return show
 
 
+def console() -> None:
+    """The `rdlm` program: `main` on the command line's arguments, then the process's exit
+    (rdlm.train.distributed.exit_process)."""
+    code = main()
+    from rdlm.train.distributed import exit_process
+
+    exit_process(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

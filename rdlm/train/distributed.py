@@ -17,6 +17,7 @@ process, e.g. for CPU offload, runs in a one-member process group).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,7 @@ def setup(device: str = "auto") -> tuple[World, torch.device]:
     if size > 1 and not dist.is_initialized():
         # gloo next to NCCL for the few collectives on CPU tensors (batch bookkeeping, checkpoints).
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo")
+        _groups_made.append(size)
     return World(rank, size, local_rank), dev
 
 
@@ -62,6 +64,7 @@ def init_single_process_group(device: torch.device) -> bool:
         return False
     dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
                             store=dist.HashStore(), rank=0, world_size=1)
+    _groups_made.append(1)
     return True
 
 
@@ -124,3 +127,25 @@ def barrier(world: World) -> None:
 def teardown_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_groups_made: list[int] = []  # the sizes of the process groups this process created
+
+
+def exit_process(code: int) -> None:
+    """End a program (`python -m rdlm`, the `rdlm` script) with `code`.
+
+    A process that made a process group ends without the interpreter's teardown: gloo's worker threads
+    can still hold the last collectives' buffers after `destroy_process_group`, and a thread that
+    releases one while the interpreter finalizes needs the GIL it can no longer take, which aborts the
+    whole process ("terminate called without an active exception") after a run that succeeded; torchrun
+    then reports the worker as failed. Everything the run wrote is already closed and fsynced; only the
+    standard streams are flushed here. Any other process exits as usual."""
+    if not _groups_made:
+        raise SystemExit(code)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    os._exit(code)
