@@ -332,6 +332,14 @@ def test_recurrent_cache_is_a_transformers_cache_over_the_engine_layout(text_mod
             model(ids, past_key_values=DynamicCache())
         with pytest.raises(ValueError, match="left-padded"):
             model(ids, attention_mask=torch.tensor([[1, 1, 1, 0]]), use_cache=True)
+        with pytest.raises(ValueError, match="num_slots must be a positive integer"):
+            RecurrentCache(num_slots=0)
+        with pytest.raises(ValueError, match="init_scale must be a finite number >= 0"):
+            model(ids, past_key_values=RecurrentCache(), num_steps=3, init_scale=-1.0)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model(torch.tensor([[5, 10**6]]), past_key_values=RecurrentCache(), num_steps=3)
+        with pytest.raises(ValueError, match=r"exceeds the context length"):
+            model(ids, past_key_values=RecurrentCache(max_length=10**6), num_steps=3)
         # Without a cache, a seed makes forward reproducible: the same s_0 rows as the cache's.
         seeded = model(ids, seed=0, num_steps=3).logits
         torch.testing.assert_close(seeded, model(ids, use_cache=True, num_steps=3).logits, atol=1e-5, rtol=1e-5)

@@ -1,6 +1,8 @@
 """The decode engine: a batch of sequences over one preallocated `RecurrentKVCache`.
 
-`Session` owns a generation's state: its `ModelRunner` (rdlm.inference.runner: the model, the cache, the
+`Sequences` is a left-padded batch over one `ModelRunner` that runs blocks of tokens (the prompt, speculative
+drafts and their verification; a transformers forward over `RecurrentCache`). `Session`, a `Sequences`,
+owns a generation's state: its `ModelRunner` (rdlm.inference.runner: the model, the cache, the
 valid entries the masks read, the s_0 noise table), the buffer length, the sampling generators and the
 static decode buffers. `StaticBatch` (rdlm.inference.static) puts it behind the engine interface that
 `rdlm.inference.generate` (and every caller of it: the CLI, chat, the transformers and lm-eval
@@ -54,14 +56,24 @@ def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
     return values[:-1], bool(values[-1])
 
 
-def check_request(model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig) -> ExitCriterion | None:
-    """Refuse a request no engine can run (an empty prompt, an id outside the vocabulary, an exit gate the
-    model lacks); returns its exit criterion."""
+def check_prompt(model: RecurrentDepthLM, prompt: list[int]) -> None:
+    """Refuse a prompt no engine can run: an empty one, or one with an id outside the vocabulary."""
     vocab = model.config.vocab_size
     bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
     if bad or not prompt:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})" if bad else
                          "every prompt needs at least one token")
+
+
+def check_request(model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig) -> ExitCriterion | None:
+    """Refuse a request no engine can run (`check_prompt`, an exit gate the model lacks); returns its exit
+    criterion."""
+    check_prompt(model, prompt)
+    return check_criterion(model, config)
+
+
+def check_criterion(model: RecurrentDepthLM, config: GenerationConfig) -> ExitCriterion | None:
+    """The exit criterion of `config`, refused when it needs a learned exit gate the model lacks."""
     criterion = config.criterion(model.config)
     if criterion is not None and criterion.uses_gate and model.exit_gate is None:
         raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
@@ -130,49 +142,37 @@ def check_generation_time(config, device: torch.device, batch: int, prompt_lengt
                f"generating {generation.max_new_tokens} tokens at r = {r}", "token")
 
 
-class Session:
-    """Prefill and decode for a batch of prompts over one cache. Buffer index t of row b holds that
-    row's token at position t - pad[b] (prompts are left-padded to a common length)."""
+class Sequences:
+    """A batch of sequences over one `ModelRunner` and its cache, run in blocks of tokens at a fixed r (the
+    prompt, speculative drafts and their verification, a transformers forward over `RecurrentCache`).
+    Prompts are left-padded to a common length: buffer index t of row b holds that row's token at
+    position t - pad[b]. `length` buffer entries are written; a block appends at `length`.
 
-    def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
-                 extra_tokens: int = 0) -> None:
+    new_tokens: the room after the longest prompt (the buffer holds prompt and new tokens); num_slots / strategy: the core cache
+    (rdlm.inference.cache); seed / init_scale: the s_0 noise table; criterion / min_steps: a learned exit
+    gate that picks each token's read-out iteration (an Ouro checkpoint), else None."""
+
+    def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], new_tokens: int, num_slots: int,
+                 strategy: str, seed: int, init_scale: float, criterion: ExitCriterion | None = None,
+                 min_steps: int = 0) -> None:
         for p in prompts or [[]]:  # no prompt is refused as an empty one
-            self.criterion = check_request(model, p, config)
-        self.model, self.config = model, config
+            check_prompt(model, p)
+        self.model, self.criterion, self.min_steps = model, criterion, min_steps
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.batch = len(prompts)
         self.prompt_length = max(len(p) for p in prompts)
-        max_length = self.prompt_length + config.max_new_tokens + extra_tokens
+        max_length = self.prompt_length + new_tokens
         if max_length > model.config.context_length:
-            raise ValueError(f"prompt ({self.prompt_length}) + new tokens ({config.max_new_tokens}) exceeds "
-                             f"the context length {model.config.context_length}")
-        check_generation_time(model.config, self.device, self.batch, self.prompt_length, config)
-        self.static = resolve_compile(config.compile, self.device)
+            raise ValueError(f"prompt ({self.prompt_length}) + new tokens ({new_tokens}) exceeds the context "
+                             f"length {model.config.context_length}")
         pad = torch.tensor([self.prompt_length - len(p) for p in prompts], device=self.device)
-        self.runner = ModelRunner(model, self.batch, max_length, config.core_slots, config.cache_strategy, pad,
-                                  config.seed, config.init_scale)
+        self.runner = ModelRunner(model, self.batch, max_length, num_slots, strategy, pad, seed, init_scale)
         self.cache = self.runner.cache
         self.ids = torch.zeros(self.batch, self.prompt_length, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             self.ids[b, self.prompt_length - len(p):] = torch.tensor(p, device=self.device)
         self.length = 0  # buffer entries written so far
-        self.samplers = [torch.Generator(device=self.device).manual_seed(config.seed)
-                         for _ in range(self.batch)]
-        self.seen = torch.zeros(self.batch, model.config.vocab_size, dtype=torch.bool, device=self.device)
-        for b, p in enumerate(prompts):
-            self.seen[b, torch.tensor(p, device=self.device)] = True
-        self.last_state: Tensor | None = None
-        # Inputs of a decoded token, written in place so that a captured step reads them.
-        h = model.config.hidden_size
-        self.index = torch.zeros((), dtype=torch.long, device=self.device)     # its buffer index
-        self.tokens = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
-        self.warm = torch.zeros(self.batch, 1, h, dtype=self.dtype, device=self.device)
-        self.static_steps = StaticSteps(self.device, self.static)
-
-    @property
-    def capture_seconds(self) -> float:
-        return self.static_steps.capture_seconds
 
     # ---- block calls (prompt, drafts, verification): eager, over slices of the cache
 
@@ -202,7 +202,7 @@ class Session:
             track = ExitTrack.start(state.shape[0] * state.shape[1], self.device, gate=True)
             _, track = iterate_with_exits(
                 lambda s, i, exited: runner.step(s, e, i, call), None, state, track,
-                self.criterion, 0, num_steps, num_steps, min_steps=self.config.min_steps, freeze=False,
+                self.criterion, 0, num_steps, num_steps, min_steps=self.min_steps, freeze=False,
                 gate=runner.exit_probability)
             state = track.exit_state.view_as(state)
         else:
@@ -211,6 +211,38 @@ class Session:
         logits = runner.readout(state, call)
         self.length = start + ids.shape[1]
         return (logits[:, -1] if last_only else logits), state
+
+
+class Session(Sequences):
+    """Prefill and decode for a batch of prompts, all with one `GenerationConfig`, over one cache
+    (`Sequences`): the static decode step, adaptive exits and self-speculative decoding."""
+
+    def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
+                 extra_tokens: int = 0) -> None:
+        # Refused before the cache is allocated: a job that would not end in any reasonable time.
+        check_generation_time(model.config, next(model.parameters()).device, len(prompts),
+                              max(map(len, prompts), default=0), config)
+        super().__init__(model, prompts, config.max_new_tokens + extra_tokens, config.core_slots,
+                         config.cache_strategy, config.seed, config.init_scale, check_criterion(model, config),
+                         config.min_steps)
+        self.config = config
+        self.static = resolve_compile(config.compile, self.device)
+        self.samplers = [torch.Generator(device=self.device).manual_seed(config.seed)
+                         for _ in range(self.batch)]
+        self.seen = torch.zeros(self.batch, model.config.vocab_size, dtype=torch.bool, device=self.device)
+        for b, p in enumerate(prompts):
+            self.seen[b, torch.tensor(p, device=self.device)] = True
+        self.last_state: Tensor | None = None
+        # Inputs of a decoded token, written in place so that a captured step reads them.
+        h = model.config.hidden_size
+        self.index = torch.zeros((), dtype=torch.long, device=self.device)     # its buffer index
+        self.tokens = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+        self.warm = torch.zeros(self.batch, 1, h, dtype=self.dtype, device=self.device)
+        self.static_steps = StaticSteps(self.device, self.static)
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.static_steps.capture_seconds
 
     def prefill(self) -> Tensor:
         steps = self.config.prefill_steps or self.config.num_steps

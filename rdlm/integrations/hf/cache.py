@@ -3,17 +3,18 @@ forward."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from rdlm.inference.engine import Session
-from rdlm.inference.params import GenerationConfig
+from rdlm.inference.engine import Sequences
 from rdlm.model.lm import RecurrentDepthLM, causal_mask
 
 
 class RecurrentCache(Cache):
-    """transformers' `Cache` for recurrence: the decode engine's `Session` (rdlm/inference/engine.py) over one
+    """transformers' `Cache` for recurrence: the engine's `Sequences` (rdlm/inference/engine.py) over one
     preallocated `RecurrentKVCache` (rdlm/inference/cache.py: a slot per core iteration, "full", or k slots that
     iteration i reads and writes as i mod k, "shared"; paper section 6, "Zero-Shot KV-cache Sharing").
 
@@ -35,14 +36,16 @@ class RecurrentCache(Cache):
             raise ValueError(f"strategy must be 'full' or 'shared', got {strategy!r}")
         if strategy == "shared" and num_slots is None:
             raise ValueError("the shared strategy needs num_slots (the cache budget k)")
+        if num_slots is not None and not (isinstance(num_slots, int) and num_slots > 0):
+            raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
         self.max_length, self.num_slots, self.strategy = max_length, num_slots, strategy
-        self.seed, self.init_scale = seed, init_scale
-        self.session: Session | None = None
+        self.seed, self.init_scale = _check_seed(seed), _check_scale(init_scale)
+        self.session: Sequences | None = None
 
     def forward(self, model: RecurrentDepthLM, input_ids: Tensor, attention_mask: Tensor | None,
                 num_steps: int, seed: int | None = None, init_scale: float | None = None) -> Tensor:
         """Run `input_ids` [B, n] at r = num_steps over the cache; logits [B, n, V]."""
-        for name, value in (("seed", seed), ("init_scale", init_scale)):
+        for name, value in (("seed", _check_seed(seed)), ("init_scale", _check_scale(init_scale))):
             mine = getattr(self, name)
             if value is not None and mine is not None and value != mine:
                 raise ValueError(f"this cache was filled with {name}={mine}; got {name}={value}")
@@ -76,14 +79,11 @@ class RecurrentCache(Cache):
         max_length = self.max_length if self.max_length is not None else model.config.context_length
         if length > max_length:
             raise ValueError(f"a prompt of {length} tokens does not fit a cache of max_length {max_length}")
-        slots = self.num_slots if self.num_slots is not None else num_steps
-        config = GenerationConfig(
-            max_new_tokens=max_length - length, num_steps=num_steps if self.strategy == "shared" else slots,
-            cache_strategy=self.strategy, cache_slots=slots if self.strategy == "shared" else None,
-            seed=0 if self.seed is None else self.seed,
-            init_scale=1.0 if self.init_scale is None else self.init_scale, compile=False)
-        self.seed, self.init_scale = config.seed, config.init_scale
-        self.session = Session(model, [row[keep].tolist() for row, keep in zip(input_ids, mask)], config)
+        self.seed = 0 if self.seed is None else self.seed
+        self.init_scale = 1.0 if self.init_scale is None else self.init_scale
+        self.session = Sequences(model, [row[keep].tolist() for row, keep in zip(input_ids, mask)],
+                                 max_length - length, self.num_slots if self.num_slots is not None else num_steps,
+                                 self.strategy, self.seed, self.init_scale)
         return self.session.forward(self.session.ids, num_steps, last_only=False)[0]
 
     # ---- what transformers asks of a Cache
@@ -124,6 +124,18 @@ class RecurrentCache(Cache):
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self._refuse("select rows")
+
+
+def _check_seed(seed: int | None) -> int | None:
+    if seed is not None and not (isinstance(seed, int) and seed >= 0):
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    return seed
+
+
+def _check_scale(init_scale: float | None) -> float | None:
+    if init_scale is not None and not (isinstance(init_scale, (int, float)) and 0 <= init_scale < math.inf):
+        raise ValueError(f"init_scale must be a finite number >= 0, got {init_scale!r}")
+    return init_scale
 
 
 def padding_attention_mask(attention_mask: Tensor) -> Tensor:
