@@ -32,14 +32,10 @@ from bench_generate import build_random  # noqa: E402  (this folder's: random we
 
 from rdlm.inference.batching import ContinuousBatch  # noqa: E402
 from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
+from rdlm.inference.graphs import sync  # noqa: E402
 from rdlm.model import dtypes  # noqa: E402
 
 CALLS = ("embed", "step", "step_packed", "readout")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def counted(batch: ContinuousBatch, profile: bool) -> tuple[collections.Counter, list[float]]:
@@ -53,10 +49,10 @@ def counted(batch: ContinuousBatch, profile: bool) -> tuple[collections.Counter,
             calls[_name] += 1
             if not (profile and _name == "step_packed"):
                 return _call(*args, **kwargs)
-            synchronize(batch.device)
+            sync(batch.device)
             t0 = time.perf_counter()
             out = _call(*args, **kwargs)
-            synchronize(batch.device)
+            sync(batch.device)
             packed[0] += time.perf_counter() - t0
             return out
 
@@ -74,7 +70,7 @@ def closed_loop(args, model, prompts: list[list[int]], config: GenerationConfig,
         batch.add(prompts[sent % len(prompts)], config)
         sent += 1
     tokens = steps = 0
-    synchronize(batch.device)
+    sync(batch.device)
     t0, mark = time.perf_counter(), None
     while time.perf_counter() - t0 < args.seconds:
         for event in batch.step():
@@ -87,11 +83,11 @@ def closed_loop(args, model, prompts: list[list[int]], config: GenerationConfig,
             sent += 1
         steps += 1
         if mark is None and time.perf_counter() - t0 > args.seconds / 4:
-            synchronize(batch.device)
+            sync(batch.device)
             mark = (time.perf_counter(), tokens, steps, dict(calls), batch.fused_iterations)
             batch.take_timings()
             packed[0] = 0.0
-    synchronize(batch.device)
+    sync(batch.device)
     if mark is None:
         raise SystemExit("--seconds is too short to measure anything after the warm-up")
     t1 = time.perf_counter()
@@ -113,10 +109,10 @@ def timed_generate(model, ids: list[list[int]], config: GenerationConfig):
     """(tokens/s, result) of offline `generate` on `ids`, after one warm-up run (on CUDA the graphs' capture)."""
     device = next(model.parameters()).device
     generate(model, ids, config)
-    synchronize(device)
+    sync(device)
     t0 = time.perf_counter()
     result = generate(model, ids, config)
-    synchronize(device)
+    sync(device)
     return sum(len(t) for t in result.tokens) / (time.perf_counter() - t0), result
 
 
@@ -142,7 +138,6 @@ def main() -> None:
     p.add_argument("--steps", choices=("eager", "static", "both"), default="both")
     p.add_argument("--profile", action="store_true", help="also a profiled run of the static step")
     args = p.parse_args()
-    device = torch.device(args.device)
     model = build_random(args.preset, dtypes.resolve_dtype(args.dtype), args.device)
     vocab = model.config.vocab_size
     prompts = [[1 + (7 * k + j) % (vocab - 10) for j in range(5 + k % 4)] for k in range(64)]

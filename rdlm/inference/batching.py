@@ -50,13 +50,13 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import NonFiniteLogitsError, check_request, choose, resolve_compile, sync
 from rdlm.inference.exits import ExitCriterion
-from rdlm.inference.graphs import StaticSteps
+from rdlm.inference.graphs import StaticSteps, resolve_compile, sync
+from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.row_exits import RowExits
-from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner, Pack
+from rdlm.inference.sampling import NonFiniteLogitsError, choose
 from rdlm.model.lm import RecurrentDepthLM
 
 

@@ -33,71 +33,12 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion, ExitTrack, iterate_with_exits
-from rdlm.inference.graphs import StaticSteps
-from rdlm.inference.params import GenerationConfig
+from rdlm.inference.graphs import StaticSteps, resolve_compile
+from rdlm.inference.params import GenerationConfig, check_criterion, check_prompt
 from rdlm.inference.runner import Call, ModelRunner
-from rdlm.inference.sampling import sample, token_logprobs
+from rdlm.inference.sampling import NonFiniteLogitsError, read_tokens
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_time, forward_seconds
-
-
-class NonFiniteLogitsError(FloatingPointError):
-    """The model's logits hold NaN or infinity: no token can be chosen from them."""
-
-    def __init__(self, model: RecurrentDepthLM, token: int) -> None:
-        super().__init__(f"model produced non-finite logits at new token {token}; weights may be NaN: "
-                         f"{getattr(model, 'source', None) or 'the model'}")
-
-
-def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
-    """(chosen ids, whether every logit was finite), read in the one device-to-host copy the ids need
-    anyway: the check costs no synchronization of its own (the CUDA-graph step included)."""
-    values = torch.cat([chosen.reshape(-1), torch.isfinite(logits).all().reshape(1).to(chosen.dtype)]).tolist()
-    return values[:-1], bool(values[-1])
-
-
-def check_prompt(model: RecurrentDepthLM, prompt: list[int]) -> None:
-    """Refuse a prompt no engine can run: an empty one, or one with an id outside the vocabulary."""
-    vocab = model.config.vocab_size
-    bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
-    if bad or not prompt:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})" if bad else
-                         "every prompt needs at least one token")
-
-
-def check_request(model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig) -> ExitCriterion | None:
-    """Refuse a request no engine can run (`check_prompt`, an exit gate the model lacks); returns its exit
-    criterion."""
-    check_prompt(model, prompt)
-    return check_criterion(model, config)
-
-
-def check_criterion(model: RecurrentDepthLM, config: GenerationConfig) -> ExitCriterion | None:
-    """The exit criterion of `config`, refused when it needs a learned exit gate the model lacks."""
-    criterion = config.criterion(model.config)
-    if criterion is not None and criterion.uses_gate and model.exit_gate is None:
-        raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
-                         "(an Ouro checkpoint); this one has none")
-    return criterion
-
-
-def choose(model: RecurrentDepthLM, logits: Tensor, config: GenerationConfig, generators: list[torch.Generator],
-           seen: Tensor, produced: int) -> tuple[list[int], list | None]:
-    """The next token of each row of `logits` [rows, V] (`sample`) and, with `config.logprobs`, its log p
-    and the top k (`token_logprobs`), after `produced` new tokens. Sampled from finite numbers (a NaN
-    would fail inside the sampler); the logits' own finiteness comes back with the tokens."""
-    chosen = sample(torch.nan_to_num(logits), config, generators, seen)
-    scored = None if config.logprobs is None else token_logprobs(logits, chosen, config.logprobs)
-    tokens, finite = read_tokens(chosen, logits)
-    if not finite:
-        raise NonFiniteLogitsError(model, produced + 1)
-    return tokens, scored
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (a clock read after it counts that work)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -120,16 +61,6 @@ class Rows:
         return Rows(index, self.state[keep], self.embedded[keep], self.call.select(keep, index), self.steps[keep],
                     self.exited[keep], self.streak[keep], pick(self.logits), pick(self.remaining),
                     pick(self.cumulative))
-
-
-def resolve_compile(compile: bool | None, device: torch.device) -> bool:
-    """The static, captured decode step: on by default on CUDA (CUDA graphs). Off on the CPU, which
-    has no graphs to capture: there the static step measured the same speed as the eager one
-    (benchmarks/bench_generate.py --compile both), and the eager one reads only the written part of
-    the cache."""
-    if compile is None:
-        return device.type == "cuda"
-    return bool(compile)
 
 
 def check_generation_time(config, device: torch.device, batch: int, prompt_length: int,

@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.engine import Session, sync
+from rdlm.inference.engine import Session
+from rdlm.inference.graphs import sync
 from rdlm.inference.params import Decode, Engine, GenerationConfig, GenerationResult, TokenEvent, cut_at_stop
 from rdlm.inference.sampling import sample
 from rdlm.inference.static import StaticBatch

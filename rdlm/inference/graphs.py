@@ -73,3 +73,19 @@ class StaticSteps:
             return warm
         graph.replay()
         return outputs
+
+
+def resolve_compile(compile: bool | None, device: torch.device) -> bool:
+    """The static, captured decode step: on by default on CUDA (CUDA graphs). Off on the CPU, which
+    has no graphs to capture: there the static step measured the same speed as the eager one
+    (benchmarks/bench_generate.py --compile both), and the eager one reads only the written part of
+    the cache."""
+    if compile is None:
+        return device.type == "cuda"
+    return bool(compile)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a clock read after it counts that work)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -60,7 +60,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import NonFiniteLogitsError, Session, choose
+from rdlm.inference.engine import Session
+from rdlm.inference.sampling import NonFiniteLogitsError, choose
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.sampling import sample
 from rdlm.model.lm import RecurrentDepthLM

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 
-if TYPE_CHECKING:  # an annotation only: the module stays a leaf that imports only the exit criteria
+if TYPE_CHECKING:  # annotations only: the module stays a leaf that imports only the exit criteria
     import torch
+
+    from rdlm.model.lm import RecurrentDepthLM
 
 Decode = Callable[[list[int]], str]
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
@@ -316,3 +318,28 @@ class GenerationResult:
     def mean_steps(self) -> float:
         flat = [s for row in self.steps for s in row]
         return sum(flat) / len(flat) if flat else 0.0
+
+
+def check_prompt(model: RecurrentDepthLM, prompt: list[int]) -> None:
+    """Refuse a prompt no engine can run: an empty one, or one with an id outside the vocabulary."""
+    vocab = model.config.vocab_size
+    bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad or not prompt:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})" if bad else
+                         "every prompt needs at least one token")
+
+
+def check_request(model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig) -> ExitCriterion | None:
+    """Refuse a request no engine can run (`check_prompt`, an exit gate the model lacks); returns its exit
+    criterion."""
+    check_prompt(model, prompt)
+    return check_criterion(model, config)
+
+
+def check_criterion(model: RecurrentDepthLM, config: GenerationConfig) -> ExitCriterion | None:
+    """The exit criterion of `config`, refused when it needs a learned exit gate the model lacks."""
+    criterion = config.criterion(model.config)
+    if criterion is not None and criterion.uses_gate and model.exit_gate is None:
+        raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
+                         "(an Ouro checkpoint); this one has none")
+    return criterion

@@ -3,12 +3,15 @@ min-p, each row drawing from its own generator."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
 
 from rdlm.inference.params import GenerationConfig
+
+if TYPE_CHECKING:
+    from rdlm.model.lm import RecurrentDepthLM
 
 
 def token_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
@@ -50,3 +53,31 @@ def sample(logits: Tensor, config: GenerationConfig, generators: Sequence[torch.
     else:
         q = torch.stack([torch.empty_like(probs[0]).exponential_(generator=g) for g in generators])
     return (probs / q).argmax(dim=-1)
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """The model's logits hold NaN or infinity: no token can be chosen from them."""
+
+    def __init__(self, model: RecurrentDepthLM, token: int) -> None:
+        super().__init__(f"model produced non-finite logits at new token {token}; weights may be NaN: "
+                         f"{getattr(model, 'source', None) or 'the model'}")
+
+
+def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
+    """(chosen ids, whether every logit was finite), read in the one device-to-host copy the ids need
+    anyway: the check costs no synchronization of its own (the CUDA-graph step included)."""
+    values = torch.cat([chosen.reshape(-1), torch.isfinite(logits).all().reshape(1).to(chosen.dtype)]).tolist()
+    return values[:-1], bool(values[-1])
+
+
+def choose(model: RecurrentDepthLM, logits: Tensor, config: GenerationConfig, generators: list[torch.Generator],
+           seen: Tensor, produced: int) -> tuple[list[int], list | None]:
+    """The next token of each row of `logits` [rows, V] (`sample`) and, with `config.logprobs`, its log p
+    and the top k (`token_logprobs`), after `produced` new tokens. Sampled from finite numbers (a NaN
+    would fail inside the sampler); the logits' own finiteness comes back with the tokens."""
+    chosen = sample(torch.nan_to_num(logits), config, generators, seen)
+    scored = None if config.logprobs is None else token_logprobs(logits, chosen, config.logprobs)
+    tokens, finite = read_tokens(chosen, logits)
+    if not finite:
+        raise NonFiniteLogitsError(model, produced + 1)
+    return tokens, scored

@@ -13,7 +13,9 @@ from typing import Iterator
 
 import torch
 
-from rdlm.inference.engine import Session, choose, sync
+from rdlm.inference.engine import Session
+from rdlm.inference.graphs import sync
+from rdlm.inference.sampling import choose
 from rdlm.inference.parallel import ParallelSampler
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig
 from rdlm.model.lm import RecurrentDepthLM
