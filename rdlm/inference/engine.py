@@ -35,6 +35,7 @@ from torch import Tensor
 from rdlm.inference.exits import ExitCriterion, ExitTrack, iterate_with_exits
 from rdlm.inference.graphs import StaticSteps, resolve_compile
 from rdlm.inference.params import GenerationConfig, check_criterion, check_prompt
+from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.runner import Call, ModelRunner
 from rdlm.inference.sampling import NonFiniteLogitsError, read_tokens
 from rdlm.model.lm import RecurrentDepthLM
@@ -79,9 +80,10 @@ class Sequences:
     Prompts are left-padded to a common length: buffer index t of row b holds that row's token at
     position t - pad[b]. `length` buffer entries are written; a block appends at `length`.
 
-    new_tokens: the room after the longest prompt (the buffer holds prompt and new tokens); num_slots / strategy: the core cache
-    (rdlm.inference.cache); seed / init_scale: the s_0 noise table; criterion / min_steps: a learned exit
-    gate that picks each token's read-out iteration (an Ouro checkpoint), else None."""
+    new_tokens: the room after the longest prompt (the buffer holds prompt and new tokens); num_slots /
+    strategy: the core cache (rdlm.inference.cache); seed / init_scale: the s_0 noise table; criterion /
+    min_steps: a learned exit gate that picks each token's read-out iteration (an Ouro checkpoint), else
+    None."""
 
     def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], new_tokens: int, num_slots: int,
                  strategy: str, seed: int, init_scale: float, criterion: ExitCriterion | None = None,
@@ -120,27 +122,15 @@ class Sequences:
         self.length = position
         self.runner.rewind(position)
 
-    def forward(self, ids: Tensor, num_steps: int, initial_state: Tensor | None = None,
-                last_only: bool = True) -> tuple[Tensor, Tensor]:
-        """Run tokens through the model at a fixed r; append them to the cache. (logits, state): the
-        logits of the last token [B, V], or of every token [B, n, V] with `last_only=False`."""
+    def forward(self, ids: Tensor, num_steps: int, last_only: bool = True) -> tuple[Tensor, Tensor]:
+        """Run tokens through the model at a fixed r (the prefill: `PromptChunk`, a chunk of every row);
+        append them to the cache. (logits, state): the logits of the last token [B, V], or of every token
+        [B, n, V] with `last_only=False`. With a learned gate, each token is read out at the iteration its
+        gate chose, as the reference selects, so the first new token is the reference's."""
         e, call = self.begin(ids)
-        start, runner = self.length, self.runner
-        state = runner.initial_state(e, call.positions) if initial_state is None else initial_state
-        if self.criterion is not None and self.criterion.uses_gate:
-            # Every token runs num_steps (a block call); each is read out at the iteration its gate chose,
-            # as the reference selects, so the first new token is the reference's.
-            track = ExitTrack.start(state.shape[0] * state.shape[1], self.device, gate=True)
-            _, track = iterate_with_exits(
-                lambda s, i, exited: runner.step(s, e, i, call), None, state, track,
-                self.criterion, 0, num_steps, num_steps, min_steps=self.min_steps, freeze=False,
-                gate=runner.exit_probability)
-            state = track.exit_state.view_as(state)
-        else:
-            state = runner.iterate(state, e, call, range(num_steps))
-        self.cache.fill_missing(num_steps, start, start + ids.shape[1])
-        logits = runner.readout(state, call)
-        self.length = start + ids.shape[1]
+        chunk = PromptChunk.block(self.runner, call, e, num_steps, self.criterion, self.min_steps)
+        state, logits = chunk.run(self.runner)
+        self.length += ids.shape[1]
         return (logits[:, -1] if last_only else logits), state
 
 

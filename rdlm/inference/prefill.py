@@ -1,4 +1,7 @@
-"""Prompts prefilled inside the continuous batch's steps (rdlm.inference.batching), a chunk at a time.
+"""The one prefill: a block of tokens run through prelude, r core iterations (with a learned gate, each
+token read out at its exit) and coda, a `PromptChunk`. The static engine (rdlm.inference.engine) runs the
+whole left-padded batch as one chunk in one go (`PromptChunk.block`, `run`); the continuous batch
+(rdlm.inference.batching) prefills its prompts inside its steps, a chunk at a time.
 
 A prompt does not run its r iterations in one call that stalls every decoding row: the prompts admitted
 together form a `PromptChunk` (right-padded to the longest), and each step of the batch runs one core
@@ -29,7 +32,7 @@ class PromptChunk:
     """Prompt tokens start .. start + n - 1 of requests admitted together (right-padded to n). A pad
     writes cache entries past its prompt that the row's own tokens overwrite later; no real token
     attends to it."""
-    requests: list[Any]                # the batch's requests (prompt, row, config, criterion)
+    requests: list[Any]                # the batch's requests (prompt, row, config, criterion); none: every row
     start: int
     lengths: list[int]                 # each request's tokens in this chunk
     cap: int                           # prefill iterations
@@ -71,6 +74,30 @@ class PromptChunk:
                           torch.zeros(g, n, dtype=torch.bool, device=device)]
         return chunk
 
+    @classmethod
+    def block(cls, runner: ModelRunner, call: Call, embedded: Tensor, cap: int, criterion=None,
+              min_steps: int = 0) -> "PromptChunk":
+        """Tokens of every row of the runner's batch at once (a left-padded prompt, or a block appended
+        after it: `rdlm.inference.engine.Sequences`), their prelude run (`embedded`) and `call` from
+        `ModelRunner.block`; s_0 from the runner's noise table. A learned gate `criterion` reads each
+        token out at its exit."""
+        state = runner.initial_state(embedded, call.positions)
+        rows, n = state.shape[0], state.shape[1]
+        chunk = cls([], call.start, [n] * rows, cap, runner.cache.num_slots, state, embedded, call)
+        if criterion is not None and criterion.uses_gate:
+            device = runner.device
+            chunk.thresholds = torch.full((rows, 1), criterion.threshold, device=device)
+            chunk.minimum = torch.full((rows, 1), min_steps, device=device)
+            chunk.gate = [torch.ones(rows, n, device=device), torch.zeros(rows, n, device=device), state,
+                          torch.zeros(rows, n, dtype=torch.bool, device=device)]
+        return chunk
+
+    def run(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
+        """Every iteration of the chunk, one call each (nothing else in the call), then `finish`."""
+        while not self.done:
+            self.advance(runner, runner.step(self.state, self.embedded, self.iteration, self.call))
+        return self.finish(runner)
+
     @property
     def n(self) -> int:
         return self.state.shape[1]
@@ -99,6 +126,8 @@ class PromptChunk:
 
     def finish(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
         """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]."""
+        if not self.requests:  # a block of every row (`block`)
+            runner.cache.fill_missing(self.cap, self.start, self.start + self.n)
         for q, length in zip(self.requests, self.lengths):
             runner.cache.fill_missing(self.cap, self.start, self.start + length, row=q.row, slots=self.budget)
         state = self.state if self.gate is None else self.gate[2]
