@@ -21,7 +21,7 @@ from torch import Tensor
 
 from rdlm.inference.cache import CacheCall, PackedCall, RecurrentKVCache, Segment, Strategy
 from rdlm.inference.noise import noise_table
-from rdlm.model.lm import RecurrentDepthLM, Rope
+from rdlm.model.lm import RecurrentDepthLM, Rope, padded_causal_mask
 
 
 @dataclass(frozen=True)
@@ -132,11 +132,8 @@ class ModelRunner:
         if isinstance(start, Tensor):
             mask = self.key_valid[:, None, None, :]
         else:
-            mask = self.key_valid[:, None, None, :start + n]
-            if n > 1:
-                q = torch.arange(start, start + n, device=self.device).view(-1, 1)
-                k = torch.arange(start + n, device=self.device).view(1, -1)
-                mask = (mask & (k <= q)) | (k == q)
+            valid = self.key_valid[:, :start + n]
+            mask = padded_causal_mask(valid, n) if n > 1 else valid[:, None, None, :]
         return Call(self.model.rope(positions, check=False), mask, self.cache.at(start), positions)
 
     def tokens(self, rows: list[int], index: list[int]) -> tuple[Tensor, Call]:

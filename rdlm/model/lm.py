@@ -150,6 +150,16 @@ def causal_mask(queries: int, keys: int, device: torch.device | str | None = Non
     return q_pos >= torch.arange(keys, device=device).unsqueeze(0)
 
 
+def padded_causal_mask(valid: Tensor, queries: int) -> Tensor:
+    """Boolean [B, 1, queries, K] mask of the last `queries` of K buffer entries, `valid` [B, K] marking the
+    entries that hold a token (padding does not): causal over the valid keys, and each query always sees
+    itself, so a padding query has one key instead of none (its softmax is defined; nothing reads it)."""
+    keys = valid.shape[-1]
+    q = torch.arange(keys - queries, keys, device=valid.device).view(-1, 1)
+    k = torch.arange(keys, device=valid.device).view(1, -1)
+    return (valid[:, None, None, :] & (k <= q)) | (k == q)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU: the first half of the fused projection goes through SiLU and gates the second half."""
 

@@ -10,7 +10,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from rdlm.inference.engine import Sequences
-from rdlm.model.lm import RecurrentDepthLM, causal_mask
+from rdlm.model.lm import RecurrentDepthLM, padded_causal_mask
 
 
 class RecurrentCache(Cache):
@@ -144,8 +144,4 @@ def padding_attention_mask(attention_mask: Tensor) -> Tensor:
     Each query may always see itself, so a padding query has one valid key instead of none (an
     all-masked row would give NaN); padding outputs are never read.
     """
-    seq = attention_mask.shape[-1]
-    causal = causal_mask(seq, seq, attention_mask.device)
-    keys = attention_mask.bool()[:, None, None, :]
-    eye = torch.eye(seq, dtype=torch.bool, device=attention_mask.device)
-    return (causal & keys) | eye
+    return padded_causal_mask(attention_mask.bool(), attention_mask.shape[-1])
