@@ -12,7 +12,9 @@ streamed completions back to back (plain HTTP, server-sent events) until the tim
 served completion tokens/s; time to first token and time per output token (p50/p99); offline
 `generate` tokens/s for one batch of `--max-batch` of the same prompts; their ratio. With an exit
 criterion the fixed-r run is measured too (unless --no-fixed), and the adaptive speed-up, served and
-offline, is set against its ideal: r / the mean core iterations per token (from `usage.latent_iterations`).
+offline, is set against its ideal: r / the mean core iterations per token (from `usage.latent_iterations`),
+and against the ideal that counts the prompts too: their tokens run r iterations in both runs, so with p
+prompt tokens per new token the token-iterations fall from (p + 1) r to p r + mean.
 Prompts are cycled from --prompt-text ('|' between prompts) or --prompt-file (one per line).
 
 `--clients 16,64` measures each client count in turn (the batch as large as the clients unless
@@ -94,7 +96,7 @@ def serve(args, prompts: list[str], exit_criterion: str | None, clients: int, ba
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = start_server(args, port, exit_criterion, clients, batch, static)
-    ttft, tpot, tokens, iterations, lock = [], [], [0], [0], threading.Lock()
+    ttft, tpot, tokens, iterations, prompted, lock = [], [], [0], [0], [0], threading.Lock()
     stop_at = time.perf_counter() + args.seconds
     url = f"http://127.0.0.1:{port}/v1/completions"
 
@@ -104,7 +106,7 @@ def serve(args, prompts: list[str], exit_criterion: str | None, clients: int, ba
             while time.perf_counter() < stop_at:
                 body = {"model": "bench", "prompt": prompts[j % len(prompts)], "stream": True, "temperature": 0,
                         "max_tokens": args.new_tokens, "stream_options": {"include_usage": True}}
-                t0, stamps, used, spent = time.perf_counter(), [], 0, 0
+                t0, stamps, used, spent, prompt_tokens = time.perf_counter(), [], 0, 0, 0
                 with http.stream("POST", url, json=body) as response:
                     for line in response.iter_lines():
                         if not line.startswith("data: {"):
@@ -112,12 +114,14 @@ def serve(args, prompts: list[str], exit_criterion: str | None, clients: int, ba
                         if '"usage"' in line and '"choices": []' in line:
                             usage = json.loads(line[6:])["usage"]
                             used, spent = usage["completion_tokens"], usage["latent_iterations"]
+                            prompt_tokens = usage["prompt_tokens"]
                         else:
                             stamps.append(time.perf_counter())
                 j += clients
                 with lock:
                     tokens[0] += used
                     iterations[0] += spent
+                    prompted[0] += prompt_tokens if used else 0
                     if stamps:
                         ttft.append(stamps[0] - t0)
                         if used > 1:
@@ -148,7 +152,7 @@ def serve(args, prompts: list[str], exit_criterion: str | None, clients: int, ba
             phases[line.split()[0]] = float(line.rsplit(" ", 1)[1])
     return dict(tps=tokens[0] / elapsed, ttft=ttft, tpot=tpot, requests=len(ttft), seconds=elapsed,
                 mean_iterations=iterations[0] / max(tokens[0], 1), phases=phases, clients_cpu=clients_cpu,
-                server_cpu=server_cpu)
+                server_cpu=server_cpu, prompt_per_token=prompted[0] / max(tokens[0], 1))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -183,7 +187,8 @@ def offline(args, prompts: list[str], exit_criterion: str | None, batch: int) ->
     ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(batch)]
     tps, result = timed_generate(model, ids, generation_config(args, tok, exit_criterion))
     tokens = sum(len(t) for t in result.tokens)
-    return dict(tps=tps, mean_iterations=sum(map(sum, result.steps)) / tokens)
+    return dict(tps=tps, mean_iterations=sum(map(sum, result.steps)) / tokens,
+                prompt_per_token=sum(map(len, ids)) / tokens)
 
 
 def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, static: bool) -> dict:
@@ -304,10 +309,16 @@ def measure(args, prompts: list[str]) -> None:
             for static in statics:
                 for where, k in (("served", 0), ("offline", 1)):
                     adaptive, fixed = results[args.exit_criterion, static][k], results[None, static][k]
-                    ideal = args.num_steps / adaptive["mean_iterations"]
+                    r, m = args.num_steps, adaptive["mean_iterations"]
                     speedup = adaptive["tps"] / fixed["tps"]
+                    # The prompt runs its r iterations whatever the exit criterion: p prompt tokens per new token
+                    # cost p * r token-iterations in both runs.
+                    p = adaptive["prompt_per_token"]
+                    whole = (p * r + r) / (p * r + m)
                     print(f"adaptive speed-up, {where}{', static step' if static and k == 0 else ''}: "
-                          f"{speedup:.2f}x of an ideal {ideal:.2f}x (r / mean iterations) = {speedup / ideal:.0%}")
+                          f"{speedup:.2f}x of an ideal {r / m:.2f}x (r / mean iterations) = {speedup * m / r:.0%}; "
+                          f"of {whole:.2f}x counting the prompts' iterations ({p:.2f} prompt tokens per new token) "
+                          f"= {speedup / whole:.0%}")
 
 
 def main() -> None:
