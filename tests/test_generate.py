@@ -137,8 +137,9 @@ def test_stop_tokens_stop_strings_and_max_new_tokens(model):
                                                           stop_strings=(marker,)), decode=decode)
     assert result.finish_reasons == ["stop_string"] and marker not in result.texts[0]
     assert len(result.tokens[0]) == free.tokens[1].index(free.tokens[1][2]) + 1
-    with pytest.raises(ValueError, match="decode"):
-        generate(model, PROMPTS[1], GenerationConfig(stop_strings=("x",)))
+    for engine in ({}, {"max_latent_iterations": 40}):  # the static batch, the continuous batch
+        with pytest.raises(ValueError, match="stop_strings need a decode function"):
+            generate(model, PROMPTS[1], GenerationConfig(stop_strings=("x",), **engine))
 
 
 def test_streaming_iterator_and_callback_see_every_token(model):

@@ -145,7 +145,7 @@ class ContinuousBatch(Engine):
 
     def add(self, prompt: list[int], config: GenerationConfig) -> int:
         """Queue a request; returns its id. Raises ValueError for what this batch cannot serve."""
-        criterion = check_request(self.model, prompt, config)
+        criterion = check_request(self.model, prompt, config, self.decode)
         if config.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 in a continuous batch, got {config.max_new_tokens}")
         if len(prompt) + config.max_new_tokens > self.max_length:
@@ -156,8 +156,6 @@ class ContinuousBatch(Engine):
         if config.sampler != "sequential":
             raise ValueError(f"the {config.sampler} sampler decodes one prompt at a time; it is not "
                              f"available in a continuous batch (use rdlm generate)")
-        if config.stop_strings and self.decode is None:
-            raise ValueError("stop_strings need a decode function (a tokenizer)")
         budget = config.core_slots
         if budget > self.num_slots:
             raise ValueError(f"num_steps {config.max_steps} needs {budget} core cache slots and this batch "

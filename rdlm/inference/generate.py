@@ -69,8 +69,6 @@ def stream(model: RecurrentDepthLM, prompts, config: GenerationConfig | None = N
     or `yield from`) is the GenerationResult."""
     config = config or GenerationConfig()
     prompts = as_prompts(prompts)
-    if config.stop_strings and decode is None:
-        raise ValueError("stop_strings need a decode function (a tokenizer)")
     if config.draft_steps is not None and len(prompts) != 1:
         raise ValueError(f"speculative decoding takes one prompt at a time, got {len(prompts)}")
     was_training = model.training

@@ -329,10 +329,13 @@ def check_prompt(model: RecurrentDepthLM, prompt: list[int]) -> None:
                          "every prompt needs at least one token")
 
 
-def check_request(model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig) -> ExitCriterion | None:
-    """Refuse a request no engine can run (`check_prompt`, an exit gate the model lacks); returns its exit
-    criterion."""
+def check_request(model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig,
+                  decode: Decode | None = None) -> ExitCriterion | None:
+    """Refuse a request no engine can run (`check_prompt`, stop strings without `decode` to read them, an
+    exit gate the model lacks); returns its exit criterion."""
     check_prompt(model, prompt)
+    if config.stop_strings and decode is None:
+        raise ValueError("stop_strings need a decode function (a tokenizer)")
     return check_criterion(model, config)
 
 

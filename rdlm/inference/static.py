@@ -17,7 +17,7 @@ from rdlm.inference.engine import Session
 from rdlm.inference.graphs import sync
 from rdlm.inference.sampling import choose
 from rdlm.inference.parallel import ParallelSampler
-from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig
+from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -36,6 +36,7 @@ class StaticBatch(Engine):
     def add(self, prompt: list[int], config: GenerationConfig) -> int:
         if self.session is not None or config != self.config:
             raise ValueError("a static batch takes its requests, all with its own config, before its first step")
+        check_request(self.model, prompt, config, self.decode)
         self.prompts.append(list(prompt))
         self.tokens.append([])
         self.finished.append(config.max_new_tokens == 0)
