@@ -37,7 +37,7 @@ from rdlm.inference.graphs import StaticSteps, resolve_compile
 from rdlm.inference.params import GenerationConfig, check_criterion, check_prompt
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.runner import Call, ModelRunner
-from rdlm.inference.sampling import NonFiniteLogitsError, read_tokens
+from rdlm.inference.sampling import NonFiniteLogitsError  # noqa: F401 (its home before sampling.py)
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_time, forward_seconds
 
@@ -116,6 +116,13 @@ class Sequences:
         call = self.runner.block(self.length, ids.shape[1])
         return self.runner.embed(ids, call), call
 
+    def append(self, ids: Tensor) -> tuple[Tensor, Call]:
+        """`begin`, and count the tokens as written: the caller runs their iterations and coda over the
+        returned call (a speculative draft)."""
+        e, call = self.begin(ids)
+        self.length += ids.shape[1]
+        return e, call
+
     def rewind(self, position: int) -> None:
         """Forget the buffer entries from index `position` on: the next call writes its tokens there (their
         cache entries are overwritten; until then the mask hides them)."""
@@ -136,7 +143,8 @@ class Sequences:
 
 class Session(Sequences):
     """Prefill and decode for a batch of prompts, all with one `GenerationConfig`, over one cache
-    (`Sequences`): the static decode step, adaptive exits and self-speculative decoding."""
+    (`Sequences`): the static decode step and adaptive exits. (Self-speculative decoding runs its rounds over
+    a session's `Sequences`: rdlm.inference.speculative.)"""
 
     def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
                  extra_tokens: int = 0) -> None:
@@ -299,44 +307,3 @@ class Session(Sequences):
                     target.copy_(getattr(out, name))
             return rows
         return out
-
-    # ---- self-speculative decoding
-
-    def speculate(self, pending: int) -> tuple[list[int], int, int]:
-        """One round of self-speculative decoding (batch of one), from the `pending` token (chosen,
-        not yet fed). Draft L tokens with N iterations each; then continue those L positions from
-        iteration N to M in one forward: the prelude output and the first N iterations are the
-        draft's (they do not depend on the total depth), the cache already holds slots 0..N-1.
-        Accept drafts while they equal the verified greedy choice. The tokens are plain greedy
-        decoding's exactly in float32; in bfloat16/float16 the batched verification rounds differently
-        from one-token decoding, so a near-tie (top-2 logits a few units in the last place apart) may
-        go the other way (see rdlm.inference.generate).
-        Returns (new tokens: accepted drafts then the next pending token, drafted, accepted)."""
-        c = self.config
-        n_draft, depth, length = c.draft_steps, c.num_steps, c.draft_length
-        start = self.length
-        length = min(length, self.cache.max_length - start)
-        fed, embedded, states = [pending], [], []
-        for j in range(length):
-            e, call = self.begin(torch.tensor([[fed[-1]]], device=self.device))
-            state = self.runner.iterate(self.runner.initial_state(e, call.positions), e, call, range(n_draft))
-            logits = self.runner.readout(state, call)
-            self.length += 1
-            embedded.append(e)
-            states.append(state)
-            fed.append(int(logits[0, -1].argmax()))
-        drafts = fed[1:]
-        # Verify: iterations N..M-1 for all L drafted positions at once.
-        self.length = start
-        call, e = self.runner.block(start, length), torch.cat(embedded, dim=1)
-        state = self.runner.iterate(torch.cat(states, dim=1), e, call, range(n_draft, depth))
-        logits = self.runner.readout(state, call)[0]
-        verified, finite = read_tokens(logits.argmax(dim=-1), logits)
-        if not finite:
-            raise NonFiniteLogitsError(self.model, self.length + 1 - self.prompt_length)
-        accepted = 0
-        while accepted < length and drafts[accepted] == verified[accepted]:
-            accepted += 1
-        processed = min(accepted + 1, length)  # positions whose cache entries are now final
-        self.rewind(start + processed)
-        return drafts[:processed - 1] + [verified[processed - 1]], length, accepted

@@ -9,7 +9,7 @@ Every zero-shot inference feature of the paper is a field of `GenerationConfig`:
 - KV-cache sharing: `cache_strategy="shared"`, `cache_slots=k`;
 - continuous chain of thought: `continuous_cot=True` warm-starts s_0 from the previous token's state;
 - self-speculative decoding: `draft_steps=N`, `draft_length=L` drafts with N iterations and verifies
-  with `num_steps` in one forward (see `Session.speculate`);
+  with `num_steps` in one forward (rdlm.inference.speculative);
 - the parallel (diffusion-style) sampler: `sampler="parallel"` refines a wavefront of positions at
   once, `inner_recurrence` iterations per step (see rdlm.inference.parallel).
 

@@ -16,6 +16,7 @@ import torch
 from rdlm.inference.engine import Session
 from rdlm.inference.graphs import sync
 from rdlm.inference.sampling import choose
+from rdlm.inference.speculative import speculate
 from rdlm.inference.parallel import ParallelSampler
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
 from rdlm.model.lm import RecurrentDepthLM
@@ -113,6 +114,6 @@ class StaticBatch(Engine):
             logits, steps = s.decode(torch.tensor(chosen, device=s.device))
             iterations = steps.tolist()
         while True:  # self-speculative decoding: from the token chosen last, a round per step
-            chosen, drafted, accepted = s.speculate(chosen[-1])
+            chosen, drafted, accepted = speculate(s, chosen[-1], c.draft_steps, c.num_steps, c.draft_length)
             self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
             yield [(0, token, c.num_steps, None) for token in chosen]
