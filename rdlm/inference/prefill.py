@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import gate_update
+from rdlm.inference.exits import ExitCriterion, gate_update
 from rdlm.inference.runner import Call, ModelRunner, Pack
 
 
@@ -75,8 +75,8 @@ class PromptChunk:
         return chunk
 
     @classmethod
-    def block(cls, runner: ModelRunner, call: Call, embedded: Tensor, cap: int, criterion=None,
-              min_steps: int = 0) -> "PromptChunk":
+    def block(cls, runner: ModelRunner, call: Call, embedded: Tensor, cap: int,
+              criterion: ExitCriterion | None = None, min_steps: int = 0) -> "PromptChunk":
         """Tokens of every row of the runner's batch at once (a left-padded prompt, or a block appended
         after it: `rdlm.inference.engine.Sequences`), their prelude run (`embedded`) and `call` from
         `ModelRunner.block`; s_0 from the runner's noise table. A learned gate `criterion` reads each
