@@ -138,13 +138,14 @@ def _exit_criterion(model: RecurrentDepthLM, s: AnalysisSettings):
     if not s.exit_criterion:
         return None
     from rdlm.inference.exits import make_exit_criterion
+    from rdlm.inference.params import check_gate
 
     threshold = s.exit_threshold
     if threshold is None and s.exit_criterion in ("gate", "gate-exact"):  # the checkpoint's own
         threshold = model.config.exit_threshold
-    if s.exit_criterion in ("gate", "gate-exact") and model.exit_gate is None:
-        raise ValueError(f"exit criterion {s.exit_criterion!r} needs a model with a learned exit gate")
-    return make_exit_criterion(s.exit_criterion, threshold)
+    criterion = make_exit_criterion(s.exit_criterion, threshold)
+    check_gate(model, criterion)
+    return criterion
 
 
 def _analyze_prompt(model: RecurrentDepthLM, prompt: Prompt, s: AnalysisSettings, limit_steps: int, out: Path,

@@ -61,9 +61,8 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.engine import Session
-from rdlm.inference.sampling import NonFiniteLogitsError, choose
 from rdlm.inference.params import GenerationConfig
-from rdlm.inference.sampling import sample
+from rdlm.inference.sampling import NonFiniteLogitsError, choose, sample
 from rdlm.model.lm import RecurrentDepthLM
 
 

@@ -342,7 +342,12 @@ def check_request(model: RecurrentDepthLM, prompt: list[int], config: Generation
 def check_criterion(model: RecurrentDepthLM, config: GenerationConfig) -> ExitCriterion | None:
     """The exit criterion of `config`, refused when it needs a learned exit gate the model lacks."""
     criterion = config.criterion(model.config)
+    check_gate(model, criterion)
+    return criterion
+
+
+def check_gate(model: RecurrentDepthLM, criterion: ExitCriterion | None) -> None:
+    """Refuse an exit criterion that reads a learned exit gate on a model without one."""
     if criterion is not None and criterion.uses_gate and model.exit_gate is None:
         raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
                          "(an Ouro checkpoint); this one has none")
-    return criterion

@@ -15,10 +15,10 @@ import torch
 
 from rdlm.inference.engine import Session
 from rdlm.inference.graphs import sync
-from rdlm.inference.sampling import choose
-from rdlm.inference.speculative import speculate
 from rdlm.inference.parallel import ParallelSampler
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
+from rdlm.inference.sampling import choose
+from rdlm.inference.speculative import speculate
 from rdlm.model.lm import RecurrentDepthLM
 
 
