@@ -247,11 +247,12 @@ def test_an_engine_counts_its_queued_and_running_requests(model):
     assert (batch.queued, batch.running) == (1, 2)
     drain(batch)
     assert (batch.queued, batch.running) == (0, 0)
-    static = StaticBatch(model, config)
-    static.add([1, 2], config), static.add([3], config)
-    assert (static.queued, static.running) == (2, 0)
+    speculative = replace(config, draft_steps=1, draft_length=2)   # what a static batch decodes
+    static = StaticBatch(model, speculative)
+    static.add([1, 2], speculative)
+    assert (static.queued, static.running) == (1, 0)
     static.step()
-    assert (static.queued, static.running) == (0, 2)
+    assert (static.queued, static.running) == (0, 1)
     while static.busy:
         static.step()
     assert (static.queued, static.running, static.take_timings()) == (0, 0, {})
@@ -300,8 +301,40 @@ def test_the_fused_iterations_compile_to_one_graph_per_count(model, monkeypatch)
     compiled = torch.compile(batch._core_static_iterations, fullgraph=True, backend=count)
     counts = []
     monkeypatch.setattr(batch, "_core_static_iterations", lambda n: (counts.append(n), compiled(n))[1])
-    config = GenerationConfig(num_steps=8, max_new_tokens=5)
-    for prompt in ([1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11, 12]):
-        batch.add(prompt, config)
+    configs = [GenerationConfig(num_steps=8, max_new_tokens=5), GenerationConfig(num_steps=6, max_new_tokens=5)]
+    for k, prompt in enumerate(([1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11, 12])):
+        batch.add(prompt, configs[k % 2])   # two depths: the rows never go in lockstep
     drain(batch)
     assert len(counts) > 5 and len(graphs) == len(set(counts)) <= 4   # counts 2, 4 and 8
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("config", [
+    CONFIGS[0], CONFIGS[1], CONFIGS[3],
+    GenerationConfig(num_steps=6, max_new_tokens=5, exit_criterion="kl", exit_threshold=3e-3,
+                     cache_strategy="shared", cache_slots=4, continuous_cot=True),
+], ids=["fixed", "kl", "shared", "kl-shared-cot"])
+def test_rows_in_step_run_each_token_in_lockstep(model, monkeypatch, compile, config):
+    """Requests added together with one depth setting (`generate`'s batch) start and end every token
+    together, so each token runs all its iterations in one step (rdlm.inference.lockstep, on the static path
+    with `compile`); the tokens are those of the iteration-by-iteration schedule. A row that has not been
+    used yet rides along (4 rows, 3 requests)."""
+    prompts = [[5, 17, 99], [250, 11, 3, 8], [1, 2]]
+
+    def run(lockstep: bool) -> tuple[list, int]:
+        batch = busy_batch(model, compile=compile, sync_every=2)
+        if not lockstep:
+            monkeypatch.setattr(batch, "_in_lockstep", lambda starting: False)
+        ids = [batch.add(p, config) for p in prompts]
+        steps, events = 0, {}
+        while batch.busy:
+            steps += 1
+            for e in batch.step():
+                events.setdefault(e.request, []).append((e.token, e.steps, e.finish_reason))
+        return [events[i] for i in ids], steps
+
+    (together, steps), (one_by_one, more_steps) = run(True), run(False)
+    assert together == one_by_one
+    assert steps == config.max_new_tokens                    # the prefill and first token, then a token a step
+    # one by one, a step runs an iteration (on the static path at fixed r: a token, `_iterate_fused`)
+    assert more_steps > steps or (compile and config.exit_criterion is None)

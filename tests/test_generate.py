@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM, load_pretrained
-from rdlm.inference.generate import GenerationConfig, Session, TokenEvent, generate, sample, stream
+from rdlm.inference.generate import GenerationConfig, TokenEvent, generate, sample, stream
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [250, 11], [1, 2, 3, 4]]
 
@@ -27,22 +27,25 @@ def greedy_by_recompute(model, prompt, num_steps, n):
 
 
 @pytest.mark.parametrize("strategy", ["full", "shared-ge-r"])
-def test_cached_decoding_gives_the_logits_of_a_full_recompute(huginn_tiny_dir, strategy):
+@pytest.mark.parametrize("compile", [False, True])
+def test_cached_decoding_gives_the_logits_of_a_full_recompute(huginn_tiny_dir, strategy, compile):
+    """Each token's log-probabilities (the chosen token's and the top 5), decoded over the cache, equal those
+    of a full forward over the prompt and the tokens so far."""
     model = load_pretrained(huginn_tiny_dir).eval()
     r = 4
     # a shared cache with k >= r is the full cache; k < r changes results by design (paper section 6.3)
     extra = dict(cache_strategy="shared", cache_slots=6) if strategy != "full" else {}
-    config = GenerationConfig(num_steps=r, max_new_tokens=5, init_scale=0.0, **extra)
-    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    config = GenerationConfig(num_steps=r, max_new_tokens=5, init_scale=0.0, logprobs=5, compile=compile, **extra)
+    prompt = [3, 14, 15, 92, 65, 35]
+    events = list(stream(model, prompt, config))
+    ids = torch.tensor([prompt + [e.token for e in events]])
     with torch.inference_mode():
-        session = Session(model, ids.tolist(), config)
-        logits = [session.prefill()]
-        for t in [8, 9, 7, 9]:
-            logits.append(session.decode(torch.tensor([t]))[0])
-            ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
-        full = model(ids, num_steps=r, init_scale=0.0).logits[0]
-    for j, got in enumerate(logits):
-        assert torch.allclose(got[0], full[5 + j], atol=1e-4), j
+        full = torch.log_softmax(model(ids, num_steps=r, init_scale=0.0).logits[0].float(), dim=-1)
+    for j, event in enumerate(events):
+        expected = full[len(prompt) - 1 + j]
+        assert abs(event.logprob - float(expected[event.token])) < 1e-4, j
+        for token, logprob in event.top:
+            assert abs(logprob - float(expected[token])) < 1e-4, j
 
 
 def test_generate_matches_greedy_recompute_and_counts_steps(model):
@@ -340,21 +343,21 @@ def test_chat_names_and_skips_a_line_that_is_not_utf8(model_dir, monkeypatch, ca
 
 @pytest.mark.parametrize("options", [dict(), dict(exit_criterion="kl"), dict(draft_steps=2), dict(sampler="parallel")])
 def test_a_finished_generation_leaves_no_session_to_the_garbage_collector(model, monkeypatch, options):
-    """A session (with its CUDA graphs on a GPU) goes with its last reference, not at a garbage collection
-    that could run inside another engine's graph capture and invalidate it: none is kept alive by a
-    reference cycle until the collector frees it."""
+    """An engine's batch (the continuous batch with its CUDA graphs on a GPU, or a static batch's session)
+    goes with its last reference, not at a garbage collection that could run inside another engine's graph
+    capture and invalidate it: none is kept alive by a reference cycle until the collector frees it."""
     import gc
     import weakref
 
-    from rdlm.inference import engine
+    from rdlm.inference import batching, engine
 
-    sessions, init = [], engine.Session.__init__
+    sessions = []
+    for kind in (engine.Session, batching.ContinuousBatch):
+        def tracked(self, *args, _init=kind.__init__, **kwargs):
+            _init(self, *args, **kwargs)
+            sessions.append(weakref.ref(self))
 
-    def tracked(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        sessions.append(weakref.ref(self))
-
-    monkeypatch.setattr(engine.Session, "__init__", tracked)
+        monkeypatch.setattr(kind, "__init__", tracked)
     gc.collect()
     gc.disable()
     try:

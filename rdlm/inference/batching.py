@@ -43,20 +43,19 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion
-from rdlm.inference.graphs import StaticSteps, resolve_compile, sync
+from rdlm.inference.graphs import PhaseTimes, StaticSteps, resolve_compile, sync
+from rdlm.inference.lockstep import Lockstep, LockstepTokens
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.row_exits import RowExits
 from rdlm.inference.runner import Call, ModelRunner, Pack
-from rdlm.inference.sampling import NonFiniteLogitsError, choose
+from rdlm.inference.sampling import NonFiniteLogitsError, choose_rows
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -82,7 +81,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
 
 
-class ContinuousBatch(Engine):
+class ContinuousBatch(LockstepTokens, Engine):
     """Requests in, tokens out, one core iteration at a time. Not thread-safe: one thread calls
     `add`, `cancel` and `step` (a server runs it in a worker thread and hands requests over).
 
@@ -133,13 +132,14 @@ class ContinuousBatch(Engine):
         self.decoding = torch.zeros_like(self.done)
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0             # core iterations run several to a call (`_iterate_fused`)
+        self.lockstep = Lockstep(self.runner, self.static_steps.static, sync_every)  # `_token`
         self.waiting: deque[_Request] = deque()
         self.rows: list[_Request | None] = [None] * max_batch
         self.ids = itertools.count()
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
         self.cancelled: set[int] = set()
-        # With `profile`: seconds per phase of the steps, accumulated (`take_timings` hands them over)
-        self.timings: dict[str, float] | None = {} if profile else None
+        self.first_step: float | None = None  # time.perf_counter() at the first step
+        self.phases = PhaseTimes(self.device, profile)  # with `profile`: seconds per phase of the steps
 
     # ---- requests
 
@@ -189,25 +189,41 @@ class ContinuousBatch(Engine):
 
     @property
     def capture_seconds(self) -> float:
-        return self.static_steps.capture_seconds
+        return self.static_steps.capture_seconds + self.lockstep.static_steps.capture_seconds
 
     # ---- one step
 
     def step(self) -> list[BatchEvent]:
+        """Run the next step (the module doc); the tokens it chose. The first step that chooses tokens ends
+        the prefill of `generate`'s batch (`prefill_seconds`, `decode_start`)."""
+        if self.first_step is None:
+            self.first_step = time.perf_counter()
+        events = self._run_step()
+        if events and self.decode_start is None:
+            sync(self.device)
+            self.decode_start = time.perf_counter()
+            self.prefill_seconds = self.decode_start - self.first_step
+        return events
+
+    def _run_step(self) -> list[BatchEvent]:
         events: list[BatchEvent] = []
         with torch.inference_mode():
             self._drop_cancelled()
-            with self._timed("admission and prompt prelude"):
+            with self.phases.timed("admission and prompt prelude"):
                 self._admit()
             starting = [q for q in self.active if not (q.prefilling or q.iterating or q.ready)]
             if starting:
-                with self._timed("prelude and s_0"):
+                with self.phases.timed("prelude and s_0"):
                     self._start(starting)
+                if self._in_lockstep(starting):
+                    self._token(starting, events)
+                    self.steps_run += 1
+                    return events
             iterating = [q for q in self.active if q.iterating]
             if iterating or self.chunks:
                 self._iterate(iterating)
             if self.chunks:
-                with self._timed("prompt coda and first token"):
+                with self.phases.timed("prompt coda and first token"):
                     self._end_chunks(events)
             self.steps_run += 1
             if iterating:
@@ -218,7 +234,7 @@ class ContinuousBatch(Engine):
                     self._look(iterating)
             ready = [q for q in self.active if q.ready]
             if ready and self._coda_due(ready):
-                with self._timed("coda and sampling"):
+                with self.phases.timed("coda and sampling"):
                     self._finish(ready, events)
         return events
 
@@ -234,22 +250,7 @@ class ContinuousBatch(Engine):
 
     def take_timings(self) -> dict[str, float]:
         """The seconds per phase accumulated since the last call (empty without `profile`)."""
-        if not self.timings:
-            return {}
-        taken, self.timings = self.timings, {}
-        return taken
-
-    @contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        """Adds the phase's seconds to `timings` when it is a dict (the device synchronized around it)."""
-        if self.timings is None:
-            yield
-            return
-        sync(self.device)
-        t0 = time.perf_counter()
-        yield
-        sync(self.device)
-        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0
+        return self.phases.take()
 
     def _drop_cancelled(self) -> None:
         if not self.cancelled:
@@ -357,7 +358,7 @@ class ContinuousBatch(Engine):
             select = call.rows
             prev_state = self.state[select].clone()  # `select` may be a view, overwritten below
             if self.static_steps.static:
-                with self._timed("core iteration"):
+                with self.phases.timed("core iteration"):
                     state = self._step_static(requests)[select]
                 if self.chunks:  # the prompts' iteration in a call of their own: the step keeps its graph
                     self._run_packed(Pack(), self.chunks)
@@ -381,7 +382,7 @@ class ContinuousBatch(Engine):
         self.steps[select] += running.long()
         for q in requests:
             q.iteration += 1
-        with self._timed("exit evaluation"):
+        with self.phases.timed("exit evaluation"):
             self.exits.update(requests, rows, call, prev_state, state, running, self.steps, self.min_steps, self.cap,
                               self.done)
             steps = self.steps[select]
@@ -403,7 +404,7 @@ class ContinuousBatch(Engine):
             iteration = 0
         embedded = self.embedded[call.rows]
         if not self.chunks:  # the decoding rows alone: a plain batched call
-            with self._timed("core iteration"):
+            with self.phases.timed("core iteration"):
                 out = self.runner.step(prev_state, embedded, iteration, core)
         else:
             pack = Pack()
@@ -452,7 +453,7 @@ class ContinuousBatch(Engine):
         """n core iterations of the decoding rows in one static call (`_fusable`): each exactly the static
         step, the rows' iteration counts and done flags updated on the device as the one-step path does."""
         self._mark_decoding(requests)
-        with self._timed("core iteration"):
+        with self.phases.timed("core iteration"):
             self.static_steps.run(("core iterations", n), lambda: self._core_static_iterations(n), idempotent=False)
         self.fused_iterations += n
         for q in requests:
@@ -473,9 +474,16 @@ class ContinuousBatch(Engine):
             self._run_packed(Pack(), chunks)
 
     def _run_packed(self, pack: Pack, chunks: list[PromptChunk]) -> Tensor:
-        """One core iteration of `pack` (the decoding rows' part, or nothing) and of `chunks`, in one call."""
+        """One core iteration of `pack` (the decoding rows' part, or nothing) and of `chunks`, in one call (a
+        plain one for a chunk alone, as a prefill of the whole batch runs: `PromptChunk.run`)."""
+        if not pack.segments and len(chunks) == 1:
+            chunk = chunks[0]
+            with self.phases.timed("core iteration"):
+                out = self.runner.step(chunk.state, chunk.embedded, chunk.iteration, chunk.call)
+            chunk.advance(self.runner, out)
+            return out
         tokens = [c.pack(pack) for c in chunks]
-        with self._timed("core iteration"):
+        with self.phases.timed("core iteration"):
             out = self.runner.step_packed(pack)
         for c, part in zip(chunks, tokens):
             c.advance(self.runner, out[:, part])
@@ -493,9 +501,14 @@ class ContinuousBatch(Engine):
     def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
         """The coda for rows whose token is done, together, and their next tokens."""
         for q in requests:
-            self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
             if q.criterion is not None and q.criterion.spec.exact:
                 self.state[q.row] = self.exits.exit_state[q.row]  # what the readout (and continuous CoT) reads
+        self._coda(requests, events)
+
+    def _coda(self, requests: list[_Request], events: list[BatchEvent]) -> None:
+        """The coda over the final states of rows whose token is done, and their next tokens."""
+        for q in requests:
+            self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
         call = self._inputs(requests)[1]
         logits = self.runner.readout(self.state[call.rows], call)[:, -1]
         for q in requests:
@@ -504,27 +517,13 @@ class ContinuousBatch(Engine):
         self._choose(requests, logits, [q.iteration for q in requests], events)
 
     def _choose(self, requests: list[_Request], logits: Tensor, steps: list[int], events: list[BatchEvent]) -> None:
-        """Sample each request's next token from its row of logits [n, V], one call (and one host read) per
-        config; emit them in order; free the rows that finished."""
-        groups: list[tuple[GenerationConfig, list[int]]] = []
-        for j, q in enumerate(requests):
-            same = next((members for config, members in groups if config == q.config), None)
-            if same is None:
-                groups.append((q.config, [j]))
-            else:
-                same.append(j)
-        chosen: dict[int, tuple[int, tuple | None]] = {}
-        for config, members in groups:
-            rows = self.runner.upload([requests[j].row for j in members])
-            pick = self.runner.upload(members)
-            try:
-                tokens, scored = choose(self.model, logits[pick], config, [requests[j].generator for j in members],
-                                        self.seen[rows], 0)
-            except NonFiniteLogitsError:  # name the first broken row's token
-                broken = members[int((~torch.isfinite(logits[pick]).all(dim=-1)).nonzero()[0])]
-                raise NonFiniteLogitsError(self.model, len(requests[broken].tokens) + 1) from None
-            for k, j in enumerate(members):
-                chosen[j] = tokens[k], None if scored is None else scored[k]
+        """Choose each request's next token from its row of logits [n, V] (`choose_rows`); emit them in order;
+        free the rows that finished."""
+        try:
+            chosen = choose_rows(self.model, logits, [q.config for q in requests], [q.generator for q in requests],
+                                 self.seen, self.runner.upload([q.row for q in requests]), self.runner.upload)
+        except NonFiniteLogitsError as err:  # name the first broken row's token
+            raise NonFiniteLogitsError(self.model, len(requests[err.row].tokens) + 1) from None
         for j, q in enumerate(requests):
             token, scored = chosen[j]
             q.tokens.append(token)

@@ -42,9 +42,10 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.engine import Session
+from rdlm.inference.engine import Session, check_generation_time
 from rdlm.inference.graphs import sync
-from rdlm.inference.params import Decode, Engine, GenerationConfig, GenerationResult, TokenEvent, cut_at_stop
+from rdlm.inference.params import (Decode, Engine, GenerationConfig, GenerationResult, TokenEvent, check_length,
+                                  check_prompt, cut_at_stop)
 from rdlm.inference.sampling import sample
 from rdlm.inference.static import StaticBatch
 from rdlm.model.lm import RecurrentDepthLM
@@ -96,13 +97,22 @@ def generate(model: RecurrentDepthLM, prompts, config: GenerationConfig | None =
 
 def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
             decode: Decode | None) -> Engine:
-    """The engine for these prompts: a continuous batch (rdlm.inference.batching) for a depth budget, which
-    each row spends at its own pace; else a static batch (rdlm.inference.static)."""
-    if not (config.has_depth_budget and config.max_new_tokens > 0):
+    """The engine for these prompts: the continuous batch (rdlm.inference.batching), one row per prompt, all
+    prefilled together, each token run in lockstep while the rows go together (rdlm.inference.lockstep)
+    and iteration by iteration under a depth budget, which each row spends at its own pace; the static
+    batch (rdlm.inference.static) for self-speculative decoding, the parallel sampler, and a prefill
+    with no new tokens."""
+    if config.draft_steps is not None or config.sampler != "sequential" or config.max_new_tokens == 0:
         return StaticBatch(model, config, decode)
-    longest = max(map(len, prompts)) + config.max_new_tokens
-    return ContinuousBatch(model, max_batch=len(prompts), max_length=longest, num_slots=config.core_slots,
-                           decode=decode, sync_every=config.exit_sync_every, compile=config.compile)
+    for p in prompts or [[]]:  # no prompt is refused as an empty one
+        check_prompt(model, p)
+    longest = max(map(len, prompts))
+    check_length(model, longest, config.max_new_tokens)
+    # Refused before the cache is allocated: a job that would not end in any reasonable time.
+    check_generation_time(model.config, next(model.parameters()).device, len(prompts), longest, config)
+    return ContinuousBatch(model, max_batch=len(prompts), max_length=longest + config.max_new_tokens,
+                           num_slots=config.core_slots, decode=decode, sync_every=config.exit_sync_every,
+                           prefill_chunk=longest, compile=config.compile)
 
 
 def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,

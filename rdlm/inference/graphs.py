@@ -12,7 +12,8 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -89,3 +90,31 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a clock read after it counts that work)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class PhaseTimes:
+    """Seconds per named phase of an engine's steps, accumulated while `on` (the device synchronized around
+    each phase, so a phase counts its own queued work); `take` hands them over."""
+
+    def __init__(self, device: torch.device, on: bool) -> None:
+        self.device = device
+        self.seconds: dict[str, float] | None = {} if on else None
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        if self.seconds is None:
+            yield
+            return
+        sync(self.device)
+        t0 = time.perf_counter()
+        yield
+        sync(self.device)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        """The seconds per phase accumulated since the last call (empty when off)."""
+        if not self.seconds:
+            return {}
+        taken, self.seconds = self.seconds, {}
+        return taken
+

@@ -329,6 +329,13 @@ def check_prompt(model: RecurrentDepthLM, prompt: list[int]) -> None:
                          "every prompt needs at least one token")
 
 
+def check_length(model: RecurrentDepthLM, prompt_length: int, new_tokens: int) -> None:
+    """Refuse a prompt and new tokens that do not fit the model's context."""
+    if prompt_length + new_tokens > model.config.context_length:
+        raise ValueError(f"prompt ({prompt_length}) + new tokens ({new_tokens}) exceeds the context length "
+                         f"{model.config.context_length}")
+
+
 def check_request(model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig,
                   decode: Decode | None = None) -> ExitCriterion | None:
     """Refuse a request no engine can run (`check_prompt`, stop strings without `decode` to read them, an

@@ -157,6 +157,15 @@ class ModelRunner:
         cache = self.cache.at(index, rows=self.batch_rows, slots=slots, core_writers=writers)
         return Call(self.model.rope(positions, check=False), self.key_valid[:, None, None, :], cache, positions)
 
+    def all_rows(self, index: Tensor, budget: int, writers: Tensor) -> Call:
+        """One token per row of the whole batch, row b at buffer index index[b] (a device tensor), core
+        iteration i at slot i mod `budget`, only the `writers` rows writing core entries (a lockstep token on
+        the static path, rdlm.inference.lockstep): every shape is fixed and the cache is read as views of the
+        whole buffer (no gather); the mask hides what is not written."""
+        positions = (index - self.pad).clamp_min(0).view(-1, 1)
+        cache = self.cache.at(index, rows=slice(None), budget=budget, core_writers=writers)
+        return Call(self.model.rope(positions, check=False), self.key_valid[:, None, None, :], cache, positions)
+
     def prompt(self, start: int, n: int, rows: Tensor, budget: int) -> Call:
         """Prompt tokens at buffer indices (= positions) start .. start + n - 1 of `rows`, right-padded to
         n, causal over the buffer (no real token attends to a pad); the core cycles through `budget` slots."""

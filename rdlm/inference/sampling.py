@@ -3,7 +3,7 @@ min-p, each row drawing from its own generator."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -58,9 +58,10 @@ def sample(logits: Tensor, config: GenerationConfig, generators: Sequence[torch.
 class NonFiniteLogitsError(FloatingPointError):
     """The model's logits hold NaN or infinity: no token can be chosen from them."""
 
-    def __init__(self, model: RecurrentDepthLM, token: int) -> None:
+    def __init__(self, model: RecurrentDepthLM, token: int, row: int | None = None) -> None:
         super().__init__(f"model produced non-finite logits at new token {token}; weights may be NaN: "
                          f"{getattr(model, 'source', None) or 'the model'}")
+        self.row = row  # the first row of the logits that holds them, when several rows were chosen from
 
 
 def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
@@ -81,3 +82,27 @@ def choose(model: RecurrentDepthLM, logits: Tensor, config: GenerationConfig, ge
     if not finite:
         raise NonFiniteLogitsError(model, produced + 1)
     return tokens, scored
+
+
+def choose_rows(model: RecurrentDepthLM, logits: Tensor, configs: list[GenerationConfig],
+                generators: list[torch.Generator], seen: Tensor, rows: Tensor,
+                upload: Callable[[list], Tensor]) -> list[tuple[int, tuple | None]]:
+    """The next token (and its scores, or None) of each row j of `logits` [n, V], sampled by `configs[j]`
+    with `generators[j]` from the tokens seen at `seen[rows[j]]`: one `choose` (one host read) per distinct
+    config. `upload` puts host indices on the logits' device. NonFiniteLogitsError names in `row` the first
+    row whose logits are not finite."""
+    groups: dict[GenerationConfig, list[int]] = {}
+    for j, config in enumerate(configs):
+        groups.setdefault(config, []).append(j)
+    chosen: list[tuple[int, tuple | None]] = [(0, None)] * len(configs)
+    for config, members in groups.items():
+        pick = upload(members)
+        try:
+            tokens, scored = choose(model, logits[pick], config, [generators[j] for j in members], seen[rows[pick]], 0)
+        except NonFiniteLogitsError as err:
+            err.row = members[int((~torch.isfinite(logits[pick]).all(dim=-1)).nonzero()[0])]
+            raise
+        for k, j in enumerate(members):
+            chosen[j] = tokens[k], None if scored is None else scored[k]
+    return chosen
+

@@ -1,17 +1,17 @@
-"""The static engine: a `Session` (rdlm.inference.engine) behind the engine interface (`Engine`).
+"""The static engine: a `Session` (rdlm.inference.engine) behind the engine interface (`Engine`), for
+what decodes a whole batch as one: self-speculative decoding (rdlm.inference.speculative), the parallel
+sampler (rdlm.inference.parallel), and a prefill with no new tokens (`max_new_tokens=0`). Every other
+generation runs on the continuous batch (rdlm.inference.batching).
 
 Every request is added before the first step and they share one `GenerationConfig`; the first step
-prefills all prompts at once, each later step decodes one token of every row (the static, CUDA-graph
-step), or runs one round of self-speculative decoding, or takes one token of the parallel sampler
-(rdlm.inference.parallel). A request's id is its row.
+prefills all prompts at once, each later step runs one round of self-speculative decoding or takes one
+token of the parallel sampler. A request's id is its row.
 """
 
 from __future__ import annotations
 
 import time
 from typing import Iterator
-
-import torch
 
 from rdlm.inference.engine import Session
 from rdlm.inference.graphs import sync
@@ -23,7 +23,7 @@ from rdlm.model.lm import RecurrentDepthLM
 
 
 class StaticBatch(Engine):
-    """Requests decoded in lockstep over one session (see the module doc)."""
+    """Requests decoded as one batch over one session (see the module doc)."""
 
     def __init__(self, model: RecurrentDepthLM, config: GenerationConfig, decode: Decode | None = None) -> None:
         self.model, self.config, self.decode = model, config, decode
@@ -38,6 +38,9 @@ class StaticBatch(Engine):
         if self.session is not None or config != self.config:
             raise ValueError("a static batch takes its requests, all with its own config, before its first step")
         check_request(self.model, prompt, config, self.decode)
+        if config.draft_steps is None and config.sampler == "sequential" and config.max_new_tokens > 0:
+            raise ValueError("a static batch runs self-speculative decoding, the parallel sampler or a prefill "
+                             "alone; decode token by token on the continuous batch (rdlm.inference.batching)")
         self.prompts.append(list(prompt))
         self.tokens.append([])
         self.finished.append(config.max_new_tokens == 0)
@@ -61,10 +64,6 @@ class StaticBatch(Engine):
     def take_timings(self) -> dict[str, float]:
         return {}
 
-    @property
-    def capture_seconds(self) -> float:
-        return self.session.capture_seconds
-
     def step(self) -> list[BatchEvent]:
         """The next round's tokens, each row's until it finishes (a speculative round may overshoot)."""
         events = []
@@ -77,8 +76,7 @@ class StaticBatch(Engine):
             events.append(BatchEvent(row, token, steps, reason, *((None, None) if scored is None else scored)))
         if not self.busy:
             # The rounds' suspended frame holds this batch: closing it leaves no cycle, so the session and
-            # its CUDA graphs go with the last reference instead of at a garbage collection that may come
-            # during another engine's capture (rdlm.inference.graphs).
+            # its cache go with the last reference instead of at a later garbage collection.
             self.rounds.close()
         return events
 
@@ -87,9 +85,8 @@ class StaticBatch(Engine):
         chose it, (log p, top) or None)."""
         c, model = self.config, self.model
         parallel = ParallelSampler(model, self.prompts, c) if c.sampler == "parallel" else None
-        speculative = c.draft_steps is not None
         s = self.session = parallel.session if parallel else Session(
-            model, self.prompts, c, extra_tokens=c.draft_length if speculative else 0)
+            model, self.prompts, c, extra_tokens=0 if c.draft_steps is None else c.draft_length)
         self.cache_bytes = s.cache.nbytes
         t0 = time.perf_counter()
         logits = s.prefill() if parallel is None or c.full_prefill else None
@@ -104,15 +101,9 @@ class StaticBatch(Engine):
             self.core_passes, self.wave_steps = parallel.core_passes, parallel.wave_steps
             self.finished = [True]  # the wave ran out of room
             return
-        iterations = [c.prefill_steps or c.num_steps] * s.batch
-        while True:
-            chosen, scored = choose(model, logits, c, s.samplers, s.seen, max(map(len, self.tokens)))
-            yield [(row, token, iterations[row], None if scored is None else scored[row])
-                   for row, token in enumerate(chosen)]
-            if speculative:
-                break
-            logits, steps = s.decode(torch.tensor(chosen, device=s.device))
-            iterations = steps.tolist()
+        chosen, scored = choose(model, logits, c, s.samplers, s.seen, 0)
+        yield [(row, token, c.prefill_steps or c.num_steps, None if scored is None else scored[row])
+               for row, token in enumerate(chosen)]
         while True:  # self-speculative decoding: from the token chosen last, a round per step
             chosen, drafted, accepted = speculate(s, chosen[-1], c.draft_steps, c.num_steps, c.draft_length)
             self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted

@@ -1,0 +1,214 @@
+"""A token that every decoding row starts together, with one `GenerationConfig`: the continuous batch's
+plan for the offline batch of `generate` (rdlm.inference.batching), where every row's prompt is prefilled
+at once and each token starts and ends on every row at the same step.
+
+Such a token runs all its core iterations in one engine step instead of one per step, with no host
+bookkeeping between them:
+
+- fixed r: the r iterations in one call of the runner (on CUDA a static step: one CUDA graph);
+- adaptive r (paper section 6.1): the exit criterion is evaluated on the device after each iteration
+  (or every `exit_every`); a row that exited keeps its state and stops writing core cache entries. The
+  host reads the exit flags every `sync_every` iterations; the rows that exited then leave the calls
+  (the core's matmuls run on the rows still iterating only), so a batch's tokens/s rises with the
+  iterations its exits save. While no row has exited, chunks of `sync_every` iterations run as static
+  steps over the whole batch (CUDA graphs on CUDA). When to look changes no result, only the cost.
+
+The prelude before and the coda after are the batch's own (`ContinuousBatch._start`, `_coda`), so a row
+gives the same tokens whether its token ran in lockstep or one iteration per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from rdlm.inference.exits import ExitCriterion, ExitTrack, iterate_with_exits
+from rdlm.inference.graphs import StaticSteps
+from rdlm.inference.params import BatchEvent, GenerationConfig
+from rdlm.inference.runner import Call, ModelRunner
+
+
+@dataclass
+class Rows:
+    """The rows of one token still iterating (all rows, or those left after exits)."""
+    index: Tensor            # [b] their places among the rows the token started with
+    batch_rows: Tensor       # [b] their rows of the batch (and of the cache)
+    state: Tensor            # [b, 1, h]
+    embedded: Tensor         # [b, 1, h]
+    call: Call               # these rows' RoPE, mask and cache rows
+    steps: Tensor            # [b] iterations run
+    exited: Tensor           # [b] bool
+    streak: Tensor           # [b] consecutive passing evaluations
+    logits: Tensor | None    # [b, V] of the latest iteration when the criterion reads logits
+    remaining: Tensor | None = None   # [b] a learned gate's running sums (rdlm.inference.exits.ExitTrack)
+    cumulative: Tensor | None = None
+
+    @classmethod
+    def start(cls, batch_rows: Tensor, state: Tensor, embedded: Tensor, call: Call, idle: Tensor,
+              criterion: ExitCriterion, vocab_size: int) -> "Rows":
+        """No iteration run yet; the `idle` rows (not decoding) count as exited from the start."""
+        n, device = batch_rows.shape[0], batch_rows.device
+        track = ExitTrack.start(n, device, vocab_size if criterion.uses_logits else None, gate=criterion.uses_gate)
+        return cls(torch.arange(n, device=device), batch_rows, state.clone(), embedded, call, track.steps,
+                   idle.clone(), track.streak, track.logits, track.remaining, track.cumulative)
+
+    def select(self, keep: Tensor) -> "Rows":
+        pick = lambda t: None if t is None else t[keep]  # noqa: E731
+        batch_rows = self.batch_rows[keep]
+        return Rows(self.index[keep], batch_rows, self.state[keep], self.embedded[keep],
+                    self.call.select(keep, batch_rows), self.steps[keep],
+                    self.exited[keep], self.streak[keep], pick(self.logits), pick(self.remaining),
+                    pick(self.cumulative))
+
+
+class Lockstep:
+    """Runs the core iterations of lockstep tokens over a runner (see the module doc): as static steps when
+    `static` (CUDA graphs on CUDA, kept in `static_steps`), else eagerly; `sync_every`: iterations between
+    two looks at the exit flags."""
+
+    def __init__(self, runner: ModelRunner, static: bool, sync_every: int) -> None:
+        self.runner, self.sync_every = runner, sync_every
+        self.static_steps = StaticSteps(runner.device, static)
+
+    def _run(self, key: tuple, body: Callable[[], tuple], idempotent: bool = True) -> tuple:
+        return self.static_steps.run(key, body, idempotent) if self.static_steps.static else body()
+
+    def fixed(self, config: GenerationConfig, state: Tensor, embedded: Tensor, call: Callable[[], Call]) -> Tensor:
+        """All num_steps iterations of every row of `state` [b, 1, h] ( `call()`: their call, built inside
+        the static step): the final states."""
+        r = config.num_steps
+        return self._run(("lockstep", r, config.core_slots),
+                                     lambda: (self.runner.iterate(state, embedded, call(), range(r)),))[0]
+
+    def adaptive(self, config: GenerationConfig, criterion: ExitCriterion, start: Callable[[], Rows],
+                 idle: int) -> tuple[Tensor, Tensor]:
+        """Each row iterating until its exit criterion fires (between min_steps and num_steps). `start()`
+        gives the token's `Rows` (a static step: its tensors are the graph's own), `idle` of them not
+        decoding (exited from the start). Returns (final states [b, 1, h], iterations run [b]) of those
+        rows, in their order.
+
+        While no decoding row has exited, chunks of `sync_every` iterations run as static steps over the
+        rows, exited rows frozen on the device; at the end of a chunk the host looks at the exit flags, and
+        once some rows have exited the others go on alone."""
+        r = config.num_steps
+        key = ("lockstep", r, config.core_slots, config.min_steps, config.exit_every, criterion)
+        rows = self._run(key + ("start",), lambda: (start(),))[0]
+        if criterion.spec.exact:  # every row runs every iteration: one chunk, the exit only selects
+            return self.exact(config, criterion, rows)
+        final, steps = rows.state.clone(), rows.steps.clone()
+        i, compact = 0, False
+        while i < r:
+            n = min(self.sync_every, r - i)
+            if compact:
+                rows = self.iterate(config, criterion, rows, i, n)
+            else:
+                self._run(key + (i, n), lambda: (self.iterate(config, criterion, rows, i, n, in_place=True),),
+                          idempotent=False)
+            i += n
+            if i == r:
+                break
+            exited = rows.exited
+            done = exited.cpu()  # the host looks: rows that exited leave the batch
+            if int(done.sum()) > idle:
+                final[rows.index[exited]] = rows.state[exited]
+                steps[rows.index[exited]] = rows.steps[exited]
+                if bool(done.all()):
+                    rows = rows.select(~exited)
+                    break
+                rows, compact, idle = rows.select(~exited), True, 0
+        final[rows.index] = rows.state
+        steps[rows.index] = rows.steps
+        return final, steps
+
+    def exact(self, config: GenerationConfig, criterion: ExitCriterion, rows: Rows) -> tuple[Tensor, Tensor]:
+        """`gate-exact`: all num_steps iterations for every row (every cache entry written, as the reference
+        computes), each row's final state the one at its gate exit. Iterations reported: num_steps."""
+        r = config.num_steps
+        track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
+        _, track = iterate_with_exits(
+            lambda state, i, exited: self.runner.step(state, rows.embedded, i, rows.call),
+            None, rows.state, track, criterion, 0, r, r, min_steps=config.min_steps, freeze=False,
+            gate=self.runner.exit_probability)
+        return track.exit_state.view_as(rows.state), torch.full_like(rows.steps, r)
+
+    def iterate(self, config: GenerationConfig, criterion: ExitCriterion, rows: Rows, first: int, n: int,
+                in_place: bool = False) -> Rows:
+        """Iterations first .. first + n - 1 for `rows` (`iterate_with_exits`), deciding exits on the
+        device. A row that exited keeps its state and stops writing core cache entries. `in_place` writes
+        the results into `rows`' own tensors (a static step's outputs are its inputs)."""
+        def step(state: Tensor, i: int, exited: Tensor) -> Tensor:
+            return self.runner.step(state, rows.embedded, i, rows.call.but(core_writers=~exited))
+
+        def readout(state: Tensor) -> Tensor:
+            return self.runner.readout(state, rows.call)[:, -1]
+
+        track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
+        gate = self.runner.exit_probability if criterion.uses_gate else None
+        state, track = iterate_with_exits(step, readout, rows.state, track, criterion, first, n, config.num_steps,
+                                          min_steps=config.min_steps, every=config.exit_every, gate=gate)
+        out = dataclasses.replace(rows, state=state, steps=track.steps, exited=track.exited, streak=track.streak,
+                                  logits=track.logits, remaining=track.remaining, cumulative=track.cumulative)
+        if in_place:
+            for name in ("state", "steps", "exited", "streak", "logits", "remaining", "cumulative"):
+                target = getattr(rows, name)
+                if target is not None:
+                    target.copy_(getattr(out, name))
+            return rows
+        return out
+
+
+class LockstepTokens:
+    """The continuous batch's lockstep plan (a part of `rdlm.inference.batching.ContinuousBatch`, whose rows,
+    buffers and coda it uses): when a token runs in lockstep, and running it."""
+
+    def _in_lockstep(self, starting: list) -> bool:
+        """Whether the token the `starting` requests just started runs in lockstep, all its iterations in this
+        step (rdlm.inference.lockstep): every request in a row starts it, with the same depth settings and
+        no depth budget, and no prompt is being prefilled or waits for a free row (`generate`'s batch)."""
+        if self.chunks or (self.waiting and None in self.rows) or len(starting) != self.running:
+            return False
+        depth = lambda q: (q.config.num_steps, q.criterion, q.config.min_steps, q.config.exit_every,  # noqa: E731
+                           q.budget, q.cap)
+        first = starting[0]
+        return (not first.config.has_depth_budget and first.cap == first.config.num_steps
+                and all(depth(q) == depth(first) for q in starting[1:]))
+
+    def _token(self, requests: list, events: list[BatchEvent]) -> None:
+        """The token the requests started, in lockstep (`_in_lockstep`): its core iterations (on the static
+        path over every row of the batch, the rows not decoding frozen), then the coda and the next tokens."""
+        first = requests[0]
+        config, criterion, budget = first.config, first.criterion, first.budget
+        rows, call = self._inputs(requests)
+        select, static, vocab = call.rows, self.static_steps.static, self.model.config.vocab_size
+        if static:
+            self._mark_decoding(requests)
+        every_row = lambda: self.runner.all_rows(self.write_index, budget, self.decoding)  # noqa: E731
+        own = call.but(budget=budget)  # the eager path: these rows alone
+        with self.phases.timed("core iteration"):
+            if criterion is None:
+                if static:
+                    self.state.copy_(self.lockstep.fixed(config, self.state, self.embedded, every_row))
+                else:
+                    self.state[select] = self.lockstep.fixed(config, self.state[select], self.embedded[select],
+                                                             lambda: own)
+                steps = [config.num_steps] * len(requests)
+            elif static:
+                final, per_row = self.lockstep.adaptive(config, criterion, lambda: Rows.start(
+                    self.runner.batch_rows, self.state, self.embedded, every_row(), ~self.decoding, criterion, vocab),
+                    self.max_batch - len(requests))
+                self.state.copy_(final)
+                steps = per_row[rows].tolist()
+            else:
+                idle = torch.zeros(len(requests), dtype=torch.bool, device=self.device)
+                final, per_row = self.lockstep.adaptive(config, criterion, lambda: Rows.start(
+                    rows, self.state[select], self.embedded[select], own, idle, criterion, vocab), 0)
+                self.state[select] = final
+                steps = per_row.tolist()
+        for q, n in zip(requests, steps):
+            q.iterating, q.iteration = False, n
+        with self.phases.timed("coda and sampling"):
+            self._coda(requests, events)
