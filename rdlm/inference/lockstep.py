@@ -104,9 +104,9 @@ class Lockstep:
         while i < r:
             n = min(self.sync_every, r - i)
             if compact:
-                rows = self.iterate(config, criterion, rows, i, n)
+                rows = self.iterate(config, criterion, rows, i, n, idle)
             else:
-                self._run(key + (i, n), lambda: (self.iterate(config, criterion, rows, i, n, in_place=True),),
+                self._run(key + (i, n), lambda: (self.iterate(config, criterion, rows, i, n, idle, in_place=True),),
                           idempotent=False)
             i += n
             if i == r:
@@ -136,12 +136,16 @@ class Lockstep:
         return track.exit_state.view_as(rows.state), torch.full_like(rows.steps, r)
 
     def iterate(self, config: GenerationConfig, criterion: ExitCriterion, rows: Rows, first: int, n: int,
-                in_place: bool = False) -> Rows:
+                idle: int, in_place: bool = False) -> Rows:
         """Iterations first .. first + n - 1 for `rows` (`iterate_with_exits`), deciding exits on the
-        device. A row that exited keeps its state and stops writing core cache entries. `in_place` writes
+        device. A row that exited keeps its state and stops writing core cache entries (`idle`: how many rows are
+        not decoding, exited from the start). `in_place` writes
         the results into `rows`' own tensors (a static step's outputs are its inputs)."""
         def step(state: Tensor, i: int, exited: Tensor) -> Tensor:
-            return self.runner.step(state, rows.embedded, i, rows.call.but(core_writers=~exited))
+            # At the first iteration only idle rows can have exited: every row writes when there are none (on
+            # the static path the call's own writers, the decoding rows, say the same).
+            call = rows.call.but(core_writers=~exited) if i or idle else rows.call
+            return self.runner.step(state, rows.embedded, i, call)
 
         def readout(state: Tensor) -> Tensor:
             return self.runner.readout(state, rows.call)[:, -1]
