@@ -105,15 +105,19 @@ def closed_loop(args, model, prompts: list[list[int]], config: GenerationConfig,
               f"the prompts' own core calls {packed[0]:.2f} s of the core iteration")
 
 
-def timed_generate(model, ids: list[list[int]], config: GenerationConfig):
-    """(tokens/s, result) of offline `generate` on `ids`, after one warm-up run (on CUDA the graphs' capture)."""
+def timed_generate(model, ids: list[list[int]], config: GenerationConfig, seconds: float = 0.0):
+    """(tokens/s, result) of offline `generate` on `ids`, after one warm-up run (on CUDA the graphs' capture):
+    the same batch generated again until `seconds` have passed (at least once), its tokens over the time."""
     device = next(model.parameters()).device
     generate(model, ids, config)
     sync(device)
-    t0 = time.perf_counter()
-    result = generate(model, ids, config)
-    sync(device)
-    return sum(len(t) for t in result.tokens) / (time.perf_counter() - t0), result
+    tokens, t0 = 0, time.perf_counter()
+    while True:
+        result = generate(model, ids, config)
+        sync(device)
+        tokens += sum(len(t) for t in result.tokens)
+        if time.perf_counter() - t0 >= seconds:
+            return tokens / (time.perf_counter() - t0), result
 
 
 def offline(model, prompts: list[list[int]], config: GenerationConfig, rows: int) -> None:

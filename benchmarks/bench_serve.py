@@ -10,7 +10,8 @@ time, against offline batched `generate` on the same model and prompts.
 The server runs as a subprocess (`rdlm serve` on 127.0.0.1, a free port); each client thread sends
 streamed completions back to back (plain HTTP, server-sent events) until the time is up. Printed:
 served completion tokens/s; time to first token and time per output token (p50/p99); offline
-`generate` tokens/s for one batch of `--max-batch` of the same prompts; their ratio. With an exit
+`generate` tokens/s for one batch of `--max-batch` of the same prompts (generated again and again for a
+quarter of `--seconds`); their ratio. With an exit
 criterion the fixed-r run is measured too (unless --no-fixed), and the adaptive speed-up, served and
 offline, is set against its ideal: r / the mean core iterations per token (from `usage.latent_iterations`),
 and against the ideal that counts the prompts too: their tokens run r iterations in both runs, so with p
@@ -185,7 +186,8 @@ def offline(args, prompts: list[str], exit_criterion: str | None, batch: int) ->
 
     model, tok = load(args.model, args.dtype, args.device)
     ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(batch)]
-    tps, result = timed_generate(model, ids, generation_config(args, tok, exit_criterion))
+    # repeated for a quarter of the served time: one batch of a few hundred tokens is too short to time alone
+    tps, result = timed_generate(model, ids, generation_config(args, tok, exit_criterion), args.seconds / 4)
     tokens = sum(len(t) for t in result.tokens)
     return dict(tps=tps, mean_iterations=sum(map(sum, result.steps)) / tokens,
                 prompt_per_token=sum(map(len, ids)) / tokens)

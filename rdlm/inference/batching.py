@@ -1,4 +1,5 @@
-"""Continuous batching at the granularity of iterations: the engine behind `rdlm serve`.
+"""Continuous batching at the granularity of iterations: the decode engine of `rdlm serve` and of
+`rdlm.inference.generate`.
 
 A fixed number of rows share one `RecurrentKVCache`; each request occupies one row from its prompt to
 its last token. Every `ContinuousBatch.step()`:
@@ -28,14 +29,18 @@ many rows, at the cost of a done row waiting a few steps (`benchmarks/bench_serv
 `rdlm serve` looks every 4 steps and lets a row wait up to 8). Neither changes any token, only cost
 and latency.
 
+When every request in a row starts its token at the same step with the same depth settings and nothing
+waits to join (`generate`'s batch, or a server's rows that happen to go together), the token runs in
+lockstep instead: all its core iterations in this step, then the coda (rdlm.inference.lockstep).
+
 With `compile=True` (the default on CUDA) step 3 is the static step: one call of fixed shape over every
 row, its per-row index, slot and writers on the device, which CUDA captures once as a graph
 (`_step_static`; docs/inference.md, continuous batching); the prompt chunks in flight then run their
 iteration in a call of their own.
 
-A request gives the tokens `rdlm.inference.generate` gives for its prompt alone with the same `GenerationConfig`:
-the same s_0 table (seed, position), the same cache slots (`cache_slots` or one per iteration), the
-same exit decisions, the same per-request sampling generator.
+A request in a busy batch gets the tokens of its prompt alone with the same `GenerationConfig`, whichever
+way its tokens are scheduled: the same s_0 table (seed, position), the same cache slots (`cache_slots` or
+one per iteration), the same exit decisions, the same per-request sampling generator.
 """
 
 from __future__ import annotations
