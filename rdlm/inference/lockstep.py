@@ -78,11 +78,11 @@ class Lockstep:
         return self.static_steps.run(key, body, idempotent) if self.static_steps.static else body()
 
     def fixed(self, config: GenerationConfig, state: Tensor, embedded: Tensor, call: Callable[[], Call]) -> Tensor:
-        """All num_steps iterations of every row of `state` [b, 1, h] ( `call()`: their call, built inside
-        the static step): the final states."""
+        """All num_steps iterations of every row of `state` [b, 1, h] (`call()`: their call, built inside the
+        static step): the final states."""
         r = config.num_steps
         return self._run(("lockstep", r, config.core_slots),
-                                     lambda: (self.runner.iterate(state, embedded, call(), range(r)),))[0]
+                         lambda: (self.runner.iterate(state, embedded, call(), range(r)),))[0]
 
     def adaptive(self, config: GenerationConfig, criterion: ExitCriterion, start: Callable[[], Rows],
                  idle: int) -> tuple[Tensor, Tensor]:
