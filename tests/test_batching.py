@@ -338,3 +338,29 @@ def test_rows_in_step_run_each_token_in_lockstep(model, monkeypatch, compile, co
     assert steps == config.max_new_tokens                    # the prefill and first token, then a token a step
     # one by one, a step runs an iteration (on the static path at fixed r: a token, `_iterate_fused`)
     assert more_steps > steps or (compile and config.exit_criterion is None)
+
+
+@pytest.mark.parametrize("criterion", [None, "kl"])
+def test_a_lockstep_token_compiles_whole_on_the_static_path(model, criterion):
+    """A lockstep token's iterations on the static path are data, not control flow: torch.compile takes them
+    whole (fullgraph: no host sync, no graph break) as CUDA graphs need, the r iterations of fixed r and each
+    chunk of iterations between two looks at the exit flags, and the tokens are the uncompiled ones."""
+    graphs = []
+
+    def count(graph: torch.fx.GraphModule, example_inputs) -> object:
+        graphs.append(graph)
+        return graph.forward                                 # dynamo's capture only: inductor's codegen is slow on CPU
+
+    config = GenerationConfig(num_steps=6, max_new_tokens=4, exit_criterion=criterion,
+                              exit_threshold=3e-3 if criterion else None)
+
+    def run(compiled: bool) -> list:
+        batch = busy_batch(model, compile=True, sync_every=2)
+        if compiled:
+            owner = batch.lockstep if criterion else batch.lockstep.runner   # the chunks; the r iterations
+            owner.iterate = torch.compile(owner.iterate, fullgraph=True, backend=count)
+        ids = [batch.add(p, config) for p in ([1, 2, 3], [4, 5], [6])]
+        events = drain(batch)
+        return [[(e.token, e.steps) for e in events[i]] for i in ids]
+
+    assert run(True) == run(False) and graphs
