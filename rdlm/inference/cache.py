@@ -60,7 +60,7 @@ class CacheWrite:
     slots: Tensor | None = None
     budget: int | None = None
     end: int | None = None
-    entries: Tensor | None = None  # one token per row at its own index: where they lie (`RecurrentKVCache.plan`)
+    entries: Tensor | None = None  # one token per row at its own index: where they lie (`with_entries`)
 
 
 class CacheCall:
@@ -75,7 +75,8 @@ class CacheCall:
     def but(self, **changes) -> CacheCall:
         """The same call with some fields of its plan changed (e.g. `core_writers` per iteration)."""
         plan = replace(self.plan, **changes)
-        return CacheCall(self.cache, self.cache.plan(plan) if "start" in changes or "rows" in changes else plan)
+        moved = "start" in changes or "rows" in changes
+        return CacheCall(self.cache, self.cache.with_entries(plan) if moved else plan)
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,9 @@ class RecurrentKVCache:
     def at(self, start: int | Tensor = 0, *, rows: Tensor | slice | None = None, core_writers: Tensor | None = None,
            slots: Tensor | None = None, budget: int | None = None, end: int | None = None) -> CacheCall:
         """The cache for one model call that writes its tokens at `start` (see the module doc)."""
-        return CacheCall(self, self.plan(CacheWrite(start, rows, core_writers, slots, budget, end)))
+        return CacheCall(self, self.with_entries(CacheWrite(start, rows, core_writers, slots, budget, end)))
 
-    def plan(self, plan: CacheWrite) -> CacheWrite:
+    def with_entries(self, plan: CacheWrite) -> CacheWrite:
         """`plan` with its `entries`: for one token per row of `rows` at its own buffer index (the continuous
         batch), where those tokens lie among the flattened entries of one layer's cache [rows, heads, length,
         d] (the rows a slice selects, or all of them for an index tensor), computed once per call instead of
@@ -255,7 +256,9 @@ class RecurrentKVCache:
             else:
                 rows = cache if plan.rows is None else cache[plan.rows]
                 picked = torch.arange(rows.shape[0], device=index.device)
-            at = plan.entries if plan.entries is not None else RecurrentKVCache._entries(*rows.shape[1:3], picked, index)
+            at = plan.entries
+            if at is None:
+                at = RecurrentKVCache._entries(*rows.shape[1:3], picked, index)
             return rows.reshape(-1, rows.shape[-1]).index_select(0, at).view(len(picked), rows.shape[1], 1, -1)
         rows = cache if plan.rows is None else cache[plan.rows]
         if isinstance(plan.start, Tensor):
