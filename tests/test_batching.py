@@ -364,3 +364,35 @@ def test_a_lockstep_token_compiles_whole_on_the_static_path(model, criterion):
         return [[(e.token, e.steps) for e in events[i]] for i in ids]
 
     assert run(True) == run(False) and graphs
+
+
+@pytest.mark.parametrize("criterion", [None, "kl"])
+def test_lockstep_rows_go_on_over_a_row_freed_between_them(model, monkeypatch, criterion):
+    """Requests that end early free rows between rows still in lockstep: the others go on over the slice that
+    spans them, the freed row frozen and writing nothing, with the tokens of the iteration-by-iteration
+    schedule."""
+    config = GenerationConfig(num_steps=6, max_new_tokens=6, exit_criterion=criterion,
+                              exit_threshold=3e-3 if criterion else None)
+    short = replace(config, max_new_tokens=2)
+    requests = [([5, 17, 99], config), ([250, 11, 3, 8], short), ([1, 2], config), ([7, 7], short)]
+    spanned = []
+
+    def run(lockstep: bool) -> list:
+        batch = busy_batch(model, compile=False)
+        if lockstep:
+            rows_of = batch._eager_rows
+
+            def tracked(requests, budget):
+                out = rows_of(requests, budget)
+                spanned.append(out[4] is not None)   # rows between them ride along
+                return out
+
+            monkeypatch.setattr(batch, "_eager_rows", tracked)
+        else:
+            monkeypatch.setattr(batch, "_in_lockstep", lambda starting: False)
+        ids = [batch.add(p, c) for p, c in requests]
+        events = drain(batch)
+        return [[(e.token, e.steps, e.finish_reason) for e in events[i]] for i in ids]
+
+    assert run(True) == run(False)
+    assert any(spanned) and not all(spanned)
