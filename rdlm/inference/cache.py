@@ -178,14 +178,15 @@ class RecurrentKVCache:
             index = start.view(-1)
             cache_k, cache_v = self.core_k[layer], self.core_v[layer]
             k, v = k.squeeze(2), v.squeeze(2)
-            if plan.core_writers is not None:
-                keep = ~plan.core_writers.view(-1, 1, 1)
-                k = torch.where(keep, cache_k[plan.slots, rows, :, index], k)
-                v = torch.where(keep, cache_v[plan.slots, rows, :, index], v)
             # (slot, row) pairs as rows of the flattened [slots * batch] axis: one index_copy_ / index_select,
             # faster than the equivalent two-axis advanced indexing
             pairs = plan.slots * self.batch_size + rows
             at = self._entries(*cache_k.shape[2:4], pairs, index)
+            if plan.core_writers is not None:  # the others keep their entries
+                keep = ~plan.core_writers.view(-1, 1, 1)
+                kept = lambda c: c.reshape(-1, c.shape[-1]).index_select(0, at).view_as(k)  # noqa: E731
+                k = torch.where(keep, kept(cache_k), k)
+                v = torch.where(keep, kept(cache_v), v)
             self._put(cache_k.flatten(0, 1), at, k)
             self._put(cache_v.flatten(0, 1), at, v)
             flat = lambda c: c.flatten(0, 1)[:, :, :end].index_select(0, pairs)  # noqa: E731
