@@ -20,7 +20,7 @@ from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.graphs import resolve_compile  # noqa: F401 (its home before graphs.py)
-from rdlm.inference.params import GenerationConfig, check_criterion, check_length, check_prompt
+from rdlm.inference.params import GenerationConfig, check_criterion, check_length, check_prompts
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.runner import Call, ModelRunner
 from rdlm.inference.sampling import NonFiniteLogitsError  # noqa: F401 (its home before sampling.py)
@@ -52,8 +52,7 @@ class Sequences:
     def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], new_tokens: int, num_slots: int,
                  strategy: str, seed: int, init_scale: float, criterion: ExitCriterion | None = None,
                  min_steps: int = 0) -> None:
-        for p in prompts or [[]]:  # no prompt is refused as an empty one
-            check_prompt(model, p)
+        check_prompts(model, prompts)
         self.model, self.criterion, self.min_steps = model, criterion, min_steps
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

@@ -45,7 +45,7 @@ from rdlm.inference.batching import ContinuousBatch
 from rdlm.inference.engine import Session, check_generation_time
 from rdlm.inference.graphs import sync
 from rdlm.inference.params import (Decode, Engine, GenerationConfig, GenerationResult, TokenEvent, check_length,
-                                  check_prompt, cut_at_stop)
+                                  check_prompts, cut_at_stop)
 from rdlm.inference.sampling import sample
 from rdlm.inference.static import StaticBatch
 from rdlm.model.lm import RecurrentDepthLM
@@ -104,8 +104,7 @@ def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: Generatio
     with no new tokens."""
     if config.draft_steps is not None or config.sampler != "sequential" or config.max_new_tokens == 0:
         return StaticBatch(model, config, decode)
-    for p in prompts or [[]]:  # no prompt is refused as an empty one
-        check_prompt(model, p)
+    check_prompts(model, prompts)
     longest = max(map(len, prompts))
     check_length(model, longest, config.max_new_tokens)
     # Refused before the cache is allocated: a job that would not end in any reasonable time.

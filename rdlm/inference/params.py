@@ -329,6 +329,12 @@ def check_prompt(model: RecurrentDepthLM, prompt: list[int]) -> None:
                          "every prompt needs at least one token")
 
 
+def check_prompts(model: RecurrentDepthLM, prompts: list[list[int]]) -> None:
+    """`check_prompt` for each of a batch of prompts; no prompt at all is refused as an empty one."""
+    for prompt in prompts or [[]]:
+        check_prompt(model, prompt)
+
+
 def check_length(model: RecurrentDepthLM, prompt_length: int, new_tokens: int) -> None:
     """Refuse a prompt and new tokens that do not fit the model's context."""
     if prompt_length + new_tokens > model.config.context_length:
