@@ -173,24 +173,51 @@ def load(model: str, dtype: str, device: str):
     return load_model_and_tokenizer(model, dtype, device, need_tokenizer=True)
 
 
-def generation_config(args, tok, exit_criterion: str | None):
+def generation_config(args, tok, exit_criterion: str | None, num_steps: int | None = None):
+    """The benchmark's request; `num_steps` (no exit criterion) decodes at that depth, the prompt still at r."""
     from rdlm.inference.generate import GenerationConfig
 
-    return GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,),
-                            exit_criterion=exit_criterion,
+    return GenerationConfig(num_steps=num_steps or args.num_steps, prefill_steps=args.num_steps,
+                            max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,), exit_criterion=exit_criterion,
                             exit_threshold=args.exit_threshold if exit_criterion else None)
 
 
-def offline(args, prompts: list[str], exit_criterion: str | None, batch: int) -> dict:
+def offline(args, prompts: list[str], exit_criterion: str | None, batch: int, num_steps: int | None = None) -> dict:
     from bench_batch import timed_generate  # this folder's
 
     model, tok = load(args.model, args.dtype, args.device)
     ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(batch)]
     # repeated for a quarter of the served time: one batch of a few hundred tokens is too short to time alone
-    tps, result = timed_generate(model, ids, generation_config(args, tok, exit_criterion), args.seconds / 4)
+    config = generation_config(args, tok, exit_criterion, num_steps)
+    tps, result = timed_generate(model, ids, config, args.seconds / 4)
     tokens = sum(len(t) for t in result.tokens)
     return dict(tps=tps, mean_iterations=sum(map(sum, result.steps)) / tokens,
-                prompt_per_token=sum(map(len, ids)) / tokens)
+                prompt_per_token=sum(map(len, ids)) / tokens, new_per_request=tokens / batch)
+
+
+def depth_ceiling(args, prompts: list[str], batch: int, mean: float) -> float:
+    """Offline tokens/s of fixed-depth decoding at `mean` iterations a token, the prompt still at r: what an
+    exit that gave every token exactly the mean depth would reach with no exit overhead and no stragglers.
+    Between two whole depths the seconds per token are interpolated."""
+    low = max(1, int(mean))
+    seconds = {k: 1 / offline(args, prompts, None, batch, num_steps=k)["tps"] for k in {low, low + 1}}
+    return 1 / (seconds[low] + (mean - low) * (seconds[low + 1] - seconds[low]))
+
+
+def flop_ideal(args, mean: float, prompt_per_token: float, new_per_request: float) -> float:
+    """The adaptive speed-up if time were proportional to matmul FLOPs: every new token runs the prelude, its
+    core iterations, the coda and the head; a prompt token the prelude, r iterations and the coda (its head
+    only once, ignored); attention over the mean context of a request."""
+    from bench_generate import layer_flops  # this folder's
+
+    c = load(args.model, args.dtype, args.device)[0].config
+    prompt = prompt_per_token * new_per_request
+    layer = layer_flops(c, prompt + new_per_request / 2)
+    core = c.core_layers * layer + (2 * (2 * c.hidden_size) * c.hidden_size if c.injection == "concat" else 0)
+    ends = (c.prelude_layers + c.coda_layers) * layer
+    head = 2 * c.hidden_size * c.vocab_size
+    prompts = prompt_per_token * (ends + args.num_steps * core)
+    return (ends + head + args.num_steps * core + prompts) / (ends + head + mean * core + prompts)
 
 
 def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, static: bool) -> dict:
@@ -308,6 +335,12 @@ def measure(args, prompts: list[str]) -> None:
                     for phase, seconds in prof["phases"].items():
                         print(f"    {phase:32s} {seconds:7.2f} s  {seconds / prof['seconds']:6.1%}")
         if args.exit_criterion and None in modes:
+            adaptive_offline = results[args.exit_criterion, statics[0]][1]
+            m = adaptive_offline["mean_iterations"]
+            ceiling = depth_ceiling(args, prompts, batch, m) / results[None, statics[0]][1]["tps"]
+            flops = flop_ideal(args, m, adaptive_offline["prompt_per_token"], adaptive_offline["new_per_request"])
+            print(f"depth ceiling: offline fixed depth {m:.2f} (prompt at r) is {ceiling:.2f}x offline fixed r; "
+                  f"FLOP ideal {flops:.2f}x", flush=True)
             for static in statics:
                 for where, k in (("served", 0), ("offline", 1)):
                     adaptive, fixed = results[args.exit_criterion, static][k], results[None, static][k]
@@ -320,7 +353,8 @@ def measure(args, prompts: list[str]) -> None:
                     print(f"adaptive speed-up, {where}{', static step' if static and k == 0 else ''}: "
                           f"{speedup:.2f}x of an ideal {r / m:.2f}x (r / mean iterations) = {speedup * m / r:.0%}; "
                           f"of {whole:.2f}x counting the prompts' iterations ({p:.2f} prompt tokens per new token) "
-                          f"= {speedup / whole:.0%}")
+                          f"= {speedup / whole:.0%}; of the FLOP ideal {speedup / flops:.0%}; "
+                          f"of the depth ceiling {speedup / ceiling:.0%}")
 
 
 def main() -> None:

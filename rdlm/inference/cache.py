@@ -212,15 +212,15 @@ class RecurrentKVCache:
                 return cache_k, cache_v
             if isinstance(rows, slice):  # consecutive rows: views, no gather
                 cache_k, cache_v = cache_k[rows], cache_v[rows]
-                picked = torch.arange(cache_k.shape[0], device=cache_k.device)
-            else:
-                picked = rows
-            at = plan.entries if plan.entries is not None else self._entries(*cache_k.shape[1:3], picked, index)
+            at = plan.entries
+            if at is None:
+                picked = rows if isinstance(rows, Tensor) else torch.arange(cache_k.shape[0], device=index.device)
+                at = self._entries(*cache_k.shape[1:3], picked, index)
             self._put(cache_k, at, k)
             self._put(cache_v, at, v)
             if isinstance(rows, slice):
                 return cache_k[:, :, :end], cache_v[:, :, :end]
-            return cache_k[picked, :, :end], cache_v[picked, :, :end]
+            return cache_k[rows, :, :end], cache_v[rows, :, :end]
         stop = start + k.shape[2]
         if stop > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} tokens; writing up to {stop} does not fit")
