@@ -198,7 +198,8 @@ def main() -> None:
     p.add_argument("--cache-slots", type=int, default=4)
     p.add_argument("--draft-length", type=int, default=4)
     p.add_argument("--exit-every", type=int, default=1, help="GenerationConfig.exit_every for adaptive modes")
-    p.add_argument("--exit-sync-every", type=int, default=4, help="GenerationConfig.exit_sync_every")
+    p.add_argument("--exit-sync-every", type=int, help="GenerationConfig.exit_sync_every (default: 1 on the CPU, "
+                   "4 on a GPU)")
     p.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
                    help="the static decode step (GenerationConfig.compile); both: off then on, per row")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")

@@ -15,7 +15,12 @@ quarter of `--seconds`); their ratio. With an exit
 criterion the fixed-r run is measured too (unless --no-fixed), and the adaptive speed-up, served and
 offline, is set against its ideal: r / the mean core iterations per token (from `usage.latent_iterations`),
 and against the ideal that counts the prompts too: their tokens run r iterations in both runs, so with p
-prompt tokens per new token the token-iterations fall from (p + 1) r to p r + mean.
+prompt tokens per new token the token-iterations fall from (p + 1) r to p r + mean. Two more references
+say what is reachable at all: the FLOP ideal (time proportional to matmul FLOPs, so the prelude, coda and
+head of every token and the prompts count too) and the depth ceiling, measured: offline `generate` at a
+fixed depth equal to the adaptive run's mean iterations (prompts still at r; interpolated between the
+two whole depths around it) against offline fixed r, the speed-up of an exit that gave every token the
+mean depth with no exit overhead and no row waiting for another.
 Prompts are cycled from --prompt-text ('|' between prompts) or --prompt-file (one per line).
 
 `--clients 16,64` measures each client count in turn (the batch as large as the clients unless
@@ -66,8 +71,10 @@ def start_server(args, port: int, exit_criterion: str | None, clients: int, batc
     cmd = [sys.executable, "-m", "rdlm", "serve", args.model, "--port", str(port), "--max-batch",
            str(batch), "--max-queue", str(4 * clients), "-r", str(args.num_steps),
            "--device", args.device, "--dtype", args.dtype, "--compile" if static else "--no-compile",
-           "--model-name", "bench", "--max-length", str(args.max_length), "--exit-sync-every", str(args.sync_every),
+           "--model-name", "bench", "--max-length", str(args.max_length),
            "--coda-every", str(args.coda_every), "--prefill-chunk", str(args.prefill_chunk)]
+    if args.sync_every is not None:
+        cmd += ["--exit-sync-every", str(args.sync_every)]
     if args.profile:
         cmd += ["--profile"]
     if exit_criterion:
@@ -179,7 +186,8 @@ def generation_config(args, tok, exit_criterion: str | None, num_steps: int | No
 
     return GenerationConfig(num_steps=num_steps or args.num_steps, prefill_steps=args.num_steps,
                             max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,), exit_criterion=exit_criterion,
-                            exit_threshold=args.exit_threshold if exit_criterion else None)
+                            exit_threshold=args.exit_threshold if exit_criterion else None,
+                            exit_sync_every=args.sync_every)
 
 
 def offline(args, prompts: list[str], exit_criterion: str | None, batch: int, num_steps: int | None = None) -> dict:
@@ -195,13 +203,36 @@ def offline(args, prompts: list[str], exit_criterion: str | None, batch: int, nu
                 prompt_per_token=sum(map(len, ids)) / tokens, new_per_request=tokens / batch)
 
 
-def depth_ceiling(args, prompts: list[str], batch: int, mean: float) -> float:
+def offline_all(args, prompts: list[str], modes: list, batch: int) -> tuple[dict, dict | None]:
+    """Offline `generate` of every mode and, with an exit criterion and fixed r both measured, the depth
+    ceiling's two fixed depths around the adaptive run's mean iterations (prompts at r); all of them
+    alternated over two rounds, the faster of each kept, so a drift of the machine's speed between them
+    does not skew their ratios. (results per mode, {depth: result} or None)."""
+    first = {mode: offline(args, prompts, mode, batch) for mode in modes}
+    if not (args.exit_criterion and None in modes):
+        return first, None
+    low = max(1, int(first[args.exit_criterion]["mean_iterations"]))
+    runs = {("mode", mode): (mode, None) for mode in modes}
+    runs.update({("depth", k): (None, k) for k in (low, low + 1)})
+    best = {("mode", mode): result for mode, result in first.items()}
+    for rounds in range(2):
+        for key, (mode, depth) in runs.items():
+            if rounds == 0 and key in best:
+                continue
+            result = offline(args, prompts, mode, batch, num_steps=depth)
+            if key not in best or result["tps"] > best[key]["tps"]:
+                best[key] = result
+    return ({mode: best["mode", mode] for mode in modes},
+            {key[1]: result for key, result in best.items() if key[0] == "depth"})
+
+
+def depth_ceiling(depths: dict, mean: float) -> float:
     """Offline tokens/s of fixed-depth decoding at `mean` iterations a token, the prompt still at r: what an
     exit that gave every token exactly the mean depth would reach with no exit overhead and no stragglers.
-    Between two whole depths the seconds per token are interpolated."""
-    low = max(1, int(mean))
-    seconds = {k: 1 / offline(args, prompts, None, batch, num_steps=k)["tps"] for k in {low, low + 1}}
-    return 1 / (seconds[low] + (mean - low) * (seconds[low + 1] - seconds[low]))
+    Between the two whole depths measured the seconds per token are interpolated."""
+    low, high = sorted(depths)
+    seconds = {k: 1 / depths[k]["tps"] for k in (low, high)}
+    return 1 / (seconds[low] + (mean - low) * (seconds[high] - seconds[low]))
 
 
 def flop_ideal(args, mean: float, prompt_per_token: float, new_per_request: float) -> float:
@@ -307,6 +338,8 @@ def run_name(args, mode: str | None, static: bool) -> str:
 
 
 def measure(args, prompts: list[str]) -> None:
+    from rdlm.inference.graphs import resolve_sync_every
+
     modes = [args.exit_criterion] if args.exit_criterion else [None]
     if args.exit_criterion and not args.no_fixed:
         modes.append(None)
@@ -315,12 +348,12 @@ def measure(args, prompts: list[str]) -> None:
         batch = args.max_batch or clients
         load_start = os.getloadavg()[0]
         results = {}
+        offline_runs, depths = offline_all(args, prompts, modes, batch)
         for mode in modes:
-            off = offline(args, prompts, mode, batch)
             for static in statics:
-                results[mode, static] = (serve(args, prompts, mode, clients, batch, static), off)
+                results[mode, static] = (serve(args, prompts, mode, clients, batch, static), offline_runs[mode])
         print(f"model {args.random or args.model} | {args.device} {args.dtype} | r {args.num_steps} "
-              f"| sync every {args.sync_every} | coda every {args.coda_every} | prefill chunk {args.prefill_chunk} "
+              f"| sync every {resolve_sync_every(args.sync_every, torch.device(args.device))} | coda every {args.coda_every} | prefill chunk {args.prefill_chunk} "
               f"| clients {clients} | max batch {batch} | {args.new_tokens} new tokens | {args.seconds:.0f} s "
               f"| load {load_start:.2f} -> {os.getloadavg()[0]:.2f}")
         for (mode, static), (served, off) in results.items():
@@ -335,12 +368,13 @@ def measure(args, prompts: list[str]) -> None:
                     for phase, seconds in prof["phases"].items():
                         print(f"    {phase:32s} {seconds:7.2f} s  {seconds / prof['seconds']:6.1%}")
         if args.exit_criterion and None in modes:
-            adaptive_offline = results[args.exit_criterion, statics[0]][1]
+            adaptive_offline = offline_runs[args.exit_criterion]
             m = adaptive_offline["mean_iterations"]
-            ceiling = depth_ceiling(args, prompts, batch, m) / results[None, statics[0]][1]["tps"]
+            ceiling = depth_ceiling(depths, m) / offline_runs[None]["tps"]
             flops = flop_ideal(args, m, adaptive_offline["prompt_per_token"], adaptive_offline["new_per_request"])
-            print(f"depth ceiling: offline fixed depth {m:.2f} (prompt at r) is {ceiling:.2f}x offline fixed r; "
-                  f"FLOP ideal {flops:.2f}x", flush=True)
+            measured = ", ".join(f"depth {k}: {v['tps']:.1f} tok/s" for k, v in sorted(depths.items()))
+            print(f"depth ceiling: offline fixed depth {m:.2f} (prompt at r) is {ceiling:.2f}x offline fixed r "
+                  f"({measured}); FLOP ideal {flops:.2f}x", flush=True)
             for static in statics:
                 for where, k in (("served", 0), ("offline", 1)):
                     adaptive, fixed = results[args.exit_criterion, static][k], results[None, static][k]
@@ -381,8 +415,9 @@ def main() -> None:
     p.add_argument("--prompt-text", default="the cat sat on|12 13 14 15|a dog looked at|the old man walked to")
     p.add_argument("--prompt-file", help="prompts, one per line (instead of --prompt-text)")
     p.add_argument("--no-fixed", action="store_true", help="with an exit criterion: skip the fixed-r run")
-    p.add_argument("--sync-every", type=int, default=4,
-                   help="steps between the batch's looks at its exit flags (the server's --exit-sync-every)")
+    p.add_argument("--sync-every", type=int,
+                   help="steps between the batch's looks at its exit flags (the server's --exit-sync-every and "
+                        "offline generate's exit_sync_every; default theirs: 1 on the CPU, 4 on a GPU)")
     p.add_argument("--coda-every", type=int, default=8,
                    help="steps a done row may wait for others' codas (the server's --coda-every)")
     p.add_argument("--prefill-chunk", type=int, default=256,

@@ -71,9 +71,11 @@ def test_when_the_host_looks_changes_no_token(model, compile):
         assert_same(results[0], other)
 
 
-def test_exited_rows_leave_the_core(model, monkeypatch):
-    """With the host looking after every iteration, the core runs exactly the iterations the rows used:
-    an exited row costs nothing more."""
+@pytest.mark.parametrize("sync_every", [1, None])
+def test_exited_rows_leave_the_core(model, monkeypatch, sync_every):
+    """With the host looking after every iteration (the default on the CPU, where a look waits for nothing),
+    the core runs exactly the iterations the rows used: an exited row costs nothing more. Looking every 4
+    iterations, rows that exited between looks iterate on, frozen, until the next one."""
     rows_run = []
     step = model.step
 
@@ -82,12 +84,14 @@ def test_exited_rows_leave_the_core(model, monkeypatch):
         return step(state, *args, **kwargs)
 
     monkeypatch.setattr(model, "step", counting_step)
-    config = GenerationConfig(num_steps=12, max_new_tokens=8, seed=3, exit_criterion="kl",
-                              exit_threshold=3e-3, exit_sync_every=1, prefill_steps=1)
-    result = generate(model, PROMPTS, config)
+    base = dict(num_steps=12, max_new_tokens=8, seed=3, exit_criterion="kl", exit_threshold=3e-3, prefill_steps=1)
+    result = generate(model, PROMPTS, GenerationConfig(**base, exit_sync_every=sync_every))
     decoded = sum(s for row in result.steps for s in row[1:])
     assert sum(rows_run) - 1 * len(PROMPTS) == decoded  # the prefill runs one iteration for all rows
     assert decoded < 12 * sum(len(row) - 1 for row in result.steps)
+    rows_run.clear()
+    assert_same(generate(model, PROMPTS, GenerationConfig(**base, exit_sync_every=4)), result)
+    assert sum(rows_run) - 1 * len(PROMPTS) > decoded
 
 
 def test_exit_every_evaluates_the_criterion_less_often(model):

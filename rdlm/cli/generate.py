@@ -55,9 +55,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="fewest iterations per token before an exit (default 2; 1 for a learned gate)")
     g.add_argument("--exit-every", type=int, default=1,
                    help="evaluate the exit criterion every n iterations (1: after each, as in the paper)")
-    g.add_argument("--exit-sync-every", type=int, default=4,
+    g.add_argument("--exit-sync-every", type=int, default=None,
                    help="the host reads exit flags every n iterations (speed only, never the tokens); in "
-                        "rdlm serve, every n steps of the batch (rows found done then leave its calls)")
+                        "rdlm serve, every n steps of the batch (rows found done then leave its calls); "
+                        "default 1 on the CPU, 4 on a GPU")
     g.add_argument("--max-latent-iterations", type=int,
                    help="depth budget: most core iterations for all of a response's tokens (at least 1 each)")
     g.add_argument("--target-mean-iterations", type=float,

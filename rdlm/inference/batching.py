@@ -23,11 +23,12 @@ its last token. Every `ContinuousBatch.step()`:
    while the others iterate, which is where adaptive depth (paper section 6.1) turns into throughput.
 
 How often to look and to run the coda is a trade: the coda and the head cost about as much for one row
-as for a batch of them (on a CPU their weights are read once per call) and a look is a host sync, so
-doing both every step spends them on one or two rows at a time; every few steps pays them once for
-many rows, at the cost of a done row waiting a few steps (`benchmarks/bench_serve.py` measures it;
-`rdlm serve` looks every 4 steps and lets a row wait up to 8). Neither changes any token, only cost
-and latency.
+as for a batch of them (on a CPU their weights are read once per call) and on a GPU a look is a host
+sync, so doing both every step spends them on one or two rows at a time; every few steps pays them once
+for many rows, at the cost of a done row waiting a few steps, still iterating frozen
+(`benchmarks/bench_serve.py` measures it). By default the batch looks every step on the CPU, where a
+look waits for nothing, and every 4 on a GPU; `rdlm serve` lets a row wait up to 8 steps for its coda.
+Neither changes any token, only cost and latency.
 
 When every request in a row starts its token at the same step with the same depth settings and nothing
 waits to join (`generate`'s batch, or a server's rows that happen to go together), the token runs in
@@ -54,7 +55,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion
-from rdlm.inference.graphs import PhaseTimes, StaticSteps, resolve_compile, sync
+from rdlm.inference.graphs import PhaseTimes, StaticSteps, resolve_compile, resolve_sync_every, sync
 from rdlm.inference.lockstep import Lockstep, LockstepTokens
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
 from rdlm.inference.prefill import PromptChunk
@@ -97,17 +98,18 @@ class ContinuousBatch(LockstepTokens, Engine):
     """
 
     def __init__(self, model: RecurrentDepthLM, max_batch: int = 8, max_length: int | None = None,
-                 num_slots: int = 32, decode: Decode | None = None, sync_every: int = 1,
+                 num_slots: int = 32, decode: Decode | None = None, sync_every: int | None = None,
                  prefill_chunk: int = 256, coda_every: int = 1, profile: bool = False,
                  compile: bool | None = None) -> None:
         c = model.config
+        param = next(model.parameters())
         max_length = c.context_length if max_length is None else max_length
+        sync_every = resolve_sync_every(sync_every, param.device)
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
                             ("sync_every", sync_every), ("prefill_chunk", prefill_chunk),
                             ("coda_every", coda_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        param = next(model.parameters())
         self.model, self.decode = model.eval(), decode
         self.device, self.dtype = param.device, param.dtype
         self.max_batch, self.max_length, self.num_slots = max_batch, max_length, num_slots

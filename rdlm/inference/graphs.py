@@ -86,6 +86,15 @@ def resolve_compile(compile: bool | None, device: torch.device) -> bool:
     return bool(compile)
 
 
+def resolve_sync_every(sync_every: int | None, device: torch.device) -> int:
+    """Iterations (or batch steps) between the host's looks at the exit flags: `sync_every` when given; else
+    1 on the CPU, where a look waits for nothing (the work is done when a call returns) and rows that
+    exited leave the calls at once, and 4 on an accelerator, where each look drains the queued work."""
+    if sync_every is None:
+        return 1 if device.type == "cpu" else 4
+    return sync_every
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a clock read after it counts that work)."""
     if device.type == "cuda":

@@ -74,9 +74,10 @@ class GenerationConfig:
     compile: bool | None = None
     # Adaptive exits: the criterion is evaluated every `exit_every` iterations (1: after every
     # iteration, as in the paper); the host reads the exit flags every `exit_sync_every` iterations
-    # (exited rows then leave the batch). exit_sync_every changes cost only, never tokens.
+    # (exited rows then leave the batch; None: every iteration on the CPU, every 4 on an accelerator).
+    # exit_sync_every changes cost only, never tokens.
     exit_every: int = 1
-    exit_sync_every: int = 4
+    exit_sync_every: int | None = None
     # The parallel (diffusion-style) sampler (rdlm.inference.parallel; batch 1): "sequential" or "parallel".
     sampler: str = "sequential"
     inner_recurrence: int = 4           # core iterations per wavefront step, on every wave position
@@ -107,7 +108,8 @@ class GenerationConfig:
         positive("min_steps", 1)
         positive("draft_length")
         positive("exit_every")
-        positive("exit_sync_every")
+        if self.exit_sync_every is not None:
+            positive("exit_sync_every")
         if self.logprobs is not None:
             positive("logprobs", 0)
             if self.logprobs > MAX_TOP_LOGPROBS:
