@@ -137,8 +137,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="per measurement, a quarter of it warm-up")
     p.add_argument("--stagger", type=int, default=4, help="steps a client may take to send its next request")
     p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--sync-every", type=int, help="steps between looks at the exit flags (default: 1 on the CPU, "
-                   "4 on a GPU)")
+    p.add_argument("--sync-every", type=int, default=4)
     p.add_argument("--coda-every", type=int, default=8)
     p.add_argument("--steps", choices=("eager", "static", "both"), default="both")
     p.add_argument("--profile", action="store_true", help="also a profiled run of the static step")

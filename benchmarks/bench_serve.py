@@ -18,9 +18,10 @@ and against the ideal that counts the prompts too: their tokens run r iterations
 prompt tokens per new token the token-iterations fall from (p + 1) r to p r + mean. Two more references
 say what is reachable at all: the FLOP ideal (time proportional to matmul FLOPs, so the prelude, coda and
 head of every token and the prompts count too) and the depth ceiling, measured: offline `generate` at a
-fixed depth equal to the adaptive run's mean iterations (prompts still at r; interpolated between the
-two whole depths around it) against offline fixed r, the speed-up of an exit that gave every token the
-mean depth with no exit overhead and no row waiting for another.
+fixed depth equal to the adaptive run's mean iterations over its decoded tokens (prompts, and the first
+token their last position gives, still at r; interpolated between the two whole depths around it)
+against offline fixed r: the speed-up of an exit that gave every token the mean depth with no exit
+overhead and no row waiting for another.
 Prompts are cycled from --prompt-text ('|' between prompts) or --prompt-file (one per line).
 
 `--clients 16,64` measures each client count in turn (the batch as large as the clients unless
@@ -199,7 +200,11 @@ def offline(args, prompts: list[str], exit_criterion: str | None, batch: int, nu
     config = generation_config(args, tok, exit_criterion, num_steps)
     tps, result = timed_generate(model, ids, config, args.seconds / 4)
     tokens = sum(len(t) for t in result.tokens)
+    # a request's first token comes from its prompt's last position, at r whatever the exit: the decode's
+    # own depth is the mean over the others
+    decoded = sum(max(len(t) - 1, 0) for t in result.tokens)
     return dict(tps=tps, mean_iterations=sum(map(sum, result.steps)) / tokens,
+                decode_iterations=sum(sum(s[1:]) for s in result.steps) / max(decoded, 1),
                 prompt_per_token=sum(map(len, ids)) / tokens, new_per_request=tokens / batch)
 
 
@@ -211,7 +216,7 @@ def offline_all(args, prompts: list[str], modes: list, batch: int) -> tuple[dict
     first = {mode: offline(args, prompts, mode, batch) for mode in modes}
     if not (args.exit_criterion and None in modes):
         return first, None
-    low = max(1, int(first[args.exit_criterion]["mean_iterations"]))
+    low = max(1, int(first[args.exit_criterion]["decode_iterations"]))
     runs = {("mode", mode): (mode, None) for mode in modes}
     runs.update({("depth", k): (None, k) for k in (low, low + 1)})
     best = {("mode", mode): result for mode, result in first.items()}
@@ -258,7 +263,8 @@ def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, st
 
     model, tok = load(args.model, args.dtype, args.device)
     config = generation_config(args, tok, exit_criterion)
-    engine = ContinuousBatch(model, batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every,
+    # the server's batch: it looks every 4 steps unless --sync-every says otherwise (ServeConfig.sync_every)
+    engine = ContinuousBatch(model, batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every or 4,
                              coda_every=args.coda_every, prefill_chunk=args.prefill_chunk, profile=True,
                              compile=static)
     for k in range(2 * batch):
@@ -338,8 +344,6 @@ def run_name(args, mode: str | None, static: bool) -> str:
 
 
 def measure(args, prompts: list[str]) -> None:
-    from rdlm.inference.graphs import resolve_sync_every
-
     modes = [args.exit_criterion] if args.exit_criterion else [None]
     if args.exit_criterion and not args.no_fixed:
         modes.append(None)
@@ -353,7 +357,7 @@ def measure(args, prompts: list[str]) -> None:
             for static in statics:
                 results[mode, static] = (serve(args, prompts, mode, clients, batch, static), offline_runs[mode])
         print(f"model {args.random or args.model} | {args.device} {args.dtype} | r {args.num_steps} "
-              f"| sync every {resolve_sync_every(args.sync_every, torch.device(args.device))} | coda every {args.coda_every} | prefill chunk {args.prefill_chunk} "
+              f"| sync every {args.sync_every or 'default'} | coda every {args.coda_every} | prefill chunk {args.prefill_chunk} "
               f"| clients {clients} | max batch {batch} | {args.new_tokens} new tokens | {args.seconds:.0f} s "
               f"| load {load_start:.2f} -> {os.getloadavg()[0]:.2f}")
         for (mode, static), (served, off) in results.items():
@@ -369,12 +373,14 @@ def measure(args, prompts: list[str]) -> None:
                         print(f"    {phase:32s} {seconds:7.2f} s  {seconds / prof['seconds']:6.1%}")
         if args.exit_criterion and None in modes:
             adaptive_offline = offline_runs[args.exit_criterion]
-            m = adaptive_offline["mean_iterations"]
+            m = adaptive_offline["decode_iterations"]
             ceiling = depth_ceiling(depths, m) / offline_runs[None]["tps"]
-            flops = flop_ideal(args, m, adaptive_offline["prompt_per_token"], adaptive_offline["new_per_request"])
+            flops = flop_ideal(args, adaptive_offline["mean_iterations"], adaptive_offline["prompt_per_token"],
+                               adaptive_offline["new_per_request"])
             measured = ", ".join(f"depth {k}: {v['tps']:.1f} tok/s" for k, v in sorted(depths.items()))
-            print(f"depth ceiling: offline fixed depth {m:.2f} (prompt at r) is {ceiling:.2f}x offline fixed r "
-                  f"({measured}); FLOP ideal {flops:.2f}x", flush=True)
+            print(f"depth ceiling: offline decoding at a fixed depth of {m:.2f} (the adaptive decode's mean; prompt "
+                  f"and first token at r) is {ceiling:.2f}x offline fixed r ({measured}); FLOP ideal {flops:.2f}x",
+                  flush=True)
             for static in statics:
                 for where, k in (("served", 0), ("offline", 1)):
                     adaptive, fixed = results[args.exit_criterion, static][k], results[None, static][k]
@@ -416,8 +422,9 @@ def main() -> None:
     p.add_argument("--prompt-file", help="prompts, one per line (instead of --prompt-text)")
     p.add_argument("--no-fixed", action="store_true", help="with an exit criterion: skip the fixed-r run")
     p.add_argument("--sync-every", type=int,
-                   help="steps between the batch's looks at its exit flags (the server's --exit-sync-every and "
-                        "offline generate's exit_sync_every; default theirs: 1 on the CPU, 4 on a GPU)")
+                   help="the server's --exit-sync-every and offline generate's exit_sync_every (default: "
+                        "theirs: the server looks every 4 steps; a token in lockstep, every iteration on the CPU "
+                        "and every 4 on a GPU)")
     p.add_argument("--coda-every", type=int, default=8,
                    help="steps a done row may wait for others' codas (the server's --coda-every)")
     p.add_argument("--prefill-chunk", type=int, default=256,

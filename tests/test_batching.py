@@ -308,6 +308,44 @@ def test_the_fused_iterations_compile_to_one_graph_per_count(model, monkeypatch)
     assert len(counts) > 5 and len(graphs) == len(set(counts)) <= 4   # counts 2, 4 and 8
 
 
+def test_a_row_found_done_stops_computing_before_the_look(model, monkeypatch):
+    """Eagerly on the CPU, where reading the exit flags waits for nothing, a row whose token is done leaves
+    the core's calls at the next step, not at the host's next look (every 4 steps here); it still waits
+    for that look, so every token comes at the same step as when it rode along frozen."""
+    step = model.step
+    depths = (12, 11, 12)   # two depth settings: no lockstep, one iteration a step
+    configs = [GenerationConfig(num_steps=r, max_new_tokens=6, exit_criterion="kl", exit_threshold=3e-3)
+               for r in depths]
+
+    def run(peek: bool) -> tuple[list, int]:
+        tokens_run = []
+
+        def counting_step(state, *args, **kwargs):
+            tokens_run.append(state.shape[0] * state.shape[1])
+            return step(state, *args, **kwargs)
+
+        batch = ContinuousBatch(model, max_batch=3, max_length=32, num_slots=12, sync_every=4, coda_every=2)
+        if not peek:
+            monkeypatch.setattr(batch, "_computing", lambda iterating: iterating)
+        ids = [batch.add(p, c) for p, c in zip(([5, 17, 99], [250, 11], [1, 2, 3, 4]), configs)]
+        monkeypatch.setattr(model, "step", counting_step)
+        timeline, n = [], 0
+        while batch.busy:
+            n += 1
+            timeline += [(n, ids.index(e.request), e.token, e.steps, e.finish_reason) for e in batch.step()]
+        monkeypatch.setattr(model, "step", step)
+        decoded = sum(e[3] for e in timeline) - sum(depths)   # the first tokens come from the prompts
+        return timeline, sum(tokens_run), decoded
+
+    (timeline, run_peek, decoded), (riding, run_riding, _) = run(True), run(False)
+    assert timeline == riding            # the same tokens, iterations and finish reasons, at the same steps
+    assert run_riding > run_peek         # done rows iterated on until the look
+    # the core ran the prompts' iterations (admitted together, prefilled in one chunk per depth, each padded
+    # to its longest prompt: 2 x 4 tokens at 12, 1 x 2 at 11) and exactly the iterations the tokens used
+    assert run_peek == 2 * 4 * 12 + 1 * 2 * 11 + decoded
+    assert len({e[3] for e in timeline if e[3] not in depths}) > 1   # tokens exited at different depths
+
+
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("config", [
     CONFIGS[0], CONFIGS[1], CONFIGS[3],

@@ -56,9 +56,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-every", type=int, default=1,
                    help="evaluate the exit criterion every n iterations (1: after each, as in the paper)")
     g.add_argument("--exit-sync-every", type=int, default=None,
-                   help="the host reads exit flags every n iterations (speed only, never the tokens); in "
-                        "rdlm serve, every n steps of the batch (rows found done then leave its calls); "
-                        "default 1 on the CPU, 4 on a GPU")
+                   help="the host reads exit flags every n iterations (speed only, never the tokens; default "
+                        "1 on the CPU, 4 on a GPU); in rdlm serve also every n steps of the batch (rows found "
+                        "done then leave its calls; default 4)")
     g.add_argument("--max-latent-iterations", type=int,
                    help="depth budget: most core iterations for all of a response's tokens (at least 1 each)")
     g.add_argument("--target-mean-iterations", type=float,

@@ -26,9 +26,9 @@ How often to look and to run the coda is a trade: the coda and the head cost abo
 as for a batch of them (on a CPU their weights are read once per call) and on a GPU a look is a host
 sync, so doing both every step spends them on one or two rows at a time; every few steps pays them once
 for many rows, at the cost of a done row waiting a few steps, still iterating frozen
-(`benchmarks/bench_serve.py` measures it). By default the batch looks every step on the CPU, where a
-look waits for nothing, and every 4 on a GPU; `rdlm serve` lets a row wait up to 8 steps for its coda.
-Neither changes any token, only cost and latency.
+(`benchmarks/bench_serve.py` measures it; `rdlm serve` looks every 4 steps and lets a row wait up to 8).
+Looking every few steps also keeps rows that finish together in step, so their next tokens can run in
+lockstep. Neither changes any token, only cost and latency.
 
 When every request in a row starts its token at the same step with the same depth settings and nothing
 waits to join (`generate`'s batch, or a server's rows that happen to go together), the token runs in
@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion
-from rdlm.inference.graphs import PhaseTimes, StaticSteps, resolve_compile, resolve_sync_every, sync
+from rdlm.inference.graphs import PhaseTimes, StaticSteps, resolve_compile, sync
 from rdlm.inference.lockstep import Lockstep, LockstepTokens
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
 from rdlm.inference.prefill import PromptChunk
@@ -98,13 +98,12 @@ class ContinuousBatch(LockstepTokens, Engine):
     """
 
     def __init__(self, model: RecurrentDepthLM, max_batch: int = 8, max_length: int | None = None,
-                 num_slots: int = 32, decode: Decode | None = None, sync_every: int | None = None,
+                 num_slots: int = 32, decode: Decode | None = None, sync_every: int = 1,
                  prefill_chunk: int = 256, coda_every: int = 1, profile: bool = False,
                  compile: bool | None = None) -> None:
         c = model.config
         param = next(model.parameters())
         max_length = c.context_length if max_length is None else max_length
-        sync_every = resolve_sync_every(sync_every, param.device)
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
                             ("sync_every", sync_every), ("prefill_chunk", prefill_chunk),
                             ("coda_every", coda_every)):
@@ -139,7 +138,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         self.decoding = torch.zeros_like(self.done)
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0             # core iterations run several to a call (`_iterate_fused`)
-        self.lockstep = Lockstep(self.runner, self.static_steps.static, sync_every)  # `_token`
+        self.lockstep = Lockstep(self.runner, self.static_steps.static)  # `_token`
         self.waiting: deque[_Request] = deque()
         self.rows: list[_Request | None] = [None] * max_batch
         self.ids = itertools.count()
@@ -227,8 +226,9 @@ class ContinuousBatch(LockstepTokens, Engine):
                     self.steps_run += 1
                     return events
             iterating = [q for q in self.active if q.iterating]
-            if iterating or self.chunks:
-                self._iterate(iterating)
+            computing = self._computing(iterating)
+            if computing or self.chunks:
+                self._iterate(computing)
             if self.chunks:
                 with self.phases.timed("prompt coda and first token"):
                     self._end_chunks(events)
@@ -244,6 +244,18 @@ class ContinuousBatch(LockstepTokens, Engine):
                 with self.phases.timed("coda and sampling"):
                     self._finish(ready, events)
         return events
+
+    def _computing(self, iterating: list[_Request]) -> list[_Request]:
+        """The iterating rows the next core call computes. A row found done on the device since the host last
+        looked is frozen: on the static path (and on a GPU, where reading the flags would wait for the queued
+        work) it rides along; eagerly on the CPU, where the read waits for nothing, it leaves the call at
+        once. It stays `iterating` until the host's look, so its coda comes when it would have anyway and
+        rows that finish close together still restart together."""
+        if (self.since_look == 0 or self.device.type != "cpu" or self.static_steps.static
+                or not any(q.criterion is not None and not q.criterion.spec.exact for q in iterating)):
+            return iterating
+        done = self.done.tolist()
+        return [q for q in iterating if not done[q.row]]
 
     def _coda_due(self, ready: list[_Request]) -> bool:
         """Whether the rows whose token is done run their coda now: once one has waited `coda_every` - 1

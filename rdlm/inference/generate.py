@@ -43,7 +43,7 @@ from torch import Tensor
 
 from rdlm.inference.batching import ContinuousBatch
 from rdlm.inference.engine import Session, check_generation_time
-from rdlm.inference.graphs import sync
+from rdlm.inference.graphs import resolve_sync_every, sync
 from rdlm.inference.params import (Decode, Engine, GenerationConfig, GenerationResult, TokenEvent, check_length,
                                   check_prompts, cut_at_stop)
 from rdlm.inference.sampling import sample
@@ -108,9 +108,11 @@ def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: Generatio
     longest = max(map(len, prompts))
     check_length(model, longest, config.max_new_tokens)
     # Refused before the cache is allocated: a job that would not end in any reasonable time.
-    check_generation_time(model.config, next(model.parameters()).device, len(prompts), longest, config)
+    device = next(model.parameters()).device
+    check_generation_time(model.config, device, len(prompts), longest, config)
     return ContinuousBatch(model, max_batch=len(prompts), max_length=longest + config.max_new_tokens,
-                           num_slots=config.core_slots, decode=decode, sync_every=config.exit_sync_every,
+                           num_slots=config.core_slots, decode=decode,
+                           sync_every=resolve_sync_every(config.exit_sync_every, device),
                            prefill_chunk=longest, compile=config.compile)
 
 

@@ -8,10 +8,12 @@ bookkeeping between them:
 - fixed r: the r iterations in one call of the runner (on CUDA a static step: one CUDA graph);
 - adaptive r (paper section 6.1): the exit criterion is evaluated on the device after each iteration
   (or every `exit_every`); a row that exited keeps its state and stops writing core cache entries. The
-  host reads the exit flags every `sync_every` iterations; the rows that exited then leave the calls
-  (the core's matmuls run on the rows still iterating only), so a batch's tokens/s rises with the
-  iterations its exits save. While no row has exited, chunks of `sync_every` iterations run as static
-  steps over the whole batch (CUDA graphs on CUDA). When to look changes no result, only the cost.
+  host reads the exit flags every `exit_sync_every` iterations (by default every iteration on the CPU,
+  where a look waits for nothing, and every 4 on a GPU, where it drains the queued work); the rows that
+  exited then leave the calls (the core's matmuls run on the rows still iterating only), so a batch's
+  tokens/s rises with the iterations its exits save. While no row has exited, chunks of
+  `exit_sync_every` iterations run as static steps over the whole batch (CUDA graphs on CUDA). When to
+  look changes no result, only the cost.
 
 The prelude before and the coda after are the batch's own (`ContinuousBatch._start`, `_coda`), so a row
 gives the same tokens whether its token ran in lockstep or one iteration per step.
@@ -27,7 +29,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion, ExitTrack, iterate_with_exits
-from rdlm.inference.graphs import StaticSteps
+from rdlm.inference.graphs import StaticSteps, resolve_sync_every
 from rdlm.inference.params import BatchEvent, GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner
 
@@ -67,11 +69,12 @@ class Rows:
 
 class Lockstep:
     """Runs the core iterations of lockstep tokens over a runner (see the module doc): as static steps when
-    `static` (CUDA graphs on CUDA, kept in `static_steps`), else eagerly; `sync_every`: iterations between
-    two looks at the exit flags."""
+    `static` (CUDA graphs on CUDA, kept in `static_steps`), else eagerly. The host looks at the exit flags
+    every `exit_sync_every` iterations of the token's config (`resolve_sync_every`: by default after every
+    iteration on the CPU, every 4 on a GPU)."""
 
-    def __init__(self, runner: ModelRunner, static: bool, sync_every: int) -> None:
-        self.runner, self.sync_every = runner, sync_every
+    def __init__(self, runner: ModelRunner, static: bool) -> None:
+        self.runner = runner
         self.static_steps = StaticSteps(runner.device, static)
 
     def _run(self, key: tuple, body: Callable[[], tuple], idempotent: bool = True) -> tuple:
@@ -100,9 +103,10 @@ class Lockstep:
         if criterion.spec.exact:  # every row runs every iteration: one chunk, the exit only selects
             return self.exact(config, criterion, rows)
         final, steps = rows.state.clone(), rows.steps.clone()
+        every = resolve_sync_every(config.exit_sync_every, self.runner.device)
         i, compact = 0, False
         while i < r:
-            n = min(self.sync_every, r - i)
+            n = min(every, r - i)
             if compact:
                 rows = self.iterate(config, criterion, rows, i, n, idle)
             else:

@@ -56,9 +56,8 @@ class ServeConfig:
     num_slots: int = 32                 # core cache slots per token: the largest r without a cache budget
     prefill_chunk: int = 256            # prompt token-iterations per step (and the longest chunk of a prompt)
     coda_every: int = 8                 # steps a done row may wait for others to run the coda with
-    sync_every: int | None = None       # steps between the batch's looks at the exit flags (rows found done
-                                        # then leave its calls: rdlm.inference.batching); None: 1 on the
-                                        # CPU, 4 on an accelerator
+    sync_every: int = 4                 # steps between the batch's looks at the exit flags (rows found done
+                                        # then leave its calls: rdlm.inference.batching)
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
     retry_after: int = 1                # seconds, in the Retry-After of a 503
     api_key: str | None = None          # when set, /v1/ requests need "Authorization: Bearer <api_key>"
