@@ -15,9 +15,10 @@ its last token. Every `ContinuousBatch.step()`:
    although the rows are at different tokens and iterations, with different r, exit criteria, cache
    budgets and sampling;
 4. evaluates each row's exit criterion on the device (rdlm.inference.row_exits): a row whose token is
-   done (exit, or r iterations) is frozen there (its state kept, no more core cache writes). Every `sync_every` steps
-   the host looks at the exit flags (one read; at once when a row reaches its cap) and the rows found
-   done leave the core's calls; they run the coda together once one of them has waited `coda_every` - 1
+   done (exit, or r iterations) is frozen there (its state kept, no more core cache writes; eagerly on the
+   CPU, where reading the flags waits for nothing, it also leaves the core's calls at the next step). Every
+   `sync_every` steps the host looks at the exit flags (one read; at once when a row reaches its cap) and
+   the rows found done leave the core's calls; they run the coda together once one of them has waited `coda_every` - 1
    steps, or half the rows wait, or no other row can be done before then, and choose their next token,
    which starts at the next step. A row that exits early goes on to its next token instead of idling
    while the others iterate, which is where adaptive depth (paper section 6.1) turns into throughput.
