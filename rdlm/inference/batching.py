@@ -15,34 +15,29 @@ its last token. Every `ContinuousBatch.step()`:
    although the rows are at different tokens and iterations, with different r, exit criteria, cache
    budgets and sampling;
 4. evaluates each row's exit criterion on the device (rdlm.inference.row_exits): a row whose token is
-   done (exit, or r iterations) is frozen there (its state kept, no more core cache writes; eagerly on the
-   CPU, where reading the flags waits for nothing, it also leaves the core's calls at the next step). Every
-   `sync_every` steps the host looks at the exit flags (one read; at once when a row reaches its cap) and
-   the rows found done leave the core's calls; they run the coda together once one of them has waited `coda_every` - 1
-   steps, or half the rows wait, or no other row can be done before then, and choose their next token,
-   which starts at the next step. A row that exits early goes on to its next token instead of idling
-   while the others iterate, which is where adaptive depth (paper section 6.1) turns into throughput.
+   done (exit, or r iterations) is frozen there (state kept, no more core cache writes; eagerly on the CPU
+   it leaves the core's calls at the next step). Every `sync_every` steps the host looks at the flags (at
+   once when a row reaches its cap); the rows found done run the coda together once one of them has
+   waited `coda_every` - 1 steps, or half the rows wait, or no other row can be done before then, and
+   choose their next token, which starts at the next step. A row that exits early goes on to its next
+   token instead of idling behind the others: adaptive depth (paper section 6.1) turned into throughput.
 
 How often to look and to run the coda is a trade: the coda and the head cost about as much for one row
-as for a batch of them (on a CPU their weights are read once per call) and on a GPU a look is a host
-sync, so doing both every step spends them on one or two rows at a time; every few steps pays them once
-for many rows, at the cost of a done row waiting a few steps, still iterating frozen
-(`benchmarks/bench_serve.py` measures it; `rdlm serve` looks every 4 steps and lets a row wait up to 8).
-Looking every few steps also keeps rows that finish together in step, so their next tokens can run in
-lockstep. Neither changes any token, only cost and latency.
+as for many (on a CPU their weights are read once per call) and on a GPU a look is a host sync; every
+few steps pays them once for many rows, and keeps rows that finish together in step (so their next
+tokens can run in lockstep), at the cost of a done row waiting a few steps (`benchmarks/bench_serve.py`
+measures it; `rdlm serve` looks every 4 steps and lets a row wait up to 8). Neither changes a token.
 
 When every request in a row starts its token at the same step with the same depth settings and nothing
 waits to join (`generate`'s batch, or a server's rows that happen to go together), the token runs in
-lockstep instead: all its core iterations in this step, then the coda (rdlm.inference.lockstep).
+lockstep: all its core iterations in this step, then the coda (rdlm.inference.lockstep).
 
-With `compile=True` (the default on CUDA) step 3 is the static step: one call of fixed shape over every
-row, its per-row index, slot and writers on the device, which CUDA captures once as a graph
-(`_step_static`; docs/inference.md, continuous batching); the prompt chunks in flight then run their
-iteration in a call of their own.
+With `compile=True` (the default on CUDA) step 3 is the static step: one fixed-shape call over every row
+(per-row index, slot and writers on the device) that CUDA captures once as a graph (`_step_static`;
+docs/inference.md); the prompt chunks in flight then run their iteration in a call of their own.
 
-A request in a busy batch gets the tokens of its prompt alone with the same `GenerationConfig`, whichever
-way its tokens are scheduled: the same s_0 table (seed, position), the same cache slots (`cache_slots` or
-one per iteration), the same exit decisions, the same per-request sampling generator.
+A request in a busy batch gets the tokens of its prompt alone with the same `GenerationConfig`, however
+its tokens are scheduled: the same s_0 table (seed, position), cache slots, exit decisions and sampler.
 """
 
 from __future__ import annotations
@@ -247,11 +242,10 @@ class ContinuousBatch(LockstepTokens, Engine):
         return events
 
     def _computing(self, iterating: list[_Request]) -> list[_Request]:
-        """The iterating rows the next core call computes. A row found done on the device since the host last
-        looked is frozen: on the static path (and on a GPU, where reading the flags would wait for the queued
-        work) it rides along; eagerly on the CPU, where the read waits for nothing, it leaves the call at
-        once. It stays `iterating` until the host's look, so its coda comes when it would have anyway and
-        rows that finish close together still restart together."""
+        """The iterating rows the next core call computes. A row done on the device since the last look rides
+        along frozen on the static path and on a GPU (where reading the flags waits for the queued work);
+        eagerly on the CPU, where the read waits for nothing, it leaves the call at once. It stays
+        `iterating` until the look, so its coda (and every token) comes at the same step either way."""
         if (self.since_look == 0 or self.device.type != "cpu" or self.static_steps.static
                 or not any(q.criterion is not None and not q.criterion.spec.exact for q in iterating)):
             return iterating
