@@ -98,13 +98,13 @@ class ContinuousBatch(LockstepTokens, Engine):
                  prefill_chunk: int = 256, coda_every: int = 1, profile: bool = False,
                  compile: bool | None = None) -> None:
         c = model.config
-        param = next(model.parameters())
         max_length = c.context_length if max_length is None else max_length
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
                             ("sync_every", sync_every), ("prefill_chunk", prefill_chunk),
                             ("coda_every", coda_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        param = next(model.parameters())
         self.model, self.decode = model.eval(), decode
         self.device, self.dtype = param.device, param.dtype
         self.max_batch, self.max_length, self.num_slots = max_batch, max_length, num_slots
