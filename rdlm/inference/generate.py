@@ -23,14 +23,15 @@ measured on huginn-tiny-bf16, 21 of 24 greedy runs of 24 tokens identical, each 
 gap of at most 0.008).
 
 Per decoded token the work is: prelude, r core iterations and the coda for one position over the
-preallocated cache, as a static step of the decode engine (rdlm/inference/engine.py: CUDA graphs on CUDA, exits
-decided on the device). Nothing is re-stacked, and no Python structure grows with the sequence except
-the list of output tokens.
+preallocated cache; while the rows go together each token runs in lockstep (rdlm.inference.lockstep: on
+CUDA as CUDA graphs, exits decided on the device). Nothing is re-stacked, and no Python structure grows
+with the sequence except the list of output tokens.
 
 `generate` is one driver over the engine interface (`Engine`, rdlm.inference.params): add every prompt
 to an engine, step it until idle, and turn its events into `TokenEvent`s and one `GenerationResult`.
-The engine is a `StaticBatch` (rdlm.inference.static: all rows in lockstep, speculative decoding, the
-parallel sampler), or a `ContinuousBatch` (rdlm.inference.batching) for a depth budget.
+The engine is the `ContinuousBatch` that `rdlm serve` runs too (rdlm.inference.batching), one row per
+prompt; self-speculative decoding, the parallel sampler and a prefill alone run on a `StaticBatch`
+(rdlm.inference.static, `decodes_as_one`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from rdlm.inference.graphs import resolve_sync_every, sync
 from rdlm.inference.params import (Decode, Engine, GenerationConfig, GenerationResult, TokenEvent, check_length,
                                   check_prompts, cut_at_stop)
 from rdlm.inference.sampling import sample
-from rdlm.inference.static import StaticBatch
+from rdlm.inference.static import StaticBatch, decodes_as_one
 from rdlm.model.lm import RecurrentDepthLM
 
 __all__ = ["Decode", "GenerationConfig", "GenerationResult", "Session", "TokenEvent", "generate", "sample", "stream"]
@@ -102,7 +103,7 @@ def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: Generatio
     and iteration by iteration under a depth budget, which each row spends at its own pace; the static
     batch (rdlm.inference.static) for self-speculative decoding, the parallel sampler, and a prefill
     with no new tokens."""
-    if config.draft_steps is not None or config.sampler != "sequential" or config.max_new_tokens == 0:
+    if decodes_as_one(config):
         return StaticBatch(model, config, decode)
     check_prompts(model, prompts)
     longest = max(map(len, prompts))

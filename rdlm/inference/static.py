@@ -22,6 +22,12 @@ from rdlm.inference.speculative import speculate
 from rdlm.model.lm import RecurrentDepthLM
 
 
+def decodes_as_one(config: GenerationConfig) -> bool:
+    """Whether a generation is the static batch's: self-speculative decoding, the parallel sampler, or a
+    prefill with no new tokens. Every other one decodes token by token on the continuous batch."""
+    return config.draft_steps is not None or config.sampler != "sequential" or config.max_new_tokens == 0
+
+
 class StaticBatch(Engine):
     """Requests decoded as one batch over one session (see the module doc)."""
 
@@ -38,7 +44,7 @@ class StaticBatch(Engine):
         if self.session is not None or config != self.config:
             raise ValueError("a static batch takes its requests, all with its own config, before its first step")
         check_request(self.model, prompt, config, self.decode)
-        if config.draft_steps is None and config.sampler == "sequential" and config.max_new_tokens > 0:
+        if not decodes_as_one(config):
             raise ValueError("a static batch runs self-speculative decoding, the parallel sampler or a prefill "
                              "alone; decode token by token on the continuous batch (rdlm.inference.batching)")
         self.prompts.append(list(prompt))
