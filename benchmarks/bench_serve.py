@@ -244,27 +244,26 @@ def flop_ideal(args, mean: float, prompt_per_token: float, new_per_request: floa
     """The adaptive speed-up if time were proportional to matmul FLOPs: every new token runs the prelude, its
     core iterations, the coda and the head; a prompt token the prelude, r iterations and the coda (its head
     only once, ignored); attention over the mean context of a request."""
-    from bench_generate import layer_flops  # this folder's
+    from bench_generate import token_flops  # this folder's
 
     c = load(args.model, args.dtype, args.device)[0].config
-    prompt = prompt_per_token * new_per_request
-    layer = layer_flops(c, prompt + new_per_request / 2)
-    core = c.core_layers * layer + (2 * (2 * c.hidden_size) * c.hidden_size if c.injection == "concat" else 0)
-    ends = (c.prelude_layers + c.coda_layers) * layer
-    head = 2 * c.hidden_size * c.vocab_size
-    prompts = prompt_per_token * (ends + args.num_steps * core)
-    return (ends + head + args.num_steps * core + prompts) / (ends + head + mean * core + prompts)
+    context = prompt_per_token * new_per_request + new_per_request / 2
+    new = lambda iterations: token_flops(c, iterations, 1, context)  # noqa: E731
+    prompts = prompt_per_token * (new(args.num_steps) - 2 * c.hidden_size * c.vocab_size)  # no head
+    return (new(args.num_steps) + prompts) / (new(mean) + prompts)
 
 
 def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, static: bool) -> dict:
     """The server's batch in this process, without HTTP: 2 x `batch` requests run until idle, with the
     seconds of each phase of a step (ContinuousBatch(profile=True)) and what is left (host bookkeeping)."""
     from rdlm.inference.batching import ContinuousBatch
+    from rdlm.inference.serve import ServeConfig
 
     model, tok = load(args.model, args.dtype, args.device)
     config = generation_config(args, tok, exit_criterion)
-    # the server's batch: it looks every 4 steps unless --sync-every says otherwise (ServeConfig.sync_every)
-    engine = ContinuousBatch(model, batch, args.max_length, max(args.num_steps, 32), sync_every=args.sync_every or 4,
+    # the server's batch: its looks at the exit flags as `rdlm serve` makes them
+    engine = ContinuousBatch(model, batch, args.max_length, max(args.num_steps, 32),
+                             sync_every=args.sync_every or ServeConfig.sync_every,
                              coda_every=args.coda_every, prefill_chunk=args.prefill_chunk, profile=True,
                              compile=static)
     for k in range(2 * batch):
