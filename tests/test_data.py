@@ -243,3 +243,30 @@ def test_non_utf8_jsonl_is_refused_naming_the_file_and_line(tmp_path):
     (tmp_path / "x.jsonl").write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(DataError, match="x.jsonl:2: not valid UTF-8"):
         list(read_jsonl(tmp_path / "x.jsonl", DataError))
+
+
+def test_trimmed_rows_end_at_the_last_supervised_column_and_train_the_same():
+    from rdlm.data.shards import make_batch
+    from rdlm.model.config import RDLMConfig
+    from rdlm.model.lm import RecurrentDepthLM
+
+    tokens = torch.zeros(4, 10, dtype=torch.long)
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    for i, length in enumerate((3, 5, 4, 9)):
+        tokens[i, :length] = torch.arange(1, length + 1)
+        mask[i, 1:length] = True
+    full, trimmed = MemoryRows(tokens, mask), MemoryRows(tokens, mask, trim=True)
+    assert trimmed.rows(np.array([0, 2]))[0].shape == (2, 4)     # rows of 3 and 4 tokens: 4 columns
+    assert trimmed.rows(np.array([3]))[0].shape == (1, 9)
+    model = RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
+    index = np.array([0, 1, 2])
+    a, b = make_batch(*full.rows(index)), make_batch(*trimmed.rows(index))
+    assert b.input_ids.shape[1] == 4 and a.num_targets == b.num_targets
+    with torch.no_grad():  # causal: the padding after the last label changes no loss
+        la = model(a.input_ids, num_steps=2, labels=a.labels, init_scale=0.0).loss
+        lb = model(b.input_ids, num_steps=2, labels=b.labels, init_scale=0.0).loss
+    torch.testing.assert_close(la, lb)
+    with pytest.raises(DataError, match="trim needs a loss mask"):
+        MemoryRows(tokens, trim=True)
+    in_order = Batches(full, 2, shuffle=False)
+    assert in_order.indices(in_order.positions(1, 0, 0)).tolist() == [2, 3]

@@ -47,7 +47,11 @@ def test_smoke_run_writes_a_complete_report(tmp_path, capsys):
     assert [int(d) for d in splits["harder"]["per_difficulty"]] == list(T.TASKS["permutations"].harder_difficulties)
     assert sum(splits["test"]["per_difficulty"].values()) == 12
     ex = results["adaptive_exits"]
-    assert ex["threshold"] in (1e-2, 1e-4) and len(ex["validation_sweep"]) == 2
+    # Loosest first, stopping at the first threshold within tolerance (no stricter one can be chosen).
+    assert [row["threshold"] for row in ex["validation_sweep"]] == [1e-2, 1e-4][:len(ex["validation_sweep"])]
+    assert ex["threshold"] == ex["validation_sweep"][-1]["threshold"]
+    assert all(row["accuracy"] < ex["validation_fixed_accuracy"] - cfg.exit_tolerance
+               for row in ex["validation_sweep"][:-1])
     assert 1 <= ex["test_answer_steps"] <= 4
     assert all({"claim", "value", "op", "bound", "margin", "holds"} <= set(c) for c in results["checks"])
     model = load_pretrained(tmp_path / "model")
@@ -240,6 +244,14 @@ def test_bad_demo_config_is_rejected_with_the_field_named():
         DemoConfig(workers=-1)
     with pytest.raises(ValueError, match="cooldown_fraction"):
         DemoConfig(cooldown_fraction=1.5)
+    with pytest.raises(ValueError, match="optimizer must be adamw or muon"):
+        DemoConfig(optimizer="sgd")
+    with pytest.raises(ValueError, match="curriculum_fraction"):
+        DemoConfig(curriculum_fraction=2.0)
+    with pytest.raises(ValueError, match=r"curriculum_start must be 1 to 19 \(the permutations task's"):
+        DemoConfig(curriculum_start=20)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        DemoConfig(warmup_steps=-1)
     for sigma in (-0.1, float("nan"), 4.0, "1.0", True):
         with pytest.raises(ValueError, match="recurrence_sigma must be in"):
             DemoConfig(recurrence_sigma=sigma)
@@ -252,6 +264,8 @@ def test_bad_demo_config_is_rejected_with_the_field_named():
     (["--hidden-size", "7"], "hidden_size (7) must be divisible by num_heads (4)"),
     (["--recurrence-sigma", "-1"], "recurrence_sigma must be in [0, 3], got -1.0"),
     (["--out", "/proc/forbidden"], "cannot write the report directory '/proc/forbidden'"),
+    (["--curriculum-fraction", "1.5"], "curriculum_fraction must be in [0, 1], got 1.5"),
+    (["--muon-lr", "0"], "muon_lr must be a positive number, got 0.0"),
 ])
 def test_cli_rejects_a_bad_option_before_any_work(argv, message, capsys):
     start = time.perf_counter()
@@ -296,9 +310,10 @@ def tiny_demo_model():
     return RecurrentDepthLM(model_config(cfg, tok.vocab_size, 256)).eval(), tok
 
 
-# Seeds of the slow test: a representative subset of the five in the README (RDLM_DEMO_SEEDS=0,1,2,3,4
-# runs them all, about 5 minutes each on a 2-core AMD EPYC (Zen 5, on its AVX-512 kernels; 294-306 s measured).
-SLOW_SEEDS = [int(s) for s in os.environ.get("RDLM_DEMO_SEEDS", "0,3").split(",")]
+# Seeds of the slow test: two that chose nothing in the design (seeds 0-10 did; README, Demo), fixed before
+# any of them ran. RDLM_DEMO_SEEDS=100,101,... runs others; about 6 minutes each on a 2-core machine
+# (`benchmarks/demo_seeds.py` runs many and tabulates them).
+SLOW_SEEDS = [int(s) for s in os.environ.get("RDLM_DEMO_SEEDS", "100,101").split(",")]
 
 
 @pytest.mark.slow
@@ -350,3 +365,36 @@ def test_the_code_variant_reports_perplexity_against_r_and_saves_a_loadable_mode
     assert (tmp_path / "code" / "perplexity_vs_r.png").is_file()
     model = load_pretrained(tmp_path / "code" / "model")
     assert model.config.vocab_size == 300 and (tmp_path / "code" / "model" / "tokenizer.json").is_file()
+
+
+def test_training_takes_the_curriculum_in_order_with_muon(monkeypatch):
+    """The default recipe: Muon for the matrices, the rows in the curriculum's order (no shuffle), and
+    every model of the comparison trained the same way."""
+    import rdlm.train
+    from rdlm.demo.config import model_config
+    from rdlm.demo.jobs import train_model
+    from rdlm.demo.run import task_rows
+
+    seen = []
+    real_train = rdlm.train.train
+
+    def spy(tc, **kwargs):
+        seen.append((tc, kwargs["train_data"]))
+        return real_train(tc, **kwargs)
+
+    monkeypatch.setattr(rdlm.train, "train", spy)
+    cfg = DemoConfig(steps=40, batch_size=8, hidden_size=32, num_heads=2, mean_recurrence=2, backprop_depth=1,
+                     progress=False)
+    tok = T.CharTokenizer()
+    splits = T.make_splits("permutations", cfg.steps * cfg.batch_size, 4, cfg.seed, cfg.curriculum_fraction,
+                           cfg.curriculum_start)
+    rows = task_rows(splits["train"], tok)
+    for kind in ("recurrent", "depth_matched"):
+        train_model(cfg, model_config(cfg, tok.vocab_size, 64, kind), rows, kind)
+    for tc, data in seen:
+        assert (tc.optimizer, tc.shuffle, tc.lr, tc.muon_lr) == ("muon", False, cfg.lr, cfg.muon_lr)
+        assert data is rows and rows.trim
+    # The first batch is the curriculum's first rows: the easiest words, and a batch as long as they need.
+    first = rows.rows(list(range(cfg.batch_size)))[0]
+    assert max(ex.difficulty for ex in splits["train"][:cfg.batch_size]) <= 4
+    assert first.shape[1] <= len("0:abcd?=0\n") < rows.row_length

@@ -162,3 +162,31 @@ def test_stdlib_corpus_is_split_by_document_and_tokenizes_losslessly():
     text = val[0][:2000]
     assert tok.decode(tok.encode(text)) == text
     assert len(tok.encode(text)) < len(text.encode())  # BPE merges compress code
+
+
+def test_a_curriculum_takes_in_harder_difficulties_in_order_then_all():
+    allowed = T.curriculum(range(2, 21), 1000, ramp=0.5, start=3)
+    assert list(allowed(0)) == [2, 3, 4]
+    widths = [len(allowed(i)) for i in range(1000)]
+    assert widths == sorted(widths)                              # never narrower again
+    assert widths[499] == 19 and set(widths[500:]) == {19}       # all 19 difficulties from half-way on
+    assert sorted(set(widths)) == list(range(3, 20))             # one more at a time
+    assert list(T.curriculum(range(2, 21), 1000, ramp=0.0, start=3)(0)) == list(range(2, 21))
+    for ramp, start, message in [(1.5, 3, "ramp"), (-0.1, 3, "ramp"), (0.5, 0, "start with 1 to 19"),
+                                 (0.5, 20, "start with 1 to 19")]:
+        with pytest.raises(ValueError, match=message):
+            T.curriculum(range(2, 21), 1000, ramp, start)
+
+
+def test_curriculum_splits_order_training_easiest_first_and_leave_evaluation_alone():
+    plain = T.make_splits("permutations", 2000, 40, seed=3)
+    ramped = T.make_splits("permutations", 2000, 40, seed=3, ramp=0.5, start=3)
+    for split in T.EVAL_SPLITS:                                  # the same prompts to score on
+        assert [ex.prompt for ex in ramped[split]] == [ex.prompt for ex in plain[split]]
+    reserved = {ex.prompt for split in T.EVAL_SPLITS for ex in ramped[split]}
+    train = ramped["train"]
+    assert not reserved & {ex.prompt for ex in train}
+    assert max(ex.difficulty for ex in train[:50]) == 4          # the first rows: 2-4 moves only
+    firsts = [min(i for i, ex in enumerate(train) if ex.difficulty == d) for d in range(5, 21)]
+    assert firsts == sorted(firsts) and firsts[-1] < 1000        # longer words come in later, all by half-way
+    assert {ex.difficulty for ex in train[1000:]} == set(range(2, 21))

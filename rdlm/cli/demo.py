@@ -49,6 +49,15 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--cooldown-fraction", type=float, default=d.cooldown_fraction,
                    help="last fraction of the steps over which the learning rate decays linearly to 0 (0: constant)")
+    p.add_argument("--optimizer", default=d.optimizer, choices=("adamw", "muon"),
+                   help="adamw, or muon: Muon for the blocks' weight matrices and AdamW for the rest")
+    p.add_argument("--muon-lr", type=float, default=d.muon_lr, help="peak learning rate of the Muon matrices")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up of the learning rate")
+    p.add_argument("--curriculum-fraction", type=float, default=d.curriculum_fraction,
+                   help="fraction of the steps over which training takes in harder problems, easiest first "
+                        "(0: every difficulty from the start)")
+    p.add_argument("--curriculum-start", type=int, default=d.curriculum_start,
+                   help="how many of the easiest difficulties the curriculum starts with")
     p.add_argument("--hidden-size", type=int, default=d.hidden_size, help="model width h")
     p.add_argument("--num-heads", type=int, default=d.num_heads, help="attention heads")
     p.add_argument("--layers", type=_ints, default=d.layers, help="prelude,core,coda layers")
@@ -88,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else FULL_STEPS if args.full else d.steps
     num_steps = args.num_steps if args.num_steps is not None else FULL_NUM_STEPS if args.full else d.eval_num_steps
     cfg = DemoConfig(task=args.task, out_dir=args.out, seed=args.seed, steps=steps, batch_size=args.batch_size,
-                     lr=args.lr, cooldown_fraction=args.cooldown_fraction, hidden_size=args.hidden_size,
+                     lr=args.lr, optimizer=args.optimizer, muon_lr=args.muon_lr, cooldown_fraction=args.cooldown_fraction, warmup_steps=args.warmup_steps,
+                     curriculum_fraction=args.curriculum_fraction, curriculum_start=args.curriculum_start, hidden_size=args.hidden_size,
                      num_heads=args.num_heads, layers=args.layers,
                      mean_recurrence=args.mean_recurrence,
                      recurrence_sigma=args.recurrence_sigma, backprop_depth=args.backprop_depth,

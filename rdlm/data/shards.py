@@ -74,7 +74,9 @@ def _tensor(values) -> Tensor:
 class MemoryRows:
     def __init__(self, tokens: Tensor | np.ndarray | Sequence[Sequence[int]],
                  loss_mask: Tensor | np.ndarray | None = None,
-                 targets: Tensor | np.ndarray | None = None) -> None:
+                 targets: Tensor | np.ndarray | None = None, trim: bool = False) -> None:
+        """`trim` (with a loss mask): a batch of rows ends at its last supervised column, so short rows of
+        right-padded data cost what they need (the model is causal: earlier positions are the same)."""
         tokens = _tensor(tokens)
         if tokens.ndim != 2 or tokens.shape[1] < 2:
             raise DataError(f"rows must be a 2-d array [rows, length >= 2], got shape {tuple(tokens.shape)}")
@@ -89,6 +91,9 @@ class MemoryRows:
         # next input token, e.g. the intermediate state of a reasoning task that the input never shows.
         targets = self._like_tokens(targets, "targets")
         self.targets = None if targets is None else targets.long()
+        if trim and self.loss_mask is None:
+            raise DataError("trim needs a loss mask: it cuts the columns after the last supervised one")
+        self.trim = trim
 
     def _like_tokens(self, values: Tensor | np.ndarray | None, name: str) -> Tensor | None:
         if values is None:
@@ -134,7 +139,12 @@ class MemoryRows:
     def rows(self, indices: np.ndarray) -> tuple[Tensor, ...]:
         index = torch.as_tensor(indices, dtype=torch.long)
         rows = self.tokens[index], None if self.loss_mask is None else self.loss_mask[index]
-        return rows if self.targets is None else (*rows, self.targets[index])
+        rows = rows if self.targets is None else (*rows, self.targets[index])
+        if self.trim:
+            used = rows[1].any(dim=0).nonzero()
+            end = max(2, int(used[-1]) + 1 if len(used) else 2)
+            rows = tuple(None if r is None else r[:, :end] for r in rows)
+        return rows
 
     def max_token_id(self) -> int:
         return int(self.tokens.max() if self.targets is None else max(self.tokens.max(), self.targets.max()))

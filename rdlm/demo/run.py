@@ -80,7 +80,7 @@ def task_rows(examples: Sequence[T.Example], tokenizer: T.CharTokenizer):
         tokens[i, :len(ids)] = torch.tensor(ids)
         mask[i, :len(ids)] = torch.tensor(target)
         targets[i, :len(ids)] = torch.tensor(target_ids)
-    return MemoryRows(tokens, mask, targets)
+    return MemoryRows(tokens, mask, targets, trim=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,7 +130,8 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     start, cpu_start, load_start = time.perf_counter(), _cpu_seconds(), _load()
     family = T.get_task(cfg.task)
     tokenizer = T.CharTokenizer()
-    splits = T.make_splits(family, cfg.steps * cfg.batch_size, cfg.eval_examples, cfg.seed)
+    splits = T.make_splits(family, cfg.steps * cfg.batch_size, cfg.eval_examples, cfg.seed,
+                           cfg.curriculum_fraction, cfg.curriculum_start)
     train_examples = splits.pop("train")
     split_info = {"train": T.describe_split(train_examples)} | {k: T.describe_split(v) for k, v in splits.items()}
     rows = task_rows(train_examples, tokenizer)
@@ -251,7 +252,8 @@ def summarize(cfg, family, models, tables, exits, histories, split_info) -> dict
         "parameters": {kind: m.num_parameters() for kind, m in models.items()},
         "selection": {"best_r": "highest validation accuracy (decoded exact match), smallest r on ties",
                       "exit_threshold": f"loosest of {list(cfg.exit_thresholds)} whose validation accuracy is "
-                                        f">= fixed r={cfg.exit_max_steps} minus {cfg.exit_tolerance}"},
+                                        f">= fixed r={cfg.exit_max_steps} minus {cfg.exit_tolerance} (tried loosest "
+                                        f"first; the sweep stops there)"},
         "recurrent": tables["recurrent"], "fixed_depth_twin": tables.get("twin"),
         "depth_matched": tables.get("depth_matched"),
         "adaptive_exits": exits,

@@ -134,9 +134,11 @@ def adaptive_exits(model: RecurrentDepthLM, splits: dict[str, list[T.Example]], 
     """Per-token adaptive exits through rdlm.inference.generate (paper section 6.1), threshold chosen on validation.
 
     Rule: of `cfg.exit_thresholds`, the loosest (fewest iterations) whose validation accuracy is at least
-    the fixed-r validation accuracy minus `cfg.exit_tolerance`; the strictest if none is. Test is then
-    decoded once at that threshold. `fixed` is the accuracy at r = exit_max_steps per split.
-    Returns the summary and the answer tokens' iterations on test (for the histogram).
+    the fixed-r validation accuracy minus `cfg.exit_tolerance`; the strictest if none is. The thresholds
+    are tried loosest first and the sweep stops at the first one within tolerance, since no stricter one
+    can be chosen. Test is then decoded once at that threshold. `fixed` is the accuracy at
+    r = exit_max_steps per split. Returns the summary and the answer tokens' iterations on test (for the
+    histogram).
     """
     sweep = []
     for threshold in sorted(cfg.exit_thresholds, reverse=True):
@@ -144,6 +146,8 @@ def adaptive_exits(model: RecurrentDepthLM, splits: dict[str, list[T.Example]], 
                            cfg.seed, cfg.exit_criterion, threshold)
         sweep.append({"threshold": threshold, "accuracy": d.accuracy,
                       "answer_steps": d.mean_answer_steps, "decoded_steps": d.mean_decoded_steps})
+        if d.accuracy >= fixed["validation"] - cfg.exit_tolerance:
+            break
     chosen = choose_exit_threshold(sweep, fixed["validation"], cfg.exit_tolerance)
     test = decode_answers(model, splits["test"], tokenizer, cfg.exit_max_steps, cfg.eval_batch_size, cfg.seed,
                           cfg.exit_criterion, chosen["threshold"])

@@ -204,28 +204,32 @@ MAX_TRIES = 1000  # draws per example before a split gives up on avoiding the re
 
 
 def generate(task: str | TaskFamily, n: int, seed: int, split: str = "train",
-             difficulties: Sequence[int] | None = None, exclude: Iterable[str] = (),
-             stratified: bool = False) -> list[Example]:
+             difficulties: Sequence[int] | Callable[[int], Sequence[int]] | None = None,
+             exclude: Iterable[str] = (), stratified: bool = False) -> list[Example]:
     """`n` examples of a split, none of whose prompts is in `exclude` (a set of prompts).
 
     Difficulties come from `difficulties` (default: the split's range, `harder_difficulties` for
-    "harder"): drawn uniformly per example, or with `stratified` in equal numbers (the first ones get
-    one more when `n` does not divide). A reserved prompt is redrawn at the same difficulty, so the mix
-    of difficulties never depends on what is reserved; a difficulty with too few free prompts raises.
+    "harder"), or from `difficulties(i)` for example `i` (a curriculum, see `curriculum`): drawn
+    uniformly per example, or with `stratified` in equal numbers (the first ones get one more when `n`
+    does not divide). A reserved prompt is redrawn at the same difficulty, so the mix of difficulties
+    never depends on what is reserved; a difficulty with too few free prompts raises.
     """
     family = get_task(task) if isinstance(task, str) else task
     if split not in SPLIT_OFFSETS:
         raise ValueError(f"unknown split {split!r}; available: {', '.join(SPLIT_OFFSETS)}")
     if difficulties is None:
         difficulties = family.harder_difficulties if split == "harder" else family.train_difficulties
-    difficulties = list(difficulties)
-    if not difficulties:
-        raise ValueError("difficulties must not be empty")
+    allowed = difficulties if callable(difficulties) else (lambda i, fixed=list(difficulties): fixed)
+    if stratified and callable(difficulties):
+        raise ValueError("a stratified split has one range of difficulties, not a curriculum")
     exclude = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
     rng = random.Random(seed + SPLIT_OFFSETS[split])
     examples = []
     for i in range(n):
-        d = difficulties[i % len(difficulties)] if stratified else rng.choice(difficulties)
+        choices = allowed(i)
+        if not choices:
+            raise ValueError("difficulties must not be empty")
+        d = choices[i % len(choices)] if stratified else rng.choice(choices)
         for _ in range(MAX_TRIES):
             ex = family.make(rng, d)
             if ex.prompt not in exclude:
@@ -239,18 +243,43 @@ def generate(task: str | TaskFamily, n: int, seed: int, split: str = "train",
     return examples
 
 
-def make_splits(task: str | TaskFamily, n_train: int, n_eval: int, seed: int) -> dict[str, list[Example]]:
-    """Validation, test, harder (`n_eval` each, difficulties in equal numbers) and train (`n_train`).
+def curriculum(difficulties: Sequence[int], n: int, ramp: float, start: int) -> Callable[[int], Sequence[int]]:
+    """The difficulties example `i` of `n` training examples may draw, easiest first: the first `start`
+    of `difficulties` at first, one more at each of `len - start` even steps over the first `ramp`
+    fraction of the examples, then all of them (`ramp` 0: all of them from the start). Examples are consumed in order,
+    so the hardest words come in as training goes on."""
+    difficulties = sorted(difficulties)
+    if not 0 <= ramp <= 1:
+        raise ValueError(f"the curriculum's ramp must be a fraction in [0, 1], got {ramp!r}")
+    if not 1 <= start <= len(difficulties):
+        raise ValueError(f"the curriculum must start with 1 to {len(difficulties)} difficulties, got {start!r}")
+    ramped = max(1, round(ramp * n))
+    extra = len(difficulties) - start
+
+    def allowed(i: int) -> Sequence[int]:
+        if ramp == 0 or i >= ramped:
+            return difficulties
+        return difficulties[:min(len(difficulties), start + (extra + 1) * i // ramped)]
+
+    return allowed
+
+
+def make_splits(task: str | TaskFamily, n_train: int, n_eval: int, seed: int, ramp: float = 0.0,
+                start: int = 1) -> dict[str, list[Example]]:
+    """Validation, test, harder (`n_eval` each, difficulties in equal numbers) and train (`n_train`;
+    with `ramp` > 0, in the order of `curriculum(ramp, start)`).
 
     Validation and test are the same distribution (the training difficulties); harder is beyond them.
     Each evaluation split avoids the prompts of those drawn before it, and training avoids all three.
     """
+    family = get_task(task) if isinstance(task, str) else task
     reserved: set[str] = set()
     splits: dict[str, list[Example]] = {}
     for split in EVAL_SPLITS:
-        splits[split] = generate(task, n_eval, seed, split, exclude=reserved, stratified=True)
+        splits[split] = generate(family, n_eval, seed, split, exclude=reserved, stratified=True)
         reserved |= {ex.prompt for ex in splits[split]}
-    splits["train"] = generate(task, n_train, seed, "train", exclude=reserved)
+    order = curriculum(family.train_difficulties, n_train, ramp, start) if ramp > 0 else None
+    splits["train"] = generate(family, n_train, seed, "train", difficulties=order, exclude=reserved)
     return splits
 
 

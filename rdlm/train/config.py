@@ -38,6 +38,8 @@ class TrainConfig:
     out_dir: str | None = option(None, "run directory: checkpoints, log.jsonl, TensorBoard events (None: nothing "
                                        "is saved)")
     seed: int = option(0, "seed of everything random: r per micro-batch, s_0, data order, initialisation")
+    shuffle: bool = option(True, "draw the rows in a new random order every epoch (--no-shuffle: in the data's "
+                                 "own order, e.g. a curriculum written easiest first)")
     # Batch geometry: global batch = micro_batch_size * accumulation * number of workers.
     steps: int = option(100, "optimizer steps")
     micro_batch_size: int = option(8, "rows per micro-batch on each worker")

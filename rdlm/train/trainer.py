@@ -139,7 +139,7 @@ class Trainer(RunCheckpoints):
         self.schedule = Schedule(config.lr, config.warmup_steps, config.steps, config.cooldown_steps,
                                  config.min_lr_ratio)
         self.batches = Batches(self.train_source, config.micro_batch_size, config.accumulation,
-                               self.world.size, seed=config.seed)
+                               self.world.size, seed=config.seed, shuffle=config.shuffle)
         self.val_batches = (fixed_batches(self.val_source, config.eval_batch_size, config.eval_rows)
                             if self.val_source is not None else [])
         self.eval_hooks, self.step_hooks = list(eval_hooks), list(step_hooks)
