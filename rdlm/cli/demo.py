@@ -97,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else FULL_STEPS if args.full else d.steps
     num_steps = args.num_steps if args.num_steps is not None else FULL_NUM_STEPS if args.full else d.eval_num_steps
     cfg = DemoConfig(task=args.task, out_dir=args.out, seed=args.seed, steps=steps, batch_size=args.batch_size,
-                     lr=args.lr, optimizer=args.optimizer, muon_lr=args.muon_lr, cooldown_fraction=args.cooldown_fraction, warmup_steps=args.warmup_steps,
-                     curriculum_fraction=args.curriculum_fraction, curriculum_start=args.curriculum_start, hidden_size=args.hidden_size,
+                     lr=args.lr, optimizer=args.optimizer, muon_lr=args.muon_lr, warmup_steps=args.warmup_steps,
+                     cooldown_fraction=args.cooldown_fraction, curriculum_fraction=args.curriculum_fraction,
+                     curriculum_start=args.curriculum_start, hidden_size=args.hidden_size,
                      num_heads=args.num_heads, layers=args.layers,
                      mean_recurrence=args.mean_recurrence,
                      recurrence_sigma=args.recurrence_sigma, backprop_depth=args.backprop_depth,

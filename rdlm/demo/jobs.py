@@ -75,7 +75,8 @@ def job_cost(cfg: DemoConfig, config: RDLMConfig) -> float:
 def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
                 on_step: Callable[[int], None] | None = None, progress: bool | None = None
                 ) -> tuple[RecurrentDepthLM, dict]:
-    """Train through rdlm.train (log-normal Poisson r, truncated backprop, AdamW, clipping).
+    """Train through rdlm.train (log-normal Poisson r, truncated backprop, Muon and AdamW or AdamW alone,
+    clipping), on the rows in their order when they follow a curriculum.
     `on_step(step)` is called every `REPORT_EVERY` steps."""
     from rdlm.train import TrainConfig, train
 
@@ -97,8 +98,8 @@ def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
     warmup, cooldown = min(cfg.warmup_steps, cfg.steps - 1), round(cfg.cooldown_fraction * cfg.steps)
     tc = TrainConfig(model=config.name, seed=cfg.seed, steps=cfg.steps, micro_batch_size=cfg.batch_size,
                      shuffle=cfg.curriculum_fraction == 0, lr=cfg.lr, optimizer=cfg.optimizer,
-                     muon_lr=cfg.muon_lr, warmup_steps=warmup, cooldown_steps=min(cooldown, cfg.steps - warmup), weight_decay=0.01,
-                     ema_decay=None, precision="fp32", device="cpu", threads=cfg.threads,
+                     muon_lr=cfg.muon_lr, warmup_steps=warmup, cooldown_steps=min(cooldown, cfg.steps - warmup),
+                     weight_decay=0.01, ema_decay=None, precision="fp32", device="cpu", threads=cfg.threads,
                      progress=progress, tensorboard=False, out_dir=None)
     result = train(tc, model=model, train_data=rows, step_hooks=[keep])
     return result.model.eval(), {"losses": [r["loss"] for r in records], "lr": [r["lr"] for r in records],

@@ -46,6 +46,16 @@ def _machine(res: dict[str, Any]) -> str:
             f"by side{': ' + each if each else ''})")
 
 
+def _recipe(cfg: dict[str, Any]) -> str:
+    """The optimizer and the order of the training rows, as the header states them."""
+    optimizer = (f"Muon (lr {cfg['muon_lr']:g}) for the blocks' matrices and AdamW (lr {cfg['lr']:g}) for the rest"
+                 if cfg.get("optimizer", "adamw") == "muon" else f"AdamW (lr {cfg['lr']:g})")
+    fraction = cfg.get("curriculum_fraction", 0)
+    order = (f"a curriculum from the {cfg['curriculum_start']} easiest difficulties to all of them over the "
+             f"first {100 * fraction:.0f}% of the steps" if fraction else "shuffled rows")
+    return f"{optimizer}, {order}"
+
+
 def markdown_report(res: dict[str, Any]) -> str:
     cfg, claims, task = res["config"], res["claims"], res["task"]
     rec, twin, deep = res["recurrent"], res.get("fixed_depth_twin"), res.get("depth_matched")
@@ -56,7 +66,8 @@ def markdown_report(res: dict[str, Any]) -> str:
              f"{task['description']}. Recurrent model: layers ({lp},{lr},{lc}), h={cfg['hidden_size']}, "
              f"{params['recurrent'] / 1e6:.2f}M parameters, log-normal Poisson r with mean "
              f"{claims['train_mean_r']} (mean_recurrence {cfg['mean_recurrence']} + 1), backprop depth "
-             f"{cfg['backprop_depth']}; {cfg['steps']} steps of {cfg['batch_size']}, seed {cfg['seed']}, "
+             f"{cfg['backprop_depth']}; {cfg['steps']} steps of {cfg['batch_size']}, {_recipe(cfg)}, "
+             f"seed {cfg['seed']}, "
              f"{cfg['threads']} thread(s) per model. Total time {res.get('seconds', 0):.0f} s, CPU time "
              f"{res.get('cpu_seconds', 0):.0f} s{_machine(res)} (load average "
              f"{res.get('load_average', {}).get('start')} at the start, {res.get('load_average', {}).get('end')} "

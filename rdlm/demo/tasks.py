@@ -244,10 +244,10 @@ def generate(task: str | TaskFamily, n: int, seed: int, split: str = "train",
 
 
 def curriculum(difficulties: Sequence[int], n: int, ramp: float, start: int) -> Callable[[int], Sequence[int]]:
-    """The difficulties example `i` of `n` training examples may draw, easiest first: the first `start`
-    of `difficulties` at first, one more at each of `len - start` even steps over the first `ramp`
-    fraction of the examples, then all of them (`ramp` 0: all of them from the start). Examples are consumed in order,
-    so the hardest words come in as training goes on."""
+    """The difficulties example `i` of `n` training examples may draw, easiest first: the `start`
+    easiest at first, one more at even intervals over the first `ramp` fraction of the examples, then
+    all of them (`ramp` 0: all of them from the start). Training takes the examples in order, so the
+    longest words come in as it goes on."""
     difficulties = sorted(difficulties)
     if not 0 <= ramp <= 1:
         raise ValueError(f"the curriculum's ramp must be a fraction in [0, 1], got {ramp!r}")
