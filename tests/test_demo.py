@@ -398,3 +398,36 @@ def test_training_takes_the_curriculum_in_order_with_muon(monkeypatch):
     first = rows.rows(list(range(cfg.batch_size)))[0]
     assert max(ex.difficulty for ex in splits["train"][:cfg.batch_size]) <= 4
     assert first.shape[1] <= len("0:abcd?=0\n") < rows.row_length
+
+
+def test_demo_seeds_runs_each_seed_and_tabulates_every_claim(tmp_path):
+    """benchmarks/demo_seeds.py: each seed's demo in its own process, then the per-seed table and each
+    claim's pass count and smallest margin, read back from the reports (a rerun reads, not retrains)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "demo_seeds.py"
+    tiny = ["--steps", "3", "--batch-size", "8", "--hidden-size", "32", "--num-heads", "2", "--mean-recurrence", "2",
+            "--backprop-depth", "1", "--eval-examples", "12", "--num-steps", "1,2", "--exit-max-steps", "2",
+            "--exit-thresholds", "0.01", "--no-depth-matched"]
+    run = subprocess.run([sys.executable, str(script), "--seeds", "3-4", "--parallel", "2", "--out", str(tmp_path),
+                          "--", *tiny], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    table = json.loads((tmp_path / "seeds.json").read_text())
+    assert [row["seed"] for row in table["rows"]] == [3, 4] and table["demo_args"] == tiny
+    for row in table["rows"]:
+        results = json.loads((tmp_path / f"seed-{row['seed']}" / "results.json").read_text())
+        assert row["checks"] == {c["claim"]: c["margin"] for c in results["checks"]}
+        assert row["test_at_best_r"] == results["claims"]["test_at_best_r"]
+    for claim, entry in table["summary"]["claims"].items():
+        margins = {row["seed"]: row["checks"][claim] for row in table["rows"]}
+        assert entry["smallest_margin"] == min(margins.values()) == margins[entry["at_seed"]]
+        assert entry["holds"] == sum(m >= -1e-9 for m in margins.values()) and entry["seeds"] == 2
+    assert "| 3 |" in (tmp_path / "seeds.md").read_text()
+    stamp = (tmp_path / "seed-3" / "results.json").stat().st_mtime_ns
+    again = subprocess.run([sys.executable, str(script), "--seeds", "3", "--out", str(tmp_path), "--", *tiny],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "started" not in again.stdout
+    assert (tmp_path / "seed-3" / "results.json").stat().st_mtime_ns == stamp
+    bad = subprocess.run([sys.executable, str(script), "--seeds", "5-x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "seeds are integers or ranges like 100-111, got '5-x'" in bad.stderr
