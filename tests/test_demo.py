@@ -394,6 +394,9 @@ def test_training_takes_the_curriculum_in_order_with_muon(monkeypatch):
     for tc, data in seen:
         assert (tc.optimizer, tc.shuffle, tc.lr, tc.muon_lr) == ("muon", False, cfg.lr, cfg.muon_lr)
         assert data is rows and rows.trim
+    # Without a curriculum, and on the code corpus (which has none), the rows are shuffled as usual.
+    assert DemoConfig().ordered and not DemoConfig(curriculum_fraction=0).ordered
+    assert not DemoConfig(task="code").ordered
     # The first batch is the curriculum's first rows: the easiest words, and a batch as long as they need.
     first = rows.rows(list(range(cfg.batch_size)))[0]
     assert max(ex.difficulty for ex in splits["train"][:cfg.batch_size]) <= 4

@@ -132,6 +132,12 @@ class DemoConfig:
         return self.mean_recurrence + 1
 
     @property
+    def ordered(self) -> bool:
+        """Whether training takes its rows in their order: a generated task's curriculum (the code corpus
+        has none, and is shuffled)."""
+        return self.curriculum_fraction > 0 and self.task != "code"
+
+    @property
     def processes(self) -> int:
         """The worker processes: `workers`, or with 0 one per model."""
         return self.workers or len(self.models())

@@ -97,7 +97,7 @@ def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
               f"{cfg.steps} steps of {cfg.batch_size})", flush=True)
     warmup, cooldown = min(cfg.warmup_steps, cfg.steps - 1), round(cfg.cooldown_fraction * cfg.steps)
     tc = TrainConfig(model=config.name, seed=cfg.seed, steps=cfg.steps, micro_batch_size=cfg.batch_size,
-                     shuffle=cfg.curriculum_fraction == 0, lr=cfg.lr, optimizer=cfg.optimizer,
+                     shuffle=not cfg.ordered, lr=cfg.lr, optimizer=cfg.optimizer,
                      muon_lr=cfg.muon_lr, warmup_steps=warmup, cooldown_steps=min(cooldown, cfg.steps - warmup),
                      weight_decay=0.01, ema_decay=None, precision="fp32", device="cpu", threads=cfg.threads,
                      progress=progress, tensorboard=False, out_dir=None)
