@@ -125,8 +125,13 @@ def choose_exit_threshold(sweep: Sequence[dict[str, Any]], fixed_accuracy: float
     "accuracy", ...}), the loosest threshold whose accuracy is at least `fixed_accuracy - tolerance`;
     the strictest one if none is."""
     ordered = sorted(sweep, key=lambda row: -row["threshold"])
-    eligible = [row for row in ordered if row["accuracy"] >= fixed_accuracy - tolerance]
+    eligible = [row for row in ordered if within_tolerance(row["accuracy"], fixed_accuracy, tolerance)]
     return eligible[0] if eligible else ordered[-1]
+
+
+def within_tolerance(accuracy: float, fixed_accuracy: float, tolerance: float) -> bool:
+    """Whether an exit threshold's validation accuracy may be chosen: at most `tolerance` below fixed r."""
+    return accuracy >= fixed_accuracy - tolerance
 
 
 def adaptive_exits(model: RecurrentDepthLM, splits: dict[str, list[T.Example]], tokenizer: T.CharTokenizer,
@@ -146,7 +151,7 @@ def adaptive_exits(model: RecurrentDepthLM, splits: dict[str, list[T.Example]], 
                            cfg.seed, cfg.exit_criterion, threshold)
         sweep.append({"threshold": threshold, "accuracy": d.accuracy,
                       "answer_steps": d.mean_answer_steps, "decoded_steps": d.mean_decoded_steps})
-        if d.accuracy >= fixed["validation"] - cfg.exit_tolerance:
+        if within_tolerance(d.accuracy, fixed["validation"], cfg.exit_tolerance):
             break
     chosen = choose_exit_threshold(sweep, fixed["validation"], cfg.exit_tolerance)
     test = decode_answers(model, splits["test"], tokenizer, cfg.exit_max_steps, cfg.eval_batch_size, cfg.seed,
