@@ -2,7 +2,8 @@
 
 Runs the demo once per seed (`--parallel` runs side by side, each a `python -m rdlm demo` process with its
 own report directory under `--out`), then reads every `results.json` and writes `seeds.json` and
-`seeds.md` there. Arguments after `--` go to every `rdlm demo` (e.g. `-- --no-twin --lr 2e-3`).
+`seeds.md` there. Arguments after `--` go to every `rdlm demo` (e.g. `-- --no-twin --lr 2e-3`, or
+`-- --experiment retrofit`: the table then shows that experiment's numbers).
 A seed whose report is already there is read, not rerun (`--rerun` to run it again), so an interrupted
 sweep continues where it stopped.
 
@@ -63,20 +64,65 @@ def run_seeds(seeds: Sequence[int], out: Path, demo_args: Sequence[str], paralle
         time.sleep(1)
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _main_cells(row: dict[str, Any]) -> list[str]:
+    return [str(row["best_r"]), _pct(row["test_at_best_r"]), _pct(row["test_at_r1"]), _pct(row["test_at_max_r"]),
+            f"{_pct(row['harder_at_train_mean_r'])} -> {_pct(row['harder_at_max_r'])}", _pct(row["twin_test"]),
+            _pct(row["depth_matched_test"]), f"{_pct(row['exit_steps_fraction'])}%", f"{row['final_loss']:.3f}"]
+
+
+def _retrofit_cells(results: dict[str, Any]) -> list[str]:
+    c, steps = results["claims"], results["steps"]
+    return [_pct(c["retrofitted_test_at_train_mean_r"]), _pct(c["control_test"]),
+            f"{_pct(c['retrofitted_harder_at_r1'])} -> {_pct(c['retrofitted_harder_at_chosen_r'])} "
+            f"(r={c['r_chosen_on_harder_validation']})", _pct(c["control_harder"]),
+            f"{steps['retrofitted']} / {steps['control']}", f"{results['flops']['control_over_retrofitted']:.4f}"]
+
+
+def _gate_cells(results: dict[str, Any]) -> list[str]:
+    c, kl = results["claims"], results.get("kl")
+    cells = [f"{c['threshold']:g}", f"{_pct(c['test_accuracy_at_exits'])} / {_pct(c['test_accuracy_all_loops'])}",
+             f"{c['test_loops_per_answer_token']:.2f} of {c['loops']}",
+             f"{c['shortest_words_loops']:.2f} -> {c['harder_loops']:.2f}"]
+    cells.append("-" if kl is None else f"{_pct(kl['test']['accuracy'])}, {kl['test']['answer_steps']:.2f} of "
+                                        f"{kl['max_steps']}")
+    return cells
+
+
+# Per experiment: the table's columns (after the seed), and the cells of one seed.
+COLUMNS = {
+    "main": ("best r", "test at best r", "r=1", "r=max", "harder: mean r -> max r", "twin", "depth-matched",
+             "exits (of r)", "final loss"),
+    "retrofit": ("retrofitted test at mean r", "control test", "retrofitted harder: r=1 -> chosen r",
+                 "control harder", "steps retrofitted / control", "FLOPs control / retrofitted"),
+    "gate": ("gate threshold", "test: exits / all loops", "loops per answer token (test)",
+             "loops: shortest words -> harder", "KL exits (recurrent): test, iterations"),
+}
+
+
 def seed_row(seed: int, results: dict[str, Any]) -> dict[str, Any]:
     """The numbers of one seed that the table shows."""
+    experiment = results.get("experiment", "main")
+    common = {"seed": seed, "experiment": experiment, "seconds": results["seconds"],
+              "load_average": results.get("load_average"), "cpu": results.get("machine", {}).get("cpu"),
+              "checks": {check["claim"]: check["margin"] for check in results["checks"]},
+              "all_hold": all(check["holds"] for check in results["checks"])}
+    if experiment == "retrofit":
+        return common | {"cells": _retrofit_cells(results)}
+    if experiment == "gate":
+        return common | {"cells": _gate_cells(results)}
     c = results["claims"]
     losses = results["training"]["recurrent"]["losses"]
     tail = losses[-max(1, len(losses) // 20):]
-    return {"seed": seed, "best_r": c["best_r_on_validation"], "test_at_best_r": c["test_at_best_r"],
-            "test_at_r1": c["test_at_r1"], "test_at_max_r": c["test_at_max_r"],
-            "harder_at_train_mean_r": c["harder_at_train_mean_r"], "harder_at_max_r": c["harder_at_max_r"],
-            "twin_test": c.get("twin_test"), "depth_matched_test": c.get("depth_matched_test"),
-            "exit_steps_fraction": c["exit_answer_steps_fraction"],
-            "final_loss": sum(tail) / len(tail), "seconds": results["seconds"],
-            "load_average": results.get("load_average"), "cpu": results.get("machine", {}).get("cpu"),
-            "checks": {check["claim"]: check["margin"] for check in results["checks"]},
-            "all_hold": all(check["holds"] for check in results["checks"])}
+    row = common | {"best_r": c["best_r_on_validation"], "test_at_best_r": c["test_at_best_r"],
+                    "test_at_r1": c["test_at_r1"], "test_at_max_r": c["test_at_max_r"],
+                    "harder_at_train_mean_r": c["harder_at_train_mean_r"], "harder_at_max_r": c["harder_at_max_r"],
+                    "twin_test": c.get("twin_test"), "depth_matched_test": c.get("depth_matched_test"),
+                    "exit_steps_fraction": c["exit_answer_steps_fraction"], "final_loss": sum(tail) / len(tail)}
+    return row | {"cells": _main_cells(row)}
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -93,23 +139,15 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "claims": claims}
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}"
-
-
 def markdown(rows: Sequence[dict[str, Any]], summary: dict[str, Any], demo_args: Sequence[str]) -> str:
+    columns = (*COLUMNS[rows[0]["experiment"]], "all claims", "time (s), load start / end")
     lines = [f"# rdlm demo on {len(rows)} seeds" + (f" (`{' '.join(demo_args)}`)" if demo_args else ""), "",
-             "| seed | best r | test at best r | r=1 | r=max | harder: mean r -> max r | twin | depth-matched "
-             "| exits (of r) | final loss | all claims | time (s), load start / end |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| seed | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for row in rows:
         load = row["load_average"] or {}
         start, end = ((load.get(k) or [None])[0] for k in ("start", "end"))
-        lines.append(f"| {row['seed']} | {row['best_r']} | {_pct(row['test_at_best_r'])} | {_pct(row['test_at_r1'])} "
-                     f"| {_pct(row['test_at_max_r'])} | {_pct(row['harder_at_train_mean_r'])} -> "
-                     f"{_pct(row['harder_at_max_r'])} | {_pct(row['twin_test'])} | {_pct(row['depth_matched_test'])} "
-                     f"| {_pct(row['exit_steps_fraction'])}% | {row['final_loss']:.3f} "
-                     f"| {'pass' if row['all_hold'] else 'FAIL'} | {row['seconds']:.0f}, {start} / {end} |")
+        cells = [*row["cells"], "pass" if row["all_hold"] else "FAIL", f"{row['seconds']:.0f}, {start} / {end}"]
+        lines.append(f"| {row['seed']} | " + " | ".join(cells) + " |")
     lines += ["", f"All claims hold on {summary['all_claims_hold']} of {len(rows)} seeds.", "",
               "| claim | holds | smallest margin (seed) |", "|---|---|---|"]
     for claim, entry in summary["claims"].items():
@@ -144,6 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(seed_row(seed, json.loads(path.read_text())))
     if not rows:
         print("demo_seeds: no seed finished", file=sys.stderr)
+        return 1
+    kinds = sorted({row["experiment"] for row in rows})
+    if len(kinds) > 1:
+        print(f"demo_seeds: the reports under {out} are of different experiments ({', '.join(kinds)}); "
+              "give each sweep its own --out", file=sys.stderr)
         return 1
     summary = summarize(rows)
     (out / "seeds.json").write_text(json.dumps({"demo_args": demo_args, "rows": rows, "summary": summary}, indent=1))

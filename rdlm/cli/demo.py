@@ -7,8 +7,13 @@ import json
 import os
 import sys
 
+from rdlm.demo.gate_demo import GateSettings
+from rdlm.demo.retrofit_demo import RetrofitSettings
 from rdlm.demo.run import DemoConfig, run_demo
 from rdlm.demo.tasks import TASKS
+from rdlm.model.retrofit import ADAPTER_INITS, parse_layers
+
+EXPERIMENTS = ("main", "retrofit", "gate")
 
 
 # `--full`: the models trained twice as long, and r swept twice as far.
@@ -87,7 +92,41 @@ def register(subparsers) -> None:
                    help="processes the models train in side by side (0: one per model; "
                         "the numbers do not depend on it)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    e = p.add_argument_group("experiments (--experiment retrofit or gate; docs/demo.md)")
+    e.add_argument("--experiment", default="main", choices=EXPERIMENTS,
+                   help="main: the recurrent model and its baselines; retrofit: a pretrained Llama retrofitted "
+                        "with recurrence against the same Llama trained on for the same FLOPs; gate: a looped "
+                        "model with Ouro's learned exit gate against the recurrent model's KL exits")
+    r, g = RetrofitSettings(), GateSettings()
+    e.add_argument("--pretrain-steps", type=int, default=r.pretrain_steps,
+                   help="retrofit: steps of the Llama's pretraining")
+    e.add_argument("--retrofit-steps", type=int, default=r.steps,
+                   help="retrofit: steps of the retrofitted model (the control trains for the same FLOPs)")
+    e.add_argument("--source-layers", type=int, default=r.source_layers, help="retrofit: the Llama's layers")
+    e.add_argument("--split", type=_split, default=(r.prelude, r.core, r.coda),
+                   help="retrofit: the Llama's layers of prelude, core and coda, e.g. 0/1/2 or 0/2-3/4 "
+                        "(default: the first, the middle ones, the last)")
+    e.add_argument("--adapter-init", default=r.adapter_init, choices=ADAPTER_INITS,
+                   help="retrofit: the adapter's initialisation (docs/retrofit.md)")
+    e.add_argument("--loops", type=int, default=g.loops, help="gate: loops the looped model trains at")
+    e.add_argument("--loop-layers", type=int, default=g.layers, help="gate: layers in the looped stack")
+    e.add_argument("--exit-loss-beta", type=float, default=g.exit_loss_beta,
+                   help="gate: Ouro's entropy weight in the expected exit loss")
+    e.add_argument("--gate-thresholds", type=_floats, default=g.thresholds,
+                   help="gate: exit thresholds q to try on validation")
+    e.add_argument("--no-kl", action="store_true",
+                   help="gate: skip training the recurrent model whose KL exits are compared")
     p.set_defaults(func=run)
+
+
+def _split(text: str) -> tuple[tuple[int, ...], ...]:
+    parts = text.split("/")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected prelude/core/coda layers, e.g. 0/1/2 or 0/2-3/4, got {text!r}")
+    try:
+        return tuple(tuple(parse_layers(part)) for part in parts)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         # many times over. The policy is read when torch loads, so it has to come from the environment.
         print("rdlm demo: note: with --threads > 1 on a shared CPU, run with OMP_WAIT_POLICY=PASSIVE "
               "(same results, no busy-waiting threads)", file=sys.stderr)
+    if args.experiment != "main":
+        return _run_experiment(args, cfg)
     result = run_demo(cfg)
     summary = result.results.get("claims") or result.results.get("validation_perplexity")
     print(json.dumps(summary, indent=2))
@@ -120,4 +161,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'PASS' if check['holds'] else 'FAIL'}  {check['claim']}  (margin {check['margin']:+.3f})")
     print(f"report: {result.out_dir / 'report.md'}  model: {result.out_dir / 'model'}  "
           f"({result.results.get('seconds', 0):.0f} s)")
+    return 0
+
+
+def _run_experiment(args: argparse.Namespace, cfg: DemoConfig) -> int:
+    if cfg.task != "permutations" and args.experiment != "main":
+        raise ValueError(f"--experiment {args.experiment} runs on the permutations task (got --task {cfg.task})")
+    if args.experiment == "retrofit":
+        from rdlm.demo.retrofit_demo import run_retrofit_experiment
+
+        prelude, core, coda = args.split
+        exp = RetrofitSettings(source_layers=args.source_layers, prelude=prelude, core=core, coda=coda,
+                               adapter_init=args.adapter_init, pretrain_steps=args.pretrain_steps,
+                               steps=args.retrofit_steps)
+        result = run_retrofit_experiment(cfg, exp)
+    else:
+        from rdlm.demo.gate_demo import run_gate_experiment
+
+        exp = GateSettings(loops=args.loops, layers=args.loop_layers, exit_loss_beta=args.exit_loss_beta,
+                           thresholds=args.gate_thresholds, compare_kl=not args.no_kl)
+        result = run_gate_experiment(cfg, exp)
+    print(json.dumps(result.results["claims"], indent=2))
+    for check in result.results["checks"]:
+        print(f"{'PASS' if check['holds'] else 'FAIL'}  {check['claim']}  (margin {check['margin']:+.3f})")
+    print(f"report: {result.out_dir / 'report.md'}  ({result.results['seconds']:.0f} s)")
     return 0

@@ -11,6 +11,7 @@ prints them with an estimate of the time left.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import queue
@@ -37,10 +38,22 @@ SCORING_SHARE = 0.23
 
 @dataclass
 class Job:
-    kind: str               # "recurrent", "twin" or "depth_matched"
+    kind: str               # "recurrent", "twin", "depth_matched", or an experiment's model (rdlm.demo.experiments)
     config: RDLMConfig
     rs: tuple[int, ...]     # the r values it is scored at
     cost: float             # relative work, for the estimate of the time left (see `job_cost`)
+    # An experiment's job may start from given weights, train on its own rows for its own number of steps
+    # with further training settings (rdlm.train.TrainConfig fields), and skip the adaptive exits or the
+    # strict score. The defaults are the main demo's: a fresh model on the shared rows.
+    start: dict[str, torch.Tensor] | None = None
+    rows: Any = None
+    steps: int | None = None
+    train: dict[str, Any] = field(default_factory=dict)
+    exits: bool | None = None   # None: the recurrent model's
+    strict: bool = True
+    # More scoring after the accuracy table, in the job's process: a module-level function (it is pickled
+    # by name) called as after(model, splits, tokenizer, cfg, table), whose result is JobResult.extra.
+    after: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -52,6 +65,7 @@ class JobResult:
     exits: dict[str, Any] | None = None
     exit_steps: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # "train" and "score"
+    extra: Any = None
 
     def model(self, config: RDLMConfig) -> RecurrentDepthLM:
         model = RecurrentDepthLM(config)
@@ -73,22 +87,25 @@ def job_cost(cfg: DemoConfig, config: RDLMConfig) -> float:
 # --------------------------------------------------------------------------------------------------
 
 def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
-                on_step: Callable[[int], None] | None = None, progress: bool | None = None
-                ) -> tuple[RecurrentDepthLM, dict]:
+                on_step: Callable[[int], None] | None = None, progress: bool | None = None,
+                start: dict[str, torch.Tensor] | None = None, **settings: Any) -> tuple[RecurrentDepthLM, dict]:
     """Train through rdlm.train (log-normal Poisson r, truncated backprop, Muon and AdamW or AdamW alone,
-    clipping), on the rows in their order when they follow a curriculum.
+    clipping), on the rows in their order when they follow a curriculum: a fresh model, or one with the
+    weights `start`. `settings` are further TrainConfig fields (e.g. a curriculum on r).
     `on_step(step)` is called every `REPORT_EVERY` steps."""
     from rdlm.train import TrainConfig, train
 
     progress = cfg.progress if progress is None else progress
     torch.manual_seed(cfg.seed)
     model = RecurrentDepthLM(config)
+    if start is not None:
+        model.load_state_dict(start)
     records: list[dict] = []
 
     def keep(record: dict) -> None:
         if record.get("kind") == "train":
             records.append({"step": record["step"], "loss": record["loss"], "num_steps": record["num_steps"],
-                            "lr": record["lr"]})
+                            "lr": record["lr"], "flops": record["flops"]})
             if on_step is not None and record["step"] % REPORT_EVERY == 0:
                 on_step(record["step"])
 
@@ -100,10 +117,12 @@ def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
                      shuffle=not cfg.ordered, lr=cfg.lr, optimizer=cfg.optimizer,
                      muon_lr=cfg.muon_lr, warmup_steps=warmup, cooldown_steps=min(cooldown, cfg.steps - warmup),
                      weight_decay=0.01, ema_decay=None, precision="fp32", device="cpu", threads=cfg.threads,
-                     progress=progress, tensorboard=False, out_dir=None)
+                     progress=progress, tensorboard=False, out_dir=None, **settings)
     result = train(tc, model=model, train_data=rows, step_hooks=[keep])
     return result.model.eval(), {"losses": [r["loss"] for r in records], "lr": [r["lr"] for r in records],
-                                 "num_steps": [r["num_steps"] for r in records], "seconds": result.seconds}
+                                 "num_steps": [r["num_steps"] for r in records], "seconds": result.seconds,
+                                 "flops": sum(r["flops"] for r in records),
+                                 "flops_per_step": [r["flops"] for r in records]}
 
 
 # In a worker process: the queue its jobs report into, and the data every job reads (given once, when the
@@ -126,18 +145,22 @@ def run_job(cfg: DemoConfig, job: Job, rows, splits: dict[str, list[T.Example]],
             on_step: Callable[[str, int], None] | None = None) -> JobResult:
     """Train one model and score it; with the recurrent model, also its adaptive exits."""
     torch.set_num_threads(cfg.threads)
-    label = MODEL_LABELS[job.kind]
+    label = MODEL_LABELS.get(job.kind, job.kind)
     report = on_step or (lambda kind, step: _reports.put((kind, step)) if _reports is not None else None)
     start = time.perf_counter()
-    model, history = train_model(cfg, job.config, rows, label, lambda step: report(job.kind, step), progress)
+    job_cfg = cfg if job.steps is None else dataclasses.replace(cfg, steps=job.steps)
+    model, history = train_model(job_cfg, job.config, rows if job.rows is None else job.rows, label,
+                                 lambda step: report(job.kind, step), progress, job.start, **job.train)
     trained = time.perf_counter()
     report(job.kind, -1)  # scoring
     tokenizer = T.CharTokenizer()
-    table = accuracy_table(model, splits, tokenizer, job.rs, cfg, label, progress=progress)
+    table = accuracy_table(model, splits, tokenizer, job.rs, cfg, label, progress=progress, strict=job.strict)
     result = JobResult(job.kind, model.state_dict(), history, table)
-    if job.kind == "recurrent":
+    if job.kind == "recurrent" if job.exits is None else job.exits:
         fixed = {name: table[name]["overall"][cfg.exit_max_steps] for name in ("validation", "test")}
         result.exits, result.exit_steps = adaptive_exits(model, splits, tokenizer, cfg, fixed)
+    if job.after is not None:
+        result.extra = job.after(model, splits, tokenizer, cfg, table)
     result.seconds = {"train": round(trained - start, 1), "score": round(time.perf_counter() - trained, 1)}
     return result
 
@@ -166,6 +189,9 @@ class Progress:
     def finish(self, kind: str) -> None:
         self.done.add(kind)
 
+    def _steps(self, kind: str) -> int:
+        return self.jobs[kind].steps or self.cfg.steps
+
     def _fraction(self, kind: str) -> float:
         """Of a job's work: training is the part before scoring (see `job_cost`)."""
         if kind in self.done:
@@ -173,7 +199,7 @@ class Progress:
         train_part = 1 / (1 + SCORING_SHARE) if kind == "recurrent" else 1.0
         if kind in self.scoring:
             return train_part
-        return train_part * self.step[kind] / self.cfg.steps
+        return train_part * self.step[kind] / self._steps(kind)
 
     def seconds_left(self) -> float | None:
         """The work left at the throughput so far (all processes together), and no sooner than the
@@ -191,7 +217,7 @@ class Progress:
         parts = []
         for kind in self.jobs:
             state = ("done" if kind in self.done else "scoring" if kind in self.scoring
-                     else f"{self.step[kind]}/{self.cfg.steps}")
+                     else f"{self.step[kind]}/{self._steps(kind)}")
             parts.append(f"{kind.replace('_', '-')} {state}")
         left = self.seconds_left()
         eta = f", about {_duration(left)} left" if left is not None else ""

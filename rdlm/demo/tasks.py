@@ -198,7 +198,8 @@ def get_task(name: str) -> TaskFamily:
 # prompts: training rejects them, so a score is never a memory of a training example, and no difficulty
 # is missing from an evaluation split because training happened to cover all its prompts.
 
-SPLIT_OFFSETS = {"train": 0, "test": 1_000_003, "harder": 2_000_003, "validation": 3_000_003}
+SPLIT_OFFSETS = {"train": 0, "test": 1_000_003, "harder": 2_000_003, "validation": 3_000_003,
+                 "harder_validation": 4_000_003}
 EVAL_SPLITS = ("validation", "test", "harder")
 MAX_TRIES = 1000  # draws per example before a split gives up on avoiding the reserved prompts
 
@@ -218,7 +219,7 @@ def generate(task: str | TaskFamily, n: int, seed: int, split: str = "train",
     if split not in SPLIT_OFFSETS:
         raise ValueError(f"unknown split {split!r}; available: {', '.join(SPLIT_OFFSETS)}")
     if difficulties is None:
-        difficulties = family.harder_difficulties if split == "harder" else family.train_difficulties
+        difficulties = family.harder_difficulties if split.startswith("harder") else family.train_difficulties
     allowed = difficulties if callable(difficulties) else (lambda i, fixed=list(difficulties): fixed)
     if stratified and callable(difficulties):
         raise ValueError("a stratified split has one range of difficulties, not a curriculum")
@@ -265,17 +266,18 @@ def curriculum(difficulties: Sequence[int], n: int, ramp: float, start: int) -> 
 
 
 def make_splits(task: str | TaskFamily, n_train: int, n_eval: int, seed: int, ramp: float = 0.0,
-                start: int = 1) -> dict[str, list[Example]]:
+                start: int = 1, harder_validation: bool = False) -> dict[str, list[Example]]:
     """Validation, test, harder (`n_eval` each, difficulties in equal numbers) and train (`n_train`;
-    with `ramp` > 0, in the order of `curriculum(ramp, start)`).
+    with `ramp` > 0, in the order of `curriculum(ramp, start)`); with `harder_validation`, a validation
+    split of the harder difficulties too (drawn after the others, so they do not change).
 
     Validation and test are the same distribution (the training difficulties); harder is beyond them.
-    Each evaluation split avoids the prompts of those drawn before it, and training avoids all three.
+    Each evaluation split avoids the prompts of those drawn before it, and training avoids all of them.
     """
     family = get_task(task) if isinstance(task, str) else task
     reserved: set[str] = set()
     splits: dict[str, list[Example]] = {}
-    for split in EVAL_SPLITS:
+    for split in EVAL_SPLITS + (("harder_validation",) if harder_validation else ()):
         splits[split] = generate(family, n_eval, seed, split, exclude=reserved, stratified=True)
         reserved |= {ex.prompt for ex in splits[split]}
     order = curriculum(family.train_difficulties, n_train, ramp, start) if ramp > 0 else None
