@@ -118,7 +118,10 @@ def write_gate_report(out: Path, res: dict[str, Any]) -> list[str]:
                      f"{sweep['test']['answer_steps']:.2f} | {_pct(sweep['harder']['accuracy'])} / "
                      f"{_pct(sweep['fixed_accuracy']['harder'])} | {sweep['harder']['answer_steps']:.2f} | "
                      f"{passes:.1f} |")
-    lines += ["", "Iterations per answer token by word length (test, then harder):", ""]
+    lines += ["", "Layer passes count what an exit costs: a loop of the looped model is its stack (the gate reads the "
+              "state); an iteration of the recurrent model is its core and, for the KL test, its coda (the "
+              "prediction after every iteration), plus its prelude once.", "",
+              "Iterations per answer token by word length (test, then harder):", ""]
     difficulties = sorted({int(d) for s in ("test", "harder") for d in gate[s]["answer_steps_by_difficulty"]})
     lines += ["| model | " + " | ".join(map(str, difficulties)) + " |", "|---|" + "---|" * len(difficulties)]
     for kind, _, sweep in models:
