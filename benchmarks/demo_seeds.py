@@ -109,6 +109,7 @@ def seed_row(seed: int, results: dict[str, Any]) -> dict[str, Any]:
     common = {"seed": seed, "experiment": experiment, "seconds": results["seconds"],
               "load_average": results.get("load_average"), "cpu": results.get("machine", {}).get("cpu"),
               "checks": {check["claim"]: check["margin"] for check in results["checks"]},
+              "units": {check["claim"]: check.get("unit", "fraction") for check in results["checks"]},
               "all_hold": all(check["holds"] for check in results["checks"])}
     if experiment == "retrofit":
         return common | {"cells": _retrofit_cells(results)}
@@ -130,7 +131,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     claims: dict[str, dict[str, Any]] = {}
     for row in rows:
         for claim, margin in row["checks"].items():
-            entry = claims.setdefault(claim, {"holds": 0, "seeds": 0, "smallest_margin": None, "at_seed": None})
+            entry = claims.setdefault(claim, {"holds": 0, "seeds": 0, "smallest_margin": None, "at_seed": None,
+                                              "unit": row.get("units", {}).get(claim, "fraction")})
             entry["seeds"] += 1
             entry["holds"] += margin >= -1e-9
             if entry["smallest_margin"] is None or margin < entry["smallest_margin"]:
@@ -151,10 +153,11 @@ def markdown(rows: Sequence[dict[str, Any]], summary: dict[str, Any], demo_args:
     lines += ["", f"All claims hold on {summary['all_claims_hold']} of {len(rows)} seeds.", "",
               "| claim | holds | smallest margin (seed) |", "|---|---|---|"]
     for claim, entry in summary["claims"].items():
-        lines.append(f"| {claim} | {entry['holds']} / {entry['seeds']} | {100 * entry['smallest_margin']:+.1f} "
-                     f"({entry['at_seed']}) |")
+        margin = (f"{entry['smallest_margin']:+.2f}x" if entry["unit"] == "ratio"
+                  else f"{100 * entry['smallest_margin']:+.1f}")
+        lines.append(f"| {claim} | {entry['holds']} / {entry['seeds']} | {margin} ({entry['at_seed']}) |")
     cpus = sorted({row["cpu"] for row in rows if row["cpu"]})
-    lines += ["", f"Machine: {', '.join(cpus) or 'unknown'}; margins in points (fractions x 100)."]
+    lines += ["", f"Machine: {', '.join(cpus) or 'unknown'}; margins in points (fractions x 100), or as a ratio (x)."]
     return "\n".join(lines) + "\n"
 
 
@@ -175,19 +178,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if not args.no_run:
         run_seeds(args.seeds, out, demo_args, args.parallel, args.rerun)
-    rows = []
-    for seed in args.seeds:
-        path = out / f"seed-{seed}" / "results.json"
-        if path.is_file():
-            rows.append(seed_row(seed, json.loads(path.read_text())))
-    if not rows:
+    reports = {seed: json.loads(path.read_text()) for seed in args.seeds
+               if (path := out / f"seed-{seed}" / "results.json").is_file()}
+    if not reports:
         print("demo_seeds: no seed finished", file=sys.stderr)
         return 1
-    kinds = sorted({row["experiment"] for row in rows})
+    kinds = sorted({results.get("experiment", "main") for results in reports.values()})
     if len(kinds) > 1:
         print(f"demo_seeds: the reports under {out} are of different experiments ({', '.join(kinds)}); "
               "give each sweep its own --out", file=sys.stderr)
         return 1
+    rows = [seed_row(seed, results) for seed, results in reports.items()]
     summary = summarize(rows)
     (out / "seeds.json").write_text(json.dumps({"demo_args": demo_args, "rows": rows, "summary": summary}, indent=1))
     text = markdown(rows, summary, demo_args)

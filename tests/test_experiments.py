@@ -190,3 +190,29 @@ def test_the_gate_spends_depth_where_it_is_needed(seed, tmp_path):
     failed = [c["claim"] for c in result.results["checks"] if not c["holds"]]
     assert not failed, failed
     assert result.results["seconds"] < 600
+
+
+def test_demo_seeds_tabulates_an_experiment_with_its_own_columns(tmp_path):
+    """benchmarks/demo_seeds.py -- --experiment gate: the gate's columns, its ratio claim's margin as a ratio;
+    reports of two different experiments under one --out are refused."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "demo_seeds.py"
+    tiny = ["--experiment", "gate", "--steps", "3", "--batch-size", "8", "--hidden-size", "32", "--num-heads", "2",
+            "--eval-examples", "12", "--num-steps", "1,2", "--exit-max-steps", "2", "--exit-thresholds", "0.01",
+            "--loops", "2", "--gate-thresholds", "0.5"]
+    run = subprocess.run([sys.executable, str(script), "--seeds", "3", "--out", str(tmp_path), "--", *tiny],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    table = (tmp_path / "seeds.md").read_text()
+    assert "| seed | gate threshold | test: exits / all loops |" in table
+    results = json.loads((tmp_path / "seed-3" / "results.json").read_text())
+    ratio = results["checks"][0]
+    assert ratio["unit"] == "ratio" and f"{ratio['margin']:+.2f}x (3)" in table
+    (tmp_path / "seed-4").mkdir()
+    (tmp_path / "seed-4" / "results.json").write_text(json.dumps(dict(results, experiment="retrofit")))
+    mixed = subprocess.run([sys.executable, str(script), "--seeds", "3-4", "--out", str(tmp_path), "--no-run"],
+                           capture_output=True, text=True, timeout=60)
+    assert mixed.returncode == 1 and "different experiments (gate, retrofit)" in mixed.stderr

@@ -51,7 +51,7 @@ def task_context(splits: dict[str, list[T.Example]], *rows) -> int:
 def check_rows(checks: Sequence[tuple[str, float, float]], op: str = ">=") -> list[dict[str, Any]]:
     """(claim, measured value, bound) -> the report's rows: the margin (how far the value is on the right
     side of the bound; negative: the claim fails) and whether it holds. `op` is ">=" or "<=", or per check
-    a fourth element."""
+    a fourth element; a fifth, "ratio", marks a value that is not a fraction of examples (the row's unit)."""
     rows = []
     for check in checks:
         name, value, bound = check[:3]
@@ -61,7 +61,8 @@ def check_rows(checks: Sequence[tuple[str, float, float]], op: str = ">=") -> li
         margin = value - bound if sign == ">=" else bound - value
         # Accuracies are counts / n: a value exactly at the bound holds, whatever the rounding.
         rows.append({"claim": f"{name} {sign} {bound:g}", "value": value, "op": sign, "bound": bound,
-                     "margin": margin, "holds": margin >= -MARGIN_EPS})
+                     "margin": margin, "holds": margin >= -MARGIN_EPS,
+                     "unit": check[4] if len(check) > 4 else "fraction"})
     return rows
 
 

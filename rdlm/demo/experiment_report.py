@@ -18,7 +18,15 @@ def _header(res: dict[str, Any], title: str) -> list[str]:
             f"Seed {res['config']['seed']}, {res['seconds']:.0f} s wall ({res['cpu_seconds']:.0f} s CPU) on "
             f"{m['cpu']} ({m['cores']} cores, {m['workers']} processes of {m['threads_per_model']} thread), "
             f"load average {load['start']} at the start, {load['end']} at the end. "
-            f"Training recipe: {_recipe(res['config'])}.", ""]
+            f"Training recipe: {_recipe(res['config'])}.", _timings(res), ""]
+
+
+def _timings(res: dict[str, Any]) -> str:
+    t = res.get("timings", {})
+    parts = [f"pretraining {t['pretraining']:.0f} s"] if "pretraining" in t else []
+    parts += [f"{kind}: training {v['train']:.0f} s, scoring {v['score']:.0f} s"
+              for kind, v in t.get("per_model", {}).items()]
+    return f"Where the time went: {'; '.join(parts)} (side by side)." if parts else ""
 
 
 def _checks(res: dict[str, Any]) -> list[str]:

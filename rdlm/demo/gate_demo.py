@@ -136,7 +136,7 @@ def claims_and_checks(gate: dict[str, Any], loops: int, shortest: int) -> tuple[
     b = BOUNDS
     checks = [
         (f"loops per answer token: harder split / words of {shortest} moves", harder["answer_steps"] / short,
-         b["harder_over_shortest"], ">="),
+         b["harder_over_shortest"], ">=", "ratio"),
         (f"test accuracy lost at the gate's exits against all {loops} loops",
          gate["fixed_accuracy"]["test"] - test["accuracy"], b["accuracy_drop"], "<="),
         (f"loops saved on test against all {loops}", 1 - test["answer_steps"] / loops, b["loops_saved"], ">="),
