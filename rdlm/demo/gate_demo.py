@@ -177,7 +177,7 @@ def _run(cfg: DemoConfig, exp: GateSettings, out: Path) -> ExperimentResult:
         recurrent = model_config(cfg, tokenizer.vocab_size, context, "recurrent")
         rs = tuple(sorted(set(cfg.eval_num_steps) | {cfg.train_mean_r, cfg.exit_max_steps}))
         jobs.append(Job("recurrent", recurrent, rs, 19.0, exits=False, strict=False, after=_kl_sweep))
-    trained_at = time.perf_counter()
+    drawn = time.perf_counter()
     done = run_jobs(cfg, jobs, rows, splits)
     models = {job.kind: done[job.kind].model(job.config) for job in jobs}
     gate = done["looped"].extra
@@ -206,7 +206,7 @@ def _run(cfg: DemoConfig, exp: GateSettings, out: Path) -> ExperimentResult:
         lp, lr, lc = cfg.layers
         results["layers"]["recurrent"] = {"per_iteration": lr + lc, "outside": lp}
     results.update(env.finish(workers=min(cfg.processes, len(jobs)), threads=cfg.threads))
-    results["timings"] = {"data": round(trained_at - env.start, 1),
+    results["timings"] = {"data": round(drawn - env.start, 1),
                           "per_model": {kind: r.seconds for kind, r in done.items()}}
     from rdlm.demo.experiment_report import write_gate_report
 

@@ -82,7 +82,7 @@ def llama_config(cfg: DemoConfig, exp: RetrofitSettings, vocab_size: int, contex
                         rope_base=10000.0, name="demo-llama")
 
 
-def curriculum_settings(cfg: DemoConfig, exp: RetrofitSettings) -> dict[str, Any]:
+def curriculum_settings(exp: RetrofitSettings) -> dict[str, Any]:
     """The TrainConfig fields of the retrofitted model's curriculum on r."""
     return {"curriculum": exp.r_curriculum, "curriculum_fraction": exp.r_curriculum_fraction,
             "curriculum_start": 1}
@@ -191,7 +191,7 @@ def _run(cfg: DemoConfig, exp: RetrofitSettings, out: Path) -> ExperimentResult:
                                backprop_depth=cfg.backprop_depth, recurrence_sampler="lognormal-poisson",
                                recurrence_sigma=cfg.recurrence_sigma, name="demo-retrofitted")
     control = load_llama(llama_dir)
-    curriculum = curriculum_settings(cfg, exp)
+    curriculum = curriculum_settings(exp)
     from rdlm.train.schedule import RecurrenceCurriculum
 
     ramp = RecurrenceCurriculum(cfg.mean_recurrence, exp.steps, exp.r_curriculum, 1, exp.r_curriculum_fraction)
