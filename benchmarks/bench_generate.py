@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import time
@@ -38,9 +39,10 @@ from rdlm.model import dtypes
 from rdlm.model.lm import rope_tables
 
 
-def build_random(preset: str, dtype: torch.dtype, device: str) -> RecurrentDepthLM:
-    """Random weights allocated directly in `dtype` (Huginn's 3.5B parameters in fp32 would take 14 GB)."""
-    config = RDLMConfig.from_preset(preset)
+def build_random(preset: str, dtype: torch.dtype, device: str, **overrides) -> RecurrentDepthLM:
+    """Random weights allocated directly in `dtype` (Huginn's 3.5B parameters in fp32 would take 14 GB);
+    `overrides`: config fields (fewer layers, say)."""
+    config = RDLMConfig.from_preset(preset, **overrides)
     with torch.device("meta"):
         model = RecurrentDepthLM(config)
     model = model.to_empty(device=device).to(dtype)
@@ -102,18 +104,23 @@ def bandwidth(device: str, repeats: int = 5) -> float:
 
 
 def step_bytes(model, batch: int, core_iterations: float, coda_calls: float, context: float) -> float:
-    """Bytes one decode step must read: every layer call's weights once (shared by the batch), the
-    un-embedding per coda call, one embedding row per token, and the keys/values attended to."""
+    """Bytes one decode step must read: every layer call's weights once (shared by the batch; parameters and
+    buffers, so a quantized model counts its integer weights and scales), the un-embedding per coda call,
+    one embedding row per token, and the keys/values attended to (in the embedding's dtype)."""
+    def size(module) -> int:
+        return sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers()))
+
     c = model.config
-    size = next(model.parameters()).element_size()
-    block = sum(p.numel() for p in model.core[0].parameters())
-    adapter = model.adapter.weight.numel() if model.adapter is not None else 0
-    vocab = c.vocab_size * c.hidden_size
+    element = model.embedding.weight.element_size()
+    block = size(model.core[0])
+    adapter = size(model.adapter) if model.adapter is not None else 0
+    tied = model.lm_head is None  # the embedding read as the head (a quantized model has its own lm_head)
+    head = c.vocab_size * c.hidden_size * element if tied else size(model.lm_head)
     weights = (c.prelude_layers * block + core_iterations * (c.core_layers * block + adapter)
-               + coda_calls * (c.coda_layers * block + vocab) + batch * c.hidden_size)
+               + coda_calls * (c.coda_layers * block + head) + batch * c.hidden_size * element)
     layer_calls = c.prelude_layers + core_iterations * c.core_layers + coda_calls * c.coda_layers
-    kv = batch * layer_calls * 2 * c.hidden_size * context
-    return size * (weights + kv)
+    kv = batch * layer_calls * 2 * c.kv_heads * c.head_dim * context * element
+    return weights + kv
 
 
 def sync(device: str) -> None:

@@ -73,7 +73,9 @@ def each_alone(batch: ContinuousBatch, requests: list | None = None) -> Continuo
 BUSY = [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6), (2, 12, 2)]   # sync_every, prefill_chunk, coda_every
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+# `pytest -m cuda` runs the cuda cases alone (on a GPU machine; pyproject.toml registers the marker).
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
+                                              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)

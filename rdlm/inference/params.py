@@ -70,7 +70,8 @@ class GenerationConfig:
     draft_steps: int | None = None
     draft_length: int = 4
     # The decode engine (rdlm.inference.engine): a static decode step captured in a CUDA graph. None: on for
-    # CUDA, off on the CPU. Never changes tokens, only speed.
+    # CUDA, off on the CPU. In fp32 it never changes tokens, only speed; in bf16 a greedy near-tie can flip
+    # (its attention reduces over the preallocated cache; docs/inference.md, "The GPU suite").
     compile: bool | None = None
     # Adaptive exits: the criterion is evaluated every `exit_every` iterations (1: after every
     # iteration, as in the paper); the host reads the exit flags every `exit_sync_every` iterations
