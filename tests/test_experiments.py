@@ -76,6 +76,17 @@ def test_the_pretrained_llama_round_trips_and_its_retrofit_starts_as_the_llama(t
         torch.testing.assert_close(retrofitted(ids, num_steps=1).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_default_split_follows_the_source_depth():
+    """docs/retrofit.md's rule for a small model: the first layer, the ones between, the last; none dropped."""
+    assert (RetrofitSettings().prelude, RetrofitSettings().core, RetrofitSettings().coda) == ((0,), (1,), (2,))
+    five = RetrofitSettings(source_layers=5)
+    assert (five.prelude, five.core, five.coda) == ((0,), (1, 2, 3), (4,))
+    given = RetrofitSettings(source_layers=6, prelude=(0,), core=(3, 4), coda=(5,))  # 1 and 2 dropped
+    assert given.core == (3, 4)
+    with pytest.raises(ValueError, match="together, or none of them"):
+        RetrofitSettings(source_layers=5, core=(1, 2))
+
+
 def _table(**splits):
     return {name: {"overall": dict(values)} for name, values in splits.items()}
 
@@ -157,6 +168,8 @@ def test_tiny_gate_experiment_compares_the_gate_with_kl_exits(tmp_path):
     (["--experiment", "retrofit", "--split", "0/1"], "prelude/core/coda"),
     (["--experiment", "retrofit", "--split", "0/0/1"], "named twice"),
     (["--experiment", "retrofit", "--pretrain-steps", "0"], "pretrain_steps must be a positive integer"),
+    (["--experiment", "retrofit", "--source-layers", "2"], "at least 3 for the default split"),
+    (["--experiment", "retrofit", "--source-layers", "3", "--split", "0/1/3"], "out of range"),
     (["--experiment", "gate", "--loops", "0"], "loops must be a positive integer"),
     (["--experiment", "gate", "--gate-thresholds", "0,0.5"], "gate thresholds must be in (0, 1]"),
     (["--experiment", "nope"], "invalid choice"),

@@ -103,9 +103,9 @@ def register(subparsers) -> None:
     e.add_argument("--retrofit-steps", type=int, default=r.steps,
                    help="retrofit: steps of the retrofitted model (the control trains for the same FLOPs)")
     e.add_argument("--source-layers", type=int, default=r.source_layers, help="retrofit: the Llama's layers")
-    e.add_argument("--split", type=_split, default=(r.prelude, r.core, r.coda),
+    e.add_argument("--split", type=_split, default=(None, None, None),
                    help="retrofit: the Llama's layers of prelude, core and coda, e.g. 0/1/2 or 0/2-3/4 "
-                        "(default: the first, the middle ones, the last)")
+                        "(default: the first layer, the ones between, the last)")
     e.add_argument("--adapter-init", default=r.adapter_init, choices=ADAPTER_INITS,
                    help="retrofit: the adapter's initialisation (docs/retrofit.md)")
     e.add_argument("--loops", type=int, default=g.loops, help="gate: loops the looped model trains at")

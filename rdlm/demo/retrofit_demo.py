@@ -52,10 +52,11 @@ BOUNDS = {"test_vs_control": 0.0, "harder_vs_control": 0.15, "harder_gain": 0.20
 class RetrofitSettings:
     """The experiment's own settings; the task, width, recipe and evaluation are the DemoConfig's."""
     source_layers: int = 3
-    # docs/retrofit.md: the first layer(s) the prelude, the last the coda, the core the layers before it.
-    prelude: tuple[int, ...] = (0,)
-    core: tuple[int, ...] = (1,)
-    coda: tuple[int, ...] = (2,)
+    # None: the split docs/retrofit.md's rule gives a model this small: the first layer the prelude, the last
+    # the coda, the layers between them the core (none dropped; 0 / 1 / 2 for three layers).
+    prelude: tuple[int, ...] | None = None
+    core: tuple[int, ...] | None = None
+    coda: tuple[int, ...] | None = None
     adapter_init: str = "identity"
     pretrain_steps: int = 500
     steps: int = 800                 # of the retrofitted model; the control's follow from the FLOPs
@@ -71,7 +72,17 @@ class RetrofitSettings:
             raise ValueError(f"adapter_init must be one of {', '.join(ADAPTER_INITS)}, got {self.adapter_init!r}")
         from rdlm.model.retrofit import check_split
 
-        check_split(self.source_layers, self.prelude, self.core, self.coda)
+        n = self.source_layers
+        if self.prelude is None and self.core is None and self.coda is None:
+            if n < 3:
+                raise ValueError(f"source_layers must be at least 3 for the default split (prelude, core, coda), "
+                                 f"got {n}")
+            object.__setattr__(self, "prelude", (0,))
+            object.__setattr__(self, "core", tuple(range(1, n - 1)))
+            object.__setattr__(self, "coda", (n - 1,))
+        elif None in (self.prelude, self.core, self.coda):
+            raise ValueError("give the prelude, core and coda layers together, or none of them (the default split)")
+        check_split(n, self.prelude, self.core, self.coda)
         if not 0 < self.r_curriculum_fraction <= 1:
             raise ValueError(f"r_curriculum_fraction must be in (0, 1], got {self.r_curriculum_fraction!r}")
 
