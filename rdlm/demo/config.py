@@ -3,8 +3,10 @@ anything is drawn or trained."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from rdlm.demo import tasks as T
 from rdlm.inference.exits import make_exit_criterion
@@ -164,3 +166,8 @@ def model_config(cfg: DemoConfig, vocab_size: int, context_length: int, kind: st
                       num_heads=cfg.num_heads, intermediate_size=2 * cfg.hidden_size, vocab_size=vocab_size,
                       context_length=context_length, name={"recurrent": "demo"}.get(kind, f"demo-{kind}"),
                       **recurrence)
+
+
+def settings_dict(settings: Any) -> dict[str, Any]:
+    """A settings dataclass as results.json records it (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(settings).items()}

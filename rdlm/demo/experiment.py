@@ -4,7 +4,6 @@ machine, load and time every report states."""
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -39,13 +38,6 @@ def phase_rows(family: T.TaskFamily, cfg: DemoConfig, steps: int, phase: int, re
     examples = T.generate(family, n, cfg.seed + PHASE_SEED_OFFSET * phase, "train", difficulties=order,
                           exclude=reserved)
     return task_rows(examples, tokenizer)
-
-
-def task_context(splits: dict[str, list[T.Example]], *rows) -> int:
-    """A power of two that holds every row and every evaluation prompt with its reply (at least 64)."""
-    longest = max(*(r.row_length for r in rows),
-                  *(len(ex.prompt) + len(ex.reply) + 1 for s in splits.values() for ex in s))
-    return 1 << max(6, math.ceil(math.log2(longest + 1)))
 
 
 def check_rows(checks: Sequence[tuple[str, float, float]], op: str = ">=") -> list[dict[str, Any]]:

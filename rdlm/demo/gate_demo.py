@@ -16,21 +16,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from rdlm.demo import tasks as T
-from rdlm.demo.config import DemoConfig, model_config
-from rdlm.demo.experiment import ExperimentResult, check_rows, environment, task_context
+from rdlm.demo.config import DemoConfig, model_config, settings_dict
+from rdlm.demo.experiment import ExperimentResult, check_rows, environment
 from rdlm.demo.jobs import Job, run_jobs
-from rdlm.demo.run import prepare_out_dir, task_rows
-from rdlm.demo.scoring import decode_answers, within_tolerance
+from rdlm.demo.run import prepare_out_dir, task_context, task_rows, torch_threads
+from rdlm.demo.scoring import answer_steps_by_difficulty, choose_exit_threshold, decode_answers
 from rdlm.fileio import write_json
 from rdlm.model.config import RDLMConfig
 from rdlm.model.huginn import save_pretrained
@@ -76,29 +73,26 @@ def looped_config(cfg: DemoConfig, exp: GateSettings, vocab_size: int, context: 
 
 
 def exit_sweep(model, splits: dict[str, list[T.Example]], tokenizer: T.CharTokenizer, cfg: DemoConfig,
-               criterion: str, thresholds: Sequence[float], max_steps: int, table: dict[str, Any]) -> dict[str, Any]:
-    """Every threshold (loosest first) on validation; the loosest whose accuracy is within
-    `cfg.exit_tolerance` of r = max_steps chosen; test and harder decoded at it (accuracy, iterations per
-    answer token overall and per difficulty)."""
+               criterion: str, thresholds: Sequence[float], max_steps: int, table: dict[str, Any],
+               loose_first: bool = True) -> dict[str, Any]:
+    """Every threshold on validation; the loosest whose accuracy is within `cfg.exit_tolerance` of
+    r = max_steps chosen (`choose_exit_threshold`; `loose_first` as there); test and harder decoded at it
+    (accuracy, iterations per answer token overall and per difficulty)."""
     fixed = {name: table[name]["overall"][max_steps] for name in ("validation", "test", "harder")}
     sweep = []
     for threshold in thresholds:
         d = decode_answers(model, splits["validation"], tokenizer, max_steps, cfg.eval_batch_size, cfg.seed,
                            criterion, threshold)
         sweep.append({"threshold": threshold, "accuracy": d.accuracy, "answer_steps": d.mean_answer_steps})
-    eligible = [row for row in sweep if within_tolerance(row["accuracy"], fixed["validation"], cfg.exit_tolerance)]
-    chosen = (eligible or sweep[-1:])[0]
+    chosen = choose_exit_threshold(sweep, fixed["validation"], cfg.exit_tolerance, loose_first)
     out: dict[str, Any] = {"criterion": criterion, "max_steps": max_steps, "validation_sweep": sweep,
                            "threshold": chosen["threshold"], "fixed_accuracy": fixed}
     for name in ("test", "harder"):
         examples = splits[name]
         d = decode_answers(model, examples, tokenizer, max_steps, cfg.eval_batch_size, cfg.seed, criterion,
                            chosen["threshold"])
-        per_difficulty: dict[int, list[int]] = {}
-        for steps, ex in zip(d.answer_steps, examples):
-            per_difficulty.setdefault(ex.difficulty, []).extend(steps)
         out[name] = {"accuracy": d.accuracy, "answer_steps": d.mean_answer_steps,
-                     "answer_steps_by_difficulty": {k: sum(v) / len(v) for k, v in sorted(per_difficulty.items())}}
+                     "answer_steps_by_difficulty": answer_steps_by_difficulty(d, examples)}
     return out
 
 
@@ -114,7 +108,8 @@ def fewest_loops(split: dict[str, Any], counts: dict[int, int], loops: int, tole
 
 
 def _gate_sweep(exp: GateSettings, model, splits, tokenizer, cfg, table) -> dict[str, Any]:
-    return exit_sweep(model, splits, tokenizer, cfg, "gate", sorted(exp.thresholds), exp.loops, table)
+    return exit_sweep(model, splits, tokenizer, cfg, "gate", sorted(exp.thresholds), exp.loops, table,
+                      loose_first=False)
 
 
 def _kl_sweep(model, splits, tokenizer, cfg, table) -> dict[str, Any]:
@@ -144,22 +139,10 @@ def claims_and_checks(gate: dict[str, Any], loops: int, shortest: int) -> tuple[
     return claims, check_rows(checks)
 
 
-def _counts(examples: Sequence[T.Example]) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for ex in examples:
-        counts[ex.difficulty] = counts.get(ex.difficulty, 0) + 1
-    return counts
-
-
 def run_gate_experiment(cfg: DemoConfig, exp: GateSettings | None = None) -> ExperimentResult:
-    exp = exp or GateSettings()
     out = prepare_out_dir(cfg.out_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
-        return _run(cfg, exp, out)
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(cfg.threads):
+        return _run(cfg, exp or GateSettings(), out)
 
 
 def _run(cfg: DemoConfig, exp: GateSettings, out: Path) -> ExperimentResult:
@@ -183,12 +166,13 @@ def _run(cfg: DemoConfig, exp: GateSettings, out: Path) -> ExperimentResult:
     gate = done["looped"].extra
     shortest = min(family.train_difficulties)
     claims, checks = claims_and_checks(gate, exp.loops, shortest)
-    gate["fewest_loops"] = {name: fewest_loops(done["looped"].table[name], _counts(splits[name]), exp.loops,
+    gate["fewest_loops"] = {name: fewest_loops(done["looped"].table[name],
+                                               T.describe_split(splits[name])["per_difficulty"], exp.loops,
                                                BOUNDS["accuracy_drop"]) for name in ("test", "harder")}
     results = {
         "experiment": "gate",
-        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()},
-        "gate_settings": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(exp).items()},
+        "config": settings_dict(cfg),
+        "gate_settings": settings_dict(exp),
         "task": {"name": family.name, "train_difficulties": list(family.train_difficulties),
                  "harder_difficulties": list(family.harder_difficulties)},
         "splits": {k: T.describe_split(v) for k, v in splits.items()},

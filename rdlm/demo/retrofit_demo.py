@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
-
 from rdlm.demo import tasks as T
-from rdlm.demo.config import DemoConfig
-from rdlm.demo.experiment import ExperimentResult, check_rows, environment, phase_rows, task_context
+from rdlm.demo.config import DemoConfig, settings_dict
+from rdlm.demo.experiment import ExperimentResult, check_rows, environment, phase_rows
 from rdlm.demo.jobs import Job, run_jobs, train_model
-from rdlm.demo.run import prepare_out_dir
+from rdlm.demo.run import prepare_out_dir, task_context, torch_threads
 from rdlm.demo.scoring import choose_best_r
 from rdlm.fileio import write_json
 from rdlm.model.config import RDLMConfig
@@ -166,14 +164,9 @@ def claims_and_checks(tables: dict[str, dict], train_mean_r: int) -> tuple[dict[
 
 
 def run_retrofit_experiment(cfg: DemoConfig, exp: RetrofitSettings | None = None) -> ExperimentResult:
-    exp = exp or RetrofitSettings()
     out = prepare_out_dir(cfg.out_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
-        return _run(cfg, exp, out)
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(cfg.threads):
+        return _run(cfg, exp or RetrofitSettings(), out)
 
 
 def _run(cfg: DemoConfig, exp: RetrofitSettings, out: Path) -> ExperimentResult:
@@ -223,8 +216,8 @@ def _run(cfg: DemoConfig, exp: RetrofitSettings, out: Path) -> ExperimentResult:
     histories = {"pretraining": pre_history} | {kind: r.history for kind, r in done.items()}
     results = {
         "experiment": "retrofit",
-        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()},
-        "retrofit": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(exp).items()},
+        "config": settings_dict(cfg),
+        "retrofit": settings_dict(exp),
         "task": {"name": family.name, "train_difficulties": list(family.train_difficulties),
                  "harder_difficulties": list(family.harder_difficulties)},
         "splits": {k: T.describe_split(v) for k, v in splits.items()},

@@ -20,20 +20,20 @@ perplexity against r.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import math
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from rdlm.demo import tasks as T
-from rdlm.demo.config import MARGIN_EPS, DemoConfig, model_config
+from rdlm.demo.config import MARGIN_EPS, DemoConfig, model_config, settings_dict
 from rdlm.demo.jobs import Job, job_cost, run_jobs, train_model
 from rdlm.demo.report import plot_code, write_report
 from rdlm.demo.scoring import choose_best_r
@@ -83,19 +83,34 @@ def task_rows(examples: Sequence[T.Example], tokenizer: T.CharTokenizer):
     return MemoryRows(tokens, mask, targets, trim=True)
 
 
+def task_context(splits: dict[str, list[T.Example]], *rows) -> int:
+    """A power of two that holds every row and every evaluation prompt with its reply (at least 64)."""
+    longest = max(*(r.row_length for r in rows),
+                  *(len(ex.prompt) + len(ex.reply) + 1 for s in splits.values() for ex in s))
+    return 1 << max(6, math.ceil(math.log2(longest + 1)))
+
+
+
 # --------------------------------------------------------------------------------------------------
 # The demo
 
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` for the block, then back to what they were."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_demo(cfg: DemoConfig) -> DemoResult:
     out = prepare_out_dir(cfg.out_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
+    with torch_threads(cfg.threads):
         if cfg.task == "code":
             return run_code_demo(cfg, out)
         return run_task_demo(cfg, out)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _cpu_seconds() -> float:
@@ -136,8 +151,7 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     split_info = {"train": T.describe_split(train_examples)} | {k: T.describe_split(v) for k, v in splits.items()}
     rows = task_rows(train_examples, tokenizer)
     drawn = time.perf_counter()
-    longest = max(rows.row_length, *(len(ex.prompt) + len(ex.reply) + 1 for s in splits.values() for ex in s))
-    context = 1 << max(6, math.ceil(math.log2(longest + 1)))
+    context = task_context(splits, rows)
 
     rs = tuple(sorted(set(cfg.eval_num_steps) | {cfg.train_mean_r, cfg.exit_max_steps}))
     configs = {kind: model_config(cfg, tokenizer.vocab_size, context, kind) for kind in cfg.models()}
@@ -244,7 +258,7 @@ def claims_and_checks(cfg: DemoConfig, tables: dict[str, dict], exits: dict[str,
 def summarize(cfg, family, models, tables, exits, histories, split_info) -> dict[str, Any]:
     claims, checks = claims_and_checks(cfg, tables, exits)
     return {
-        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()},
+        "config": settings_dict(cfg),
         "task": {"name": family.name, "description": family.description,
                  "train_difficulties": list(family.train_difficulties),
                  "harder_difficulties": list(family.harder_difficulties)},
@@ -289,7 +303,7 @@ def run_code_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     batches = [(b[:, :-1], b[:, 1:]) for b in val_rows.split(cfg.eval_batch_size)]
     ppl = {r: math.exp(scores.mean_nll)
            for r, scores in nll_vs_steps(model, batches, cfg.eval_num_steps, seed=cfg.seed).items()}
-    results = {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()},
+    results = {"config": settings_dict(cfg),
                "task": {"name": "code", "description": "Python standard library source, byte-level BPE"},
                "parameters": model.num_parameters(), "validation_perplexity": ppl,
                "training": {"recurrent": history}, "seconds": round(time.perf_counter() - start, 1)}

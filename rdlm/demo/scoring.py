@@ -120,12 +120,13 @@ def choose_best_r(validation: dict[int, float]) -> int:
     return max(validation, key=lambda r: (validation[r], -r))
 
 
-def choose_exit_threshold(sweep: Sequence[dict[str, Any]], fixed_accuracy: float, tolerance: float
-                          ) -> dict[str, Any]:
+def choose_exit_threshold(sweep: Sequence[dict[str, Any]], fixed_accuracy: float, tolerance: float,
+                          loose_first: bool = True) -> dict[str, Any]:
     """The selection rule for the exit threshold: of the validation `sweep` rows ({"threshold",
     "accuracy", ...}), the loosest threshold whose accuracy is at least `fixed_accuracy - tolerance`;
-    the strictest one if none is."""
-    ordered = sorted(sweep, key=lambda row: -row["threshold"])
+    the strictest one if none is. `loose_first`: a larger threshold exits sooner (the heuristic criteria's
+    scores); False where a smaller one does (a learned gate's cumulative exit probability)."""
+    ordered = sorted(sweep, key=lambda row: -row["threshold"] if loose_first else row["threshold"])
     eligible = [row for row in ordered if within_tolerance(row["accuracy"], fixed_accuracy, tolerance)]
     return eligible[0] if eligible else ordered[-1]
 
@@ -133,6 +134,12 @@ def choose_exit_threshold(sweep: Sequence[dict[str, Any]], fixed_accuracy: float
 def within_tolerance(accuracy: float, fixed_accuracy: float, tolerance: float) -> bool:
     """Whether an exit threshold's validation accuracy may be chosen: at most `tolerance` below fixed r."""
     return accuracy >= fixed_accuracy - tolerance
+
+
+def answer_steps_by_difficulty(decoded: Decoded, examples: Sequence[T.Example]) -> dict[int, float]:
+    """Iterations per decoded answer token, per difficulty (in increasing order)."""
+    return {d: _mean([s for steps, ex in zip(decoded.answer_steps, examples) if ex.difficulty == d for s in steps])
+            for d in sorted({ex.difficulty for ex in examples})}
 
 
 def adaptive_exits(model: RecurrentDepthLM, splits: dict[str, list[T.Example]], tokenizer: T.CharTokenizer,
@@ -163,7 +170,5 @@ def adaptive_exits(model: RecurrentDepthLM, splits: dict[str, list[T.Example]], 
                "test_accuracy": test.accuracy, "test_fixed_accuracy": fixed["test"],
                "test_answer_steps": test.mean_answer_steps, "test_decoded_steps": test.mean_decoded_steps,
                "test_prompt_tokens": _mean([len(ex.prompt) for ex in splits["test"]]),
-               "test_answer_steps_by_difficulty": {
-                   d: _mean([s for steps, ex in zip(test.answer_steps, splits["test"]) if ex.difficulty == d
-                             for s in steps]) for d in sorted({ex.difficulty for ex in splits["test"]})}}
+               "test_answer_steps_by_difficulty": answer_steps_by_difficulty(test, splits["test"])}
     return summary, [s for row in test.answer_steps for s in row]
