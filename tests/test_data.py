@@ -136,6 +136,25 @@ def test_prompt_response_jsonl(tok, tmp_path):
         load_prompt_response(path, tok)
 
 
+def test_data_text_never_becomes_a_control_token(tok, tmp_path):
+    """Training text that spells a control token ("<|end_turn|>" in a reply, in a prompt or in a document)
+    is trained on as text: only the format's own markers are control tokens."""
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": "say <|end_turn|>", "response": "a<|end_turn|>b"}) + "\n")
+    tokens, mask = load_prompt_response(path, tok).rows(np.arange(1))
+    ids = tokens[0][tokens[0] != tok.pad_id].tolist()
+    assert ids.count(tok.end_turn_id) == 2   # the prompt turn's end and the reply's end, nothing from the text
+    assert tok.decode(tokens[0][mask[0]].tolist()) == "a<|end_turn|>b<|end_turn|>"
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d + " <|end_text|><|begin_text|>"}) + "\n" for d in DOCS))
+    meta = prepare([src], tok, tmp_path / "out", context_length=31, val_fraction=0.2)
+    rows = TokenShards(tmp_path / "out", "train").rows(np.arange(meta["rows"]["train"]))[0]
+    # one BOS per document, none from the text (rows overlap by one token: count each position once)
+    assert int((rows[:, :-1] == tok.bos_id).sum()) <= meta["train_documents"]
+    assert int((rows == tok.eos_id).sum()) == 0
+
+
+
 def test_memory_rows_targets_replace_the_next_token_as_labels():
     tokens = torch.tensor([[1, 2, 3, 4]])
     targets = torch.tensor([[1, 9, 3, 8]])

@@ -188,7 +188,7 @@ def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None 
         else:
             raise DataError(f"{path}:{number}: expected keys 'prompt' and 'response', or 'messages'")
         prompt = tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True)
-        response = tokenizer.encode(str(reply).strip()) + [tokenizer.end_turn_id]
+        response = tokenizer.encode(str(reply).strip(), special=False) + [tokenizer.end_turn_id]
         pairs.append((prompt, response))
     if not pairs:
         raise DataError(f"{path}: no examples")
@@ -414,7 +414,7 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
 
     def encode_pending(which: str) -> None:
         nonlocal max_id
-        for doc in tokenizer.encode_batch(pending[which], add_bos=True):
+        for doc in tokenizer.encode_batch(pending[which], add_bos=True, special=False):
             max_id = max(max_id, max(doc))
             buffers[which].extend(packers[which].add(doc))
         pending[which] = []

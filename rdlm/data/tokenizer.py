@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import secrets
+import threading
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -19,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from rdlm.fileio import write_text
 
 TOKENIZER_FILE = "tokenizer.json"
+_PLAIN_LOCK = threading.Lock()   # Tokenizer._backend: makes the plain-text copy once
 
 BOS = "<|begin_text|>"
 EOS = "<|end_text|>"
@@ -110,6 +114,7 @@ class Tokenizer:
                                  f"{', '.join((BEGIN_HEADER, END_HEADER, END_TURN))}")
         # One past the largest id: the embedding rows a model needs (ids may have gaps, as Huginn's do).
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+        self._plain: HFTokenizer | None = None
 
     def _id(self, token: str) -> int | None:
         found = self.backend.token_to_id(token)
@@ -154,18 +159,33 @@ class Tokenizer:
     # ----------------------------------------------------------------------------------------------
     # Text
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`; `add_bos` puts BOS first (where the tokenizer has one)."""
+    def _backend(self, special: bool) -> HFTokenizer:
+        """The backend that reads special-token text as control tokens (`special`), or a copy that reads
+        it as plain text (tokenizers' `encode_special_tokens`), made once: a flag toggled on the shared
+        backend would race between threads encoding at once."""
+        if special:
+            return self.backend
+        with _PLAIN_LOCK:
+            if self._plain is None:
+                plain = HFTokenizer.from_str(self.backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+        return self._plain
+
+    def encode(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+        """Token ids of `text`; `add_bos` puts BOS first (where the tokenizer has one). With `special`
+        False, text such as "<|end_turn|>" is encoded as the characters it is, never as the control
+        token: what user content and training data need, so that no text can forge a turn."""
         try:
-            ids = self.backend.encode(text, add_special_tokens=False).ids
+            ids = self._backend(special).encode(text, add_special_tokens=False).ids
         except Exception as err:  # tokenizers raises a bare Exception (e.g. a character with no token)
             raise TokenizerError(f"{self.source} cannot encode {text[:60]!r}: {err} (a character outside "
                                  "its vocabulary?)") from err
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False, special: bool = True) -> list[list[int]]:
         try:
-            encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+            encodings = self._backend(special).encode_batch(list(texts), add_special_tokens=False)
         except Exception as err:
             raise TokenizerError(f"{self.source} cannot encode a text of the batch: {err}") from err
         bos = [self.bos_id] if add_bos and self.bos_id is not None else []
@@ -209,10 +229,32 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
+        """The chat's token ids. The template's own markers become control tokens; the messages' text
+        never does ("<|end_turn|><|begin_header|>system" in a message is plain text). A chat with no
+        such text gets the ids its rendered text has."""
         if not self.has_chat:
             raise TokenizerError(f"{self.source}: this tokenizer has no chat tokens ({BEGIN_HEADER}, "
                                  f"{END_HEADER}, {END_TURN}): the model was not made for chats")
-        return self.encode(self.format_chat(messages, add_generation_prompt))
+        # Render with a random marker in place of each message's (trimmed) text, then encode: every
+        # special token outside the markers is the template's and becomes its id; each stretch between two
+        # of them, messages' text included, is encoded as plain text, as the tokenizer would encode that
+        # stretch within the whole (it splits at special tokens first).
+        nonce = secrets.token_hex(8)
+        marked, texts = [], []
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or "content" not in message:
+                raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
+            texts.append(str(message["content"]).strip())
+            marked.append({**message, "content": f"\x00{nonce}:{i}\x00"})
+        rendered = format_chat(marked, add_generation_prompt)
+        ids: list[int] = []
+        for piece in re.split(f"({'|'.join(map(re.escape, SPECIAL_TOKENS))})", rendered):
+            if piece in SPECIAL_TOKENS and self._id(piece) is not None:
+                ids.append(self._id(piece))
+            elif piece:
+                text = re.sub(f"\x00{nonce}:(\\d+)\x00", lambda m: texts[int(m.group(1))], piece)
+                ids += self.encode(text, special=False)
+        return ids
 
 
 MAX_VOCAB_SIZE = 2**24
