@@ -187,6 +187,37 @@ def staging_dir(target: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def check_parents(path: str | os.PathLike, what: str = "output") -> Path:
+    """`path`, refused in one line when a parent that exists is not a directory (`/dev/null/x`: mkdir would
+    report "File exists: '/dev/null'")."""
+    path = Path(path)
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{what} {path}: its parent {parent} is not a directory")
+            break
+    return path
+
+
+@contextmanager
+def new_dirs_removed_on_failure(path: str | os.PathLike) -> Iterator[Path]:
+    """`path` (checked by `check_parents`); when the block raises, the directories it did not find there
+    before (`path` and any missing parents, with what was written in them) are removed: a refused or
+    failed job leaves no empty or half-written output directory behind."""
+    path = check_parents(path)
+    first_new = None
+    for candidate in (path, *path.parents):
+        if candidate.exists() or candidate.is_symlink():
+            break
+        first_new = candidate
+    try:
+        yield path
+    except BaseException:
+        if first_new is not None and first_new.is_dir():
+            shutil.rmtree(first_new, ignore_errors=True)
+        raise
+
+
 def confined_name(name: Any, source: str | os.PathLike, error: type[Exception] = ValueError,
                   directory: str = "directory") -> str:
     """A file name read from a directory's own metadata (`source`), refused unless it stays inside it.

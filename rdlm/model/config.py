@@ -31,6 +31,10 @@ NOISE_SCHEDULES = ("fixed", "geom", "sqrt", "line", "chi")
 INJECTIONS = ("concat", "add", "none")
 # s_0: random (truncated normal), zeros, or e itself ("embedding", Ouro).
 STATE_INITS = ("random", "zero", "embedding")
+# The longest context a config may ask for: the model holds RoPE tables for every position (length x head
+# dim floats), and a KV cache or a training row of that length must fit too. 2**20 is 8x the longest
+# context of the families rdlm runs (Llama 3.1's 131072); a typo like 1000000000 would need 32 GB of tables.
+MAX_CONTEXT_LENGTH = 2**20
 
 
 class ConfigError(ValueError):
@@ -113,6 +117,10 @@ class RDLMConfig:
         if self.head_size is None and self.hidden_size % self.num_heads != 0:
             raise ConfigError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.context_length > MAX_CONTEXT_LENGTH:
+            table = self.context_length * self.head_dim * 4  # cos and sin, head_dim / 2 floats each
+            raise ConfigError(f"context_length must be at most {MAX_CONTEXT_LENGTH} positions (2**20), got "
+                              f"{self.context_length} (its RoPE tables alone would need {table / 1e9:.3g} GB)")
         if self.head_dim % 2 != 0:
             raise ConfigError(f"head dimension {self.head_dim} must be even for RoPE")
         if self.num_heads % self.kv_heads != 0:

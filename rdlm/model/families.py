@@ -34,6 +34,23 @@ class CheckpointError(ValueError):
 # ------------------------------------------------------------------------------------------------
 # Recognising a checkpoint
 
+_JSON_KINDS = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+               dict: "an object", type(None): "null"}
+_ACCEPTS = {"integer": (int,), "number": (int, float), "boolean": (bool,)}
+
+
+def check_key_types(raw: Mapping[str, Any], kinds: Mapping[str, str], source: str) -> None:
+    """Refuse a config.json key of the wrong JSON type ("integer", "number" or "boolean"), naming the key as
+    the file spells it: `"n_embd": "64"` is a string, not the integer the model's shape needs."""
+    for key, kind in kinds.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        wrong_bool = isinstance(value, bool) and kind != "boolean"
+        if wrong_bool or not isinstance(value, _ACCEPTS[kind]):
+            raise CheckpointError(f"{source}: {key} must be {'an' if kind == 'integer' else 'a'} {kind}, got "
+                                  f"{value!r} ({_JSON_KINDS.get(type(value), type(value).__name__)})")
+
 def standard_rope_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
     """`raw` with RoPE in the config.json spelling (`rope_theta`, `rope_scaling`): transformers 5 keeps both
     inside `rope_parameters` (its configs' `to_dict()`), which is read the same way."""
@@ -182,6 +199,10 @@ def config_from_ouro(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     missing = [key for key in required if key not in raw]
     if missing:
         raise CheckpointError(f"{source}: missing required key(s) {', '.join(missing)}")
+    check_key_types(raw, {**dict.fromkeys((*required, "num_key_value_heads", "head_dim", "total_ut_steps"),
+                                          "integer"),
+                          "rope_theta": "number", "rms_norm_eps": "number", "early_exit_threshold": "number",
+                          "tie_word_embeddings": "boolean"}, source)
     for key, expected in _OURO_FIXED.items():
         if key in raw and raw[key] != expected:
             raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported (expected {expected!r})")

@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 
 from rdlm.model.config import RDLMConfig, check_keys
 from rdlm.fileio import confined_name, recover_dir, staging_dir, write_json
-from rdlm.model.families import (CheckpointError, check_ouro_shape, config_from_ouro, config_to_ouro, family_of,
-                                 from_huginn_name, from_ouro_tensors, ouro_name, retrofit_fields, retrofit_keys,
+from rdlm.model.families import (CheckpointError, check_key_types, check_ouro_shape, config_from_ouro,
+                                 config_to_ouro, family_of, from_huginn_name, from_ouro_tensors, ouro_name, retrofit_fields, retrofit_keys,
                                  standard_rope_keys, to_huginn_name, to_ouro_tensors)
 from rdlm.model.lm import RecurrentDepthLM, rope_tables
 
@@ -51,6 +51,11 @@ _OPTIONAL = {"norm_eps": "norm_eps", "rope_base": "rope_base", "qk_bias": "qk_bi
 # authors' raven_config_minimal.json spells the heads `num_attention_heads`.
 _ALIASES = {"num_attention_heads": "n_heads", "hidden_size": "n_embd", "num_hidden_layers": "n_layers",
             "max_position_embeddings": "block_size"}
+# The JSON type of each key read (a retrofitted model's own keys too), checked before any arithmetic on them.
+_KINDS = {**dict.fromkeys((*_REQUIRED, "padded_vocab_size", "n_layers", "mean_recurrence", "mean_backprop_depth",
+                           "num_key_value_heads", "head_dim", "max_position_embeddings"), "integer"),
+          **dict.fromkeys(("norm_eps", "rope_base", "rope_theta", "test_time_noise"), "number"),
+          **dict.fromkeys(("qk_bias", "tie_embeddings", "bias", "tie_word_embeddings"), "boolean")}
 
 
 def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME,
@@ -79,6 +84,7 @@ def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME,
     missing = [key for key in _REQUIRED if key not in raw]
     if missing:
         raise CheckpointError(f"{source}: missing required key(s) {', '.join(missing)}")
+    check_key_types(raw, _KINDS, source)
     values: dict[str, Any] = {ours: raw[theirs] for theirs, ours in {**_REQUIRED, **_OPTIONAL}.items()
                               if theirs in raw}
     # The reference pads the embedding table; its rows are what the weights hold.
@@ -111,21 +117,26 @@ def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME,
             raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported (expected {expected!r})")
     if family != "huginn":
         values.update(retrofit_fields(raw, family, source))
-    return _with_rdlm_section(values, raw, source)
+    spelled = {ours: theirs for theirs, ours in {**_REQUIRED, **_OPTIONAL}.items() if theirs in raw}
+    return _with_rdlm_section(values, raw, source, spelled)
 
 
-def _with_rdlm_section(values: dict[str, Any], raw: Mapping[str, Any], source: str) -> RDLMConfig:
+def _with_rdlm_section(values: dict[str, Any], raw: Mapping[str, Any], source: str,
+                       keys: Mapping[str, str] | None = None) -> RDLMConfig:
     """The config of `values` and the file's "rdlm" section: fields rdlm adds (sampler, ...) travel there,
-    so a round trip is lossless."""
+    so a round trip is lossless. `keys`: the file's name of a field, which an error about it names too."""
+    extra = raw.get("rdlm", {})
     try:
-        extra = raw.get("rdlm", {})
         if not isinstance(extra, dict):
             raise ValueError(f"the rdlm section must be an object, got {extra!r}")
         check_keys(extra)
         values.update(extra)
         return RDLMConfig.from_dict(values)
     except ValueError as err:
-        raise CheckpointError(f"{source}: {err}") from err
+        field, _, rest = str(err).partition(" ")
+        theirs = (keys or {}).get(field, field)
+        named = f"{theirs} ({field}) {rest}" if theirs != field and field not in (extra or {}) else str(err)
+        raise CheckpointError(f"{source}: {named}") from err
 
 
 # Fields beyond Huginn-0125's; a Huginn-layout file keeps those that differ from the default in its
@@ -218,6 +229,9 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{index}: malformed index ({err})") from err
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map must be an object of tensor name -> file name, got "
+                                  f"{type(weight_map).__name__} {str(weight_map)[:60]}")
         files = [path / confined(name, index) for name in dict.fromkeys(weight_map.values())]
     elif (path / SINGLE_FILE).is_file():
         files = [path / SINGLE_FILE]

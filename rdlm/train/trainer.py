@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from rdlm.data.shards import Batch, Batches, fixed_batches
+from rdlm.fileio import new_dirs_removed_on_failure
 from rdlm.model.config import ConfigError
 from rdlm.model.flops import flops_per_token
 from rdlm.model.lm import RecurrentDepthLM
@@ -84,15 +85,19 @@ class Trainer(RunCheckpoints):
             raise ConfigError(f"--device: {err}") from err
         # One writer per run directory, for the whole run (released by `close`, or by the kernel).
         self.lock = None
+        made = contextlib.nullcontext()
         if config.out_dir is not None and self.world.is_main:
             if Path(config.out_dir).exists() and not Path(config.out_dir).is_dir():
                 raise RunDirError(f"--out-dir {config.out_dir} is a file, not a directory")
-            self.lock = RunLock(config.out_dir)
-        try:
-            self._build(config, model, train_data, val_data, tokenizer, eval_hooks, step_hooks)
-        except BaseException:
-            self.close()
-            raise
+            made = new_dirs_removed_on_failure(config.out_dir)  # a refused run leaves no directory behind
+        with made:
+            if config.out_dir is not None and self.world.is_main:
+                self.lock = RunLock(config.out_dir)
+            try:
+                self._build(config, model, train_data, val_data, tokenizer, eval_hooks, step_hooks)
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
         """Release the run directory."""
