@@ -222,7 +222,7 @@ def test_requests_that_cannot_be_served_are_refused_by_name(model):
     assert len(drain(batch)[rid]) == 3
 
 
-def test_non_finite_logits_fail_the_step_naming_the_weights():
+def test_non_finite_logits_fail_the_request_naming_the_weights():
     from rdlm.inference.engine import NonFiniteLogitsError
 
     torch.manual_seed(0)
@@ -231,9 +231,37 @@ def test_non_finite_logits_fail_the_step_naming_the_weights():
         broken.coda[0].mlp.out.weight.fill_(float("nan"))
     broken.source = "runs/broken"
     batch = ContinuousBatch(broken, max_batch=2, max_length=16, num_slots=4)
-    batch.add([1, 2, 3], GenerationConfig(num_steps=2, max_new_tokens=3))
-    with pytest.raises(NonFiniteLogitsError, match="non-finite logits at new token 1; weights may be NaN: runs/broken"):
-        drain(batch)
+    request = batch.add([1, 2, 3], GenerationConfig(num_steps=2, max_new_tokens=3))
+    assert drain(batch) == {} and not batch.busy
+    [(failed, err)] = batch.take_failures()
+    assert failed == request and isinstance(err, NonFiniteLogitsError)
+    assert "non-finite logits at new token 1; weights may be NaN: runs/broken" in str(err)
+    with pytest.raises(NonFiniteLogitsError, match="weights may be NaN: runs/broken"):   # generate raises it
+        generate(broken, [[1, 2, 3]], GenerationConfig(num_steps=2, max_new_tokens=3))
+
+
+def test_a_request_whose_row_turns_nan_fails_alone_and_its_row_is_clean_for_the_next():
+    """A prompt holding a token that embeds as infinity (the head untied, so only rows reading it) fails
+    alone; the row beside it gets its tokens; then the freed row, next to a longer prompt, reads its cache
+    past its own length (masked entries, weight 0: a NaN left there would still poison the sum) and its
+    request gets the tokens of its prompt alone."""
+    torch.manual_seed(0)
+    model = RecurrentDepthLM(RDLMConfig.from_preset("tiny", tie_embeddings=False)).eval()
+    with torch.no_grad():
+        model.embedding.weight[7] = float("inf")
+    config = GenerationConfig(num_steps=4, max_new_tokens=6)
+    short, long = [1, 2, 3], [1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
+    alone = {tuple(p): generate(model, [p], config).tokens[0] for p in (short, long)}
+    batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4)
+    first, poisoned = batch.add(short, config), batch.add([*short, 7, 7, 7, 7, 7, 7], config)   # rows 0 and 1
+    events = drain(batch)
+    assert [e.token for e in events[first]] == alone[tuple(short)] and poisoned not in events
+    assert [request for request, _ in batch.take_failures()] == [poisoned]
+    cache = batch.cache
+    assert not any(t[..., 1, :, :, :].isnan().any() for t in (cache.prelude_k, cache.prelude_v, cache.core_k,
+                                                                cache.core_v, cache.coda_k, cache.coda_v))
+    again = {batch.add(long, config): long, batch.add(short, config): short}      # short in the failed row
+    assert {tuple(again[r]): [e.token for e in got] for r, got in drain(batch).items()} == alone
 
 
 def test_an_engine_counts_its_queued_and_running_requests(model):

@@ -4,7 +4,6 @@ Every wait is bounded (client timeouts, joins with timeouts)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,79 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-try:  # the HTTP client the openai package itself uses: httpx2 in openai >= 3, httpx before
-    import httpx2 as httpx  # noqa: E402
-except ImportError:
-    import httpx  # noqa: E402
-import uvicorn  # noqa: E402
-
-from rdlm import RDLMConfig, RecurrentDepthLM, save_pretrained  # noqa: E402
-from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
-from rdlm.inference.serve import ServeConfig, create_app  # noqa: E402
-from rdlm.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
-
-DEFAULTS = GenerationConfig(num_steps=4, max_new_tokens=8)
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    tok = train_tokenizer(["the cat sat on the mat. the dog sat on the log. 1 2 3 4 5 6 7 8 9. " * 10],
-                          vocab_size=300)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("served")
-    save_pretrained(RecurrentDepthLM(RDLMConfig.from_preset("tiny", vocab_size=tok.vocab_size)), path)
-    tok.save(path)
-    return path
-
-
-class LiveServer:
-    """uvicorn in a thread of this process, on a real socket."""
-
-    def __init__(self, model_dir: Path, **config) -> None:
-        from rdlm import load_pretrained
-
-        self.model, self.tokenizer = load_pretrained(model_dir).eval(), Tokenizer.from_dir(model_dir)
-        self.config = ServeConfig(model_name="tiny", defaults=DEFAULTS, max_length=96, num_slots=16, **config)
-        self.app = create_app(self.model, self.tokenizer, self.config)
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-    def expected(self, ids: list[int], **options) -> tuple[str, list[int]]:
-        """Text and iterations per token of rdlm.inference.generate for this prompt alone."""
-        config = replace(DEFAULTS, **options)
-        result = generate(self.model, [ids], config)
-        return self.tokenizer.decode(result.tokens[0], skip_special_tokens=True), result.steps[0]
+from rdlm.inference.generate import generate  # noqa: E402
+from tests.serve_helpers import DEFAULTS, ROOT, LiveServer, free_port, httpx, model_dir  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +284,9 @@ def test_serve_compile_turns_the_batch_s_static_step_on(model_dir, capsys, monke
     which step runs."""
     from rdlm.cli import main
 
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
+    from rdlm.inference.serve_http import Server
+
+    monkeypatch.setattr(Server, "run", lambda self: None)
     for flags, static in (([], "off"), (["--compile"], "on"), (["--no-compile"], "off")):
         assert main(["serve", str(model_dir), *flags]) == 0
         assert f"static step {static})" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import signal
 import sys
@@ -45,7 +46,14 @@ def register(subparsers) -> None:
                    help="time each phase of the batch's steps and export them on /metrics "
                         "(rdlm_batch_phase_seconds; on CUDA a device sync around each phase)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+                   help="seconds in-flight requests get to finish after SIGTERM; those still running then end "
+                        "with an error (a stream's error event, a 503)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers before it is closed")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request may take to send its body after its headers (then 408)")
+    p.add_argument("--max-num-steps", type=int, default=256,
+                   help="the most core iterations per token (num_steps) a request may ask for (default 256)")
     add_generation_args(p)
     p.set_defaults(func=run)
 
@@ -61,9 +69,8 @@ def _loopback(host: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from rdlm.inference.serve import ServeConfig, create_app
+        from rdlm.inference.serve_http import uvicorn_server
     except ImportError as err:
         raise ValueError(f"rdlm serve needs the serve extra ({err.name} is missing): "
                          f"pip install 'rdlm[serve]'") from None
@@ -86,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.max_num_steps < defaults.max_steps:
+        raise ValueError(f"--max-num-steps {args.max_num_steps} is below the default r ({defaults.max_steps})")
+    for flag, seconds in (("--shutdown-timeout", args.shutdown_timeout), ("--header-timeout", args.header_timeout),
+                          ("--body-timeout", args.body_timeout)):
+        if not 0 < seconds < float("inf"):
+            raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
     # --exit-sync-every: the batch's steps between looks, and each request's iterations between looks in a
@@ -95,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
                          max_length=max_length, num_slots=num_slots, sync_every=sync_every,
                          defaults=defaults, api_key=args.api_key,
                          max_request_bytes=args.max_request_bytes, prefill_chunk=args.prefill_chunk,
-                         coda_every=args.coda_every, profile=args.profile, compile=defaults.compile)
+                         coda_every=args.coda_every, profile=args.profile, compile=defaults.compile,
+                         max_num_steps=args.max_num_steps, header_timeout=args.header_timeout,
+                         body_timeout=args.body_timeout)
     if args.api_key is None and not _loopback(args.host):
         print(f"rdlm serve: warning: listening on {args.host} without an API key; anyone who can reach it may "
               f"use it (--api-key or $RDLM_API_KEY)", file=sys.stderr, flush=True)
@@ -111,9 +126,14 @@ def run(args: argparse.Namespace) -> int:
     stopped = []
     previous = {sig: signal.signal(sig, lambda number, frame: stopped.append(number))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
+    log = logging.getLogger("rdlm")   # the server's errors, each 500 with its traceback, on stderr
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("rdlm serve: %(levelname)s: %(message)s"))
+        log.addHandler(handler)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        uvicorn_server(app, args.host, args.port, args.header_timeout, args.shutdown_timeout,
+                       log_level="warning").run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -199,10 +199,11 @@ class Tokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for. A byte-level BPE token may hold part of a character, which
-        `decode([token])` turns into U+FFFD; its vocabulary entry maps back to the exact bytes."""
+        `decode([token])` turns into U+FFFD; its vocabulary entry maps back to the exact bytes. An id the
+        tokenizer does not have stands for none."""
         piece = self.backend.id_to_token(int(token))
-        if piece is None:
-            raise TokenizerError(f"{self.source}: token id {token} is not in the vocabulary")
+        if piece is None:  # an id past the tokenizer's vocabulary (a model's padded embedding rows): no text,
+            return b""     # as `decode` gives it none
         if type(self.backend.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF_CHAR for c in piece):
             return bytes(_BYTE_OF_CHAR[c] for c in piece)
         return self.decode([token]).encode()

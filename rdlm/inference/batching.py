@@ -45,42 +45,19 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.graphs import PhaseTimes, StaticSteps, resolve_compile, sync
 from rdlm.inference.lockstep import Lockstep, LockstepTokens
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
 from rdlm.inference.prefill import PromptChunk
+from rdlm.inference.request import Request
 from rdlm.inference.row_exits import RowExits
 from rdlm.inference.runner import Call, ModelRunner, Pack
 from rdlm.inference.sampling import NonFiniteLogitsError, choose_rows
 from rdlm.model.lm import RecurrentDepthLM
-
-
-@dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    config: GenerationConfig
-    criterion: ExitCriterion | None
-    budget: int                        # core cache slots this request cycles through
-    generator: torch.Generator
-    noise: Tensor | None               # s_0 table [positions, h]
-    row: int = -1
-    length: int = 0                    # tokens in the cache
-    next_token: int = -1               # chosen, fed at the next start
-    iteration: int = 0                 # iterations run for the token in progress
-    cap: int = 0                       # iterations it may run (num_steps, or less under a depth budget)
-    spent: int = 0                     # iterations run by the tokens chosen so far
-    iterating: bool = False
-    prefilling: bool = False           # its prompt is being prefilled (a PromptChunk), until the first token
-    ready: bool = False                # its token is done (iteration: the iterations it ran), the coda not yet
-    ready_since: int = 0               # the batch's step at which the host found it done
-    tokens: list[int] = field(default_factory=list)
 
 
 class ContinuousBatch(LockstepTokens, Engine):
@@ -135,11 +112,12 @@ class ContinuousBatch(LockstepTokens, Engine):
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0             # core iterations run several to a call (`_iterate_fused`)
         self.lockstep = Lockstep(self.runner, self.static_steps.static)  # `_token`
-        self.waiting: deque[_Request] = deque()
-        self.rows: list[_Request | None] = [None] * max_batch
+        self.waiting: deque[Request] = deque()
+        self.rows: list[Request | None] = [None] * max_batch
         self.ids = itertools.count()
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
         self.cancelled: set[int] = set()
+        self.failures: list[tuple[int, Exception]] = []  # requests that failed alone (`take_failures`)
         self.first_step: float | None = None  # time.perf_counter() at the first step
         self.phases = PhaseTimes(self.device, profile)  # with `profile`: seconds per phase of the steps
 
@@ -163,7 +141,7 @@ class ContinuousBatch(LockstepTokens, Engine):
             raise ValueError(f"num_steps {config.max_steps} needs {budget} core cache slots and this batch "
                              f"has {self.num_slots}: use the shared cache (a KV-cache budget) of at most "
                              f"{self.num_slots} slots")
-        request = _Request(next(self.ids), list(prompt), config, criterion, budget,
+        request = Request(next(self.ids), list(prompt), config, criterion, budget,
                            torch.Generator(device=self.device).manual_seed(config.seed),
                            self.runner.noise_table(config.seed, config.init_scale, len(prompt) + config.max_new_tokens))
         self.waiting.append(request)
@@ -174,7 +152,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         self.cancelled.add(request)
 
     @property
-    def active(self) -> list[_Request]:
+    def active(self) -> list[Request]:
         return [q for q in self.rows if q is not None]
 
     @property
@@ -241,7 +219,7 @@ class ContinuousBatch(LockstepTokens, Engine):
                     self._finish(ready, events)
         return events
 
-    def _computing(self, iterating: list[_Request]) -> list[_Request]:
+    def _computing(self, iterating: list[Request]) -> list[Request]:
         """The iterating rows the next core call computes. A row done on the device since the last look rides
         along frozen on the static path and on a GPU (where reading the flags waits for the queued work);
         eagerly on the CPU, where the read waits for nothing, it leaves the call at once. It stays
@@ -252,7 +230,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         done = self.done.tolist()
         return [q for q in iterating if not done[q.row]]
 
-    def _coda_due(self, ready: list[_Request]) -> bool:
+    def _coda_due(self, ready: list[Request]) -> bool:
         """Whether the rows whose token is done run their coda now: once one has waited `coda_every` - 1
         steps, or half the decoding rows wait, or no other row can be done before then (a row with an
         exit criterion may exit any time; one without ends at its cap)."""
@@ -261,6 +239,19 @@ class ContinuousBatch(LockstepTokens, Engine):
         if wait <= 0 or 2 * len(ready) >= len(decoding):
             return True
         return not any(q.iterating and (q.criterion is not None or q.cap - q.iteration <= wait) for q in decoding)
+
+    def take_failures(self) -> list[tuple[int, Exception]]:
+        """The requests that failed since the last call, each with its error (their rows are free)."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def _fail(self, q: Request, err: Exception) -> None:
+        """End one request with an error, alone: the others go on. Its row is wiped, since a NaN left in its
+        cache would reach the row's next request through the attention's masked (zero-weight) entries."""
+        self.rows[q.row] = None
+        self.cache.clear_rows(q.row)
+        self.state[q.row] = 0
+        self.failures.append((q.id, err))
 
     def take_timings(self) -> dict[str, float]:
         """The seconds per phase accumulated since the last call (empty without `profile`)."""
@@ -284,7 +275,7 @@ class ContinuousBatch(LockstepTokens, Engine):
     def _admit(self) -> None:
         """Waiting requests into free rows; those admitted together with the same prefill depth and cache
         budget start prefilling their prompts as one chunk."""
-        groups: dict[tuple[int, int], list[_Request]] = {}
+        groups: dict[tuple[int, int], list[Request]] = {}
         while self.waiting and None in self.rows:
             q = self.waiting.popleft()
             q.row = self.rows.index(None)
@@ -297,7 +288,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         for (cap, budget), group in groups.items():
             self._begin_chunk(group, 0, cap, budget)
 
-    def _begin_chunk(self, requests: list[_Request], start: int, cap: int, budget: int) -> None:
+    def _begin_chunk(self, requests: list[Request], start: int, cap: int, budget: int) -> None:
         self.chunks.append(PromptChunk.begin(self.runner, requests, start, cap, budget, self.prefill_chunk))
 
     def _end_chunks(self, events: list[BatchEvent]) -> None:
@@ -322,7 +313,7 @@ class ContinuousBatch(LockstepTokens, Engine):
             if going_on:  # they ran n tokens each
                 self._begin_chunk(going_on, chunk.start + chunk.n, chunk.cap, chunk.budget)
 
-    def _inputs(self, requests: list[_Request]) -> tuple[Tensor, Call]:
+    def _inputs(self, requests: list[Request]) -> tuple[Tensor, Call]:
         """(rows, call) of the token in progress of each request (`ModelRunner.tokens`: the call's rows are
         a slice where they are consecutive, its start their write indices)."""
         key = tuple((q.row, q.length) for q in requests)
@@ -332,7 +323,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         self._last_inputs = (key, inputs)
         return inputs
 
-    def _start(self, requests: list[_Request]) -> None:
+    def _start(self, requests: list[Request]) -> None:
         """Feed each request's chosen token: prelude and s_0 of its next position."""
         lengths = self.runner.upload([q.length for q in requests])
         self.runner.admit(lengths, rows=self.runner.upload([q.row for q in requests]))
@@ -358,7 +349,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         self.steps[select], self.done[select] = 0, False
         self.exits.reset(select)
 
-    def _iterate(self, requests: list[_Request]) -> None:
+    def _iterate(self, requests: list[Request]) -> None:
         """One core iteration for every request whose token is in progress and every prompt chunk being
         prefilled, in one model call. Rows found done on the device since the host last looked
         (`self.done`) are frozen: their state stays, they write no core cache entries, their iteration
@@ -402,7 +393,7 @@ class ContinuousBatch(LockstepTokens, Engine):
             steps = self.steps[select]
             self.done[select] |= steps >= self.cap[select]
 
-    def _step(self, requests: list[_Request], rows: Tensor, call: Call, prev_state: Tensor) -> Tensor:
+    def _step(self, requests: list[Request], rows: Tensor, call: Call, prev_state: Tensor) -> Tensor:
         """The decoding rows' core iteration in a call over them alone, packed with the prompt chunks' when
         there are any: their new states (a frozen row's kept)."""
         # Right after a look nobody is done; later only a row with an exit criterion or at its cap can be.
@@ -427,7 +418,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         state = out.reshape(-1, 1, self.model.config.hidden_size)[:len(requests)]
         return state if frozen is None else torch.where(frozen.view(-1, 1, 1), prev_state, state)
 
-    def _step_static(self, requests: list[_Request]) -> Tensor:
+    def _step_static(self, requests: list[Request]) -> Tensor:
         """The decoding rows' core iteration as one fixed-shape call over all `max_batch` rows, the same at
         every step (CUDA captures it once): each row's buffer index, core slot (iterations run, modulo its
         budget) and whether it writes are device tensors, not a plan built per step. A row that is not
@@ -437,7 +428,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         self._mark_decoding(requests)
         return self.static_steps.run(("core iteration",), self._core_static)[0]
 
-    def _mark_decoding(self, requests: list[_Request]) -> None:
+    def _mark_decoding(self, requests: list[Request]) -> None:
         """`self.decoding`: the rows of `requests` (copied to the device when they changed)."""
         decoding = tuple(q.row for q in requests)
         if decoding != self._decoding_rows:
@@ -451,7 +442,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         out = self.runner.step(self.state, self.embedded, 0, call)
         return torch.where(writers.view(-1, 1, 1), out, self.state), writers
 
-    def _fusable(self, requests: list[_Request]) -> int:
+    def _fusable(self, requests: list[Request]) -> int:
         """How many core iterations the next step may run at once (1: the usual one). With the static step,
         when nothing can change between iterations but the iteration counts (no row with an exit criterion,
         no prompt in flight or able to join, no row waiting for its coda), the largest power of two that
@@ -463,7 +454,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         left = min(q.cap - q.iteration for q in requests)
         return 1 << (left.bit_length() - 1) if left > 1 else 1
 
-    def _iterate_fused(self, requests: list[_Request], n: int) -> None:
+    def _iterate_fused(self, requests: list[Request], n: int) -> None:
         """n core iterations of the decoding rows in one static call (`_fusable`): each exactly the static
         step, the rows' iteration counts and done flags updated on the device as the one-step path does."""
         self._mark_decoding(requests)
@@ -503,7 +494,7 @@ class ContinuousBatch(LockstepTokens, Engine):
             c.advance(self.runner, out[:, part])
         return out
 
-    def _look(self, requests: list[_Request]) -> None:
+    def _look(self, requests: list[Request]) -> None:
         """The host reads the exit flags (one read): rows whose token is done leave the core's calls and wait
         for their coda."""
         select = self._inputs(requests)[1].rows
@@ -512,14 +503,14 @@ class ContinuousBatch(LockstepTokens, Engine):
             if finished:
                 q.iterating, q.ready, q.ready_since, q.iteration = False, True, self.steps_run, steps
 
-    def _finish(self, requests: list[_Request], events: list[BatchEvent]) -> None:
+    def _finish(self, requests: list[Request], events: list[BatchEvent]) -> None:
         """The coda for rows whose token is done, together, and their next tokens."""
         for q in requests:
             if q.criterion is not None and q.criterion.spec.exact:
                 self.state[q.row] = self.exits.exit_state[q.row]  # what the readout (and continuous CoT) reads
         self._coda(requests, events)
 
-    def _coda(self, requests: list[_Request], events: list[BatchEvent]) -> None:
+    def _coda(self, requests: list[Request], events: list[BatchEvent]) -> None:
         """The coda over the final states of rows whose token is done, and their next tokens."""
         for q in requests:
             self.cache.fill_missing(q.iteration, q.length, q.length + 1, row=q.row, slots=q.budget)
@@ -530,19 +521,23 @@ class ContinuousBatch(LockstepTokens, Engine):
             q.ready = False
         self._choose(requests, logits, [q.iteration for q in requests], events)
 
-    def _choose(self, requests: list[_Request], logits: Tensor, steps: list[int], events: list[BatchEvent]) -> None:
+    def _choose(self, requests: list[Request], logits: Tensor, steps: list[int], events: list[BatchEvent]) -> None:
         """Choose each request's next token from its row of logits [n, V] (`choose_rows`); emit them in order;
         free the rows that finished."""
-        try:
-            chosen = choose_rows(self.model, logits, [q.config for q in requests], [q.generator for q in requests],
-                                 self.seen, self.runner.upload([q.row for q in requests]), self.runner.upload)
-        except NonFiniteLogitsError as err:  # name the first broken row's token
-            raise NonFiniteLogitsError(self.model, len(requests[err.row].tokens) + 1) from None
+        chosen = choose_rows(logits, [q.config for q in requests], [q.generator for q in requests], self.seen,
+                             self.runner.upload([q.row for q in requests]), self.runner.upload)
         for j, q in enumerate(requests):
+            if chosen[j] is None:
+                self._fail(q, NonFiniteLogitsError(self.model, len(q.tokens) + 1))
+                continue
             token, scored = chosen[j]
             q.tokens.append(token)
             q.spent += steps[j]
-            reason = q.config.finish_reason(q.tokens, q.spent, self.decode)
+            try:   # the request's own stop strings, decoded with the server's tokenizer
+                reason = q.config.finish_reason(q.tokens, q.spent, self.decode)
+            except Exception as err:  # noqa: BLE001 (whatever it is, it is this request's alone)
+                self._fail(q, err)
+                continue
             events.append(BatchEvent(q.id, token, steps[j], reason, *((None, None) if scored is None else scored)))
             if reason is not None:
                 self.rows[q.row] = None

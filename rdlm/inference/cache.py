@@ -310,6 +310,12 @@ class RecurrentKVCache:
             if static:
                 cache.index_copy_(4, start, filled)
 
+    def clear_rows(self, rows: int | Tensor | slice) -> None:
+        """Zero every entry of `rows` (their masked entries still reach the attention's product, with weight 0:
+        a NaN there would not stay hidden)."""
+        for cache in (self.prelude_k, self.prelude_v, self.core_k, self.core_v, self.coda_k, self.coda_v):
+            cache[..., rows, :, :, :] = 0
+
     @property
     def core_nbytes(self) -> int:
         return self.core_k.nbytes + self.core_v.nbytes

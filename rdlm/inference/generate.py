@@ -128,7 +128,10 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
     reasons = ["length"] * len(prompts)
     t0 = time.perf_counter()
     while engine.busy:
-        for event in engine.step():
+        events = engine.step()
+        for _, err in engine.take_failures():   # a prompt that fails fails the call
+            raise err
+        for event in events:
             row = rows[event.request]
             tokens[row].append(event.token)
             steps[row].append(event.steps)

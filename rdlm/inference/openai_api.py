@@ -1,19 +1,23 @@
 """The OpenAI API as rdlm's server speaks it (rdlm/inference/serve.py): request bodies (OpenAI's fields and
 rdlm's, anything else refused by name), their translation into a `GenerationConfig`, errors in OpenAI's
-shape, a completion's text and logprobs, and the guard in front of the app (API key, body size)."""
+shape, a completion's text and logprobs. The HTTP side in front of it (API key, sizes, deadlines) is
+rdlm/inference/serve_http.py."""
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rdlm.data.tokenizer import Tokenizer
 from rdlm.inference.batching import BatchEvent
 from rdlm.inference.params import MAX_TOP_LOGPROBS, GenerationConfig, cut_at_stop, kv_cache_budget
+
+
+MAX_STOPS = 4              # stop sequences per request (OpenAI's limit)
+MAX_STOP_CHARS = 256       # characters per stop sequence
 
 
 class APIError(Exception):
@@ -26,54 +30,6 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-# --------------------------------------------------------------------------------------------------
-# In front of the app: the API key and the size of a request body (plain ASGI, before FastAPI parses).
-
-class Guard:
-    """Refuses, with OpenAI's error shape, a /v1/ request without the server's API key (401) and a body
-    over `max_bytes` (413: by its Content-Length, or as it arrives without one, never holding more)."""
-
-    def __init__(self, app, api_key: str | None, max_bytes: int) -> None:
-        self.app, self.api_key, self.max_bytes = app, api_key, max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or ())
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
-            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
-                error = APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
-                                 code="invalid_api_key", kind="authentication_error",
-                                 headers={"WWW-Authenticate": "Bearer"})
-                return await error.response()(scope, receive, send)
-        too_large = APIError(413, f"the request body exceeds the server's limit of {self.max_bytes} bytes",
-                             code="request_too_large")
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await too_large.response()(scope, receive, send)
-        if scope.get("method") not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        body, more = b"", True  # read (at most max_bytes of) the body here, then hand it on whole
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                return await too_large.response()(scope, receive, send)
-            more = message.get("more_body", False)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: what the client does next (a disconnect)
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,6 +65,17 @@ class Options(BaseModel):
     continuous_cot: bool | None = None
     init_scale: float | None = None
     sampler: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        # Every stop string is looked for after every token: bound them as OpenAI does (4), and their length.
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
+        return stop
 
 
 class CompletionRequest(Options):

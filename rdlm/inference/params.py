@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # annotations only: the module stays a leaf that imports only
 
 Decode = Callable[[list[int]], str]
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
+MAX_INIT_SCALE = 1000.0  # s_0's noise scale at most (the paper's is 1; 1e6 already overflows a float16 core)
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
@@ -136,8 +137,11 @@ class GenerationConfig:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.init_scale < 0:
-            raise ValueError(f"init_scale must be >= 0, got {self.init_scale}")
+        if not 0 <= self.init_scale <= MAX_INIT_SCALE:
+            raise ValueError(f"init_scale must be in [0, {MAX_INIT_SCALE:g}] (the scale of s_0's noise; larger "
+                             f"overflows inside the core), got {self.init_scale}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         for name in ("top_p", "min_p"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
@@ -210,7 +214,9 @@ class GenerationConfig:
             later = max(self.max_new_tokens - produced - 1, 0)  # keep one iteration for each later token
             cap = min(cap, max(1, remaining - later))
         if self.target_mean_iterations is not None:
-            cap = min(cap, max(1, math.floor(self.target_mean_iterations * (produced + 1) - spent + 1e-9)))
+            allowed = self.target_mean_iterations * (produced + 1) - spent   # inf for a target near float's max
+            if allowed < cap:
+                cap = max(1, math.floor(allowed + 1e-9))
         return cap
 
     @property
@@ -257,7 +263,8 @@ class Engine(Protocol):
     """Requests in, tokens out, one step at a time: what `generate` drives (docs/inference.md, "Decode
     engine"). `add` queues a request and returns its id (ValueError for what the engine cannot serve),
     `step` runs the next step and returns the tokens it chose, `cancel` drops a request, `busy` says whether
-    one is waiting or running. `StaticBatch` (rdlm.inference.static) decodes the requests added before its
+    one is waiting or running, `take_failures` which requests failed alone (their errors) since the last call.
+    `StaticBatch` (rdlm.inference.static) decodes the requests added before its
     first step in lockstep; `ContinuousBatch` (rdlm.inference.batching) admits and finishes them one by one.
     Either ends a request with `GenerationConfig.finish_reason`. The numbers below are `GenerationResult`'s,
     zero for an engine that does not do that work."""
@@ -274,6 +281,8 @@ class Engine(Protocol):
     def step(self) -> list[BatchEvent]: ...
 
     def cancel(self, request: int) -> None: ...
+
+    def take_failures(self) -> list[tuple[int, Exception]]: ...
 
     @property
     def busy(self) -> bool: ...

@@ -58,10 +58,9 @@ def sample(logits: Tensor, config: GenerationConfig, generators: Sequence[torch.
 class NonFiniteLogitsError(FloatingPointError):
     """The model's logits hold NaN or infinity: no token can be chosen from them."""
 
-    def __init__(self, model: RecurrentDepthLM, token: int, row: int | None = None) -> None:
+    def __init__(self, model: RecurrentDepthLM, token: int) -> None:
         super().__init__(f"model produced non-finite logits at new token {token}; weights may be NaN: "
                          f"{getattr(model, 'source', None) or 'the model'}")
-        self.row = row  # the first row of the logits that holds them, when several rows were chosen from
 
 
 def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
@@ -71,38 +70,42 @@ def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
     return values[:-1], bool(values[-1])
 
 
+def _choose_group(logits: Tensor, config: GenerationConfig, generators: list[torch.Generator],
+                  seen: Tensor) -> tuple[list[int], list | None, list[bool]]:
+    """Tokens, scores and whether each row's logits were finite, for rows that share a config: sampled from
+    finite numbers (a NaN would fail inside the sampler), read in the one host copy the tokens need."""
+    chosen = sample(torch.nan_to_num(logits), config, generators, seen)
+    scored = None if config.logprobs is None else token_logprobs(logits, chosen, config.logprobs)
+    finite = torch.isfinite(logits).all(dim=-1)
+    values = torch.cat([chosen.reshape(-1), finite.to(chosen.dtype)]).tolist()
+    return values[:len(finite)], scored, [bool(v) for v in values[len(finite):]]
+
+
 def choose(model: RecurrentDepthLM, logits: Tensor, config: GenerationConfig, generators: list[torch.Generator],
            seen: Tensor, produced: int) -> tuple[list[int], list | None]:
     """The next token of each row of `logits` [rows, V] (`sample`) and, with `config.logprobs`, its log p
-    and the top k (`token_logprobs`), after `produced` new tokens. Sampled from finite numbers (a NaN
-    would fail inside the sampler); the logits' own finiteness comes back with the tokens."""
-    chosen = sample(torch.nan_to_num(logits), config, generators, seen)
-    scored = None if config.logprobs is None else token_logprobs(logits, chosen, config.logprobs)
-    tokens, finite = read_tokens(chosen, logits)
-    if not finite:
+    and the top k (`token_logprobs`), after `produced` new tokens; NonFiniteLogitsError when a row's logits
+    are not finite."""
+    tokens, scored, finite = _choose_group(logits, config, generators, seen)
+    if not all(finite):
         raise NonFiniteLogitsError(model, produced + 1)
     return tokens, scored
 
 
-def choose_rows(model: RecurrentDepthLM, logits: Tensor, configs: list[GenerationConfig],
-                generators: list[torch.Generator], seen: Tensor, rows: Tensor,
-                upload: Callable[[list], Tensor]) -> list[tuple[int, tuple | None]]:
+def choose_rows(logits: Tensor, configs: list[GenerationConfig], generators: list[torch.Generator], seen: Tensor,
+                rows: Tensor, upload: Callable[[list], Tensor]) -> list[tuple[int, tuple | None] | None]:
     """The next token (and its scores, or None) of each row j of `logits` [n, V], sampled by `configs[j]`
-    with `generators[j]` from the tokens seen at `seen[rows[j]]`: one `choose` (one host read) per distinct
-    config. `upload` puts host indices on the logits' device. NonFiniteLogitsError names in `row` the first
-    row whose logits are not finite."""
+    with `generators[j]` from the tokens seen at `seen[rows[j]]`: one host read per distinct config. A row
+    whose logits are not finite gets None; the others get the tokens they would get alone (each row draws
+    from its own generator), so one broken row fails no other."""
     groups: dict[GenerationConfig, list[int]] = {}
     for j, config in enumerate(configs):
         groups.setdefault(config, []).append(j)
-    chosen: list[tuple[int, tuple | None]] = [(0, None)] * len(configs)
+    chosen: list[tuple[int, tuple | None] | None] = [None] * len(configs)
     for config, members in groups.items():
         pick = upload(members)
-        try:
-            tokens, scored = choose(model, logits[pick], config, [generators[j] for j in members], seen[rows[pick]], 0)
-        except NonFiniteLogitsError as err:
-            err.row = members[int((~torch.isfinite(logits[pick]).all(dim=-1)).nonzero()[0])]
-            raise
+        tokens, scored, finite = _choose_group(logits[pick], config, [generators[j] for j in members], seen[rows[pick]])
         for k, j in enumerate(members):
-            chosen[j] = tokens[k], None if scored is None else scored[k]
+            if finite[k]:
+                chosen[j] = tokens[k], None if scored is None else scored[k]
     return chosen
-

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
@@ -39,10 +40,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from rdlm.data.tokenizer import Tokenizer
+from rdlm.data.tokenizer import Tokenizer, TokenizerError
 from rdlm.inference.batching import BatchEvent, ContinuousBatch
-from rdlm.inference.openai_api import (APIError, ChatRequest, Completion, CompletionRequest, Guard, Options,
+from rdlm.inference.openai_api import (APIError, ChatRequest, Completion, CompletionRequest, Options,
                                        generation_config)
+from rdlm.inference.serve_http import Guard, install_error_handlers
 from rdlm.inference.params import GenerationConfig
 from rdlm.model.lm import RecurrentDepthLM
 
@@ -62,6 +64,9 @@ class ServeConfig:
     retry_after: int = 1                # seconds, in the Retry-After of a 503
     api_key: str | None = None          # when set, /v1/ requests need "Authorization: Bearer <api_key>"
     max_request_bytes: int = 1 << 20    # larger request bodies are answered 413 before they are parsed
+    max_num_steps: int = 256            # the most core iterations per token a request may ask for
+    header_timeout: float = 10.0        # seconds a connection may take to send a request's headers
+    body_timeout: float = 30.0          # seconds a request may take to send its body after its headers
     profile: bool = False               # time each phase of the batch's steps (/metrics: rdlm_batch_phase_seconds)
     compile: bool | None = None         # the batch's static core step (None: on with CUDA; rdlm.inference.batching)
 
@@ -100,9 +105,14 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
 
 
+log = logging.getLogger("rdlm.serve")
+
+
 class Worker:
     """Runs a ContinuousBatch in a thread. Requests come in through `submit`; each ticket receives
-    ("accepted",), then BatchEvents, or ("error", message) when the batch refuses the request."""
+    ("accepted",), then BatchEvents, or ("error", status, message): the batch refused the request (400),
+    the request failed (500: alone, the others go on; logged with its traceback), or the server is shutting
+    down (503)."""
 
     def __init__(self, model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig, metrics: Metrics) -> None:
         self.config, self.metrics = config, metrics
@@ -113,6 +123,7 @@ class Worker:
         self.pending = 0                       # submitted and not finished (inbox, waiting, running)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.closing = False                   # shutting down: new requests are refused
         self.thread = threading.Thread(target=self.run, name="rdlm-batch", daemon=True)
 
     def _new_batch(self) -> ContinuousBatch:
@@ -129,17 +140,26 @@ class Worker:
         self.inbox.put(None)
         self.thread.join(timeout=30)
 
-    def submit(self, ticket: Ticket) -> None:
+    def submit(self, tickets: list[Ticket]) -> None:
+        """Hand a request's tickets (its n completions) to the batch: all of them, or none (503)."""
+        retry = {"Retry-After": str(self.config.retry_after)}
         with self.lock:
-            if self.pending >= self.config.max_batch + self.config.max_queue:
+            if self.closing:
+                raise APIError(503, "the server is shutting down", code="shutting_down", kind="server_error",
+                               headers=retry)
+            if self.pending + len(tickets) > self.config.max_batch + self.config.max_queue:
                 raise APIError(503, f"the server is at capacity ({self.pending} requests in flight); retry later",
-                               code="overloaded", kind="server_error",
-                               headers={"Retry-After": str(self.config.retry_after)})
-            self.pending += 1
-        self.inbox.put(("add", ticket))
+                               code="overloaded", kind="server_error", headers=retry)
+            self.pending += len(tickets)
+        for ticket in tickets:
+            self.inbox.put(("add", ticket))
 
     def cancel(self, ticket: Ticket) -> None:
         self.inbox.put(("cancel", ticket))
+
+    def abort(self, message: str) -> None:
+        """End every request in flight with a 503 `message` (the shutdown's deadline)."""
+        self.inbox.put(("abort", message))
 
     def _done(self) -> None:
         with self.lock:
@@ -159,14 +179,26 @@ class Worker:
                     self._deliver(events)
                     for phase, seconds in self.batch.take_timings().items():
                         self.metrics.phase_seconds.labels(phase).inc(seconds)
-            except Exception as err:  # a failure of the step itself: fail what is in flight, go on
-                for ticket in self.tickets.values():
-                    self._send(ticket, ("error", f"generation failed: {err}"))
-                    self._done()
-                self.tickets.clear()
+                for request, err in self.batch.take_failures():   # failed alone: the others go on
+                    log.error("request %d failed", request, exc_info=err)
+                    self._end(request, 500, f"generation failed: {err}")
+            except Exception as err:  # noqa: BLE001 (the step itself failed: nothing can tell whose fault it is)
+                log.exception("the batch's step failed: its %d request(s) fail", len(self.tickets))
+                self._end_all(500, f"generation failed: {err}")
                 self.batch = self._new_batch()
-        for ticket in self.tickets.values():
-            self._send(ticket, ("error", "the server is shutting down"))
+        self._end_all(503, "the server is shutting down")
+
+    def _end(self, request: int, status: int, message: str) -> None:
+        """End one request in flight with an error."""
+        ticket = self.tickets.pop(request, None)
+        if ticket is not None:
+            self.batch.cancel(request)
+            self._send(ticket, ("error", status, message))
+            self._done()
+
+    def _end_all(self, status: int, message: str) -> None:
+        for request in list(self.tickets):
+            self._end(request, status, message)
 
     def _take(self, block: bool) -> None:
         while True:
@@ -178,11 +210,15 @@ class Worker:
             if item is None:
                 return
             command, ticket = item
-            if command == "add":
+            if command == "abort":
+                self._end_all(503, ticket)   # here the "ticket" is the message
+            elif command == "add":
                 try:
                     ticket.request_id = self.batch.add(ticket.prompt, ticket.config)
-                except ValueError as err:
-                    self._send(ticket, ("error", str(err)))
+                except Exception as err:  # noqa: BLE001 (what this one request asked for)
+                    if not isinstance(err, ValueError):
+                        log.error("a request could not join the batch", exc_info=err)
+                    self._send(ticket, ("error", 400 if isinstance(err, ValueError) else 500, str(err)))
                     self._done()
                     continue
                 self.tickets[ticket.request_id] = ticket
@@ -276,7 +312,7 @@ class OpenAIServer:
             if len(prompt) != 1:
                 raise APIError(400, "one prompt per request (send several requests)", param="prompt")
             prompt = prompt[0]
-        ids = self.tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        ids = await self.encode(self.tokenizer.encode, prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         gen = generation_config(body, self.config.defaults, (self.tokenizer.eos_id,), body.max_tokens)
@@ -288,12 +324,23 @@ class OpenAIServer:
         if not tok.has_chat:
             raise APIError(400, "this model's tokenizer has no chat format (it was not made for chats): "
                                 "use /v1/completions", param="messages")
-        ids = tok.apply_chat_template([m.model_dump() for m in body.messages])
+        ids = await self.encode(tok.apply_chat_template, [m.model_dump() for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         gen = generation_config(body, self.config.defaults, (tok.end_turn_id, tok.eos_id), max_tokens)
         return await self.respond(request, body, ids, gen, chat=True)
 
+    async def encode(self, encode: Callable, *args, **kwargs) -> list[int]:
+        """Text to ids in a thread (a long prompt takes a while: the event loop serves the others meanwhile);
+        text the tokenizer cannot take (a lone surrogate, say) is the request's error (400)."""
+        try:
+            return await asyncio.to_thread(encode, *args, **kwargs)
+        except TokenizerError as err:
+            raise APIError(400, str(err), param="prompt") from None
+
     async def respond(self, request: Request, body: Options, prompt: list[int], gen: GenerationConfig, chat: bool):
+        if gen.max_steps > self.config.max_num_steps:
+            raise APIError(400, f"num_steps {gen.max_steps} is above this server's limit of "
+                                f"{self.config.max_num_steps} core iterations per token", param="num_steps")
         started = await self.start(prompt, gen, body.n)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         name = self.config.model_name
@@ -347,7 +394,12 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
             self.metrics.requests.labels(endpoint, "200").inc()
         except APIError as err:
-            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind}})}\n\n"
+            self.metrics.requests.labels(endpoint, str(err.status)).inc()
+            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'code': err.code}})}\n\n"
+        except Exception as err:  # noqa: BLE001 (the response has begun: an error event is all that can be sent)
+            log.error("a stream failed", exc_info=err)
+            self.metrics.requests.labels(endpoint, "500").inc()
+            yield f"data: {json.dumps({'error': {'message': 'the server failed', 'type': 'server_error'}})}\n\n"
         finally:
             if completion.finish_reason is None:  # the client went away, or an error: free the row
                 self.worker.cancel(ticket)
@@ -358,40 +410,53 @@ class OpenAIServer:
         """Submit the request's n completions (sampled ones with seeds seed, seed + 1, ...); wait until the
         batch has taken or refused each."""
         loop = asyncio.get_running_loop()
-        started = []
-        for i in range(n):
-            seeded = gen if gen.temperature == 0 else replace(gen, seed=gen.seed + i)
-            ticket = Ticket(prompt, seeded, loop)
-            self.worker.submit(ticket)
-            started.append((ticket, Completion(self.tokenizer, seeded)))
+        configs = [gen if gen.temperature == 0 else replace(gen, seed=(gen.seed + i) % 2**63) for i in range(n)]
+        started = [(Ticket(prompt, c, loop), Completion(self.tokenizer, c)) for c in configs]
+        self.worker.submit([ticket for ticket, _ in started])
         for ticket, _ in started:
             first = await ticket.events.get()
             if first[0] == "error":
                 for other, _ in started:
                     self.worker.cancel(other)
-                raise APIError(400, first[1])
+                raise error(first)
         return started
 
     async def collect(self, request: Request, started: list[tuple[Ticket, Completion]]) -> None:
-        """Wait for every ticket to finish; a client that goes away cancels them."""
-        for ticket, completion in started:
-            while completion.finish_reason is None:
-                try:
-                    item = await asyncio.wait_for(ticket.events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
+        """Wait for every ticket to finish; a client that goes away cancels them at once."""
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            for ticket, completion in started:
+                while completion.finish_reason is None:
+                    item = asyncio.ensure_future(ticket.events.get())
+                    await asyncio.wait((item, gone), return_when=asyncio.FIRST_COMPLETED)
+                    if not item.done():
+                        item.cancel()
                         for other, _ in started:
                             self.worker.cancel(other)
                         raise APIError(499, "the client disconnected")
-                    continue
-                self.take(ticket, completion, item)
+                    self.take(ticket, completion, item.result())
+        finally:
+            gone.cancel()
 
     def take(self, ticket: Ticket, completion: Completion, item) -> None:
         if isinstance(item, tuple) and item[0] == "error":
-            raise APIError(500, item[1], kind="server_error")
+            raise error(item)
         if not completion.tokens:
             self.metrics.ttft.observe(time.perf_counter() - ticket.submitted)
         completion.add(item)
+
+
+def error(item: tuple) -> APIError:
+    """The APIError of a ticket's ("error", status, message)."""
+    _, status, message = item
+    return APIError(status, message, kind="invalid_request_error" if status == 400 else "server_error",
+                    code="shutting_down" if status == 503 else None)
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client goes away (the ASGI server's disconnect message, which comes at once)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def usage(prompt: list[int], completions: list[Completion]) -> dict:
@@ -415,9 +480,11 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
 
     app = FastAPI(title="rdlm", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
-    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes)
+    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes,
+                       body_timeout=config.body_timeout)
     app.add_exception_handler(APIError, server.api_error)
     app.add_exception_handler(RequestValidationError, server.invalid)
+    install_error_handlers(app, lambda path, status: metrics.requests.labels(path, status).inc())
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])

@@ -55,6 +55,9 @@ class StaticBatch(Engine):
     def cancel(self, request: int) -> None:
         self.finished[request] = True
 
+    def take_failures(self) -> list[tuple[int, Exception]]:
+        return []   # its requests decode as one: an error fails the step (it raises)
+
     @property
     def busy(self) -> bool:
         return self.session is None or not all(self.finished)

@@ -1,0 +1,34 @@
+"""A request of the continuous batch (rdlm.inference.batching): what it asked for and where it stands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.params import GenerationConfig
+
+
+@dataclass
+class Request:
+    """A request in a `ContinuousBatch` (rdlm.inference.batching): its settings and where its token is."""
+    id: int
+    prompt: list[int]
+    config: GenerationConfig
+    criterion: ExitCriterion | None
+    budget: int                        # core cache slots this request cycles through
+    generator: torch.Generator
+    noise: Tensor | None               # s_0 table [positions, h]
+    row: int = -1
+    length: int = 0                    # tokens in the cache
+    next_token: int = -1               # chosen, fed at the next start
+    iteration: int = 0                 # iterations run for the token in progress
+    cap: int = 0                       # iterations it may run (num_steps, or less under a depth budget)
+    spent: int = 0                     # iterations run by the tokens chosen so far
+    iterating: bool = False
+    prefilling: bool = False           # its prompt is being prefilled (a PromptChunk), until the first token
+    ready: bool = False                # its token is done (iteration: the iterations it ran), the coda not yet
+    ready_since: int = 0               # the batch's step at which the host found it done
+    tokens: list[int] = field(default_factory=list)
