@@ -209,6 +209,8 @@ def test_metrics_count_tokens_iterations_and_time_to_first_token(live):
         assert name in text, name
     exits = [line for line in text.splitlines() if line.startswith("rdlm_early_exits_total")]
     assert float(exits[0].split()[-1]) >= 2            # a threshold of 1.0 exits at min_steps
+    if sys.platform.startswith("linux"):               # the process's memory and descriptors, to watch for leaks
+        assert "process_resident_memory_bytes" in text and "process_open_fds" in text
 
 
 def test_a_profiled_server_with_chunked_prompts_exports_its_phases(model_dir):

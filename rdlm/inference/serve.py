@@ -38,7 +38,8 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 
 from rdlm.data.tokenizer import Tokenizer, TokenizerError
 from rdlm.inference.batching import BatchEvent, ContinuousBatch
@@ -89,6 +90,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)   # process_resident_memory_bytes, process_open_fds, ... (Linux)
         self.requests = Counter("rdlm_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("rdlm_prompt_tokens", "prompt tokens admitted", registry=r)
         self.tokens = Counter("rdlm_generated_tokens", "tokens generated", registry=r)
