@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 
 def current_umask() -> int:
@@ -197,6 +197,34 @@ def check_parents(path: str | os.PathLike, what: str = "output") -> Path:
                 raise NotADirectoryError(f"{what} {path}: its parent {parent} is not a directory")
             break
     return path
+
+
+def claim_output_dir(out: str | os.PathLike, owned: Callable[[str], bool], overwrite: bool, what: str,
+                     others_allowed: bool = True, flag: str = "--out") -> Path:
+    """Make sure that writing `what` into the directory `out` loses nothing, before any work: refused when
+    `out` is a file, when it holds files the writer does not write (its `owned` names) unless
+    `others_allowed`, and when it holds owned files of an earlier run unless `overwrite`, which removes them
+    first (so none of them outlives the new output, e.g. a stale shard). Returns `out`."""
+    out = check_parents(out, flag)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{flag} {out} is a file, not a directory")
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    ours = [name for name in names if owned(name)]
+    others = [name for name in names if not owned(name)]
+    if others and not others_allowed:
+        raise FileExistsError(f"{flag} {out} holds other files ({_some(others)}): refusing to write {what} into "
+                              "it; choose a new or empty directory")
+    if ours and not overwrite:
+        raise FileExistsError(f"{flag} {out} already holds {what} ({_some(ours)}); pass --overwrite to replace it, "
+                              "or choose another directory")
+    for name in ours:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    return out
+
+
+def _some(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
 
 
 @contextmanager

@@ -75,7 +75,8 @@ def test_a_model_folder_named_like_a_preset_is_refused_naming_both_spellings(tmp
 def test_a_path_that_holds_no_model_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("train a raven")
-    for command in (["generate", "--model"], ["info"], ["analyze"], ["train", "--model"]):
+    train = ["train", "--out-dir", "none", "--data", "x", "--model"]  # the model is read before the data
+    for command in (["generate", "--model"], ["info"], ["analyze"], train):
         assert main([*command, str(tmp_path / "notes"), *(["--prompt-ids", "1"] if command[0] == "analyze" else [])
                      ]) == 2
         err = capsys.readouterr().err

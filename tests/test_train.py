@@ -325,7 +325,8 @@ def test_zero_and_non_finite_numbers_are_refused_naming_the_field(field, value):
 def test_the_command_line_names_a_bad_number_in_one_line(tmp_path, capsys, flag, value):
     from rdlm.cli import main
 
-    code = main(["train", "--model", "tiny", "--out-dir", str(tmp_path / "run"), "--steps", "1", flag, value])
+    code = main(["train", "--model", "tiny", "--data", str(tmp_path / "shards"), "--out-dir", str(tmp_path / "run"),
+                 "--steps", "1", flag, value])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and flag.lstrip("-").replace("-", "_") in err[0].replace("-", "_"), err
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -10,7 +10,9 @@ labels, and the path-independence runs. Across prompts: label counts and the exi
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -27,6 +29,16 @@ from rdlm.analysis.trajectories import DEFAULT_MAX_BYTES, record_trajectory, sel
 from rdlm.fileio import write_json
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_time, forward_seconds
+
+
+# The files and directories `analyze` writes into its output directory.
+_OUTPUT_RE = re.compile(r"(report\.html|summary\.json|dynamics_counts\.png|exit_steps\.png|states|"
+                        r"(trajectories|convergence|path_independence)_.+\.png)")
+
+
+def is_analysis_file(name: str) -> bool:
+    """Whether `name` in an output directory is one `analyze` writes (what an earlier analysis left)."""
+    return _OUTPUT_RE.fullmatch(name) is not None
 
 
 @dataclass
@@ -64,6 +76,10 @@ class AnalysisSettings:
             raise ValueError(f"num_runs must be >= 2, got {self.num_runs}")
         if self.plot_tokens < 1:
             raise ValueError(f"plot_tokens must be >= 1, got {self.plot_tokens}")
+        if not (isinstance(self.init_scale, (int, float)) and math.isfinite(self.init_scale) and self.init_scale >= 0):
+            raise ValueError(f"init_scale must be a finite number >= 0, got {self.init_scale!r}")
+        if self.max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes}")
 
 
 @dataclass

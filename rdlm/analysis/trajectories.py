@@ -109,6 +109,11 @@ def record(step: StepFn, initial_state: Tensor, num_steps: int, *, positions: Se
             fits = max(2, max_bytes // bytes_per_iteration)  # at least s_0 and s_r
             iteration_stride = math.ceil(num_steps / (fits - 1))
     iterations = select_iterations(num_steps, iteration_stride)
+    if iterations.size < min(3, num_steps + 1):  # the dynamics need three states at least
+        mib = bytes_per_iteration / 2**20
+        raise ValueError(f"the memory budget max_bytes = {max_bytes / 2**20:.3g} MiB (--max-memory-mb) holds "
+                         f"fewer than 3 states of {positions.size} tokens x {hidden} ({mib:.3g} MiB each): give at "
+                         f"least {3 * mib:.3g} MiB, fewer tokens (--max-tokens) or stream the states (--stream)")
     if iteration_stride > 1:
         storage.append(f"iterations subsampled: every {iteration_stride}th state kept "
                        f"({iterations.size} of {num_steps + 1})")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 import warnings
 
@@ -52,6 +54,39 @@ def add_quantize_arguments(parser) -> None:
 
 class CLIError(Exception):
     """A user error worth one clear line, not a traceback."""
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer >= `minimum` (argparse names the flag in its one-line error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def check_exit_threshold(criterion: str | None, threshold: float | None, flag: str = "--exit-threshold",
+                         criterion_flag: str = "--exit-criterion") -> None:
+    """Refuse a threshold no token can pass: a score criterion's score is never below 0, so a threshold
+    <= 0 means "never exit" (the Python API allows it on purpose, to time a criterion; a flag never means
+    that). A threshold without a criterion would be ignored."""
+    from rdlm.inference.exits import CRITERIA
+
+    if threshold is None:
+        return
+    if criterion is None:
+        raise CLIError(f"{flag} needs {criterion_flag} (it is that criterion's threshold)")
+    spec = CRITERIA.get(criterion)
+    if spec is not None and not (spec.uses_gate or spec.counts_steps) and threshold <= 0:
+        raise CLIError(f"{flag} {threshold:g}: a token exits once its {criterion} score is below the threshold, "
+                       f"and the score is never below 0, so no token could exit; give a threshold > 0 (the "
+                       f"default is {spec.threshold:g})")
 
 
 def add_model_argument(parser: argparse.ArgumentParser, help: str) -> None:
@@ -99,12 +134,20 @@ def _with_defaults_shown(parser: argparse.ArgumentParser) -> None:
                 _with_defaults_shown(sub)
 
 
+class Parser(argparse.ArgumentParser):
+    """A usage error is one line naming what is wrong and where the options are listed, not the whole usage
+    (a missing --model printed 30 lines of it). Subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import torch
 
     from rdlm import __version__
 
-    parser = argparse.ArgumentParser(prog="rdlm", description="Recurrent-depth language models.")
+    parser = Parser(prog="rdlm", description="Recurrent-depth language models.")
     parser.add_argument("--version", action="version", version=f"rdlm {__version__} (torch {torch.__version__})",
                         help="print rdlm's version (and torch's) and exit")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -137,18 +180,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _merge_model(args, parser)
+    name = " ".join(filter(None, (args.command, getattr(args, "action", None))))  # `data prepare`, as typed
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always", LongRunWarning)
-            warnings.showwarning = one_line_warnings(args.command, warnings.showwarning)
+            warnings.showwarning = one_line_warnings(name, warnings.showwarning)
             return int(args.func(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as err:
-        print(f"rdlm {args.command}: error: {err}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (`rdlm info M | head`): stop quietly, as Unix tools do
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
+    except (CLIError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, FloatingPointError) as err:
+        print(f"rdlm {name}: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk, a path that is a file, no permission: one line naming the path
         where = f"{err.filename}: " if err.filename else ""
-        print(f"rdlm {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
+        print(f"rdlm {name}: error: {where}{err.strerror or err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of a closed pipe is not another error."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture): nothing is left to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

@@ -4,12 +4,13 @@ exit-step pictures for a model, gathered in a self-contained HTML report (see `r
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 
-from rdlm.cli import add_model_argument, add_quantize_arguments
-from rdlm.fileio import read_jsonl
+from rdlm.cli import CLIError, add_model_argument, add_quantize_arguments, check_exit_threshold
+from rdlm.fileio import claim_output_dir, new_dirs_removed_on_failure, read_jsonl
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
 
 
@@ -25,6 +26,8 @@ def register(subparsers) -> None:
                    help='one JSON object per line: {"text": ...} or {"ids": [...]}, optional "category" '
                         '(groups the exit-step histogram) and "name"')
     p.add_argument("--out", default="analysis", help="output directory (default: analysis)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier analysis in --out (its report, summary, figures and states)")
     p.add_argument("--num-steps", "-r", type=int, default=32, help="iterations r to record (default 32)")
     p.add_argument("--limit-steps", type=int, default=None,
                    help="iterations for the limit state s* (default 4 r)")
@@ -59,6 +62,12 @@ def _ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from err
 
 
+def _file_ids(ids, where: str) -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f'{where}: "ids" must be a list of integer token ids, got {json.dumps(ids)[:60]}')
+    return ids
+
+
 def load_tokenizer(tokenizer_dir: Path | None):
     """The model's tokenizer, or None (token ids are shown instead of text)."""
     if tokenizer_dir is None:
@@ -86,7 +95,7 @@ def read_prompts(args: argparse.Namespace, tokenizer):
         for n, item in read_jsonl(path):
             if not isinstance(item, dict) or ("text" in item) == ("ids" in item):
                 raise ValueError(f'{path}:{n}: expected an object with exactly one of "text" or "ids"')
-            ids = encode(item["text"], f"{path}:{n}") if "text" in item else [int(t) for t in item["ids"]]
+            ids = encode(item["text"], f"{path}:{n}") if "text" in item else _file_ids(item["ids"], f"{path}:{n}")
             prompts.append(Prompt(str(item.get("name", f"p{len(prompts)}")), ids,
                                   category=str(item.get("category", "")), text=item.get("text")))
     if not prompts:
@@ -102,12 +111,17 @@ def read_prompts(args: argparse.Namespace, tokenizer):
 
 def run(args: argparse.Namespace) -> int:
     from rdlm.analysis import AnalysisSettings, analyze
+    from rdlm.analysis.run import is_analysis_file
     from rdlm.resources import check_device
 
     check_device(args.device)
+    if args.max_memory_mb < 1:
+        raise CLIError(f"--max-memory-mb must be >= 1, got {args.max_memory_mb} (--stream keeps every state on "
+                       "disk instead)")
     found = resolve_model_source(args.model)
     tokenizer = load_tokenizer(found.tokenizer_dir)
     prompts = read_prompts(args, tokenizer)
+    check_exit_threshold(None if args.exit_criterion == "none" else args.exit_criterion, args.exit_threshold)
     settings = AnalysisSettings(
         num_steps=args.num_steps, limit_steps=args.limit_steps, seed=args.seed, init_scale=args.init_scale,
         plot_tokens=args.tokens, plot_positions=_ids(args.positions) if args.positions else None,
@@ -115,9 +129,10 @@ def run(args: argparse.Namespace) -> int:
         max_bytes=args.max_memory_mb * 2**20, stream=args.stream, num_runs=args.runs,
         exit_criterion=None if args.exit_criterion == "none" else args.exit_criterion,
         exit_threshold=args.exit_threshold, exit_max_steps=args.exit_max_steps)
+    out = claim_output_dir(args.out, is_analysis_file, args.overwrite, "an analysis")
     model = found.load(device=args.device, quantize=args.quantize, group_size=args.quantize_group_size)
-    with torch.no_grad():
-        result = analyze(model, prompts, args.out, settings, tokenizer=tokenizer, model_name=args.model)
+    with torch.no_grad(), new_dirs_removed_on_failure(out):
+        result = analyze(model, prompts, out, settings, tokenizer=tokenizer, model_name=args.model)
     for name, p in result.summary["prompts"].items():
         pi = p["path_independence"]
         print(f"{name}: {p['num_tokens']} tokens; dynamics {p['dynamics_counts']}; "

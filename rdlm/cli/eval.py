@@ -7,7 +7,9 @@ import argparse
 from pathlib import Path
 
 from rdlm.cli import CLIError, add_model_argument, add_quantize_arguments
-from rdlm.fileio import read_jsonl, read_utf8
+from rdlm.fileio import claim_output_dir, read_jsonl, read_utf8
+
+OUTPUTS = ("results.json", "plot.png")
 
 
 def register(subparsers) -> None:
@@ -26,6 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="rows (windows or requests) per forward")
     p.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: zero state)")
     p.add_argument("--out", default="eval-out", help="directory for results.json and plot.png")
+    p.add_argument("--overwrite", action="store_true", help="replace results.json and plot.png already in --out")
     add_quantize_arguments(p)
     p.set_defaults(func=run)
 
@@ -50,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         steps = [int(r) for r in args.num_steps.split(",")]
     except ValueError as err:
         raise CLIError(f"--num-steps must be comma-separated integers, got {args.num_steps!r}") from err
+    out = claim_output_dir(args.out, OUTPUTS.__contains__, args.overwrite, "results")  # before minutes of work
     if args.text:
         from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
         from rdlm.model.resolve import resolve_model_source
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         docs = [tokenizer.encode(d, add_bos=True) for d in read_documents(Path(args.text))]
         sweeps = [perplexity_vs_steps(model, docs, steps, seq_len=args.seq_len, batch_size=args.batch_size,
-                                      init_scale=args.init_scale, task=Path(args.text).name)]
+                                      init_scale=args.init_scale, task=Path(args.text).name, progress=True)]
     else:
         try:
             from rdlm.integrations.lm_eval import accuracy_vs_steps
@@ -73,7 +77,6 @@ def run(args: argparse.Namespace) -> int:
         sweeps = accuracy_vs_steps(args.model, args.tasks.split(","), steps, include_path=args.include_path,
                                    metric=args.metric, model_args=extra, batch_size=args.batch_size,
                                    limit=args.limit)
-    out = Path(args.out)
     write_results(sweeps, out / "results.json")
     plot_sweeps(sweeps, out / "plot.png", title=Path(args.model).name)
     for sweep in sweeps:

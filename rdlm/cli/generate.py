@@ -12,9 +12,10 @@ import sys
 
 import torch
 
-from rdlm.cli import add_quantize_arguments
+from rdlm.cli import CLIError, add_quantize_arguments, check_exit_threshold
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
+from rdlm.inference.params import check_prompts
 from rdlm.model import dtypes
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
 from rdlm.resources import check_device
@@ -97,6 +98,15 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ...] = ()) -> GenerationConfig:
     stop_ids = tuple(parse_ids(args.stop_ids)) if args.stop_ids else ()
+    vocab = model.config.vocab_size
+    for token in stop_ids:
+        if not 0 <= token < vocab:
+            raise CLIError(f"--stop-ids {token} is outside the model's vocabulary (ids 0 to {vocab - 1}): it could "
+                           "never be generated")
+    check_exit_threshold(args.exit_criterion, args.exit_threshold)
+    if args.sampler == "parallel":
+        check_exit_threshold(args.freeze_criterion, args.freeze_threshold, "--freeze-threshold",
+                             "--freeze-criterion")
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         num_steps=model.config.mean_recurrence if args.num_steps is None else args.num_steps,
@@ -136,6 +146,17 @@ def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = 
 
         print(f"rdlm: quantized {describe(model)}", file=sys.stderr)
     return model, tokenizer
+
+
+def check_fits(context: int, prompt_length: int, new_tokens: int) -> None:
+    """Refuse a prompt and --max-new-tokens that do not fit the model's context, saying what would."""
+    if prompt_length + new_tokens <= context:
+        return
+    if prompt_length >= context:
+        raise CLIError(f"the prompt has {prompt_length} tokens and the model's context is {context}: a prompt of "
+                       f"at most {context - 1} tokens leaves room for a new one")
+    raise CLIError(f"the prompt ({prompt_length} tokens) + --max-new-tokens {new_tokens} exceed the model's context "
+                   f"of {context}: at most --max-new-tokens {context - prompt_length} fits this prompt")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -193,11 +214,17 @@ def run(args: argparse.Namespace) -> int:
         prompts = [parse_ids(p) for p in (args.prompt_ids or ["1,2,3"])]
         stop_tokens = ()
     config = config_from_args(args, model, stop_tokens)
+    check_prompts(model, prompts)
+    check_fits(model.config.context_length, max(map(len, prompts)), config.max_new_tokens)
     decode = tokenizer.decode if tokenizer is not None else None
     if text_mode and len(prompts) == 1 and not args.no_stream:
         print(args.prompt[0], end="", flush=True)
         streamer = TextStreamer(tokenizer)
-        result = generate(model, prompts, config, decode=decode, on_token=streamer)
+        try:
+            result = generate(model, prompts, config, decode=decode, on_token=streamer)
+        except BaseException:
+            print(flush=True)  # an error starts on a line of its own, after the text so far
+            raise
         streamer.finish()
     else:
         result = generate(model, prompts, config, decode=decode)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from rdlm.cli import CLIError
+from rdlm.fileio import check_parents
+
+from rdlm.cli import CLIError, at_least
 
 
 def register(subparsers) -> None:
@@ -16,7 +18,8 @@ def register(subparsers) -> None:
     t.add_argument("inputs", nargs="+", help="input files (.txt, .jsonl, .parquet)")
     t.add_argument("--out", required=True, help="output directory (or .json file) for tokenizer.json")
     t.add_argument("--vocab-size", type=int, default=8192, help="including the special tokens")
-    t.add_argument("--min-frequency", type=int, default=2, help="fewest occurrences of a pair to merge it")
+    t.add_argument("--min-frequency", type=at_least(0), default=2, help="fewest occurrences of a pair to merge it")
+    t.add_argument("--overwrite", action="store_true", help="replace a tokenizer.json already at --out")
     t.add_argument("--text-field", default="text", help="JSONL/parquet field holding the text")
     t.add_argument("--separator", default=None, help="split .txt files into documents on this string")
     t.set_defaults(func=run_train)
@@ -28,10 +31,14 @@ def register(subparsers) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from rdlm.data.shards import read_documents
-    from rdlm.data.tokenizer import train_tokenizer
+    from rdlm.data.tokenizer import TOKENIZER_FILE, train_tokenizer
 
     if args.separator is not None:
         args.separator = args.separator.encode().decode("unicode_escape")
+    out = check_parents(args.out, "--out")
+    target = out / TOKENIZER_FILE if out.is_dir() or out.suffix != ".json" else out  # where Tokenizer.save writes
+    if target.exists() and not args.overwrite:  # refused before training, which may take minutes
+        raise CLIError(f"{target} already exists; pass --overwrite to replace it, or choose another --out")
     docs = read_documents(args.inputs, args.text_field, args.separator)
     tok = train_tokenizer(docs, args.vocab_size, args.min_frequency)
     path = tok.save(args.out)

@@ -1,8 +1,14 @@
 """`rdlm train`: the command-line face of `rdlm.train.train` (one flag per TrainConfig field).
 
     rdlm train --model small --data shards/ --out-dir runs/a --steps 1000
+    rdlm train --out-dir runs/a --resume --steps 2000                           # continue (and extend) a run
     rdlm train --model runs/a --prompt-response chat.jsonl --out-dir runs/b      # fine-tune
     torchrun --nproc-per-node 2 -m rdlm train ...                               # data parallel
+
+--out-dir is required: the model is saved only there (`--out-dir none` trains without saving anything, to
+time a run or try settings). --resume continues the run in --out-dir with its own recorded settings,
+model and data (its newest checkpoint's trainer.json); only the flags that may change with a resumed run
+(how long it runs, how it reports and saves, the hardware) may be given, others must equal the run's.
 """
 
 from __future__ import annotations
@@ -83,8 +89,11 @@ def add_config_flags(p: argparse.ArgumentParser, config_class: type, skip: tuple
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         convert = flag_type(f.name, hints[f.name])
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        text = f"{f.metadata.get('help', '')} (default: {shown})".lstrip()
+        text = f.metadata.get("help", "")
+        # The field's default, unless its help says what it is (None stands for "the model's", "no clip", ...)
+        if default is not None and "default" not in text:
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+            text = f"{text} (default: {shown})".lstrip()
         if convert is None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
@@ -100,25 +109,44 @@ def register(subparsers) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config field (JSON value), e.g. --set mean_recurrence=16")
     add_config_flags(p, TrainConfig, skip=NOT_FLAGS)
+    for action in p._actions:
+        if action.dest == "out_dir":  # not given (no attribute) is told from `--out-dir none`
+            action.default = argparse.SUPPRESS
+            action.help = ("run directory: checkpoints, log.jsonl, TensorBoard events; required (none: train "
+                           "without saving anything)")
     p.set_defaults(func=run)
 
 
-def build_config(args: argparse.Namespace):
+def read_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CLIError(f"config file {path} does not exist")
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CLIError(f"{path}: not valid JSON ({err.msg})") from err
+    except UnicodeDecodeError as err:
+        raise CLIError(f"{path}: not UTF-8 text (byte {err.start})") from err
+    if not isinstance(values, dict):
+        raise CLIError(f"{path}: expected a JSON object of TrainConfig fields (like {{\"steps\": 100}}), got "
+                       f"{type(values).__name__} {json.dumps(values)[:40]}")
+    return values
+
+
+def build_config(args: argparse.Namespace, require_out_dir: bool = False):
+    """The TrainConfig of the command line: --config's fields, then the flags given; with --resume and a
+    run in --out-dir, the run's recorded fields with only those that may change set anew."""
     from rdlm.train import TrainConfig
 
-    values: dict[str, Any] = {}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise CLIError(f"config file {path} does not exist")
-        try:
-            values = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise CLIError(f"{path}: not valid JSON ({err.msg})") from err
+    values: dict[str, Any] = read_config_file(Path(args.config)) if args.config else {}
     for f in dataclasses.fields(TrainConfig):
         value = getattr(args, f.name, None)
         if f.name not in NOT_FLAGS and value is not None:
             values[f.name] = value
+    if hasattr(args, "out_dir"):
+        values["out_dir"] = args.out_dir
+    elif "out_dir" not in values and require_out_dir:
+        raise CLIError("give --out-dir DIR: the trained model is saved only there (--out-dir none trains "
+                       "without saving anything)")
     overrides = dict(values.get("model_overrides", {}))
     for item in args.set:
         key, sep, raw = item.partition("=")
@@ -128,14 +156,60 @@ def build_config(args: argparse.Namespace):
             overrides[key] = json.loads(raw)
         except json.JSONDecodeError:
             overrides[key] = raw
-    values["model_overrides"] = overrides
-    return TrainConfig.from_dict(values)
+    if overrides or "model_overrides" in values:
+        values["model_overrides"] = overrides
+    if values.get("resume") and values.get("out_dir") is not None:
+        values = resumed_values(values)
+    values.setdefault("model_overrides", {})
+    config = TrainConfig.from_dict(values)  # every value checked first
+    if require_out_dir and not config.resume and not (config.data or config.prompt_response):
+        raise CLIError("no training data: give --data DIR (token shards from `rdlm data prepare`) or "
+                       "--prompt-response FILE.jsonl")
+    return config
+
+
+def resumed_values(given: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a resumed run: its recorded ones, with the `given` ones that may change; a given field
+    that may not change must equal the recorded one. A run without a checkpoint yet starts as given."""
+    from rdlm.train.config import MAY_CHANGE_ON_RESUME, TrainConfig
+    from rdlm.train.resume import recorded_config
+
+    found = recorded_config(given["out_dir"])
+    if found is None:
+        if not (given.get("data") or given.get("prompt_response")):
+            raise CLIError(f"--resume: {given['out_dir']} holds no checkpoint to resume from; to start the run, "
+                           "give its model and data (--data DIR or --prompt-response FILE.jsonl)")
+        return given
+    recorded, checkpoint = found
+    recorded = TrainConfig.from_dict(recorded).to_dict()  # tuples as the flags give them
+    fixed = []
+    for key, value in given.items():
+        if key in MAY_CHANGE_ON_RESUME or key == "out_dir":
+            continue
+        was = recorded.get(key)
+        if (tuple(value) if isinstance(value, list) else value) != was:
+            flag = "--set" if key == "model_overrides" else "--" + key.replace("_", "-")
+            fixed.append(f"{flag} {_shown(value)} (the run's: {_shown(was)})")
+    if fixed:
+        allowed = ", ".join("--" + k.replace("_", "-") for k in MAY_CHANGE_ON_RESUME if k != "resume")
+        raise CLIError(f"--resume continues the run with its own settings ({checkpoint}/trainer.json); it "
+                       f"cannot change {'; '.join(fixed)}. A resumed run may change only {allowed}")
+    changed = {k: v for k, v in given.items() if k in MAY_CHANGE_ON_RESUME}
+    return {**recorded, **changed, "out_dir": given["out_dir"], "overwrite": False}
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{k}={json.dumps(v)}" for k, v in value.items()) or "(none)"
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def run(args: argparse.Namespace) -> int:
     from rdlm.train import TrainingError, train
 
-    config = build_config(args)
+    config = build_config(args, require_out_dir=True)
     try:
         result = train(config)
     except TrainingError as err:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
@@ -43,7 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rdlm.fileio import atomic_write, confined_name, read_jsonl, read_utf8, write_json
+from rdlm.fileio import (atomic_write, claim_output_dir, confined_name, new_dirs_removed_on_failure, read_jsonl,
+                         read_utf8, write_json)
 
 SHARD_FORMAT = "rdlm-token-shards"
 META_FILE = "meta.json"
@@ -375,12 +377,18 @@ def pack_documents(documents: Iterable[Sequence[int]], row_length: int, policy: 
         yield from packer.add(doc)
 
 
+# The files `prepare` writes (any others in its directory are someone else's).
+_SHARD_RE = re.compile(r"^((train|val)-\d{5}\.npy|meta\.json|tokenizer\.json)$")
+
+
 def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.PathLike,
             context_length: int, val_fraction: float = 0.05, seed: int = 0, rows_per_shard: int = 65536,
             text_field: str = "text", separator: str | None = None, batch_docs: int = 256,
-            packing: str = "stream") -> dict:
+            packing: str = "stream", overwrite: bool = False) -> dict:
     """Tokenize documents into packed, memory-mappable shards with a held-out validation split (`packing`:
-    see `Packer`); meta.json records how many tokens the rows kept and how many were dropped."""
+    see `Packer`); meta.json records how many tokens the rows kept and how many were dropped. A dataset
+    already in `out_dir` is replaced only with `overwrite`, which removes its files first (a directory of other
+    files is refused); a failed run leaves no new directory behind."""
     if not inputs:
         raise DataError("no input files given")
     if packing not in PACKING:
@@ -392,7 +400,15 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
     if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, int) or rows_per_shard < 1:
         raise DataError(f"--rows-per-shard must be an integer >= 1, got {rows_per_shard!r}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_output_dir(out, _SHARD_RE.match, overwrite, "a dataset", others_allowed=False)
+    with new_dirs_removed_on_failure(out):
+        out.mkdir(parents=True, exist_ok=True)
+        return _prepare(inputs, tokenizer, out, context_length, val_fraction, seed, rows_per_shard, text_field,
+                        separator, batch_docs, packing)
+
+
+def _prepare(inputs, tokenizer, out: Path, context_length: int, val_fraction: float, seed: int, rows_per_shard: int,
+             text_field: str, separator: str | None, batch_docs: int, packing: str) -> dict:
     row_length = context_length + 1
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     rng = random.Random(seed)

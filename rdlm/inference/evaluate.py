@@ -108,17 +108,26 @@ def gate_exit_logits(model: RecurrentDepthLM, input_ids: Tensor, num_steps: int,
 
 def nll_vs_steps(model: RecurrentDepthLM, batches: Iterable[tuple[Tensor, Tensor]], num_steps: Sequence[int], *,
                  seed: int = 0, init_scale: float = 1.0, autocast: ContextManager | None = None,
-                 device: torch.device | None = None) -> dict[int, TargetScores]:
+                 device: torch.device | None = None, progress: bool = False) -> dict[int, TargetScores]:
     """`score_targets` of every (input_ids, labels) batch at each r, rows in order. s_0 comes from one
-    generator seeded with `seed` afresh at every r, so every r starts from the same draws."""
+    generator seeded with `seed` afresh at every r, so every r starts from the same draws. `progress`: a
+    bar on stderr, weighted by iterations (a batch at r = 32 is 32 times one at r = 1)."""
+    from tqdm.auto import tqdm
+
     device = next(model.parameters()).device if device is None else device
     batches = list(batches)
     scores = {}
-    for r in num_steps:
-        generator = torch.Generator(device=device).manual_seed(seed)
-        scores[int(r)] = TargetScores.cat([
-            score_targets(model, ids.to(device), labels.to(device), int(r), init_scale=init_scale,
-                          generator=generator, autocast=autocast) for ids, labels in batches])
+    with tqdm(total=sum(map(int, num_steps)) * len(batches), disable=not progress, unit="it", leave=False,
+              dynamic_ncols=True, desc="batch iterations") as bar:
+        for r in num_steps:
+            generator = torch.Generator(device=device).manual_seed(seed)
+            bar.set_postfix_str(f"r={r}")
+            parts = []
+            for ids, labels in batches:
+                parts.append(score_targets(model, ids.to(device), labels.to(device), int(r), init_scale=init_scale,
+                                           generator=generator, autocast=autocast))
+                bar.update(int(r))
+            scores[int(r)] = TargetScores.cat(parts)
     return scores
 
 
@@ -155,8 +164,9 @@ def windows(documents: Sequence[Sequence[int]], seq_len: int) -> list[list[int]]
 @torch.inference_mode()
 def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[int]], num_steps: Sequence[int],
                         *, seq_len: int | None = None, batch_size: int = 8, init_scale: float = 1.0,
-                        seed: int = 0, task: str = "text") -> DepthSweep:
-    """exp(mean next-token negative log-likelihood) over `documents` (token id lists) at each r."""
+                        seed: int = 0, task: str = "text", progress: bool = False) -> DepthSweep:
+    """exp(mean next-token negative log-likelihood) over `documents` (token id lists) at each r; `progress`:
+    a bar on stderr."""
     steps = check_steps(num_steps)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len must be an integer >= 1 (None: the model's context), got {seq_len!r}")
@@ -182,7 +192,7 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
         batches.append((ids[:, :-1], labels))
     model.eval()
     sweep = DepthSweep(task=task, metric="perplexity", higher_is_better=False)
-    for r, scores in nll_vs_steps(model, batches, steps, seed=seed, init_scale=init_scale).items():
+    for r, scores in nll_vs_steps(model, batches, steps, seed=seed, init_scale=init_scale, progress=progress).items():
         nll = scores.mean_nll
         if not math.isfinite(nll):
             raise FloatingPointError(f"{task}: the model's logits are not finite at r={r} (an overflow in this "

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rdlm.fileio import atomic_write
+from rdlm.fileio import atomic_write, check_parents
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, save_pretrained
 from rdlm.model.resolve import ModelSource, resolve_model_source
@@ -56,7 +56,7 @@ def parse_size(text: str | int) -> int:
 def check_destination(destination: str | os.PathLike, source: Path, in_place: bool = False) -> Path:
     """Refuse a destination whose files conversion could lose: a file, a non-empty directory that is
     not a model directory, or the source itself (unless `in_place`)."""
-    destination = Path(destination)
+    destination = check_parents(destination, "destination")
     if destination.exists() and not destination.is_dir():
         raise FileExistsError(f"destination {destination} is a file, not a directory")
     if destination.is_dir() and destination.resolve() == source.resolve() and not in_place:

@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from rdlm.model.config import RDLMConfig, check_keys
 from rdlm.fileio import confined_name, recover_dir, staging_dir, write_json
 from rdlm.model.families import (CheckpointError, check_key_types, check_ouro_shape, config_from_ouro,
-                                 config_to_ouro, family_of, from_huginn_name, from_ouro_tensors, ouro_name, retrofit_fields, retrofit_keys,
-                                 standard_rope_keys, to_huginn_name, to_ouro_tensors)
+                                 config_to_ouro, family_of, from_huginn_name, from_ouro_tensors, ouro_name,
+                                 retrofit_fields, retrofit_keys, standard_rope_keys, to_huginn_name, to_ouro_tensors)
 from rdlm.model.lm import RecurrentDepthLM, rope_tables
 
 CONFIG_NAME = "config.json"

@@ -21,6 +21,16 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *,
     return field(default=default, default_factory=default_factory, metadata={"help": help})
 
 
+# What a resumed run may set anew: how long it runs, how it reports and saves, and the hardware it runs on
+# (a global batch split otherwise is checked against the checkpoint's). Everything else (the model, the
+# data, the optimizer and its schedule, the recurrence, the seed) is the run's own, recorded in its
+# checkpoints' trainer.json (rdlm.train.resume.recorded_config).
+MAY_CHANGE_ON_RESUME = ("steps", "micro_batch_size", "accumulation", "precision", "compile", "device", "threads",
+                        "strategy", "cpu_offload", "sharded_optimizer", "log_every", "eval_every", "eval_num_steps",
+                        "eval_rows", "eval_batch_size", "collapse_correlation", "progress", "tensorboard",
+                        "peak_flops", "checkpoint_every", "keep_checkpoints", "resume", "max_bad_steps")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run is given. Each field's help (its metadata) is the command line's
@@ -49,8 +59,8 @@ class TrainConfig:
     mean_recurrence: int | None = option(None, "mean of the training distribution of r (default: the model's)")
     backprop_depth: int | None = option(None, "k: backpropagate through the last k iterations of each draw "
                                               "(default: the model's)")
-    recurrence_sampler: str | None = option(None, "distribution of r, one of rdlm.model.recurrence.SAMPLERS "
-                                                  "(default: the model's)")
+    recurrence_sampler: str | None = option(None, f"distribution of r: {', '.join(SAMPLERS)} (default: the "
+                                                  "model's)")
     recurrence_sigma: float | None = option(None, "spread of the log-normal Poisson sampler (default: the "
                                                   "model's)")
     curriculum: str | None = option(None, "ramp the mean of r over training, linear or 1-sqrt (retrofitted "

@@ -21,6 +21,21 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. too many non-finite losses in a row)."""
 
 
+def recorded_config(out_dir: str | Path) -> tuple[dict[str, Any], Path] | None:
+    """The TrainConfig fields the run in `out_dir` was trained with, and the checkpoint that records them
+    (its newest whose trainer.json reads); None when it has no checkpoint yet."""
+    import json
+
+    for path in ckpt.list_checkpoints(out_dir)[::-1]:
+        try:
+            recorded = json.loads((path / ckpt.TRAINER_FILE).read_text()).get("train_config")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(recorded, dict):
+            return recorded, path
+    return None
+
+
 class RunCheckpoints:
     """The checkpoint half of `Trainer` (rdlm.train.trainer), which sets every attribute used here."""
 

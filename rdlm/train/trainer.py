@@ -147,6 +147,7 @@ class Trainer(RunCheckpoints):
                                self.world.size, seed=config.seed, shuffle=config.shuffle)
         self.val_batches = (fixed_batches(self.val_source, config.eval_batch_size, config.eval_rows)
                             if self.val_source is not None else [])
+        self._check_rows(config, train_data is None and val_data is None and not eval_hooks)
         self.eval_hooks, self.step_hooks = list(eval_hooks), list(step_hooks)
 
         self.step = 0
@@ -165,6 +166,24 @@ class Trainer(RunCheckpoints):
         if config.resume:
             self._resume()
         self.peak = peak_flops(self.device, config.peak_flops)
+
+    def _check_rows(self, config: TrainConfig, from_files: bool) -> None:
+        """Refuse a micro-batch larger than the data (it would hold rows twice); say once when a global batch
+        repeats rows, and when data read from files has no validation split (no evaluation, ever)."""
+        rows, micro = len(self.train_source), config.micro_batch_size
+        if micro > rows:
+            raise ConfigError(f"--micro-batch-size {micro} exceeds the {rows} training rows: every micro-batch "
+                              f"would hold the same rows more than once; give at most {rows}, or more data")
+        if not self.world.is_main:
+            return
+        if self.batches.global_batch_size > rows:
+            print(f"rdlm train: warning: a global batch of {self.batches.global_batch_size} rows (micro-batch x "
+                  f"accumulation x workers) exceeds the {rows} training rows: every step trains on some rows "
+                  "twice", file=sys.stderr)
+        if from_files and self.val_source is None:
+            where = (f"{config.data} has no validation rows (prepare it with more documents or a larger "
+                     "--val-fraction)" if config.data else "prompt/response data has no validation split")
+            print(f"rdlm train: note: {where}; this run will not evaluate", file=sys.stderr)
 
     def _set_recurrence(self, config) -> None:
         """How r is drawn in training: the run's settings over the model config's, Ouro's exit loss at a
