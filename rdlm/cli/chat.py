@@ -5,11 +5,17 @@ Each user line becomes a turn `<|begin_header|>user<|end_header|>\\n\\nTEXT<|end
 generated after `<|begin_header|>Huginn<|end_header|>\\n\\n` until `<|end_turn|>` (or end of text),
 streamed as it is produced. `/reset` forgets the conversation, `/exit` (or end of input) quits.
 Works with piped input too: `printf 'hello\\n' | rdlm chat --model DIR`.
+
+When the conversation no longer fits the model's context with room for a reply of --max-new-tokens, its
+oldest exchanges are dropped (a note says how many; the system message stays); when the last message alone
+leaves less room, the reply gets what is left. A message that alone fills the context is not sent, and
+the chat goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -20,7 +26,8 @@ from rdlm.inference.generate import generate
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("chat", help="interactive chat with a model directory (needs tokenizer.json)")
+    p = subparsers.add_parser("chat", help="interactive chat with a model directory (needs tokenizer.json)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a model directory, training checkpoint step-N/ or run "
                                                    "directory with tokenizer.json")
     p.add_argument("--system", help="a system message opening the conversation")
@@ -44,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     plain = not tokenizer.has_chat
     interactive = sys.stdin.isatty()
     opening = [{"role": "system", "content": args.system}] if args.system else []
+    context = model.config.context_length
     messages = list(opening)
     if interactive:
         print("rdlm chat: /reset forgets the conversation, /exit quits." if not plain else
@@ -77,13 +85,46 @@ def run(args: argparse.Namespace) -> int:
             prompt = tokenizer.encode(text, add_bos=True)
         else:
             messages.append({"role": "user", "content": text})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt, dropped = fit_conversation(tokenizer, messages, len(opening), context, config.max_new_tokens)
+            if dropped:
+                del messages[len(opening):len(opening) + dropped]
+                print(f"rdlm chat: note: dropped the oldest {dropped // 2} exchange(s) of the conversation so that "
+                      f"it fits the model's context of {context} tokens with room for a reply", file=sys.stderr)
+        if len(prompt) >= context:
+            if not plain:
+                messages.pop()
+            print(f"rdlm chat: message not sent: it makes a prompt of {len(prompt)} tokens, and the model's "
+                  f"context is {context}; the conversation goes on", file=sys.stderr)
+            continue
+        room = context - len(prompt)
+        turn = config if room >= config.max_new_tokens else dataclasses.replace(config, max_new_tokens=room)
         print("Huginn> ", end="", flush=True)
         # The reply's first token usually carries a word's leading space: "Huginn> " already ends in one.
         streamer = TextStreamer(tokenizer, strip_leading=True)
-        result = generate(model, [prompt], config, decode=tokenizer.decode, on_token=streamer)
+        try:
+            result = generate(model, [prompt], turn, decode=tokenizer.decode, on_token=streamer)
+        except BaseException:
+            print(flush=True)  # an error starts on a line of its own, after the reply so far
+            raise
         streamer.finish()
         if not plain:
             messages.append({"role": "assistant", "content": streamer.text.emitted})
         if args.stats:
             print_stats(result)
+
+
+def fit_conversation(tokenizer, messages: list[dict], keep: int, context: int, room: int) -> tuple[list[int], int]:
+    """(prompt, dropped): the chat prompt of `messages` without the fewest of its oldest messages after the
+    first `keep` (the system message), dropped an exchange (a message and its reply) at a time, that leaves
+    `room` tokens of `context` for the reply; with only the last message left, its prompt as it is. A last
+    message that alone fills the context drops nothing (it will not be sent)."""
+    alone = tokenizer.apply_chat_template(messages[:keep] + messages[-1:], add_generation_prompt=True)
+    if len(alone) >= context:
+        return alone, 0
+    dropped = 0
+    while True:
+        kept = messages[:keep] + messages[keep + dropped:]
+        prompt = tokenizer.apply_chat_template(kept, add_generation_prompt=True)
+        if len(prompt) + room <= context or len(kept) <= keep + 1:
+            return prompt, dropped
+        dropped += 2
