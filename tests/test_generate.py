@@ -370,3 +370,17 @@ def test_a_finished_generation_leaves_no_session_to_the_garbage_collector(model,
     gc.collect()
     freed_by_the_collector = [was and ref() is None for was, ref in zip(alive, sessions)]
     assert len(sessions) == 2 and not any(freed_by_the_collector)
+
+
+def test_extreme_sampling_values_give_their_limit_not_an_overflow():
+    """A temperature far below any useful one chooses greedily (dividing by it would overflow every logit);
+    a penalty that takes logits to infinity draws among those alone; neither fails or picks at random."""
+    torch.manual_seed(0)
+    model = RecurrentDepthLM(RDLMConfig.from_preset("tiny", vocab_size=300)).eval()
+    greedy = generate(model, [[1, 2, 3]], GenerationConfig(num_steps=4, max_new_tokens=6)).tokens
+    for temperature in (1e-300, 1e-6):
+        config = GenerationConfig(num_steps=4, max_new_tokens=6, temperature=temperature, top_p=0.9)   # seed 0: s_0
+        assert generate(model, [[1, 2, 3]], config).tokens == greedy
+    boosted = GenerationConfig(num_steps=4, max_new_tokens=6, temperature=0.7, repetition_penalty=1e-300, seed=1)
+    tokens = generate(model, [[1, 2, 3]], boosted).tokens[0]
+    assert all(t in (1, 2, 3) or t in tokens[:i] for i, t in enumerate(tokens))   # only seen tokens, none at random

@@ -44,7 +44,7 @@ class GenerationConfig:
     exit_criterion: str | ExitCriterion | None = None
     exit_threshold: float | None = None  # default: the criterion's own (gate: the checkpoint's)
     min_steps: int | None = None        # fewest iterations before an exit; None: 2 (1 for a learned gate)
-    # Sampling; temperature 0 is greedy (the paper's evaluation convention).
+    # Sampling; temperature 0 is greedy (the paper's evaluation convention), as is any below 1e-5 (its limit).
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM
 
 
+GREEDY_BELOW = 1e-5   # a temperature under this chooses greedily, as at 0
+
+
 def token_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
     """Per row of logits [B, V]: (log p of the chosen token [B], the k most likely (token, log p), best
     first), from the model's distribution (float32 log-softmax of the raw logits), in one host copy."""
@@ -32,9 +35,13 @@ def sample(logits: Tensor, config: GenerationConfig, generators: Sequence[torch.
     if seen is not None and config.repetition_penalty != 1:
         p = config.repetition_penalty  # CTRL-style: shrink the logits of tokens already seen
         logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
-    if config.temperature == 0:
+    if config.temperature < GREEDY_BELOW:   # the limit of sampling as the temperature falls (and no overflow)
         return logits.argmax(dim=-1)
     logits = logits / config.temperature
+    # A tiny temperature or penalty can take a logit to +inf, where softmax gives NaN: such a row draws among
+    # its infinite logits alone (the limit of the distribution). Finite rows are left as they are.
+    infinite = torch.isposinf(logits)
+    logits = torch.where(infinite.any(dim=-1, keepdim=True), torch.where(infinite, 0.0, float("-inf")), logits)
     if config.top_k is not None and config.top_k < logits.shape[-1]:
         kth = logits.topk(config.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
