@@ -2,9 +2,9 @@
 asks nothing inside them and CUDA can capture them once as a graph and replay it (docs/inference.md,
 "the decode engine").
 
-`Session` (rdlm.inference.engine) runs its decoded token this way and `ContinuousBatch`
-(rdlm.inference.batching) its decoding rows' core iteration; each holds one `StaticSteps`, the cache of
-its captured graphs.
+`ContinuousBatch` (rdlm.inference.batching) runs its decoding rows' core iteration this way, and its
+`Lockstep` (rdlm.inference.lockstep) a whole token; each holds one `StaticSteps`, the cache of its captured
+graphs.
 """
 
 from __future__ import annotations
