@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -42,8 +43,11 @@ def synthetic_corpus(n: int, seed: int = 0) -> list[str]:
 
 
 def train_tiny(out: Path, seconds: float, seed: int = 0) -> None:
+    from tqdm.auto import tqdm
+
     from rdlm.data.tokenizer import train_tokenizer
 
+    print(f"training a tokenizer, then `tiny` for {seconds:.0f} s on synthetic text", file=sys.stderr, flush=True)
     torch.manual_seed(seed)
     docs = synthetic_corpus(4000, seed)
     tok = train_tokenizer(docs, vocab_size=400)
@@ -54,17 +58,21 @@ def train_tiny(out: Path, seconds: float, seed: int = 0) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=5e-4)
     model.train()
     start, step = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        rows = torch.randint(0, len(data) - seq - 1, (batch,))
-        x = torch.stack([data[i:i + seq + 1] for i in rows])
-        loss = model(x[:, :-1], labels=x[:, 1:]).loss  # r: docs/architecture.md#sampling-r
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 200 == 0:
-            print(f"step {step} loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    # The bar counts the seconds of the budget (training runs for a time, not a number of steps).
+    with tqdm(total=round(seconds), unit="s", desc="training tiny", dynamic_ncols=True) as bar:
+        while (elapsed := time.perf_counter() - start) < seconds:
+            rows = torch.randint(0, len(data) - seq - 1, (batch,))
+            x = torch.stack([data[i:i + seq + 1] for i in rows])
+            loss = model(x[:, :-1], labels=x[:, 1:]).loss  # r: docs/architecture.md#sampling-r
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            if step % 20 == 0:
+                bar.set_postfix(step=step, loss=f"{loss.item():.3f}", refresh=False)
+                bar.update(min(round(elapsed), bar.total) - bar.n)
+        bar.update(bar.total - bar.n)
     rdlm.save_pretrained(model.eval(), out)
     tok.save(out)
     print(f"trained tiny for {step} steps, final loss {loss.item():.3f}; saved to {out}")

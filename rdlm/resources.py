@@ -62,6 +62,39 @@ def check_device(device: str | torch.device, flag: str = "--device") -> torch.de
     return dev
 
 
+# Threads. A model under SMALL_MODEL_PARAMETERS does too little per operation for intra-op threads to pay
+# off, and on a machine where other work runs OpenMP's busy-waiting makes each extra thread a loss:
+# benchmarks/bench_threads.py measured `generate` of the small preset on 2 cores beside one CPU-burning
+# process at 6.8 / 41 tok/s (batch 1 / 16) with 2 threads against 89 / 995 with one (OMP_WAIT_POLICY
+# unset; PASSIVE halves the loss). Larger models get the cores the load average leaves free at start.
+SMALL_MODEL_PARAMETERS = 20_000_000
+
+
+def default_threads(num_parameters: int) -> int:
+    """CPU threads for a model's work when none are asked for: 1 for a small model, else the cores not busy
+    with other work (the one-minute load average) when it starts, at least 1."""
+    if num_parameters < SMALL_MODEL_PARAMETERS:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        busy = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this system
+        busy = 0.0
+    return max(1, min(cores, round(cores - busy)))
+
+
+def use_threads(model, threads: int | None = None) -> int:
+    """Set torch's intra-op threads for `model`'s work: `threads` when given, else `default_threads` for a
+    model on the CPU (a GPU model keeps torch's own). Returns the threads set."""
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        torch.set_num_threads(threads)
+    elif next(model.parameters()).device.type == "cpu":
+        torch.set_num_threads(default_threads(model.num_parameters()))
+    return torch.get_num_threads()
+
+
 def memory_bytes(device: torch.device | str) -> int:
     """Total memory of the device: GPU memory on CUDA, physical RAM otherwise."""
     device = torch.device(device)

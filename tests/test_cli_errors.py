@@ -286,3 +286,13 @@ def test_a_closed_pipe_ends_the_command_quietly(model_dir, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     assert main(["info", str(model_dir)]) == 141  # 128 + SIGPIPE, as a shell reports a Unix tool's end
     assert capsys.readouterr().err == ""
+
+
+def test_long_work_shows_progress_on_stderr(model_dir, tmp_path, capsys):
+    assert main(["info", "tiny", "--time-forward", "1,2", "--seq-len", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "forward passes" in captured.err and '"forward_seconds"' in captured.out
+    (tmp_path / "doc.txt").write_text(" ".join(CORPUS[:3]))
+    assert main(["eval", str(model_dir), "--text", str(tmp_path / "doc.txt"), "--num-steps", "1,2",
+                 "--out", str(tmp_path / "eval")]) == 0
+    assert "batch iterations" in capsys.readouterr().err

@@ -56,6 +56,14 @@ class CLIError(Exception):
     """A user error worth one clear line, not a traceback."""
 
 
+def add_threads_argument(parser) -> None:
+    """--threads: the CPU threads of a command's model work (rdlm.resources.use_threads applies it)."""
+    parser.add_argument("--threads", type=at_least(1), default=None, metavar="N",
+                        help="CPU threads for the model's work (default: 1 for models under 20M parameters, else "
+                             "the cores the load average leaves free; more threads than free cores make every "
+                             "operation wait: benchmarks/bench_threads.py)")
+
+
 def at_least(minimum: int):
     """An argparse type: an integer >= `minimum` (argparse names the flag in its one-line error)."""
     def parse(text: str) -> int:

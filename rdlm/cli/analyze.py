@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from rdlm.cli import CLIError, add_model_argument, add_quantize_arguments, check_exit_threshold
+from rdlm.cli import CLIError, add_model_argument, add_quantize_arguments, add_threads_argument, check_exit_threshold
 from rdlm.fileio import claim_output_dir, new_dirs_removed_on_failure, read_jsonl
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
+from rdlm.resources import use_threads
 
 
 def register(subparsers) -> None:
@@ -49,6 +50,7 @@ def register(subparsers) -> None:
                    help="criterion for the exit-step histogram (rdlm.inference.exits; 'none' to skip)")
     p.add_argument("--exit-threshold", type=float, default=None, help="its threshold (default: its own)")
     p.add_argument("--exit-max-steps", type=int, default=None, help="cap on exit steps (default r)")
+    add_threads_argument(p)
     add_quantize_arguments(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N")
@@ -131,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         exit_threshold=args.exit_threshold, exit_max_steps=args.exit_max_steps)
     out = claim_output_dir(args.out, is_analysis_file, args.overwrite, "an analysis")
     model = found.load(device=args.device, quantize=args.quantize, group_size=args.quantize_group_size)
+    use_threads(model, args.threads)
     with torch.no_grad(), new_dirs_removed_on_failure(out):
         result = analyze(model, prompts, out, settings, tokenizer=tokenizer, model_name=args.model)
     for name, p in result.summary["prompts"].items():

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model, tokenizer = load_model_and_tokenizer(
         args.model, args.dtype, args.device, need_tokenizer=True, quantize=args.quantize,
-        group_size=args.quantize_group_size,
+        group_size=args.quantize_group_size, threads=args.threads,
         without_tokenizer="chat reads and writes text: give a run directory or model directory with "
                           "tokenizer.json, e.g. one trained with `rdlm train --tokenizer ...`, or `rdlm generate "
                           "--prompt-ids` for a model without one")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rdlm.cli import CLIError, add_model_argument, add_quantize_arguments
+from rdlm.cli import CLIError, add_model_argument, add_quantize_arguments, add_threads_argument
 from rdlm.fileio import claim_output_dir, read_jsonl, read_utf8
+from rdlm.resources import use_threads
 
 OUTPUTS = ("results.json", "plot.png")
 
@@ -29,6 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: zero state)")
     p.add_argument("--out", default="eval-out", help="directory for results.json and plot.png")
     p.add_argument("--overwrite", action="store_true", help="replace results.json and plot.png already in --out")
+    add_threads_argument(p)
     add_quantize_arguments(p)
     p.set_defaults(func=run)
 
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         if found.tokenizer_dir is None:
             raise CLIError(f"{args.model!r} has no {TOKENIZER_FILE}: perplexity on text needs the model's tokenizer")
         model = found.load(quantize=args.quantize, group_size=args.quantize_group_size)
+        use_threads(model, args.threads)
         tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         docs = [tokenizer.encode(d, add_bos=True) for d in read_documents(Path(args.text))]
         sweeps = [perplexity_vs_steps(model, docs, steps, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -73,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"{err}; accuracy on lm-eval tasks needs lm-eval: pip install 'rdlm[eval]'") from err
         quantize = args.quantize and (f"quantize={args.quantize.replace(',', '+').replace('=', ':')},"
                                       f"quantize_group_size={args.quantize_group_size}")
-        extra = ",".join(a for a in (f"init_scale={args.init_scale}", quantize, args.model_args) if a)
+        threads = args.threads and f"threads={args.threads}"
+        extra = ",".join(a for a in (f"init_scale={args.init_scale}", quantize, threads, args.model_args) if a)
         sweeps = accuracy_vs_steps(args.model, args.tasks.split(","), steps, include_path=args.include_path,
                                    metric=args.metric, model_args=extra, batch_size=args.batch_size,
                                    limit=args.limit)

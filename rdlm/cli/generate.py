@@ -12,13 +12,13 @@ import sys
 
 import torch
 
-from rdlm.cli import CLIError, add_quantize_arguments, check_exit_threshold
+from rdlm.cli import CLIError, add_quantize_arguments, add_threads_argument, check_exit_threshold
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
 from rdlm.inference.params import check_prompts
 from rdlm.model import dtypes
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
-from rdlm.resources import check_device
+from rdlm.resources import check_device, use_threads
 
 
 def register(subparsers) -> None:
@@ -93,6 +93,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                         "rdlm serve: the batch's static core iteration, the same default")
     g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32", help="weights and activations dtype")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add_threads_argument(g)
     add_quantize_arguments(g)
 
 
@@ -126,10 +127,10 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
 
 def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False,
                              without_tokenizer: str = "use --prompt-ids for token ids", quantize: str | None = None,
-                             group_size: int = 128):
-    """The model (quantized by `quantize`, when given) and, when it comes with tokenizer.json, its
-    tokenizer (else None). `without_tokenizer` ends the error when one is needed and missing: what the
-    command can do instead."""
+                             group_size: int = 128, threads: int | None = None):
+    """The model (quantized by `quantize`, when given; its work on `threads` CPU threads, by default
+    rdlm.resources.use_threads') and, when it comes with tokenizer.json, its tokenizer (else None).
+    `without_tokenizer` ends the error when one is needed and missing: what the command can do instead."""
     from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     check_device(device)
@@ -141,6 +142,7 @@ def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = 
         raise ValueError(f"{source!r} has no {TOKENIZER_FILE}: text needs a model directory with a "
                          f"tokenizer ({without_tokenizer})")
     model = found.load(dtype=dtype, device=device, quantize=quantize, group_size=group_size)
+    use_threads(model, threads)
     if getattr(model, "quantization", None) is not None:
         from rdlm.model.quantize import describe
 
@@ -206,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
     text_mode = args.prompt is not None
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device,
                                                 need_tokenizer=text_mode or bool(args.stop),
-                                                quantize=args.quantize, group_size=args.quantize_group_size)
+                                                quantize=args.quantize, group_size=args.quantize_group_size,
+                                                threads=args.threads)
     if text_mode:
         prompts = [tokenizer.encode(p, add_bos=not args.no_bos) for p in args.prompt]
         stop_tokens = (tokenizer.eos_id,)

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--draft-steps: speculative decoding is not available in the server")
     model, tokenizer = load_model_and_tokenizer(
         args.model, args.dtype, args.device, need_tokenizer=True, quantize=args.quantize,
-        group_size=args.quantize_group_size,
+        group_size=args.quantize_group_size, threads=args.threads,
         without_tokenizer="the server takes and returns text: give a run directory or model directory with "
                           "tokenizer.json")
     defaults = config_from_args(args, model)

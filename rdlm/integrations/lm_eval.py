@@ -22,6 +22,7 @@ Model arguments:
     batch_size       a number, or "auto" (the largest of max_batch_size, default 64, halved until a
                      batch of max_length tokens fits in memory; on the CPU max_batch_size itself)
     max_length, max_gen_toks, add_bos_token (default true: documents start with BOS)
+    threads          CPU threads (default: rdlm.resources.default_threads, 1 for models under 20M parameters)
 
 loglikelihood and loglikelihood_rolling need only the model's forward pass at fixed r: requests are
 sorted by length and scored in right-padded batches (causal attention makes padding invisible).
@@ -50,6 +51,7 @@ from rdlm.inference.evaluate import DepthSweep, check_steps, check_sweep_fits, s
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import read_config
 from rdlm.model.resolve import resolve_model_source
+from rdlm.resources import use_threads
 from rdlm.inference.exits import make_exit_criterion
 from rdlm.inference.generate import generate
 from rdlm.inference.params import GenerationConfig, kv_cache_budget
@@ -83,7 +85,7 @@ class RDLMEvalModel(TemplateLM):
                  batch_size: int | str | None = 8, max_batch_size: int | str | None = 64,
                  max_length: int | str | None = None, max_gen_toks: int | str = 256,
                  add_bos_token: bool | str = True, quantize: str | None = None,
-                 quantize_group_size: int | str = 128, **unused: Any) -> None:
+                 quantize_group_size: int | str = 128, threads: int | str | None = None, **unused: Any) -> None:
         super().__init__()
         if unused:
             raise ValueError(f"rdlm model: unknown model argument(s) {', '.join(sorted(unused))}")
@@ -103,6 +105,7 @@ class RDLMEvalModel(TemplateLM):
             raise ValueError(f"rdlm model: {pretrained} has no tokenizer.json")
         self.model = found.load(dtype=torch_dtype, device=self._device, quantize=quantize or None,
                                 group_size=int(quantize_group_size))
+        use_threads(self.model, _optional(threads, int))
         self.tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         config = self.model.config
         self.num_steps = config.mean_recurrence if (r := _optional(num_steps, int)) is None else r

@@ -94,7 +94,8 @@ class TrainConfig:
                                   "recompiling)")
     device: str = option("auto", "auto (the GPU if there is one, else the CPU), cpu, cuda or cuda:N")
     threads: int | None = option(None, "CPU threads for this run (default: 1 for models under 20M parameters on "
-                                       "the CPU, where threads cost more than they save)")
+                                       "the CPU, where threads cost more than they save; else the cores the load "
+                                       "average leaves free)")
     strategy: str = option("auto", "with several processes (torchrun): fsdp (FSDP2, sharded) or ddp "
                                    "(replicated); single: one process; auto: fsdp under torchrun, else single")
     cpu_offload: bool = option(False, "FSDP: keep sharded weights, gradients and optimizer state in host memory")

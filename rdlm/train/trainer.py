@@ -39,6 +39,7 @@ from rdlm.model.config import ConfigError
 from rdlm.model.flops import flops_per_token
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.recurrence import draw_for_microbatch, microbatch_seed
+from rdlm.resources import default_threads
 from rdlm.train.config import TrainConfig
 from rdlm.train.distributed import (all_reduce_sum, barrier, full, init_single_process_group, resolve_strategy,
                                     setup, teardown_group)
@@ -344,8 +345,8 @@ class Trainer(RunCheckpoints):
         start = time.perf_counter()
         threads = torch.get_num_threads()
         if self.device.type == "cpu":
-            small = self.model.num_parameters() < 20_000_000
-            torch.set_num_threads(cfg.threads if cfg.threads is not None else (1 if small else threads))
+            torch.set_num_threads(cfg.threads if cfg.threads is not None else
+                                  default_threads(self.model.num_parameters()))
         pending: list[dict[str, Any]] = []
         # A resumed run that had already finished: its last checkpoint and evaluation stand as they are.
         finished = self.step >= cfg.steps and self.last_checkpoint is not None
