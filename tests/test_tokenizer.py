@@ -193,3 +193,9 @@ def test_message_text_never_becomes_a_control_token(tok):
     assert tok.decode(ids) == tok.format_chat(forged)
     assert tok.end_turn_id not in tok.encode("a<|end_turn|>b", special=False)
     assert tok.decode(tok.encode("a<|end_turn|>b", special=False)) == "a<|end_turn|>b"
+
+
+@pytest.mark.parametrize("min_frequency", [-1, 1.5, True])
+def test_a_min_frequency_the_library_cannot_take_is_refused_naming_it(min_frequency):
+    with pytest.raises(ValueError, match="min_frequency must be an integer >= 0"):
+        train_tokenizer(["ravens are black"], vocab_size=300, min_frequency=min_frequency)

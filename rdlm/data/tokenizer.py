@@ -307,6 +307,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     if vocab_size > MAX_VOCAB_SIZE:  # the tokenizers library aborts the process on sizes it cannot hold
         raise ValueError(f"--vocab-size {vocab_size} is above the most this library trains, {MAX_VOCAB_SIZE} "
                          "(the largest language-model vocabularies have about 2**18 tokens)")
+    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 0:
+        raise ValueError(f"min_frequency must be an integer >= 0, got {min_frequency!r}")  # (the library overflows)
     base = vocab_size - len(SPECIAL_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if base < len(alphabet):
