@@ -6,7 +6,7 @@ A training checkpoint (rdlm.train.checkpoint) already keeps its weights as Hugin
 docs/architecture.md#optimizer), next to optimizer state and `trainer.json`. Converting one means choosing which
 weights to release and writing them with `rdlm.model.huginn.save_pretrained`: the layout's one home. A
 sharded checkpoint (FSDP, `step-N/dcp/`) is first gathered into whole tensors on this machine
-(`rdlm.train.checkpoint.load_weights`, no processes to launch). A run directory (holding
+(`rdlm.model.checkpoints.load_weights`, no processes to launch). A run directory (holding
 `checkpoints/step-*`) means its newest complete checkpoint.
 
 Same-dtype conversions are bit-exact; bf16 -> fp32 -> bf16 is too (fp32 holds every bf16 value).

@@ -3,7 +3,7 @@ serve, eval, lm-eval, analyze, info, convert, train) and `rdlm.load_model` come 
 
     NAME or preset:NAME     a preset (rdlm.model.config.PRESETS): a freshly initialized model
     DIR with config.json    a Huginn-layout model directory
-    DIR with trainer.json   a training checkpoint `step-N/` (rdlm.train.checkpoint), sharded or not
+    DIR with trainer.json   a training checkpoint `step-N/` (rdlm.model.checkpoints), sharded or not
     DIR with checkpoints/   a run directory (`rdlm train --out-dir`): its newest complete checkpoint
 
 A bare preset name means the preset, unless a model directory, checkpoint or run directory of that
@@ -30,6 +30,7 @@ from rdlm.model.config import PRESETS, ConfigError, RDLMConfig
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import CONFIG_NAME, CheckpointError, load_pretrained
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model import checkpoints as ckpt
 from rdlm.model import quantize as quantization
 from rdlm.model.quantize import DEFAULT_GROUP_SIZE
 
@@ -76,9 +77,7 @@ class ModelSource:
         elif overrides:
             raise ConfigError(f"config overrides apply to presets only, not to {self.text}")
         elif self.sharded:
-            from rdlm.train.checkpoint import load_weights
-
-            model = load_weights(self.checkpoint, self.weights)
+            model = ckpt.load_weights(self.checkpoint, self.weights)
         else:
             return load_pretrained(self.directory, dtype=dtype, device=device).eval()
         return cast_parameters(model.to(device), dtype).eval()
@@ -124,8 +123,6 @@ def resolve_model_source(source: str | os.PathLike, weights: str = "ema") -> Mod
         raise CheckpointError(f"{text} is a file; expected {ACCEPTED}")
     if (path / CONFIG_NAME).is_file():
         return ModelSource(text, "model", directory=path)
-    from rdlm.train import checkpoint as ckpt
-
     if (path / ckpt.TRAINER_FILE).is_file():
         return _checkpoint(text, "checkpoint", path, weights)
     if ckpt.checkpoint_dir(path).is_dir():
@@ -140,10 +137,8 @@ def resolve_model_source(source: str | os.PathLike, weights: str = "ema") -> Mod
 
 
 def _checkpoint(text: str, kind: str, path: Path, weights: str) -> ModelSource:
-    from rdlm.train.checkpoint import has_ema, is_sharded
-
-    if is_sharded(path):  # FSDP: whole tensors gathered on load; EMA when the run kept one
-        chosen = weights if weights == "model" or has_ema(path) else "model"
+    if ckpt.is_sharded(path):  # FSDP: whole tensors gathered on load; EMA when the run kept one
+        chosen = weights if weights == "model" or ckpt.has_ema(path) else "model"
         return ModelSource(text, kind, checkpoint=path, weights=chosen, sharded=True)
     for sub in (weights, "model") if weights == "ema" else ("model",):
         if (path / sub / CONFIG_NAME).is_file():
@@ -153,8 +148,6 @@ def _checkpoint(text: str, kind: str, path: Path, weights: str) -> ModelSource:
 
 def _holds_model(path: Path) -> bool:
     """Whether `path` is a directory that could be meant as a model (so it competes with a preset)."""
-    from rdlm.train import checkpoint as ckpt
-
     return path.is_dir() and ((path / CONFIG_NAME).is_file() or (path / ckpt.TRAINER_FILE).is_file()
                               or ckpt.checkpoint_dir(path).is_dir())
 

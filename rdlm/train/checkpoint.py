@@ -29,7 +29,8 @@ its own part with torch.distributed.checkpoint (DCP); the same run directory the
 
 DCP re-shards on load, so such a checkpoint resumes with any number of workers, FSDP or not, and a
 single-process checkpoint resumes under FSDP; `rdlm convert` turns either into the Huginn layout
-(`load_weights`).
+(`load_weights`). Reading checkpoints (finding them, their weights as a model) is rdlm.model.checkpoints,
+which loading a model from a run needs without the trainer.
 
 A checkpoint is written into a hidden temporary sibling (`.step-000200.tmp-PID-*`), every file
 fsynced, then renamed into place: a crash at any moment leaves the previous checkpoints untouched and
@@ -40,12 +41,9 @@ whether the weights were finite, so a diverged run names the last checkpoint wor
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,15 +53,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from rdlm.fileio import confined_name, staging_dir, temp_prefix, write_json
-from rdlm.model.huginn import CheckpointError, load_pretrained, save_pretrained
+from rdlm.fileio import staging_dir, temp_prefix, write_json
+from rdlm.model.checkpoints import (SHARDED_DIR, STEP_RE, TRAINER_FILE, checkpoint_dir,  # noqa: F401 (the layout's
+                                    confined_shards, has_ema, is_sharded, last_finite_checkpoint,  # names, here too)
+                                    latest_checkpoint, list_checkpoints, load_weights, read_sharded_full,
+                                    read_trainer)
+from rdlm.model.huginn import load_pretrained, save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
 
-STEP_RE = re.compile(r"^step-(\d+)$")
-TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
-SHARDED_DIR = "dcp"
 
 
 @dataclass
@@ -74,38 +73,6 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.trainer["step"])
-
-
-def checkpoint_dir(out_dir: str | os.PathLike) -> Path:
-    return Path(out_dir) / "checkpoints"
-
-
-def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints (with trainer.json), oldest first."""
-    root = checkpoint_dir(out_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_RE.match(p.name)) and (p / TRAINER_FILE).is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    found = list_checkpoints(out_dir)
-    return found[-1] if found else None
-
-
-def last_finite_checkpoint(out_dir: str | os.PathLike, upto: Path | None = None) -> Path | None:
-    """The newest checkpoint (not newer than `upto`) whose weights were finite when saved."""
-    for path in list_checkpoints(out_dir)[::-1]:
-        if upto is not None and int(STEP_RE.match(path.name).group(1)) > int(STEP_RE.match(upto.name).group(1)):
-            continue
-        try:
-            if json.loads((path / TRAINER_FILE).read_text()).get("finite_weights", True):
-                return path
-        except (OSError, ValueError):
-            continue
-    return None
 
 
 def optimizer_tensors(optimizer_state: dict, names: list[str]) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -161,7 +128,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, ema_model: nn.Mod
                     parameter_names: list[str]) -> tuple[Checkpoint, dict | None]:
     """Load weights (and EMA) into the given models; return the checkpoint and the optimizer state_dict."""
     path = Path(path)
-    trainer = _read_trainer(path)
+    trainer = read_trainer(path)
     if is_sharded(path):  # written under FSDP: gather the whole tensors here
         weights, ema, tensors = read_sharded_full(path, model, parameter_names)
         _copy_tensors(weights, model)
@@ -192,21 +159,8 @@ def _copy_tensors(source: dict[str, torch.Tensor], target: nn.Module) -> None:
         param.copy_(source[name].to(param.dtype))
 
 
-
 # --------------------------------------------------------------------------------------------------
 # Sharded checkpoints (torch.distributed.checkpoint)
-
-def confined_shards(directory: Path) -> Path:
-    """A sharded checkpoint whose metadata names only files inside it (refused otherwise)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    for info in FileSystemReader(directory).read_metadata().storage_data.values():
-        confined_name(str(info.relative_path), directory / ".metadata", CheckpointError, "checkpoint directory")
-    return directory
-
-
-def is_sharded(path: str | os.PathLike) -> bool:
-    return (Path(path) / SHARDED_DIR).is_dir()
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -289,7 +243,7 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
-    trainer = _read_trainer(path)
+    trainer = read_trainer(path)
     state, _ = sharded_state(model, optimizer, ema_shadow, parameter_names)
     if is_sharded(path):
         if "ema" in state and not has_ema(path):
@@ -323,63 +277,6 @@ def _fill(targets: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> N
                                       target.device_mesh, target.placements).to_local()
             target = target.to_local()
         target.copy_(value)
-
-
-def read_sharded_full(path: str | os.PathLike, model: nn.Module, parameter_names: list[str],
-                      with_optimizer: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None,
-                                                            dict[str, torch.Tensor] | None]:
-    """Whole tensors from a sharded checkpoint, read by this process alone (no collectives):
-    (weights by name, EMA weights by name or None, optimizer tensors as "<name>/<key>" or None).
-    `model` only gives the names and shapes."""
-    import torch.distributed.checkpoint as dcp
-
-    path = Path(path)
-    params = dict(model.named_parameters())
-    shapes = {name: params[name].shape for name in parameter_names}
-    state: dict[str, Any] = {"model": {n: torch.empty(s) for n, s in shapes.items()}}
-    if has_ema(path):
-        state["ema"] = {n: torch.empty(s) for n, s in shapes.items()}
-    if with_optimizer:
-        state["optimizer"] = {"state": {n: {"step": torch.zeros(()), "exp_avg": torch.empty(s),
-                                            "exp_avg_sq": torch.empty(s)} for n, s in shapes.items()}}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(state, checkpoint_id=confined_shards(path / SHARDED_DIR), no_dist=True)
-    optimizer = None
-    if with_optimizer:
-        optimizer = {f"{n}/{k}": v for n, fields in state["optimizer"]["state"].items() for k, v in fields.items()}
-    return state["model"], state.get("ema"), optimizer
-
-
-def load_weights(path: str | os.PathLike, weights: str = "model") -> RecurrentDepthLM:
-    """The weights ("model" or "ema") of a training checkpoint, sharded or not, as a float32 model."""
-    path = Path(path)
-    if not is_sharded(path):
-        return load_pretrained(path / weights, dtype=torch.float32)
-    from rdlm.model.config import RDLMConfig
-
-    trainer = _read_trainer(path)
-    with torch.device("meta"):
-        skeleton = RecurrentDepthLM(RDLMConfig.from_dict(trainer["model_config"]))
-    names = [n for n, _ in skeleton.named_parameters()]
-    model_tensors, ema_tensors, _ = read_sharded_full(path, skeleton, names, with_optimizer=False)
-    chosen = ema_tensors if weights == "ema" else model_tensors
-    if chosen is None:
-        raise FileNotFoundError(f"{path}: no {weights} weights in this checkpoint")
-    model = RecurrentDepthLM(skeleton.config)
-    model.load_state_dict(chosen)
-    return model
-
-
-def has_ema(path: Path) -> bool:
-    return bool(_read_trainer(path).get("train_config", {}).get("ema_decay"))
-
-
-def _read_trainer(path: Path) -> dict[str, Any]:
-    trainer_file = path / TRAINER_FILE
-    if not trainer_file.is_file():
-        raise FileNotFoundError(f"{path} is not a complete training checkpoint (no {TRAINER_FILE})")
-    return json.loads(trainer_file.read_text())
 
 
 def _load_rng(path: Path) -> None:
