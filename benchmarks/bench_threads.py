@@ -1,14 +1,15 @@
 """Generation speed against the number of CPU threads, on an idle machine and beside a CPU-burning
-process: the measurement behind the inference commands' default `--threads` (rdlm.cli.threads).
+process: the measurement behind the inference commands' default `--threads` (rdlm.resources.default_threads).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_threads.py                 # the project's setting
-    python benchmarks/bench_threads.py --policies PASSIVE,unset --threads 1,2,default
+    python benchmarks/bench_threads.py --policies PASSIVE,unset --threads 1,2,default,rdlm --repeats 2
 
 Each cell is a fresh process (OpenMP reads its wait policy once, when torch loads it): the `small` preset
-(or --preset) with random weights greedily decodes --new-tokens tokens at r = --steps for a batch of 1 and of 16
-prompts; the cell is the decode tokens/s of the best of --repeats runs. "loaded" runs the same beside one
+(or --preset) with random weights greedily decodes --new-tokens tokens at r = --steps for a batch of 1 and of
+16 prompts; the cell is the decode tokens/s of the best of --repeats runs. "loaded" runs the same beside one
 process that spins a core for the whole measurement, as other work on a shared machine would. `default`
-is torch's own thread count (the number of cores). The whole table takes about a minute on 2 cores.
+is torch's own thread count (the number of cores), `rdlm` the inference commands' default
+(rdlm.resources.default_threads). One policy's table takes about a minute on 2 cores.
 This is a script, not a test.
 """
 
@@ -26,10 +27,13 @@ import json, sys, time, torch
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.inference.generate import GenerationConfig, generate
 threads, batches, new, steps, repeats, preset, overrides = json.loads(sys.argv[1])
-if threads != "default":
-    torch.set_num_threads(threads)
 torch.manual_seed(0)
 model = RecurrentDepthLM(RDLMConfig.from_preset(preset, **overrides)).eval()
+if threads == "rdlm":
+    from rdlm.resources import use_threads
+    use_threads(model)
+elif threads != "default":
+    torch.set_num_threads(threads)
 config = GenerationConfig(num_steps=steps, max_new_tokens=new, init_scale=0.0)
 result = {"threads": torch.get_num_threads(), "parameters": model.num_parameters()}
 for batch in batches:
@@ -56,7 +60,7 @@ def cell(threads: str, policy: str, loaded: bool, args) -> dict:
         env.pop("OMP_WAIT_POLICY", None)
     else:
         env["OMP_WAIT_POLICY"] = policy
-    spec = [threads if threads == "default" else int(threads), args.batch, args.new_tokens, args.steps,
+    spec = [threads if threads in ("default", "rdlm") else int(threads), args.batch, args.new_tokens, args.steps,
             args.repeats, args.preset, dict(args.set)]
     competitor = burner() if loaded else None
     try:
@@ -71,21 +75,22 @@ def cell(threads: str, policy: str, loaded: bool, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", default="1,2,default", help="thread counts (default: torch's own)")
+    parser.add_argument("--threads", default="1,default,rdlm",
+                        help="thread counts; default: torch's own, rdlm: rdlm.resources.use_threads' choice")
     parser.add_argument("--policies", default=os.environ.get("OMP_WAIT_POLICY", "unset"),
                         help="OMP_WAIT_POLICY values to run (PASSIVE, ACTIVE, unset); default: this shell's")
     parser.add_argument("--batch", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16],
                         help="batch sizes")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per prompt")
     parser.add_argument("--steps", type=int, default=4, help="core iterations r per token")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is kept")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per cell; the best is kept")
     parser.add_argument("--preset", default="small", help="the model's preset (random weights)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         type=lambda s: (s.split("=")[0], json.loads(s.split("=")[1])),
                         help="override a preset field, e.g. --set hidden_size=768")
     args = parser.parse_args()
     print(f"cores {os.cpu_count()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"{args.preset} preset {dict(args.set) or ''}, r = {args.steps}, {args.new_tokens} new tokens; decode tok/s (best of {args.repeats})")
+          f"{args.preset} preset{' ' + str(dict(args.set)) if args.set else ''}, r = {args.steps}, {args.new_tokens} new tokens; decode tok/s (best of {args.repeats})")
     header = f"{'policy':8} {'load':7} {'threads':>8}" + "".join(f" {'batch ' + str(b):>10}" for b in args.batch)
     print(header)
     start = time.perf_counter()
@@ -93,7 +98,7 @@ def main() -> None:
         for loaded in (False, True):
             for threads in args.threads.split(","):
                 row = cell(threads, policy, loaded, args)
-                label = f"{threads}" if threads != "default" else f"default={row['threads']}"
+                label = f"{threads}={row['threads']}" if threads in ("default", "rdlm") else threads
                 print(f"{policy:8} {'loaded' if loaded else 'idle':7} {label:>8}"
                       + "".join(f" {row[str(b)]:10.1f}" for b in args.batch), flush=True)
     print(f"({row['parameters'] / 1e6:.1f}M parameters; {time.perf_counter() - start:.0f} s)")

@@ -64,9 +64,10 @@ def check_device(device: str | torch.device, flag: str = "--device") -> torch.de
 
 # Threads. A model under SMALL_MODEL_PARAMETERS does too little per operation for intra-op threads to pay
 # off, and on a machine where other work runs OpenMP's busy-waiting makes each extra thread a loss:
-# benchmarks/bench_threads.py measured `generate` of the small preset on 2 cores beside one CPU-burning
-# process at 6.8 / 41 tok/s (batch 1 / 16) with 2 threads against 89 / 995 with one (OMP_WAIT_POLICY
-# unset; PASSIVE halves the loss). Larger models get the cores the load average leaves free at start.
+# benchmarks/bench_threads.py measured `generate` of the small preset on 2 busy cores beside a CPU-burning
+# process at 3.5 / 11 tok/s (batch 1 / 16) with torch's 2 threads against 31 / 240 with one
+# (OMP_WAIT_POLICY unset, as a shell leaves it; PASSIVE mostly avoids the loss, and gains little over one
+# thread). Larger models get the cores the load average leaves free when they start.
 SMALL_MODEL_PARAMETERS = 20_000_000
 
 
