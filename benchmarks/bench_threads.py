@@ -90,7 +90,8 @@ def main() -> None:
                         help="override a preset field, e.g. --set hidden_size=768")
     args = parser.parse_args()
     print(f"cores {os.cpu_count()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"{args.preset} preset{' ' + str(dict(args.set)) if args.set else ''}, r = {args.steps}, {args.new_tokens} new tokens; decode tok/s (best of {args.repeats})")
+          f"{args.preset} preset{' ' + str(dict(args.set)) if args.set else ''}, r = {args.steps}, "
+          f"{args.new_tokens} new tokens; decode tok/s (best of {args.repeats})")
     header = f"{'policy':8} {'load':7} {'threads':>8}" + "".join(f" {'batch ' + str(b):>10}" for b in args.batch)
     print(header)
     start = time.perf_counter()
