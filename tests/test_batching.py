@@ -356,7 +356,7 @@ def test_a_row_found_done_stops_computing_before_the_look(model, monkeypatch):
 
         batch = ContinuousBatch(model, max_batch=3, max_length=32, num_slots=12, sync_every=4, coda_every=2)
         if not peek:
-            monkeypatch.setattr(batch, "_computing", lambda iterating: iterating)
+            monkeypatch.setattr(batch.scheduler, "computing", lambda iterating, *rest: iterating)
         ids = [batch.add(p, c) for p, c in zip(([5, 17, 99], [250, 11], [1, 2, 3, 4]), configs)]
         monkeypatch.setattr(model, "step", counting_step)
         timeline, n = [], 0
@@ -392,7 +392,7 @@ def test_rows_in_step_run_each_token_in_lockstep(model, monkeypatch, compile, co
     def run(lockstep: bool) -> tuple[list, int]:
         batch = busy_batch(model, compile=compile, sync_every=2)
         if not lockstep:
-            monkeypatch.setattr(batch, "_in_lockstep", lambda starting: False)
+            monkeypatch.setattr(batch.scheduler, "in_lockstep", lambda starting, prompts: False)
         ids = [batch.add(p, config) for p in prompts]
         steps, events = 0, {}
         while batch.busy:
@@ -457,7 +457,7 @@ def test_lockstep_rows_go_on_over_a_row_freed_between_them(model, monkeypatch, c
 
             monkeypatch.setattr(batch, "_eager_rows", tracked)
         else:
-            monkeypatch.setattr(batch, "_in_lockstep", lambda starting: False)
+            monkeypatch.setattr(batch.scheduler, "in_lockstep", lambda starting, prompts: False)
         ids = [batch.add(p, c) for p, c in requests]
         events = drain(batch)
         return [[(e.token, e.steps, e.finish_reason) for e in events[i]] for i in ids]

@@ -38,13 +38,16 @@ docs/inference.md); the prompt chunks in flight then run their iteration in a ca
 
 A request in a busy batch gets the tokens of its prompt alone with the same `GenerationConfig`, however
 its tokens are scheduled: the same s_0 table (seed, position), cache slots, exit decisions and sampler.
+
+What each request does at a step (admission, lockstep, which rows compute, when to look, when a coda is
+due, fused iterations, the prompts' share) is its `Scheduler`'s decision (rdlm.inference.scheduler), which
+holds the requests and their rows and no tensor; `ContinuousBatch` carries the decisions out on the model.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 
 import torch
 from torch import Tensor
@@ -53,10 +56,11 @@ from rdlm.inference.graphs import PhaseTimes, StaticSteps, resolve_compile, sync
 from rdlm.inference.lockstep import Lockstep, LockstepTokens
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
 from rdlm.inference.prefill import PromptChunk
-from rdlm.inference.request import Request
+from rdlm.inference.request import Request, Status
 from rdlm.inference.row_exits import RowExits
 from rdlm.inference.runner import Call, ModelRunner, Pack
 from rdlm.inference.sampling import NonFiniteLogitsError, choose_rows
+from rdlm.inference.scheduler import Scheduler
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -86,8 +90,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         self.device, self.dtype = param.device, param.dtype
         self.max_batch, self.max_length, self.num_slots = max_batch, max_length, num_slots
         self.sync_every, self.prefill_chunk, self.coda_every = sync_every, prefill_chunk, coda_every
-        self.steps_run = 0                    # steps run: the clock of the waits for a coda
-        self.since_look = 0                   # steps since the host last read the exit flags
+        self.scheduler = Scheduler(max_batch, sync_every, coda_every, prefill_chunk)  # who does what, when
         self.chunks: list[PromptChunk] = []   # prompts being prefilled (rdlm.inference.prefill)
         self.runner = ModelRunner(model, max_batch, max_length, num_slots, "full")
         self.cache = self.runner.cache
@@ -112,11 +115,8 @@ class ContinuousBatch(LockstepTokens, Engine):
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0             # core iterations run several to a call (`_iterate_fused`)
         self.lockstep = Lockstep(self.runner, self.static_steps.static)  # `_token`
-        self.waiting: deque[Request] = deque()
-        self.rows: list[Request | None] = [None] * max_batch
         self.ids = itertools.count()
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
-        self.cancelled: set[int] = set()
         self.failures: list[tuple[int, Exception]] = []  # requests that failed alone (`take_failures`)
         self.first_step: float | None = None  # time.perf_counter() at the first step
         self.phases = PhaseTimes(self.device, profile)  # with `profile`: seconds per phase of the steps
@@ -144,28 +144,28 @@ class ContinuousBatch(LockstepTokens, Engine):
         request = Request(next(self.ids), list(prompt), config, criterion, budget,
                            torch.Generator(device=self.device).manual_seed(config.seed),
                            self.runner.noise_table(config.seed, config.init_scale, len(prompt) + config.max_new_tokens))
-        self.waiting.append(request)
+        self.scheduler.add(request)
         return request.id
 
     def cancel(self, request: int) -> None:
         """Drop a request (waiting or running); its row is freed at the next step."""
-        self.cancelled.add(request)
+        self.scheduler.cancel(request)
 
     @property
     def active(self) -> list[Request]:
-        return [q for q in self.rows if q is not None]
+        return self.scheduler.active
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting) or any(q is not None for q in self.rows)
+        return self.scheduler.busy
 
     @property
     def queued(self) -> int:
-        return len(self.waiting)
+        return self.scheduler.queued
 
     @property
     def running(self) -> int:
-        return sum(q is not None for q in self.rows)
+        return self.scheduler.running
 
     @property
     def capture_seconds(self) -> float:
@@ -187,58 +187,34 @@ class ContinuousBatch(LockstepTokens, Engine):
 
     def _run_step(self) -> list[BatchEvent]:
         events: list[BatchEvent] = []
+        s = self.scheduler
         with torch.inference_mode():
             self._drop_cancelled()
             with self.phases.timed("admission and prompt prelude"):
                 self._admit()
-            starting = [q for q in self.active if not (q.prefilling or q.iterating or q.ready)]
+            starting = s.with_status(Status.STARTING)
             if starting:
                 with self.phases.timed("prelude and s_0"):
                     self._start(starting)
-                if self._in_lockstep(starting):
+                if s.in_lockstep(starting, bool(self.chunks)):
                     self._token(starting, events)
-                    self.steps_run += 1
+                    s.step_ran([])
                     return events
-            iterating = [q for q in self.active if q.iterating]
-            computing = self._computing(iterating)
+            iterating = s.with_status(Status.ITERATING)
+            computing = s.computing(iterating, self.device.type != "cpu" or self.static_steps.static,
+                                    lambda: self.done.tolist())
             if computing or self.chunks:
                 self._iterate(computing)
             if self.chunks:
                 with self.phases.timed("prompt coda and first token"):
                     self._end_chunks(events)
-            self.steps_run += 1
-            if iterating:
-                self.since_look += 1
-                # Look when it is time, or when a row is surely done (at its cap: no need to wait for it).
-                if self.since_look >= self.sync_every or any(q.iteration >= q.cap for q in iterating):
-                    self.since_look = 0
-                    self._look(iterating)
-            ready = [q for q in self.active if q.ready]
-            if ready and self._coda_due(ready):
+            if s.step_ran(iterating):
+                self._look(iterating)
+            ready = s.with_status(Status.READY)
+            if ready and s.coda_due(ready):
                 with self.phases.timed("coda and sampling"):
                     self._finish(ready, events)
         return events
-
-    def _computing(self, iterating: list[Request]) -> list[Request]:
-        """The iterating rows the next core call computes. A row done on the device since the last look rides
-        along frozen on the static path and on a GPU (where reading the flags waits for the queued work);
-        eagerly on the CPU, where the read waits for nothing, it leaves the call at once. It stays
-        `iterating` until the look, so its coda (and every token) comes at the same step either way."""
-        if (self.since_look == 0 or self.device.type != "cpu" or self.static_steps.static
-                or not any(q.criterion is not None and not q.criterion.spec.exact for q in iterating)):
-            return iterating
-        done = self.done.tolist()
-        return [q for q in iterating if not done[q.row]]
-
-    def _coda_due(self, ready: list[Request]) -> bool:
-        """Whether the rows whose token is done run their coda now: once one has waited `coda_every` - 1
-        steps, or half the decoding rows wait, or no other row can be done before then (a row with an
-        exit criterion may exit any time; one without ends at its cap)."""
-        decoding = [q for q in self.active if not q.prefilling]
-        wait = self.coda_every - 1 - (self.steps_run - min(q.ready_since for q in ready))
-        if wait <= 0 or 2 * len(ready) >= len(decoding):
-            return True
-        return not any(q.iterating and (q.criterion is not None or q.cap - q.iteration <= wait) for q in decoding)
 
     def take_failures(self) -> list[tuple[int, Exception]]:
         """The requests that failed since the last call, each with its error (their rows are free)."""
@@ -248,7 +224,7 @@ class ContinuousBatch(LockstepTokens, Engine):
     def _fail(self, q: Request, err: Exception) -> None:
         """End one request with an error, alone: the others go on. Its row is wiped, since a NaN left in its
         cache would reach the row's next request through the attention's masked (zero-weight) entries."""
-        self.rows[q.row] = None
+        self.scheduler.free(q)
         self.cache.clear_rows(q.row)
         self.state[q.row] = 0
         self.failures.append((q.id, err))
@@ -258,33 +234,22 @@ class ContinuousBatch(LockstepTokens, Engine):
         return self.phases.take()
 
     def _drop_cancelled(self) -> None:
-        if not self.cancelled:
-            return
-        self.waiting = deque(q for q in self.waiting if q.id not in self.cancelled)
-        for q in self.active:
-            if q.id in self.cancelled:
-                self.rows[q.row] = None
-        for chunk in list(self.chunks):  # a prompt being prefilled stops writing to the row it leaves
-            keep = [j for j, q in enumerate(chunk.requests) if q.id not in self.cancelled]
+        dropped = self.scheduler.drop_cancelled()
+        for chunk in list(self.chunks) if dropped else ():  # a prompt being prefilled stops writing to its row
+            keep = [j for j, q in enumerate(chunk.requests) if q.id not in dropped]
             if len(keep) < len(chunk.requests):
                 self.chunks.remove(chunk)
                 if keep:
                     self.chunks.append(chunk.select(keep))
-        self.cancelled.clear()
 
     def _admit(self) -> None:
-        """Waiting requests into free rows; those admitted together with the same prefill depth and cache
-        budget start prefilling their prompts as one chunk."""
-        groups: dict[tuple[int, int], list[Request]] = {}
-        while self.waiting and None in self.rows:
-            q = self.waiting.popleft()
-            q.row = self.rows.index(None)
-            self.rows[q.row] = q
-            q.cap, q.prefilling = q.config.depth_cap(0, 0), True
+        """Waiting requests into free rows (the scheduler's); those admitted together with the same prefill
+        depth and cache budget start prefilling their prompts as one chunk."""
+        groups = self.scheduler.admit()
+        for q in (q for group in groups.values() for q in group):
             self.runner.rewind(0, q.row)
             self.seen[q.row] = False
             self.seen[q.row, self.runner.upload(q.prompt)] = True
-            groups.setdefault((q.cap, q.budget), []).append(q)
         for (cap, budget), group in groups.items():
             self._begin_chunk(group, 0, cap, budget)
 
@@ -302,7 +267,7 @@ class ContinuousBatch(LockstepTokens, Engine):
                 if chunk.start + length < len(q.prompt):
                     going_on.append(q)
                     continue
-                q.length, q.prefilling = len(q.prompt), False
+                self.scheduler.prefilled(q)
                 ended.append(q)
                 last.append(j * chunk.n + length - 1)  # the prompt's last token, in the chunk's [g * n]
             if ended:
@@ -340,9 +305,7 @@ class ContinuousBatch(LockstepTokens, Engine):
             noise = None if all(d is None for d in drawn) else torch.stack(
                 [torch.zeros_like(self.state[0, 0]) if d is None else d for d in drawn]).unsqueeze(1)
             self.state[at] = self.runner.start_state(self.embedded[at], noise)
-        for q in requests:
-            q.iteration, q.iterating = 0, True
-            q.cap = q.config.depth_cap(len(q.tokens), q.spent)
+        self.scheduler.start(requests)
         limits = self.runner.upload([[q.cap, q.config.min_steps, q.budget] for q in requests])
         self.cap[select], self.min_steps[select], self.budget[select] = limits.unbind(1)
         self.write_index[select] = lengths
@@ -354,7 +317,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         prefilled, in one model call. Rows found done on the device since the host last looked
         (`self.done`) are frozen: their state stays, they write no core cache entries, their iteration
         count stops."""
-        fused = self._fusable(requests) if requests else 1
+        fused = self.scheduler.fusable(requests, self.static_steps.static, bool(self.chunks)) if requests else 1
         if fused > 1:
             self._iterate_fused(requests, fused)
             return
@@ -371,13 +334,10 @@ class ContinuousBatch(LockstepTokens, Engine):
                 state = self._step(requests, rows, call, prev_state)
         else:
             self._run_packed(Pack(), self.chunks)
-        # The prompts' share of a step is `prefill_chunk` token-iterations: chunks of few tokens run more
-        # iterations (alone, in calls of their own), so a short prompt's first token comes within a few steps.
-        # With no row decoding there is nobody to keep waiting: the prompts run on until a chunk is done.
-        if self.chunks:
-            extra = self.prefill_chunk // sum(c.state.shape[0] * c.n for c in self.chunks) - 1
-            if not requests:
-                extra = max(extra, min(c.cap - c.iteration for c in self.chunks))
+        if self.chunks:   # the prompts' share of the step (Scheduler.extra_prompt_iterations)
+            extra = self.scheduler.extra_prompt_iterations(sum(c.state.shape[0] * c.n for c in self.chunks),
+                                                           min(c.cap - c.iteration for c in self.chunks),
+                                                           decoding=bool(requests))
             for _ in range(extra):
                 self._iterate_prompts()
         if not requests:
@@ -385,8 +345,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         self.state[select] = state
         running = ~self.done[select]
         self.steps[select] += running.long()
-        for q in requests:
-            q.iteration += 1
+        self.scheduler.ran(requests)
         with self.phases.timed("exit evaluation"):
             self.exits.update(requests, rows, call, prev_state, state, running, self.steps, self.min_steps, self.cap,
                               self.done)
@@ -396,10 +355,7 @@ class ContinuousBatch(LockstepTokens, Engine):
     def _step(self, requests: list[Request], rows: Tensor, call: Call, prev_state: Tensor) -> Tensor:
         """The decoding rows' core iteration in a call over them alone, packed with the prompt chunks' when
         there are any: their new states (a frozen row's kept)."""
-        # Right after a look nobody is done; later only a row with an exit criterion or at its cap can be.
-        may_be_done = self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap
-                                                  for q in requests)
-        frozen = self.done[call.rows] if may_be_done else None
+        frozen = self.done[call.rows] if self.scheduler.may_be_done(requests) else None
         slots = [q.iteration % q.budget for q in requests]
         writers = None if frozen is None else ~frozen
         if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
@@ -442,27 +398,14 @@ class ContinuousBatch(LockstepTokens, Engine):
         out = self.runner.step(self.state, self.embedded, 0, call)
         return torch.where(writers.view(-1, 1, 1), out, self.state), writers
 
-    def _fusable(self, requests: list[Request]) -> int:
-        """How many core iterations the next step may run at once (1: the usual one). With the static step,
-        when nothing can change between iterations but the iteration counts (no row with an exit criterion,
-        no prompt in flight or able to join, no row waiting for its coda), the largest power of two that
-        no row's cap cuts short: one captured call (a graph per power of two) instead of that many steps
-        of host bookkeeping."""
-        if (not self.static_steps.static or self.chunks or (self.waiting and None in self.rows)
-                or any(q.criterion is not None for q in requests) or len(requests) < self.running):
-            return 1
-        left = min(q.cap - q.iteration for q in requests)
-        return 1 << (left.bit_length() - 1) if left > 1 else 1
-
     def _iterate_fused(self, requests: list[Request], n: int) -> None:
-        """n core iterations of the decoding rows in one static call (`_fusable`): each exactly the static
+        """n core iterations of the decoding rows in one static call (`Scheduler.fusable`): each exactly the static
         step, the rows' iteration counts and done flags updated on the device as the one-step path does."""
         self._mark_decoding(requests)
         with self.phases.timed("core iteration"):
             self.static_steps.run(("core iterations", n), lambda: self._core_static_iterations(n), idempotent=False)
         self.fused_iterations += n
-        for q in requests:
-            q.iteration += n
+        self.scheduler.ran(requests, n)
 
     def _core_static_iterations(self, n: int) -> tuple:
         for _ in range(n):
@@ -498,10 +441,8 @@ class ContinuousBatch(LockstepTokens, Engine):
         """The host reads the exit flags (one read): rows whose token is done leave the core's calls and wait
         for their coda."""
         select = self._inputs(requests)[1].rows
-        flags = torch.stack((self.done[select].long(), self.steps[select])).tolist()
-        for q, finished, steps in zip(requests, *flags):
-            if finished:
-                q.iterating, q.ready, q.ready_since, q.iteration = False, True, self.steps_run, steps
+        finished, steps = torch.stack((self.done[select].long(), self.steps[select])).tolist()
+        self.scheduler.looked(requests, [bool(f) for f in finished], steps)
 
     def _finish(self, requests: list[Request], events: list[BatchEvent]) -> None:
         """The coda for rows whose token is done, together, and their next tokens."""
@@ -518,7 +459,6 @@ class ContinuousBatch(LockstepTokens, Engine):
         logits = self.runner.readout(self.state[call.rows], call)[:, -1]
         for q in requests:
             q.length += 1
-            q.ready = False
         self._choose(requests, logits, [q.iteration for q in requests], events)
 
     def _choose(self, requests: list[Request], logits: Tensor, steps: list[int], events: list[BatchEvent]) -> None:
@@ -531,15 +471,9 @@ class ContinuousBatch(LockstepTokens, Engine):
                 self._fail(q, NonFiniteLogitsError(self.model, len(q.tokens) + 1))
                 continue
             token, scored = chosen[j]
-            q.tokens.append(token)
-            q.spent += steps[j]
             try:   # the request's own stop strings, decoded with the server's tokenizer
-                reason = q.config.finish_reason(q.tokens, q.spent, self.decode)
+                reason = self.scheduler.chosen(q, token, steps[j], self.decode)
             except Exception as err:  # noqa: BLE001 (whatever it is, it is this request's alone)
                 self._fail(q, err)
                 continue
             events.append(BatchEvent(q.id, token, steps[j], reason, *((None, None) if scored is None else scored)))
-            if reason is not None:
-                self.rows[q.row] = None
-            else:
-                q.next_token = token

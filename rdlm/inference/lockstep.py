@@ -170,23 +170,11 @@ class Lockstep:
 
 
 class LockstepTokens:
-    """The continuous batch's lockstep plan (a part of `rdlm.inference.batching.ContinuousBatch`, whose rows,
-    buffers and coda it uses): when a token runs in lockstep, and running it."""
-
-    def _in_lockstep(self, starting: list) -> bool:
-        """Whether the token the `starting` requests just started runs in lockstep, all its iterations in this
-        step (rdlm.inference.lockstep): every request in a row starts it, with the same depth settings and
-        no depth budget, and no prompt is being prefilled or waits for a free row (`generate`'s batch)."""
-        if self.chunks or (self.waiting and None in self.rows) or len(starting) != self.running:
-            return False
-        depth = lambda q: (q.config.num_steps, q.criterion, q.config.min_steps, q.config.exit_every,  # noqa: E731
-                           q.budget, q.cap)
-        first = starting[0]
-        return (not first.config.has_depth_budget and first.cap == first.config.num_steps
-                and all(depth(q) == depth(first) for q in starting[1:]))
+    """The continuous batch's lockstep tokens (a part of `rdlm.inference.batching.ContinuousBatch`, whose rows,
+    buffers and coda it uses; its scheduler says when a token runs in lockstep): running them."""
 
     def _token(self, requests: list, events: list[BatchEvent]) -> None:
-        """The token the requests started, in lockstep (`_in_lockstep`): its core iterations, then the coda
+        """The token the requests started, in lockstep (`Scheduler.in_lockstep`): its core iterations, then the coda
         and the next tokens. On the static path the iterations run over every row of the batch, the rows not
         decoding frozen; eagerly over the rows that `_eager_rows` gives."""
         first = requests[0]
@@ -218,8 +206,7 @@ class LockstepTokens:
                         len(rows) - len(requests))
                     self.state[span] = final
                     steps = per_row[places].tolist()
-        for q, n in zip(requests, steps):
-            q.iterating, q.iteration = False, n
+        self.scheduler.done(requests, steps)
         with self.phases.timed("coda and sampling"):
             self._coda(requests, events)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +10,15 @@ from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.params import GenerationConfig
+
+
+class Status(enum.Enum):
+    """Where a request stands (rdlm.inference.scheduler: the states and their order)."""
+    WAITING = "waiting"          # queued for a row
+    PREFILLING = "prefilling"    # its prompt runs in chunks, until its first token is chosen
+    STARTING = "starting"        # a token was chosen: its prelude and s_0 come next
+    ITERATING = "iterating"      # the token's core iterations run
+    READY = "ready"              # the token is done (iteration: the iterations it ran); its coda is due
 
 
 @dataclass
@@ -27,8 +37,6 @@ class Request:
     iteration: int = 0                 # iterations run for the token in progress
     cap: int = 0                       # iterations it may run (num_steps, or less under a depth budget)
     spent: int = 0                     # iterations run by the tokens chosen so far
-    iterating: bool = False
-    prefilling: bool = False           # its prompt is being prefilled (a PromptChunk), until the first token
-    ready: bool = False                # its token is done (iteration: the iterations it ran), the coda not yet
+    status: Status = Status.WAITING
     ready_since: int = 0               # the batch's step at which the host found it done
     tokens: list[int] = field(default_factory=list)

@@ -1,0 +1,205 @@
+"""The continuous batch's scheduler: which request does what at each step (rdlm.inference.batching). It holds
+the requests and their rows, and decides admission, when a token runs in lockstep, which rows compute, when
+the host looks at the exit flags, when a coda is due and how many iterations may run at once; it owns no
+tensor of the model and touches no device, so its tests drive it with made-up outcomes and no model.
+
+A request moves through these states (`Status`):
+
+    WAITING -> PREFILLING -> STARTING -> ITERATING -> READY -> STARTING ... -> finished (its row freed)
+
+WAITING: queued for a row. PREFILLING: its prompt runs in chunks (rdlm.inference.prefill) until its first
+token is chosen. STARTING: a token was chosen; the prelude and s_0 of the next position come at the next
+step. ITERATING: the token's core iterations run, one per step (or all at once in lockstep). READY: the
+token is done (an exit, or its cap), found so when the host looked; its coda is due. A request leaves its
+row when its last token is chosen, when it fails or when it is cancelled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from rdlm.inference.params import Decode
+from rdlm.inference.request import Request, Status
+
+
+class Scheduler:
+    """The requests of a batch of `max_batch` rows and the decisions of its steps (see the module doc).
+    `sync_every`: steps between the host's looks at the exit flags; `coda_every`: steps a done row may wait
+    for others to run the coda with; `prefill_chunk`: prompt token-iterations per step."""
+
+    def __init__(self, max_batch: int, sync_every: int = 1, coda_every: int = 1, prefill_chunk: int = 256) -> None:
+        self.max_batch, self.sync_every, self.coda_every = max_batch, sync_every, coda_every
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.rows: list[Request | None] = [None] * max_batch
+        self.cancelled: set[int] = set()
+        self.steps_run = 0                    # steps run: the clock of the waits for a coda
+        self.since_look = 0                   # steps since the host last read the exit flags
+
+    # ---- requests
+
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        self.waiting.append(request)
+
+    def cancel(self, request: int) -> None:
+        """Drop a request (waiting or running) at the next step's `drop_cancelled`."""
+        self.cancelled.add(request)
+
+    @property
+    def active(self) -> list[Request]:
+        return [q for q in self.rows if q is not None]
+
+    def with_status(self, status: Status) -> list[Request]:
+        return [q for q in self.rows if q is not None and q.status is status]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(q is not None for q in self.rows)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return sum(q is not None for q in self.rows)
+
+    def free(self, request: Request) -> None:
+        """The request leaves its row (finished or failed)."""
+        self.rows[request.row] = None
+
+    def drop_cancelled(self) -> set[int]:
+        """Remove the cancelled requests, waiting or in rows; returns their ids (the batch drops them from the
+        prompt chunks in flight)."""
+        dropped, self.cancelled = self.cancelled, set()
+        if dropped:
+            self.waiting = deque(q for q in self.waiting if q.id not in dropped)
+            for q in self.active:
+                if q.id in dropped:
+                    self.free(q)
+        return dropped
+
+    def admit(self) -> dict[tuple[int, int], list[Request]]:
+        """Waiting requests into free rows, in order; each starts prefilling with the cap of its first token.
+        Returns them grouped by (cap, cache budget): each group's prompts prefill as one chunk."""
+        groups: dict[tuple[int, int], list[Request]] = {}
+        while self.waiting and None in self.rows:
+            q = self.waiting.popleft()
+            q.row = self.rows.index(None)
+            self.rows[q.row] = q
+            q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
+            groups.setdefault((q.cap, q.budget), []).append(q)
+        return groups
+
+    # ---- a token's life
+
+    def start(self, requests: list[Request]) -> None:
+        """The requests' chosen tokens start: no iteration run yet, each with its cap (the depth budget's)."""
+        for q in requests:
+            q.iteration, q.status = 0, Status.ITERATING
+            q.cap = q.config.depth_cap(len(q.tokens), q.spent)
+
+    def prefilled(self, request: Request) -> None:
+        """The request's whole prompt is in the cache; its first token is chosen next (`chosen`)."""
+        request.length = len(request.prompt)
+
+    def chosen(self, request: Request, token: int, steps: int, decode: Decode | None) -> str | None:
+        """A token was chosen after `steps` iterations: the request goes on to start it, or ends (its finish
+        reason, `GenerationConfig.finish_reason`; an error there, from its stop strings, is the caller's)."""
+        request.tokens.append(token)
+        request.spent += steps
+        reason = request.config.finish_reason(request.tokens, request.spent, decode)
+        if reason is not None:
+            self.free(request)
+        else:
+            request.next_token, request.status = token, Status.STARTING
+        return reason
+
+    def ran(self, requests: list[Request], iterations: int = 1) -> None:
+        """The iterating requests ran `iterations` more core iterations."""
+        for q in requests:
+            q.iteration += iterations
+
+    def done(self, requests: list[Request], steps: list[int]) -> None:
+        """The requests' tokens are done after `steps` iterations each (a lockstep token's end): the coda next."""
+        for q, n in zip(requests, steps):
+            q.iteration, q.status = n, Status.READY
+
+    def in_lockstep(self, starting: list[Request], prompts_in_flight: bool) -> bool:
+        """Whether the token the `starting` requests just started runs in lockstep, all its iterations in this
+        step (rdlm.inference.lockstep): every request in a row starts it, with the same depth settings and
+        no depth budget, and no prompt is being prefilled or waits for a free row (`generate`'s batch)."""
+        if prompts_in_flight or (self.waiting and None in self.rows) or len(starting) != self.running:
+            return False
+        depth = lambda q: (q.config.num_steps, q.criterion, q.config.min_steps, q.config.exit_every,  # noqa: E731
+                           q.budget, q.cap)
+        first = starting[0]
+        return (not first.config.has_depth_budget and first.cap == first.config.num_steps
+                and all(depth(q) == depth(first) for q in starting[1:]))
+
+    def computing(self, iterating: list[Request], rides_along: bool, done: Callable[[], list[bool]]) -> list[Request]:
+        """The iterating requests the next core call computes. A row done on the device since the last look
+        rides along frozen where reading the flags would cost (`rides_along`: a static step, or a GPU, where
+        a read waits for the queued work); otherwise (`done()` reads each row's flag) it leaves the call at
+        once. Either way it stays ITERATING until the look, so its coda (and every token) comes at the same
+        step."""
+        if (self.since_look == 0 or rides_along
+                or not any(q.criterion is not None and not q.criterion.spec.exact for q in iterating)):
+            return iterating
+        flags = done()
+        return [q for q in iterating if not flags[q.row]]
+
+    def may_be_done(self, requests: list[Request]) -> bool:
+        """Whether a row of `requests` may be done on the device: not right after a look (nobody is), later
+        only a row with an exit criterion or at its cap."""
+        return self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap for q in requests)
+
+    def step_ran(self, iterating: list[Request]) -> bool:
+        """A step ended: whether the host looks at the exit flags now (every `sync_every` steps, or at once
+        when a row is surely done: at its cap)."""
+        self.steps_run += 1
+        if not iterating:
+            return False
+        self.since_look += 1
+        if self.since_look >= self.sync_every or any(q.iteration >= q.cap for q in iterating):
+            self.since_look = 0
+            return True
+        return False
+
+    def looked(self, requests: list[Request], finished: list[bool], steps: list[int]) -> None:
+        """What the look found: the requests whose token is done leave the core's calls and wait for their coda."""
+        for q, is_done, n in zip(requests, finished, steps):
+            if is_done:
+                q.status, q.ready_since, q.iteration = Status.READY, self.steps_run, n
+
+    def coda_due(self, ready: list[Request]) -> bool:
+        """Whether the rows whose token is done run their coda now: once one has waited `coda_every` - 1
+        steps, or half the decoding rows wait, or no other row can be done before then (a row with an
+        exit criterion may exit any time; one without ends at its cap)."""
+        decoding = [q for q in self.active if q.status is not Status.PREFILLING]
+        wait = self.coda_every - 1 - (self.steps_run - min(q.ready_since for q in ready))
+        if wait <= 0 or 2 * len(ready) >= len(decoding):
+            return True
+        return not any(q.status is Status.ITERATING and (q.criterion is not None or q.cap - q.iteration <= wait)
+                       for q in decoding)
+
+    def fusable(self, requests: list[Request], static: bool, prompts_in_flight: bool) -> int:
+        """How many core iterations the next step may run at once (1: the usual one). With the static step,
+        when nothing can change between iterations but the iteration counts (no row with an exit criterion,
+        no prompt in flight or able to join, no row waiting for its coda), the largest power of two that
+        no row's cap cuts short."""
+        if (not static or prompts_in_flight or (self.waiting and None in self.rows)
+                or any(q.criterion is not None for q in requests) or len(requests) < self.running):
+            return 1
+        left = min(q.cap - q.iteration for q in requests)
+        return 1 << (left.bit_length() - 1) if left > 1 else 1
+
+    def extra_prompt_iterations(self, chunk_tokens: int, iterations_left: int, decoding: bool) -> int:
+        """Prompt iterations to run beyond the step's one, in calls of their own: the prompts' share of a step
+        is `prefill_chunk` token-iterations, so chunks of `chunk_tokens` (all together) fewer tokens run more,
+        and a short prompt's first token comes within a few steps. With no row decoding (`decoding` False)
+        nobody waits: they run on until a chunk is done (`iterations_left`: the fewest a chunk has left)."""
+        extra = self.prefill_chunk // chunk_tokens - 1
+        return extra if decoding else max(extra, iterations_left)
