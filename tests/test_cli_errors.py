@@ -91,6 +91,9 @@ def test_a_usage_error_is_one_line_naming_the_flag(capsys):
     assert usage_error(capsys, "tokenizer", "train", "x.txt", "--out", "t", "--min-frequency", "-1") == (2, [
         "rdlm tokenizer train: error: argument --min-frequency: must be an integer >= 0, got -1 (rdlm tokenizer "
         "train --help lists the options)"])
+    assert usage_error(capsys, "data", "prepare", "x.txt", "--tokenizer", "t", "--out", "o", "--context-length", "8",
+                       "--bad") == (2, ["rdlm data prepare: error: unrecognized arguments: --bad (rdlm data prepare "
+                                        "--help lists the options)"])
 
 
 def test_a_train_config_file_that_is_not_an_object_is_named(tmp_path, capsys):

@@ -149,6 +149,19 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but an unknown option is named by the subcommand it was given to."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            where = self
+            for dest in ("command", "action"):  # `rdlm data prepare`: the innermost parser
+                sub = where._subparsers and where._subparsers._group_actions[0].choices.get(getattr(parsed, dest, ""))
+                if sub is None:
+                    break
+                where = sub
+            where.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     import torch
