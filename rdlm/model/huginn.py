@@ -1,5 +1,6 @@
-"""Model directories: the Huginn-0125 layout and the other families' (docs/checkpoint-format.md,
-docs/model-families.md); the one home of reading and writing them.
+"""Model directories of every family (docs/checkpoint-format.md, docs/model-families.md): the one home of
+reading and writing them. What a family's files hold (config keys, tensor names) is its adapter's
+(`rdlm.model.families`); this module finds, reads, checks, shards and swaps the files.
 
 A model directory holds `config.json` (the family's own keys: model_type "huginn_raven" for Huginn and
 the retrofitted models, "ouro" for Ouro), weights in safetensors (one file, or shards listed by
@@ -10,7 +11,6 @@ safetensors: nothing is unpickled, and no code shipped beside the weights is run
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -22,172 +22,34 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from rdlm.model.config import RDLMConfig, check_keys
 from rdlm.fileio import confined_name, recover_dir, staging_dir, write_json
-from rdlm.model.families import (CheckpointError, check_key_types, check_ouro_shape, config_from_ouro,
-                                 config_to_ouro, family_of, from_huginn_name, from_ouro_tensors, ouro_name,
-                                 retrofit_fields, retrofit_keys, standard_rope_keys, to_huginn_name, to_ouro_tensors)
+from rdlm.model.config import RDLMConfig
+from rdlm.model.families import CheckpointError, adapter_of, detect, standard_rope_keys
 from rdlm.model.lm import RecurrentDepthLM, rope_tables
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-MODEL_TYPE = "huginn_raven"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
 # ------------------------------------------------------------------------------------------------
 # config.json
 
-_REQUIRED = {"n_embd": "hidden_size", "n_heads": "num_heads", "n_layers_in_prelude": "prelude_layers",
-             "n_layers_in_recurrent_block": "core_layers", "n_layers_in_coda": "coda_layers",
-             "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
-             "block_size": "context_length"}
-_OPTIONAL = {"norm_eps": "norm_eps", "rope_base": "rope_base", "qk_bias": "qk_bias",
-             "tie_embeddings": "tie_embeddings", "mean_recurrence": "mean_recurrence",
-             "mean_backprop_depth": "backprop_depth", "test_time_noise": "test_time_noise",
-             "test_time_noise_type": "test_time_noise_type"}
-# transformers' generic names, which the reference config maps onto its own (its attribute_map); the
-# authors' raven_config_minimal.json spells the heads `num_attention_heads`.
-_ALIASES = {"num_attention_heads": "n_heads", "hidden_size": "n_embd", "num_hidden_layers": "n_layers",
-            "max_position_embeddings": "block_size"}
-# The JSON type of each key read (a retrofitted model's own keys too), checked before any arithmetic on them.
-_KINDS = {**dict.fromkeys((*_REQUIRED, "padded_vocab_size", "n_layers", "mean_recurrence", "mean_backprop_depth",
-                           "num_key_value_heads", "head_dim", "max_position_embeddings"), "integer"),
-          **dict.fromkeys(("norm_eps", "rope_base", "rope_theta", "test_time_noise"), "number"),
-          **dict.fromkeys(("qk_bias", "tie_embeddings", "bias", "tie_word_embeddings"), "boolean")}
-
-
 def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME,
                        tensor_names: set[str] | None = None) -> RDLMConfig:
-    """Read a config.json dict of any family rdlm runs (`rdlm.model.families.family_of`; the retrofitted
-    OLMo variant is told from the Llama one by its tensor names); fields rdlm does not model must hold
-    the values it assumes.
+    """Read a config.json dict of any family rdlm runs (its adapter, `rdlm.model.families.detect`; the
+    retrofitted OLMo variant is told from the Llama one by its tensor names).
 
     The one reader of model configs: `rdlm.load_pretrained` and `rdlm.integrations.hf.RavenConfig.to_rdlm`
-    both come here. Keys that change the reference's outputs are honoured: `test_time_noise(_type)` (noise
-    added to the state before every core iteration) and `init_values.std` (the scale of the random s_0).
-    """
+    both come here."""
     raw = standard_rope_keys(raw)
-    family = family_of(raw, tensor_names)
-    if family == "ouro":
-        return _with_rdlm_section(config_from_ouro(raw, source), raw, source)
-    if raw.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-        raise CheckpointError(f"{source}: model_type is {raw['model_type']!r}, expected {MODEL_TYPE!r} or 'ouro'")
-    raw = dict(raw)
-    for alias, key in _ALIASES.items():
-        if alias in raw:
-            value = raw.pop(alias)
-            if key in raw and raw[key] != value:
-                raise CheckpointError(f"{source}: {alias}={value!r} contradicts {key}={raw[key]!r}")
-            raw[key] = value
-    missing = [key for key in _REQUIRED if key not in raw]
-    if missing:
-        raise CheckpointError(f"{source}: missing required key(s) {', '.join(missing)}")
-    check_key_types(raw, _KINDS, source)
-    values: dict[str, Any] = {ours: raw[theirs] for theirs, ours in {**_REQUIRED, **_OPTIONAL}.items()
-                              if theirs in raw}
-    # The reference pads the embedding table; its rows are what the weights hold.
-    values["vocab_size"] = raw.get("padded_vocab_size", raw["vocab_size"])
-    for key in ("rope_base", "norm_eps", "test_time_noise"):
-        if key in values and isinstance(values[key], int) and not isinstance(values[key], bool):
-            values[key] = float(values[key])
-    init_values = raw.get("init_values", {})
-    if not isinstance(init_values, dict):
-        raise CheckpointError(f"{source}: init_values must be an object, got {init_values!r}")
-    if init_values.get("std") is not None:
-        std = init_values["std"]
-        if isinstance(std, bool) or not isinstance(std, (int, float)):
-            raise CheckpointError(f"{source}: init_values.std must be a number, got {std!r}")
-        # The paper's sqrt(2/(5h)) stays the default (None), so configs compare equal after a round trip.
-        values["state_init_std"] = None if std == math.sqrt(2 / (5 * raw["n_embd"])) else float(std)
-    block = raw.get("block_class_name", "SandwichBlock")
-    values["norm_scheme"] = "sandwich" if block == "SandwichBlock" else "prenorm"
-    injection = raw.get("injection_type", "linear")
-    if injection not in ("linear", "add"):
-        raise CheckpointError(f"{source}: injection_type {injection!r} is not supported (linear, add)")
-    values["injection"] = "concat" if injection == "linear" else "add"
-    values["state_init"] = "zero" if raw.get("state_init") == "zero" else "random"
-    unsupported = {"nonlin_name": "SiLU", "mlp_class_name": "GatedMLP"}
-    if family == "huginn":  # (a Huginn model rdlm saved with grouped-query attention says so in its section)
-        extra = raw.get("rdlm") if isinstance(raw.get("rdlm"), dict) else {}
-        unsupported.update(bias=False, num_key_value_heads=extra.get("num_kv_heads") or raw.get("n_heads"))
-    for key, expected in unsupported.items():
-        if key in raw and raw[key] != expected:
-            raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported (expected {expected!r})")
-    if family != "huginn":
-        values.update(retrofit_fields(raw, family, source))
-    spelled = {ours: theirs for theirs, ours in {**_REQUIRED, **_OPTIONAL}.items() if theirs in raw}
-    return _with_rdlm_section(values, raw, source, spelled)
-
-
-def _with_rdlm_section(values: dict[str, Any], raw: Mapping[str, Any], source: str,
-                       keys: Mapping[str, str] | None = None) -> RDLMConfig:
-    """The config of `values` and the file's "rdlm" section: fields rdlm adds (sampler, ...) travel there,
-    so a round trip is lossless. `keys`: the file's name of a field, which an error about it names too."""
-    extra = raw.get("rdlm", {})
-    try:
-        if not isinstance(extra, dict):
-            raise ValueError(f"the rdlm section must be an object, got {extra!r}")
-        check_keys(extra)
-        values.update(extra)
-        return RDLMConfig.from_dict(values)
-    except ValueError as err:
-        field, _, rest = str(err).partition(" ")
-        theirs = (keys or {}).get(field, field)
-        named = f"{theirs} ({field}) {rest}" if theirs != field and field not in (extra or {}) else str(err)
-        raise CheckpointError(f"{source}: {named}") from err
-
-
-# Fields beyond Huginn-0125's; a Huginn-layout file keeps those that differ from the default in its
-# "rdlm" section (the retrofitted and Ouro layouts have keys of their own for most of them).
-_GENERAL = ("num_kv_heads", "head_size", "qk_norm", "rope_pairs", "rope_scaling", "embed_scale", "final_norm",
-            "adapter_bias", "exit_gate", "exit_threshold", "norm_scheme", "injection", "state_init")
-
-
-def _rdlm_section(config: RDLMConfig, general: bool) -> dict[str, Any]:
-    section = {key: getattr(config, key) for key in
-               ("family", "recurrence_sampler", "recurrence_sigma", "activation_checkpointing", "name")}
-    if general:
-        default = RDLMConfig()
-        section.update({key: getattr(config, key) for key in _GENERAL if getattr(config, key) != getattr(default, key)})
-    return section
+    return detect(raw, tensor_names, source).config_from_json(raw, source)
 
 
 def config_to_huginn(config: RDLMConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The config.json of `config` in its family's layout."""
-    if config.family == "ouro":
-        check_ouro_shape(config)
-        return {**config_to_ouro(config, dtype), "rdlm": _rdlm_section(config, general=False)}
-    h, depth = config.hidden_size, config.effective_depth
-    raw: dict[str, Any] = {
-        "architectures": ["RavenForCausalLM"],
-        "model_type": MODEL_TYPE,
-        **{theirs: getattr(config, ours) for theirs, ours in {**_REQUIRED, **_OPTIONAL}.items()},
-        # Keys the reference code reads, so it can load what rdlm saves.
-        "padded_vocab_size": config.vocab_size,
-        "n_layers": config.prelude_layers + config.core_layers + config.coda_layers,
-        "head_dim": config.head_dim,
-        "num_key_value_heads": config.kv_heads,
-        "bias": False,
-        "block_class_name": "SandwichBlock" if config.norm_scheme == "sandwich" else "PreNormBlock",
-        "injection_type": "linear" if config.injection == "concat" else "add",
-        "state_init": "zero" if config.state_init == "zero" else "like-init",
-        "mlp_class_name": "GatedMLP",
-        "nonlin_name": "SiLU",
-        "norm_class_name": "RMSNorm_llama",
-        "effective_expected_depth": depth,
-        "init_strategy": "takase",
-        "init_values": {"std": config.state_std, "embedding": math.sqrt(2 / (5 * h)),
-                        "out_proj": math.sqrt(1 / (5 * h * depth)), "embed_scale": config.embedding_scale},
-        "test_time_noise": config.test_time_noise,
-        "test_time_noise_type": config.test_time_noise_type,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "rdlm": _rdlm_section(config, general=True),
-    }
-    if config.family != "huginn":
-        raw.update(retrofit_keys(config))
-    return raw
+    return adapter_of(config).config_to_json(config, dtype)
 
 
 def read_config(path: str | os.PathLike) -> RDLMConfig:
@@ -201,8 +63,8 @@ def read_config(path: str | os.PathLike) -> RDLMConfig:
         raise CheckpointError(f"{config_path}: not valid JSON ({err})") from err
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
-    names = tensor_names(path) if family_of(standard_rope_keys(raw)).startswith("retrofit") else None
-    return config_from_huginn(raw, str(config_path), names)
+    needs_names = detect(standard_rope_keys(raw), source=str(config_path)).needs_tensor_names
+    return config_from_huginn(raw, str(config_path), tensor_names(path) if needs_names else None)
 
 
 def tensor_names(path: str | os.PathLike) -> set[str]:
@@ -251,7 +113,7 @@ def confined(name: Any, source: str | os.PathLike) -> str:
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a model directory under their Huginn names."""
+    """All tensors of a model directory under the file's own names."""
     tensors: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         try:
@@ -265,26 +127,18 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                     device: torch.device | str = "cpu") -> RecurrentDepthLM:
-    """Load a Huginn-layout directory. dtype None keeps the file's floating dtype (bf16 or fp32)."""
+    """Load a model directory of any family (read through its adapter, `rdlm.model.families`). dtype None
+    keeps the file's floating dtype (bf16 or fp32)."""
     for note in recover_dir(path):  # a save that a crash interrupted: the complete copy comes back
         print(f"rdlm: {note}", file=sys.stderr)
     config = read_config(path)
     spec = read_quantization(path)
     tensors = read_weights(path)
-    family = config.family
-    quantized = _stored_quantized(tensors, family, path) if spec is not None else {}
-    rope_table = tensors.pop("freqs_cis", None) if family == "huginn" else None
-    if family == "ouro":
-        state, unexpected = from_ouro_tensors(tensors)
-    else:
-        state, unexpected = {}, []
-        for name, tensor in tensors.items():
-            ours = from_huginn_name(name, family)
-            if ours is None:
-                unexpected.append(name)
-            else:
-                state[ours] = tensor
-    file_name = ouro_name if family == "ouro" else lambda n: to_huginn_name(n, family)  # noqa: E731
+    adapter = adapter_of(config)
+    quantized = adapter.quantized_from_file(tensors, path) if spec is not None else {}
+    rope_table = adapter.rope_from_file(tensors)
+    state, unexpected = adapter.from_file(tensors)
+    file_name = adapter.file_name
     if config.tie_embeddings and "lm_head.weight" in state:
         # A tied head saved beside the embedding must equal it; it is not a parameter of its own.
         if not torch.equal(state.pop("lm_head.weight"), state.get("embedding.weight", torch.empty(0))):
@@ -329,23 +183,6 @@ def read_quantization(path: str | os.PathLike):
         return QuantSpec.from_json(raw[CONFIG_KEY], f"{Path(path) / CONFIG_NAME}")
     except QuantizationError as err:
         raise CheckpointError(str(err)) from None
-
-
-def _stored_quantized(tensors: dict[str, torch.Tensor], family: str, path) -> dict[str, torch.Tensor]:
-    """Take the quantized layers' tensors (`X.qweight`, `X.scales`, `X.zeros`) out of `tensors`, keyed by
-    rdlm's module names."""
-    from rdlm.model.quantize import SUFFIXES
-
-    if family == "ouro":
-        raise CheckpointError(f"{path}: a quantized checkpoint in Ouro's layout is not supported")
-    taken: dict[str, torch.Tensor] = {}
-    for name in [n for n in tensors if n.rpartition(".")[2] in SUFFIXES]:
-        base, _, suffix = name.rpartition(".")
-        ours = from_huginn_name(f"{base}.weight", family)
-        if ours is None:
-            raise CheckpointError(f"{path}: unexpected tensor {name}")
-        taken[f"{ours.removesuffix('.weight')}.{suffix}"] = tensors.pop(name)
-    return taken
 
 
 def _attach_stored_quantized(model, spec, quantized: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
@@ -408,8 +245,8 @@ ROPE_TOLERANCE = 1e-2
 def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                     extra_json: Mapping[str, Any] | None = None) -> Path:
-    """Write `model` to `path` in the Huginn layout, atomically; `extra_json` maps more file names to
-    JSON data written with it (e.g. transformers' generation_config.json).
+    """Write `model` to `path` in its family's layout (`rdlm.model.families`), atomically; `extra_json` maps
+    more file names to JSON data written with it (e.g. transformers' generation_config.json).
 
     Everything is written to a temporary sibling directory, flushed to disk, then swapped in place
     of `path`; files already in `path` that the layout does not own (a tokenizer, notes, data) are
@@ -421,29 +258,18 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
     params = dict(model.named_parameters())
     dtype = dtype or next(iter(params.values())).dtype
     config = model.config
-    raw_config = config_to_huginn(config, dtype)  # first: refuses a model the family's layout cannot hold
+    adapter = adapter_of(config)
+    raw_config = adapter.config_to_json(config, dtype)  # first: refuses a model the family's layout cannot hold
     spec = getattr(model, "quantization", None)
-    if spec is not None and config.family == "ouro":
-        raise CheckpointError("a quantized model in Ouro's layout cannot be saved; save the unquantized model "
-                              "and quantize it when loading (--quantize)")
-    cpu = {n: p.detach().to("cpu", dtype).contiguous() for n, p in params.items()}
-    if config.family == "ouro":
-        tensors = to_ouro_tensors(cpu, config)
-    else:
-        tensors = {to_huginn_name(n, config.family): t for n, t in cpu.items()}
+    quantized: dict[str, torch.Tensor] = {}
     if spec is not None:
         from rdlm.model.quantize import CONFIG_KEY, quantized_tensors
 
-        for name, tensor in quantized_tensors(model).items():
-            module, _, suffix = name.rpartition(".")
-            stored = to_huginn_name(f"{module}.weight", config.family).removesuffix(".weight")
-            tensors[f"{stored}.{suffix}"] = tensor if suffix != "bias" else tensor.to(dtype)
+        quantized = adapter.quantized_to_file(quantized_tensors(model), dtype)  # or refuses the layout
         raw_config[CONFIG_KEY] = spec.to_json()
-    if config.family == "huginn":
-        # The model's RoPE table (the one it was loaded with, or computed), in the reference's layout and
-        # in the checkpoint's dtype, as the reference saves it.
-        rope = torch.stack((model.rope_cos, model.rope_sin), dim=-1)[None, :, None]
-        tensors["freqs_cis"] = rope.to("cpu", dtype).contiguous()
+    cpu = {n: p.detach().to("cpu", dtype).contiguous() for n, p in params.items()}
+    rope = adapter.rope_to_file(model.rope_cos, model.rope_sin, dtype)
+    tensors = {**adapter.to_file(cpu, config), **quantized, **rope}
 
     with staging_dir(path) as tmp:
         shards = _shard(tensors, max_shard_bytes)

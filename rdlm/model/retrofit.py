@@ -25,12 +25,12 @@ from typing import Any, Sequence
 import torch
 
 from rdlm.model.config import RDLMConfig
-from rdlm.model.families import CheckpointError, standard_rope_keys
+from rdlm.model.families import RETROFIT_SOURCES, CheckpointError, standard_rope_keys
+from rdlm.model.families.llama_layers import split, split_sizes
+from rdlm.model.families.retrofit import RETROFIT_LLAMA, RetrofitAdapter
 from rdlm.model.huginn import read_weights, save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
 
-# model_type -> the family the result belongs to.
-SOURCES = {"llama": "retrofit-llama", "olmo2": "retrofit-olmo"}
 ADAPTER_INITS = ("identity", "sum", "random")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -50,9 +50,10 @@ def read_source_config(source: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise RetrofitError(f"{path}: expected a JSON object")
     kind = raw.get("model_type")
-    if kind not in SOURCES:
-        raise RetrofitError(f"{path}: model_type {kind!r} is not supported (supported: {', '.join(SOURCES)}; "
-                            "Qwen2's q/k/v biases, for one, have no place in the retrofitted layout)")
+    if kind not in RETROFIT_SOURCES:
+        raise RetrofitError(f"{path}: model_type {kind!r} is not supported (supported: "
+                            f"{', '.join(RETROFIT_SOURCES)}; Qwen2's q/k/v biases, for one, have no place in the "
+                            "retrofitted layout)")
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if raw.get(key, expected) != expected:
             raise RetrofitError(f"{path}: {key}={raw[key]!r} is not supported (expected {expected!r})")
@@ -78,24 +79,12 @@ def check_split(layers: int, prelude: Sequence[int], core: Sequence[int], coda: 
 
 def retrofit_config(raw: dict[str, Any], prelude: int, core: int, coda: int, **overrides: Any) -> RDLMConfig:
     """The RDLMConfig of a retrofitted model of source config `raw` with the given layer counts."""
-    family = SOURCES[raw["model_type"]]
-    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or hidden // heads
-    if family == "retrofit-llama" and head_dim * heads != hidden:
-        raise RetrofitError(f"head_dim={head_dim} x {heads} heads is not hidden_size {hidden}, which the "
-                            "retrofitted Llama layout requires")
-    values = dict(
-        family=family, prelude_layers=prelude, core_layers=core, coda_layers=coda, hidden_size=hidden,
-        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_size=None if head_dim * heads == hidden else head_dim, intermediate_size=raw["intermediate_size"],
-        vocab_size=raw["vocab_size"], context_length=raw.get("max_position_embeddings", 2048),
-        rope_base=float(raw.get("rope_theta", 10000.0)), rope_scaling=raw.get("rope_scaling"),
-        rope_pairs="halves", norm_eps=float(raw.get("rms_norm_eps", 1e-6)), qk_bias=False,
-        qk_norm=family == "retrofit-olmo", tie_embeddings=False,
-        norm_scheme="postnorm" if family == "retrofit-olmo" else "prenorm", final_norm="output", embed_scale=1.0,
-        injection="concat", state_init="random", mean_recurrence=4, backprop_depth=4)
-    if values["num_kv_heads"] == heads:
-        values["num_kv_heads"] = None
+    try:
+        source = RETROFIT_SOURCES[raw["model_type"]].source_config(raw)
+    except ValueError as err:
+        raise RetrofitError(str(err)) from err
+    values = dict(source, prelude_layers=prelude, core_layers=core, coda_layers=coda, injection="concat",
+                  state_init="random", mean_recurrence=4, backprop_depth=4)
     values.update(overrides)
     try:
         return RDLMConfig.from_dict(values)
@@ -103,7 +92,7 @@ def retrofit_config(raw: dict[str, Any], prelude: int, core: int, coda: int, **o
         raise RetrofitError(f"the retrofitted config: {err}") from err
 
 
-def _layer_tensors(tensors: dict[str, torch.Tensor], source: int, family: str) -> dict[str, torch.Tensor]:
+def _layer_tensors(tensors: dict[str, torch.Tensor], source: int, family: RetrofitAdapter) -> dict[str, torch.Tensor]:
     """rdlm block parameters (names within the block) of source layer `source`."""
     prefix = f"model.layers.{source}."
 
@@ -113,22 +102,12 @@ def _layer_tensors(tensors: dict[str, torch.Tensor], source: int, family: str) -
             raise RetrofitError(f"the source checkpoint has no tensor {key}")
         return tensors[key]
 
-    out = {"attn.qkv.weight": torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
-           "attn.out.weight": take("self_attn.o_proj.weight"),
-           "mlp.fc.weight": torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
-           "mlp.out.weight": take("mlp.down_proj.weight")}
-    if family == "retrofit-olmo":  # post-norms on each branch, QK-norm
-        out.update({"norm_2.weight": take("post_attention_layernorm.weight"),
-                    "norm_4.weight": take("post_feedforward_layernorm.weight"),
-                    "attn.q_norm.weight": take("self_attn.q_norm.weight"),
-                    "attn.k_norm.weight": take("self_attn.k_norm.weight")})
-    else:
-        out.update({"norm_1.weight": take("input_layernorm.weight"),
-                    "norm_3.weight": take("post_attention_layernorm.weight")})
-    return out
+    return {ours: torch.cat([take(name) for name in theirs]) if len(theirs) > 1 else take(theirs[0])
+            for ours, theirs in family.source_parts().items()}
 
 
-def adapter_weight(hidden: int, init: str, dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+def adapter_weight(hidden: int, init: str, dtype: torch.dtype,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
     """The adapter [h, 2h] over [s, e]: "identity" [0 | I] passes e (the source model's function at r = 1);
     "sum" [I | I] adds s to e; "random" is rdlm's initialisation (truncated normal, std sqrt(2/(5h)))."""
     if init not in ADAPTER_INITS:
@@ -157,7 +136,7 @@ def retrofit(source: str | os.PathLike, out: str | os.PathLike, prelude: Sequenc
         tensors = read_weights(source)
     except CheckpointError as err:
         raise RetrofitError(str(err)) from err
-    state = _source_state(source, tensors, config, prelude, core, coda)
+    state = _source_state(source, tensors, RETROFIT_SOURCES[raw["model_type"]], prelude, core, coda)
     dtype = dtype or state["embedding.weight"].dtype
     state["adapter.weight"] = adapter_weight(config.hidden_size, adapter_init, dtype,
                                              torch.Generator().manual_seed(seed))
@@ -176,8 +155,9 @@ def plain_config(**values: Any) -> RDLMConfig:
     blocks, the final norm at the output. At r = 1 it is exactly a LlamaForCausalLM (`save_as_llama`), so
     rdlm's trainer can pretrain the baseline that `retrofit` starts from."""
     base = dict(prelude_layers=0, coda_layers=0, injection="none", state_init="embedding", final_norm="output",
-                norm_scheme="prenorm", rope_pairs="halves", qk_bias=False, tie_embeddings=False, embed_scale=1.0,
-                mean_recurrence=1, backprop_depth=1, recurrence_sampler="fixed", family="retrofit-llama")
+                norm_scheme=RETROFIT_LLAMA.norm_scheme, rope_pairs="halves", qk_bias=False, tie_embeddings=False,
+                embed_scale=1.0, mean_recurrence=1, backprop_depth=1, recurrence_sampler="fixed",
+                family=RETROFIT_LLAMA.name)
     return RDLMConfig.from_dict({**base, **values})
 
 
@@ -188,24 +168,17 @@ def save_as_llama(model: RecurrentDepthLM, out: str | os.PathLike) -> Path:
     from rdlm.fileio import staging_dir, write_json
 
     c = model.config
-    if (c.prelude_layers, c.coda_layers, c.injection, c.state_init, c.norm_scheme) != (0, 0, "none", "embedding",
-                                                                                          "prenorm"):
+    plain = (0, 0, "none", "embedding", RETROFIT_LLAMA.norm_scheme)
+    if (c.prelude_layers, c.coda_layers, c.injection, c.state_init, c.norm_scheme) != plain:
         raise RetrofitError("only a fixed-depth model (rdlm.model.retrofit.plain_config) is a Llama")
-    q, kv = c.num_heads * c.head_dim, c.kv_heads * c.head_dim
+    sizes = split_sizes(c)
     params = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
-    tensors = {"model.embed_tokens.weight": params["embedding.weight"], "model.norm.weight": params["final_norm.weight"],
-               "lm_head.weight": params["lm_head.weight"]}
+    tensors = {"model.embed_tokens.weight": params["embedding.weight"],
+               "model.norm.weight": params["final_norm.weight"], "lm_head.weight": params["lm_head.weight"]}
     for i in range(c.core_layers):
-        prefix, ours = f"model.layers.{i}.", f"core.{i}."
-        wq, wk, wv = params[ours + "attn.qkv.weight"].split((q, kv, kv))
-        gate, up = params[ours + "mlp.fc.weight"].chunk(2)
-        tensors.update({prefix + "self_attn.q_proj.weight": wq, prefix + "self_attn.k_proj.weight": wk,
-                        prefix + "self_attn.v_proj.weight": wv,
-                        prefix + "self_attn.o_proj.weight": params[ours + "attn.out.weight"],
-                        prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
-                        prefix + "mlp.down_proj.weight": params[ours + "mlp.out.weight"],
-                        prefix + "input_layernorm.weight": params[ours + "norm_1.weight"],
-                        prefix + "post_attention_layernorm.weight": params[ours + "norm_3.weight"]})
+        for ours, theirs in RETROFIT_LLAMA.source_parts().items():
+            pieces = split(params[f"core.{i}.{ours}"], theirs, sizes.get(ours))
+            tensors.update({f"model.layers.{i}.{name}": tensor for name, tensor in pieces.items()})
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
               "intermediate_size": c.intermediate_size, "num_hidden_layers": c.core_layers,
               "num_attention_heads": c.num_heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
@@ -231,11 +204,11 @@ def load_llama(source: str | os.PathLike, dtype: torch.dtype | None = None) -> R
         tensors = read_weights(source)
     except CheckpointError as err:
         raise RetrofitError(str(err)) from err
-    state = _source_state(source, tensors, config, [], layers, [])
+    state = _source_state(source, tensors, RETROFIT_SOURCES[raw["model_type"]], [], layers, [])
     return _assemble(config, state, dtype or state["embedding.weight"].dtype)
 
 
-def _source_state(source, tensors: dict[str, torch.Tensor], config: RDLMConfig, prelude: Sequence[int],
+def _source_state(source, tensors: dict[str, torch.Tensor], family: RetrofitAdapter, prelude: Sequence[int],
                   core: Sequence[int], coda: Sequence[int]) -> dict[str, torch.Tensor]:
     """rdlm parameters from a source checkpoint's tensors (no adapter)."""
     embedding = tensors.get("model.embed_tokens.weight")
@@ -247,7 +220,7 @@ def _source_state(source, tensors: dict[str, torch.Tensor], config: RDLMConfig, 
              "final_norm.weight": tensors["model.norm.weight"]}
     for group, indices in (("prelude", prelude), ("core", core), ("coda", coda)):
         for i, index in enumerate(indices):
-            for name, tensor in _layer_tensors(tensors, index, config.family).items():
+            for name, tensor in _layer_tensors(tensors, index, family).items():
                 state[f"{group}.{i}.{name}"] = tensor
     return state
 

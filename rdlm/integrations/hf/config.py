@@ -1,6 +1,6 @@
 """The transformers configs rdlm registers: model_type "huginn_raven" (Huginn and the retrofitted models)
-and "ouro" (where transformers itself has no such type), their config.json keys read and written by
-`rdlm.model.huginn` (the one home of the layouts)."""
+and "ouro" (where transformers itself has no such type), their config.json keys read and written by the
+families' adapters (`rdlm.model.families`, through `rdlm.model.huginn`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from transformers import PreTrainedConfig
 
 from rdlm.model import huginn
 from rdlm.model.config import RDLMConfig
-
-MODEL_TYPE = huginn.MODEL_TYPE
+from rdlm.model.families import MODEL_TYPE, adapter_of
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
@@ -72,9 +71,14 @@ class OuroConfig(PreTrainedConfig):
         return cls(**huginn.config_to_huginn(config, dtype))
 
 
+# transformers model_type -> config class: each family's adapter names the model_type its files have.
+CONFIG_CLASSES: dict[str, type[PreTrainedConfig]] = {RavenConfig.model_type: RavenConfig,
+                                                     OuroConfig.model_type: OuroConfig}
+
+
 def config_class_of(config: RDLMConfig) -> type[PreTrainedConfig]:
     """The transformers config class of a model's family."""
-    return OuroConfig if config.family == "ouro" else RavenConfig
+    return CONFIG_CLASSES[adapter_of(config).model_type]
 
 
 @contextlib.contextmanager

@@ -294,8 +294,8 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
             past_key_values = RecurrentCache()
         if past_key_values is not None:
             if not isinstance(past_key_values, RecurrentCache):
-                raise TypeError(f"past_key_values must be an rdlm.integrations.hf.RecurrentCache (a cache with a slot per core "
-                                f"iteration), got {type(past_key_values).__name__}")
+                raise TypeError(f"past_key_values must be an rdlm.integrations.hf.RecurrentCache (a cache with a slot "
+                                f"per core iteration), got {type(past_key_values).__name__}")
             if state is not None or position_ids is not None or cache_position is not None:
                 raise ValueError("with a RecurrentCache, s_0 comes from its seed and positions from its "
                                  "attention mask: drop input_states/initial_state/position_ids/cache_position")
@@ -357,5 +357,10 @@ class OuroForCausalLM(RavenForCausalLM):
     config_class = OuroConfig
 
 
+# transformers config class -> the wrapper of a model with that config.
+MODEL_CLASSES: dict[type, type[RavenForCausalLM]] = {RavenConfig: RavenForCausalLM, OuroConfig: OuroForCausalLM}
+
+
 def model_class_of(config) -> type[RavenForCausalLM]:
-    return OuroForCausalLM if config.family == "ouro" else RavenForCausalLM
+    """The wrapper class of a model's family (the one of its transformers config class)."""
+    return MODEL_CLASSES[config_class_of(config)]
