@@ -79,7 +79,7 @@ class ParallelSampler:
             raise ValueError(
                 f"the parallel sampler takes one prompt at a time, got {len(prompts)}; a batch would need "
                 "one wavefront per row (per-row start, width and commit bookkeeping; see rdlm.inference.parallel)")
-        if model.config.state_init == "embedding":
+        if not model.config.takes_initial_state:
             raise ValueError("the parallel sampler refines drafts from a noise state; a model whose s_0 is its "
                              "embedding (Ouro) has none: use the sequential sampler")
         self.config = c = config

@@ -234,7 +234,7 @@ class RDLMEvalModel(TemplateLM):
                 noise = self.initial_state(inputs[i])
                 if noise is not None:
                     states[row, :end] = noise
-            if self.model.config.state_init == "embedding":
+            if not self.model.config.takes_initial_state:
                 states = None  # s_0 = e, made by the model
             scores = score_targets(self.model, ids.to(self._device), labels.to(self._device), self.num_steps,
                                    initial_state=states)

@@ -22,7 +22,8 @@ NORM_SCHEMES = ("sandwich", "prenorm", "postnorm", "peri")
 FINAL_NORMS = ("sandwich", "output", "loop")
 # How RoPE pairs a head's dimensions: "adjacent" (2j, 2j+1) as Huginn; "halves" (j, j + d/2) as Llama.
 ROPE_PAIRS = ("adjacent", "halves")
-# The checkpoint layout a model is saved in (rdlm.model.families): names and config keys of that family.
+# The checkpoint layout a model is saved in: names and config keys of that family, read and written by its
+# adapter (rdlm.model.families.ADAPTERS, in this order).
 FAMILIES = ("huginn", "retrofit-llama", "retrofit-olmo", "ouro")
 # How the reference code's test-time noise shrinks with the iteration (its `test_time_noise_type`).
 NOISE_SCHEDULES = ("fixed", "geom", "sqrt", "line", "chi")
@@ -195,6 +196,13 @@ class RDLMConfig:
     def state_std(self) -> float:
         """Std of s_0 before the embedding scale: `state_init_std`, by default sqrt(2/(5h))."""
         return math.sqrt(2 / (5 * self.hidden_size)) if self.state_init_std is None else self.state_init_std
+
+    @property
+    def takes_initial_state(self) -> bool:
+        """Whether s_0 is an input that callers draw and pass (`state_init` "random" or "zero"); False where
+        s_0 is the embedding e itself ("embedding": Ouro, a fixed-depth Llama), which the model makes and a
+        given state would replace."""
+        return self.state_init != "embedding"
 
     @property
     def effective_depth(self) -> int:

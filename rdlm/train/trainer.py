@@ -224,7 +224,7 @@ class Trainer(RunCheckpoints):
         short step's GPU work (and a GPU's draws differ from a CPU's; each device type is reproducible).
         """
         c = self.model.config
-        if c.state_init == "embedding":
+        if not c.takes_initial_state:
             return None  # s_0 = e, made by the model
         positions = self.batches.positions(step, micro, self.world.rank)
         rows = []
