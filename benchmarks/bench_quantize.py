@@ -8,7 +8,7 @@ model, measured where the recurrence could amplify the error, and what they buy 
         --demo --out bench-quantize/demo.json
     # speed and memory at batch 1, a ~130M-parameter model with random weights (bandwidth-bound)
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_quantize.py speed --out bench-quantize/speed.json
-    # the README's tables
+    # the tables of docs/quantization.md
     .venv/bin/python benchmarks/bench_quantize.py table bench-quantize/*.json
 
 quality, for each setting against the unquantized model (same s_0 for both):

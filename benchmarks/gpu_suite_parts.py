@@ -117,7 +117,7 @@ def correctness(ctx, figures: dict) -> None:
         pair("continuous CoT + exit latent-diff + shared k = 2", continuous_cot=True, exit_criterion="latent-diff",
              exit_threshold=LOOSE["latent-diff"], cache_strategy="shared", cache_slots=2)
         # Self-speculative decoding and the parallel sampler (batch 1) against plain greedy decoding: exact in
-        # fp32; in bf16 up to near-ties (README, "Generation").
+        # fp32; in bf16 up to near-ties (docs/generation.md#the-options).
         ctx.check()
         plain = GenerationConfig(**base, compile=False)
         compare(rows, "speculative (draft 2 x 3)", dtype_name, model, prompts[:1], plain,

@@ -184,7 +184,7 @@ def test_models_trained_side_by_side_in_processes_equal_one_process(tmp_path, ca
 
 
 def test_a_script_without_a_main_guard_runs_the_demo_once(tmp_path):
-    """Spawned workers do not re-run the calling script: the README's three-line example, saved as a file
+    """Spawned workers do not re-run the calling script: docs/demo.md's three-line example, saved as a file
     with no `if __name__ == "__main__":`, trains its models in worker processes and finishes once."""
     import subprocess
     import sys
@@ -310,7 +310,7 @@ def tiny_demo_model():
     return RecurrentDepthLM(model_config(cfg, tok.vocab_size, 256)).eval(), tok
 
 
-# Seeds of the slow test: two that chose nothing in the design (seeds 0-10 did; README, Demo), fixed before
+# Seeds of the slow test: two that chose nothing in the design (seeds 0-10 did; docs/demo.md), fixed before
 # any of them ran. RDLM_DEMO_SEEDS=100,101,... runs others; about 6 minutes each on a 2-core machine
 # (`benchmarks/demo_seeds.py` runs many and tabulates them).
 SLOW_SEEDS = [int(s) for s in os.environ.get("RDLM_DEMO_SEEDS", "100,101").split(",")]

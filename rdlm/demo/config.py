@@ -34,7 +34,7 @@ class DemoConfig:
     mean_recurrence: int = 4
     # The spread of the sampled r (the log-normal's sigma; the paper's recipe uses 0.5). At the same mean,
     # the wider 1.0 draws r >= 12 for one training step in twelve instead of one in thirty (r >= 16: 4%
-    # instead of 0.7%), so the model learns to use deep r, which the longer words need (README, Demo).
+    # instead of 0.7%), so the model learns to use deep r, which the longer words need (docs/demo.md).
     recurrence_sigma: float = 1.0
     backprop_depth: int = 4
     # Training budget (the same for the recurrent model and both baselines).

@@ -195,7 +195,7 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
 # to the paper's qualitative claims with a small cushion: parameter-matched twin +20 -> +15, depth-matched
 # model +5 -> 0 (recurrence is at least as good as the unrolled, larger model). The harder split's bound is
 # +10 points (harder problems need and get more iterations), set before the task and training mean that
-# meet it were chosen (README, Demo, lists every run's margins).
+# meet it were chosen (docs/demo.md lists every run's margins).
 CLAIM_BOUNDS = {"test": 0.90, "helps": 0.30, "stable": -0.02, "harder": 0.10, "twin": 0.15, "depth_matched": 0.0,
                 "exit_steps": 0.60, "exit_drop": 0.02}
 
