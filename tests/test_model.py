@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from rdlm import RDLMConfig, RecurrentDepthLM, load_pretrained
-from rdlm.model.lm import causal_mask
+from rdlm.model.layers import causal_mask
 
 torch.set_grad_enabled(True)
 

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from rdlm.inference.cache import CacheCall, PackedCall, RecurrentKVCache, Segment, Strategy
 from rdlm.inference.noise import noise_table
-from rdlm.model.lm import RecurrentDepthLM, Rope, padded_causal_mask
+from rdlm.model.layers import Rope, padded_causal_mask
+from rdlm.model.lm import RecurrentDepthLM
 
 
 @dataclass(frozen=True)

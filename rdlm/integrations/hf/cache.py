@@ -10,7 +10,8 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from rdlm.inference.engine import Sequences
-from rdlm.model.lm import RecurrentDepthLM, padded_causal_mask
+from rdlm.model.layers import padded_causal_mask
+from rdlm.model.lm import RecurrentDepthLM
 
 
 class RecurrentCache(Cache):

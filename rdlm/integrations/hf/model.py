@@ -25,7 +25,8 @@ from rdlm.integrations.hf.generation import generate_with_engine, with_rdlm_gene
 from rdlm.integrations.hf.loading import HUB_KEYWORDS, INERT_LOAD_KEYWORDS, download_model, resolve_device
 from rdlm.model import huginn
 from rdlm.model.dtypes import resolve_dtype
-from rdlm.model.lm import ATTENTION_IMPLEMENTATIONS, RecurrentDepthLM
+from rdlm.model.layers import ATTENTION_IMPLEMENTATIONS
+from rdlm.model.lm import RecurrentDepthLM
 
 # forward() keywords transformers' machinery may pass that change nothing at these values.
 _INERT_FORWARD_KWARGS = {"output_attentions": (None, False), "output_hidden_states": (None, False)}
