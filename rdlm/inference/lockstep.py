@@ -42,12 +42,7 @@ class Rows:
     state: Tensor            # [b, 1, h]
     embedded: Tensor         # [b, 1, h]
     call: Call               # these rows' RoPE, mask and cache rows
-    steps: Tensor            # [b] iterations run
-    exited: Tensor           # [b] bool
-    streak: Tensor           # [b] consecutive passing evaluations
-    logits: Tensor | None    # [b, V] of the latest iteration when the criterion reads logits
-    remaining: Tensor | None = None   # [b] a learned gate's running sums (rdlm.inference.exits.ExitTrack)
-    cumulative: Tensor | None = None
+    track: ExitTrack         # where each row's token stands: iterations run, exited, the criterion's carry
 
     @classmethod
     def start(cls, batch_rows: Tensor, state: Tensor, embedded: Tensor, call: Call, idle: Tensor,
@@ -55,16 +50,23 @@ class Rows:
         """No iteration run yet; the `idle` rows (not decoding) count as exited from the start."""
         n, device = batch_rows.shape[0], batch_rows.device
         track = ExitTrack.start(n, device, vocab_size if criterion.uses_logits else None, gate=criterion.uses_gate)
-        return cls(torch.arange(n, device=device), batch_rows, state.clone(), embedded, call, track.steps,
-                   idle.clone(), track.streak, track.logits, track.remaining, track.cumulative)
+        return cls(torch.arange(n, device=device), batch_rows, state.clone(), embedded, call,
+                   dataclasses.replace(track, exited=idle.clone()))
+
+    @property
+    def steps(self) -> Tensor:
+        return self.track.steps
+
+    @property
+    def exited(self) -> Tensor:
+        return self.track.exited
 
     def select(self, keep: Tensor) -> "Rows":
         pick = lambda t: None if t is None else t[keep]  # noqa: E731
         batch_rows = self.batch_rows[keep]
+        track = ExitTrack(*(pick(getattr(self.track, f.name)) for f in dataclasses.fields(ExitTrack)))
         return Rows(self.index[keep], batch_rows, self.state[keep], self.embedded[keep],
-                    self.call.select(keep, batch_rows), self.steps[keep],
-                    self.exited[keep], self.streak[keep], pick(self.logits), pick(self.remaining),
-                    pick(self.cumulative))
+                    self.call.select(keep, batch_rows), track)
 
 
 class Lockstep:
@@ -132,10 +134,9 @@ class Lockstep:
         """`gate-exact`: all num_steps iterations for every row (every cache entry written, as the reference
         computes), each row's final state the one at its gate exit. Iterations reported: num_steps."""
         r = config.num_steps
-        track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
         _, track = iterate_with_exits(
             lambda state, i, exited: self.runner.step(state, rows.embedded, i, rows.call),
-            None, rows.state, track, criterion, 0, r, r, min_steps=config.min_steps, freeze=False,
+            None, rows.state, rows.track, criterion, 0, r, r, min_steps=config.min_steps, freeze=False,
             gate=self.runner.exit_probability)
         return track.exit_state.view_as(rows.state), torch.full_like(rows.steps, r)
 
@@ -154,19 +155,18 @@ class Lockstep:
         def readout(state: Tensor) -> Tensor:
             return self.runner.readout(state, rows.call)[:, -1]
 
-        track = ExitTrack(rows.steps, rows.exited, rows.streak, rows.logits, rows.remaining, rows.cumulative)
         gate = self.runner.exit_probability if criterion.uses_gate else None
-        state, track = iterate_with_exits(step, readout, rows.state, track, criterion, first, n, config.num_steps,
-                                          min_steps=config.min_steps, every=config.exit_every, gate=gate)
-        out = dataclasses.replace(rows, state=state, steps=track.steps, exited=track.exited, streak=track.streak,
-                                  logits=track.logits, remaining=track.remaining, cumulative=track.cumulative)
+        state, track = iterate_with_exits(step, readout, rows.state, rows.track, criterion, first, n,
+                                          config.num_steps, min_steps=config.min_steps, every=config.exit_every,
+                                          gate=gate)
         if in_place:
-            for name in ("state", "steps", "exited", "streak", "logits", "remaining", "cumulative"):
-                target = getattr(rows, name)
+            rows.state.copy_(state)
+            for f in dataclasses.fields(ExitTrack):
+                target = getattr(rows.track, f.name)
                 if target is not None:
-                    target.copy_(getattr(out, name))
+                    target.copy_(getattr(track, f.name))
             return rows
-        return out
+        return dataclasses.replace(rows, state=state, track=track)
 
 
 class LockstepTokens:
