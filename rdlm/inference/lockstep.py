@@ -34,6 +34,9 @@ from rdlm.inference.params import BatchEvent, GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner
 
 
+TRACK_FIELDS = tuple(f.name for f in dataclasses.fields(ExitTrack))   # (a compiled step cannot ask the class)
+
+
 @dataclass
 class Rows:
     """The rows of one token still iterating (all rows, or those left after exits)."""
@@ -64,7 +67,7 @@ class Rows:
     def select(self, keep: Tensor) -> "Rows":
         pick = lambda t: None if t is None else t[keep]  # noqa: E731
         batch_rows = self.batch_rows[keep]
-        track = ExitTrack(*(pick(getattr(self.track, f.name)) for f in dataclasses.fields(ExitTrack)))
+        track = ExitTrack(*(pick(getattr(self.track, name)) for name in TRACK_FIELDS))
         return Rows(self.index[keep], batch_rows, self.state[keep], self.embedded[keep],
                     self.call.select(keep, batch_rows), track)
 
@@ -161,10 +164,10 @@ class Lockstep:
                                           gate=gate)
         if in_place:
             rows.state.copy_(state)
-            for f in dataclasses.fields(ExitTrack):
-                target = getattr(rows.track, f.name)
+            for name in TRACK_FIELDS:
+                target = getattr(rows.track, name)
                 if target is not None:
-                    target.copy_(getattr(track, f.name))
+                    target.copy_(getattr(track, name))
             return rows
         return dataclasses.replace(rows, state=state, track=track)
 
