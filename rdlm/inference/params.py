@@ -1,20 +1,30 @@
-"""What a generation request asks for: `GenerationConfig` (sampling, depth, exits, the cache, continuous
-chain of thought, speculative and parallel decoding), what it returns (`TokenEvent`, `GenerationResult`),
-and what an engine that serves requests offers its driver (`Engine`, `BatchEvent`).
+"""What a generation request asks for: `GenerationConfig`, its parameters in parts (sampling, depth,
+exits, the cache, speculative decoding, the parallel sampler, the engine), each declared once with its
+type, default, meaning and check; what it returns (`TokenEvent`, `GenerationResult`); and what an engine
+that serves requests offers its driver (`Engine`, `BatchEvent`).
+
+The front ends take the parameters from that declaration (`params_for`): the command line's flags
+(rdlm/cli/generate.py), the server's request fields (rdlm/inference/openai_api.py) and transformers'
+generation options (rdlm/integrations/hf/generation.py). Each builds a GenerationConfig, whose checks are
+the one validator of them all.
 
 A leaf of rdlm.inference: the engines, the samplers and every front end (the CLI, the server, the
-transformers and lm-eval integrations) import it; it imports only the exit criteria.
+transformers and lm-eval integrations) import it; it imports only the exit criteria and rdlm.checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+from rdlm.checks import Integer, Number, OneOf
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 
-if TYPE_CHECKING:  # annotations only: the module stays a leaf that imports only the exit criteria
+if TYPE_CHECKING:  # annotations only: the module stays a leaf
     import torch
 
     from rdlm.model.lm import RecurrentDepthLM
@@ -22,6 +32,7 @@ if TYPE_CHECKING:  # annotations only: the module stays a leaf that imports only
 Decode = Callable[[list[int]], str]
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
 MAX_INIT_SCALE = 1000.0  # s_0's noise scale at most (the paper's is 1; 1e6 already overflows a float16 core)
+FRONT_ENDS = ("cli", "server", "transformers")  # where a parameter may be given by its own name
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
@@ -35,68 +46,152 @@ def kv_cache_budget(slots: int | None) -> dict:
     return {} if slots is None else {"cache_strategy": "shared", "cache_slots": slots}
 
 
+# --------------------------------------------------------------------------------------------------
+# A parameter's declaration, and the parts that group them
+
+def known_criterion(name: str, value: Any) -> None:
+    """An ExitCriterion, or a name of rdlm.inference.exits.CRITERIA (an unknown one is told the nearest)."""
+    if not isinstance(value, ExitCriterion):
+        make_exit_criterion(value)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A generation parameter as declared: the part it belongs to, what it means (one line, which the
+    command line's help shows too), its default, its check (None: any value) and the front ends that
+    take it by its name. Its name, the type of a value given from outside Python (`kind`: int, float,
+    str, bool, tuple) and whether None is a value (its check then skips None) come from its field."""
+    part: str
+    help: str
+    default: Any
+    check: Callable[[str, Any], None] | None = None
+    front_ends: tuple[str, ...] = ()
+    name: str = ""
+    kind: type = object
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Part:
+    """A group of GenerationConfig's fields by what they control; calling it declares one field."""
+    name: str
+    controls: str
+
+    def __call__(self, default: Any, help: str, check: Callable[[str, Any], None] | None = None, *,
+                 front_ends: str = "cli") -> Any:
+        unknown = set(front_ends.split()) - set(FRONT_ENDS)
+        if unknown:
+            raise TypeError(f"unknown front ends {sorted(unknown)}; they are {FRONT_ENDS}")
+        param = Param(self.name, help, default, check, tuple(front_ends.split()))
+        return dataclasses.field(default=default, metadata={"param": param})
+
+
+SAMPLING = Part("sampling", "how each token is drawn from the logits, and when a response ends")
+DEPTH = Part("depth", "the core iterations each token gets, and the state they start from")
+EXITS = Part("exits", "per-token adaptive compute: when a token stops iterating (paper section 6)")
+CACHE = Part("cache", "the KV cache of the core's iterations")
+SPECULATIVE = Part("speculative", "self-speculative decoding: drafts at a lower depth, verified at num_steps")
+PARALLEL = Part("parallel", "the parallel (diffusion-style) sampler of rdlm.inference.parallel, batch 1")
+ENGINE = Part("engine", "how the decode engine runs a request (its speed, never its tokens in fp32)")
+EVERYWHERE = "cli server transformers"
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_new_tokens: int = 32
-    num_steps: int = 32                 # r per token; the maximum when exiting adaptively
-    prefill_steps: int | None = None    # r for the prompt (default num_steps)
-    # Per-token adaptive compute (paper section 6): a name of rdlm.inference.exits.CRITERIA or an ExitCriterion.
-    exit_criterion: str | ExitCriterion | None = None
-    exit_threshold: float | None = None  # default: the criterion's own (gate: the checkpoint's)
-    min_steps: int | None = None        # fewest iterations before an exit; None: 2 (1 for a learned gate)
-    # Sampling; temperature 0 is greedy (the paper's evaluation convention), as is any below 1e-5 (its limit).
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    stop_tokens: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()  # needs a `decode` function
-    # Log-probabilities: None, or k in 0..20: each token's log-probability under the model (the raw logits,
-    # before penalty, temperature and filtering) and the k most likely tokens' (TokenEvent.logprob/.top).
-    logprobs: int | None = None
-    # A depth budget for the whole response, honoured by the continuous batch (rdlm serve): at most
-    # `max_latent_iterations` core iterations over all new tokens (the first token's are the prompt's), and
-    # a running mean of at most `target_mean_iterations` per token; a token gets at least one iteration,
-    # and the response ends ("length") when the budget cannot give the next one any (see `depth_cap`).
-    max_latent_iterations: int | None = None
-    target_mean_iterations: float | None = None
-    # KV cache: "full" (a slot per iteration) or "shared" (k = cache_slots slots, slot i mod k).
-    cache_strategy: str = "full"
-    cache_slots: int | None = None
-    continuous_cot: bool = False        # s_0 of a token = final state of the previous token
-    init_scale: float = 1.0             # s_0 noise scale; 0 gives the all-zero state
-    seed: int = 0
-    # Self-speculative decoding: draft `draft_length` tokens with `draft_steps` iterations.
-    draft_steps: int | None = None
-    draft_length: int = 4
-    # The decode engine (rdlm.inference.engine): a static decode step captured in a CUDA graph. None: on for
-    # CUDA, off on the CPU. In fp32 it never changes tokens, only speed; in bf16 a greedy near-tie can flip
-    # (its attention reduces over the preallocated cache; docs/inference.md, "The GPU suite").
-    compile: bool | None = None
-    # Adaptive exits: the criterion is evaluated every `exit_every` iterations (1: after every
-    # iteration, as in the paper); the host reads the exit flags every `exit_sync_every` iterations
-    # (exited rows then leave the batch; None: every iteration on the CPU, every 4 on an accelerator).
-    # exit_sync_every changes cost only, never tokens.
-    exit_every: int = 1
-    exit_sync_every: int | None = None
-    # The parallel (diffusion-style) sampler (rdlm.inference.parallel; batch 1): "sequential" or "parallel".
-    sampler: str = "sequential"
-    inner_recurrence: int = 4           # core iterations per wavefront step, on every wave position
-    headway: int = 1                    # new positions appended per step
-    freeze_criterion: str | ExitCriterion = "latent-diff"  # when a position's state stopped moving
-    freeze_threshold: float | None = None  # default: the criterion's own (latent-diff: 0.03)
-    max_wavefront: int | None = 128     # most positions in flight; None: no limit
-    state_noise_mixing: float = 0.0     # m: s <- (1 - m/(1+i)) s + m/(1+i) noise before each step
-    embedding_ema: float = 0.1          # EMA weight of a position's earlier input embeddings
-    full_prefill: bool = True           # prefill the prompt at r; False: the prompt is the first wave
+    """What one generation request asks for. Each field is declared once, in its part, with its type,
+    default, meaning and check (`PARAMS` lists them); `__post_init__` runs the checks, then the rules
+    between the parts. Temperature 0 is greedy (the paper's evaluation convention), as is any below 1e-5."""
+
+    # -- sampling
+    max_new_tokens: int = SAMPLING(32, "most tokens to generate per prompt", Integer(0))
+    temperature: float = SAMPLING(0.0, "0 = greedy", Number(">= 0", lambda t: t >= 0), front_ends="cli server")
+    top_k: int | None = SAMPLING(None, "sample from the k most likely tokens only", Integer(1),
+                                 front_ends="cli server")
+    top_p: float | None = SAMPLING(None, "sample from the smallest set of tokens with this much probability",
+                                   Number("in (0, 1]", lambda p: 0 < p <= 1), front_ends="cli server")
+    min_p: float | None = SAMPLING(None, "drop tokens less likely than min_p x the most likely one",
+                                   Number("in (0, 1]", lambda p: 0 < p <= 1), front_ends="cli server")
+    repetition_penalty: float = SAMPLING(
+        1.0, "divide positive (multiply negative) logits of tokens already seen by this (1: off)",
+        Number("> 0", lambda p: p > 0), front_ends="cli server")
+    seed: int = SAMPLING(0, "seed of s_0 and of sampling (per row)",
+                         Integer(0, 2**63 - 1, "an integer in [0, 2**63)"), front_ends=EVERYWHERE)
+    # The raw logits' (before penalty, temperature and filtering): TokenEvent.logprob and .top.
+    logprobs: int | None = SAMPLING(
+        None, "each token's log-probability under the model and the k most likely tokens' (k = 0..20)",
+        Integer(0, MAX_TOP_LOGPROBS), front_ends="")
+    stop_tokens: tuple[int, ...] = SAMPLING((), "token ids that end a response", front_ends="")
+    stop_strings: tuple[str, ...] = SAMPLING((), "strings that end a response (they need a decode function)",
+                                             front_ends="")
+
+    # -- depth
+    num_steps: int = DEPTH(32, "core iterations r per token (the maximum with an exit criterion)", Integer(1),
+                           front_ends=EVERYWHERE)
+    prefill_steps: int | None = DEPTH(None, "core iterations r for the prompt (default: num_steps)", Integer(1),
+                                      front_ends="")
+    # A budget for the whole response, honoured by the continuous batch (rdlm serve): a token gets at least
+    # one iteration, and the response ends ("length") when the budget cannot give the next one any (depth_cap).
+    max_latent_iterations: int | None = DEPTH(
+        None, "depth budget: most core iterations for all of a response's tokens (at least 1 each)", Integer(1),
+        front_ends=EVERYWHERE)
+    target_mean_iterations: float | None = DEPTH(
+        None, "depth budget: keep a response's running mean of iterations per token at most this",
+        Number("a finite number >= 1", lambda m: m >= 1), front_ends=EVERYWHERE)
+    init_scale: float = DEPTH(1.0, "s_0 noise scale (0: all-zero state)",
+                              Number(f"in [0, {MAX_INIT_SCALE:g}] (the scale of s_0's noise; larger overflows "
+                                     "inside the core)", lambda s: 0 <= s <= MAX_INIT_SCALE), front_ends=EVERYWHERE)
+    continuous_cot: bool = DEPTH(False, "warm-start each token's state from the previous token's final state",
+                                 front_ends=EVERYWHERE)
+
+    # -- exits
+    exit_criterion: str | ExitCriterion | None = EXITS(
+        None, "per-token adaptive compute: a criterion of rdlm.inference.exits.CRITERIA",
+        known_criterion, front_ends=EVERYWHERE)
+    exit_threshold: float | None = EXITS(None, "default: the criterion's (kl: 5e-4; a learned gate: the "
+                                               "checkpoint's)", Number(), front_ends=EVERYWHERE)
+    min_steps: int | None = EXITS(None, "fewest iterations per token before an exit (default 2; 1 for a "
+                                        "learned gate)", Integer(1), front_ends=EVERYWHERE)
+    exit_every: int = EXITS(1, "evaluate the exit criterion every n iterations (1: after each, as in the paper)",
+                            Integer(1), front_ends="cli server")
+    # Exited rows leave the batch when the host looks: exit_sync_every changes cost only, never tokens.
+    exit_sync_every: int | None = EXITS(None, "the host reads exit flags every n iterations (speed only, never "
+                                              "the tokens; default 1 on the CPU, 4 on a GPU)", Integer(1))
+
+    # -- cache
+    cache_strategy: str = CACHE("full", "KV-cache strategy: full (a slot per iteration) or shared (k slots)",
+                                OneOf(("full", "shared")))
+    cache_slots: int | None = CACHE(None, "k for the shared cache (iteration i uses slot i mod k)", Integer(1))
+
+    # -- speculative
+    draft_steps: int | None = SPECULATIVE(None, "self-speculative decoding: draft with N iterations", Integer(1),
+                                          front_ends="cli transformers")
+    draft_length: int = SPECULATIVE(4, "tokens drafted per speculative round", Integer(1),
+                                    front_ends="cli transformers")
+
+    # -- parallel
+    sampler: str = PARALLEL("sequential", "parallel: the diffusion-style wavefront sampler (one prompt at a "
+                                          "time)", OneOf(("sequential", "parallel")), front_ends="cli server")
+    inner_recurrence: int = PARALLEL(4, "parallel: core iterations per wavefront step", Integer(1))
+    headway: int = PARALLEL(1, "parallel: new positions per step", Integer(1))
+    freeze_criterion: str | ExitCriterion = PARALLEL("latent-diff", "parallel: when a position's state has "
+                                                                    "settled", known_criterion)
+    freeze_threshold: float | None = PARALLEL(None, "parallel: default the criterion's (latent-diff: 0.03)",
+                                              Number())
+    max_wavefront: int | None = PARALLEL(128, "parallel: most positions in flight", Integer(1))  # None: no limit
+    # m: s <- (1 - m/(1+i)) s + m/(1+i) noise before each step
+    state_noise_mixing: float = PARALLEL(0.0, "parallel: noise mixed into each state per step, damped by 1/(1 + "
+                                              "iterations)", Number("in [0, 1]", lambda m: 0 <= m <= 1))
+    embedding_ema: float = PARALLEL(0.1, "parallel: EMA weight of a position's earlier input embeddings",
+                                    Number("in [0, 1)", lambda e: 0 <= e < 1))
+    full_prefill: bool = PARALLEL(True, "parallel: prefill the prompt at r (off: the prompt is the first wave)")
+
+    # -- engine (rdlm.inference.engine). In fp32 the static step never changes tokens, only speed; in bf16
+    # a greedy near-tie can flip (its attention reduces over the preallocated cache; docs/inference.md,
+    # "The GPU suite").
+    compile: bool | None = ENGINE(None, "the static decode step captured in a CUDA graph (default: on with "
+                                        "CUDA, off on CPU)")
 
     def __post_init__(self) -> None:
-        def positive(name: str, minimum: int = 1) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
         # Stops as tuples (a frozen, hashable config; one stop string given as a str is one string, not its letters).
         if isinstance(self.stop_strings, str):
             object.__setattr__(self, "stop_strings", (self.stop_strings,))
@@ -105,56 +200,25 @@ class GenerationConfig:
         if self.min_steps is None:  # a learned gate may exit after the first iteration, as its reference does
             gate = self.exit_criterion in ("gate", "gate-exact") or getattr(self.exit_criterion, "uses_gate", False)
             object.__setattr__(self, "min_steps", 1 if gate else 2)
-        positive("max_new_tokens", 0)
-        positive("num_steps")
-        positive("min_steps", 1)
-        positive("draft_length")
-        positive("exit_every")
-        if self.exit_sync_every is not None:
-            positive("exit_sync_every")
-        if self.logprobs is not None:
-            positive("logprobs", 0)
-            if self.logprobs > MAX_TOP_LOGPROBS:
-                raise ValueError(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.logprobs}")
-            if self.draft_steps is not None or self.sampler != "sequential":
-                raise ValueError("logprobs come with the sequential sampler without speculative decoding")
-        if self.max_latent_iterations is not None:
-            positive("max_latent_iterations")
-        if self.target_mean_iterations is not None:
-            value = self.target_mean_iterations
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
-                raise ValueError(f"target_mean_iterations must be a finite number >= 1, got {value!r}")
-        if (self.max_latent_iterations, self.target_mean_iterations) != (None, None) and (
-                self.draft_steps is not None or self.sampler != "sequential"):
+        for param in PARAMS:
+            value = getattr(self, param.name)
+            if param.check is not None and not (value is None and param.optional):
+                param.check(param.name, value)
+        self._check_parts_together()
+
+    def _check_parts_together(self) -> None:
+        """The rules between parts (each field's own check ran from its declaration)."""
+        plain = self.draft_steps is None and self.sampler == "sequential"  # neither speculative nor parallel
+        if self.logprobs is not None and not plain:
+            raise ValueError("logprobs come with the sequential sampler without speculative decoding")
+        if self.has_depth_budget and not plain:
             raise ValueError("a depth budget (max_latent_iterations, target_mean_iterations) goes with the "
                              "sequential sampler without speculative decoding")
-        for name in ("prefill_steps", "cache_slots", "top_k", "draft_steps"):
-            if getattr(self, name) is not None:
-                positive(name)
-        for name in ("temperature", "init_scale", "repetition_penalty", "exit_threshold", "freeze_threshold"):
-            value = getattr(self, name)  # NaN passes every comparison: refuse it (and infinity) here
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 <= self.init_scale <= MAX_INIT_SCALE:
-            raise ValueError(f"init_scale must be in [0, {MAX_INIT_SCALE:g}] (the scale of s_0's noise; larger "
-                             f"overflows inside the core), got {self.init_scale}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        for name in ("top_p", "min_p"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {value}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.cache_strategy not in ("full", "shared"):
-            raise ValueError(f"cache_strategy must be 'full' or 'shared', got {self.cache_strategy!r}")
         if self.cache_strategy == "shared" and self.cache_slots is None:
             raise ValueError("cache_strategy 'shared' needs cache_slots (the budget k)")
-        if self.exit_criterion is not None and self.draft_steps is not None:
-            raise ValueError("speculative decoding runs a fixed number of steps; drop exit_criterion")
-        if self.draft_steps is not None:
+        if self.draft_steps is not None:  # verification must reproduce plain decoding at num_steps
+            if self.exit_criterion is not None:
+                raise ValueError("speculative decoding runs a fixed number of steps; drop exit_criterion")
             if self.draft_steps >= self.num_steps:
                 raise ValueError(f"draft_steps ({self.draft_steps}) must be smaller than num_steps "
                                  f"({self.num_steps}), the verification depth")
@@ -163,18 +227,7 @@ class GenerationConfig:
             if self.cache_strategy != "full" or self.continuous_cot or self.repetition_penalty != 1:
                 raise ValueError("speculative decoding needs the full cache, no continuous_cot and no "
                                  "repetition_penalty (so that verification reproduces plain decoding)")
-        if self.exit_criterion is not None:
-            self.criterion()  # raises on unknown names
-        if self.sampler not in ("sequential", "parallel"):
-            raise ValueError(f"sampler must be 'sequential' or 'parallel', got {self.sampler!r}")
-        positive("inner_recurrence")
-        positive("headway")
-        if self.max_wavefront is not None:
-            positive("max_wavefront")
-        if not 0 <= self.state_noise_mixing <= 1:
-            raise ValueError(f"state_noise_mixing must be in [0, 1], got {self.state_noise_mixing}")
-        if not 0 <= self.embedding_ema < 1:
-            raise ValueError(f"embedding_ema must be in [0, 1), got {self.embedding_ema}")
+        self.criterion()  # a threshold the criterion cannot take (its name was checked with its field)
         if self.sampler == "parallel":
             if self.exit_criterion is not None or self.draft_steps is not None:
                 raise ValueError("the parallel sampler freezes positions with freeze_criterion; drop "
@@ -184,7 +237,7 @@ class GenerationConfig:
                                  f"({self.num_steps}), the iterations after which a position is final")
             if self.repetition_penalty != 1:
                 raise ValueError("the parallel sampler has no repetition_penalty")
-            if self.freezer().uses_gate:  # (raises on unknown names)
+            if self.freezer().uses_gate:
                 raise ValueError("the parallel sampler's freeze criterion compares a position's iterations; "
                                  "a learned exit gate is not one")
 
@@ -246,6 +299,34 @@ class GenerationConfig:
         if len(tokens) >= self.max_new_tokens or (self.has_depth_budget and self.depth_cap(len(tokens), spent) == 0):
             return "length"
         return None
+
+
+def _declared(config: type) -> tuple[Param, ...]:
+    """The parameters of `config`'s fields, their name, kind and optionality taken from the field."""
+    hints, found = typing.get_type_hints(config), []
+    for f in dataclasses.fields(config):
+        hint = hints[f.name]
+        union = typing.get_origin(hint) in (types.UnionType, typing.Union)
+        args = typing.get_args(hint) if union else (hint,)
+        kind = next(a for a in args if a is not type(None))
+        found.append(dataclasses.replace(f.metadata["param"], name=f.name, kind=typing.get_origin(kind) or kind,
+                                         optional=type(None) in args))
+    return tuple(found)
+
+
+PARAMS = _declared(GenerationConfig)  # its parameters, in the order declared
+PARTS = (SAMPLING, DEPTH, EXITS, CACHE, SPECULATIVE, PARALLEL, ENGINE)
+# The shared cache as the server, transformers and lm-eval spell it: one number for two fields (kv_cache_budget).
+KV_CACHE_BUDGET = Param("cache", "KV-cache budget: k core cache slots per token (iteration i uses slot i mod k)",
+                        None, None, ("server", "transformers"), "kv_cache_budget", int, True)
+
+
+def params_for(front_end: str) -> tuple[Param, ...]:
+    """The parameters `front_end` ("cli", "server" or "transformers") takes by their own names, in the order
+    declared (the others it spells its own way, or lacks)."""
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
+    return tuple(p for p in (*PARAMS, KV_CACHE_BUDGET) if front_end in p.front_ends)
 
 
 @dataclass(frozen=True)
