@@ -15,7 +15,8 @@ import torch
 from rdlm.cli import CLIError, add_quantize_arguments, add_threads_argument, check_exit_threshold
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
-from rdlm.inference.params import check_prompts
+from rdlm.checks import OneOf
+from rdlm.inference.params import PARTS, check_prompts, params_for
 from rdlm.model import dtypes
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
 from rdlm.resources import check_device, use_threads
@@ -35,62 +36,42 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+# What the command line adds to a generation parameter's declaration (rdlm.inference.params): its flags where
+# they are not --field-name, its default where it is not the field's, choices, and help ("{help}": the
+# declared meaning) that names other flags or rdlm serve.
+FLAGS: dict[str, dict] = {
+    "num_steps": {"flags": ("--num-steps", "-r"), "default": None,
+                  "help": "{help}; default: the model's mean recurrence"},
+    "exit_criterion": {"choices": sorted(CRITERIA)},
+    "exit_sync_every": {"help": "{help}; in rdlm serve also every n steps of the batch (rows found done then "
+                                "leave its calls; default 4)"},
+    "cache_strategy": {"flags": ("--cache",)},
+    "freeze_criterion": {"choices": sorted(n for n, s in CRITERIA.items() if not s.uses_gate)},
+    "max_wavefront": {"help": "{help} (0: no limit)"},
+    "compile": {"help": "{help}; rdlm serve: the batch's static core iteration, the same default"},
+}
+
+
 def add_generation_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by `generate` and `chat`; they map one to one onto GenerationConfig."""
-    g = p.add_argument_group("generation")
-    g.add_argument("--num-steps", "-r", type=int, default=None,
-                   help="core iterations r per token (the maximum with --exit-criterion); "
-                        "default: the model's mean recurrence")
-    g.add_argument("--max-new-tokens", type=int, default=32, help="most tokens to generate per prompt")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
-    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this much probability")
-    g.add_argument("--min-p", type=float, help="drop tokens less likely than min-p x the most likely one")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divide positive (multiply negative) logits of tokens already seen by this (1: off)")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; needs a tokenizer)")
-    g.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
-    g.add_argument("--exit-criterion", choices=sorted(CRITERIA), help="per-token adaptive compute")
-    g.add_argument("--exit-threshold", type=float, help="default: the criterion's (kl: 5e-4)")
-    g.add_argument("--min-steps", type=int, default=None,
-                   help="fewest iterations per token before an exit (default 2; 1 for a learned gate)")
-    g.add_argument("--exit-every", type=int, default=1,
-                   help="evaluate the exit criterion every n iterations (1: after each, as in the paper)")
-    g.add_argument("--exit-sync-every", type=int, default=None,
-                   help="the host reads exit flags every n iterations (speed only, never the tokens; default "
-                        "1 on the CPU, 4 on a GPU); in rdlm serve also every n steps of the batch (rows found "
-                        "done then leave its calls; default 4)")
-    g.add_argument("--max-latent-iterations", type=int,
-                   help="depth budget: most core iterations for all of a response's tokens (at least 1 each)")
-    g.add_argument("--target-mean-iterations", type=float,
-                   help="depth budget: keep a response's running mean of iterations per token at most this")
-    g.add_argument("--cache", choices=["full", "shared"], default="full", help="KV-cache strategy")
-    g.add_argument("--cache-slots", type=int, help="k for --cache shared (iteration i uses slot i mod k)")
-    g.add_argument("--continuous-cot", action="store_true",
-                   help="warm-start each token's state from the previous token's final state")
-    g.add_argument("--draft-steps", type=int, help="self-speculative decoding: draft with N iterations")
-    g.add_argument("--draft-length", type=int, default=4, help="tokens drafted per speculative round")
-    g.add_argument("--sampler", choices=["sequential", "parallel"], default="sequential",
-                   help="parallel: the diffusion-style wavefront sampler (one prompt at a time)")
-    g.add_argument("--inner-recurrence", type=int, default=4,
-                   help="parallel: core iterations per wavefront step")
-    g.add_argument("--headway", type=int, default=1, help="parallel: new positions per step")
-    g.add_argument("--freeze-criterion", choices=sorted(n for n, s in CRITERIA.items() if not s.uses_gate),
-                   default="latent-diff",
-                   help="parallel: when a position's state has settled")
-    g.add_argument("--freeze-threshold", type=float, help="parallel: default the criterion's (latent-diff: 0.03)")
-    g.add_argument("--max-wavefront", type=int, default=128, help="parallel: most positions in flight (0: no limit)")
-    g.add_argument("--state-noise-mixing", type=float, default=0.0,
-                   help="parallel: noise mixed into each state per step, damped by 1/(1 + iterations)")
-    g.add_argument("--embedding-ema", type=float, default=0.1,
-                   help="parallel: EMA weight of a position's earlier input embeddings")
-    g.add_argument("--full-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="parallel: prefill the prompt at r (--no-full-prefill: the prompt is the first wave)")
-    g.add_argument("--init-scale", type=float, default=1.0, help="s_0 noise scale (0: all-zero state)")
-    g.add_argument("--seed", type=int, default=0, help="seed of s_0 and of sampling (per row)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU); "
-                        "rdlm serve: the batch's static core iteration, the same default")
+    """Options shared by `generate`, `chat` and `serve`: a flag per generation parameter the command line
+    takes (its declared type, default and meaning, with FLAGS' additions) in a group per part, the stops,
+    and how the model runs."""
+    groups = {part.name: p.add_argument_group(f"generation: {part.name}", part.controls) for part in PARTS}
+    for param in params_for("cli"):
+        flag = FLAGS.get(param.name, {})
+        options = {"dest": param.name, "default": flag.get("default", param.default),
+                   "help": flag.get("help", "{help}").format(help=param.help)}
+        if param.kind is bool:
+            options["action"] = "store_true" if param.default is False else argparse.BooleanOptionalAction
+        elif "choices" in flag or isinstance(param.check, OneOf):
+            options["choices"] = flag.get("choices") or list(param.check.choices)
+        else:
+            options["type"] = param.kind
+        groups[param.part].add_argument(*flag.get("flags", ["--" + param.name.replace("_", "-")]), **options)
+    groups["sampling"].add_argument("--stop", action="append", default=[],
+                                    help="stop string (repeatable; needs a tokenizer)")
+    groups["sampling"].add_argument("--stop-ids", default="", help="comma-separated stop token ids")
+    g = p.add_argument_group("model", "how the model is loaded and where it runs")
     g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32", help="weights and activations dtype")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     add_threads_argument(g)
@@ -108,21 +89,11 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
     if args.sampler == "parallel":
         check_exit_threshold(args.freeze_criterion, args.freeze_threshold, "--freeze-threshold",
                              "--freeze-criterion")
-    return GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        num_steps=model.config.mean_recurrence if args.num_steps is None else args.num_steps,
-        exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, min_steps=args.min_steps,
-        exit_every=args.exit_every, exit_sync_every=args.exit_sync_every, compile=args.compile,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens + stop_ids,
-        stop_strings=tuple(args.stop), cache_strategy=args.cache, cache_slots=args.cache_slots,
-        continuous_cot=args.continuous_cot, init_scale=args.init_scale, seed=args.seed,
-        draft_steps=args.draft_steps, draft_length=args.draft_length, sampler=args.sampler,
-        inner_recurrence=args.inner_recurrence, headway=args.headway, freeze_criterion=args.freeze_criterion,
-        freeze_threshold=args.freeze_threshold, max_wavefront=args.max_wavefront or None,
-        state_noise_mixing=args.state_noise_mixing, embedding_ema=args.embedding_ema,
-        full_prefill=args.full_prefill, max_latent_iterations=args.max_latent_iterations,
-        target_mean_iterations=args.target_mean_iterations)
+    values = {param.name: getattr(args, param.name) for param in params_for("cli")}
+    values.update(num_steps=model.config.mean_recurrence if args.num_steps is None else args.num_steps,
+                  max_wavefront=args.max_wavefront or None, stop_tokens=stop_tokens + stop_ids,
+                  stop_strings=tuple(args.stop))
+    return GenerationConfig(**values)
 
 
 def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False,

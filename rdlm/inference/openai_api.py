@@ -9,11 +9,12 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from rdlm.data.tokenizer import Tokenizer
 from rdlm.inference.batching import BatchEvent
-from rdlm.inference.params import MAX_TOP_LOGPROBS, GenerationConfig, cut_at_stop, kv_cache_budget
+from rdlm.inference.params import (KV_CACHE_BUDGET, MAX_TOP_LOGPROBS, GenerationConfig, cut_at_stop,
+                                   kv_cache_budget, params_for)
 
 
 MAX_STOPS = 4              # stop sequences per request (OpenAI's limit)
@@ -35,36 +36,19 @@ class APIError(Exception):
 # --------------------------------------------------------------------------------------------------
 # Request bodies: OpenAI's fields and rdlm's; anything else is refused by name.
 
-class Options(BaseModel):
+class OpenAIOptions(BaseModel):
+    """Both endpoints' fields besides the generation parameters (`Options` adds those)."""
     model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(1, ge=1, le=16)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
-    # rdlm: test-time compute
-    num_steps: int | None = None
-    exit_criterion: str | None = None
-    exit_threshold: float | None = None
-    min_steps: int | None = None
-    exit_every: int | None = None
-    kv_cache_budget: int | None = None
-    max_latent_iterations: int | None = None
-    target_mean_iterations: float | None = None
-    continuous_cot: bool | None = None
-    init_scale: float | None = None
-    sampler: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -76,6 +60,14 @@ class Options(BaseModel):
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
         return stop
+
+
+# GenerationConfig's parameters a request sets by their names (OpenAI's temperature, top_p and seed, vLLM's
+# top_k, min_p and repetition_penalty, rdlm's test-time compute), typed and described as declared (None: the
+# server's default, `rdlm serve`'s flags); their values are checked by GenerationConfig (`generation_config`).
+REQUEST_PARAMS = params_for("server")
+Options = create_model("Options", __base__=OpenAIOptions, __doc__="A request body's options, both endpoints'.",
+                       **{p.name: (p.kind | None, Field(None, description=p.help)) for p in REQUEST_PARAMS})
 
 
 class CompletionRequest(Options):
@@ -120,15 +112,14 @@ def generation_config(body: Options, defaults: GenerationConfig, stop_tokens: tu
                                "logprobs": requested_logprobs(body)}
     if max_tokens is not None:
         updates["max_new_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "num_steps",
-                 "exit_criterion", "exit_threshold", "min_steps", "exit_every", "continuous_cot", "init_scale",
-                 "sampler", "max_latent_iterations", "target_mean_iterations"):
-        value = getattr(body, name)
-        if value is not None:
-            updates[name] = value
+    for param in REQUEST_PARAMS:
+        value = getattr(body, param.name)
+        if param is KV_CACHE_BUDGET:
+            updates.update(kv_cache_budget(value))
+        elif value is not None:
+            updates[param.name] = value
     if body.stop is not None:
         updates["stop_strings"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-    updates.update(kv_cache_budget(body.kv_cache_budget))
     try:
         return replace(defaults, **updates)
     except (ValueError, TypeError) as err:

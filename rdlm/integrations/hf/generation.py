@@ -11,17 +11,16 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rdlm.inference.generate import generate
-from rdlm.inference.params import GenerationConfig as RDLMGenerationConfig, kv_cache_budget
+from rdlm.inference.params import GenerationConfig as RDLMGenerationConfig, kv_cache_budget, params_for
 from rdlm.model.config import RDLMConfig
 
 # The authors' RavenForCausalLM.generate spells some of rdlm's options differently: criterion ("none" =
 # off), exit_threshold "auto" (= the criterion's default), continuous_compute.
 REFERENCE_GENERATION_NAMES = {"criterion": "exit_criterion", "continuous_compute": "continuous_cot"}
-# rdlm's generation options, as generation_config entries; None here = taken from the model config.
-RDLM_GENERATION_DEFAULTS: dict[str, Any] = {
-    "num_steps": None, "exit_criterion": None, "exit_threshold": None, "min_steps": None, "kv_cache_budget": None,
-    "continuous_cot": False, "init_scale": 1.0, "seed": 0, "draft_steps": None, "draft_length": 4,
-    "max_latent_iterations": None, "target_mean_iterations": None}
+# rdlm's generation options, as generation_config entries: the parameters rdlm.inference.params declares for
+# transformers, with their declared defaults (num_steps None: the model config's mean recurrence).
+RDLM_GENERATION_DEFAULTS: dict[str, Any] = {p.name: None if p.name == "num_steps" else p.default
+                                            for p in params_for("transformers")}
 # transformers' generation options generate maps onto rdlm.inference.generate.
 MAPPED_GENERATION_OPTIONS = ("max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
                              "min_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id",
@@ -81,24 +80,21 @@ def to_rdlm_config(config: GenerationConfig, default_steps: int, stop: tuple[int
                    max_new: int) -> RDLMGenerationConfig:
     """A transformers generation config (with rdlm's fields, already checked) as rdlm's: greedy unless
     do_sample with a temperature, r defaulting to the model's mean recurrence."""
-    sampling = config.do_sample and config.temperature != 0
+    rdlm = {name: getattr(config, name) for name in RDLM_GENERATION_DEFAULTS if name != "kv_cache_budget"}
+    rdlm.update(num_steps=config.num_steps if config.num_steps is not None else default_steps,
+                exit_threshold=config.exit_threshold if config.exit_criterion is not None else None,
+                continuous_cot=bool(config.continuous_cot), init_scale=float(config.init_scale),
+                seed=int(config.seed), **kv_cache_budget(config.kv_cache_budget))
+    sampling = config.do_sample and config.temperature != 0  # transformers' own options: greedy unless sampling
     return RDLMGenerationConfig(
-        max_new_tokens=max_new,
-        num_steps=config.num_steps if config.num_steps is not None else default_steps,
-        exit_criterion=config.exit_criterion,
-        exit_threshold=config.exit_threshold if config.exit_criterion is not None else None,
-        min_steps=config.min_steps,
+        max_new_tokens=max_new, **rdlm,
         temperature=float(config.temperature) if sampling else 0.0,
         top_k=config.top_k if sampling and config.top_k else None,
         top_p=config.top_p if sampling and config.top_p is not None and config.top_p < 1 else None,
         min_p=config.min_p if sampling else None,
         repetition_penalty=config.repetition_penalty, stop_tokens=stop,
         stop_strings=tuple([config.stop_strings] if isinstance(config.stop_strings, str)
-                           else config.stop_strings or ()),
-        **kv_cache_budget(config.kv_cache_budget), continuous_cot=bool(config.continuous_cot),
-        init_scale=float(config.init_scale), seed=int(config.seed),
-        draft_steps=config.draft_steps, draft_length=config.draft_length,
-        max_latent_iterations=config.max_latent_iterations, target_mean_iterations=config.target_mean_iterations)
+                           else config.stop_strings or ()))
 
 
 def generate_with_engine(wrapper: PreTrainedModel, inputs: Tensor | None,
