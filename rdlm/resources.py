@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from rdlm.checks import check_int
 from rdlm.model.flops import ConfigSizes, flops_per_token
 
 # FLOP/s no single device of its kind reaches (dense bf16 on the fastest GPUs is about 2.3e15; one CPU
@@ -88,9 +89,7 @@ def use_threads(model, threads: int | None = None) -> int:
     """Set torch's intra-op threads for `model`'s work: `threads` when given, else `default_threads` for a
     model on the CPU (a GPU model keeps torch's own). Returns the threads set."""
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
-        torch.set_num_threads(threads)
+        torch.set_num_threads(check_int("threads", threads))
     elif next(model.parameters()).device.type == "cpu":
         torch.set_num_threads(default_threads(model.num_parameters()))
     return torch.get_num_threads()

@@ -13,6 +13,7 @@ import signal
 import sys
 import warnings
 
+from rdlm.checks import check_int
 from rdlm.resources import LongRunWarning
 
 COMMANDS = [
@@ -71,9 +72,7 @@ def at_least(minimum: int):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
-        return value
+        return check_int("", value, minimum, error=argparse.ArgumentTypeError)  # argparse names the flag
 
     parse.__name__ = f"integer >= {minimum}"
     return parse

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from rdlm.checks import is_int
 from rdlm.cli import CLIError, add_model_argument, add_quantize_arguments, add_threads_argument, check_exit_threshold
 from rdlm.fileio import claim_output_dir, new_dirs_removed_on_failure, read_jsonl
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
@@ -65,7 +66,7 @@ def _ids(text: str) -> list[int]:
 
 
 def _file_ids(ids, where: str) -> list[int]:
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not all(map(is_int, ids)):
         raise ValueError(f'{where}: "ids" must be a list of integer token ids, got {json.dumps(ids)[:60]}')
     return ids
 

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rdlm.checks import check_int
 from rdlm.fileio import (atomic_write, claim_output_dir, confined_name, new_dirs_removed_on_failure, read_jsonl,
                          read_utf8, write_json)
 
@@ -273,10 +274,7 @@ def read_meta(directory: Path) -> dict:
 def check_meta(meta: dict, meta_file: Path) -> None:
     """The fields readers rely on, each present and of its kind, named when not."""
     def integer(key: str, minimum: int) -> int:
-        value = meta.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise DataError(f"{meta_file}: {key!r} must be an integer >= {minimum}, got {value!r}")
-        return value
+        return check_int(f"{meta_file}: {key!r}", meta.get(key), minimum, error=DataError)
 
     integer("row_length", 2)
     top = integer("max_token_id", 0)
@@ -393,12 +391,10 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
         raise DataError("no input files given")
     if packing not in PACKING:
         raise DataError(f"--packing must be one of {', '.join(PACKING)}, got {packing!r}")
-    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
-        raise DataError(f"context_length must be an integer >= 1, got {context_length!r}")
+    check_int("context_length", context_length, error=DataError)
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, int) or rows_per_shard < 1:
-        raise DataError(f"--rows-per-shard must be an integer >= 1, got {rows_per_shard!r}")
+    check_int("--rows-per-shard", rows_per_shard, error=DataError)
     out = Path(out_dir)
     claim_output_dir(out, _SHARD_RE.match, overwrite, "a dataset", others_allowed=False)
     with new_dirs_removed_on_failure(out):

@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Sequence
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from rdlm.checks import check_int
 from rdlm.fileio import write_text
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -307,8 +308,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     if vocab_size > MAX_VOCAB_SIZE:  # the tokenizers library aborts the process on sizes it cannot hold
         raise ValueError(f"--vocab-size {vocab_size} is above the most this library trains, {MAX_VOCAB_SIZE} "
                          "(the largest language-model vocabularies have about 2**18 tokens)")
-    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 0:
-        raise ValueError(f"min_frequency must be an integer >= 0, got {min_frequency!r}")  # (the library overflows)
+    check_int("min_frequency", min_frequency, 0)  # (the library overflows on others)
     base = vocab_size - len(SPECIAL_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if base < len(alphabet):

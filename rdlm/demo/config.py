@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from rdlm.checks import check_int, is_int
 from rdlm.demo import tasks as T
 from rdlm.inference.exits import make_exit_criterion
 from rdlm.model.config import RDLMConfig
@@ -87,14 +88,13 @@ class DemoConfig:
         for name in ("steps", "batch_size", "hidden_size", "num_heads", "mean_recurrence", "backprop_depth",
                      "eval_examples", "exit_max_steps", "eval_batch_size", "threads", "code_vocab_size",
                      "code_chars", "code_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            if not is_int(getattr(self, name), 1):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not is_int(self.workers, 0):
             raise ValueError(f"workers must be 0 (one per model) or a positive integer, got {self.workers!r}")
-        if len(self.layers) != 3 or any(not isinstance(n, int) or n < 1 for n in self.layers):
+        if len(self.layers) != 3 or not all(is_int(n, 1) for n in self.layers):
             raise ValueError(f"layers must be three positive integers (prelude, core, coda), got {self.layers!r}")
-        if not self.eval_num_steps or any(not isinstance(r, int) or r < 1 for r in self.eval_num_steps):
+        if not self.eval_num_steps or not all(is_int(r, 1) for r in self.eval_num_steps):
             raise ValueError(f"eval_num_steps must be positive iteration counts, got {self.eval_num_steps}")
         for name in ("lr", "muon_lr"):
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
@@ -110,12 +110,10 @@ class DemoConfig:
             raise ValueError(f"curriculum_fraction must be in [0, 1], got {self.curriculum_fraction!r}")
         if self.task != "code":
             n = len(T.get_task(self.task).train_difficulties)
-            if isinstance(self.curriculum_start, bool) or not isinstance(self.curriculum_start, int) \
-                    or not 1 <= self.curriculum_start <= n:
+            if not is_int(self.curriculum_start, 1, n + 1):
                 raise ValueError(f"curriculum_start must be 1 to {n} (the {self.task} task's training "
                                  f"difficulties), got {self.curriculum_start!r}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        check_int("warmup_steps", self.warmup_steps, 0)
         if not 0 <= self.cooldown_fraction <= 1:
             raise ValueError(f"cooldown_fraction must be in [0, 1], got {self.cooldown_fraction!r}")
         if not 0 <= self.exit_tolerance < 1:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from rdlm.checks import is_int
 from rdlm.demo import tasks as T
 from rdlm.demo.config import DemoConfig, model_config, settings_dict
 from rdlm.demo.experiment import ExperimentResult, check_rows, environment
@@ -55,9 +56,8 @@ class GateSettings:
 
     def __post_init__(self) -> None:
         for name in ("loops", "layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if not is_int(getattr(self, name), 1):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not self.exit_loss_beta >= 0:
             raise ValueError(f"exit_loss_beta must be >= 0, got {self.exit_loss_beta!r}")
         if not self.thresholds or any(not 0 < q <= 1 for q in self.thresholds):

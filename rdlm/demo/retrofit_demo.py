@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from rdlm.checks import is_int
 from rdlm.demo import tasks as T
 from rdlm.demo.config import DemoConfig, settings_dict
 from rdlm.demo.experiment import ExperimentResult, check_rows, environment, phase_rows
@@ -63,9 +64,8 @@ class RetrofitSettings:
 
     def __post_init__(self) -> None:
         for name in ("source_layers", "pretrain_steps", "steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if not is_int(getattr(self, name), 1):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.adapter_init not in ADAPTER_INITS:
             raise ValueError(f"adapter_init must be one of {', '.join(ADAPTER_INITS)}, got {self.adapter_init!r}")
         from rdlm.model.retrofit import check_split

@@ -52,6 +52,7 @@ import time
 import torch
 from torch import Tensor
 
+from rdlm.checks import check_int
 from rdlm.inference.graphs import PhaseTimes, StaticSteps, resolve_compile, sync
 from rdlm.inference.lockstep import Lockstep, LockstepTokens
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
@@ -83,8 +84,7 @@ class ContinuousBatch(LockstepTokens, Engine):
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
                             ("sync_every", sync_every), ("prefill_chunk", prefill_chunk),
                             ("coda_every", coda_every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, value)
         param = next(model.parameters())
         self.model, self.decode = model.eval(), decode
         self.device, self.dtype = param.device, param.dtype

@@ -45,6 +45,7 @@ from typing import Callable, Literal
 import torch
 from torch import Tensor
 
+from rdlm.checks import check_int
 from rdlm.model.config import RDLMConfig
 from rdlm.resources import check_memory
 
@@ -126,8 +127,7 @@ class RecurrentKVCache:
         if strategy not in ("full", "shared"):
             raise ValueError(f"cache strategy must be 'full' or 'shared', got {strategy!r}")
         for name, value in (("batch_size", batch_size), ("max_length", max_length), ("num_slots", num_slots)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, value)
         if max_length > config.context_length:
             raise ValueError(f"max_length {max_length} exceeds the model's context length {config.context_length}")
         layers = config.prelude_layers + config.core_layers * num_slots + config.coda_layers

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rdlm.checks import check_int
 from rdlm.data.shards import IGNORE_INDEX
 from rdlm.fileio import atomic_write, write_json
 from rdlm.model.lm import RecurrentDepthLM
@@ -168,10 +169,9 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
     """exp(mean next-token negative log-likelihood) over `documents` (token id lists) at each r; `progress`:
     a bar on stderr."""
     steps = check_steps(num_steps)
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
-        raise ValueError(f"seq_len must be an integer >= 1 (None: the model's context), got {seq_len!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if seq_len is not None:
+        check_int("seq_len", seq_len, note=" (None: the model's context)")
+    check_int("batch_size", batch_size)
     if not math.isfinite(init_scale) or init_scale < 0:
         raise ValueError(f"init_scale must be a finite number >= 0, got {init_scale!r}")
     seq_len = min(model.config.context_length if seq_len is None else seq_len, model.config.context_length)

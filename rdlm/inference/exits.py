@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rdlm.checks import check_int, is_int
+
 # score(prev_logits, logits, prev_state, state, **options) -> [...] float tensor
 ScoreFn = Callable[..., Tensor]
 
@@ -251,13 +253,12 @@ def make_exit_criterion(name: str, threshold: float | None = None, *, patience: 
         steps = next((v for v in (threshold, patience) if v is not None), spec.patience)
         if isinstance(steps, float) and steps.is_integer():
             steps = int(steps)
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        if not is_int(steps, 1):
             raise ValueError(f"{name!r} threshold is a number of steps: an integer >= 1, got {steps!r}")
         threshold, patience = steps, steps
     threshold = spec.threshold if threshold is None else threshold
     patience = spec.patience if patience is None else patience
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-        raise ValueError(f"patience (n) must be an integer >= 1, got {patience!r}")
+    check_int("patience (n)", patience)
     return ExitCriterion(name, float(threshold), patience, tuple(sorted(options.items())))
 
 

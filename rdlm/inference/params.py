@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from rdlm.checks import Integer, Number, OneOf
+from rdlm.checks import Integer, Number, OneOf, is_int
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 
 if TYPE_CHECKING:  # annotations only: the module stays a leaf
@@ -416,7 +416,7 @@ class GenerationResult:
 def check_prompt(model: RecurrentDepthLM, prompt: list[int]) -> None:
     """Refuse a prompt no engine can run: an empty one, or one with an id outside the vocabulary."""
     vocab = model.config.vocab_size
-    bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+    bad = [t for t in prompt if not is_int(t, 0, vocab)]
     if bad or not prompt:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})" if bad else
                          "every prompt needs at least one token")

@@ -45,6 +45,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from rdlm.checks import check_int
 from rdlm.data.shards import IGNORE_INDEX
 from rdlm.inference.noise import noise_table
 from rdlm.inference.evaluate import DepthSweep, check_steps, check_sweep_fits, score_targets
@@ -324,8 +325,7 @@ def accuracy_vs_steps(pretrained: str | os.PathLike, tasks: Sequence[str], num_s
     metric: keep only this metric (e.g. "acc_norm"); default every numeric metric the task reports.
     """
     steps = check_steps(num_steps)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    check_int("batch_size", batch_size)
     # Requests are not known before lm-eval builds them: at least one request of one token per task.
     check_sweep_fits(read_config(pretrained), torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
                      [1] * len(tasks), steps, 1, 1)

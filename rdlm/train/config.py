@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdlm.checks import check_int
 from rdlm.model.config import ConfigError, check_keys
 from rdlm.model.recurrence import SAMPLERS
 from rdlm.train.distributed import STRATEGIES
@@ -121,17 +122,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "accumulation", "log_every", "eval_rows",
-                     "eval_batch_size", "max_bad_steps"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+                     "eval_batch_size", "max_bad_steps", "curriculum_start"):
+            check_int(name, getattr(self, name), error=ConfigError)
         for name in ("warmup_steps", "cooldown_steps", "eval_every", "checkpoint_every", "keep_checkpoints"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+            check_int(name, getattr(self, name), 0, error=ConfigError)
         # None means "the model's own value"; a given value must be usable (0 is not "the default").
         for name in ("mean_recurrence", "backprop_depth", "threads"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be an integer >= 1 (or None for the default), got {value!r}")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), error=ConfigError, note=" (or None for the default)")
         finite = {"lr": (0, None), "eps": (0, None), "weight_decay": (0, None), "min_lr_ratio": (0, 1),
                   "grad_clip": (0, None), "collapse_correlation": (None, None), "recurrence_sigma": (0, None),
                   "update_clip": (0, None), "peak_flops": (0, None), "ema_decay": (0, 1)}
@@ -177,8 +175,6 @@ class TrainConfig:
         _check_number("curriculum_fraction", self.curriculum_fraction, 0.0, 1.0)
         if self.curriculum_fraction <= 0:
             raise ConfigError(f"curriculum_fraction must be in (0, 1], got {self.curriculum_fraction}")
-        if isinstance(self.curriculum_start, bool) or not isinstance(self.curriculum_start, int) or self.curriculum_start < 1:
-            raise ConfigError(f"curriculum_start must be an integer >= 1, got {self.curriculum_start!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
+from rdlm.checks import is_int
 from rdlm.inference.engine import Sequences
 from rdlm.model.layers import padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
@@ -37,7 +38,7 @@ class RecurrentCache(Cache):
             raise ValueError(f"strategy must be 'full' or 'shared', got {strategy!r}")
         if strategy == "shared" and num_slots is None:
             raise ValueError("the shared strategy needs num_slots (the cache budget k)")
-        if num_slots is not None and not (isinstance(num_slots, int) and num_slots > 0):
+        if num_slots is not None and not is_int(num_slots, 1):
             raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
         self.max_length, self.num_slots, self.strategy = max_length, num_slots, strategy
         self.seed, self.init_scale = _check_seed(seed), _check_scale(init_scale)
