@@ -93,7 +93,7 @@ CACHE = Part("cache", "the KV cache of the core's iterations")
 SPECULATIVE = Part("speculative", "self-speculative decoding: drafts at a lower depth, verified at num_steps")
 PARALLEL = Part("parallel", "the parallel (diffusion-style) sampler of rdlm.inference.parallel, batch 1")
 ENGINE = Part("engine", "how the decode engine runs a request (its speed, never its tokens in fp32)")
-EVERYWHERE = "cli server transformers"
+EVERYWHERE = " ".join(FRONT_ENDS)  # the front ends of a parameter every one of them takes by its name
 
 
 @dataclass(frozen=True)
