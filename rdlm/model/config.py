@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from rdlm.checks import is_int
+
 # Where a block normalizes (docs/model-families.md): "sandwich" (Huginn) x = n2(x + attn(n1 x)) and the same
 # around the MLP; "prenorm" x = x + attn(n1 x); "postnorm" (OLMo-2) x = x + n2(attn(x)); "peri" (Ouro)
 # x = x + n2(attn(n1 x)). Each branch has the norms the scheme names, in that order.
@@ -104,7 +106,7 @@ class RDLMConfig:
                     "backprop_depth")
         for name in positive:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
         # Prelude and coda may be empty (an ablation); the core block and every size may not.
         for name in positive:
@@ -113,7 +115,7 @@ class RDLMConfig:
                 raise ConfigError(f"{name} must be >= {minimum}, got {getattr(self, name)}")
         for name in ("num_kv_heads", "head_size"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and not is_int(value, 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if self.head_size is None and self.hidden_size % self.num_heads != 0:
             raise ConfigError(

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rdlm.checks import is_int
 from rdlm.model.config import RDLMConfig
 from rdlm.model.families import RETROFIT_SOURCES, CheckpointError, standard_rope_keys
 from rdlm.model.families.llama_layers import split, split_sizes
@@ -70,7 +71,7 @@ def check_split(layers: int, prelude: Sequence[int], core: Sequence[int], coda: 
     seen: set[int] = set()
     for name, indices in (("prelude", prelude), ("core", core), ("coda", coda)):
         for index in indices:
-            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < layers:
+            if not is_int(index, 0, layers):
                 raise RetrofitError(f"{name} layer {index!r} is out of range: the source has layers 0..{layers - 1}")
             if index in seen:
                 raise RetrofitError(f"layer {index} is named twice; each source layer goes to one place")
