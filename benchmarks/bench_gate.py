@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rdlm import RDLMConfig, RecurrentDepthLM  # noqa: E402
-from rdlm.data.shards import prepare, read_documents  # noqa: E402
+from rdlm.data.prepare import prepare, read_documents  # noqa: E402
 from rdlm.data.tokenizer import train_tokenizer  # noqa: E402
 from rdlm.inference.evaluate import gate_exit_logits  # noqa: E402
 from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rdlm import RecurrentDepthLM  # noqa: E402
-from rdlm.data.shards import prepare, read_documents  # noqa: E402
+from rdlm.data.prepare import prepare, read_documents  # noqa: E402
 from rdlm.data.tokenizer import train_tokenizer  # noqa: E402
 from rdlm.data.tokenizer import Tokenizer  # noqa: E402
 from rdlm.model.retrofit import load_llama, plain_config, retrofit, save_as_llama  # noqa: E402

@@ -332,9 +332,9 @@ def stdlib_files() -> list[str]:
 
 
 def perplexity(args: argparse.Namespace) -> dict:
-    from rdlm.data.shards import prepare
+    from rdlm.data.prepare import prepare
     from rdlm.data.tokenizer import train_tokenizer
-    from rdlm.data.shards import read_documents
+    from rdlm.data.prepare import read_documents
 
     out = Path(args.out)
     files = stdlib_files()

@@ -18,7 +18,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shards(model_dir, tmp_path_factory):
     """Token shards of the test corpus in rows of 17 tokens: 56 training rows, 5 validation rows."""
-    from rdlm.data.shards import prepare
+    from rdlm.data.prepare import prepare
     from rdlm.data.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("cli-errors-data")

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from rdlm.data.prepare import Packer, pack_documents, prepare, read_documents
 from rdlm.data.shards import (IGNORE_INDEX, Batches, DataError, MemoryRows, TokenShards, load_prompt_response,
-                       make_batch, pack_documents, Packer,
-                       prepare, read_documents)
+                              make_batch)
 from rdlm.data.tokenizer import train_tokenizer
 
 DOCS = [f"document number {i}: " + " ".join(["alpha beta gamma"] * (i % 7 + 1)) for i in range(200)]
@@ -169,14 +169,14 @@ def test_memory_rows_targets_replace_the_next_token_as_labels():
 
 @pytest.mark.parametrize("context_length", [0, -3])
 def test_prepare_refuses_a_context_length_below_one(tmp_path, context_length):
-    from rdlm.data.shards import prepare
+    from rdlm.data.prepare import prepare
 
     with pytest.raises(DataError, match="context_length must be an integer >= 1"):
         prepare([tmp_path / "x.txt"], None, tmp_path / "out", context_length)
 
 
 def test_non_utf8_text_is_refused_naming_the_file(tmp_path):
-    from rdlm.data.shards import read_documents
+    from rdlm.data.prepare import read_documents
 
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin1"))
     with pytest.raises(DataError, match="latin1.txt: not valid UTF-8 at byte 3"):
@@ -250,7 +250,7 @@ def test_a_damaged_meta_json_is_one_line_naming_the_file(shard_workspace, tmp_pa
 
 @pytest.mark.parametrize("rows", [0, -1])
 def test_prepare_refuses_fewer_than_one_row_per_shard(tmp_path, rows):
-    from rdlm.data.shards import prepare
+    from rdlm.data.prepare import prepare
 
     with pytest.raises(DataError, match="--rows-per-shard must be an integer >= 1"):
         prepare([tmp_path / "x.txt"], None, tmp_path / "out", 16, rows_per_shard=rows)

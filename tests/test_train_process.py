@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rdlm.data.shards import prepare
+from rdlm.data.prepare import prepare
 from rdlm.model.huginn import load_pretrained
 from rdlm.data.tokenizer import train_tokenizer
 from rdlm.train.checkpoint import latest_checkpoint, list_checkpoints, load_weights

@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from rdlm.data.shards import prepare
+    from rdlm.data.prepare import prepare
     from rdlm.data.tokenizer import Tokenizer
 
     separator = args.separator.encode().decode("unicode_escape") if args.separator is not None else None

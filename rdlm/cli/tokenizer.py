@@ -30,7 +30,7 @@ def register(subparsers) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from rdlm.data.shards import read_documents
+    from rdlm.data.prepare import read_documents
     from rdlm.data.tokenizer import TOKENIZER_FILE, train_tokenizer
 
     if args.separator is not None:
