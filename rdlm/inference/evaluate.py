@@ -107,6 +107,7 @@ def gate_exit_logits(model: RecurrentDepthLM, input_ids: Tensor, num_steps: int,
     return logits, track.steps.view(input_ids.shape)
 
 
+@torch.no_grad()   # scores only: no graph (a caller in training mode would otherwise keep one per batch)
 def nll_vs_steps(model: RecurrentDepthLM, batches: Iterable[tuple[Tensor, Tensor]], num_steps: Sequence[int], *,
                  seed: int = 0, init_scale: float = 1.0, autocast: ContextManager | None = None,
                  device: torch.device | None = None, progress: bool = False) -> dict[int, TargetScores]:
