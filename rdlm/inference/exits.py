@@ -152,6 +152,15 @@ def gate_update(lam: Tensor, remaining: Tensor, cumulative: Tensor, threshold: f
     return cumulative >= threshold, remaining * (1 - lam), cumulative
 
 
+def gate_exits(lam: Tensor, remaining: Tensor, cumulative: Tensor, threshold: float | Tensor, steps: int | Tensor,
+               min_steps: int | Tensor, running: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(exits, remaining, cumulative) after one iteration of the learned gate (`gate_update`): a running token
+    exits once its gate passes and it has run at least `min_steps` iterations. The one exit rule of every
+    loop that reads a gate (decoding, a batch's rows, a prompt being prefilled)."""
+    passed, remaining, cumulative = gate_update(lam, remaining, cumulative, threshold)
+    return passed & (steps >= min_steps) & running, remaining, cumulative
+
+
 @dataclass(frozen=True)
 class ExitCriterion:
     """A named criterion with its threshold: a token exits after `patience` consecutive iterations
@@ -189,7 +198,7 @@ class ExitCriterion:
               prev_state: Tensor | None = None, state: Tensor | None = None) -> Tensor:
         """The per-token score of this iteration (smaller is more converged)."""
         if self.uses_gate:
-            raise ValueError(f"exit criterion {self.name!r} reads a model's exit gate: use gate_update")
+            raise ValueError(f"exit criterion {self.name!r} reads a model's exit gate: use gate_exits")
         self._check_inputs(prev_logits, logits, prev_state, state)
         return self.spec.score(prev_logits, logits, prev_state, state, **dict(self.options))
 
@@ -339,9 +348,8 @@ def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: C
         state = torch.where(exited.view(*tokens, 1), prev_state, new) if freeze else new
         steps = steps + (~exited).long()
         if criterion.uses_gate:
-            passed, remaining, cumulative = gate_update(gate(state).reshape(-1), remaining, cumulative,
-                                                        criterion.threshold)
-            exits = passed & (steps >= min_steps) & ~exited
+            exits, remaining, cumulative = gate_exits(gate(state).reshape(-1), remaining, cumulative,
+                                                      criterion.threshold, steps, min_steps, ~exited)
             if exit_state is not None:
                 flat = state.reshape(-1, state.shape[-1])
                 exit_state = torch.where((exits | ~exited).view(-1, 1), flat, exit_state)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, gate_update
+from rdlm.inference.exits import ExitCriterion, gate_exits
 from rdlm.inference.runner import Call, ModelRunner, Pack
 
 
@@ -118,9 +118,8 @@ class PromptChunk:
         if self.gate is None:
             return
         remaining, cumulative, chosen, exited = self.gate
-        passed, remaining, cumulative = gate_update(runner.exit_probability(self.state), remaining, cumulative,
-                                                    self.thresholds)
-        fired = passed & (self.minimum <= self.iteration) & ~exited
+        fired, remaining, cumulative = gate_exits(runner.exit_probability(self.state), remaining, cumulative,
+                                                  self.thresholds, self.iteration, self.minimum, ~exited)
         chosen = torch.where((fired | ~exited).unsqueeze(-1), self.state, chosen)
         self.gate = [remaining, cumulative, chosen, exited | fired]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_update
+from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_exits
 from rdlm.inference.runner import Call, ModelRunner
 
 
@@ -24,7 +24,7 @@ class RowExits:
         self.runner = runner
         self.logits = torch.zeros(max_batch, vocab_size, device=device)  # the latest reading
         self.streak = torch.zeros(max_batch, dtype=torch.long, device=device)
-        # A learned exit gate's running sums per row (rdlm.inference.exits.gate_update), whether gate-exact's
+        # A learned exit gate's running sums per row (rdlm.inference.exits.gate_exits), whether gate-exact's
         # gate fired already, and the state it chose (read out when the token is done).
         self.gate_remaining = torch.ones(max_batch, device=device)
         self.gate_cumulative = torch.zeros(max_batch, device=device)
@@ -93,12 +93,11 @@ class RowExits:
         thresholds = self.runner.upload([requests[j].criterion.threshold for j in members])
         exact = self.runner.upload([requests[j].criterion.spec.exact for j in members])
         live = running[pick]
-        passed, remaining, cumulative = gate_update(
+        fired, remaining, cumulative = gate_exits(
             self.runner.exit_probability(state[pick, -1]), self.gate_remaining[at], self.gate_cumulative[at],
-            thresholds)
+            thresholds, steps[at], min_steps[at], live)
         self.gate_remaining[at] = torch.where(live, remaining, self.gate_remaining[at])
         self.gate_cumulative[at] = torch.where(live, cumulative, self.gate_cumulative[at])
-        fired = passed & (steps[at] >= min_steps[at]) & live
         done[at] |= fired & ~exact
         # gate-exact: the state where the gate first fired, or the last one if it never does
         chosen = exact & live & ~self.gate_fired[at] & (fired | (steps[at] >= cap[at]))
