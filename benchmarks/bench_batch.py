@@ -63,7 +63,8 @@ def counted(batch: ContinuousBatch, profile: bool) -> tuple[collections.Counter,
 def closed_loop(args, model, prompts: list[list[int]], config: GenerationConfig, rows: int, static: bool,
                 profile: bool) -> None:
     batch = ContinuousBatch(model, rows, args.max_length, max(args.num_steps, 32), compile=static, profile=profile,
-                            prefill_chunk=args.prefill_chunk, sync_every=args.sync_every, coda_every=args.coda_every)
+                            prefill_chunk=args.prefill_chunk, exit_sync_every=args.sync_every,
+                            coda_every=args.coda_every)
     calls, packed = counted(batch, profile)
     rng, due, sent = random.Random(0), [], 0
     for _ in range(rows):

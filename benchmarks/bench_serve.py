@@ -263,7 +263,7 @@ def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, st
     config = generation_config(args, tok, exit_criterion)
     # the server's batch: its looks at the exit flags as `rdlm serve` makes them
     engine = ContinuousBatch(model, batch, args.max_length, max(args.num_steps, 32),
-                             sync_every=args.sync_every or ServeConfig.sync_every,
+                             exit_sync_every=args.sync_every or ServeConfig.exit_sync_every,
                              coda_every=args.coda_every, prefill_chunk=args.prefill_chunk, profile=True,
                              compile=static)
     for k in range(2 * batch):

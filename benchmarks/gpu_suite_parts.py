@@ -235,7 +235,7 @@ def closed_loop(model, prompts: list[list[int]], config: GenerationConfig, rows:
     captures included). (tokens/s, ms per step) after the warm-up. The server's settings: the host looks at
     the exit flags every 4 steps, a done row waits at most 8 for its coda."""
     batch = ContinuousBatch(model, rows, len(max(prompts, key=len)) + config.max_new_tokens,
-                            config.core_slots, compile=static, sync_every=4, coda_every=8)
+                            config.core_slots, compile=static, exit_sync_every=4, coda_every=8)
     sent = itertools.count()
     for _ in range(rows):
         batch.add(prompts[next(sent) % len(prompts)], config)

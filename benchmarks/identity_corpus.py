@@ -364,6 +364,8 @@ def tiny_combination_cases() -> list[Case]:
 def new_batch(model: RecurrentDepthLM, decode=None, **options):
     from rdlm.inference.batching import ContinuousBatch
 
+    if "sync_every" in options:   # the cases' name for it before the batch called it exit_sync_every
+        options = {("exit_sync_every" if k == "sync_every" else k): v for k, v in options.items()}
     return ContinuousBatch(model, decode=decode, **options)
 
 

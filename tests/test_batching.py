@@ -70,7 +70,7 @@ def each_alone(batch: ContinuousBatch, requests: list | None = None) -> Continuo
     return batch
 
 
-BUSY = [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6), (2, 12, 2)]   # sync_every, prefill_chunk, coda_every
+BUSY = [(1, 256, 1), (3, 2, 1), (1, 5, 4), (4, 3, 6), (2, 12, 2)]   # exit_sync_every, prefill_chunk, coda_every
 
 
 # `pytest -m cuda` runs the cuda cases alone (on a GPU machine; pyproject.toml registers the marker).
@@ -79,14 +79,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", BUSY)
-def test_a_busy_batch_gives_each_request_its_tokens_alone(model, device, sync_every, prefill_chunk, coda_every):
+@pytest.mark.parametrize("exit_sync_every,prefill_chunk,coda_every", BUSY)
+def test_a_busy_batch_gives_each_request_its_tokens_alone(model, device, exit_sync_every, prefill_chunk, coda_every):
     """Whenever the host looks at the exit flags (every step, or every 3 or 4 with rows frozen between), with
     prompts prefilled whole or in chunks of 2, 3 or 5 tokens interleaved with the decoding rows, and with
     done rows running their coda at once or waiting for others (up to 4 or 6 steps). (A chunk of fewer
     tokens than prefill_chunk runs several iterations per step.)"""
     with on(model, device):
-        batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk,
+        batch = each_alone(busy_batch(model, exit_sync_every=exit_sync_every, prefill_chunk=prefill_chunk,
                                       coda_every=coda_every, compile=False))
     assert batch.static_steps.runs == 0                      # the eager path
 
@@ -98,14 +98,14 @@ def test_the_static_step_is_the_default_on_cuda_only(model, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sync_every,prefill_chunk,coda_every", BUSY)
-def test_the_static_step_gives_each_request_its_tokens_alone(model, device, sync_every, prefill_chunk, coda_every):
+@pytest.mark.parametrize("exit_sync_every,prefill_chunk,coda_every", BUSY)
+def test_the_static_step_gives_each_request_its_tokens_alone(model, device, exit_sync_every, prefill_chunk, coda_every):
     """`compile=True`: every step runs the decoding rows' core iteration as one fixed-shape step over all 4
     rows (a CUDA graph captured once on CUDA), rows that are free, prefilling, done or waiting for their coda
     masked out on the device, and the prompt chunks in a call of their own; every request still gets its
     tokens alone."""
     with on(model, device):
-        batch = each_alone(busy_batch(model, sync_every=sync_every, prefill_chunk=prefill_chunk,
+        batch = each_alone(busy_batch(model, exit_sync_every=exit_sync_every, prefill_chunk=prefill_chunk,
                                       coda_every=coda_every, compile=True))
     assert batch.static_steps.runs > 50                      # the static step ran (most iterations go through it)
     assert len(batch.static_steps.graphed) == (device == "cuda")   # one graph, replayed at every later step
@@ -120,7 +120,7 @@ def test_the_static_step_compiles_to_one_graph_for_the_whole_run(model, monkeypa
         graphs.append(graph)
         return graph.forward                                 # dynamo's capture only: inductor's codegen is slow on CPU
 
-    batch = busy_batch(model, sync_every=4, prefill_chunk=3, coda_every=6, compile=True)
+    batch = busy_batch(model, exit_sync_every=4, prefill_chunk=3, coda_every=6, compile=True)
     monkeypatch.setattr(batch, "_core_static", torch.compile(batch._core_static, fullgraph=True, backend=count))
     each_alone(batch)
     assert batch.static_steps.runs > 50 and len(graphs) == 1
@@ -313,7 +313,7 @@ def test_rows_without_exits_run_several_iterations_in_one_static_call(model, dev
                GenerationConfig(num_steps=5, max_new_tokens=6, cache_strategy="shared", cache_slots=3)]
     requests = [([rng.randrange(512) for _ in range(rng.randint(1, 6))], configs[k % 3]) for k in range(9)]
     with on(model, device):
-        batch = each_alone(busy_batch(model, sync_every=4, coda_every=6, compile=True), requests)
+        batch = each_alone(busy_batch(model, exit_sync_every=4, coda_every=6, compile=True), requests)
     assert batch.fused_iterations >= 16         # not most: with these caps rows often wait for a coda
     assert any(key[0] == "core iterations" for key in batch.static_steps.graphed) == (device == "cuda")
 
@@ -327,7 +327,7 @@ def test_the_fused_iterations_compile_to_one_graph_per_count(model, monkeypatch)
         graphs.append(graph)
         return graph.forward
 
-    batch = busy_batch(model, sync_every=4, coda_every=6, compile=True)
+    batch = busy_batch(model, exit_sync_every=4, coda_every=6, compile=True)
     compiled = torch.compile(batch._core_static_iterations, fullgraph=True, backend=count)
     counts = []
     monkeypatch.setattr(batch, "_core_static_iterations", lambda n: (counts.append(n), compiled(n))[1])
@@ -354,7 +354,7 @@ def test_a_row_found_done_stops_computing_before_the_look(model, monkeypatch):
             tokens_run.append(state.shape[0] * state.shape[1])
             return step(state, *args, **kwargs)
 
-        batch = ContinuousBatch(model, max_batch=3, max_length=32, num_slots=12, sync_every=4, coda_every=2)
+        batch = ContinuousBatch(model, max_batch=3, max_length=32, num_slots=12, exit_sync_every=4, coda_every=2)
         if not peek:
             monkeypatch.setattr(batch.scheduler, "computing", lambda iterating, *rest: iterating)
         ids = [batch.add(p, c) for p, c in zip(([5, 17, 99], [250, 11], [1, 2, 3, 4]), configs)]
@@ -390,7 +390,7 @@ def test_rows_in_step_run_each_token_in_lockstep(model, monkeypatch, compile, co
     prompts = [[5, 17, 99], [250, 11, 3, 8], [1, 2]]
 
     def run(lockstep: bool) -> tuple[list, int]:
-        batch = busy_batch(model, compile=compile, sync_every=2)
+        batch = busy_batch(model, compile=compile, exit_sync_every=2)
         if not lockstep:
             monkeypatch.setattr(batch.scheduler, "in_lockstep", lambda starting, prompts: False)
         ids = [batch.add(p, config) for p in prompts]
@@ -423,7 +423,7 @@ def test_a_lockstep_token_compiles_whole_on_the_static_path(model, criterion):
                               exit_threshold=3e-3 if criterion else None)
 
     def run(compiled: bool) -> list:
-        batch = busy_batch(model, compile=True, sync_every=2)
+        batch = busy_batch(model, compile=True, exit_sync_every=2)
         if compiled:
             owner = batch.lockstep if criterion else batch.lockstep.runner   # the chunks; the r iterations
             owner.iterate = torch.compile(owner.iterate, fullgraph=True, backend=count)

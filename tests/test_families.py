@@ -248,19 +248,19 @@ def test_gate_exits_in_the_continuous_batch_like_the_engine():
 
     model, ref = ouro()
     prompts = [ref["input_ids"][0, :6].tolist(), ref["input_ids"][1, :9].tolist()]
-    for criterion, sync_every in itertools.product(("gate", "gate-exact"), (1, 3)):
+    for criterion, exit_sync_every in itertools.product(("gate", "gate-exact"), (1, 3)):
         config = GenerationConfig(max_new_tokens=6, num_steps=4, exit_criterion=criterion)
         alone = generate(model, prompts, config)
-        batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, sync_every=sync_every,
-                                prefill_chunk=4, coda_every=sync_every)
+        batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, exit_sync_every=exit_sync_every,
+                                prefill_chunk=4, coda_every=exit_sync_every)
         ids = [batch.add(p, config) for p in prompts]
         tokens, steps = {i: [] for i in ids}, {i: [] for i in ids}
         while batch.busy:
             for event in batch.step():
                 tokens[event.request].append(event.token)
                 steps[event.request].append(event.steps)
-        assert [tokens[i] for i in ids] == alone.tokens, (criterion, sync_every)
-        assert [steps[i] for i in ids] == alone.steps, (criterion, sync_every)
+        assert [tokens[i] for i in ids] == alone.tokens, (criterion, exit_sync_every)
+        assert [steps[i] for i in ids] == alone.steps, (criterion, exit_sync_every)
 
 
 def test_a_gate_criterion_on_a_model_without_a_gate_is_refused():

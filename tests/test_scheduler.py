@@ -57,7 +57,7 @@ def test_cancelled_requests_leave_the_queue_and_their_rows():
 
 
 def test_the_host_looks_every_sync_every_steps_or_at_once_when_a_row_reaches_its_cap():
-    s = Scheduler(max_batch=2, sync_every=3)
+    s = Scheduler(max_batch=2, exit_sync_every=3)
     a, b = admitted_and_started(s, request(0, KL), request(1, KL))
     looks = []
     for _ in range(5):
@@ -71,7 +71,7 @@ def test_the_host_looks_every_sync_every_steps_or_at_once_when_a_row_reaches_its
 
 
 def test_a_coda_waits_for_company_within_coda_every():
-    s = Scheduler(max_batch=3, sync_every=1, coda_every=4)
+    s = Scheduler(max_batch=3, exit_sync_every=1, coda_every=4)
     a, b, c = admitted_and_started(s, request(0, KL), request(1, KL), request(2, KL))
     s.step_ran([a, b, c])
     s.looked([a, b, c], [True, False, False], [3, 1, 1])
@@ -81,7 +81,7 @@ def test_a_coda_waits_for_company_within_coda_every():
     assert s.coda_due([a])                       # it waited coda_every - 1 steps
     s.looked([b], [True], [4])
     assert s.coda_due([a, b])                    # half the rows wait: now
-    fixed = Scheduler(max_batch=3, sync_every=1, coda_every=4)
+    fixed = Scheduler(max_batch=3, exit_sync_every=1, coda_every=4)
     x, y, z = admitted_and_started(fixed, request(0), request(1), request(2))
     fixed.looked([x], [True], [8])
     y.iteration = z.iteration = 2                # without an exit neither can be done before the wait ends
@@ -106,7 +106,7 @@ def test_lockstep_needs_every_row_starting_together_with_one_depth_setting():
 
 
 def test_rows_found_done_leave_the_call_only_where_reading_the_flags_is_free():
-    s = Scheduler(max_batch=2, sync_every=4)
+    s = Scheduler(max_batch=2, exit_sync_every=4)
     a, b = admitted_and_started(s, request(0, KL), request(1, KL))
     read = []
     flags = lambda: read.append(1) or [True, False]  # noqa: E731
@@ -115,7 +115,7 @@ def test_rows_found_done_leave_the_call_only_where_reading_the_flags_is_free():
     assert s.computing([a, b], rides_along=True, done=flags) == [a, b] and not read
     assert s.computing([a, b], rides_along=False, done=flags) == [b] and read == [1]
     assert s.may_be_done([a, b])
-    f = Scheduler(max_batch=1, sync_every=4)
+    f = Scheduler(max_batch=1, exit_sync_every=4)
     (x,) = admitted_and_started(f, request(0))
     f.step_ran([x])
     assert f.computing([x], rides_along=False, done=flags) == [x] and read == [1]     # no criterion: no read

@@ -216,7 +216,7 @@ def test_metrics_count_tokens_iterations_and_time_to_first_token(live):
 def test_a_profiled_server_with_chunked_prompts_exports_its_phases(model_dir):
     """--profile: seconds per phase of the batch's steps on /metrics; prompts prefilled 3 tokens at a time,
     with rows looking every step and running their coda at once, still give generate's text."""
-    with LiveServer(model_dir, profile=True, prefill_chunk=3, sync_every=1, coda_every=1) as live:
+    with LiveServer(model_dir, profile=True, prefill_chunk=3, exit_sync_every=1, coda_every=1) as live:
         prompt = "the cat sat on the mat. the dog"
         out = live.client().completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
         ids = live.tokenizer.encode(prompt, add_bos=True)

@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--api-key is empty")
     # --exit-sync-every: the batch's steps between looks, and each request's iterations between looks in a
     # token that runs in lockstep; without it the batch looks every 4 steps, a lockstep token by its device
-    sync_every = ServeConfig.sync_every if defaults.exit_sync_every is None else defaults.exit_sync_every
+    exit_sync_every = ServeConfig.exit_sync_every if defaults.exit_sync_every is None else defaults.exit_sync_every
     config = ServeConfig(model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
-                         max_length=max_length, num_slots=num_slots, sync_every=sync_every,
+                         max_length=max_length, num_slots=num_slots, exit_sync_every=exit_sync_every,
                          defaults=defaults, api_key=args.api_key,
                          max_request_bytes=args.max_request_bytes, prefill_chunk=args.prefill_chunk,
                          coda_every=args.coda_every, profile=args.profile, compile=defaults.compile,

@@ -16,7 +16,7 @@ its last token. Every `ContinuousBatch.step()`:
    budgets and sampling;
 4. evaluates each row's exit criterion on the device (rdlm.inference.row_exits): a row whose token is
    done (exit, or r iterations) is frozen there (state kept, no more core cache writes; eagerly on the CPU
-   it leaves the core's calls at the next step). Every `sync_every` steps the host looks at the flags (at
+   it leaves the core's calls at the next step). Every `exit_sync_every` steps the host looks at the flags (at
    once when a row reaches its cap); the rows found done run the coda together once one of them has
    waited `coda_every` - 1 steps, or half the rows wait, or no other row can be done before then, and
    choose their next token, which starts at the next step. A row that exits early goes on to its next
@@ -76,21 +76,21 @@ class ContinuousBatch(LockstepTokens, Engine):
     """
 
     def __init__(self, model: RecurrentDepthLM, max_batch: int = 8, max_length: int | None = None,
-                 num_slots: int = 32, decode: Decode | None = None, sync_every: int = 1,
+                 num_slots: int = 32, decode: Decode | None = None, exit_sync_every: int = 1,
                  prefill_chunk: int = 256, coda_every: int = 1, profile: bool = False,
                  compile: bool | None = None) -> None:
         c = model.config
         max_length = c.context_length if max_length is None else max_length
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
-                            ("sync_every", sync_every), ("prefill_chunk", prefill_chunk),
+                            ("exit_sync_every", exit_sync_every), ("prefill_chunk", prefill_chunk),
                             ("coda_every", coda_every)):
             check_int(name, value)
         param = next(model.parameters())
         self.model, self.decode = model.eval(), decode
         self.device, self.dtype = param.device, param.dtype
         self.max_batch, self.max_length, self.num_slots = max_batch, max_length, num_slots
-        self.sync_every, self.prefill_chunk, self.coda_every = sync_every, prefill_chunk, coda_every
-        self.scheduler = Scheduler(max_batch, sync_every, coda_every, prefill_chunk)  # who does what, when
+        self.exit_sync_every, self.prefill_chunk, self.coda_every = exit_sync_every, prefill_chunk, coda_every
+        self.scheduler = Scheduler(max_batch, exit_sync_every, coda_every, prefill_chunk)  # who does what, when
         self.chunks: list[PromptChunk] = []   # prompts being prefilled (rdlm.inference.prefill)
         self.runner = ModelRunner(model, max_batch, max_length, num_slots, "full")
         self.cache = self.runner.cache

@@ -113,7 +113,7 @@ def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: Generatio
     check_generation_time(model.config, device, len(prompts), longest, config)
     return ContinuousBatch(model, max_batch=len(prompts), max_length=longest + config.max_new_tokens,
                            num_slots=config.core_slots, decode=decode,
-                           sync_every=resolve_sync_every(config.exit_sync_every, device),
+                           exit_sync_every=resolve_sync_every(config.exit_sync_every, device),
                            prefill_chunk=longest, compile=config.compile)
 
 

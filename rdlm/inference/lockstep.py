@@ -99,7 +99,7 @@ class Lockstep:
         decoding (exited from the start). Returns (final states [b, 1, h], iterations run [b]) of those
         rows, in their order.
 
-        While no decoding row has exited, chunks of `sync_every` iterations run as static steps over the
+        While no decoding row has exited, chunks of `exit_sync_every` iterations run as static steps over the
         rows, exited rows frozen on the device; at the end of a chunk the host looks at the exit flags, and
         once some rows have exited the others go on alone."""
         r = config.num_steps

@@ -25,11 +25,11 @@ from rdlm.inference.request import Request, Status
 
 class Scheduler:
     """The requests of a batch of `max_batch` rows and the decisions of its steps (see the module doc).
-    `sync_every`: steps between the host's looks at the exit flags; `coda_every`: steps a done row may wait
+    `exit_sync_every`: steps between the host's looks at the exit flags; `coda_every`: steps a done row may wait
     for others to run the coda with; `prefill_chunk`: prompt token-iterations per step."""
 
-    def __init__(self, max_batch: int, sync_every: int = 1, coda_every: int = 1, prefill_chunk: int = 256) -> None:
-        self.max_batch, self.sync_every, self.coda_every = max_batch, sync_every, coda_every
+    def __init__(self, max_batch: int, exit_sync_every: int = 1, coda_every: int = 1, prefill_chunk: int = 256) -> None:
+        self.max_batch, self.exit_sync_every, self.coda_every = max_batch, exit_sync_every, coda_every
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = [None] * max_batch
@@ -157,13 +157,13 @@ class Scheduler:
         return self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap for q in requests)
 
     def step_ran(self, iterating: list[Request]) -> bool:
-        """A step ended: whether the host looks at the exit flags now (every `sync_every` steps, or at once
+        """A step ended: whether the host looks at the exit flags now (every `exit_sync_every` steps, or at once
         when a row is surely done: at its cap)."""
         self.steps_run += 1
         if not iterating:
             return False
         self.since_look += 1
-        if self.since_look >= self.sync_every or any(q.iteration >= q.cap for q in iterating):
+        if self.since_look >= self.exit_sync_every or any(q.iteration >= q.cap for q in iterating):
             self.since_look = 0
             return True
         return False

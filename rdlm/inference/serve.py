@@ -59,7 +59,7 @@ class ServeConfig:
     num_slots: int = 32                 # core cache slots per token: the largest r without a cache budget
     prefill_chunk: int = 256            # prompt token-iterations per step (and the longest chunk of a prompt)
     coda_every: int = 8                 # steps a done row may wait for others to run the coda with
-    sync_every: int = 4                 # steps between the batch's looks at the exit flags (rows found done
+    exit_sync_every: int = 4                 # steps between the batch's looks at the exit flags (rows found done
                                         # then leave its calls: rdlm.inference.batching)
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
     retry_after: int = 1                # seconds, in the Retry-After of a 503
@@ -131,8 +131,8 @@ class Worker:
     def _new_batch(self) -> ContinuousBatch:
         c = self.config
         return ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode,
-                               sync_every=c.sync_every, prefill_chunk=c.prefill_chunk, coda_every=c.coda_every,
-                               profile=c.profile, compile=c.compile)
+                               exit_sync_every=c.exit_sync_every, prefill_chunk=c.prefill_chunk,
+                               coda_every=c.coda_every, profile=c.profile, compile=c.compile)
 
     def start(self) -> None:
         self.thread.start()
