@@ -59,7 +59,7 @@ class ServeConfig:
     num_slots: int = 32                 # core cache slots per token: the largest r without a cache budget
     prefill_chunk: int = 256            # prompt token-iterations per step (and the longest chunk of a prompt)
     coda_every: int = 8                 # steps a done row may wait for others to run the coda with
-    exit_sync_every: int = 4                 # steps between the batch's looks at the exit flags (rows found done
+    exit_sync_every: int = 4            # steps between the batch's looks at the exit flags (rows found done
                                         # then leave its calls: rdlm.inference.batching)
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
     retry_after: int = 1                # seconds, in the Retry-After of a 503
@@ -213,7 +213,7 @@ class Worker:
                 return
             command, ticket = item
             if command == "abort":
-                self._end_all(503, ticket)   # here the "ticket" is the message
+                self._end_all(503, item[1])   # ("abort", message)
             elif command == "add":
                 try:
                     ticket.request_id = self.batch.add(ticket.prompt, ticket.config)
@@ -314,7 +314,10 @@ class OpenAIServer:
             if len(prompt) != 1:
                 raise APIError(400, "one prompt per request (send several requests)", param="prompt")
             prompt = prompt[0]
-        ids = await self.encode(self.tokenizer.encode, prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = await self.encode(self.tokenizer.encode, prompt, add_bos=True)
+        else:
+            ids = list(prompt)
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         gen = generation_config(body, self.config.defaults, (self.tokenizer.eos_id,), body.max_tokens)

@@ -50,7 +50,8 @@ class Guard:
         if (self.api_key is not None and scope["path"] not in OPEN_PATHS
                 and not self.authorized(headers.get(b"authorization", b""))):
             error = APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
-                             code="invalid_api_key", kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+                             code="invalid_api_key", kind="authentication_error",
+                             headers={"WWW-Authenticate": "Bearer"})
             return await error.response()(scope, receive, send)
         too_large = APIError(413, f"the request body exceeds the server's limit of {self.max_bytes} bytes",
                              code="request_too_large")
