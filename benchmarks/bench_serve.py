@@ -84,14 +84,28 @@ def start_server(args, port: int, exit_criterion: str | None, clients: int, batc
             cmd += ["--exit-threshold", str(args.exit_threshold)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env)
+    wait_until_serving(proc, port, 300)
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_serving(proc: subprocess.Popen, port: int, seconds: float, log: Path | None = None) -> None:
+    """Until the server `proc` answers /health on 127.0.0.1:`port`; SystemExit when it exits or `seconds`
+    pass first (with the tail of its `log` when there is one)."""
     httpx = http_client()
-    deadline = time.time() + 300
+    deadline = time.time() + seconds
     while True:
         if proc.poll() is not None or time.time() > deadline:
-            raise SystemExit("rdlm serve did not start")
+            tail = f":\n{log.read_text()[-3000:]}" if log is not None else ""
+            raise SystemExit(f"rdlm serve did not start within {seconds:g} s{tail}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             time.sleep(0.3)
 
@@ -101,9 +115,7 @@ def serve(args, prompts: list[str], exit_criterion: str | None, clients: int, ba
 
     httpx = http_client()  # raw SSE keeps the clients light
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = start_server(args, port, exit_criterion, clients, batch, static)
     ttft, tpot, tokens, iterations, prompted, lock = [], [], [0], [0], [0], threading.Lock()
     stop_at = time.perf_counter() + args.seconds

@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_serve import http_client, percentile  # noqa: E402
+from benchmarks.bench_serve import free_port, http_client, percentile, wait_until_serving  # noqa: E402
 
 SCENARIOS = {"completion": 6, "chat-stream": 4, "cancel-stream": 3, "disconnect": 2, "invalid": 4, "extreme": 2,
              "oversized": 1, "over-capacity": 1, "injection": 1, "slow-headers": 1, "slow-body": 1, "idle": 1}
@@ -73,12 +73,6 @@ def make_model(path: Path) -> None:
     torch.manual_seed(0)
     save_pretrained(RecurrentDepthLM(RDLMConfig.from_preset("tiny", vocab_size=tok.vocab_size)), path)
     tok.save(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_memory(pid: int) -> tuple[int, int]:
@@ -242,18 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         soak = Soak(args, url, "soak")
         try:
-            deadline = time.time() + 120
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"the server exited:\n{log_path.read_text()[-3000:]}")
-                try:
-                    if soak.httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except Exception:  # noqa: BLE001 (not listening yet)
-                    pass
-                if time.time() > deadline:
-                    raise SystemExit("the server did not come up in 120 s")
-                time.sleep(0.2)
+            wait_until_serving(server, port, 120, log_path)
             for _ in range(4):   # warm-up: the first requests allocate what later ones reuse
                 soak.post({"model": "soak", "prompt": "the cat", "max_tokens": 16, "num_steps": 8})
             start_rss, start_fds = process_memory(server.pid)
