@@ -88,13 +88,13 @@ def test_a_busy_batch_gives_each_request_its_tokens_alone(model, device, exit_sy
     with on(model, device):
         batch = each_alone(busy_batch(model, exit_sync_every=exit_sync_every, prefill_chunk=prefill_chunk,
                                       coda_every=coda_every, compile=False))
-    assert batch.static_steps.runs == 0                      # the eager path
+    assert batch.step_runner.static_steps.runs == 0                      # the eager path
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_static_step_is_the_default_on_cuda_only(model, device):
     with on(model, device):
-        assert busy_batch(model).static_steps.static == (device == "cuda")
+        assert busy_batch(model).step_runner.static_steps.static == (device == "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -107,8 +107,9 @@ def test_the_static_step_gives_each_request_its_tokens_alone(model, device, exit
     with on(model, device):
         batch = each_alone(busy_batch(model, exit_sync_every=exit_sync_every, prefill_chunk=prefill_chunk,
                                       coda_every=coda_every, compile=True))
-    assert batch.static_steps.runs > 50                      # the static step ran (most iterations go through it)
-    assert len(batch.static_steps.graphed) == (device == "cuda")   # one graph, replayed at every later step
+    steps = batch.step_runner.static_steps
+    assert steps.runs > 50                                # the static step ran (most iterations go through it)
+    assert len(steps.graphed) == (device == "cuda")       # one graph, replayed at every later step
 
 
 def test_the_static_step_compiles_to_one_graph_for_the_whole_run(model, monkeypatch):
@@ -121,9 +122,10 @@ def test_the_static_step_compiles_to_one_graph_for_the_whole_run(model, monkeypa
         return graph.forward                                 # dynamo's capture only: inductor's codegen is slow on CPU
 
     batch = busy_batch(model, exit_sync_every=4, prefill_chunk=3, coda_every=6, compile=True)
-    monkeypatch.setattr(batch, "_core_static", torch.compile(batch._core_static, fullgraph=True, backend=count))
+    rows = batch.step_runner
+    monkeypatch.setattr(rows, "_core_static", torch.compile(rows._core_static, fullgraph=True, backend=count))
     each_alone(batch)
-    assert batch.static_steps.runs > 50 and len(graphs) == 1
+    assert batch.step_runner.static_steps.runs > 50 and len(graphs) == 1
 
 
 def test_rows_that_exit_early_go_on_to_their_next_token(model, monkeypatch):
@@ -163,7 +165,7 @@ def test_a_long_prompt_prefills_while_the_other_rows_go_on_decoding(model, compi
     while batch.busy:
         events += batch.step()
         if static_runs is None and any(e.request == late for e in events):
-            static_runs = batch.static_steps.runs           # the static steps run while the long prompt prefilled
+            static_runs = batch.step_runner.static_steps.runs   # the static steps run while the long prompt prefilled
     order = [e.request for e in events]
     # Four chunks of 2 iterations each: 8 steps, in which the short request (a token every 2 steps) goes on.
     assert order[:order.index(late)].count(short) >= 3
@@ -194,7 +196,7 @@ def test_a_request_cancelled_while_its_prompt_prefills_leaves_its_row_clean(mode
     assert [e.request for e in batch.step()] == [d]         # alone, its prompt is prefilled in one step
     a, b, c = (batch.add(p, config) for p in ([9, 8, 7, 6, 5], [4, 3], [2, 1, 11]))
     batch.step(), batch.step()              # 2 prompts padded to 5 tokens: one iteration a step beside d
-    assert batch.chunks and batch.chunks[0].iteration == 2
+    assert batch.step_runner.chunks and batch.step_runner.chunks[0].iteration == 2
     batch.cancel(a)
     events = drain(batch)
     assert a not in events
@@ -314,8 +316,8 @@ def test_rows_without_exits_run_several_iterations_in_one_static_call(model, dev
     requests = [([rng.randrange(512) for _ in range(rng.randint(1, 6))], configs[k % 3]) for k in range(9)]
     with on(model, device):
         batch = each_alone(busy_batch(model, exit_sync_every=4, coda_every=6, compile=True), requests)
-    assert batch.fused_iterations >= 16         # not most: with these caps rows often wait for a coda
-    assert any(key[0] == "core iterations" for key in batch.static_steps.graphed) == (device == "cuda")
+    assert batch.step_runner.fused_iterations >= 16         # not most: with these caps rows often wait for a coda
+    assert any(key[0] == "core iterations" for key in batch.step_runner.static_steps.graphed) == (device == "cuda")
 
 
 def test_the_fused_iterations_compile_to_one_graph_per_count(model, monkeypatch):
@@ -328,9 +330,9 @@ def test_the_fused_iterations_compile_to_one_graph_per_count(model, monkeypatch)
         return graph.forward
 
     batch = busy_batch(model, exit_sync_every=4, coda_every=6, compile=True)
-    compiled = torch.compile(batch._core_static_iterations, fullgraph=True, backend=count)
+    compiled = torch.compile(batch.step_runner._core_static_iterations, fullgraph=True, backend=count)
     counts = []
-    monkeypatch.setattr(batch, "_core_static_iterations", lambda n: (counts.append(n), compiled(n))[1])
+    monkeypatch.setattr(batch.step_runner, "_core_static_iterations", lambda n: (counts.append(n), compiled(n))[1])
     configs = [GenerationConfig(num_steps=8, max_new_tokens=5), GenerationConfig(num_steps=6, max_new_tokens=5)]
     for k, prompt in enumerate(([1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11, 12])):
         batch.add(prompt, configs[k % 2])   # two depths: the rows never go in lockstep
@@ -404,7 +406,7 @@ def test_rows_in_step_run_each_token_in_lockstep(model, monkeypatch, compile, co
     (together, steps), (one_by_one, more_steps) = run(True), run(False)
     assert together == one_by_one
     assert steps == config.max_new_tokens                    # the prefill and first token, then a token a step
-    # one by one, a step runs an iteration (on the static path at fixed r: a token, `_iterate_fused`)
+    # one by one, a step runs an iteration (on the static path at fixed r: a token, fused iterations)
     assert more_steps > steps or (compile and config.exit_criterion is None)
 
 
@@ -425,7 +427,8 @@ def test_a_lockstep_token_compiles_whole_on_the_static_path(model, criterion):
     def run(compiled: bool) -> list:
         batch = busy_batch(model, compile=True, exit_sync_every=2)
         if compiled:
-            owner = batch.lockstep if criterion else batch.lockstep.runner   # the chunks; the r iterations
+            lockstep = batch.step_runner.lockstep
+            owner = lockstep if criterion else lockstep.runner   # the chunks; the r iterations
             owner.iterate = torch.compile(owner.iterate, fullgraph=True, backend=count)
         ids = [batch.add(p, config) for p in ([1, 2, 3], [4, 5], [6])]
         events = drain(batch)
@@ -448,14 +451,14 @@ def test_lockstep_rows_go_on_over_a_row_freed_between_them(model, monkeypatch, c
     def run(lockstep: bool) -> list:
         batch = busy_batch(model, compile=False)
         if lockstep:
-            rows_of = batch._eager_rows
+            rows_of = batch.step_runner._eager_rows
 
             def tracked(requests, budget):
                 out = rows_of(requests, budget)
                 spanned.append(out[4] is not None)   # rows between them ride along
                 return out
 
-            monkeypatch.setattr(batch, "_eager_rows", tracked)
+            monkeypatch.setattr(batch.step_runner, "_eager_rows", tracked)
         else:
             monkeypatch.setattr(batch.scheduler, "in_lockstep", lambda starting, prompts: False)
         ids = [batch.add(p, c) for p, c in requests]

@@ -4,7 +4,7 @@ chosen, exit flags read at a look) and checks its decisions, as a runner would s
 from rdlm.inference.exits import make_exit_criterion
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.request import Request, Status
-from rdlm.inference.scheduler import Scheduler
+from rdlm.inference.scheduler import Prompts, Scheduler, StepPlan
 
 FIXED = GenerationConfig(num_steps=8, max_new_tokens=3)
 KL = GenerationConfig(num_steps=8, max_new_tokens=3, exit_criterion="kl", exit_threshold=1e-3)
@@ -154,3 +154,33 @@ def test_the_prompts_share_of_a_step():
     assert s.extra_prompt_iterations(64, iterations_left=5, decoding=True) == 0
     assert s.extra_prompt_iterations(16, iterations_left=5, decoding=True) == 3
     assert s.extra_prompt_iterations(16, iterations_left=5, decoding=False) == 5   # nobody waits for them
+
+
+def test_a_step_plan_runs_a_lockstep_token_or_the_next_iterations_and_counts_them_run():
+    """`plan`: what the runner carries out, from the scheduler's decisions alone (no flags read unless asked)."""
+    never = lambda: [False, False]  # noqa: E731
+    s = Scheduler(max_batch=2)
+    a, b = admitted_and_started(s, request(0), request(1))
+    together = s.plan([a, b], None, static=False, rides_along=False, done=never)
+    assert together == StepPlan((a, b), (a, b), 8, lockstep=True) and a.iteration == 0   # its coda counts them
+    t = Scheduler(max_batch=2, prefill_chunk=64)
+    c, d = admitted_and_started(t, request(0), request(1))
+    d.iteration = 3                       # d started earlier: c's start does not make a lockstep token
+    plan = t.plan([c], Prompts(tokens=16, fewest_left=6), static=False, rides_along=False, done=never)
+    assert plan == StepPlan((c, d), (c, d), 1, False, (0, 3), False, prompt_iterations=4)  # 1 + 64 // 16 - 1
+    assert (c.iteration, d.iteration) == (1, 4)
+    t.step_ran([c, d])
+    alone = t.plan([], None, static=True, rides_along=True, done=never)
+    assert alone.iterations == 4 and alone.slots == (1, 4) and not alone.may_be_frozen   # 4 left for d: fused
+    assert (c.iteration, d.iteration) == (5, 8) and alone.prompt_iterations == 0
+
+
+def test_a_plan_may_freeze_rows_only_once_one_can_be_done_on_the_device():
+    s = Scheduler(max_batch=2, exit_sync_every=4)
+    a, b = admitted_and_started(s, request(0, KL), request(1, KL))
+    first = s.plan([], None, static=False, rides_along=True, done=lambda: [False, False])
+    assert first.computing == (a, b) and not first.may_be_frozen      # right after a look nobody is done
+    s.step_ran([a, b])
+    later = s.plan([], None, static=False, rides_along=False, done=lambda: [True, False])
+    assert later.iterating == (a, b) and later.computing == (b,) and later.may_be_frozen
+    assert (a.iteration, b.iteration) == (1, 2)                        # a left the call: it ran no more

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
               f"use it (--api-key or $RDLM_API_KEY)", file=sys.stderr, flush=True)
     app = create_app(model, tokenizer, config)
     batch = app.state.worker.batch
-    static = "on" if batch.static_steps.static else "off"
+    static = "on" if batch.step_runner.static else "off"
     print(f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
           f"per row, {num_slots} core slots, KV cache {batch.cache_bytes / 2 ** 30:.2f} GiB, default r "
           f"{defaults.num_steps}, static step {static})",

@@ -1,6 +1,7 @@
 """A token that every decoding row starts together, with one `GenerationConfig`: the continuous batch's
-plan for the offline batch of `generate` (rdlm.inference.batching), where every row's prompt is prefilled
-at once and each token starts and ends on every row at the same step.
+lockstep plan (rdlm.inference.scheduler.StepPlan), the usual one for the offline batch of `generate`
+(rdlm.inference.batching), where every row's prompt is prefilled at once and each token starts and ends on
+every row at the same step. The batch's step runner (rdlm.inference.step_runner) runs it here.
 
 Such a token runs all its core iterations in one engine step instead of one per step, with no host
 bookkeeping between them:
@@ -15,7 +16,7 @@ bookkeeping between them:
   `exit_sync_every` iterations run as static steps over the whole batch (CUDA graphs on CUDA). When to
   look changes no result, only the cost.
 
-The prelude before and the coda after are the batch's own (`ContinuousBatch._start`, `_coda`), so a row
+The prelude before and the coda after are the step runner's own (`StepRunner.start`, `coda`), so a row
 gives the same tokens whether its token ran in lockstep or one iteration per step.
 """
 
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion, ExitTrack, iterate_with_exits
 from rdlm.inference.graphs import StaticSteps, resolve_sync_every
-from rdlm.inference.params import BatchEvent, GenerationConfig
+from rdlm.inference.params import GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner
 
 
@@ -170,65 +171,3 @@ class Lockstep:
                     target.copy_(getattr(track, name))
             return rows
         return dataclasses.replace(rows, state=state, track=track)
-
-
-class LockstepTokens:
-    """The continuous batch's lockstep tokens (a part of `rdlm.inference.batching.ContinuousBatch`, whose rows,
-    buffers and coda it uses; its scheduler says when a token runs in lockstep): running them."""
-
-    def _token(self, requests: list, events: list[BatchEvent]) -> None:
-        """The token the requests started, in lockstep (`Scheduler.in_lockstep`): its core iterations, then the coda
-        and the next tokens. On the static path the iterations run over every row of the batch, the rows not
-        decoding frozen; eagerly over the rows that `_eager_rows` gives."""
-        first = requests[0]
-        config, criterion, budget = first.config, first.criterion, first.budget
-        vocab = self.model.config.vocab_size
-        with self.phases.timed("core iteration"):
-            if self.static_steps.static:
-                self._mark_decoding(requests)
-                every_row = lambda: self.runner.all_rows(self.write_index, budget, self.decoding)  # noqa: E731
-                if criterion is None:
-                    self.state.copy_(self.lockstep.fixed(config, self.state, self.embedded, every_row))
-                    steps = [config.num_steps] * len(requests)
-                else:
-                    final, per_row = self.lockstep.adaptive(config, criterion, lambda: Rows.start(
-                        self.runner.batch_rows, self.state, self.embedded, every_row(), ~self.decoding, criterion,
-                        vocab), self.max_batch - len(requests))
-                    self.state.copy_(final)
-                    steps = per_row[self._inputs(requests)[0]].tolist()
-            else:
-                span, rows, call, places, idle = self._eager_rows(requests, budget)
-                if criterion is None:
-                    out = self.lockstep.fixed(config, self.state[span], self.embedded[span], lambda: call)
-                    self.state[span] = out if idle is None else torch.where(idle.view(-1, 1, 1), self.state[span], out)
-                    steps = [config.num_steps] * len(requests)
-                else:
-                    frozen = torch.zeros(len(rows), dtype=torch.bool, device=self.device) if idle is None else idle
-                    final, per_row = self.lockstep.adaptive(config, criterion, lambda: Rows.start(
-                        rows, self.state[span], self.embedded[span], call, frozen, criterion, vocab),
-                        len(rows) - len(requests))
-                    self.state[span] = final
-                    steps = per_row[places].tolist()
-        self.scheduler.done(requests, steps)
-        with self.phases.timed("coda and sampling"):
-            self._coda(requests, events)
-
-    def _eager_rows(self, requests: list, budget: int) -> tuple[slice | Tensor, Tensor, Call, Tensor | slice,
-                                                                Tensor | None]:
-        """The rows an eager lockstep token runs over: the requests' rows; or, when a few rows between them are
-        not decoding (freed by requests that finished), the slice that spans them, the rows between riding
-        along frozen and writing nothing: a slice reads the cache as views, where a gather of the rows copies
-        it at every layer. With more rows between than decoding, the gather costs less than computing them.
-        (rows of the batch as a slice or index, their batch rows, their call, the requests' places among them,
-        the rows between as a mask or None.)"""
-        numbers = [q.row for q in requests]
-        span = slice(numbers[0], numbers[-1] + 1)
-        if len(numbers) == span.stop - span.start or span.stop - span.start > 2 * len(numbers):
-            rows, call = self._inputs(requests)
-            return call.rows, rows, call.but(budget=budget), slice(None), None
-        index = {q.row: q.length for q in requests}
-        every = range(span.start, span.stop)
-        rows, call = self.runner.tokens(list(every), [index.get(b, 0) for b in every])
-        idle = self.runner.upload([b not in index for b in every])
-        places = self.runner.upload([b - span.start for b in numbers])
-        return span, rows, call.but(budget=budget, core_writers=~idle), places, idle

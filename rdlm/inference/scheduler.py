@@ -17,10 +17,41 @@ row when its last token is chosen, when it fails or when it is cancelled.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from rdlm.inference.params import Decode
 from rdlm.inference.request import Request, Status
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The prompt chunks in flight as the scheduler weighs them (host numbers; the chunks themselves are the
+    runner's, rdlm.inference.prefill)."""
+    tokens: int          # their tokens in all (rows x chunk length)
+    fewest_left: int     # the fewest iterations a chunk has left
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's core work, decided by the scheduler and carried out by the step runner
+    (rdlm.inference.step_runner), which reads nothing else of the requests' schedule:
+
+    - a lockstep token (`lockstep`): the `computing` requests started it together; all its `iterations`
+      (= r) run in this step, exits decided on the device, then the coda;
+    - otherwise `iterations` core iterations (1, or a power of two fused into one static call) of the
+      `computing` requests, each at core cache slot `slots[j]` (its iteration mod its budget), the rows done on
+      the device since the last look frozen where `may_be_frozen`, and `prompt_iterations` iterations of the
+      prompt chunks in flight (the first in the same call as the rows, where the rows' call is eager).
+
+    `iterating`: every request whose token is in progress, computing or not (the look reads their flags)."""
+    iterating: tuple[Request, ...] = ()
+    computing: tuple[Request, ...] = ()
+    iterations: int = 1
+    lockstep: bool = False
+    slots: tuple[int, ...] = ()
+    may_be_frozen: bool = False
+    prompt_iterations: int = 0
 
 
 class Scheduler:
@@ -92,6 +123,27 @@ class Scheduler:
             q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
             groups.setdefault((q.cap, q.budget), []).append(q)
         return groups
+
+    # ---- the plan of a step
+
+    def plan(self, starting: list[Request], prompts: Prompts | None, static: bool, rides_along: bool,
+             done: Callable[[], list[bool]]) -> StepPlan:
+        """The step's core work (`StepPlan`), once admission and the starts are done: the token the `starting`
+        requests began in lockstep (`in_lockstep`), or the iterating requests' next iteration(s) (`computing`,
+        `fusable`) and the prompts' share (`extra_prompt_iterations`). `prompts`: the chunks in flight, if any;
+        `static`: the runner's step is the static one; `rides_along` and `done`: as `computing`. The planned
+        iterations count as run (`ran`), as a plan is always carried out whole."""
+        if starting and self.in_lockstep(starting, prompts is not None):
+            return StepPlan(tuple(starting), tuple(starting), starting[0].cap, lockstep=True)
+        iterating = self.with_status(Status.ITERATING)
+        computing = self.computing(iterating, rides_along, done)
+        n = self.fusable(computing, static, prompts is not None) if computing else 1
+        share = 0 if prompts is None else 1 + self.extra_prompt_iterations(
+            prompts.tokens, prompts.fewest_left - 1, decoding=bool(computing))
+        plan = StepPlan(tuple(iterating), tuple(computing), n, False, tuple(q.iteration % q.budget for q in computing),
+                        self.may_be_done(computing), share)
+        self.ran(computing, n)
+        return plan
 
     # ---- a token's life
 
