@@ -28,15 +28,23 @@ checkpoint's `exit_threshold`), accumulated in the reference's order so decision
 every criterion here); `gate-exact` runs every iteration for every token, as the reference does, and only
 selects the exit iteration's state for the logits.
 
-`iterate_with_exits` is the one per-token exit loop: the decode engine (rdlm.inference.engine) and the
-exit-step analysis (rdlm.analysis.exit_steps) both run it; continuous batching, whose rows sit at
-different iterations, takes its `exit_schedule` and `exit_decision` one iteration at a time.
+Where each token stands lives in one place, an `ExitTrack` (iterations run, exited, the streak, the latest
+logits, the gate's running sums, gate-exact's chosen state), and `ExitTrack.after_iteration` is its one
+update after an iteration, reading the gate (`ExitTrack.read_gate`, the rule `gate_exits`) or the criterion
+(`ExitTrack.read_criterion`, at the iterations of `exit_schedule`). `iterate_with_exits` is the one
+per-token exit loop around it: tokens decoded in lockstep (rdlm.inference.lockstep, for the decode engine
+and the continuous batch), gate-exact's teacher-forced logits (rdlm.inference.evaluate) and the exit-step
+analysis (rdlm.analysis.exit_steps) run it. The continuous batch's rows,
+which sit at different iterations, keep an `ExitTrack` over the rows and read it one iteration at a time
+(rdlm.inference.row_exits); a prompt being prefilled keeps one over its tokens for the gate
+(rdlm.inference.prefill).
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -274,31 +282,6 @@ def make_exit_criterion(name: str, threshold: float | None = None, *, patience: 
 # --------------------------------------------------------------------------------------------------
 # The per-token exit loop (paper section 6.1)
 
-@dataclass
-class ExitTrack:
-    """Where each token of an adaptive loop stands, flat over the tokens ([n]; the leading dimensions of
-    the state, e.g. [batch] for one decoded token per row or [seq] for a teacher-forced prompt)."""
-
-    steps: Tensor            # [n] iterations run before the token exited (the cap if it never did)
-    exited: Tensor           # [n] bool
-    streak: Tensor           # [n] consecutive passing readings
-    logits: Tensor | None    # [n, V] the latest readout, kept when the criterion reads logits
-    # The learned gate's running sums ([n] float32), when the criterion reads it: the probability of
-    # not having exited yet, and the cumulative exit probability.
-    remaining: Tensor | None = None
-    cumulative: Tensor | None = None
-    exit_state: Tensor | None = None  # [n, h] the state at each token's exit (gate-exact, not frozen)
-
-    @classmethod
-    def start(cls, n: int, device: torch.device, vocab_size: int | None = None,
-              gate: bool = False) -> "ExitTrack":
-        """No iteration run yet; `vocab_size` when the criterion reads logits, `gate` when it reads a gate."""
-        zeros = torch.zeros(n, dtype=torch.long, device=device)
-        logits = None if vocab_size is None else torch.zeros(n, vocab_size, device=device)
-        ones = torch.ones(n, device=device) if gate else None
-        return cls(zeros, zeros.bool(), zeros.clone(), logits, ones, None if ones is None else ones * 0)
-
-
 def exit_schedule(iteration: int, num_steps: int, every: int) -> tuple[bool, bool]:
     """(evaluate, needs_logits_for_next): whether the exit criterion is read after 0-based iteration
     `iteration` of a token with at most `num_steps`, and whether the next iteration's reading needs
@@ -310,13 +293,99 @@ def exit_schedule(iteration: int, num_steps: int, every: int) -> tuple[bool, boo
     return reads(iteration), reads(iteration + 1)
 
 
-def exit_decision(criterion: ExitCriterion, streak: Tensor, steps: Tensor, min_steps: int | Tensor,
-                  prev_logits: Tensor | None, logits: Tensor | None, prev_state: Tensor | None,
-                  state: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(exits, streak) after one reading: a token exits once the criterion passed `patience` readings in
-    a row and it has run at least `min_steps` iterations."""
-    done, streak = criterion.update(streak, prev_logits, logits, prev_state, state)
-    return done & (steps >= min_steps), streak
+@dataclass
+class ExitTrack:
+    """Where each token of an adaptive loop stands, over its tokens ([n] flat, e.g. [batch] for one decoded
+    token per row or [seq] for a teacher-forced prompt; [g, n] for a prompt chunk's tokens). The one exit
+    state of every caller: the per-token loop (`iterate_with_exits`), a prompt being prefilled
+    (rdlm.inference.prefill) and the continuous batch's rows (rdlm.inference.row_exits). `after_iteration`
+    is the one update; its two readings, `read_gate` and `read_criterion`, also serve the callers that count
+    iterations or schedule readings themselves."""
+
+    steps: Tensor | None     # [n] iterations run before the token exited (the cap if it never did); None
+                             # where the caller counts them (the continuous batch's rows)
+    exited: Tensor           # [n] bool: the criterion fired (gate-exact: the exit state is chosen)
+    streak: Tensor           # [n] consecutive passing readings
+    logits: Tensor | None    # [n, V] the latest readout, kept when the criterion reads logits
+    # The learned gate's running sums ([n] float32), when the criterion reads it: the probability of
+    # not having exited yet, and the cumulative exit probability.
+    remaining: Tensor | None = None
+    cumulative: Tensor | None = None
+    exit_state: Tensor | None = None  # [n, h] the state at each token's exit (gate-exact, not frozen)
+
+    @classmethod
+    def start(cls, n: int | tuple[int, ...], device: torch.device, vocab_size: int | None = None,
+              gate: bool = False) -> "ExitTrack":
+        """No iteration run yet over `n` tokens (a count, or a shape such as [g, n]); `vocab_size` when the
+        criterion reads logits, `gate` when it reads a gate."""
+        shape = (n,) if isinstance(n, int) else tuple(n)
+        zeros = torch.zeros(shape, dtype=torch.long, device=device)
+        logits = None if vocab_size is None else torch.zeros(*shape, vocab_size, device=device)
+        ones = torch.ones(shape, device=device) if gate else None
+        return cls(zeros, zeros.bool(), zeros.clone(), logits, ones, None if ones is None else ones * 0)
+
+    def select(self, index: Tensor) -> "ExitTrack":
+        """The track of the tokens at `index` (of the first dimension)."""
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[index]
+
+        return ExitTrack(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    def count_iteration(self) -> "ExitTrack":
+        """One more iteration run: every token not exited counts it."""
+        return replace(self, steps=self.steps + (~self.exited).long())
+
+    def after_iteration(self, criterion: ExitCriterion, i: int, num_steps: int, prev_state: Tensor, state: Tensor,
+                        *, min_steps: int | Tensor, every: int = 1, readout: Callable[[Tensor], Tensor] | None = None,
+                        gate: Callable[[Tensor], Tensor] | None = None) -> "ExitTrack":
+        """The one update after 0-based iteration i of a loop capped at `num_steps`, whose states went from
+        `prev_state` to `state` ([..., h], the track's tokens in order): every token still iterating counts
+        it (`count_iteration`); a gate criterion then reads `gate(state)` (`read_gate`), any other is read at the
+        iterations of `exit_schedule` (`read_criterion`), `readout(state)` giving the logits when it reads
+        them. Returns a new track (this one is not modified)."""
+        track = self.count_iteration()
+        flat = state.reshape(-1, state.shape[-1])
+        if criterion.uses_gate:
+            return track.read_gate(gate(state).reshape(-1), flat, criterion.threshold, min_steps)
+        evaluate, next_evaluates = exit_schedule(i, num_steps, every)
+        prev_logits = track.logits
+        if criterion.uses_logits and (evaluate or next_evaluates):
+            logits = readout(state)
+            track = replace(track, logits=logits.reshape(-1, logits.shape[-1]))
+        if evaluate:
+            track = track.read_criterion(criterion, prev_logits, track.logits,
+                                         prev_state.reshape(-1, state.shape[-1]), flat, min_steps)
+        return track
+
+    def read_gate(self, lam: Tensor, state: Tensor, threshold: float | Tensor, min_steps: int | Tensor,
+                  running: Tensor | None = None) -> "ExitTrack":
+        """The learned gate read after an iteration that gave `lam` and `state` ([..., h]) per token: the gate
+        rule (`gate_exits`) for each token not yet exited (and `running`, when given: elsewhere the running
+        sums stay). A track with `exit_state` keeps the state of every token not yet exited, so it ends at
+        the state of the iteration where the gate fired, or the last one."""
+        live = ~self.exited if running is None else running & ~self.exited
+        exits, remaining, cumulative = gate_exits(lam, self.remaining, self.cumulative, threshold, self.steps,
+                                                  min_steps, live)
+        if running is not None:
+            remaining = torch.where(running, remaining, self.remaining)
+            cumulative = torch.where(running, cumulative, self.cumulative)
+        exit_state = self.exit_state
+        if exit_state is not None:
+            exit_state = torch.where(live.unsqueeze(-1), state, exit_state)
+        return replace(self, exited=self.exited | exits, remaining=remaining, cumulative=cumulative,
+                       exit_state=exit_state)
+
+    def read_criterion(self, criterion: ExitCriterion, prev_logits: Tensor | None, logits: Tensor | None,
+                       prev_state: Tensor | None, state: Tensor | None, min_steps: int | Tensor,
+                       running: Tensor | None = None) -> "ExitTrack":
+        """One reading of `criterion` comparing two iterations: a token exits once it passed `patience`
+        readings in a row and has run at least `min_steps` iterations (`running`, when given: only those
+        tokens are read, the others keep their streak)."""
+        exits, streak = criterion.update(self.streak, prev_logits, logits, prev_state, state)
+        exits = exits & (self.steps >= min_steps)
+        if running is not None:
+            exits, streak = exits & running, torch.where(running, streak, self.streak)
+        return replace(self, exited=self.exited | exits, streak=streak)
 
 
 def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: Callable[[Tensor], Tensor],
@@ -327,42 +396,23 @@ def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: C
 
     step(state, i, exited) -> the state after iteration i; readout(state) -> next-token logits [..., V]
     (called only when the criterion reads logits, and only at iterations whose reading needs them).
-    After each iteration every token still iterating counts one step; at the iterations of
-    `exit_schedule` the criterion compares the token's previous and new iteration and the token exits
-    (`exit_decision`). `freeze`: an exited token keeps its state (decoding: its exit state is its final
-    one); otherwise it goes on iterating and only its step count stops (teacher-forced analysis, where
-    every token runs to the same depth). No host sync: the caller decides when to look at `exited`.
-    A gate criterion reads `gate(state)` (lambda per token) after every iteration instead; unfrozen, the
-    track keeps each token's state at its exit (`exit_state`).
+    After each iteration the track takes its one update (`ExitTrack.after_iteration`). `freeze`: an exited
+    token keeps its state (decoding: its exit state is its final one); otherwise it goes on iterating and
+    only its step count stops (teacher-forced analysis, where every token runs to the same depth). No host
+    sync: the caller decides when to look at `exited`. A gate criterion reads `gate(state)` (lambda per
+    token) after every iteration instead; unfrozen, the track keeps each token's state at its exit
+    (`exit_state`).
     Returns the new state and a new track (the given one is not modified)."""
     tokens = state.shape[:-1]
-    steps, exited, streak, logits = track.steps, track.exited, track.streak, track.logits
-    remaining, cumulative, exit_state = track.remaining, track.cumulative, track.exit_state
     if criterion.uses_gate:
-        if gate is None or remaining is None:
-            raise ValueError(f"exit criterion {criterion.name!r} needs the model's gate and a track started with gate=True")
-        if not freeze and exit_state is None:
-            exit_state = state.reshape(-1, state.shape[-1]).clone()
+        if gate is None or track.remaining is None:
+            raise ValueError(f"exit criterion {criterion.name!r} needs the model's gate and a track started "
+                             "with gate=True")
+        if not freeze and track.exit_state is None:
+            track = replace(track, exit_state=state.reshape(-1, state.shape[-1]).clone())
     for i in range(first, first + n):
-        prev_state, new = state, step(state, i, exited)
-        state = torch.where(exited.view(*tokens, 1), prev_state, new) if freeze else new
-        steps = steps + (~exited).long()
-        if criterion.uses_gate:
-            exits, remaining, cumulative = gate_exits(gate(state).reshape(-1), remaining, cumulative,
-                                                      criterion.threshold, steps, min_steps, ~exited)
-            if exit_state is not None:
-                flat = state.reshape(-1, state.shape[-1])
-                exit_state = torch.where((exits | ~exited).view(-1, 1), flat, exit_state)
-            exited = exited | exits
-            continue
-        evaluate, next_evaluates = exit_schedule(i, num_steps, every)
-        prev_logits = logits
-        if criterion.uses_logits and (evaluate or next_evaluates):
-            logits = readout(state)
-            logits = logits.reshape(-1, logits.shape[-1])
-        if evaluate:
-            exits, streak = exit_decision(criterion, streak, steps, min_steps, prev_logits, logits,
-                                          prev_state.reshape(-1, state.shape[-1]),
-                                          state.reshape(-1, state.shape[-1]))
-            exited = exited | exits
-    return state, ExitTrack(steps, exited, streak, logits, remaining, cumulative, exit_state)
+        prev_state, new = state, step(state, i, track.exited)
+        state = torch.where(track.exited.view(*tokens, 1), prev_state, new) if freeze else new
+        track = track.after_iteration(criterion, i, num_steps, prev_state, state, min_steps=min_steps, every=every,
+                                      readout=readout, gate=gate)
+    return state, track

@@ -12,6 +12,11 @@ prompt longer than the chunk size goes on with its next chunk, which reads the e
 the same iteration from the cache, so the tokens are those of a prefill in one piece; that needs a
 cache slot per iteration, so a request that cycles through fewer slots than its prefill runs
 iterations (a KV-cache budget) is prefilled in one chunk.
+
+With a learned exit gate, where each token of the chunk stands is an `ExitTrack` over its [g, n] tokens
+(`PromptChunk.gate`; rdlm.inference.exits): after each iteration it counts the iteration and reads the gate
+(`ExitTrack.read_gate`, the rule every loop that reads a gate uses), and its `exit_state` is what the coda
+reads.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, gate_exits
+from rdlm.inference.exits import ExitCriterion, ExitTrack
 from rdlm.inference.runner import Call, ModelRunner, Pack
 
 
@@ -41,7 +46,7 @@ class PromptChunk:
     embedded: Tensor
     call: Call                         # RoPE [1, n, 1, d/2], mask [1, 1, n, start + n], the requests' rows
     iteration: int = 0
-    gate: list[Tensor] | None = None   # a learned gate's (remaining, cumulative, chosen state, exited), [g, n]
+    gate: ExitTrack | None = None      # a learned gate's track over the [g, n] tokens (exit_state: the chosen)
     thresholds: Tensor | None = None   # [g, 1]: the gate's threshold, or one it never reaches
     minimum: Tensor | None = None      # [g, 1]: the requests' min_steps, with a gate
 
@@ -70,8 +75,7 @@ class PromptChunk:
             chunk.thresholds = runner.upload([q.criterion.threshold if gate else never
                                               for q, gate in zip(requests, gated)]).view(-1, 1)
             chunk.minimum = runner.upload([q.config.min_steps for q in requests]).view(-1, 1)
-            chunk.gate = [torch.ones(g, n, device=device), torch.zeros(g, n, device=device), chunk.state,
-                          torch.zeros(g, n, dtype=torch.bool, device=device)]
+            chunk.gate = chunk._gate_track()
         return chunk
 
     @classmethod
@@ -88,9 +92,13 @@ class PromptChunk:
             device = runner.device
             chunk.thresholds = torch.full((rows, 1), criterion.threshold, device=device)
             chunk.minimum = torch.full((rows, 1), min_steps, device=device)
-            chunk.gate = [torch.ones(rows, n, device=device), torch.zeros(rows, n, device=device), state,
-                          torch.zeros(rows, n, dtype=torch.bool, device=device)]
+            chunk.gate = chunk._gate_track()
         return chunk
+
+    def _gate_track(self) -> ExitTrack:
+        """No gate reading yet over the chunk's [g, n] tokens; the chosen state starts at s_0."""
+        track = ExitTrack.start(self.state.shape[:2], self.state.device, gate=True)
+        return dataclasses.replace(track, exit_state=self.state)
 
     def run(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
         """Every iteration of the chunk, one call each (nothing else in the call), then `finish`."""
@@ -117,11 +125,8 @@ class PromptChunk:
         self.iteration += 1
         if self.gate is None:
             return
-        remaining, cumulative, chosen, exited = self.gate
-        fired, remaining, cumulative = gate_exits(runner.exit_probability(self.state), remaining, cumulative,
-                                                  self.thresholds, self.iteration, self.minimum, ~exited)
-        chosen = torch.where((fired | ~exited).unsqueeze(-1), self.state, chosen)
-        self.gate = [remaining, cumulative, chosen, exited | fired]
+        self.gate = self.gate.count_iteration().read_gate(runner.exit_probability(self.state), self.state,
+                                                          self.thresholds, self.minimum)
 
     def finish(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
         """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]."""
@@ -129,13 +134,13 @@ class PromptChunk:
             runner.cache.fill_missing(self.cap, self.start, self.start + self.n)
         for q, length in zip(self.requests, self.lengths):
             runner.cache.fill_missing(self.cap, self.start, self.start + length, row=q.row, slots=self.budget)
-        state = self.state if self.gate is None else self.gate[2]
+        state = self.state if self.gate is None else self.gate.exit_state
         return state, runner.readout(state, self.call)
 
     def select(self, keep: list[int]) -> "PromptChunk":
         """The chunk of the requests at positions `keep` only."""
         pick = torch.tensor(keep, device=self.state.device)
-        gate = None if self.gate is None else [t[pick] for t in self.gate]
+        gate = None if self.gate is None else self.gate.select(pick)
         return dataclasses.replace(
             self, requests=[self.requests[j] for j in keep], lengths=[self.lengths[j] for j in keep],
             state=self.state[pick], embedded=self.embedded[pick], call=self.call.but(rows=self.call.rows[pick]),

@@ -2,9 +2,11 @@
 iteration, every running row's exit criterion (rdlm.inference.exits) marks the rows whose token is done,
 without a host sync; the host reads the flags only when it looks.
 
-`RowExits` keeps what the criteria carry from one iteration to the next, per row of the batch: the latest
-logits (for the criteria that compare two readings), the streak of passing evaluations, a learned gate's
-running sums, and gate-exact's chosen state.
+`RowExits` keeps what the criteria carry from one iteration to the next in one `ExitTrack` over the batch's
+rows (`track`: the latest logits, the streak of passing readings, a learned gate's running sums, whether the
+criterion fired, gate-exact's chosen state), and updates it with the track's own readings
+(`ExitTrack.read_gate`, `ExitTrack.read_criterion`), those of the per-token loop, for the call's rows. The
+batch counts each row's iterations and owns the done flags; it passes them in.
 """
 
 from __future__ import annotations
@@ -12,36 +14,37 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, exit_decision, exit_schedule, gate_exits
+from rdlm.inference.exits import ExitCriterion, ExitTrack, exit_schedule
 from rdlm.inference.runner import Call, ModelRunner
 
 
 class RowExits:
-    """Per-row exit state of a batch of `max_batch` rows whose states are shaped like `state`."""
+    """Per-row exit state of a batch of `max_batch` rows whose states are shaped like `state` ([b, 1, h])."""
 
     def __init__(self, runner: ModelRunner, max_batch: int, vocab_size: int, state: Tensor) -> None:
-        device = state.device
         self.runner = runner
-        self.logits = torch.zeros(max_batch, vocab_size, device=device)  # the latest reading
-        self.streak = torch.zeros(max_batch, dtype=torch.long, device=device)
-        # A learned exit gate's running sums per row (rdlm.inference.exits.gate_exits), whether gate-exact's
-        # gate fired already, and the state it chose (read out when the token is done).
-        self.gate_remaining = torch.ones(max_batch, device=device)
-        self.gate_cumulative = torch.zeros(max_batch, device=device)
-        self.gate_fired = torch.zeros(max_batch, dtype=torch.bool, device=device)
-        self.exit_state = torch.zeros_like(state)
+        track = ExitTrack.start(max_batch, state.device, vocab_size, gate=True)
+        # The batch counts the rows' iterations (`update` takes them); the gate-exact state is one per row.
+        self.track = ExitTrack(None, track.exited, track.streak, track.logits, track.remaining, track.cumulative,
+                               torch.zeros_like(state[:, -1]))
+
+    @property
+    def exit_state(self) -> Tensor:
+        """[max_batch, 1, h]: gate-exact's chosen state per row (read out when the token is done)."""
+        return self.track.exit_state.unsqueeze(1)
 
     def reset(self, rows: Tensor | slice) -> None:
         """Rows starting a token."""
-        self.streak[rows], self.gate_fired[rows] = 0, False
-        self.gate_remaining[rows], self.gate_cumulative[rows] = 1.0, 0.0
+        t = self.track
+        t.streak[rows], t.exited[rows] = 0, False
+        t.remaining[rows], t.cumulative[rows] = 1.0, 0.0
 
     def update(self, requests: list, rows: Tensor, call: Call, prev_state: Tensor, state: Tensor,
                running: Tensor, steps: Tensor, min_steps: Tensor, cap: Tensor, done: Tensor) -> None:
         """Each running row's exit decision after this iteration, into `done` (the batch's flags); `steps`,
         `min_steps` and `cap` are the batch's per-row counts. `requests` (with `.criterion`, `.iteration`,
         `.cap`, `.config`) are the call's rows in order, at batch rows `rows`."""
-        self._gate(requests, rows, state, running, steps, min_steps, cap, done)
+        self._gate(requests, rows, state, running, steps, min_steps, done)
         evaluate, readout = [], []  # rows whose criterion is read now; rows that need this iteration's logits
         for j, q in enumerate(requests):
             if q.criterion is None or q.criterion.uses_gate:
@@ -66,25 +69,24 @@ class RowExits:
             return pick, rows[pick]
 
         # The previous reading's logits, before this iteration's readout replaces them.
-        previous = {crit: self.logits[where(members)[1]].clone()
+        previous = {crit: self.track.logits[where(members)[1]].clone()
                     for crit, members in groups.items() if crit.uses_logits}
         if readout:
             pick, at = where(readout)
-            self.logits[at] = self.runner.readout(state[pick], call.select(pick, at))[:, -1]
+            self.track.logits[at] = self.runner.readout(state[pick], call.select(pick, at))[:, -1]
         for crit, members in groups.items():
             pick, at = where(members)
-            logits = self.logits[at] if crit.uses_logits else None
-            exited, streak = exit_decision(crit, self.streak[at], steps[at], min_steps[at],
-                                           previous.get(crit), logits, prev_state[pick, -1], state[pick, -1])
-            live = running[pick]
-            self.streak[at] = torch.where(live, streak, self.streak[at])
-            done[at] |= exited & live
+            logits = self.track.logits[at] if crit.uses_logits else None
+            read = self._rows(at, steps).read_criterion(crit, previous.get(crit), logits, prev_state[pick, -1],
+                                                        state[pick, -1], min_steps[at], running[pick])
+            self.track.streak[at], self.track.exited[at] = read.streak, read.exited
+            done[at] |= read.exited
 
     def _gate(self, requests: list, rows: Tensor, state: Tensor, running: Tensor, steps: Tensor,
-              min_steps: Tensor, cap: Tensor, done: Tensor) -> None:
+              min_steps: Tensor, done: Tensor) -> None:
         """The learned exit gate after this iteration, for the rows that exit by it: `gate` is done once
-        the gate fires; `gate-exact` runs to its cap and keeps the state of the iteration the gate chose
-        (`exit_state`)."""
+        the gate fires; `gate-exact` runs to its cap and reads out the state of the iteration the gate chose
+        (`exit_state`: kept while the gate has not fired, so the last one if it never does)."""
         members = [j for j, q in enumerate(requests) if q.criterion is not None and q.criterion.uses_gate]
         if not members:
             return
@@ -92,14 +94,16 @@ class RowExits:
         at = rows[pick]
         thresholds = self.runner.upload([requests[j].criterion.threshold for j in members])
         exact = self.runner.upload([requests[j].criterion.spec.exact for j in members])
-        live = running[pick]
-        fired, remaining, cumulative = gate_exits(
-            self.runner.exit_probability(state[pick, -1]), self.gate_remaining[at], self.gate_cumulative[at],
-            thresholds, steps[at], min_steps[at], live)
-        self.gate_remaining[at] = torch.where(live, remaining, self.gate_remaining[at])
-        self.gate_cumulative[at] = torch.where(live, cumulative, self.gate_cumulative[at])
-        done[at] |= fired & ~exact
-        # gate-exact: the state where the gate first fired, or the last one if it never does
-        chosen = exact & live & ~self.gate_fired[at] & (fired | (steps[at] >= cap[at]))
-        self.exit_state[at] = torch.where(chosen.view(-1, 1, 1), state[pick], self.exit_state[at])
-        self.gate_fired[at] |= exact & fired
+        state = state[pick, -1]
+        read = self._rows(at, steps, gate=True).read_gate(self.runner.exit_probability(state), state, thresholds,
+                                                          min_steps[at], running[pick])
+        t = self.track
+        t.exited[at], t.remaining[at], t.cumulative[at], t.exit_state[at] = (
+            read.exited, read.remaining, read.cumulative, read.exit_state)
+        done[at] |= read.exited & ~exact
+
+    def _rows(self, at: Tensor | slice, steps: Tensor, gate: bool = False) -> ExitTrack:
+        """The track of batch rows `at`, their iterations `steps[at]` (the gate's sums and state with `gate`)."""
+        t = self.track
+        sums = (t.remaining[at], t.cumulative[at], t.exit_state[at]) if gate else ()
+        return ExitTrack(steps[at], t.exited[at], t.streak[at], None, *sums)
