@@ -213,10 +213,9 @@ def test_requests_that_cannot_be_served_are_refused_by_name(model):
         batch.add([1], GenerationConfig(num_steps=8, max_new_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         batch.add([10_000], GenerationConfig(num_steps=2, max_new_tokens=2))
-    with pytest.raises(ValueError, match="speculative"):
-        batch.add([1], GenerationConfig(num_steps=4, draft_steps=2, max_new_tokens=2))
-    with pytest.raises(ValueError, match="parallel sampler.*not available in a continuous batch"):
-        batch.add([1], GenerationConfig(num_steps=4, max_new_tokens=2, sampler="parallel"))
+    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) is the first wave and must fit in max_wavefront \(2\)"):
+        batch.add([1, 2, 3], GenerationConfig(num_steps=4, max_new_tokens=2, sampler="parallel", full_prefill=False,
+                                              max_wavefront=2))
     with pytest.raises(ValueError, match="max_batch"):
         ContinuousBatch(model, max_batch=0)
     # a shared cache of 4 slots serves any r
@@ -268,8 +267,6 @@ def test_a_request_whose_row_turns_nan_fails_alone_and_its_row_is_clean_for_the_
 
 def test_an_engine_counts_its_queued_and_running_requests(model):
     """What `rdlm serve` exports as its queue length and batch size (the Engine interface)."""
-    from rdlm.inference.static import StaticBatch
-
     config = GenerationConfig(num_steps=2, max_new_tokens=3)
     batch = ContinuousBatch(model, max_batch=2, max_length=16, num_slots=4)
     for prompt in ([1, 2], [3], [4, 5, 6]):
@@ -279,15 +276,44 @@ def test_an_engine_counts_its_queued_and_running_requests(model):
     assert (batch.queued, batch.running) == (1, 2)
     drain(batch)
     assert (batch.queued, batch.running) == (0, 0)
-    speculative = replace(config, draft_steps=1, draft_length=2)   # what a static batch decodes
-    static = StaticBatch(model, speculative)
-    static.add([1, 2], speculative)
-    assert (static.queued, static.running) == (1, 0)
-    static.step()
-    assert (static.queued, static.running) == (0, 1)
-    while static.busy:
-        static.step()
-    assert (static.queued, static.running, static.take_timings()) == (0, 0, {})
+
+
+def test_speculative_and_parallel_requests_decode_in_rounds_beside_token_by_token_rows(model):
+    """Self-speculative decoding and the parallel sampler are rounds of the same engine: in a busy batch, beside
+    rows decoding token by token and a prefill alone, each gives what its algorithm guarantees against plain
+    sequential greedy decoding (an independent side): speculative greedy is greedy (float32), and a wave of
+    one position at full depth is sequential; the others get their tokens alone."""
+    greedy = GenerationConfig(num_steps=5, max_new_tokens=7, seed=3)
+    speculative = replace(greedy, draft_steps=2, draft_length=3)
+    wave = replace(greedy, sampler="parallel", inner_recurrence=5, max_wavefront=1)
+    sampled = GenerationConfig(num_steps=4, max_new_tokens=6, temperature=0.8, seed=5)
+    requests = [([5, 17, 99], speculative), ([8, 8, 1, 2], sampled), ([250, 11], wave),
+                ([1, 2, 3], replace(greedy, max_new_tokens=0)), ([7, 300, 21], speculative)]
+    batch = ContinuousBatch(model, max_batch=3, max_length=32, num_slots=6)
+    ids = [batch.add(prompt, config) for prompt, config in requests]
+    events = drain(batch)
+    for rid, (prompt, config) in zip(ids, requests):
+        got = [(e.token, e.steps) for e in events.get(rid, [])]
+        if config.max_new_tokens == 0:
+            assert got == []                                   # prefilled, then gone without a token
+            continue
+        plain = generate(model, prompt, greedy if config is not sampled else sampled)
+        assert got == list(zip(plain.tokens[0], plain.steps[0]))
+        assert events[rid][-1].finish_reason == "length"
+    assert batch.drafted >= 2 * 3 and 0 <= batch.accepted <= batch.drafted      # two requests' rounds
+    assert batch.wave_steps == 6 and batch.core_passes == 6 * 5                # one wave step per token after the first
+    assert not batch.step_runner.waves and not batch.busy                      # every wave left with its request
+
+
+def test_a_cancelled_wave_leaves_nothing_behind(model):
+    config = GenerationConfig(num_steps=4, max_new_tokens=20, sampler="parallel", inner_recurrence=2)
+    batch = ContinuousBatch(model, max_batch=1, max_length=64, num_slots=4)
+    rid = batch.add([3, 4, 5], config)
+    while not batch.step_runner.waves:
+        batch.step()
+    batch.cancel(rid)
+    batch.step()
+    assert not batch.step_runner.waves and not batch.busy
 
 
 def test_a_config_given_lists_works_in_the_batch_as_with_tuples(model):

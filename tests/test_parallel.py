@@ -53,41 +53,28 @@ def reference_config(case: dict, **extra) -> GenerationConfig:
                             state_noise_mixing=0.0, **kwargs, **extra)
 
 
-class ReferenceBookkeeping(ParallelSampler):
-    """The reference's freeze comparison: after a step that froze c positions, position q is compared with
-    the previous state of position q + c (see rdlm.inference.parallel); the last c positions have nothing to be
-    compared with (zeros: a latent difference of 1, never below the threshold)."""
-
-    def _next_wave(self, state, keep, init):
-        super()._next_wave(state, keep, init)
+def with_reference_bookkeeping(next_wave):
+    """`ParallelSampler._next_wave` with the reference's freeze comparison: after a step that froze c
+    positions, position q is compared with the previous state of position q + c (see rdlm.inference.parallel);
+    the last c positions have nothing to be compared with (zeros: a latent difference of 1, never below the
+    threshold)."""
+    def shifted_next_wave(self, state, keep, init):
+        next_wave(self, state, keep, init)
         shifted = self.state[:, keep:]
         self.previous = torch.cat((shifted, torch.zeros_like(self.state[:, shifted.shape[1]:])), dim=1)
 
-
-def run_sampler(sampler: ParallelSampler) -> list[int]:
-    """What rdlm.inference.generate does with a sampler (without stop tokens)."""
-    c, tokens = sampler.config, []
-    with torch.inference_mode():
-        logits = sampler.session.prefill() if c.full_prefill else None
-        for token, _ in sampler.run(logits):
-            tokens.append(token)
-            if len(tokens) == c.max_new_tokens:
-                return tokens
-    raise AssertionError("the sampler stopped early")
+    return shifted_next_wave
 
 
 @pytest.mark.parametrize("case", REFERENCE["cases"], ids=lambda c: f"{c['name']}-{len(c['prompt'])}")
-def test_with_the_references_bookkeeping_it_reproduces_the_reference_exactly(fixture_model, case):
-    config = reference_config(case)
-    sampler = ReferenceBookkeeping(fixture_model, [case["prompt"]], config)
-    assert run_sampler(sampler) == case["tokens"]
-    assert sampler.wave_steps == case["wave_steps"]
-    assert sampler.core_passes == case["core_passes"]
-    p = len(case["prompt"])
-    iterations = sampler.iterations[p - 1:p - 1 + config.max_new_tokens].tolist()
-    if config.full_prefill:
-        iterations[0] = REFERENCE["prefill_steps"]  # the prompt's last position ran in the prefill
-    assert iterations == case["iterations"]
+def test_with_the_references_bookkeeping_it_reproduces_the_reference_exactly(fixture_model, case, monkeypatch):
+    monkeypatch.setattr(ParallelSampler, "_next_wave", with_reference_bookkeeping(ParallelSampler._next_wave))
+    result = generate(fixture_model, case["prompt"], reference_config(case))
+    assert result.tokens[0] == case["tokens"]
+    assert result.wave_steps == case["wave_steps"]
+    assert result.core_passes == case["core_passes"]
+    # the iterations run at the position that chose each token (the prompt's last ran in the prefill, if any)
+    assert result.steps[0] == case["iterations"]
 
 
 # Where comparing each position with its own previous state (rdlm) instead of the shifted one (the

@@ -166,7 +166,7 @@ def test_a_depth_budget_per_request_is_honoured(live):
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": "tiny", "prompt": [99999]}, 400, "outside the vocabulary"),
-    ({"model": "tiny", "prompt": "x", "sampler": "parallel"}, 400, "not available in a continuous batch"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "target_mean_iterations": 0.5}, 400, "target_mean_iterations"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs logprobs"),
@@ -184,6 +184,22 @@ def test_bad_requests_get_openai_errors_and_disturb_nobody(live, body, status, f
     assert reply.status_code == status
     error = reply.json()["error"]
     assert fragment in error["message"] and error["type"]
+
+
+def test_the_parallel_sampler_is_served_beside_other_requests(live):
+    """A request with `sampler: parallel` runs its wavefront in its own row of the served batch, a step at a
+    time, while other requests decode beside it: each gets the text `generate` gives it alone."""
+    client = live.client()
+    ids = live.tokenizer.encode("the cat", add_bos=True)
+    with ThreadPoolExecutor(2) as pool:
+        wave = pool.submit(client.completions.create, model="tiny", prompt="the cat", max_tokens=8, temperature=0,
+                           extra_body=dict(sampler="parallel", num_steps=4))
+        plain = pool.submit(client.completions.create, model="tiny", prompt="the cat", max_tokens=8, temperature=0)
+        wave, plain = wave.result(timeout=60), plain.result(timeout=60)
+    eos = (live.tokenizer.eos_id,)
+    assert wave.choices[0].text == live.expected(ids, max_new_tokens=8, stop_tokens=eos, sampler="parallel",
+                                                 num_steps=4)[0]
+    assert plain.choices[0].text == live.expected(ids, max_new_tokens=8, stop_tokens=eos)[0]
 
 
 def test_a_disconnected_stream_frees_its_row(live):

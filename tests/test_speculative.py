@@ -47,8 +47,14 @@ def test_speculative_arguments_are_checked(model):
         GenerationConfig(num_steps=4, draft_steps=4)
     with pytest.raises(ValueError, match="greedy"):
         GenerationConfig(num_steps=4, draft_steps=2, temperature=0.7)
-    with pytest.raises(ValueError, match="one prompt"):
-        generate(model, [[1, 2], [3, 4]], GenerationConfig(num_steps=4, draft_steps=2))
+
+
+def test_a_batch_of_prompts_decodes_speculatively_each_as_plain_greedy(model):
+    """Each prompt runs its own rounds in its row of the batch: its tokens are plain greedy decoding's."""
+    prompts = [[1, 2], [3, 4, 5, 6], [7]]
+    plain = generate(model, prompts, GenerationConfig(num_steps=4, max_new_tokens=9))
+    spec = generate(model, prompts, GenerationConfig(num_steps=4, max_new_tokens=9, draft_steps=2, draft_length=3))
+    assert spec.tokens == plain.tokens and spec.drafted >= 3 * 3
 
 
 @pytest.mark.numerics

@@ -147,3 +147,41 @@ def test_no_module_is_longer_than_the_limit():
     long = {name: n for name, n in lengths.items() if n > LONGEST_MODULE}
     assert not long, f"modules over {LONGEST_MODULE} lines: {long}"
 
+
+
+# The model's parts that the inference engine runs (the prelude, a core iteration, the coda) and the calls that
+# run several core iterations; in rdlm/inference only the runner calls them on the model itself.
+MODEL_CALLS = {"embed", "step", "readout", "forward", "exit_probability"}
+# Teacher-forced scoring runs the model's own forward over whole sequences, as training does, with no cache
+# and nothing decoded: perplexity, lm-eval scores and the learned gate's logits (evaluate.py).
+SCORES_WITHOUT_A_RUNNER = {"rdlm.inference.evaluate"}
+
+
+def model_calls(path: Path) -> list[str]:
+    """Calls of the model's parts in a module's source: `model.step(...)`, `self.model.readout(...)`, or the
+    model itself, `model(...)` (whatever the receiver holds, a name or attribute `model` is a model here)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        target = func.value if isinstance(func, ast.Attribute) and func.attr in MODEL_CALLS else func
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+        if name == "model":
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(func)}")
+    return found
+
+
+def test_decoding_calls_the_model_only_through_the_runner():
+    """Every core iteration (and prelude and coda) the engine runs goes through `ModelRunner`
+    (rdlm/inference/runner.py): no other module of rdlm/inference calls the model's parts itself, so the
+    scheduler, the step runner, lockstep tokens, prompt chunks, speculative rounds and parallel waves all
+    run the model one way."""
+    names = module_names()
+    inference = {n: p for n, p in names.items() if n.startswith("rdlm.inference.")}
+    calls = {n: model_calls(p) for n, p in inference.items()}
+    assert calls["rdlm.inference.runner"], "the check sees the runner's own calls"
+    assert calls["rdlm.inference.evaluate"], "and teacher-forced scoring's"
+    allowed = {"rdlm.inference.runner", *SCORES_WITHOUT_A_RUNNER}
+    outside = {n: c for n, c in calls.items() if c and n not in allowed}
+    assert not outside, f"modules that call the model itself instead of through ModelRunner: {outside}"

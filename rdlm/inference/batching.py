@@ -48,6 +48,7 @@ plan out on the model; `ContinuousBatch` runs the step in order and turns the ch
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -59,8 +60,9 @@ from rdlm.inference.graphs import PhaseTimes, resolve_compile, sync
 from rdlm.inference.params import BatchEvent, Decode, Engine, GenerationConfig, check_request
 from rdlm.inference.request import Request, Status
 from rdlm.inference.sampling import NonFiniteLogitsError, choose_rows
-from rdlm.inference.scheduler import Scheduler
-from rdlm.inference.step_runner import StepRunner
+from rdlm.inference.parallel import check_parallel
+from rdlm.inference.scheduler import Scheduler, in_rounds
+from rdlm.inference.step_runner import StepOutput, StepRunner
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -103,24 +105,21 @@ class ContinuousBatch(Engine):
     def add(self, prompt: list[int], config: GenerationConfig) -> int:
         """Queue a request; returns its id. Raises ValueError for what this batch cannot serve."""
         criterion = check_request(self.model, prompt, config, self.decode)
-        if config.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 in a continuous batch, got {config.max_new_tokens}")
         if len(prompt) + config.max_new_tokens > self.max_length:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) "
                              f"exceeds the context of {self.max_length} tokens")
-        if config.draft_steps is not None:
-            raise ValueError("speculative decoding is not available in a continuous batch")
-        if config.sampler != "sequential":
-            raise ValueError(f"the {config.sampler} sampler decodes one prompt at a time; it is not "
-                             f"available in a continuous batch (use rdlm generate)")
+        if config.sampler == "parallel":
+            check_parallel(self.model, config, len(prompt))
         budget = config.core_slots
         if budget > self.num_slots:
             raise ValueError(f"num_steps {config.max_steps} needs {budget} core cache slots and this batch "
                              f"has {self.num_slots}: use the shared cache (a KV-cache budget) of at most "
                              f"{self.num_slots} slots")
+        # s_0 of every position the request may write: a speculative round drafts past its last token
+        positions = self.max_length if in_rounds(config) else len(prompt) + config.max_new_tokens
         request = Request(next(self.ids), list(prompt), config, criterion, budget,
-                           torch.Generator(device=self.device).manual_seed(config.seed),
-                           self.runner.noise_table(config.seed, config.init_scale, len(prompt) + config.max_new_tokens))
+                          torch.Generator(device=self.device).manual_seed(config.seed),
+                          self.runner.noise_table(config.seed, config.init_scale, positions))
         self.scheduler.add(request)
         return request.id
 
@@ -169,16 +168,17 @@ class ContinuousBatch(Engine):
             rows.drop(s.drop_cancelled())
             with self.phases.timed("admission and prompt prelude"):
                 rows.admit(s.admit())
-            starting = s.with_status(Status.STARTING)
+            starting, rounds = s.starting()
             if starting:
                 s.start(starting)
                 with self.phases.timed("prelude and s_0"):
                     rows.start(starting)
             plan = s.plan(starting, rows.prompts(), rows.static, self.device.type != "cpu" or rows.static,
-                          lambda: rows.done.tolist())
-            steps = rows.run(plan)
+                          lambda: rows.done.tolist(), rounds)
+            output = rows.run(plan)
+            self._rounds(output, events)
             if plan.lockstep:
-                s.done(list(plan.computing), steps)
+                s.done(list(plan.computing), output.steps)
                 with self.phases.timed("coda and sampling"):
                     self._coda(list(plan.computing), events, lockstep=True)
                 s.step_ran([])
@@ -186,9 +186,11 @@ class ContinuousBatch(Engine):
             if rows.chunks:
                 with self.phases.timed("prompt coda and first token"):
                     for requests, logits, cap in rows.end_prompts():
-                        for q in requests:
-                            s.prefilled(q)
-                        self._choose(requests, logits, [cap] * len(requests), events)
+                        going_on = [j for j, q in enumerate(requests) if s.prefilled(q)]  # a prefill alone ends
+                        if going_on and len(going_on) < len(requests):
+                            requests, logits = [requests[j] for j in going_on], logits[self.runner.upload(going_on)]
+                        if going_on:
+                            self._choose(requests, logits, [cap] * len(requests), events)
             iterating = list(plan.iterating)
             if s.step_ran(iterating):
                 s.looked(iterating, *rows.look(iterating))
@@ -197,6 +199,32 @@ class ContinuousBatch(Engine):
                 with self.phases.timed("coda and sampling"):
                     self._coda(ready, events)
         return events
+
+    def _rounds(self, output: StepOutput, events: list[BatchEvent]) -> None:
+        """The rounds' tokens, each request's until it finishes (a round may overshoot). A speculative round's
+        pending token and accepted drafts are in the cache; a wave writes its own entries."""
+        for q, err in output.failed:
+            self._fail(q, err)
+        for done in output.rounds:
+            q = done.request
+            self.drafted, self.accepted = self.drafted + done.drafted, self.accepted + done.accepted
+            if q.config.draft_steps is not None:
+                q.length += len(done.tokens)
+            going_on = all(self._chosen(q, token, steps, None, events) for token, steps in done.tokens)
+            if going_on and done.exhausted and done.tokens:  # the wave ran out of room: its last token ends it
+                self.scheduler.free(q)
+                events[-1] = dataclasses.replace(events[-1], finish_reason="length")
+                going_on = False
+            if not going_on:
+                self.step_runner.end_round(q)
+
+    @property
+    def core_passes(self) -> int:
+        return self.step_runner.core_passes
+
+    @property
+    def wave_steps(self) -> int:
+        return self.step_runner.wave_steps
 
     def take_failures(self) -> list[tuple[int, Exception]]:
         """The requests that failed since the last call, each with its error (their rows are free)."""
@@ -207,6 +235,7 @@ class ContinuousBatch(Engine):
         """End one request with an error, alone: the others go on; its row is freed and wiped."""
         self.scheduler.free(q)
         self.step_runner.clear(q.row)
+        self.step_runner.end_round(q)
         self.failures.append((q.id, err))
 
     def take_timings(self) -> dict[str, float]:
@@ -230,9 +259,14 @@ class ContinuousBatch(Engine):
                 self._fail(q, NonFiniteLogitsError(self.model, len(q.tokens) + 1))
                 continue
             token, scored = chosen[j]
-            try:   # the request's own stop strings, decoded with the server's tokenizer
-                reason = self.scheduler.chosen(q, token, steps[j], self.decode)
-            except Exception as err:  # noqa: BLE001 (whatever it is, it is this request's alone)
-                self._fail(q, err)
-                continue
-            events.append(BatchEvent(q.id, token, steps[j], reason, *((None, None) if scored is None else scored)))
+            self._chosen(q, token, steps[j], scored, events)
+
+    def _chosen(self, q: Request, token: int, steps: int, scored: tuple | None, events: list[BatchEvent]) -> bool:
+        """Emit a request's chosen token; whether the request goes on (it may finish, or fail alone)."""
+        try:   # the request's own stop strings, decoded with the server's tokenizer
+            reason = self.scheduler.chosen(q, token, steps, self.decode)
+        except Exception as err:  # noqa: BLE001 (whatever it is, it is this request's alone)
+            self._fail(q, err)
+            return False
+        events.append(BatchEvent(q.id, token, steps, reason, *((None, None) if scored is None else scored)))
+        return reason is None

@@ -1,16 +1,14 @@
-"""Blocks of tokens over one preallocated `RecurrentKVCache`: a left-padded batch of sequences.
+"""Blocks of tokens over one preallocated `RecurrentKVCache`: a left-padded batch of sequences, for a
+transformers forward over `RecurrentCache` (rdlm.integrations.hf), which decodes in transformers' own loop.
 
 `Sequences` runs blocks of several tokens per row at a fixed r through its `ModelRunner`
-(rdlm.inference.runner: the model, the cache, the valid entries the masks read, the s_0 noise table):
-a prompt (the one prefill, rdlm.inference.prefill.PromptChunk), speculative drafts and their
-verification, a transformers forward over `RecurrentCache`. `Session`, a `Sequences` with a
-`GenerationConfig`, adds the prefill and the per-row sampling state that self-speculative decoding
-(rdlm.inference.speculative) and the parallel sampler (rdlm.inference.parallel) decode from;
-`StaticBatch` (rdlm.inference.static) puts those two behind the engine interface.
+(rdlm.inference.runner: the model, the cache, the valid entries the masks read, the s_0 noise table),
+each block a `PromptChunk` (rdlm.inference.prefill). Every generation of rdlm itself, whatever its
+features (fixed r, adaptive exits, continuous chain of thought, KV-cache sharing, self-speculative
+decoding, the parallel sampler, a prefill alone), decodes on the continuous batch
+(rdlm.inference.batching), for `generate` and the server alike.
 
-Token-by-token decoding (fixed r, adaptive exits, continuous chain of thought, KV-cache sharing) is the
-continuous batch's (rdlm.inference.batching), for `generate` and the server alike: a batch whose rows
-go together runs each token in lockstep (rdlm.inference.lockstep).
+`check_generation_time` refuses a generation that would not end in any reasonable time.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.graphs import resolve_compile  # noqa: F401 (its home before graphs.py)
-from rdlm.inference.params import GenerationConfig, check_criterion, check_length, check_prompts
+from rdlm.inference.params import GenerationConfig, check_length, check_prompts
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.runner import Call, ModelRunner
 from rdlm.inference.sampling import NonFiniteLogitsError  # noqa: F401 (its home before sampling.py)
@@ -39,8 +37,8 @@ def check_generation_time(config, device: torch.device, batch: int, prompt_lengt
 
 
 class Sequences:
-    """A batch of sequences over one `ModelRunner` and its cache, run in blocks of tokens at a fixed r (the
-    prompt, speculative drafts and their verification, a transformers forward over `RecurrentCache`).
+    """A batch of sequences over one `ModelRunner` and its cache, run in blocks of tokens at a fixed r (a
+    transformers forward over `RecurrentCache`: the prompt, then a token at a time).
     Prompts are left-padded to a common length: buffer index t of row b holds that row's token at
     position t - pad[b]. `length` buffer entries are written; a block appends at `length`.
 
@@ -77,19 +75,6 @@ class Sequences:
         call = self.runner.block(self.length, ids.shape[1])
         return self.runner.embed(ids, call), call
 
-    def append(self, ids: Tensor) -> tuple[Tensor, Call]:
-        """`begin`, and count the tokens as written: the caller runs their iterations and coda over the
-        returned call (a speculative draft)."""
-        e, call = self.begin(ids)
-        self.length += ids.shape[1]
-        return e, call
-
-    def rewind(self, position: int) -> None:
-        """Forget the buffer entries from index `position` on: the next call writes its tokens there (their
-        cache entries are overwritten; until then the mask hides them)."""
-        self.length = position
-        self.runner.rewind(position)
-
     def forward(self, ids: Tensor, num_steps: int, last_only: bool = True) -> tuple[Tensor, Tensor]:
         """Run tokens through the model at a fixed r (the prefill: `PromptChunk`, a chunk of every row);
         append them to the cache. (logits, state): the logits of the last token [B, V], or of every token
@@ -100,30 +85,3 @@ class Sequences:
         state, logits = chunk.run(self.runner)
         self.length += ids.shape[1]
         return (logits[:, -1] if last_only else logits), state
-
-
-class Session(Sequences):
-    """A batch of prompts with one `GenerationConfig` over one cache (`Sequences`), its prefill and its
-    per-row sampling state: the generators and the tokens seen. Self-speculative decoding runs its rounds
-    over it (rdlm.inference.speculative) and the parallel sampler its waves (rdlm.inference.parallel);
-    every other generation runs on the continuous batch (rdlm.inference.batching)."""
-
-    def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
-                 extra_tokens: int = 0) -> None:
-        # Refused before the cache is allocated: a job that would not end in any reasonable time.
-        check_generation_time(model.config, next(model.parameters()).device, len(prompts),
-                              max(map(len, prompts), default=0), config)
-        super().__init__(model, prompts, config.max_new_tokens + extra_tokens, config.core_slots,
-                         config.cache_strategy, config.seed, config.init_scale, check_criterion(model, config),
-                         config.min_steps)
-        self.config = config
-        self.samplers = [torch.Generator(device=self.device).manual_seed(config.seed)
-                         for _ in range(self.batch)]
-        self.seen = torch.zeros(self.batch, model.config.vocab_size, dtype=torch.bool, device=self.device)
-        for b, p in enumerate(prompts):
-            self.seen[b, torch.tensor(p, device=self.device)] = True
-
-    def prefill(self) -> Tensor:
-        """The prompts at prefill_steps (else num_steps): the logits of their last tokens [B, V]."""
-        logits, _ = self.forward(self.ids, self.config.prefill_steps or self.config.num_steps)
-        return logits

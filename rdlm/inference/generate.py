@@ -30,8 +30,8 @@ with the sequence except the list of output tokens.
 `generate` is one driver over the engine interface (`Engine`, rdlm.inference.params): add every prompt
 to an engine, step it until idle, and turn its events into `TokenEvent`s and one `GenerationResult`.
 The engine is the `ContinuousBatch` that `rdlm serve` runs too (rdlm.inference.batching), one row per
-prompt; self-speculative decoding, the parallel sampler and a prefill alone run on a `StaticBatch`
-(rdlm.inference.static, `decodes_as_one`).
+prompt, for every feature above: self-speculative decoding and the parallel sampler run a round per step
+in their rows, and `max_new_tokens=0` prefills alone.
 """
 
 from __future__ import annotations
@@ -43,15 +43,15 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.engine import Session, check_generation_time
+from rdlm.inference.engine import check_generation_time
 from rdlm.inference.graphs import resolve_sync_every, sync
-from rdlm.inference.params import (Decode, Engine, GenerationConfig, GenerationResult, TokenEvent, check_length,
-                                  check_prompts, cut_at_stop)
+from rdlm.inference.parallel import wave_room
+from rdlm.inference.params import (Decode, GenerationConfig, GenerationResult, TokenEvent, check_length, check_prompts,
+                                  cut_at_stop)
 from rdlm.inference.sampling import sample
-from rdlm.inference.static import StaticBatch, decodes_as_one
 from rdlm.model.lm import RecurrentDepthLM
 
-__all__ = ["Decode", "GenerationConfig", "GenerationResult", "Session", "TokenEvent", "generate", "sample", "stream"]
+__all__ = ["Decode", "GenerationConfig", "GenerationResult", "TokenEvent", "generate", "sample", "stream"]
 
 # --------------------------------------------------------------------------------------------------
 # Public API
@@ -71,8 +71,6 @@ def stream(model: RecurrentDepthLM, prompts, config: GenerationConfig | None = N
     or `yield from`) is the GenerationResult."""
     config = config or GenerationConfig()
     prompts = as_prompts(prompts)
-    if config.draft_steps is not None and len(prompts) != 1:
-        raise ValueError(f"speculative decoding takes one prompt at a time, got {len(prompts)}")
     was_training = model.training
     model.eval()
     try:
@@ -97,21 +95,29 @@ def generate(model: RecurrentDepthLM, prompts, config: GenerationConfig | None =
 
 
 def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
-            decode: Decode | None) -> Engine:
+            decode: Decode | None) -> ContinuousBatch:
     """The engine for these prompts: the continuous batch (rdlm.inference.batching), one row per prompt, all
-    prefilled together, each token run in lockstep while the rows go together (rdlm.inference.lockstep)
-    and iteration by iteration under a depth budget, which each row spends at its own pace; the static
-    batch (rdlm.inference.static) for self-speculative decoding, the parallel sampler, and a prefill
-    with no new tokens."""
-    if decodes_as_one(config):
-        return StaticBatch(model, config, decode)
+    prefilled together, each token run in lockstep while the rows go together (rdlm.inference.lockstep),
+    iteration by iteration under a depth budget, which each row spends at its own pace, and a round per step
+    for self-speculative decoding and the parallel sampler."""
+    if config.sampler == "parallel" and len(prompts) != 1:
+        raise ValueError(
+            f"the parallel sampler takes one prompt at a time, got {len(prompts)}; a batch would need "
+            "one wavefront per row (per-row start, width and commit bookkeeping; see rdlm.inference.parallel)")
     check_prompts(model, prompts)
     longest = max(map(len, prompts))
-    check_length(model, longest, config.max_new_tokens)
+    # the room after the longest prompt: its new tokens, and what a round may write past the last one (a
+    # speculative round's drafts, the parallel sampler's wave running ahead)
+    room = config.max_new_tokens
+    if config.draft_steps is not None:
+        room += config.draft_length
+    elif config.sampler == "parallel":
+        room += wave_room(model, config, longest)
+    check_length(model, longest, room)
     # Refused before the cache is allocated: a job that would not end in any reasonable time.
     device = next(model.parameters()).device
     check_generation_time(model.config, device, len(prompts), longest, config)
-    return ContinuousBatch(model, max_batch=len(prompts), max_length=longest + config.max_new_tokens,
+    return ContinuousBatch(model, max_batch=len(prompts), max_length=longest + room,
                            num_slots=config.core_slots, decode=decode,
                            exit_sync_every=resolve_sync_every(config.exit_sync_every, device),
                            prefill_chunk=longest, compile=config.compile)

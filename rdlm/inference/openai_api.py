@@ -111,6 +111,8 @@ def generation_config(body: Options, defaults: GenerationConfig, stop_tokens: tu
     updates: dict[str, Any] = {"stop_tokens": tuple(defaults.stop_tokens) + stop_tokens,
                                "logprobs": requested_logprobs(body)}
     if max_tokens is not None:
+        if max_tokens < 1:   # a request for no token would end without a response
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         updates["max_new_tokens"] = max_tokens
     for param in REQUEST_PARAMS:
         value = getattr(body, param.name)

@@ -46,108 +46,109 @@ tests/fixtures/parallel_reference.json):
 - Without a full prefill, prompt tokens are never redrafted (the reference rewrites the prompt after a
   step in which an early prompt position is the last to settle).
 
-Batches: one prompt at a time. A batch would need a wavefront per row (rows commit different numbers of
-positions per step, so their starts and widths diverge): the wave as a [B, W_max] block with a
-per-row start index for the cache writes, a per-row validity mask over the block (the attention mask
-then hides both padding and each row's positions beyond its wave), and per-row commit bookkeeping;
-the core calls themselves batch unchanged.
+In the engine: a request with `sampler="parallel"` decodes in its own row of the continuous batch
+(rdlm.inference.batching), its prompt prefilled as any other's (unless `full_prefill` is off: then the
+first wave is the prompt). The scheduler plans a wave step of it at every batch step
+(rdlm.inference.scheduler.StepPlan.rounds) and the step runner runs it here, in calls over its row alone;
+`ParallelSampler` holds its wave. `generate` takes one prompt at a time with it: the wave's calls do not
+batch with other rows (rows commit different numbers of positions per step, so their starts and widths
+diverge; a batched wave would need a per-row start, width and commit bookkeeping).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 from torch import Tensor
 
-from rdlm.inference.engine import Session
 from rdlm.inference.params import GenerationConfig
-from rdlm.inference.sampling import NonFiniteLogitsError, choose, sample
+from rdlm.inference.request import Request
+from rdlm.inference.runner import ModelRunner
+from rdlm.inference.sampling import NonFiniteLogitsError, sample
 from rdlm.model.lm import RecurrentDepthLM
 
 
+def check_parallel(model: RecurrentDepthLM, config: GenerationConfig, prompt_length: int) -> None:
+    """Refuse a parallel-sampler request this model or prompt cannot run."""
+    if not model.config.takes_initial_state:
+        raise ValueError("the parallel sampler refines drafts from a noise state; a model whose s_0 is its "
+                         "embedding (Ouro) has none: use the sequential sampler")
+    if not config.full_prefill and config.max_wavefront is not None and prompt_length > config.max_wavefront:
+        raise ValueError(f"without a full prefill the prompt ({prompt_length} tokens) is the first "
+                         f"wave and must fit in max_wavefront ({config.max_wavefront}); prefill it or "
+                         "raise max_wavefront")
+
+
+def wave_room(model: RecurrentDepthLM, config: GenerationConfig, prompt_length: int) -> int:
+    """Buffer entries a parallel-sampler request may use past its last new token: the wave may run ahead of
+    it (positions beyond it still decide freezes), within the model's context."""
+    room = model.config.context_length - prompt_length - config.max_new_tokens
+    ahead = (config.max_wavefront or model.config.context_length) + config.headway
+    return max(0, min(ahead, room))
+
+
 class ParallelSampler:
-    """Decode one prompt with a wavefront of partly converged positions (see the module doc).
+    """Decode one request with a wavefront of partly converged positions (see the module doc), over its row of
+    the batch's runner (buffer index == position).
 
-    Positions are indices of the session's buffer (batch 1: buffer index == position). Per-position
-    bookkeeping (tokens, iterations run) lives in tensors over the whole buffer; the wave's own
-    tensors (states, smoothed embeddings, criterion streaks, previous logits) are [1, W, ...] and
-    shift when the wave start moves."""
+    Per-position bookkeeping (tokens, iterations run) lives in tensors over the row's whole buffer; the wave's
+    own tensors (states, smoothed embeddings, criterion streaks, previous logits) are [1, W, ...] and shift
+    when the wave start moves. Drafts are drawn from the request's generator, which chose its first token."""
 
-    def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig) -> None:
-        if len(prompts) != 1:
-            raise ValueError(
-                f"the parallel sampler takes one prompt at a time, got {len(prompts)}; a batch would need "
-                "one wavefront per row (per-row start, width and commit bookkeeping; see rdlm.inference.parallel)")
-        if not model.config.takes_initial_state:
-            raise ValueError("the parallel sampler refines drafts from a noise state; a model whose s_0 is its "
-                             "embedding (Ouro) has none: use the sequential sampler")
-        self.config = c = config
-        prompt_length = len(prompts[0])
-        room = model.config.context_length - prompt_length - c.max_new_tokens
-        # The wave may run ahead of the last token asked for (positions beyond it still decide freezes).
-        ahead = (c.max_wavefront or model.config.context_length) + c.headway
-        self.session = Session(model, prompts, config, extra_tokens=max(0, min(ahead, room)))
-        self.model, s = model, self.session
+    def __init__(self, runner: ModelRunner, request: Request) -> None:
+        self.runner, self.request, self.model = runner, request, runner.model
+        self.config = c = request.config
+        self.row, self.prompt_length = request.row, len(request.prompt)
         self.criterion = c.freezer()
-        length = s.cache.max_length
-        self.tokens = torch.zeros(length + 1, dtype=torch.long, device=s.device)  # final, then drafts
-        self.tokens[:prompt_length] = s.ids[0]
-        self.iterations = torch.zeros(length + 1, dtype=torch.long, device=s.device)  # run at each position
-        self.noise = torch.Generator(device=s.device).manual_seed(c.seed)
+        length, device = runner.cache.max_length, runner.device
+        self.tokens = torch.zeros(length + 1, dtype=torch.long, device=device)  # final, then drafts
+        self.tokens[:self.prompt_length] = runner.upload(request.prompt)
+        self.iterations = torch.zeros(length + 1, dtype=torch.long, device=device)  # run at each position
+        self.noise = torch.Generator(device=device).manual_seed(c.seed)
         self.core_passes = 0     # core block calls, each over the whole wave
         self.wave_steps = 0
         self.start = 0           # first position of the wave; positions before it are final in the cache
-        self.final = prompt_length  # positions before this hold final tokens
+        self.final = self.prompt_length  # positions before this hold final tokens
+        if request.tokens:       # the first token, chosen after a full prefill
+            self.tokens[self.prompt_length] = request.tokens[0]
+            self.final = self.prompt_length + 1
+            self._open(self.prompt_length, 1, exact=True)
+        else:                    # the first wave is the prompt
+            self._open(0, self.prompt_length, exact=True)
 
     # ---- the wave's tensors
 
     def _open(self, start: int, n: int, exact: bool) -> None:
         """The first wave: positions start .. start + n - 1, all with final tokens."""
-        s = self.session
         self.start = start
         self.state = self.previous = self._initial_state(start, n)
-        self.exact = torch.full((n,), exact, dtype=torch.bool, device=s.device)
+        self.exact = torch.full((n,), exact, dtype=torch.bool, device=self.runner.device)
         self.smoothed = torch.zeros_like(self.state) if self.config.embedding_ema > 0 else None
-        self.streak = torch.zeros(n, dtype=torch.long, device=s.device)
+        self.streak = torch.zeros(n, dtype=torch.long, device=self.runner.device)
         self.prev_logits: Tensor | None = None
-        self.has_logits = torch.zeros(n, dtype=torch.bool, device=s.device)
+        self.has_logits = torch.zeros(n, dtype=torch.bool, device=self.runner.device)
 
     def _initial_state(self, start: int, n: int) -> Tensor:
-        """s_0 of new positions: the session's (seed, position) noise, the same as sequential decoding."""
-        s = self.session
-        shape = (1, n, self.model.config.hidden_size)
-        return s.runner.initial_state(torch.zeros(shape, dtype=s.dtype, device=s.device), s.runner.positions(start, n))
+        """s_0 of new positions: the request's (seed, position) noise, the same as sequential decoding."""
+        runner, noise = self.runner, self.request.noise
+        zeros = torch.zeros(1, n, self.model.config.hidden_size, dtype=runner.dtype, device=runner.device)
+        return runner.start_state(zeros, None if noise is None else noise[start:start + n].unsqueeze(0))
+
+    @property
+    def exhausted(self) -> bool:
+        """The wave ran out of room (the row's buffer is full): no token can become final any more."""
+        return self.state.shape[1] == 0
 
     # ---- decoding
 
-    def run(self, prefill_logits: Tensor | None) -> Iterator[tuple[int, int]]:
-        """Yield (token, iterations at the position that chose it) as tokens become final.
-        `prefill_logits`: the prompt's last logits after a full prefill (`Session.prefill`), or None
-        to start the wave over the whole prompt."""
-        c, s = self.config, self.session
-        prompt_length = s.prompt_length
-        if prefill_logits is not None:
-            (first,), _ = choose(self.model, prefill_logits, c, s.samplers, s.seen, 0)
-            self.tokens[prompt_length] = first
-            self.final = prompt_length + 1
-            self._open(prompt_length, 1, exact=True)
-            yield int(first), c.prefill_steps or c.num_steps
-        else:
-            if c.max_wavefront is not None and prompt_length > c.max_wavefront:
-                raise ValueError(f"without a full prefill the prompt ({prompt_length} tokens) is the first "
-                                 f"wave and must fit in max_wavefront ({c.max_wavefront}); prefill it or "
-                                 "raise max_wavefront")
-            self._open(0, prompt_length, exact=True)
-        while self.state.shape[1] > 0:
-            yield from self.step()
-
     def step(self) -> list[tuple[int, int]]:
-        """One wavefront step; returns the tokens that became final."""
-        c, s, runner = self.config, self.session, self.session.runner
+        """One wavefront step; returns the tokens that became final, each with the iterations run at the
+        position that chose it."""
+        c, runner, row = self.config, self.runner, self.row
         a, width = self.start, self.state.shape[1]
-        s.rewind(a)  # the wave's entries are (re)written from its start
-        e, call = s.begin(self.tokens[a:a + width].view(1, width))
+        runner.rewind(a, row)  # the wave's entries are (re)written from its start
+        runner.admit(a, width, row)
+        call = runner.block(a, width, row=row).but(budget=self.request.budget)
+        e = runner.embed(self.tokens[a:a + width].view(1, width), call)
         if self.smoothed is not None:  # EMA of the input embeddings as drafts change
             old = torch.where(self.exact.view(1, -1, 1), e, self.smoothed)
             e = self.smoothed = (1 - c.embedding_ema) * e + c.embedding_ema * old
@@ -171,13 +172,13 @@ class ParallelSampler:
         if crit.uses_logits:  # a position's first step has nothing to compare its logits with
             passed = passed & self.has_logits
         self.streak = torch.where(passed, self.streak + 1, 0)
-        index = torch.arange(width, device=s.device)
+        index = torch.arange(width, device=runner.device)
         settled = torch.where(self.streak >= crit.patience, index, -1).max()
         done = torch.where(self.iterations[a:a + width] >= c.num_steps, index + 1, -1).max()
         finite = torch.isfinite(logits).all().long()
         settled, done, finite = torch.stack((settled, done, finite)).tolist()  # the one host sync of a step
         if not finite:
-            raise NonFiniteLogitsError(self.model, a + 1 - self.session.prompt_length)
+            raise NonFiniteLogitsError(self.model, a + 1 - self.prompt_length)
         new_start = a + max(settled, done, 0)
         new_final = max(self.final, new_start + 1)
         out = [(int(t), int(n)) for t, n in zip(self.tokens[self.final:new_final].tolist(),
@@ -189,9 +190,9 @@ class ParallelSampler:
         end = a + width + c.headway
         if c.max_wavefront is not None:
             end = min(end, a + c.max_wavefront)
-        end = min(max(end, new_start + 1), s.cache.max_length)
+        end = min(max(end, new_start + 1), runner.cache.max_length)
         keep, new = new_start - a, max(0, end - (a + width))
-        fresh = (torch.arange(a + width, a + width + new, device=s.device) < new_final)
+        fresh = (torch.arange(a + width, a + width + new, device=runner.device) < new_final)
         self.tokens[a + width + 1:a + width + new] = self.tokens[a + width]  # placeholders: newest draft
         if c.continuous_cot and width >= c.headway:
             init = state[:, width - c.headway:][:, :new]
@@ -207,7 +208,7 @@ class ParallelSampler:
             self.has_logits = torch.cat((torch.ones_like(self.has_logits[keep:width]),
                                          self.has_logits.new_zeros(new)))
         self.start = new_start
-        s.rewind(new_start)
+        runner.rewind(new_start, row)
         return out
 
     def _next_wave(self, state: Tensor, keep: int, init: Tensor) -> None:
@@ -216,5 +217,5 @@ class ParallelSampler:
         self.state = self.previous = torch.cat((state[:, keep:], init), dim=1)
 
     def _draft(self, logits: Tensor) -> Tensor:
-        """Tokens [n] from logits [n, V] (greedy at temperature 0), all drawn from the row's generator."""
-        return sample(logits, self.config, [self.session.samplers[0]] * logits.shape[0])
+        """Tokens [n] from logits [n, V] (greedy at temperature 0), all drawn from the request's generator."""
+        return sample(logits, self.config, [self.request.generator] * logits.shape[0])

@@ -345,9 +345,8 @@ class Engine(Protocol):
     engine"). `add` queues a request and returns its id (ValueError for what the engine cannot serve),
     `step` runs the next step and returns the tokens it chose, `cancel` drops a request, `busy` says whether
     one is waiting or running, `take_failures` which requests failed alone (their errors) since the last call.
-    `StaticBatch` (rdlm.inference.static) decodes the requests added before its
-    first step in lockstep; `ContinuousBatch` (rdlm.inference.batching) admits and finishes them one by one.
-    Either ends a request with `GenerationConfig.finish_reason`. The numbers below are `GenerationResult`'s,
+    `ContinuousBatch` (rdlm.inference.batching), the one engine, admits and finishes them one by one and
+    ends each with `GenerationConfig.finish_reason`. The numbers below are `GenerationResult`'s,
     zero for an engine that does not do that work."""
     device: torch.device
     cache_bytes: int                      # the KV cache's size

@@ -1,7 +1,8 @@
 """The one prefill: a block of tokens run through prelude, r core iterations (with a learned gate, each
-token read out at its exit) and coda, a `PromptChunk`. The static engine (rdlm.inference.engine) runs the
-whole left-padded batch as one chunk in one go (`PromptChunk.block`, `run`); the continuous batch
-(rdlm.inference.batching) prefills its prompts inside its steps, a chunk at a time.
+token read out at its exit) and coda, a `PromptChunk`. A transformers forward over `Sequences`
+(rdlm.inference.engine) runs the whole left-padded batch as one chunk in one go (`PromptChunk.block`,
+`run`); the continuous batch (rdlm.inference.batching) prefills its prompts inside its steps, a chunk at a
+time.
 
 A prompt does not run its r iterations in one call that stalls every decoding row: the prompts admitted
 together form a `PromptChunk` (right-padded to the longest), and each step of the batch runs one core
@@ -70,7 +71,7 @@ class PromptChunk:
         e = runner.embed(ids, call)
         chunk = cls(requests, start, lengths, cap, budget, runner.start_state(e, noise), e, call)
         gated = [q.criterion is not None and q.criterion.uses_gate for q in requests]
-        if any(gated):  # read out at each token's gate exit, as the engine's prefill (rdlm.inference.engine)
+        if any(gated):  # read out at each token's gate exit, as a block prefill (`block`) reads it
             never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
             chunk.thresholds = runner.upload([q.criterion.threshold if gate else never
                                               for q, gate in zip(requests, gated)]).view(-1, 1)

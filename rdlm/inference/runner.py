@@ -7,8 +7,9 @@ entries, and the cache with a write plan. `ModelRunner` owns the model, the `Rec
 buffer entries hold a token (`key_valid`, the keys of every mask) and the s_0 noise table; a caller
 says which rows and buffer indices a call covers (a `Call`, from `block`, `tokens` or `prompt`) and at
 which iterations, and the runner builds the positions and the mask and calls the model. The engines
-above it (`Session`, `ContinuousBatch` with its `PromptChunk`s, `ParallelSampler`) decide what runs
-when and hold no model call of their own.
+above it (the continuous batch's `StepRunner` with its lockstep tokens, `PromptChunk`s, speculative rounds
+and `ParallelSampler` waves; `Sequences` for a transformers forward) decide what runs when and hold no
+model call of their own.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Pack:
 
 class ModelRunner:
     """The model, its KV cache, the valid buffer entries of each row and the s_0 table (see the module
-    doc). Buffer index t of row b holds that row's token at position t - pad[b] (`Session` left-pads its
+    doc). Buffer index t of row b holds that row's token at position t - pad[b] (`Sequences` left-pads its
     prompts to a common length; without `pad`, every row starts at index 0)."""
 
     def __init__(self, model: RecurrentDepthLM, batch: int, max_length: int, num_slots: int,
@@ -124,18 +125,20 @@ class ModelRunner:
         index = start + torch.arange(n, device=self.device)
         return (index.unsqueeze(0) - self.pad.unsqueeze(1)).clamp_min(0)
 
-    def block(self, start: int | Tensor, n: int = 1) -> Call:
-        """n tokens of every row at buffer indices start..: causal over the valid entries; a pad query sees
-        itself only (so its softmax is defined; nobody attends to it). A 0-dim index tensor `start` (one
-        token: the static decode step) sees the whole buffer, a fixed shape; the mask hides what is not
-        written yet."""
-        positions = self.positions(start, n)
+    def block(self, start: int | Tensor, n: int = 1, row: int | None = None) -> Call:
+        """n tokens of every row (or of `row` alone) at buffer indices start..: causal over the valid entries;
+        a pad query sees itself only (so its softmax is defined; nobody attends to it). A 0-dim index tensor
+        `start` (one token: the static decode step) sees the whole buffer, a fixed shape; the mask hides
+        what is not written yet."""
+        rows = slice(None) if row is None else slice(row, row + 1)
+        positions = self.positions(start, n)[rows]
         if isinstance(start, Tensor):
-            mask = self.key_valid[:, None, None, :]
+            mask = self.key_valid[rows, None, None, :]
         else:
-            valid = self.key_valid[:, :start + n]
+            valid = self.key_valid[rows, :start + n]
             mask = padded_causal_mask(valid, n) if n > 1 else valid[:, None, None, :]
-        return Call(self.model.rope(positions, check=False), mask, self.cache.at(start), positions)
+        cache = self.cache.at(start) if row is None else self.cache.at(start, rows=rows)
+        return Call(self.model.rope(positions, check=False), mask, cache, positions)
 
     def tokens(self, rows: list[int], index: list[int]) -> tuple[Tensor, Call]:
         """One token per row, row rows[j] at its own buffer index index[j] (the continuous batch): (the rows

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from rdlm.inference.params import Decode
+from rdlm.inference.params import Decode, GenerationConfig
 from rdlm.inference.request import Request, Status
 
 
@@ -44,7 +44,10 @@ class StepPlan:
       the device since the last look frozen where `may_be_frozen`, and `prompt_iterations` iterations of the
       prompt chunks in flight (the first in the same call as the rows, where the rows' call is eager).
 
-    `iterating`: every request whose token is in progress, computing or not (the look reads their flags)."""
+    `iterating`: every request whose token is in progress, computing or not (the look reads their flags);
+    `rounds`: requests that decode a round at a time in calls of their own: self-speculative decoding (a round
+    of drafts and their verification from the pending token, rdlm.inference.speculative) and the parallel
+    sampler (a step of its wavefront, rdlm.inference.parallel)."""
     iterating: tuple[Request, ...] = ()
     computing: tuple[Request, ...] = ()
     iterations: int = 1
@@ -52,6 +55,12 @@ class StepPlan:
     slots: tuple[int, ...] = ()
     may_be_frozen: bool = False
     prompt_iterations: int = 0
+    rounds: tuple[Request, ...] = ()
+
+
+def in_rounds(config: GenerationConfig) -> bool:
+    """Whether a request decodes a round at a time (`StepPlan.rounds`) rather than a token's iterations."""
+    return config.draft_steps is not None or config.sampler == "parallel"
 
 
 class Scheduler:
@@ -120,20 +129,30 @@ class Scheduler:
             q = self.waiting.popleft()
             q.row = self.rows.index(None)
             self.rows[q.row] = q
+            if q.config.sampler == "parallel" and not q.config.full_prefill:
+                q.status = Status.STARTING   # its first wave is the prompt (rdlm.inference.parallel)
+                continue
             q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
             groups.setdefault((q.cap, q.budget), []).append(q)
         return groups
 
     # ---- the plan of a step
 
+    def starting(self) -> tuple[list[Request], list[Request]]:
+        """The requests whose chosen token is fed now: (those whose token starts its iterations, those that
+        decode a round at a time: `StepPlan.rounds`)."""
+        fed = self.with_status(Status.STARTING)
+        return [q for q in fed if not in_rounds(q.config)], [q for q in fed if in_rounds(q.config)]
+
     def plan(self, starting: list[Request], prompts: Prompts | None, static: bool, rides_along: bool,
-             done: Callable[[], list[bool]]) -> StepPlan:
+             done: Callable[[], list[bool]], rounds: list[Request] = ()) -> StepPlan:
         """The step's core work (`StepPlan`), once admission and the starts are done: the token the `starting`
         requests began in lockstep (`in_lockstep`), or the iterating requests' next iteration(s) (`computing`,
         `fusable`) and the prompts' share (`extra_prompt_iterations`). `prompts`: the chunks in flight, if any;
         `static`: the runner's step is the static one; `rides_along` and `done`: as `computing`. The planned
-        iterations count as run (`ran`), as a plan is always carried out whole."""
-        if starting and self.in_lockstep(starting, prompts is not None):
+        iterations count as run (`ran`), as a plan is always carried out whole. `rounds`: the requests whose
+        round runs in this step (`starting`)."""
+        if starting and not rounds and self.in_lockstep(starting, prompts is not None):
             return StepPlan(tuple(starting), tuple(starting), starting[0].cap, lockstep=True)
         iterating = self.with_status(Status.ITERATING)
         computing = self.computing(iterating, rides_along, done)
@@ -141,7 +160,7 @@ class Scheduler:
         share = 0 if prompts is None else 1 + self.extra_prompt_iterations(
             prompts.tokens, prompts.fewest_left - 1, decoding=bool(computing))
         plan = StepPlan(tuple(iterating), tuple(computing), n, False, tuple(q.iteration % q.budget for q in computing),
-                        self.may_be_done(computing), share)
+                        self.may_be_done(computing), share, tuple(rounds))
         self.ran(computing, n)
         return plan
 
@@ -153,9 +172,14 @@ class Scheduler:
             q.iteration, q.status = 0, Status.ITERATING
             q.cap = q.config.depth_cap(len(q.tokens), q.spent)
 
-    def prefilled(self, request: Request) -> None:
-        """The request's whole prompt is in the cache; its first token is chosen next (`chosen`)."""
+    def prefilled(self, request: Request) -> bool:
+        """The request's whole prompt is in the cache; its first token is chosen next (`chosen`). Whether it
+        goes on: a request for no new tokens (a prefill alone) ends here."""
         request.length = len(request.prompt)
+        if request.config.max_new_tokens == 0:
+            self.free(request)
+            return False
+        return True
 
     def chosen(self, request: Request, token: int, steps: int, decode: Decode | None) -> str | None:
         """A token was chosen after `steps` iterations: the request goes on to start it, or ends (its finish

@@ -24,17 +24,43 @@ them inside its iterations; fused iterations have none to decide.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
 from rdlm.inference.graphs import PhaseTimes, StaticSteps
 from rdlm.inference.lockstep import Lockstep, Rows
+from rdlm.inference.parallel import ParallelSampler
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.request import Request
 from rdlm.inference.row_exits import RowExits
 from rdlm.inference.runner import Call, ModelRunner, Pack
+from rdlm.inference.sampling import NonFiniteLogitsError
 from rdlm.inference.scheduler import Prompts, StepPlan
+from rdlm.inference.speculative import speculate
 from rdlm.model.lm import RecurrentDepthLM
+
+
+@dataclass
+class Round:
+    """A request's round (`StepPlan.rounds`): the tokens that became final, each with the iterations run at the
+    position that chose it; a speculative round's drafts and accepted drafts; whether a parallel sampler's
+    wave ran out of room (the request can give no more tokens)."""
+    request: Request
+    tokens: list[tuple[int, int]]
+    drafted: int = 0
+    accepted: int = 0
+    exhausted: bool = False
+
+
+@dataclass
+class StepOutput:
+    """What carrying out a plan gives back to the batch: a lockstep token's iterations per request, the rounds
+    run, and the requests a round failed with its error."""
+    steps: list[int] | None = None
+    rounds: list[Round] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
 
 class StepRunner:
@@ -67,6 +93,8 @@ class StepRunner:
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0             # core iterations run several to a call
         self.lockstep = Lockstep(self.runner, static)
+        self.waves: dict[int, ParallelSampler] = {}   # the parallel sampler's requests (by id): their wavefronts
+        self.core_passes = self.wave_steps = 0        # the waves' core calls and steps, all requests together
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
 
     @property
@@ -96,7 +124,10 @@ class StepRunner:
             self._begin_chunk(group, 0, cap, budget)
 
     def drop(self, dropped: set[int]) -> None:
-        """Cancelled requests' prompts stop being prefilled (their rows are the scheduler's to free)."""
+        """Cancelled requests' prompts stop being prefilled and their waves go (their rows are the scheduler's
+        to free)."""
+        for request in dropped:
+            self.waves.pop(request, None)
         for chunk in list(self.chunks) if dropped else ():
             keep = [j for j, q in enumerate(chunk.requests) if q.id not in dropped]
             if len(keep) < len(chunk.requests):
@@ -192,11 +223,44 @@ class StepRunner:
 
     # ---- the plan's core iterations
 
-    def run(self, plan: StepPlan) -> list[int] | None:
-        """Carry out the plan's core iterations (see the module doc); a lockstep token's iterations per request."""
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Carry out the plan (see the module doc)."""
+        output = StepOutput()
+        for q in plan.rounds:
+            with self.phases.timed("rounds"):
+                try:
+                    output.rounds.append(self._round(q))
+                except NonFiniteLogitsError as err:
+                    self.waves.pop(q.id, None)
+                    output.failed.append((q, err))
         if plan.lockstep:
             with self.phases.timed("core iteration"):
-                return self._lockstep(list(plan.computing))
+                output.steps = self._lockstep(list(plan.computing))
+            return output
+        self._iterate(plan)
+        return output
+
+    def _round(self, q: Request) -> Round:
+        """A request's round: a speculative one (rdlm.inference.speculative), or its wave's next step
+        (rdlm.inference.parallel; the wave opens at the request's first round)."""
+        if q.config.draft_steps is not None:
+            tokens, drafted, accepted = speculate(self.runner, q)
+            return Round(q, [(t, q.config.num_steps) for t in tokens], drafted, accepted)
+        wave = self.waves.get(q.id)
+        if wave is None:
+            wave = self.waves[q.id] = ParallelSampler(self.runner, q)
+        passes, steps = wave.core_passes, wave.wave_steps
+        tokens = wave.step()
+        self.core_passes += wave.core_passes - passes
+        self.wave_steps += wave.wave_steps - steps
+        return Round(q, tokens, exhausted=wave.exhausted)
+
+    def end_round(self, q: Request) -> None:
+        """A request that decodes in rounds left its row: its wave goes."""
+        self.waves.pop(q.id, None)
+
+    def _iterate(self, plan: StepPlan) -> None:
+        """The plan's iterations of the computing rows and the prompt chunks, then the rows' exit decisions."""
         requests = list(plan.computing)
         if requests and plan.iterations > 1:  # fused (static) iterations: no exit criterion to read
             self._static(requests, plan.iterations)
@@ -219,7 +283,7 @@ class StepRunner:
             if chunks:
                 self._prompts(Pack(), chunks)
         if not requests or plan.iterations > 1:
-            return None
+            return
         if not self.static:
             self.state[select] = state
             self.steps[select] += running.long()
@@ -227,7 +291,6 @@ class StepRunner:
             self.exits.update(requests, rows, call, prev_state, state, running, self.steps, self.min_steps, self.cap,
                               self.done)
             self.done[select] |= self.steps[select] >= self.cap[select]
-        return None
 
     def _static(self, requests: list[Request], n: int) -> None:
         """n core iterations of the decoding rows as one fixed-shape call over all `max_batch` rows, the same
