@@ -32,7 +32,7 @@ def speculate(runner: ModelRunner, request: Request) -> tuple[list[int], int, in
     fed, embedded, states = [request.next_token], [], []
     for k in range(length):
         runner.admit(start + k, 1, row)
-        _, call = runner.tokens([row], [start + k])
+        call = runner.block(start + k, 1, row=row)
         e = runner.embed(runner.upload([[fed[-1]]]), call)
         noise = None if request.noise is None else request.noise[start + k].view(1, 1, -1)
         state = runner.iterate(runner.start_state(e, noise), e, call, range(c.draft_steps))
@@ -42,7 +42,7 @@ def speculate(runner: ModelRunner, request: Request) -> tuple[list[int], int, in
         fed.append(int(logits[0, -1].argmax()))
     drafts = fed[1:]
     # Verify: iterations N..M-1 for all L drafted positions at once.
-    call = runner.prompt(start, length, runner.upload([row]), request.budget)
+    call = runner.block(start, length, row=row)
     state = runner.iterate(torch.cat(states, dim=1), torch.cat(embedded, dim=1), call,
                            range(c.draft_steps, c.num_steps))
     logits = runner.readout(state, call)[0]
