@@ -908,7 +908,7 @@ def error_cases() -> list[Case]:
         gen_case("tiny", "stop-strings-without-decode", P1, kind="error", fails=True, stop_strings=("a",), **base),
         gen_case("huginn-tiny", "gate-without-gate", P1, kind="error", fails=True, exit_criterion="gate", **base),
         gen_case("tiny", "speculative-batch", BATCH, num_steps=4, draft_steps=2),   # refused before #45's plan kinds
-        gen_case("tiny", "parallel-batch", BATCH, kind="error", fails=True, num_steps=4, sampler="parallel"),
+        gen_case("tiny", "parallel-batch", BATCH, num_steps=4, sampler="parallel"),   # refused before #45's plan kinds
         gen_case("tiny", "parallel-no-prefill-too-long", list(range(1, 10)), kind="error", fails=True,
                  num_steps=4, sampler="parallel", full_prefill=False, max_new_tokens=250),
     ]

@@ -132,8 +132,9 @@ def test_every_knob_runs_and_a_seed_reproduces_it(model, knobs):
 
 
 def test_clear_errors(model):
-    with pytest.raises(ValueError, match="one prompt at a time"):
-        generate(model, [[1, 2], [3, 4]], GenerationConfig(sampler="parallel", num_steps=4))
+    with pytest.raises(ValueError, match="Ouro"):
+        ouro = RecurrentDepthLM(RDLMConfig.from_preset("ouro-tiny")).eval()
+        generate(ouro, [1, 2], GenerationConfig(sampler="parallel", num_steps=4))
     with pytest.raises(ValueError, match="must fit in max_wavefront"):
         generate(model, list(range(1, 10)), GenerationConfig(sampler="parallel", num_steps=4, full_prefill=False,
                                                              max_wavefront=4))
@@ -159,3 +160,16 @@ def test_cli_parallel_sampler_matches_the_api(capsys):
         num_steps=8, max_new_tokens=6, init_scale=0.0, sampler="parallel", inner_recurrence=2))
     assert out.strip() == ",".join(map(str, [1, 2, 3] + expected.tokens[0]))
     assert "wavefront steps" in err
+
+
+def test_a_batch_of_prompts_runs_a_wave_each_with_the_tokens_of_each_alone(model):
+    """Each prompt's wave runs in its own row of the engine: the batch gives every prompt its tokens, iterations
+    and wave steps alone (the waves' draws come from each prompt's own generator)."""
+    prompts = [[5, 17, 99, 3], [42], [7, 7, 8, 9, 10, 11]]
+    config = GenerationConfig(num_steps=6, max_new_tokens=8, sampler="parallel", inner_recurrence=2, headway=2,
+                              temperature=0.7, seed=4)
+    together = generate(model, prompts, config)
+    alone = [generate(model, p, config) for p in prompts]
+    assert together.tokens == [a.tokens[0] for a in alone]
+    assert together.steps == [a.steps[0] for a in alone]
+    assert together.wave_steps == sum(a.wave_steps for a in alone) and together.wave_steps > 3 * 7 // 2

@@ -100,10 +100,6 @@ def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: Generatio
     prefilled together, each token run in lockstep while the rows go together (rdlm.inference.lockstep),
     iteration by iteration under a depth budget, which each row spends at its own pace, and a round per step
     for self-speculative decoding and the parallel sampler."""
-    if config.sampler == "parallel" and len(prompts) != 1:
-        raise ValueError(
-            f"the parallel sampler takes one prompt at a time, got {len(prompts)}; a batch would need "
-            "one wavefront per row (per-row start, width and commit bookkeeping; see rdlm.inference.parallel)")
     check_prompts(model, prompts)
     longest = max(map(len, prompts))
     # the room after the longest prompt: its new tokens, and what a round may write past the last one (a

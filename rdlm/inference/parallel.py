@@ -50,9 +50,10 @@ In the engine: a request with `sampler="parallel"` decodes in its own row of the
 (rdlm.inference.batching), its prompt prefilled as any other's (unless `full_prefill` is off: then the
 first wave is the prompt). The scheduler plans a wave step of it at every batch step
 (rdlm.inference.scheduler.StepPlan.rounds) and the step runner runs it here, in calls over its row alone;
-`ParallelSampler` holds its wave. `generate` takes one prompt at a time with it: the wave's calls do not
-batch with other rows (rows commit different numbers of positions per step, so their starts and widths
-diverge; a batched wave would need a per-row start, width and commit bookkeeping).
+`ParallelSampler` holds its wave. Several prompts each run their own wave in their own row, one after the
+other at every step: the waves' calls are not batched together (rows commit different numbers of positions
+per step, so their starts and widths diverge; one call over them would need a per-row start and width in
+its mask and cache writes).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ DEPTH = Part("depth", "the core iterations each token gets, and the state they s
 EXITS = Part("exits", "per-token adaptive compute: when a token stops iterating (paper section 6)")
 CACHE = Part("cache", "the KV cache of the core's iterations")
 SPECULATIVE = Part("speculative", "self-speculative decoding: drafts at a lower depth, verified at num_steps")
-PARALLEL = Part("parallel", "the parallel (diffusion-style) sampler of rdlm.inference.parallel, batch 1")
+PARALLEL = Part("parallel", "the parallel (diffusion-style) sampler of rdlm.inference.parallel")
 ENGINE = Part("engine", "how the decode engine runs a request (its speed, never its tokens in fp32)")
 EVERYWHERE = " ".join(FRONT_ENDS)  # the front ends of a parameter every one of them takes by its name
 
@@ -169,8 +169,8 @@ class GenerationConfig:
                                     front_ends="cli transformers")
 
     # -- parallel
-    sampler: str = PARALLEL("sequential", "parallel: the diffusion-style wavefront sampler (one prompt at a "
-                                          "time)", OneOf(("sequential", "parallel")), front_ends="cli server")
+    sampler: str = PARALLEL("sequential", "parallel: the diffusion-style wavefront sampler (a wave per prompt)",
+                            OneOf(("sequential", "parallel")), front_ends="cli server")
     inner_recurrence: int = PARALLEL(4, "parallel: core iterations per wavefront step", Integer(1))
     headway: int = PARALLEL(1, "parallel: new positions per step", Integer(1))
     freeze_criterion: str | ExitCriterion = PARALLEL("latent-diff", "parallel: when a position's state has "
