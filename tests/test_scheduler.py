@@ -184,3 +184,22 @@ def test_a_plan_may_freeze_rows_only_once_one_can_be_done_on_the_device():
     later = s.plan([], None, static=False, rides_along=False, done=lambda: [True, False])
     assert later.iterating == (a, b) and later.computing == (b,) and later.may_be_frozen
     assert (a.iteration, b.iteration) == (1, 2)                        # a left the call: it ran no more
+
+
+def test_requests_that_decode_in_rounds_are_planned_apart_and_a_prefill_alone_ends_after_its_prompt():
+    s = Scheduler(max_batch=4)
+    speculative = request(0, GenerationConfig(num_steps=8, max_new_tokens=3, draft_steps=2))
+    wave = request(1, GenerationConfig(num_steps=8, max_new_tokens=3, sampler="parallel", full_prefill=False))
+    alone = request(2, GenerationConfig(num_steps=8, max_new_tokens=0))
+    empty_wave = request(3, GenerationConfig(num_steps=8, max_new_tokens=0, sampler="parallel", full_prefill=False))
+    for q in (speculative, wave, alone, empty_wave):
+        s.add(q)
+    groups = s.admit()
+    assert groups == {(8, 8): [speculative, alone]}            # the wave's first wave is its prompt: no prefill
+    assert wave.status is Status.STARTING and s.rows[3] is None  # nothing at all to do for the empty wave
+    assert s.prefilled(speculative) and not s.prefilled(alone) and s.rows[2] is None
+    s.chosen(speculative, token=5, steps=8, decode=None)
+    starting, rounds = s.starting()
+    assert starting == [] and rounds == [speculative, wave]
+    plan = s.plan(starting, None, static=False, rides_along=False, done=lambda: [], rounds=rounds)
+    assert plan.rounds == (speculative, wave) and not plan.lockstep and plan.computing == ()

@@ -1,7 +1,8 @@
 """The continuous batch's scheduler: which request does what at each step (rdlm.inference.batching). It holds
 the requests and their rows, and decides admission, when a token runs in lockstep, which rows compute, when
-the host looks at the exit flags, when a coda is due and how many iterations may run at once; it owns no
-tensor of the model and touches no device, so its tests drive it with made-up outcomes and no model.
+the host looks at the exit flags, when a coda is due and how many iterations may run at once, and emits each
+step's core work as a `StepPlan` for the step runner (rdlm.inference.step_runner); it owns no tensor of the
+model and touches no device, so its tests drive it with made-up outcomes and no model.
 
 A request moves through these states (`Status`):
 
@@ -11,7 +12,13 @@ WAITING: queued for a row. PREFILLING: its prompt runs in chunks (rdlm.inference
 token is chosen. STARTING: a token was chosen; the prelude and s_0 of the next position come at the next
 step. ITERATING: the token's core iterations run, one per step (or all at once in lockstep). READY: the
 token is done (an exit, or its cap), found so when the host looked; its coda is due. A request leaves its
-row when its last token is chosen, when it fails or when it is cancelled.
+row when its last token is chosen, when it fails or when it is cancelled; a request for no new tokens (a
+prefill alone) when its prompt is in the cache.
+
+A request that decodes in rounds (self-speculative decoding, the parallel sampler: `in_rounds`) goes
+WAITING -> PREFILLING -> STARTING -> STARTING ...: each step runs one round from its pending token
+(`StepPlan.rounds`), which chooses one or more tokens. A parallel request without a full prefill starts at
+STARTING: its first wave is its prompt.
 """
 
 from __future__ import annotations
@@ -130,7 +137,10 @@ class Scheduler:
             q.row = self.rows.index(None)
             self.rows[q.row] = q
             if q.config.sampler == "parallel" and not q.config.full_prefill:
-                q.status = Status.STARTING   # its first wave is the prompt (rdlm.inference.parallel)
+                if q.config.max_new_tokens == 0:
+                    self.free(q)             # nothing to prefill, nothing to decode
+                else:
+                    q.status = Status.STARTING   # its first wave is the prompt (rdlm.inference.parallel)
                 continue
             q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
             groups.setdefault((q.cap, q.budget), []).append(q)
