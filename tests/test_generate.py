@@ -145,6 +145,14 @@ def test_stop_tokens_stop_strings_and_max_new_tokens(model):
             generate(model, PROMPTS[1], GenerationConfig(stop_strings=("x",), **engine))
 
 
+def test_a_prefill_alone_runs_the_prompts_and_times_them(model):
+    """max_new_tokens=0: the prompts are prefilled (their cache written) and nothing is chosen; the time is the
+    prefill's, so a prefill can be timed through generate."""
+    result = generate(model, [[1, 2, 3], [4, 5]], GenerationConfig(num_steps=4, max_new_tokens=0))
+    assert result.tokens == [[], []] and result.finish_reasons == ["length", "length"]
+    assert result.prefill_seconds > 0 and result.prompt_tokens == 5
+
+
 def test_streaming_iterator_and_callback_see_every_token(model):
     config = GenerationConfig(num_steps=2, max_new_tokens=5)
     events: list[TokenEvent] = []

@@ -150,12 +150,12 @@ class ContinuousBatch(Engine):
     # ---- one step
 
     def step(self) -> list[BatchEvent]:
-        """Run the next step (the module doc); the tokens it chose. The first step that chooses tokens ends
-        the prefill of `generate`'s batch (`prefill_seconds`, `decode_start`)."""
+        """Run the next step (the module doc); the tokens it chose. The first step that chooses tokens (or
+        that leaves the batch idle) ends the prefill of `generate`'s batch (`prefill_seconds`, `decode_start`)."""
         if self.first_step is None:
             self.first_step = time.perf_counter()
         events = self._run_step()
-        if events and self.decode_start is None:
+        if (events or not self.busy) and self.decode_start is None:   # (a prefill alone chooses no token)
             sync(self.device)
             self.decode_start = time.perf_counter()
             self.prefill_seconds = self.decode_start - self.first_step
@@ -211,9 +211,10 @@ class ContinuousBatch(Engine):
             if q.config.draft_steps is not None:
                 q.length += len(done.tokens)
             going_on = all(self._chosen(q, token, steps, None, events) for token, steps in done.tokens)
-            if going_on and done.exhausted and done.tokens:  # the wave ran out of room: its last token ends it
+            if going_on and done.exhausted:  # the wave ran out of room: the request ends with the tokens it has
                 self.scheduler.free(q)
-                events[-1] = dataclasses.replace(events[-1], finish_reason="length")
+                if done.tokens:
+                    events[-1] = dataclasses.replace(events[-1], finish_reason="length")
                 going_on = False
             if not going_on:
                 self.step_runner.end_round(q)
