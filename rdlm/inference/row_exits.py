@@ -40,9 +40,9 @@ class RowExits:
         t.remaining[rows], t.cumulative[rows] = 1.0, 0.0
 
     def update(self, requests: list, rows: Tensor, call: Call, prev_state: Tensor, state: Tensor,
-               running: Tensor, steps: Tensor, min_steps: Tensor, cap: Tensor, done: Tensor) -> None:
-        """Each running row's exit decision after this iteration, into `done` (the batch's flags); `steps`,
-        `min_steps` and `cap` are the batch's per-row counts. `requests` (with `.criterion`, `.iteration`,
+               running: Tensor, steps: Tensor, min_steps: Tensor, done: Tensor) -> None:
+        """Each running row's exit decision after this iteration, into `done` (the batch's flags); `steps` and
+        `min_steps` are the batch's per-row counts. `requests` (with `.criterion`, `.iteration`,
         `.cap`, `.config`) are the call's rows in order, at batch rows `rows`."""
         self._gate(requests, rows, state, running, steps, min_steps, done)
         evaluate, readout = [], []  # rows whose criterion is read now; rows that need this iteration's logits

@@ -230,8 +230,7 @@ class StepRunner:
             with self.phases.timed("rounds"):
                 try:
                     output.rounds.append(self._round(q))
-                except NonFiniteLogitsError as err:
-                    self.waves.pop(q.id, None)
+                except NonFiniteLogitsError as err:   # the batch fails it alone (its wave goes with it)
                     output.failed.append((q, err))
         if plan.lockstep:
             with self.phases.timed("core iteration"):
@@ -288,8 +287,7 @@ class StepRunner:
             self.state[select] = state
             self.steps[select] += running.long()
         with self.phases.timed("exit evaluation"):
-            self.exits.update(requests, rows, call, prev_state, state, running, self.steps, self.min_steps, self.cap,
-                              self.done)
+            self.exits.update(requests, rows, call, prev_state, state, running, self.steps, self.min_steps, self.done)
             self.done[select] |= self.steps[select] >= self.cap[select]
 
     def _static(self, requests: list[Request], n: int) -> None:
