@@ -200,24 +200,39 @@ def check_parents(path: str | os.PathLike, what: str = "output") -> Path:
 
 
 def claim_output_dir(out: str | os.PathLike, owned: Callable[[str], bool], overwrite: bool, what: str,
-                     others_allowed: bool = True, flag: str = "--out") -> Path:
-    """Make sure that writing `what` into the directory `out` loses nothing, before any work: refused when
-    `out` is a file, when it holds files the writer does not write (its `owned` names) unless
-    `others_allowed`, and when it holds owned files of an earlier run unless `overwrite`, which removes them
-    first (so none of them outlives the new output, e.g. a stale shard). Returns `out`."""
+                     others_allowed: bool | Callable[[list[str]], bool] = True, flag: str = "--out", *,
+                     source: str | os.PathLike | None = None, in_place_flag: str | None = None,
+                     in_place: bool = False, remove: bool = True) -> Path:
+    """The one rule of every command that writes a directory (docs/files.md): make sure that writing `what`
+    into `out` loses nothing, before any work. Refused: `out` is a file; `out` is `source` (the input the
+    output is made from), unless `in_place_flag` names a flag that allows it and `in_place` is given; `out`
+    holds files the writer does not write (its `owned` names) unless `others_allowed` (a bool, or a test of
+    the owned names found: a model directory may keep its other files); `out` holds owned files of an
+    earlier result unless `overwrite`. With `overwrite` and `remove`, those are removed first, so none of them
+    outlives the new output (a stale shard or plot); a writer that swaps its output in whole (a model
+    directory) keeps them until the swap (`remove=False`). Returns `out`."""
     out = check_parents(out, flag)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{flag} {out} is a file, not a directory")
+    if source is not None and out.is_dir() and out.resolve() == Path(source).resolve():
+        if in_place_flag is None:
+            raise FileExistsError(f"{flag} {out} is the source: writing {what} there would replace it; "
+                                  "choose another directory")
+        if not in_place:
+            raise FileExistsError(f"{flag} {out} is the source: writing {what} there replaces it; pass "
+                                  f"{in_place_flag} to do that, or choose another directory")
+        return out
     names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     ours = [name for name in names if owned(name)]
     others = [name for name in names if not owned(name)]
-    if others and not others_allowed:
+    allowed = others_allowed(ours) if callable(others_allowed) else others_allowed
+    if others and not allowed:
         raise FileExistsError(f"{flag} {out} holds other files ({_some(others)}): refusing to write {what} into "
                               "it; choose a new or empty directory")
     if ours and not overwrite:
         raise FileExistsError(f"{flag} {out} already holds {what} ({_some(ours)}); pass --overwrite to replace it, "
                               "or choose another directory")
-    for name in ours:
+    for name in ours if remove else ():
         path = out / name
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     return out

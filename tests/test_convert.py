@@ -58,6 +58,19 @@ def test_bad_sources_and_sizes_are_named(tmp_path):
     with pytest.raises(ValueError, match="size"):
         parse_size("lots")
     assert parse_size("5GB") == 5 * 1024**3 and parse_size("100KB") == 102400 and parse_size("7") == 7
+    for nothing in ("0", "0KB", 0, "0.4B"):  # one shard per tensor, not a size anyone means
+        with pytest.raises(ValueError, match="less than one byte"):
+            parse_size(nothing)
+
+
+def test_a_zero_shard_size_and_an_unreadable_tokenizer_are_refused_before_writing(tmp_path, tiny_model, capsys):
+    src = save_pretrained(tiny_model, tmp_path / "src")
+    assert main(["convert", str(src), str(tmp_path / "a"), "--max-shard-size", "0"]) == 2
+    assert "less than one byte" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    (src / "tokenizer.json").write_text("{not json")
+    assert main(["convert", str(src), str(tmp_path / "b")]) == 2
+    assert "tokenizer.json: not a readable tokenizer.json" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
 
 
 def test_convert_replaces_only_what_the_layout_owns(tmp_path, tiny_model):
@@ -70,7 +83,11 @@ def test_convert_replaces_only_what_the_layout_owns(tmp_path, tiny_model):
     (dst / "sub").mkdir()
     (dst / "sub" / "x.safetensors").write_bytes(b"kept")
     os.chmod(dst, 0o750)
-    convert(src, dst, dtype="bf16")
+    before = {f.name: f.read_bytes() for f in dst.iterdir() if f.is_file()}
+    with pytest.raises(FileExistsError, match="already holds a model.*--overwrite"):  # docs/files.md
+        convert(src, dst, dtype="bf16")
+    assert {f.name: f.read_bytes() for f in dst.iterdir() if f.is_file()} == before
+    convert(src, dst, dtype="bf16", overwrite=True)
     assert (dst / "expected_outputs.safetensors").read_bytes() == b"fixture"
     assert (dst / "notes.txt").read_text() == "mine" and (dst / "sub" / "x.safetensors").read_bytes() == b"kept"
     assert (dst / "data.bin").is_symlink() and os.readlink(dst / "data.bin") == str(tmp_path / "data.bin")
@@ -84,7 +101,7 @@ def test_convert_refuses_destinations_it_could_damage(tmp_path, tiny_model, caps
     project = tmp_path / "project"
     project.mkdir()
     (project / "data.safetensors").write_bytes(b"precious")
-    with pytest.raises(FileExistsError, match="not a model directory"):
+    with pytest.raises(FileExistsError, match="holds other files .data.safetensors.: refusing"):
         convert(src, project)
     assert (project / "data.safetensors").read_bytes() == b"precious"
     (tmp_path / "file").write_text("x")
@@ -114,7 +131,7 @@ def test_a_full_disk_during_convert_is_one_line_and_keeps_the_old_copy(tmp_path,
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(huginn, "save_file", full_disk)
-    assert main(["convert", str(src), str(dst), "--dtype", "bf16"]) == 1
+    assert main(["convert", str(src), str(dst), "--dtype", "bf16", "--overwrite"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"rdlm convert: error: {dst}: No space left on device"]
     assert (dst / "model.safetensors").read_bytes() == before

@@ -116,6 +116,9 @@ def test_adapter_initialisations(tmp_path):
     (([0], [], [5]), "at least one layer"),
     (([0], [1, 9], [5]), "layer 9 is out of range"),
     (([0, 1], [1, 2], [5]), "layer 1 is named twice"),
+    # The source's order is kept (decided: a reverse split would not compute the source at r = 1; docs/retrofit.md)
+    (([2], [1], [0]), "layer 1 comes after layer 2"),
+    (([0], [3, 2], [5]), "layer 2 comes after layer 3"),
 ])
 def test_bad_splits_are_named(tmp_path, split, message):
     source, _ = make_source(tmp_path, "llama")
@@ -137,6 +140,56 @@ def test_unsupported_sources_and_missing_tokenizers_are_named(tmp_path):
         retrofit(source, tmp_path / "out", [0], [1], [2])
     with pytest.raises(RetrofitError, match="'x' is not a layer index"):
         parse_layers("0,x")
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def test_the_source_and_a_previous_model_are_never_written_over(tmp_path, capsys):
+    """docs/files.md: the source is refused as the destination before anything is written; a model already
+    in the destination is replaced only with --overwrite (the user's other files there stay); a directory of
+    other files is refused."""
+    from rdlm.cli import main
+
+    source, _ = make_source(tmp_path, "llama")
+    original = tree(source)
+    split = ["--prelude", "0", "--core", "1", "--coda", "2"]
+    for destination in (source, tmp_path / "llama-source" / "."):
+        assert main(["retrofit", str(source), str(destination), *split]) == 2
+        assert "is the source" in capsys.readouterr().err
+        assert main(["retrofit", str(source), str(destination), *split, "--overwrite"]) == 2
+        assert tree(source) == original
+    out = tmp_path / "out"
+    assert main(["retrofit", str(source), str(out), *split]) == 0
+    (out / "notes.txt").write_text("mine")
+    first = tree(out)
+    assert main(["retrofit", str(source), str(out), "--prelude", "0", "--core", "1-2", "--coda", "3"]) == 2
+    assert "already holds a model" in capsys.readouterr().err and tree(out) == first
+    assert main(["retrofit", str(source), str(out), "--prelude", "0", "--core", "1-2", "--coda", "3",
+                 "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and load_pretrained(out).config.core_layers == 2
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("mine")
+    assert main(["retrofit", str(source), str(folder), *split]) == 2
+    assert "holds other files (thesis.tex)" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["thesis.tex"]
+
+
+def test_a_config_size_of_the_wrong_type_and_an_unreadable_tokenizer_are_named(tmp_path, capsys):
+    from rdlm.cli import main
+
+    source, _ = make_source(tmp_path, "llama")
+    raw = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": "three"}))
+    assert main(["retrofit", str(source), str(tmp_path / "a"), "--prelude", "0", "--core", "1", "--coda", "2"]) == 2
+    assert "num_hidden_layers must be a positive integer, got 'three'" in capsys.readouterr().err
+    (source / "config.json").write_text(json.dumps(raw))
+    (source / "tokenizer.json").write_text("{not json")
+    assert main(["retrofit", str(source), str(tmp_path / "b"), "--prelude", "0", "--core", "1", "--coda", "2"]) == 2
+    assert "tokenizer.json: not a readable tokenizer.json" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
 
 
 def test_the_cli_retrofits_and_the_result_generates(tmp_path, capsys):

@@ -12,14 +12,17 @@ from rdlm.model.convert import convert
 def register(subparsers) -> None:
     p = subparsers.add_parser("convert", help="convert a training checkpoint or model dir to the Huginn layout")
     p.add_argument("source", help="a Huginn-layout dir, a training checkpoint (step-N/) or a run dir")
-    p.add_argument("destination", help="the Huginn-layout directory to write: new, empty, or a model directory (only its "
-                        "config.json and weight files are replaced, atomically)")
+    p.add_argument("destination", help="the Huginn-layout directory to write: new, empty, or with --overwrite a model "
+                        "directory (only its config.json, weight and tokenizer files are replaced, atomically; "
+                        "docs/files.md)")
     p.add_argument("--dtype", choices=(*dtypes.CHOICES, "keep"), default="keep", help="weight dtype (default: keep)")
     p.add_argument("--max-shard-size", default="5GB", help="split weights into shards of at most this size")
     p.add_argument("--weights", choices=("ema", "model"), default="ema",
                    help="from a training checkpoint: the EMA weights (default) or the raw ones")
     p.add_argument("--in-place", action="store_true",
                    help="allow DESTINATION to be the source model directory (its weights are replaced)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a model already in DESTINATION (its other files stay)")
     add_quantize_arguments(p)
     p.set_defaults(func=run)
 
@@ -27,7 +30,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     out = convert(args.source, args.destination, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                   weights=args.weights, in_place=args.in_place, quantize=args.quantize,
-                  group_size=args.quantize_group_size)
+                  group_size=args.quantize_group_size, overwrite=args.overwrite)
     files = sorted(p.name for p in out.iterdir())
     shards = len(list(out.glob("*.safetensors")))
     print(f"wrote {out} ({shards} weight file(s)): {', '.join(files)}")

@@ -140,6 +140,17 @@ class Tokenizer:
             raise TokenizerError(f"{path}: not a readable tokenizer.json ({err})") from err
         return cls(backend, str(path))
 
+    @staticmethod
+    def check_file(path: str | os.PathLike, error: type[Exception] = TokenizerError) -> Path:
+        """`path` when the tokenizers library reads it; else `error` naming it. Any tokenizer.json, not only
+        one with rdlm's special tokens: a command that copies a source's tokenizer (retrofit, convert)
+        checks it first, so that no output looks complete with a tokenizer nothing can read."""
+        try:
+            HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+            raise error(f"{path}: not a readable tokenizer.json ({err})") from None
+        return Path(path)
+
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":
         return cls.from_file(Path(model_dir) / TOKENIZER_FILE)

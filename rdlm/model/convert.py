@@ -14,18 +14,19 @@ Same-dtype conversions are bit-exact; bf16 -> fp32 -> bf16 is too (fp32 holds ev
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 from typing import Any
 
 import torch
 
-from rdlm.fileio import atomic_write, check_parents
+from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from rdlm.fileio import claim_output_dir
 from rdlm.model.dtypes import resolve_dtype
-from rdlm.model.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, save_pretrained
+from rdlm.model.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, is_model_file, save_pretrained
 from rdlm.model.resolve import ModelSource, resolve_model_source
 
 # Files a model directory may carry besides weights and config; copied along unchanged.
@@ -43,35 +44,54 @@ def resolve_source(path: str | os.PathLike, weights: str = "ema") -> ModelSource
 
 
 def parse_size(text: str | int) -> int:
-    """'5GB', '500MB', '100KB' or a number of bytes."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise ValueError(f"size {text!r} is not a number of bytes or like 5GB / 500MB")
-    unit = (match.group(2) or "B").upper().replace("I", "")
-    return int(float(match.group(1)) * {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}[unit])
+    """'5GB', '500MB', '100KB' or a number of bytes, at least one (0 would put every tensor in a shard of its own)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(text), re.IGNORECASE)
+        if not match:
+            raise ValueError(f"size {text!r} is not a number of bytes or like 5GB / 500MB")
+        unit = (match.group(2) or "B").upper().replace("I", "")
+        size = int(float(match.group(1)) * {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}[unit])
+    if size < 1:
+        raise ValueError(f"shard size {text!r} is less than one byte: give a size like 5GB or 500MB")
+    return size
 
 
-def check_destination(destination: str | os.PathLike, source: Path, in_place: bool = False) -> Path:
-    """Refuse a destination whose files conversion could lose: a file, a non-empty directory that is
-    not a model directory, or the source itself (unless `in_place`)."""
-    destination = check_parents(destination, "destination")
-    if destination.exists() and not destination.is_dir():
-        raise FileExistsError(f"destination {destination} is a file, not a directory")
-    if destination.is_dir() and destination.resolve() == source.resolve() and not in_place:
-        raise FileExistsError(f"destination {destination} is the source: converting in place replaces "
-                              "its weights; pass --in-place (in_place=True) to do that")
-    if destination.is_dir() and not (destination / CONFIG_NAME).is_file() and any(destination.iterdir()):
-        raise FileExistsError(f"destination {destination} is a non-empty directory without {CONFIG_NAME}, "
-                              "not a model directory: refusing to write into it (choose a new or empty "
-                              "directory)")
-    return destination
+def model_dir_file(name: str) -> bool:
+    """What writing a model directory replaces there: the layout's files and the tokenizer files copied in."""
+    return is_model_file(name) or name in SIDE_FILES
+
+
+def check_destination(destination: str | os.PathLike, source: Path, in_place: bool = False,
+                      overwrite: bool = False, in_place_flag: str | None = "--in-place",
+                      flag: str = "destination") -> Path:
+    """Refuse a destination whose files writing a model there could lose (rdlm.fileio.claim_output_dir, the
+    rule every command shares): a file; the source itself (unless `in_place`, and never when `in_place_flag`
+    is None); a model directory (unless `overwrite`: its config, weights and tokenizer are replaced, its
+    other files kept); a non-empty directory that holds no model."""
+    return claim_output_dir(destination, model_dir_file, overwrite, "a model", flag=flag, source=source,
+                            in_place_flag=in_place_flag, in_place=in_place, remove=False,
+                            others_allowed=lambda ours: CONFIG_NAME in ours)
+
+
+def check_side_files(source: Path) -> dict[str, Path]:
+    """The tokenizer and generation files of `source` to copy along, each checked to parse first."""
+    found = {name: source / name for name in SIDE_FILES if (source / name).is_file()}
+    for name, path in found.items():
+        if name == TOKENIZER_FILE:
+            Tokenizer.check_file(path, ValueError)
+        else:
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path}: not valid JSON ({err}); fix or remove it first") from None
+    return found
 
 
 def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
             max_shard_bytes: int | str = DEFAULT_SHARD_BYTES, weights: str = "ema", in_place: bool = False,
-            quantize: Any = None, group_size: int = 128) -> Path:
+            quantize: Any = None, group_size: int = 128, overwrite: bool = False) -> Path:
     """Write the weights of `source` to `destination` in the Huginn layout.
 
     dtype: "bf16", "fp32", a torch dtype, or None / "keep" for the source's own. Shards larger than
@@ -79,25 +99,20 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype:
     the source are copied along. quantize: weight-only quantization (rdlm.model.quantize) of the saved
     weights, in `dtype`'s activations.
 
-    Only what the layout owns (config.json, the weight files, the index) is replaced in an existing
-    model directory; anything else there stays. A file, a non-empty directory that is not a model
-    directory, and the source itself (unless `in_place`) are refused as destinations.
+    A model directory is replaced only with `overwrite` (in place of the source, only with `in_place`): its
+    config.json, weight files, index and tokenizer files; anything else there stays. A file and a non-empty
+    directory that is not a model directory are refused as destinations (`check_destination`, docs/files.md).
     """
     dtype = resolve_dtype(dtype)
+    max_bytes = parse_size(max_shard_bytes)
     found = resolve_source(source, weights)
-    # the file's own dtype (FSDP shards are gathered in float32); quantized in the dtype it is saved in
-    model = found.load(dtype=dtype if quantize else None, quantize=quantize, group_size=group_size)
     # The tokenizer and generation files sit beside the weights, or beside trainer.json when sharded.
     src = found.checkpoint if found.sharded else found.directory
-    destination = check_destination(destination, src, in_place)
-    save_pretrained(model, destination, dtype=dtype, max_shard_bytes=parse_size(max_shard_bytes))
-    if src.resolve() != destination.resolve():
-        for name in SIDE_FILES:
-            if (src / name).is_file():
-                _copy_atomic(src / name, destination / name)
+    destination = check_destination(destination, src, in_place, overwrite)
+    side = {} if src.resolve() == destination.resolve() else check_side_files(src)
+    # the file's own dtype (FSDP shards are gathered in float32); quantized in the dtype it is saved in
+    model = found.load(dtype=dtype if quantize else None, quantize=quantize, group_size=group_size)
+    save_pretrained(model, destination, dtype=dtype, max_shard_bytes=max_bytes, extra_files=side)
     return destination
 
 
-def _copy_atomic(src: Path, dst: Path) -> None:
-    with open(src, "rb") as source, atomic_write(dst, "wb") as target:
-        shutil.copyfileobj(source, target)

@@ -244,9 +244,12 @@ ROPE_TOLERANCE = 1e-2
 
 def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    extra_json: Mapping[str, Any] | None = None) -> Path:
+                    extra_json: Mapping[str, Any] | None = None,
+                    extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
     """Write `model` to `path` in its family's layout (`rdlm.model.families`), atomically; `extra_json` maps
-    more file names to JSON data written with it (e.g. transformers' generation_config.json).
+    more file names to JSON data written with it (e.g. transformers' generation_config.json), `extra_files`
+    more file names to files copied in with it (a source's tokenizer: the model and the files it needs
+    appear together or not at all).
 
     Everything is written to a temporary sibling directory, flushed to disk, then swapped in place
     of `path`; files already in `path` that the layout does not own (a tokenizer, notes, data) are
@@ -286,6 +289,8 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
         write_json(tmp / CONFIG_NAME, raw_config)
         for name, data in (extra_json or {}).items():
             write_json(tmp / name, data)
+        for name, source in (extra_files or {}).items():
+            shutil.copy2(source, tmp / name)
         if path.is_dir():
             for old in path.iterdir():
                 if not is_model_file(old.name) and not (tmp / old.name).exists():

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,6 +25,7 @@ import torch
 
 from rdlm.checks import is_int
 from rdlm.model.config import RDLMConfig
+from rdlm.model.convert import check_destination, check_side_files
 from rdlm.model.families import RETROFIT_SOURCES, CheckpointError, standard_rope_keys
 from rdlm.model.families.llama_layers import split, split_sizes
 from rdlm.model.families.retrofit import RETROFIT_LLAMA, RetrofitAdapter
@@ -33,7 +33,7 @@ from rdlm.model.huginn import read_weights, save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
 
 ADAPTER_INITS = ("identity", "sum", "random")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 
 
 class RetrofitError(ValueError):
@@ -58,10 +58,12 @@ def read_source_config(source: str | os.PathLike) -> dict[str, Any]:
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if raw.get(key, expected) != expected:
             raise RetrofitError(f"{path}: {key}={raw[key]!r} is not supported (expected {expected!r})")
-    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
-                           "vocab_size") if k not in raw]
+    missing = [k for k in SIZE_KEYS if k not in raw]
     if missing:
         raise RetrofitError(f"{path}: missing required key(s) {', '.join(missing)}")
+    for key in SIZE_KEYS:
+        if not is_int(raw[key], 1):
+            raise RetrofitError(f"{path}: {key} must be a positive integer, got {raw[key]!r}")
     return standard_rope_keys(raw)
 
 
@@ -76,6 +78,14 @@ def check_split(layers: int, prelude: Sequence[int], core: Sequence[int], coda: 
             if index in seen:
                 raise RetrofitError(f"layer {index} is named twice; each source layer goes to one place")
             seen.add(index)
+    # The source's order, kept: at r = 1 an identity adapter then computes the source model without the dropped
+    # layers (the module doc). Layers run out of order would silently compute something else.
+    order = [*prelude, *core, *coda]
+    backwards = next(((a, b) for a, b in zip(order, order[1:]) if a > b), None)
+    if backwards is not None:
+        raise RetrofitError(f"layer {backwards[1]} comes after layer {backwards[0]}: prelude, core and coda take the "
+                            f"source's layers in its order (e.g. prelude 0-1, core 2-5, coda 6-7), got prelude "
+                            f"{list(prelude)}, core {list(core)}, coda {list(coda)}")
 
 
 def retrofit_config(raw: dict[str, Any], prelude: int, core: int, coda: int, **overrides: Any) -> RDLMConfig:
@@ -126,12 +136,19 @@ def adapter_weight(hidden: int, init: str, dtype: torch.dtype,
 
 def retrofit(source: str | os.PathLike, out: str | os.PathLike, prelude: Sequence[int], core: Sequence[int],
              coda: Sequence[int], *, adapter_init: str = "identity", dtype: torch.dtype | None = None,
-             seed: int = 0, **config_overrides: Any) -> RecurrentDepthLM:
-    """Write the retrofitted model of `source` to `out` (see the module doc) and return it."""
+             seed: int = 0, overwrite: bool = False, **config_overrides: Any) -> RecurrentDepthLM:
+    """Write the retrofitted model of `source` to `out` (see the module doc) and return it. `out` may not be
+    the source, nor hold a model unless `overwrite` (rdlm.model.convert.check_destination)."""
     raw = read_source_config(source)
     check_split(raw["num_hidden_layers"], prelude, core, coda)
     if not (Path(source) / "tokenizer.json").is_file():
         raise RetrofitError(f"{source}: no tokenizer.json to copy (the retrofitted model reads text with it)")
+    try:
+        side = check_side_files(Path(source))
+    except ValueError as err:
+        raise RetrofitError(str(err)) from None
+    # Before anything is written: never the source itself, nor a model there without `overwrite` (docs/files.md).
+    out = check_destination(out, Path(source), overwrite=overwrite, in_place_flag=None)
     config = retrofit_config(raw, len(prelude), len(core), len(coda), **config_overrides)
     try:
         tensors = read_weights(source)
@@ -144,10 +161,7 @@ def retrofit(source: str | os.PathLike, out: str | os.PathLike, prelude: Sequenc
     if config.adapter_bias:
         state["adapter.bias"] = torch.zeros(config.hidden_size, dtype=dtype)
     model = _assemble(config, state, dtype)
-    save_pretrained(model, out, dtype=dtype)
-    for name in TOKENIZER_FILES:
-        if (Path(source) / name).is_file():
-            shutil.copy2(Path(source) / name, Path(out) / name)
+    save_pretrained(model, out, dtype=dtype, extra_files=side)  # the tokenizer files with the weights, in one swap
     return model
 
 
