@@ -133,7 +133,7 @@ def mode_options(mode: str, r: int, args) -> dict:
         return dict(exit_criterion="kl", min_steps=2, exit_every=args.exit_every,
                     exit_sync_every=args.exit_sync_every)
     if mode == "never":  # a criterion evaluated as usual that never fires: its cost alone
-        return dict(exit_criterion="kl", exit_threshold=-1.0, exit_every=args.exit_every,
+        return dict(exit_criterion="kl", exit_threshold=0.0, exit_every=args.exit_every,
                     exit_sync_every=args.exit_sync_every)
     if mode == "shared":
         return dict(cache_strategy="shared", cache_slots=min(args.cache_slots, r))

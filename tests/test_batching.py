@@ -187,6 +187,21 @@ def test_cancel_frees_the_row_and_others_are_undisturbed(model):
     assert [e.token for e in events[c]] == generate(model, [6], config).tokens[0]
 
 
+def test_a_value_the_rows_cannot_hold_fails_its_request_alone(model):
+    """The failure path of a value that escaped the declared bounds (min_steps = 2**63, set past the checks):
+    its request fails alone, at its first token's start, and the request beside it gets its tokens alone."""
+    config = GenerationConfig(num_steps=4, max_new_tokens=6)
+    broken = GenerationConfig(num_steps=4, max_new_tokens=6)
+    object.__setattr__(broken, "min_steps", 2**63)
+    batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4)
+    good, bad = batch.add([1, 2, 3], config), batch.add([4, 5], broken)
+    events = drain(batch)
+    failures = dict(batch.take_failures())
+    assert set(failures) == {bad} and "Overflow" in str(failures[bad])
+    assert [e.token for e in events[good]] == generate(model, [1, 2, 3], config).tokens[0]
+    assert not batch.busy and batch.running == 0
+
+
 def test_a_request_cancelled_while_its_prompt_prefills_leaves_its_row_clean(model):
     """Cancelled mid-prefill: its prompt stops writing to the row (which the next request takes over), and
     the request prefilled beside it is undisturbed."""

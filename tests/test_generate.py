@@ -72,8 +72,9 @@ def test_a_batch_gives_the_tokens_of_each_prompt_alone(model, extra):
 
 def test_adaptive_exit_that_never_fires_equals_fixed_r(model):
     fixed = generate(model, PROMPTS, GenerationConfig(num_steps=6, max_new_tokens=6, seed=1))
-    # Scores are never below -1; argmax-stability's threshold is a step count, here more than num_steps.
-    for name, threshold in (("kl", -1.0), ("latent-diff", -1.0), ("argmax-stability", 100)):
+    # Scores are never below 0 (a token exits on a score below the threshold); argmax-stability's threshold is
+    # a step count, here more than num_steps.
+    for name, threshold in (("kl", 0.0), ("latent-diff", 0.0), ("argmax-stability", 100)):
         never = generate(model, PROMPTS, GenerationConfig(num_steps=6, max_new_tokens=6, seed=1,
                                                           exit_criterion=name, exit_threshold=threshold))
         assert never.tokens == fixed.tokens and never.steps == fixed.steps

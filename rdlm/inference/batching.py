@@ -172,7 +172,9 @@ class ContinuousBatch(Engine):
             if starting:
                 s.start(starting)
                 with self.phases.timed("prelude and s_0"):
-                    rows.start(starting)
+                    for q, err in rows.start(starting):   # a value the rows cannot hold: its request fails alone
+                        self._fail(q, err)
+                        starting.remove(q)
             plan = s.plan(starting, rows.prompts(), rows.static, self.device.type != "cpu" or rows.static,
                           lambda: rows.done.tolist(), rounds)
             output = rows.run(plan)

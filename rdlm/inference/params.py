@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from rdlm.checks import Integer, Number, OneOf, is_int
+from rdlm.checks import Integer, InvalidValue, Number, OneOf, is_int
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 
 if TYPE_CHECKING:  # annotations only: the module stays a leaf
@@ -30,8 +30,16 @@ if TYPE_CHECKING:  # annotations only: the module stays a leaf
     from rdlm.model.lm import RecurrentDepthLM
 
 Decode = Callable[[list[int]], str]
+# Every number a request may carry is bounded where it is declared: a value that passes the checks reaches
+# tensors (a long, a float32) and must fit them, and the engine's counts (iterations x tokens) must too.
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
 MAX_INIT_SCALE = 1000.0  # s_0's noise scale at most (the paper's is 1; 1e6 already overflows a float16 core)
+MAX_ITERATIONS = 2**16  # core iterations per token (the paper's deepest is 64 x 2; a counter stays far below 2**63)
+MAX_TOKENS = 2**20      # tokens of one response (beyond any model's context; a row cannot hold more)
+MAX_TOP_K = 2**31 - 1   # tokens to sample among (an int32 index; more than any vocabulary: top_k is then off)
+MAX_FACTOR = 1e6        # temperature and repetition_penalty (a float32 logit divided by it stays finite)
+MAX_SEED = 2**63 - 1
+THRESHOLD = " (a criterion's score, or argmax-stability's iterations)"
 FRONT_ENDS = ("cli", "server", "transformers")  # where a parameter may be given by its own name
 
 
@@ -52,7 +60,10 @@ def kv_cache_budget(slots: int | None) -> dict:
 def known_criterion(name: str, value: Any) -> None:
     """An ExitCriterion, or a name of rdlm.inference.exits.CRITERIA (an unknown one is told the nearest)."""
     if not isinstance(value, ExitCriterion):
-        make_exit_criterion(value)
+        try:
+            make_exit_criterion(value)
+        except ValueError as err:
+            raise InvalidValue(name, str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -103,19 +114,18 @@ class GenerationConfig:
     between the parts. Temperature 0 is greedy (the paper's evaluation convention), as is any below 1e-5."""
 
     # -- sampling
-    max_new_tokens: int = SAMPLING(32, "most tokens to generate per prompt", Integer(0))
-    temperature: float = SAMPLING(0.0, "0 = greedy", Number(">= 0", lambda t: t >= 0), front_ends="cli server")
-    top_k: int | None = SAMPLING(None, "sample from the k most likely tokens only", Integer(1),
+    max_new_tokens: int = SAMPLING(32, "most tokens to generate per prompt", Integer(0, MAX_TOKENS))
+    temperature: float = SAMPLING(0.0, "0 = greedy", Number(0, MAX_FACTOR), front_ends="cli server")
+    top_k: int | None = SAMPLING(None, "sample from the k most likely tokens only", Integer(1, MAX_TOP_K),
                                  front_ends="cli server")
     top_p: float | None = SAMPLING(None, "sample from the smallest set of tokens with this much probability",
-                                   Number("in (0, 1]", lambda p: 0 < p <= 1), front_ends="cli server")
+                                   Number(0, 1, open_low=True), front_ends="cli server")
     min_p: float | None = SAMPLING(None, "drop tokens less likely than min_p x the most likely one",
-                                   Number("in (0, 1]", lambda p: 0 < p <= 1), front_ends="cli server")
+                                   Number(0, 1, open_low=True), front_ends="cli server")
     repetition_penalty: float = SAMPLING(
         1.0, "divide positive (multiply negative) logits of tokens already seen by this (1: off)",
-        Number("> 0", lambda p: p > 0), front_ends="cli server")
-    seed: int = SAMPLING(0, "seed of s_0 and of sampling (per row)",
-                         Integer(0, 2**63 - 1, "an integer in [0, 2**63)"), front_ends=EVERYWHERE)
+        Number(0, MAX_FACTOR, open_low=True), front_ends="cli server")
+    seed: int = SAMPLING(0, "seed of s_0 and of sampling (per row)", Integer(0, MAX_SEED), front_ends=EVERYWHERE)
     # The raw logits' (before penalty, temperature and filtering): TokenEvent.logprob and .top.
     logprobs: int | None = SAMPLING(
         None, "each token's log-probability under the model and the k most likely tokens' (k = 0..20)",
@@ -125,21 +135,21 @@ class GenerationConfig:
                                              front_ends="")
 
     # -- depth
-    num_steps: int = DEPTH(32, "core iterations r per token (the maximum with an exit criterion)", Integer(1),
-                           front_ends=EVERYWHERE)
-    prefill_steps: int | None = DEPTH(None, "core iterations r for the prompt (default: num_steps)", Integer(1),
-                                      front_ends="")
+    num_steps: int = DEPTH(32, "core iterations r per token (the maximum with an exit criterion)",
+                           Integer(1, MAX_ITERATIONS), front_ends=EVERYWHERE)
+    prefill_steps: int | None = DEPTH(None, "core iterations r for the prompt (default: num_steps)",
+                                      Integer(1, MAX_ITERATIONS), front_ends="")
     # A budget for the whole response, honoured by the continuous batch (rdlm serve): a token gets at least
     # one iteration, and the response ends ("length") when the budget cannot give the next one any (depth_cap).
     max_latent_iterations: int | None = DEPTH(
-        None, "depth budget: most core iterations for all of a response's tokens (at least 1 each)", Integer(1),
-        front_ends=EVERYWHERE)
+        None, "depth budget: most core iterations for all of a response's tokens (at least 1 each)",
+        Integer(1, MAX_TOKENS * MAX_ITERATIONS), front_ends=EVERYWHERE)
     target_mean_iterations: float | None = DEPTH(
         None, "depth budget: keep a response's running mean of iterations per token at most this",
-        Number("a finite number >= 1", lambda m: m >= 1), front_ends=EVERYWHERE)
+        Number(1, MAX_ITERATIONS), front_ends=EVERYWHERE)
     init_scale: float = DEPTH(1.0, "s_0 noise scale (0: all-zero state)",
-                              Number(f"in [0, {MAX_INIT_SCALE:g}] (the scale of s_0's noise; larger overflows "
-                                     "inside the core)", lambda s: 0 <= s <= MAX_INIT_SCALE), front_ends=EVERYWHERE)
+                              Number(0, MAX_INIT_SCALE, note=" (the scale of s_0's noise; larger overflows inside "
+                                                            "the core)"), front_ends=EVERYWHERE)
     continuous_cot: bool = DEPTH(False, "warm-start each token's state from the previous token's final state",
                                  front_ends=EVERYWHERE)
 
@@ -148,41 +158,45 @@ class GenerationConfig:
         None, "per-token adaptive compute: a criterion of rdlm.inference.exits.CRITERIA",
         known_criterion, front_ends=EVERYWHERE)
     exit_threshold: float | None = EXITS(None, "default: the criterion's (kl: 5e-4; a learned gate: the "
-                                               "checkpoint's)", Number(), front_ends=EVERYWHERE)
+                                               "checkpoint's)", Number(0, MAX_ITERATIONS, note=THRESHOLD),
+        front_ends=EVERYWHERE)
     min_steps: int | None = EXITS(None, "fewest iterations per token before an exit (default 2; 1 for a "
-                                        "learned gate)", Integer(1), front_ends=EVERYWHERE)
+                                        "learned gate)", Integer(1, MAX_ITERATIONS), front_ends=EVERYWHERE)
     exit_every: int = EXITS(1, "evaluate the exit criterion every n iterations (1: after each, as in the paper)",
-                            Integer(1), front_ends="cli server")
+                            Integer(1, MAX_ITERATIONS), front_ends="cli server")
     # Exited rows leave the batch when the host looks: exit_sync_every changes cost only, never tokens.
     exit_sync_every: int | None = EXITS(None, "the host reads exit flags every n iterations (speed only, never "
-                                              "the tokens; default 1 on the CPU, 4 on a GPU)", Integer(1))
+                                              "the tokens; default 1 on the CPU, 4 on a GPU)",
+                                     Integer(1, MAX_ITERATIONS))
 
     # -- cache
     cache_strategy: str = CACHE("full", "KV-cache strategy: full (a slot per iteration) or shared (k slots)",
                                 OneOf(("full", "shared")))
-    cache_slots: int | None = CACHE(None, "k for the shared cache (iteration i uses slot i mod k)", Integer(1))
+    cache_slots: int | None = CACHE(None, "k for the shared cache (iteration i uses slot i mod k)",
+                                    Integer(1, MAX_ITERATIONS))
 
     # -- speculative
-    draft_steps: int | None = SPECULATIVE(None, "self-speculative decoding: draft with N iterations", Integer(1),
-                                          front_ends="cli transformers")
-    draft_length: int = SPECULATIVE(4, "tokens drafted per speculative round", Integer(1),
+    draft_steps: int | None = SPECULATIVE(None, "self-speculative decoding: draft with N iterations",
+                                          Integer(1, MAX_ITERATIONS), front_ends="cli transformers")
+    draft_length: int = SPECULATIVE(4, "tokens drafted per speculative round", Integer(1, MAX_TOKENS),
                                     front_ends="cli transformers")
 
     # -- parallel
     sampler: str = PARALLEL("sequential", "parallel: the diffusion-style wavefront sampler (a wave per prompt)",
                             OneOf(("sequential", "parallel")), front_ends="cli server")
-    inner_recurrence: int = PARALLEL(4, "parallel: core iterations per wavefront step", Integer(1))
-    headway: int = PARALLEL(1, "parallel: new positions per step", Integer(1))
+    inner_recurrence: int = PARALLEL(4, "parallel: core iterations per wavefront step", Integer(1, MAX_ITERATIONS))
+    headway: int = PARALLEL(1, "parallel: new positions per step", Integer(1, MAX_TOKENS))
     freeze_criterion: str | ExitCriterion = PARALLEL("latent-diff", "parallel: when a position's state has "
                                                                     "settled", known_criterion)
     freeze_threshold: float | None = PARALLEL(None, "parallel: default the criterion's (latent-diff: 0.03)",
-                                              Number())
-    max_wavefront: int | None = PARALLEL(128, "parallel: most positions in flight", Integer(1))  # None: no limit
+                                              Number(0, MAX_ITERATIONS, note=THRESHOLD))
+    max_wavefront: int | None = PARALLEL(128, "parallel: most positions in flight",
+                                         Integer(1, MAX_TOKENS))  # None: no limit
     # m: s <- (1 - m/(1+i)) s + m/(1+i) noise before each step
     state_noise_mixing: float = PARALLEL(0.0, "parallel: noise mixed into each state per step, damped by 1/(1 + "
-                                              "iterations)", Number("in [0, 1]", lambda m: 0 <= m <= 1))
+                                              "iterations)", Number(0, 1))
     embedding_ema: float = PARALLEL(0.1, "parallel: EMA weight of a position's earlier input embeddings",
-                                    Number("in [0, 1)", lambda e: 0 <= e < 1))
+                                    Number(0, 1, open_high=True))
     full_prefill: bool = PARALLEL(True, "parallel: prefill the prompt at r (off: the prompt is the first wave)")
 
     # -- engine (rdlm.inference.engine). In fp32 the static step never changes tokens, only speed; in bf16
@@ -318,7 +332,7 @@ PARAMS = _declared(GenerationConfig)  # its parameters, in the order declared
 PARTS = (SAMPLING, DEPTH, EXITS, CACHE, SPECULATIVE, PARALLEL, ENGINE)
 # The shared cache as the server, transformers and lm-eval spell it: one number for two fields (kv_cache_budget).
 KV_CACHE_BUDGET = Param("cache", "KV-cache budget: k core cache slots per token (iteration i uses slot i mod k)",
-                        None, None, ("server", "transformers"), "kv_cache_budget", int, True)
+                        None, Integer(1, MAX_ITERATIONS), ("server", "transformers"), "kv_cache_budget", int, True)
 
 
 def params_for(front_end: str) -> tuple[Param, ...]:

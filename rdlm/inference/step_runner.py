@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from rdlm.checks import is_int
 from rdlm.inference.graphs import PhaseTimes, StaticSteps
 from rdlm.inference.lockstep import Lockstep, Rows
 from rdlm.inference.parallel import ParallelSampler
@@ -180,9 +181,16 @@ class StepRunner:
 
     # ---- a token's start and end
 
-    def start(self, requests: list[Request]) -> None:
+    def start(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
         """Feed each request's chosen token (`next_token`): prelude and s_0 of its next position, and its row's
-        count, cap (the scheduler's `start` set it), min_steps and budget."""
+        count, cap (the scheduler's `start` set it), min_steps and budget. Returns the requests whose values
+        the rows' tensors cannot hold, each with its error: they fail alone, before any row is touched."""
+        limits, failed = self._limits(requests)
+        if failed:
+            requests = [q for q in requests if all(q is not f for f, _ in failed)]
+            if not requests:
+                return failed
+            limits = self._limits(requests)[0]
         lengths = self.runner.upload([q.length for q in requests])
         self.runner.admit(lengths, rows=self.runner.upload([q.row for q in requests]))
         self._last_inputs = None  # the mask changed
@@ -198,11 +206,24 @@ class StepRunner:
             noise = None if all(d is None for d in drawn) else torch.stack(
                 [torch.zeros_like(self.state[0, 0]) if d is None else d for d in drawn]).unsqueeze(1)
             self.state[at] = self.runner.start_state(self.embedded[at], noise)
-        limits = self.runner.upload([[q.cap, q.config.min_steps, q.budget] for q in requests])
         self.cap[select], self.min_steps[select], self.budget[select] = limits.unbind(1)
         self.write_index[select] = lengths
         self.steps[select], self.done[select] = 0, False
         self.exits.reset(select)
+        return failed
+
+    def _limits(self, requests: list[Request]) -> tuple[Tensor | None, list[tuple[Request, Exception]]]:
+        """Each request's cap, min_steps and budget as a row of a long tensor on the device; where one does not
+        fit a long (the declared bounds keep every value far inside it: this is the failure path of a value
+        that escaped them), the requests at fault with the error, and no tensor."""
+        values = [[q.cap, q.config.min_steps, q.budget] for q in requests]
+        try:
+            return self.runner.upload(values), []
+        except (OverflowError, RuntimeError, TypeError, ValueError) as err:   # torch says "Overflow when unpacking"
+            failed = [(q, err) for q, row in zip(requests, values) if not all(is_int(v, -2**63, 2**63) for v in row)]
+            if not failed:
+                raise
+            return None, failed
 
     def look(self, requests: list[Request]) -> tuple[list[bool], list[int]]:
         """The host reads the exit flags (one read): whether each request's token is done, and its iterations."""
