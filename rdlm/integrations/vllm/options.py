@@ -1,0 +1,112 @@
+"""How a served model recurs inside vLLM: the depth r, the cache mode, an exit criterion and s_0, read from
+the model's config (config.json, or vLLM's `hf_overrides`), checked before any weight is loaded.
+
+vLLM builds a model once per server, so these are per served model, not per request:
+
+| key | meaning | default |
+|---|---|---|
+| `rdlm_num_steps` | core iterations r per token (the cap with an exit criterion) | the checkpoint's mean recurrence (`mean_recurrence`; Ouro's `total_ut_steps`), which `hf_overrides` may also set |
+| `rdlm_cache` | `"per-iteration"`: a KV cache per core layer and iteration (exact); `"shared"`: one per core layer, every iteration overwriting it (the authors' vLLM port; rdlm's `cache_strategy="shared", cache_slots=1`) | `"per-iteration"` |
+| `rdlm_exit_criterion` | a per-token exit criterion read inside the forward: `"latent-diff"` or `"cosine"` (no readout needed), `"gate"` (a learned exit gate, Ouro); none: fixed r | none |
+| `rdlm_exit_threshold` | the criterion's threshold | the criterion's (latent-diff 0.03; gate: the checkpoint's) |
+| `rdlm_min_steps` | fewest iterations before a token may exit | 2 (1 for a gate), as `rdlm generate` |
+| `rdlm_seed`, `rdlm_init_scale` | s_0 of the token at position p is row p of rdlm's table drawn from the seed (rdlm.inference.noise) | 0 and 1, `rdlm generate`'s defaults |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from rdlm.checks import is_int
+from rdlm.inference.exits import CRITERIA, ExitCriterion, make_exit_criterion
+from rdlm.model.config import RDLMConfig
+from rdlm.model.huginn import config_from_huginn
+
+CACHE_MODES = ("per-iteration", "shared")
+PREFIX = "rdlm_"
+KEYS = ("num_steps", "cache", "exit_criterion", "exit_threshold", "min_steps", "seed", "init_scale")
+# Criteria read from the state or a gate alone: reading logits would run the coda (and its attention, which
+# writes the coda's cache) after every iteration, which costs more than the iterations an exit saves.
+SERVED_CRITERIA = tuple(name for name, spec in CRITERIA.items() if not spec.uses_logits and not spec.exact)
+MAX_SERVED_STEPS = 4096  # a KV cache per iteration: far more than any model is run at
+
+
+class RecurrenceOptionError(ValueError):
+    """A served model's recurrence option (rdlm_* key of its config or hf_overrides) is invalid."""
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    """What the plugin's forward does per token: `num_steps` iterations (fewer once `criterion` says a decoded
+    token has converged, never before `min_steps`), with `cache` mode, from s_0 drawn by `seed` and `init_scale`."""
+    num_steps: int
+    cache: str = "per-iteration"
+    criterion: ExitCriterion | None = None
+    min_steps: int = 2
+    seed: int = 0
+    init_scale: float = 1.0
+
+    @property
+    def core_caches(self) -> int:
+        """KV caches per core layer: one per iteration, or the one all iterations share."""
+        return self.num_steps if self.cache == "per-iteration" else 1
+
+
+def split_options(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the config.json keys, the rdlm_* recurrence options) of a served model's config dict."""
+    config = {k: v for k, v in raw.items() if not k.startswith(PREFIX)}
+    options = {k[len(PREFIX):]: v for k, v in raw.items() if k.startswith(PREFIX)}
+    return config, options
+
+
+def read(raw: Mapping[str, Any], source: str = "config") -> tuple[RDLMConfig, Recurrence]:
+    """The model config and the recurrence of a served model's config dict (config.json with vLLM's
+    hf_overrides applied). An unknown rdlm_* key or a bad value is a RecurrenceOptionError naming it."""
+    keys, options = split_options(raw)
+    config = config_from_huginn(keys, source)
+    unknown = sorted(set(options) - set(KEYS))
+    if unknown:
+        raise RecurrenceOptionError(f"{source}: unknown option(s) {', '.join(PREFIX + k for k in unknown)}; "
+                                    f"known: {', '.join(PREFIX + k for k in KEYS)}")
+    steps = options.get("num_steps", config.mean_recurrence)
+    if not is_int(steps, 1) or steps > MAX_SERVED_STEPS:
+        raise RecurrenceOptionError(f"{source}: {PREFIX}num_steps must be an integer in 1..{MAX_SERVED_STEPS}, "
+                                    f"got {steps!r}")
+    cache = options.get("cache", "per-iteration")
+    if cache not in CACHE_MODES:
+        raise RecurrenceOptionError(f"{source}: {PREFIX}cache must be one of {CACHE_MODES}, got {cache!r}")
+    criterion = _criterion(config, options, source)
+    gate = criterion is not None and criterion.uses_gate
+    min_steps = options.get("min_steps", 1 if gate else 2)
+    if not is_int(min_steps, 1) or min_steps > steps:
+        raise RecurrenceOptionError(f"{source}: {PREFIX}min_steps must be an integer in 1..{PREFIX}num_steps "
+                                    f"({steps}), got {min_steps!r}")
+    seed = options.get("seed", 0)
+    if not is_int(seed, 0) or seed >= 2**63:
+        raise RecurrenceOptionError(f"{source}: {PREFIX}seed must be an integer in 0..2**63-1, got {seed!r}")
+    scale = options.get("init_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale <= 1000:
+        raise RecurrenceOptionError(f"{source}: {PREFIX}init_scale must be a number in [0, 1000], got {scale!r}")
+    return config, Recurrence(steps, cache, criterion, min_steps, seed, float(scale))
+
+
+def _criterion(config: RDLMConfig, options: Mapping[str, Any], source: str) -> ExitCriterion | None:
+    name, threshold = options.get("exit_criterion"), options.get("exit_threshold")
+    if name is None:
+        if threshold is not None:
+            raise RecurrenceOptionError(f"{source}: {PREFIX}exit_threshold needs {PREFIX}exit_criterion")
+        return None
+    if name not in SERVED_CRITERIA:
+        raise RecurrenceOptionError(f"{source}: {PREFIX}exit_criterion must be one of {SERVED_CRITERIA} inside "
+                                    f"vLLM (criteria that read logits run the coda every iteration), got {name!r}")
+    if CRITERIA[name].uses_gate:
+        if not config.exit_gate:
+            raise RecurrenceOptionError(f"{source}: {PREFIX}exit_criterion {name!r} needs a model with a learned "
+                                        "exit gate (Ouro)")
+        if threshold is None:
+            threshold = config.exit_threshold
+    try:
+        return make_exit_criterion(name, threshold)
+    except ValueError as err:
+        raise RecurrenceOptionError(f"{source}: {err}") from None
