@@ -166,7 +166,7 @@ def test_a_depth_budget_per_request_is_honoured(live):
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": "tiny", "prompt": [99999]}, 400, "outside the vocabulary"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be an integer >= 1"),
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "target_mean_iterations": 0.5}, 400, "target_mean_iterations"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "needs logprobs"),

@@ -16,7 +16,10 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 from rdlm import RDLMConfig, RecurrentDepthLM, save_pretrained  # noqa: E402
+from rdlm.checks import Integer  # noqa: E402
 from rdlm.data.tokenizer import Tokenizer  # noqa: E402
+from rdlm.inference.noise import block_seed  # noqa: E402
+from rdlm.inference.openai_api import numeric_checks  # noqa: E402
 from tests.serve_helpers import LiveServer, httpx, model_dir  # noqa: E402,F401
 
 POISON = 7   # a token id whose embedding the poisoned server's model holds as infinity
@@ -93,19 +96,93 @@ def test_a_request_whose_logits_turn_nan_fails_alone_and_leaves_no_nan_behind(mo
             ids, max_new_tokens=20, num_steps=8, stop_tokens=(live.tokenizer.eos_id,))[0] for ids in prompts]
 
 
-@pytest.mark.parametrize("field, value, status", [("init_scale", 1e38, 400), ("target_mean_iterations", 1e308, 200),
-                                                   ("seed", 2**70, 400), ("repetition_penalty", 1e38, 200)])
-def test_extreme_values_are_refused_or_served_and_disturb_no_stream(live, field, value, status):
-    with ThreadPoolExecutor(1) as pool:
-        stream = pool.submit(stream_lines, live.url, {"prompt": "the cat", "max_tokens": 30, "num_steps": 8})
+# Values JSON can carry that no field should let through to a tensor: beyond every long and float, negative,
+# and of the wrong type (a bool is not a count, a string is not a number).
+HOSTILE = [2**63, 2**64, -2**63 - 1, 10**30, 1e308, -1e308, True, "1", None, [1], {}]
+
+
+def test_no_value_of_any_numeric_field_fails_a_bystander(live):
+    """Every number a request may carry, at every hostile value and at its declared bound: each request is
+    refused by name (400) or served (200), never a 500; a stream beside them goes on and ends with the
+    tokens of its prompt alone; the batch is empty afterwards."""
+    checks = numeric_checks()
+    ids = live.tokenizer.encode("the cat", add_bos=True)
+    replies = []
+    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as client:
+        stream = pool.submit(stream_lines, live.url, {"prompt": ids, "max_tokens": 90, "num_steps": 16})
         time.sleep(0.1)
-        reply = httpx.post(live.url + "/v1/completions", timeout=30,
-                           json={"model": "tiny", "prompt": "the", "max_tokens": 4, field: value})
+        for field, check in checks.items():
+            top = check.most if isinstance(check, Integer) else check.high
+            for value in [*HOSTILE, top]:
+                body = {"model": "tiny", "prompt": "the", "max_tokens": 2, field: value}
+                if field in ("logprobs", "top_logprobs", "max_completion_tokens"):   # chat's, or needing it
+                    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                            "logprobs": True, field: value}
+                    if field == "logprobs":
+                        body = {"model": "tiny", "prompt": "the", "max_tokens": 2, field: value}
+                endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                replies.append((field, value, value is top, client.post(live.url + endpoint, json=body)))
         lines = stream.result(timeout=60)
-    assert reply.status_code == status, reply.text
-    if status == 400:
-        assert field in reply.json()["error"]["message"]
+    for field, value, at_bound, reply in replies:
+        assert reply.status_code in (200, 400), (field, value, reply.text)
+        if reply.status_code == 400 and not at_bound:   # out of bounds or mistyped: refused by its name
+            assert reply.json()["error"]["param"] == field, (field, value, reply.text)
+    expected, _ = live.expected(ids, max_new_tokens=90, num_steps=16, stop_tokens=(live.tokenizer.eos_id,))
     assert lines[-1] == "data: [DONE]"
+    assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[:-1]) == expected
+    wait_until(lambda: metric(live.url, "rdlm_batch_size") == 0, what="rows still held")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": True}, "max_tokens"),
+    ({"prompt": [True, False]}, "prompt"),
+    ({"logprobs": True}, "logprobs"),
+    ({"n": True}, "n"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"continuous_cot": "yes"}, "continuous_cot"),
+    ({"stream": "true"}, "stream"),
+    ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["a", ""]}, "stop"),
+    ({"exit_threshold": -1}, "exit_threshold"),
+    ({"exit_criterion": "kl", "exit_threshold": -1}, "exit_threshold"),
+    ({"exit_criterion": "klx"}, "exit_criterion"),
+    ({"kv_cache_budget": 0}, "kv_cache_budget"),
+    ({"min_steps": 2**63}, "min_steps"),
+    ({"seed": 2**63}, "seed"),
+    ({"echo": 1}, "echo"),
+    ({"model": 1}, "model"),
+])
+def test_values_of_the_wrong_type_or_meaningless_are_refused_by_name(live, body, param):
+    reply = httpx.post(live.url + "/v1/completions", timeout=30,
+                       json={"model": "tiny", "prompt": "the", "max_tokens": 2, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.text
+
+
+def test_a_chat_message_takes_strict_types_too(live):
+    reply = httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": 1}], "max_tokens": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages.0.content", reply.text
+    reply = httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": 1, "max_tokens": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs", reply.text
+
+
+@pytest.mark.parametrize("seed", [2**50, 2**63 - 1])
+def test_every_documented_seed_samples_and_repeats(live, seed):
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 6, "temperature": 0.9, "seed": seed}
+    first, again = (httpx.post(live.url + "/v1/completions", json=body, timeout=30) for _ in range(2))
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
+
+
+def test_s0_block_seeds_keep_their_numbers_below_the_old_overflow():
+    """The seeds that worked before the modulo keep their s_0 (the identity corpus's and fixtures' do)."""
+    assert block_seed(3, 2) == 3 * 1_000_003 + 2 and block_seed(10**13, 0) == 10**13 * 1_000_003
+    assert 0 <= block_seed(2**63 - 1, 5) < 2**64
 
 
 # ---- 2. a vocabulary larger than the tokenizer's
@@ -269,3 +346,117 @@ def test_at_the_shutdown_deadline_requests_end_with_errors_not_cut_off(model_dir
     assert json.loads(lines[-1][6:])["error"]["code"] == "shutting_down"
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "shutting_down"
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+
+
+# ---- the HTTP level: smuggling, malformed requests, probes, headers, the request line
+
+def exchange(port: int, payload: bytes, seconds: float = 10) -> bytes:
+    """Send raw bytes; everything the server answers until it closes the connection (or `seconds` pass)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=seconds) as sock:
+        sock.sendall(payload)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except socket.timeout:
+            pass
+        return received
+
+
+def test_a_request_with_two_body_lengths_is_refused_and_its_connection_closed(live):
+    """Content-Length and Transfer-Encoding together (RFC 9112 section 6.1): 400, Connection: close, and the
+    request hidden in its body is never answered."""
+    hidden = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    body = b"0\r\n\r\n" + hidden
+    answer = exchange(live.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%s" % (len(body), body))
+    assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.1 ") == 1, answer
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower()
+    assert json.loads(rest)["error"]["code"] == "ambiguous_body_length"
+
+
+@pytest.mark.parametrize("payload", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32) + b"\r\n\r\n",   # a TLS ClientHello's start
+])
+def test_a_request_that_is_not_http_gets_an_openai_error_object(live, payload):
+    answer = exchange(live.port, payload)
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), answer
+    assert json.loads(rest)["error"]["code"] == "invalid_http"
+
+
+def test_head_health_answers_as_get_without_a_body(live):
+    reply = httpx.head(live.url + "/health", timeout=10)
+    assert reply.status_code == 200 and reply.content == b""
+    assert reply.headers["content-type"] == httpx.get(live.url + "/health", timeout=10).headers["content-type"]
+
+
+@pytest.mark.parametrize("size, status", [(9000, 414), (100_000, 414)])
+def test_a_long_request_target_is_refused(live, size, status):
+    answer = exchange(live.port, b"GET /health?" + b"a" * size + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert json.loads(rest)["error"]["message"]
+
+
+def test_two_authorization_headers_are_refused_and_refusals_are_counted(model_dir):
+    with LiveServer(model_dir, api_key="s3cret", max_request_bytes=1000) as live:
+        url = live.url + "/v1/models"
+        good = ("Authorization", "Bearer s3cret")
+        assert httpx.get(url, headers=[good], timeout=10).status_code == 200
+        twice = httpx.get(url, headers=[good, ("Authorization", "Bearer other")], timeout=10)
+        assert twice.status_code == 400 and twice.json()["error"]["code"] == "duplicate_authorization"
+        assert httpx.get(url, headers=[good, good], timeout=10).status_code == 400
+        assert httpx.get(url, timeout=10).status_code == 401
+        big = httpx.post(live.url + "/v1/completions", headers=[good], content=b"x" * 2000, timeout=10)
+        assert big.status_code == 413
+        text = httpx.get(live.url + "/metrics", timeout=10).text
+        for status in ("400", "401", "413"):
+            assert f'status="{status}"' in text, status
+
+
+def test_random_paths_leave_a_bounded_number_of_metric_series(live):
+    """A 404 is counted under "unmatched", not its path: 300 random paths make no new series."""
+    with httpx.Client(timeout=10) as client:
+        for i in range(300):
+            assert client.get(f"{live.url}/x{i}/{time.time()}").status_code == 404
+    text = httpx.get(live.url + "/metrics", timeout=10).text
+    series = [line for line in text.splitlines() if line.startswith("rdlm_requests_total{")]
+    assert 'endpoint="unmatched",status="404"' in text and len(series) < 20, series
+    assert not any("/x1" in line for line in series)
+
+
+def test_the_gauges_follow_a_failed_step(model_dir, monkeypatch):
+    """A step that fails (whoever's fault) ends its requests, and rdlm_batch_size and rdlm_queue_length say
+    so at once, not at the next request."""
+    with LiveServer(model_dir) as live:
+        worker = live.app.state.worker
+        step = worker.batch.step
+        calls = []
+
+        def failing():   # a few steps go well (the gauges show the row), then one fails
+            calls.append(1)
+            if len(calls) == 6:
+                raise RuntimeError("a failure of the whole step")
+            return step()
+
+        monkeypatch.setattr(worker.batch, "step", failing)
+        lines = stream_lines(live.url, {"prompt": "the cat", "max_tokens": 60, "num_steps": 8})
+        event = json.loads(lines[-1][6:])["error"]
+        assert event["type"] == "server_error" and "param" in event and "code" in event
+        wait_until(lambda: metric(live.url, "rdlm_batch_size") == 0, seconds=5, what="a stale batch size")
+        assert metric(live.url, "rdlm_queue_length") == 0
+
+
+def test_a_stream_that_fails_in_the_server_ends_with_a_complete_error_event(live, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the tokenizer broke")
+
+    monkeypatch.setattr(live.tokenizer, "decode", broken)
+    lines = stream_lines(live.url, {"prompt": "the cat", "max_tokens": 4})
+    event = json.loads(lines[-1][6:])["error"]
+    assert event == {"message": "the server failed", "type": "server_error", "param": None, "code": "internal_error"}

@@ -11,14 +11,24 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
+from rdlm.checks import Integer, InvalidValue, Number
 from rdlm.data.tokenizer import Tokenizer
 from rdlm.inference.batching import BatchEvent
-from rdlm.inference.params import (KV_CACHE_BUDGET, MAX_TOP_LOGPROBS, GenerationConfig, cut_at_stop,
+from rdlm.inference.params import (KV_CACHE_BUDGET, MAX_TOKENS, MAX_TOP_LOGPROBS, GenerationConfig, cut_at_stop,
                                    kv_cache_budget, params_for)
 
 
 MAX_STOPS = 4              # stop sequences per request (OpenAI's limit)
 MAX_STOP_CHARS = 256       # characters per stop sequence
+MAX_N = 16                 # completions per request
+# The bounds of OpenAI's own numbers (GenerationConfig's parameters declare theirs with their fields; `bounds`
+# lists both). presence_penalty and frequency_penalty take 0 only: repetition_penalty is rdlm's.
+OPENAI_BOUNDS = {"max_tokens": Integer(1, MAX_TOKENS), "max_completion_tokens": Integer(1, MAX_TOKENS),
+                 "n": Integer(1, MAX_N), "logprobs": Integer(0, MAX_TOP_LOGPROBS),
+                 "top_logprobs": Integer(0, MAX_TOP_LOGPROBS)}
+UNSUPPORTED = ("presence_penalty", "frequency_penalty")
+# A field of GenerationConfig that a request spells its own way: an error about it names the request's.
+REQUEST_NAMES = {"cache_slots": "kv_cache_budget", "stop_strings": "stop", "max_new_tokens": "max_tokens"}
 
 
 class APIError(Exception):
@@ -28,24 +38,36 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers
 
+    def body(self) -> dict:
+        """OpenAI's error object (a response's body, or a stream's error event)."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # --------------------------------------------------------------------------------------------------
-# Request bodies: OpenAI's fields and rdlm's; anything else is refused by name.
+# Request bodies: OpenAI's fields and rdlm's; anything else is refused by name. Types are strict: no bool
+# for a number (JSON's true is not 1), no string for a bool, no number for a string.
+
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = False
+
 
 class OpenAIOptions(BaseModel):
     """Both endpoints' fields besides the generation parameters (`Options` adds those)."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = Field(1, ge=1, le=16)
+    stream_options: StreamOptions | None = None
+    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
@@ -55,6 +77,8 @@ class OpenAIOptions(BaseModel):
     def _few_short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         # Every stop string is looked for after every token: bound them as OpenAI does (4), and their length.
         stops = [stop] if isinstance(stop, str) else stop or []
+        if not all(stops):   # "" is in every text: every completion would end empty
+            raise ValueError("a stop sequence may not be empty")
         if len(stops) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
@@ -73,11 +97,11 @@ Options = create_model("Options", __base__=OpenAIOptions, __doc__="A request bod
 class CompletionRequest(Options):
     prompt: str | list[int] | list[str]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant"]
     content: str
 
@@ -86,7 +110,7 @@ class ChatRequest(Options):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,31 +125,64 @@ def requested_logprobs(body: Options) -> int | None:
     return getattr(body, "logprobs", None)
 
 
-def generation_config(body: Options, defaults: GenerationConfig, stop_tokens: tuple[int, ...],
-                      max_tokens: int | None) -> GenerationConfig:
-    for name in ("presence_penalty", "frequency_penalty"):
+def check_bounds(body: Options) -> None:
+    """Refuse, by name, an OpenAI number out of its bounds (`OPENAI_BOUNDS`; a request for no token would
+    end without a response), an unsupported penalty, and options that need others."""
+    for name, check in OPENAI_BOUNDS.items():
+        value = getattr(body, name, None)
+        if value is not None and not isinstance(value, bool):   # (chat's logprobs is a switch: strictly a bool)
+            try:
+                check(name, value)
+            except InvalidValue as err:
+                raise APIError(400, str(err), param=name) from None
+    for name in UNSUPPORTED:
         if getattr(body, name) != 0:
             raise APIError(400, f"{name} is not supported; use repetition_penalty", param=name)
+    if body.stream_options is not None and not body.stream:   # as OpenAI refuses it
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if body.n > 1 and body.stream:
         raise APIError(400, "n > 1 is not supported with stream", param="n")
+
+
+def generation_config(body: Options, defaults: GenerationConfig, stop_tokens: tuple[int, ...],
+                      max_tokens: int | None) -> GenerationConfig:
+    """The request's GenerationConfig over the server's defaults; every value out of its declared bounds is
+    refused (400) naming the request's field."""
+    check_bounds(body)
     updates: dict[str, Any] = {"stop_tokens": tuple(defaults.stop_tokens) + stop_tokens,
                                "logprobs": requested_logprobs(body)}
     if max_tokens is not None:
-        if max_tokens < 1:   # a request for no token would end without a response
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         updates["max_new_tokens"] = max_tokens
-    for param in REQUEST_PARAMS:
-        value = getattr(body, param.name)
-        if param is KV_CACHE_BUDGET:
-            updates.update(kv_cache_budget(value))
-        elif value is not None:
-            updates[param.name] = value
-    if body.stop is not None:
-        updates["stop_strings"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     try:
+        for param in REQUEST_PARAMS:
+            value = getattr(body, param.name)
+            if param is KV_CACHE_BUDGET:
+                if value is not None:
+                    param.check(param.name, value)
+                updates.update(kv_cache_budget(value))
+            elif value is not None:
+                updates[param.name] = value
+        if body.stop is not None:
+            updates["stop_strings"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
         return replace(defaults, **updates)
-    except (ValueError, TypeError) as err:
+    except InvalidValue as err:
+        raise APIError(400, str(err), param=REQUEST_NAMES.get(err.name, err.name)) from None
+    except (ValueError, TypeError) as err:   # a rule between fields
         raise APIError(400, str(err)) from None
+
+
+def numeric_checks() -> dict[str, Integer | Number]:
+    """The check of every number a request may carry but the unsupported penalties (0 only), by field."""
+    return {**OPENAI_BOUNDS, **{p.name: p.check for p in REQUEST_PARAMS if p.kind in (int, float)}}
+
+
+def bounds() -> dict[str, tuple[str, str]]:
+    """Every number a request may carry: its type and the values it takes, as docs/production.md's table
+    gives them (its test compares the two)."""
+    rows = {name: ("integer" if isinstance(check, Integer) else "number", check.bounds)
+            for name, check in numeric_checks().items()}
+    rows.update({name: ("number", "0 only") for name in UNSUPPORTED})
+    return rows
 
 
 class Completion:

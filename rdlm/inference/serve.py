@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import queue
+import re
 import threading
 import time
 import uuid
@@ -87,11 +88,16 @@ class Ticket:
 
 
 class Metrics:
+    """The server's Prometheus metrics. Requests are counted by endpoint, the route's path or "unmatched" for a
+    path no route takes (a series per random path would grow without end), and status."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.routes: frozenset[str] = frozenset()   # the app's paths (create_app sets them)
         r = self.registry
         ProcessCollector(registry=r)   # process_resident_memory_bytes, process_open_fds, ... (Linux)
-        self.requests = Counter("rdlm_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.requests = Counter("rdlm_requests", "HTTP requests by endpoint (a route's path, or unmatched) and "
+                                "status", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("rdlm_prompt_tokens", "prompt tokens admitted", registry=r)
         self.tokens = Counter("rdlm_generated_tokens", "tokens generated", registry=r)
         self.exits = Counter("rdlm_early_exits", "tokens whose iterations stopped before r (adaptive exits)", registry=r)
@@ -106,8 +112,13 @@ class Metrics:
         self.ttft = Histogram("rdlm_time_to_first_token_seconds", "from submission to the first token",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
 
+    def count(self, path: str, status: int | str) -> None:
+        """One answered request: its endpoint (the route's path, or "unmatched") and status."""
+        self.requests.labels(path if path in self.routes else "unmatched", str(status)).inc()
+
 
 log = logging.getLogger("rdlm.serve")
+UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|function-.*")  # pydantic's names in a loc
 
 
 class Worker:
@@ -184,11 +195,18 @@ class Worker:
                 for request, err in self.batch.take_failures():   # failed alone: the others go on
                     log.error("request %d failed", request, exc_info=err)
                     self._end(request, 500, f"generation failed: {err}")
-            except Exception as err:  # noqa: BLE001 (the step itself failed: nothing can tell whose fault it is)
+            except Exception as err:  # noqa: BLE001 (the step itself failed: nothing can tell whose fault it is;
+                # a value of one request's fails that one alone, in the batch, and its values are bounded first)
                 log.exception("the batch's step failed: its %d request(s) fail", len(self.tickets))
                 self._end_all(500, f"generation failed: {err}")
                 self.batch = self._new_batch()
+            self._gauges()   # after every step, a failed one included, and every admission or cancel
         self._end_all(503, "the server is shutting down")
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.queue.set(self.batch.queued)
+        self.metrics.batch.set(self.batch.running)
 
     def _end(self, request: int, status: int, message: str) -> None:
         """End one request in flight with an error."""
@@ -249,8 +267,6 @@ class Worker:
                 self._done()
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
-        m.queue.set(self.batch.queued)
-        m.batch.set(self.batch.running)
 
 
 def _put_all(items: list[tuple[Ticket, BatchEvent]]) -> None:
@@ -272,12 +288,13 @@ class OpenAIServer:
     # ---- errors and the small endpoints
 
     async def api_error(self, request: Request, err: APIError) -> JSONResponse:
-        self.metrics.requests.labels(request.url.path, str(err.status)).inc()
+        self.metrics.count(request.url.path, err.status)
         return err.response()
 
     async def invalid(self, request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        # the field's path, without the member of a union the value was tried as ("prompt", not "prompt.str")
+        where = ".".join(str(p) for p in first.get("loc", ())[1:] if not UNION_MEMBER.fullmatch(str(p))) or None
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message, where = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
@@ -285,7 +302,7 @@ class OpenAIServer:
             message = f"unknown field {where!r}"
         elif where:
             message = f"{where}: {message}"
-        self.metrics.requests.labels(request.url.path, "400").inc()
+        self.metrics.count(request.url.path, 400)
         return APIError(400, message, param=where).response()
 
     async def health(self) -> dict:
@@ -366,7 +383,7 @@ class OpenAIServer:
         else:
             choices = [{"index": i, "text": c.text, "logprobs": c.logprobs(chat),
                         "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
-        self.metrics.requests.labels(request.url.path, "200").inc()
+        self.metrics.count(request.url.path, 200)
         return JSONResponse({**head("chat.completion" if chat else "text_completion"), "choices": choices,
                              "usage": usage(prompt, completions)})
 
@@ -397,14 +414,15 @@ class OpenAIServer:
                 data = {**head(kind), "choices": [], "usage": usage(prompt, [completion])}
                 yield f"data: {json.dumps(data)}\n\n"
             yield "data: [DONE]\n\n"
-            self.metrics.requests.labels(endpoint, "200").inc()
+            self.metrics.count(endpoint, 200)
         except APIError as err:
-            self.metrics.requests.labels(endpoint, str(err.status)).inc()
-            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'code': err.code}})}\n\n"
+            self.metrics.count(endpoint, err.status)
+            yield f"data: {json.dumps(err.body())}\n\n"
         except Exception as err:  # noqa: BLE001 (the response has begun: an error event is all that can be sent)
             log.error("a stream failed", exc_info=err)
-            self.metrics.requests.labels(endpoint, "500").inc()
-            yield f"data: {json.dumps({'error': {'message': 'the server failed', 'type': 'server_error'}})}\n\n"
+            self.metrics.count(endpoint, 500)
+            failed = APIError(500, "the server failed", kind="server_error", code="internal_error")
+            yield f"data: {json.dumps(failed.body())}\n\n"
         finally:
             if completion.finish_reason is None:  # the client went away, or an error: free the row
                 self.worker.cancel(ticket)
@@ -486,13 +504,15 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
     app = FastAPI(title="rdlm", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
     app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes,
-                       body_timeout=config.body_timeout)
+                       body_timeout=config.body_timeout, count=metrics.count)
     app.add_exception_handler(APIError, server.api_error)
     app.add_exception_handler(RequestValidationError, server.invalid)
-    install_error_handlers(app, lambda path, status: metrics.requests.labels(path, status).inc())
+    install_error_handlers(app, metrics.count)
     app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["HEAD"], include_in_schema=False)  # balancers' probe
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    metrics.routes = frozenset(route.path for route in app.routes)
     return app

@@ -1,6 +1,7 @@
-"""The HTTP side of `rdlm serve` (rdlm/inference/serve.py) that no client can hold up: the guard in front of
-the app (API key, body size, body deadline), a header deadline on every connection, a shutdown that answers
-what is still running, and every error in OpenAI's shape.
+"""The HTTP side of `rdlm serve` (rdlm/inference/serve.py) that no client can hold up or confuse: the guard in
+front of the app (a body length given twice, the request target's size, the API key, body size, body
+deadline), a header deadline on every connection, a shutdown that answers what is still running, and every
+error in OpenAI's shape (what h11 cannot parse included, while a response can still be sent).
 
 uvicorn holds a connection whose request headers never complete, and a body that stops half way, for as
 long as the client likes; `HeaderDeadline` and `Guard` close or answer them after `header_timeout` and
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import math
+from typing import Callable
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -27,37 +31,66 @@ log = logging.getLogger("rdlm.serve")
 
 # Answered without the API key: the liveness probe and the Prometheus scrape.
 OPEN_PATHS = ("/health", "/metrics")
+MAX_TARGET_BYTES = 8192   # a request's path and query (longer: 414; the request line is bounded by h11's buffer)
 
 
 class Guard:
-    """Refuses, with OpenAI's error shape, a request without the server's API key (401; every path but
-    OPEN_PATHS, the API's documentation pages included), a body over `max_bytes` (413: by its
-    Content-Length, or as it arrives without one, never holding more) and a body that has not arrived
-    `body_timeout` seconds after the headers (408)."""
+    """Refuses, with OpenAI's error shape and before the app sees it: a request whose body length is given
+    twice (Content-Length and Transfer-Encoding: a proxy in front may read it the other way, and a request
+    hidden in the body would be answered: RFC 9112 section 6.1; 400, and the connection closed), a path and
+    query over MAX_TARGET_BYTES (414), more than one Authorization header (400), a request without the
+    server's API key (401; every path but OPEN_PATHS, the API's documentation pages included), a body over
+    `max_bytes` (413: by its Content-Length, or as it arrives without one, never holding more) and a body
+    that has not arrived `body_timeout` seconds after the headers (408). `count(path, status)` counts each
+    refusal on /metrics."""
 
-    def __init__(self, app, api_key: str | None, max_bytes: int, body_timeout: float) -> None:
+    def __init__(self, app, api_key: str | None, max_bytes: int, body_timeout: float,
+                 count: Callable[[str, int], None] = lambda path, status: None) -> None:
         self.app, self.api_key, self.max_bytes, self.body_timeout = app, api_key, max_bytes, body_timeout
+        self.count = count
 
     def authorized(self, value: bytes) -> bool:
         """Whether an Authorization header carries the key: scheme "Bearer" in any case (RFC 7235)."""
         scheme, _, token = value.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key.encode())
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+    def refusal(self, scope) -> APIError | None:
+        """What the request's line and headers alone refuse it for, or None."""
+        names = [name for name, _ in scope.get("headers") or ()]
+        close = {"Connection": "close"}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            return APIError(400, "a request may not have both Content-Length and Transfer-Encoding",
+                            code="ambiguous_body_length", headers=close)
+        if len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b"")) > MAX_TARGET_BYTES:
+            return APIError(414, f"the request's path and query exceed {MAX_TARGET_BYTES} bytes", code="uri_too_long",
+                            headers=close)
+        if names.count(b"authorization") > 1:
+            return APIError(400, "a request may have one Authorization header", param=None,
+                            code="duplicate_authorization")
         headers = dict(scope.get("headers") or ())
         if (self.api_key is not None and scope["path"] not in OPEN_PATHS
                 and not self.authorized(headers.get(b"authorization", b""))):
-            error = APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
-                             code="invalid_api_key", kind="authentication_error",
-                             headers={"WWW-Authenticate": "Bearer"})
-            return await error.response()(scope, receive, send)
-        too_large = APIError(413, f"the request body exceeds the server's limit of {self.max_bytes} bytes",
-                             code="request_too_large")
+            return APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                            code="invalid_api_key", kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await too_large.response()(scope, receive, send)
+            return self.too_large()
+        return None
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the request body exceeds the server's limit of {self.max_bytes} bytes",
+                        code="request_too_large")
+
+    async def refuse(self, error: APIError, scope, receive, send) -> None:
+        self.count(scope["path"], error.status)
+        await error.response()(scope, receive, send)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refused = self.refusal(scope)
+        if refused is not None:
+            return await self.refuse(refused, scope, receive, send)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         loop = asyncio.get_running_loop()
@@ -69,12 +102,12 @@ class Guard:
             except asyncio.TimeoutError:
                 late = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
                                 code="request_timeout", headers={"Connection": "close"})
-                return await late.response()(scope, receive, send)
+                return await self.refuse(late, scope, receive, send)
             if message["type"] != "http.request":  # the client went away
                 return
             body += message.get("body", b"")
             if len(body) > self.max_bytes:
-                return await too_large.response()(scope, receive, send)
+                return await self.refuse(self.too_large(), scope, receive, send)
             more = message.get("more_body", False)
         replayed = False
 
@@ -128,6 +161,23 @@ class HeaderDeadline(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """What h11 cannot parse (a request line or header that is not HTTP/1.1, a NUL in a header, a bad
+        Content-Length or chunk size, a TLS handshake on this plain port), as OpenAI's error object where a
+        response can still be sent (uvicorn's own is plain text); the connection then closes."""
+        body = json.dumps(APIError(400, "the request is not valid HTTP/1.1: its request line, a header, its "
+                                        "Content-Length or a chunk size cannot be parsed",
+                                   code="invalid_http").body()).encode()
+        try:
+            for event in (h11.Response(status_code=400, headers=[(b"content-type", b"application/json"),
+                                                                 (b"content-length", str(len(body)).encode()),
+                                                                 (b"connection", b"close")]),
+                          h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:   # a response had begun: nothing more can be said on this connection
+            pass
+        self.transport.close()
 
 
 class Server(uvicorn.Server):
