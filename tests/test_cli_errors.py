@@ -299,3 +299,95 @@ def test_long_work_shows_progress_on_stderr(model_dir, tmp_path, capsys):
     assert main(["eval", str(model_dir), "--text", str(tmp_path / "doc.txt"), "--num-steps", "1,2",
                  "--out", str(tmp_path / "eval")]) == 0
     assert "batch iterations" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_missing_or_empty_run_directory(shards, tmp_path, capsys):
+    """--resume continues a run: a typo in --out-dir is named, not taken for a new run (nothing is written)."""
+    args = ["--model", "tiny", "--set", "vocab_size=512", "--set", "context_length=16", "--data", shards, "--steps", 1,
+            "--no-progress", "--resume"]
+    missing = tmp_path / "typo"
+    assert run(capsys, "train", *args, "--out-dir", missing) == (2, [
+        f"rdlm train: error: --resume: run directory {missing} does not exist, so there is no run to continue; "
+        "check the path, or start a new run without --resume"])
+    assert not missing.exists()
+    (tmp_path / "empty").mkdir()
+    assert run(capsys, "train", *args, "--out-dir", tmp_path / "empty") == (2, [
+        f"rdlm train: error: --resume: run directory {tmp_path / 'empty'} is empty, so there is no run to "
+        "continue; check the path, or start a new run without --resume"])
+    assert [p.name for p in (tmp_path / "empty").iterdir()] == []
+
+
+# -------------------------------------------------------------------------------------------------
+# A flag that cannot take effect where it is given is refused by name (rdlm.cli.takes_effect), on every command
+
+@pytest.fixture(scope="module")
+def run_without_ema(tmp_path_factory):
+    """A training run whose checkpoints kept no EMA weights (ema_decay none)."""
+    from conftest import write_training_run
+    from rdlm.model.config import RDLMConfig
+    from rdlm.model.lm import RecurrentDepthLM
+
+    root = tmp_path_factory.mktemp("no-ema")
+    run_dir, _ = write_training_run(root, RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval())
+    for step in (run_dir / "checkpoints").iterdir():
+        shutil.rmtree(step / "ema")
+    return run_dir
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["generate", "--model", "{model}", "--prompt-ids", "1,2", "--quantize-group-size", "64"],
+     "--quantize-group-size would have no effect: it is the group size of --quantize int4, and no --quantize is "
+     "given"),
+    (["generate", "--model", "{model}", "--prompt-ids", "1,2", "--quantize", "core=int8", "--quantize-group-size", "64"],
+     "--quantize-group-size would have no effect: it is the group size of int4, and --quantize core=int8 "
+     "quantizes no part to int4"),
+    (["eval", "{model}", "--text", "x.txt", "--quantize-group-size", "32"], "--quantize-group-size would have no "
+     "effect: it is the group size of --quantize int4, and no --quantize is given"),
+    (["train", "--model", "tiny", "--data", "shards", "--out-dir", "none", "--curriculum-start", "3"],
+     "--curriculum-start would have no effect: it applies with --curriculum linear or 1-sqrt, which this run "
+     "does not have"),
+    (["train", "--model", "tiny", "--data", "shards", "--out-dir", "none", "--muon-lr", "0.01"],
+     "--muon-lr would have no effect: it applies with --optimizer muon, which this run does not have"),
+    (["demo", "--loops", "0"], "--loops would have no effect: it is an option of --experiment gate, and this is "
+                               "--experiment main"),
+    (["demo", "--split", "9/9/9"], "--split would have no effect: it is an option of --experiment retrofit, and "
+                                   "this is --experiment main"),
+    (["demo", "--experiment", "gate", "--no-twin"], "--no-twin would have no effect: it is an option of "
+                                                    "--experiment main, and this is --experiment gate"),
+    (["convert", "{model}", "out", "--weights", "model"], "--weights would have no effect: {model} is a model "
+     "directory, with one set of weights; --weights chooses in a training checkpoint"),
+    (["convert", "{run}", "out", "--weights", "ema"], "--weights would have no effect: {run} has no EMA weights "
+     "(its run kept none: ema_decay none); give --weights model"),
+])
+def test_a_flag_that_cannot_take_effect_is_refused_by_name(model_dir, run_without_ema, tmp_path, monkeypatch, capsys,
+                                                          argv, line):
+    monkeypatch.chdir(tmp_path)
+    names = {"model": model_dir, "run": run_without_ema}
+    argv = [a.format(**names) for a in argv]
+    assert run(capsys, *argv) == (2, [f"rdlm {argv[0]}: error: {line.format(**names)}"])
+    assert list(tmp_path.iterdir()) == []  # refused before any work
+
+
+def test_a_flag_is_refused_only_where_it_cannot_take_effect(model_dir, run_without_ema, tmp_path, capsys):
+    # given with its default value, a flag is still given: --weights ema above; not given, the default
+    # (EMA where the run kept it, else the raw weights) applies as documented
+    assert run(capsys, "convert", run_without_ema, tmp_path / "raw")[0] == 0
+    assert run(capsys, "generate", "--model", model_dir, "--prompt-ids", "1,2", "--max-new-tokens", "1", "--quantize",
+               "int4,core=int8", "--quantize-group-size", "64")[0] == 0
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["generate", "--model", "{model}", "--prompt-ids", "1", "--quantize", "core=int8,core=int4"],
+     "rdlm generate: error: argument --quantize: quantization spec 'core=int8,core=int4': part 'core' is named "
+     "twice (rdlm generate --help lists the options)"),
+    (["generate", "--model", "{model}", "--prompt-ids", "1", "--quantize", "core=int8,int4"],
+     "rdlm generate: error: argument --quantize: quantization spec 'core=int8,int4': the scheme for every part "
+     "('int4') comes first, e.g. 'int4,core=int8' (rdlm generate --help lists the options)"),
+    (["chat", "--model", "{model}", "--max-new-tokens", "0"],
+     "rdlm chat: error: argument --max-new-tokens: must be an integer >= 1, got 0 (rdlm chat --help lists the "
+     "options)"),
+])
+def test_a_setting_that_would_do_nothing_or_be_undone_is_refused(model_dir, capsys, argv, line):
+    with pytest.raises(SystemExit) as exit:
+        main([a.format(model=model_dir) for a in argv])
+    assert exit.value.code == 2 and capsys.readouterr().err.strip() == line

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import warnings
+from typing import Any, Callable
 
 from rdlm.checks import check_int
 from rdlm.resources import LongRunWarning
@@ -49,12 +50,55 @@ def add_quantize_arguments(parser) -> None:
                         help="weight-only quantization per part of the loop: int8, int4, or part=scheme items "
                              "(parts prelude, core, coda, head; schemes none, int8, int4), e.g. "
                              "'core=int8,prelude=int4,coda=int4,head=int8'; docs/quantization.md")
-    parser.add_argument("--quantize-group-size", type=int, default=128, metavar="N",
-                        help="int4: input columns per scale and zero point (32, 64, 128 or 256)")
+    takes_effect(parser.add_argument("--quantize-group-size", type=int, default=128, metavar="N",
+                                     help="int4: input columns per scale and zero point (32, 64, 128 or 256)"),
+                 _without_int4)
+
+
+def _without_int4(args: argparse.Namespace) -> str | None:
+    from rdlm.model.quantize import PARTS, QuantSpec
+
+    if args.quantize is None:
+        return "it is the group size of --quantize int4, and no --quantize is given"
+    spec = QuantSpec.parse(args.quantize)
+    if all(getattr(spec, part) != "int4" for part in PARTS):
+        return f"it is the group size of int4, and --quantize {args.quantize} quantizes no part to int4"
+    return None
 
 
 class CLIError(Exception):
     """A user error worth one clear line, not a traceback."""
+
+
+def takes_effect(action: argparse.Action, why_not: Callable[[argparse.Namespace], str | None]) -> argparse.Action:
+    """Declare when a flag can take effect: `why_not(args)` says why it cannot in this command line (None:
+    it can). `main` refuses a flag given where it would do nothing, naming it and the reason, before any
+    work: the one rule of every command (a silently ignored flag is a mistake the user never hears of)."""
+    action.why_not = why_not
+    return action
+
+
+class _NotGiven:
+    """An option's default while its parser runs, so that a flag given with its default value (`--weights
+    ema`) is still told from one not given."""
+
+    def __init__(self, default: Any) -> None:
+        self.default = default
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the flag of `dest` was on the command line (not merely at its default)."""
+    return dest in getattr(args, "given_options", ())
+
+
+def refuse_flags_without_effect(parsers: list[argparse.ArgumentParser], args: argparse.Namespace) -> None:
+    for parser in parsers:
+        for action in parser._actions:
+            why_not = getattr(action, "why_not", None)
+            if why_not is not None and given(args, action.dest):
+                reason = why_not(args)
+                if reason is not None:
+                    raise CLIError(f"{'/'.join(action.option_strings)} would have no effect: {reason}")
 
 
 def add_threads_argument(parser) -> None:
@@ -152,14 +196,47 @@ class Parser(argparse.ArgumentParser):
         """As argparse's, but an unknown option is named by the subcommand it was given to."""
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            where = self
-            for dest in ("command", "action"):  # `rdlm data prepare`: the innermost parser
-                sub = where._subparsers and where._subparsers._group_actions[0].choices.get(getattr(parsed, dest, ""))
-                if sub is None:
-                    break
-                where = sub
-            where.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.command_parsers(parsed)[-1].error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed
+
+    def command_parsers(self, parsed: argparse.Namespace) -> list[argparse.ArgumentParser]:
+        """This parser and the subcommands' parsers `parsed` went through (`rdlm data prepare`: three)."""
+        chain: list[argparse.ArgumentParser] = [self]
+        for dest in ("command", "action"):
+            where = chain[-1]
+            sub = where._subparsers and where._subparsers._group_actions[0].choices.get(getattr(parsed, dest, ""))
+            if sub is None:
+                break
+            chain.append(sub)
+        return chain
+
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse's, and `given_options` (the dests of the flags on the command line: `given`)."""
+        # Flags whose action reads the value before it (append, count) keep their default.
+        swapped = {action: action.default for action in self._actions
+                   if action.option_strings and action.default is not argparse.SUPPRESS
+                   and not isinstance(action, (argparse._AppendAction, argparse._AppendConstAction,
+                                               argparse._CountAction))}
+        for action, default in swapped.items():
+            action.default = _NotGiven(default)
+        try:
+            parsed, extras = super().parse_known_args(args, namespace)
+        finally:
+            for action, default in swapped.items():
+                action.default = default
+        seen = set(getattr(parsed, "given_options", ()))
+        for action, default in swapped.items():
+            value = getattr(parsed, action.dest, None)
+            if isinstance(value, _NotGiven):  # as argparse sets a default: a string through the flag's type
+                setattr(parsed, action.dest, self._get_value(action, default) if isinstance(default, str) else default)
+            elif hasattr(parsed, action.dest):
+                seen.add(action.dest)
+        for action in self._actions:
+            if isinstance(action, (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction)):
+                if getattr(parsed, action.dest, action.default) != action.default:
+                    seen.add(action.dest)
+        parsed.given_options = frozenset(seen)
+        return parsed, extras
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     _merge_model(args, parser)
     name = " ".join(filter(None, (args.command, getattr(args, "action", None))))  # `data prepare`, as typed
     try:
+        refuse_flags_without_effect(parser.command_parsers(args), args)
         with warnings.catch_warnings():
             warnings.simplefilter("always", LongRunWarning)
             warnings.showwarning = one_line_warnings(name, warnings.showwarning)

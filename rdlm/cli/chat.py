@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from rdlm.cli import at_least
 from rdlm.cli.generate import TextStreamer, add_generation_args, config_from_args, load_model_and_tokenizer, \
     print_stats
 from rdlm.inference.generate import generate
@@ -33,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument("--stats", action="store_true", help="print iterations per token and speed after each reply")
     add_generation_args(p)
+    for action in p._actions:
+        if action.dest == "max_new_tokens":  # generate's 0 times a prefill; a chat reply needs a token
+            action.type = at_least(1)
     p.set_defaults(func=run, max_new_tokens=256)
 
 

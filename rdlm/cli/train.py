@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from rdlm.cli import CLIError
+from rdlm.cli import CLIError, takes_effect
 
 
 # Fields set otherwise than by a flag of their own.
@@ -114,7 +114,44 @@ def register(subparsers) -> None:
             action.default = argparse.SUPPRESS
             action.help = ("run directory: checkpoints, log.jsonl, TensorBoard events; required (none: train "
                            "without saving anything)")
+        if action.dest in SETTING_OF:
+            takes_effect(action, _needs_setting(*SETTING_OF[action.dest]))
     p.set_defaults(func=run)
+
+
+# Flags that set a detail of another setting, and do nothing without it: (field, the values it needs, in words).
+SETTING_OF = {
+    "curriculum_start": ("curriculum", None, "--curriculum linear or 1-sqrt"),
+    "curriculum_fraction": ("curriculum", None, "--curriculum linear or 1-sqrt"),
+    "muon_lr": ("optimizer", "muon", "--optimizer muon"),
+    "muon_weight_decay": ("optimizer", "muon", "--optimizer muon"),
+}
+
+
+def _needs_setting(field: str, value: str | None, words: str):
+    def why_not(args: argparse.Namespace) -> str | None:
+        setting = _setting(args, field)
+        if setting is None or (value is not None and setting != value):
+            return f"it applies with {words}, which this run does not have"
+        return None
+    return why_not
+
+
+def _setting(args: argparse.Namespace, field: str) -> Any:
+    """A TrainConfig field as the run will have it: its flag, else --config's value, else (--resume) the run's."""
+    if getattr(args, field, None) is not None:
+        return getattr(args, field)
+    if args.config and field in (values := read_config_file(Path(args.config))):
+        return values[field]
+    if args.resume and getattr(args, "out_dir", None) is not None:
+        from rdlm.train.resume import recorded_config
+
+        found = recorded_config(args.out_dir)
+        if found is not None:
+            return found[0].get(field)
+    from rdlm.train import TrainConfig
+
+    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == field)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

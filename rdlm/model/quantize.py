@@ -73,19 +73,26 @@ class QuantSpec:
     @classmethod
     def parse(cls, text: str, group_size: int = DEFAULT_GROUP_SIZE) -> "QuantSpec":
         values: dict[str, str] = {}
+        named: set[str] = set()
         # "," and "=" as written; "+" and ":" also, for places where commas separate arguments (lm-eval)
         items = [item.strip() for item in str(text).replace("+", ",").replace(":", "=").split(",")]
         if not text or not all(items):
             raise QuantizationError(f"empty item in quantization spec {text!r} (e.g. 'int8' or "
                                     "'core=int4,prelude=int8,coda=none')")
-        for item in items:
+        for number, item in enumerate(items):
             if "=" not in item:
+                if number > 0:  # it would set every part again, undoing what the items before it said
+                    raise QuantizationError(f"quantization spec {text!r}: the scheme for every part ({item!r}) "
+                                            "comes first, e.g. 'int4,core=int8'")
                 values.update(dict.fromkeys(PARTS, item))
                 continue
             part, scheme = (s.strip() for s in item.split("=", 1))
             if part not in PARTS:
                 raise QuantizationError(f"quantization spec {text!r}: unknown part {part!r} "
                                         f"(expected {', '.join(PARTS)})")
+            if part in named:  # the last would win, silently
+                raise QuantizationError(f"quantization spec {text!r}: part {part!r} is named twice")
+            named.add(part)
             values[part] = scheme
         return cls(**values, group_size=group_size)
 

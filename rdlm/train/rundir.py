@@ -105,6 +105,19 @@ def clean_leftovers(out_dir: str | os.PathLike) -> list[str]:
     return notes
 
 
+def check_resumable(out_dir: str | os.PathLike) -> None:
+    """`resume` continues a run: a missing or empty run directory (a typo in the path) holds none, and is
+    refused rather than silently starting a new run. A directory with a run's files but no checkpoint yet (a
+    run stopped before its first save) starts the run as given."""
+    out = Path(out_dir)
+    if not out.exists():
+        raise RunDirError(f"--resume: run directory {out} does not exist, so there is no run to continue; check "
+                          "the path, or start a new run without --resume")
+    if out.is_dir() and not any(p.name != LOCK_FILE for p in out.iterdir()):
+        raise RunDirError(f"--resume: run directory {out} is empty, so there is no run to continue; check the "
+                          "path, or start a new run without --resume")
+
+
 def prepare_run_dir(out_dir: str | os.PathLike, resume: bool, overwrite: bool) -> None:
     """Refuse to start a new run over another one unless `overwrite` (which removes it); clean leftovers."""
     from rdlm.train.checkpoint import checkpoint_dir
