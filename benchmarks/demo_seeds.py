@@ -4,8 +4,8 @@ Runs the demo once per seed (`--parallel` runs side by side, each a `python -m r
 own report directory under `--out`), then reads every `results.json` and writes `seeds.json` and
 `seeds.md` there. Arguments after `--` go to every `rdlm demo` (e.g. `-- --no-twin --lr 2e-3`, or
 `-- --experiment retrofit`: the table then shows that experiment's numbers).
-A seed whose report is already there is read, not rerun (`--rerun` to run it again), so an interrupted
-sweep continues where it stopped.
+A seed whose report is already there is read, not rerun (`--rerun` to run it again, replacing it), so an
+interrupted sweep continues where it stopped; stopping the sweep (Ctrl-C, SIGTERM) stops its demos.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/demo_seeds.py --seeds 100-111 --out seed-sweep
     python benchmarks/demo_seeds.py --seeds 0-4 --parallel 4 --out sweep -- --no-twin --no-depth-matched
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,26 +43,48 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def run_seeds(seeds: Sequence[int], out: Path, demo_args: Sequence[str], parallel: int, rerun: bool) -> None:
-    """Each seed's demo into out/seed-N, `parallel` at a time; its output goes to out/seed-N.log."""
+    """Each seed's demo into out/seed-N, `parallel` at a time; its output goes to out/seed-N.log. A seed is run
+    when its report is not complete (no results.json, which the demo writes last) or `rerun`: the demo then
+    replaces what is in out/seed-N (--overwrite; the sweep's own directory). Interrupted (Ctrl-C, SIGTERM, an
+    error), the sweep stops its running demos, which stop their workers."""
     todo = [s for s in seeds if rerun or not (out / f"seed-{s}" / "results.json").is_file()]
     running: dict[int, tuple[subprocess.Popen, Any, float]] = {}
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
-    while todo or running:
-        while todo and len(running) < parallel:
-            seed = todo.pop(0)
-            log = open(out / f"seed-{seed}.log", "w")
-            command = [sys.executable, "-m", "rdlm", "demo", "--seed", str(seed), "--out", str(out / f"seed-{seed}"),
-                       "--quiet", *demo_args]
-            running[seed] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log,
-                             time.perf_counter())
-            print(f"demo_seeds: seed {seed} started", flush=True)
-        for seed, (process, log, started) in list(running.items()):
-            if process.poll() is not None:
-                log.close()
-                del running[seed]
-                state = "done" if process.returncode == 0 else f"FAILED (exit {process.returncode}, see its log)"
-                print(f"demo_seeds: seed {seed} {state} after {time.perf_counter() - started:.0f} s", flush=True)
-        time.sleep(1)
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    try:
+        while todo or running:
+            while todo and len(running) < parallel:
+                seed = todo.pop(0)
+                log = open(out / f"seed-{seed}.log", "w")
+                command = [sys.executable, "-m", "rdlm", "demo", "--seed", str(seed), "--out",
+                           str(out / f"seed-{seed}"), "--overwrite", "--quiet", *demo_args]
+                running[seed] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log,
+                                 time.perf_counter())
+                print(f"demo_seeds: seed {seed} started", flush=True)
+            for seed, (process, log, started) in list(running.items()):
+                if process.poll() is not None:
+                    log.close()
+                    del running[seed]
+                    state = "done" if process.returncode == 0 else f"FAILED (exit {process.returncode}, see its log)"
+                    print(f"demo_seeds: seed {seed} {state} after {time.perf_counter() - started:.0f} s", flush=True)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_demos([process for process, _, _ in running.values()])
+
+
+def stop_demos(processes: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM to each demo still running (it kills its workers), then SIGKILL to any left after `grace` s."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _pct(value: float | None) -> str:
@@ -175,7 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.parallel < 1:
         p.error(f"--parallel must be at least 1, got {args.parallel}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {out} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        p.error(f"--out {out}: {err.strerror or err}")
     if not args.no_run:
         run_seeds(args.seeds, out, demo_args, args.parallel, args.rerun)
     reports = {seed: json.loads(path.read_text()) for seed in args.seeds

@@ -204,6 +204,64 @@ def test_a_script_without_a_main_guard_runs_the_demo_once(tmp_path):
     assert (tmp_path / "report" / "results.json").is_file()
 
 
+def _workers_of(parent: int) -> list[int]:
+    """The demo's worker processes: children of `parent` started by multiprocessing's spawn."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"spawn_main" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited, and waits only for its reaper
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.parametrize("number", [15, 9])  # SIGTERM: the demo kills its workers; SIGKILL: they exit on their own
+def test_no_worker_outlives_the_demo(tmp_path, number):
+    """A scheduler's or `kill PID`'s SIGTERM ends the demo and its workers, as Ctrl-C does; and a worker whose
+    demo is gone (even by SIGKILL) exits. The bound is fixed before the run: 10 s from the signal."""
+    import signal
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "rdlm", "demo", "--out", str(tmp_path / "report"), "--steps", "5000",
+            "--batch-size", "8", "--hidden-size", "32", "--num-heads", "2", "--mean-recurrence", "2",
+            "--backprop-depth", "1", "--eval-examples", "6", "--num-steps", "1,2", "--exit-max-steps", "2",
+            "--no-depth-matched", "--workers", "2", "--quiet"]
+    demo = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := _workers_of(demo.pid)) < 2 and demo.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(workers) == 2, "the demo never started its two workers"
+        time.sleep(1)  # into their jobs
+        demo.send_signal(number)
+        signalled = time.monotonic()
+        while any(map(_alive, workers)) and time.monotonic() - signalled < 10:
+            time.sleep(0.1)
+        assert not any(map(_alive, workers)), f"workers {workers} outlived the demo by 10 s"
+        assert demo.wait(timeout=10) == (128 + 15 if number == 15 else -9), demo.stderr.read()
+        assert not (tmp_path / "report" / "results.json").exists()
+    finally:
+        demo.kill()
+        demo.wait()
+        for pid in filter(_alive, workers):  # a failed run's leftovers, not left to burn the CPU
+            os.kill(pid, 9)
+
+
 def test_the_learning_rate_cools_down_over_the_last_fraction_of_the_steps(tmp_path):
     from rdlm.demo.config import model_config
     from rdlm.demo.jobs import train_model

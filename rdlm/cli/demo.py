@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from rdlm.cli import takes_effect
 from rdlm.demo.gate_demo import GateSettings
 from rdlm.demo.retrofit_demo import RetrofitSettings
 from rdlm.demo.run import DemoConfig, run_demo
@@ -14,6 +15,9 @@ from rdlm.demo.tasks import TASKS
 from rdlm.model.retrofit import ADAPTER_INITS, parse_layers
 
 EXPERIMENTS = ("main", "retrofit", "gate")
+# The options each experiment alone reads (given to another, they are refused by name).
+EXPERIMENT_OPTIONS = {"retrofit": ("pretrain_steps", "retrofit_steps", "source_layers", "split", "adapter_init"),
+                      "gate": ("loops", "loop_layers", "exit_loss_beta", "gate_thresholds", "no_kl")}
 
 
 # `--full`: the models trained twice as long, and r swept twice as far.
@@ -43,7 +47,8 @@ def register(subparsers) -> None:
                                           "exit threshold on a validation split; write a report (results.json, "
                                           "report.md, plots, the trained model).")
     p.add_argument("--task", default=d.task, choices=[*TASKS, "code"], help="task family")
-    p.add_argument("--out", default=d.out_dir, help="report directory")
+    p.add_argument("--out", default=d.out_dir, help="report directory (your other files there stay; docs/files.md)")
+    p.add_argument("--overwrite", action="store_true", help="replace a report already in --out")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the data and of training")
     p.add_argument("--full", action="store_true",
                    help=f"the longer, more thorough run: {FULL_STEPS} steps per model and r up to {max(FULL_NUM_STEPS)} "
@@ -84,8 +89,9 @@ def register(subparsers) -> None:
                    help="validation accuracy an exit threshold may lose against fixed r")
     p.add_argument("--exit-max-steps", type=int, default=d.exit_max_steps,
                    help="the fixed r that adaptive exits are compared with (their maximum)")
-    p.add_argument("--no-twin", action="store_true", help="skip the parameter-matched twin")
-    p.add_argument("--no-depth-matched", action="store_true", help="skip the depth-matched non-recurrent model")
+    for flag, what in (("--no-twin", "the parameter-matched twin"),
+                       ("--no-depth-matched", "the depth-matched non-recurrent model")):
+        takes_effect(p.add_argument(flag, action="store_true", help=f"skip {what}"), _experiment_option("main"))
     p.add_argument("--threads", type=int, default=d.threads,
                    help="CPU threads per model (1: the same numbers on every machine)")
     p.add_argument("--workers", type=int, default=d.workers,
@@ -116,7 +122,19 @@ def register(subparsers) -> None:
                    help="gate: exit thresholds q to try on validation")
     e.add_argument("--no-kl", action="store_true",
                    help="gate: skip training the recurrent model whose KL exits are compared")
+    for action in e._group_actions:
+        for experiment, dests in EXPERIMENT_OPTIONS.items():
+            if action.dest in dests:
+                takes_effect(action, _experiment_option(experiment))
     p.set_defaults(func=run)
+
+
+def _experiment_option(experiment: str):
+    def why_not(args: argparse.Namespace) -> str | None:
+        if args.experiment != experiment:
+            return f"it is an option of --experiment {experiment}, and this is --experiment {args.experiment}"
+        return None
+    return why_not
 
 
 def _split(text: str) -> tuple[tuple[int, ...], ...]:
@@ -146,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
                      exit_criterion=args.exit_criterion, exit_thresholds=args.exit_thresholds,
                      exit_tolerance=args.exit_tolerance, exit_max_steps=args.exit_max_steps,
                      train_twin=not args.no_twin, train_depth_matched=not args.no_depth_matched,
-                     threads=args.threads, workers=args.workers, progress=not args.quiet)
+                     threads=args.threads, workers=args.workers, progress=not args.quiet,
+                     overwrite=args.overwrite)
     if cfg.threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         # torch's OpenMP workers busy-wait between parallel regions; on a shared CPU that can slow training
         # many times over. The policy is read when torch loads, so it has to come from the environment.

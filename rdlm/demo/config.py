@@ -25,6 +25,7 @@ class DemoConfig:
     task: str = "permutations"            # a family of rdlm.demo.tasks, or "code"
     seed: int = 0
     out_dir: str = "demo-report"
+    overwrite: bool = False  # replace a report already in out_dir (refused otherwise; docs/files.md)
     # Model: (l_P, l_R, l_C), width. Small enough to train in minutes on two CPU cores.
     # A one-layer core: each iteration advances the state by three to four moves, so r visibly buys depth.
     layers: tuple[int, int, int] = (1, 1, 1)

@@ -140,7 +140,7 @@ def claims_and_checks(gate: dict[str, Any], loops: int, shortest: int) -> tuple[
 
 
 def run_gate_experiment(cfg: DemoConfig, exp: GateSettings | None = None) -> ExperimentResult:
-    out = prepare_out_dir(cfg.out_dir)
+    out = prepare_out_dir(cfg.out_dir, cfg.overwrite)
     with torch_threads(cfg.threads):
         return _run(cfg, exp or GateSettings(), out)
 

@@ -15,7 +15,9 @@ import dataclasses
 import multiprocessing
 import os
 import queue
+import signal
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -119,21 +121,62 @@ def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
                      weight_decay=0.01, ema_decay=None, precision="fp32", device="cpu", threads=cfg.threads,
                      progress=progress, tensorboard=False, out_dir=None, **settings)
     result = train(tc, model=model, train_data=rows, step_hooks=[keep])
+    if result.stopped_by is not None:
+        # The trainer took SIGTERM/SIGINT as "save this step, then stop"; the demo saves no checkpoint, and a
+        # model stopped early must not be scored and reported as if trained: the demo stops here.
+        stop(result.stopped_by)
     return result.model.eval(), {"losses": [r["loss"] for r in records], "lr": [r["lr"] for r in records],
                                  "num_steps": [r["num_steps"] for r in records], "seconds": result.seconds,
                                  "flops": sum(r["flops"] for r in records),
                                  "flops_per_step": [r["flops"] for r in records]}
 
 
+def stop(number: int) -> None:
+    """End the demo for the signal `number`, as the shell reports it: Ctrl-C is KeyboardInterrupt ("interrupted",
+    130), SIGTERM an exit with 128 + 15."""
+    if number == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + number)
+
+
+@contextlib.contextmanager
+def terminate_stops_the_demo():
+    """SIGTERM (what a job scheduler, a service manager or `kill PID` sends) ends the demo as Ctrl-C does:
+    the exception it raises here reaches `run_jobs`, which kills the workers rather than orphaning them.
+    (Only the main thread can take a signal; elsewhere the workers still exit with their parent.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(number, frame):
+        stop(number)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # In a worker process: the queue its jobs report into, and the data every job reads (given once, when the
 # worker starts, so that a job's own message stays small).
 _reports: Any = None
 _data: tuple[Any, dict[str, list[T.Example]]] | None = None
+PARENT_CHECK_SECONDS = 0.5  # how often a worker looks whether the demo that started it is still there
 
 
-def _worker_init(reports, rows, splits) -> None:
+def _worker_init(reports, rows, splits, parent: int) -> None:
     global _reports, _data
     _reports, _data = reports, (rows, splits)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="exit-with-parent").start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker never outlives the demo that started it, however that one ended (SIGKILL too): once its parent
+    is gone (the worker is handed to another), it exits at once, mid-job."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_SECONDS)
+    os._exit(1)
 
 
 def _run_in_worker(cfg: DemoConfig, job: Job) -> JobResult:
@@ -282,8 +325,8 @@ def run_jobs(cfg: DemoConfig, jobs: Sequence[Job], rows, splits: dict[str, list[
         return results
     context = multiprocessing.get_context("spawn")  # no fork of a process with OpenMP threads
     reports = context.Queue()
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                             initargs=(reports, rows, splits)) as pool:
+    with terminate_stops_the_demo(), ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                                                         initargs=(reports, rows, splits, os.getpid())) as pool:
         with _main_not_rerun():  # the workers start at the first submissions
             pending = {pool.submit(_run_in_worker, cfg, job): job.kind for job in ordered}
         try:
@@ -300,7 +343,8 @@ def run_jobs(cfg: DemoConfig, jobs: Sequence[Job], rows, splits: dict[str, list[
                     progress.finish(kind)
                 progress.show()
         except BaseException:
-            # A failed job (or Ctrl-C) ends the demo now, not after the other models have trained for minutes.
+            # A failed job (or Ctrl-C, or SIGTERM) ends the demo now, not after the other models have trained
+            # for minutes.
             for future in pending:
                 future.cancel()
             for child in multiprocessing.active_children():

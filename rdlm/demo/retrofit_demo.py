@@ -164,7 +164,7 @@ def claims_and_checks(tables: dict[str, dict], train_mean_r: int) -> tuple[dict[
 
 
 def run_retrofit_experiment(cfg: DemoConfig, exp: RetrofitSettings | None = None) -> ExperimentResult:
-    out = prepare_out_dir(cfg.out_dir)
+    out = prepare_out_dir(cfg.out_dir, cfg.overwrite)
     with torch_threads(cfg.threads):
         return _run(cfg, exp or RetrofitSettings(), out)
 

@@ -37,7 +37,7 @@ from rdlm.demo.config import MARGIN_EPS, DemoConfig, model_config, settings_dict
 from rdlm.demo.jobs import Job, job_cost, run_jobs, train_model
 from rdlm.demo.report import plot_code, write_report
 from rdlm.demo.scoring import choose_best_r
-from rdlm.fileio import write_json, write_text
+from rdlm.fileio import claim_output_dir, write_json, write_text
 from rdlm.inference.evaluate import nll_vs_steps
 from rdlm.model.huginn import save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
@@ -52,9 +52,18 @@ class DemoResult:
     depth_matched: RecurrentDepthLM | None = None
 
 
-def prepare_out_dir(path: str | os.PathLike) -> Path:
-    """Create the report directory and prove it writable, before any work starts."""
-    out = Path(path)
+# What a report directory holds (the main demo's, the code variant's and the experiments'): the files a rerun
+# replaces, with `overwrite` only (docs/files.md).
+REPORT_NAMES = frozenset({"results.json", "report.md", "model", "llama", "accuracy_vs_r.png",
+                          "recurrent_vs_baselines.png", "training_curves.png", "exit_histogram.png",
+                          "perplexity_vs_r.png", "retrofit.png", "gate.png"})
+
+
+def prepare_out_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Claim the report directory (rdlm.fileio.claim_output_dir: a previous report is refused unless
+    `overwrite`, which removes it first; the user's other files there stay) and prove it writable, before
+    any work starts."""
+    out = claim_output_dir(path, REPORT_NAMES.__contains__, overwrite, "a demo report")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".rdlm-demo-probe-"):
@@ -106,7 +115,7 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 def run_demo(cfg: DemoConfig) -> DemoResult:
-    out = prepare_out_dir(cfg.out_dir)
+    out = prepare_out_dir(cfg.out_dir, cfg.overwrite)
     with torch_threads(cfg.threads):
         if cfg.task == "code":
             return run_code_demo(cfg, out)
@@ -182,7 +191,8 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     write_json(model_dir / "task_tokenizer.json",
                {"type": "char", "alphabet": tokenizer.alphabet, "pad_id": tokenizer.pad_id,
                 "eos_id": tokenizer.eos_id, "task": cfg.task})
-    files.append(str(model_dir))
+    write_json(out / "results.json", results)  # last: the report is complete once it is there
+    files += [str(model_dir), str(out / "results.json")]
     return DemoResult(out, results, model, models.get("twin"), files, models.get("depth_matched"))
 
 
@@ -307,14 +317,14 @@ def run_code_demo(cfg: DemoConfig, out: Path) -> DemoResult:
                "task": {"name": "code", "description": "Python standard library source, byte-level BPE"},
                "parameters": model.num_parameters(), "validation_perplexity": ppl,
                "training": {"recurrent": history}, "seconds": round(time.perf_counter() - start, 1)}
-    write_json(out / "results.json", results)
     lines = ["# rdlm demo: code", "", "| r | validation perplexity |", "|---|---|"]
     lines += [f"| {r} | {p:.2f} |" for r, p in ppl.items()]
     write_text(out / "report.md", "\n".join(lines) + "\n")
-    files = [str(out / "results.json"), str(out / "report.md")]
+    files = [str(out / "report.md")]
     files += plot_code(out, ppl, history)
     save_pretrained(model, out / "model")
     tokenizer.save(out / "model")
-    return DemoResult(out, results, model, None, files + [str(out / "model")])
+    write_json(out / "results.json", results)  # last: the report is complete once it is there
+    return DemoResult(out, results, model, None, files + [str(out / "model"), str(out / "results.json")])
 
 
