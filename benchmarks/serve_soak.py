@@ -16,6 +16,14 @@ scenarios until the time is up (together every scenario once first, then drawn, 
                     invalid UTF-8, JSON nested 100,000 deep), an unknown path, a wrong method
     extreme         values at the edge that must be refused or served (init_scale 1e38, seed 2**70, 5,000
                     stop strings, target_mean_iterations 1e308, repetition_penalty 1e38)
+    huge-int        a number field of the request (every one the server takes) at a value JSON carries and no
+                    tensor holds (2**63, 2**64, -2**63 - 1, 10**30, 1e308): 400, or served at its bound
+    boolean         true or "1" for a count, a string for a bool: 400 naming the field
+    unknown-path    a random path, never the same twice: 404, all under one metric series
+    smuggling       a body length given twice (Content-Length and Transfer-Encoding) with a request hidden
+                    in the body: 400 and the connection closed, the hidden request never answered
+    not-http        bytes that are not HTTP/1.1 (a bad Content-Length, a NUL in a header, a TLS handshake):
+                    400 with an OpenAI error object
     oversized       a body over --max-request-bytes (413), or a prompt longer than the context (400)
     over-capacity   n = 16, more than the server's capacity of 8 rows + 4 queued (503, none of it admitted)
     injection       chat content that spells the chat's control tokens
@@ -26,9 +34,12 @@ scenarios until the time is up (together every scenario once first, then drawn, 
 Then it waits for the batch to empty and reports: requests by scenario and outcome, the 5xx count (a 503
 is counted only when it answers anything but an over-capacity request), error events in streams,
 tracebacks in the server's log, the server's RSS and open file descriptors after warm-up and at the end,
-rows and queue left at the end, and latency percentiles of the plain completions. The bounds, fixed
-before the first run: no 5xx, no stream error event, no traceback, an empty batch and queue, RSS grown by
-at most max(10%, 32 MiB), open descriptors grown by at most 4. Exit status 1 when one is not met.
+rows and queue left at the end, the number of metric series after warm-up and at the end, and latency
+percentiles of the plain completions. The bounds, fixed before the first run: no 5xx, no stream error
+event, no traceback, an empty batch and queue, RSS grown by at most max(10%, 32 MiB), open descriptors
+grown by at most 4, at most MAX_NEW_SERIES new metric series (random paths make none), and every hostile
+scenario answered as it must be (above). Exit status 1 when one is not met; 2 for a run that would
+exercise nothing (--seconds or --clients not positive).
 """
 
 from __future__ import annotations
@@ -50,9 +61,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_serve import free_port, http_client, percentile, wait_until_serving  # noqa: E402
+from rdlm.cli import at_least  # noqa: E402
+from rdlm.inference.openai_api import numeric_checks  # noqa: E402
 
 SCENARIOS = {"completion": 6, "chat-stream": 4, "cancel-stream": 3, "disconnect": 2, "invalid": 4, "extreme": 2,
-             "oversized": 1, "over-capacity": 1, "injection": 1, "slow-headers": 1, "slow-body": 1, "idle": 1}
+             "oversized": 1, "over-capacity": 1, "injection": 1, "slow-headers": 1, "slow-body": 1, "idle": 1,
+             "huge-int": 2, "boolean": 1, "unknown-path": 1, "smuggling": 1, "not-http": 1}
+# What each hostile scenario must be answered with (anything else fails the soak).
+MUST = {"huge-int": {"200", "400"}, "boolean": {"400"}, "unknown-path": {"404"}, "smuggling": {"400 closed"},
+        "not-http": {"400 json"}}
+HUGE = [2**63, 2**64, -2**63 - 1, 10**30, 1e308, -1e308]
+BOOLEAN = [{"max_tokens": True}, {"n": True}, {"num_steps": True}, {"logprobs": True}, {"min_steps": "2"},
+           {"prompt": [True, False]}, {"stream": "no"}, {"continuous_cot": "yes"}, {"top_k": False}]
+NOT_HTTP = [b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Length: abc\r\n\r\n{}",
+            b"GET /health HTTP/1.1\r\nHost: soak\r\nX-Bad: a\x00b\r\n\r\n",
+            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32) + b"\r\n\r\n"]
+MAX_NEW_SERIES = 64   # metric series a soak may add (endpoint x status pairs, histogram buckets are there already)
 INVALID = [b"{not json", b'{"model": "m", "prompt": "x", "colour": 1}', b'{"model": "m", "prompt": 3.5}',
            b'{"model": "m", "prompt": "x", "num_steps": 0}', b'{"model": "m", "prompt": "x", "temperature": -1}',
            b'{"model": "m", "prompt": "a\\ud800b"}', b'{"model": "m", "prompt": "\xff\xfe"}',
@@ -104,6 +128,13 @@ class Soak:
 
     def raw(self, payload: bytes, wait: float) -> str:
         """Send bytes on a fresh connection; what the server answers or does (closes) within `wait` s."""
+        data = self.exchange(payload, wait)
+        if data is None:
+            return "held"
+        return data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "closed"
+
+    def exchange(self, payload: bytes, wait: float) -> bytes | None:
+        """All the server sends on a fresh connection until it closes it; None if it is still open after `wait` s."""
         host, port = self.url.rsplit("//", 1)[1].split(":")
         with socket.create_connection((host, int(port)), timeout=wait) as sock:
             if payload:
@@ -113,8 +144,8 @@ class Soak:
                 while chunk := sock.recv(4096):
                     data += chunk
             except socket.timeout:
-                return "held"
-        return data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "closed"
+                return None
+        return data
 
     def stream(self, body: dict, path: str, cancel: bool) -> str:
         with self.httpx.stream("POST", self.url + path, json=body, timeout=60) as response:
@@ -187,6 +218,37 @@ class Soak:
                                            a.body_timeout + 5))
         elif scenario == "idle":
             self.record(scenario, self.raw(b"", a.header_timeout + 5))
+        elif scenario == "huge-int":
+            field, check = rng.choice(list(numeric_checks().items()))
+            value = rng.choice([*HUGE, check.most if hasattr(check, "most") else check.high])
+            reply = self.post({"model": m, "prompt": prompt, "max_tokens": 2, field: value})
+            self.record(scenario, reply.status_code)
+        elif scenario == "boolean":
+            wrong = rng.choice(BOOLEAN)
+            reply = self.post({"model": m, "prompt": prompt, "max_tokens": 2, **wrong})
+            named = reply.status_code == 400 and reply.json()["error"]["param"] == next(iter(wrong))
+            self.record(scenario, reply.status_code if named else f"{reply.status_code} unnamed")
+        elif scenario == "unknown-path":
+            reply = self.httpx.get(f"{self.url}/v1/{rng.getrandbits(64):x}", timeout=30)
+            self.record(scenario, reply.status_code)
+        elif scenario == "smuggling":
+            hidden = b"GET /v1/models HTTP/1.1\r\nHost: soak\r\n\r\n"
+            body = b"0\r\n\r\n" + hidden
+            data = self.exchange(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%s" % (len(body), body), 10)
+            closed = data is not None and data.count(b"HTTP/1.1 ") == 1
+            self.record(scenario, f"{self.raw_status(data)} {'closed' if closed else 'answered twice or held'}")
+        elif scenario == "not-http":
+            data = self.exchange(rng.choice(NOT_HTTP), 10)
+            try:
+                shaped = "error" in json.loads(data.partition(b"\r\n\r\n")[2])
+            except (AttributeError, ValueError):
+                shaped = False
+            self.record(scenario, f"{self.raw_status(data)} {'json' if shaped else 'not json'}")
+
+    @staticmethod
+    def raw_status(data: bytes | None) -> str:
+        return data.split(b" ", 2)[1].decode() if data and data.startswith(b"HTTP/") else "none"
 
     def client(self, k: int, deadline: float) -> None:
         rng = random.Random(self.args.seed * 1000 + k)
@@ -206,11 +268,22 @@ def metrics(httpx, url: str) -> dict[str, float]:
             if line and not line.startswith("#") and len(line.split()) == 2}
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (a soak of no time exercises nothing and must not pass)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a model directory with tokenizer.json (default: a tiny random model)")
-    p.add_argument("--seconds", type=float, default=180.0, help="how long the clients run (default 180)")
-    p.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    p.add_argument("--seconds", type=positive_seconds, default=180.0, help="how long the clients run (default 180)")
+    p.add_argument("--clients", type=at_least(1), default=8, help="concurrent clients (default 8)")
     p.add_argument("--seed", type=int, default=0, help="the scenarios' seed")
     p.add_argument("--max-request-bytes", type=int, default=65536, help="the server's body limit")
     p.add_argument("--header-timeout", type=float, default=2.0, help="the server's header deadline")
@@ -240,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(4):   # warm-up: the first requests allocate what later ones reuse
                 soak.post({"model": "soak", "prompt": "the cat", "max_tokens": 16, "num_steps": 8})
             start_rss, start_fds = process_memory(server.pid)
+            start_series = len(metrics(soak.httpx, url))
             t0 = time.time()
             threads = [threading.Thread(target=soak.client, args=(k, t0 + args.seconds)) for k in range(args.clients)]
             for t in threads:
@@ -256,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.2)
             time.sleep(0.5)   # connections the clients closed last are gone from the server's table
             end_rss, end_fds = process_memory(server.pid)
+            end_series = len(m)
         finally:
             server.terminate()
             try:
@@ -272,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "outcomes": {f"{s} {o}": n for (s, o), n in sorted(soak.outcomes.items())},
         "5xx": fivexx, "stream_error_events": soak.stream_errors, "tracebacks": log_text.count("Traceback"),
         "rss_mib": [round(start_rss / 2**20, 1), round(end_rss / 2**20, 1)], "open_fds": [start_fds, end_fds],
-        "rows_left": rows, "queue_left": queue, "server_exit": rc,
+        "rows_left": rows, "queue_left": queue, "server_exit": rc, "metric_series": [start_series, end_series],
         "completion_latency_s": {q: round(percentile(soak.latencies, v), 3)
                                  for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
         "load_average": os.getloadavg(),
@@ -281,7 +356,10 @@ def main(argv: list[str] | None = None) -> int:
               "no traceback": report["tracebacks"] == 0, "empty batch and queue": rows == 0 and queue == 0,
               "flat memory": end_rss - start_rss <= max(0.10 * start_rss, 32 * 2**20),
               "no descriptor leak": end_fds - start_fds <= 4, "clean exit": rc == 0,
-              "no client-side error": not any(o.startswith("client error") for _, o in soak.outcomes)}
+              "no client-side error": not any(o.startswith("client error") for _, o in soak.outcomes),
+              "bounded metric series": end_series - start_series <= MAX_NEW_SERIES,
+              "hostile requests answered as they must be": all(
+                  o in MUST[s] for s, o in soak.outcomes if s in MUST)}
     report["checks"] = checks
     print(json.dumps(report, indent=1))
     if report["tracebacks"]:

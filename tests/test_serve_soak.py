@@ -25,6 +25,24 @@ def test_a_short_soak_leaves_the_server_clean(tmp_path):
     report = json.loads(out.read_text())
     assert all(report["checks"].values()) and report["5xx"] == 0 and report["tracebacks"] == 0
     scenarios = {key.split()[0] for key in report["outcomes"]}
-    assert len(scenarios) == 12                                   # every kind of request was sent
+    assert len(scenarios) == 17                                   # every kind of request was sent
     assert report["outcomes"].get("over-capacity 503") and report["outcomes"].get("slow-body 408")
     assert report["outcomes"].get("completion 200", 0) >= 1
+    assert report["outcomes"].get("smuggling 400 closed") and report["outcomes"].get("unknown-path 404")
+    assert report["outcomes"].get("boolean 400") and report["outcomes"].get("not-http 400 json")
+    start, end = report["metric_series"]
+    assert end - start <= 64 and report["rows_left"] == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seconds", "0"], "argument --seconds: must be a number of seconds > 0, got 0"),
+    (["--seconds", "-1"], "argument --seconds: must be a number of seconds > 0, got -1"),
+    (["--seconds", "nan"], "argument --seconds: must be a number of seconds > 0, got nan"),
+    (["--clients", "0"], "argument --clients: must be an integer >= 1, got 0"),
+])
+def test_a_soak_that_would_exercise_nothing_is_refused(flags, message, capsys):
+    from benchmarks.serve_soak import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(flags)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
