@@ -204,6 +204,48 @@ def test_a_script_without_a_main_guard_runs_the_demo_once(tmp_path):
     assert (tmp_path / "report" / "results.json").is_file()
 
 
+def test_a_report_is_replaced_only_with_overwrite_and_is_complete_once_results_json_is_there(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """docs/files.md: a rerun into a report directory is refused unless --overwrite, which removes the previous
+    report first and keeps the user's other files; results.json is written last, so a run that fails on the
+    way (here: saving the model) leaves no report that looks complete."""
+    import rdlm.demo.run as demo_run
+
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.md").write_text("last week's 6-minute run")
+    (out / "notes.txt").write_text("mine")
+    assert main(["demo", "--out", str(out), "--steps", "2"]) == 2
+    assert "already holds a demo report (report.md); pass --overwrite" in capsys.readouterr().err
+    assert (out / "report.md").read_text() == "last week's 6-minute run"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(demo_run, "save_pretrained", full_disk)
+    cfg = DemoConfig(steps=2, batch_size=4, hidden_size=16, num_heads=2, mean_recurrence=2, backprop_depth=1,
+                     eval_examples=3, eval_num_steps=(1, 2), exit_max_steps=2, exit_thresholds=(1e-2,),
+                     train_twin=False, train_depth_matched=False, workers=1, out_dir=str(out), progress=False,
+                     overwrite=True)
+    with pytest.raises(OSError, match="No space left"):
+        run_demo(cfg)
+    assert not (out / "results.json").exists() and (out / "report.md").read_text() != "last week's 6-minute run"
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_demo_seeds_names_an_out_that_is_a_file(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "demo_seeds.py"
+    (tmp_path / "afile").write_text("mine")
+    done = subprocess.run([sys.executable, str(script), "--seeds", "1", "--out", str(tmp_path / "afile"), "--no-run"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        f"demo_seeds.py: error: --out {tmp_path / 'afile'} is a file, not a directory")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def _workers_of(parent: int) -> list[int]:
     """The demo's worker processes: children of `parent` started by multiprocessing's spawn."""
     found = []

@@ -105,17 +105,24 @@ def clean_leftovers(out_dir: str | os.PathLike) -> list[str]:
     return notes
 
 
-def check_resumable(out_dir: str | os.PathLike) -> None:
-    """`resume` continues a run: a missing or empty run directory (a typo in the path) holds none, and is
-    refused rather than silently starting a new run. A directory with a run's files but no checkpoint yet (a
-    run stopped before its first save) starts the run as given."""
+def check_run_dir(out_dir: str | os.PathLike, resume: bool, overwrite: bool) -> None:
+    """What the run directory must be, checked before anything is written there (the lock too; `prepare_run_dir`
+    checks again under the lock): not a file; with `resume`, a run to continue (a missing or empty directory,
+    a typo in the path, is refused rather than silently starting a new run; a directory with a run's files but
+    no checkpoint yet, a run stopped before its first save, starts the run as given); without it, no other
+    run unless `overwrite`."""
     out = Path(out_dir)
-    if not out.exists():
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out-dir {out} is a file, not a directory")
+    if resume and not out.exists():
         raise RunDirError(f"--resume: run directory {out} does not exist, so there is no run to continue; check "
                           "the path, or start a new run without --resume")
-    if out.is_dir() and not any(p.name != LOCK_FILE for p in out.iterdir()):
+    if resume and not any(p.name != LOCK_FILE for p in out.iterdir()):
         raise RunDirError(f"--resume: run directory {out} is empty, so there is no run to continue; check the "
                           "path, or start a new run without --resume")
+    if not resume and not overwrite and has_run(out):
+        raise RunDirError(f"{out} already holds a training run (checkpoints or {LOG_FILE}): pass --resume "
+                          f"to continue it, --overwrite to replace it, or choose another --out-dir")
 
 
 def prepare_run_dir(out_dir: str | os.PathLike, resume: bool, overwrite: bool) -> None:
@@ -123,15 +130,11 @@ def prepare_run_dir(out_dir: str | os.PathLike, resume: bool, overwrite: bool) -
     from rdlm.train.checkpoint import checkpoint_dir
 
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise RunDirError(f"--out-dir {out} is a file, not a directory")
+    check_run_dir(out, resume, overwrite)
     for note in clean_leftovers(out):
         print(f"rdlm train: {note}", file=sys.stderr)
     if resume or not has_run(out):
         return
-    if not overwrite:
-        raise RunDirError(f"{out} already holds a training run (checkpoints or {LOG_FILE}): pass --resume "
-                          f"to continue it, --overwrite to replace it, or choose another --out-dir")
     print(f"rdlm train: --overwrite: removing the previous run's checkpoints and log in {out}", file=sys.stderr)
     shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
     shutil.rmtree(out / "tensorboard", ignore_errors=True)

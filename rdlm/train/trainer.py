@@ -46,7 +46,7 @@ from rdlm.train.distributed import (all_reduce_sum, barrier, full, init_single_p
 from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, peak_flops, warn_loudly
 from rdlm.train.optim import EMA
 from rdlm.train.resume import RunCheckpoints, TrainingError
-from rdlm.train.rundir import RunDirError, RunLock, check_resumable, prepare_run_dir
+from rdlm.train.rundir import RunDirError, RunLock, check_run_dir, prepare_run_dir
 from rdlm.train.schedule import RecurrenceCurriculum, Schedule
 from rdlm.train.build import (check_compatible, check_step_fits, data_sources, parallelize, resolve_model,
                               resolve_tokenizer)
@@ -88,10 +88,7 @@ class Trainer(RunCheckpoints):
         self.lock = None
         made = contextlib.nullcontext()
         if config.out_dir is not None and self.world.is_main:
-            if Path(config.out_dir).exists() and not Path(config.out_dir).is_dir():
-                raise RunDirError(f"--out-dir {config.out_dir} is a file, not a directory")
-            if config.resume:
-                check_resumable(config.out_dir)
+            check_run_dir(config.out_dir, config.resume, config.overwrite)  # before the lock: nothing written
             made = new_dirs_removed_on_failure(config.out_dir)  # a refused run leaves no directory behind
         with made:
             if config.out_dir is not None and self.world.is_main:
