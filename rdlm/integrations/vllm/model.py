@@ -181,6 +181,7 @@ class RecurrentDepthForCausalLM(nn.Module):
                                 config.context_length, torch.float32, torch.device("cpu"))
         self.register_buffer("s0_table", table, persistent=False)
         self.embed_scale = config.embedding_scale
+        self.stats = ExitStats()
 
     # ---------------------------------------------------------------------------------------------
     # vLLM's model interface
@@ -237,6 +238,8 @@ class RecurrentDepthForCausalLM(nn.Module):
         if decoding is None or not (criterion.uses_gate or bool(decoding.any())):
             for i in range(self.recurrence.num_steps):
                 state = self.core_iteration(state, embedded, positions, i)
+            self.stats.steps += 1
+            self.stats.step_iterations += self.recurrence.num_steps
             return state
         return self._iterate_with_exits(state, embedded, positions, decoding)
 
@@ -256,10 +259,12 @@ class RecurrentDepthForCausalLM(nn.Module):
         else:
             gate = None
         last_kv: list[tuple[Tensor, Tensor]] = []
+        run = r
         for i in range(r):
             frozen = track.exited & decoding
             if i > 0 and bool(frozen.all()):
                 self._fill_caches(last_kv, i)
+                run = i
                 break
             held = frozen.unsqueeze(-1)
             x = self.core_input(state, embedded)
@@ -274,6 +279,7 @@ class RecurrentDepthForCausalLM(nn.Module):
             new = self.final_norm(x) if self.config.final_norm == "loop" else x
             prev, state = state, torch.where(held, state, new)
             track = track.after_iteration(criterion, i, r, prev, state, min_steps=min_steps, gate=gate)
+        self.stats.count(run, track.steps[decoding])
         return track.exit_state if criterion.uses_gate else state
 
     def _fill_caches(self, last_kv: list[tuple[Tensor, Tensor]], first: int) -> None:
@@ -351,6 +357,23 @@ class RecurrentDepthForCausalLM(nn.Module):
                 loader(param, tensor)
             loaded.add(name)
         return loaded
+
+
+@dataclasses.dataclass
+class ExitStats:
+    """What the forward ran since the model was loaded (read with `vllm.LLM.apply_model`): `steps` forwards
+    and the core iterations they ran (`step_iterations`, each over all of the step's tokens); with an exit
+    criterion, the decoded tokens and the iterations each ran before it exited (`token_iterations`)."""
+    steps: int = 0
+    step_iterations: int = 0
+    decoded_tokens: int = 0
+    token_iterations: int = 0
+
+    def count(self, iterations: int, token_steps: Tensor) -> None:
+        self.steps += 1
+        self.step_iterations += iterations
+        self.decoded_tokens += token_steps.numel()
+        self.token_iterations += int(token_steps.sum())
 
 
 def write_cache(cache: Attention, k: Tensor, v: Tensor) -> None:

