@@ -345,3 +345,14 @@ def test_rdlm_serve_shuts_down_cleanly_on_sigterm(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_the_documented_bounds_are_the_declared_ones():
+    """docs/production.md's table of every number a request may carry is the declaration's (`bounds`)."""
+    from rdlm.inference.openai_api import bounds
+
+    text = (ROOT / "docs" / "production.md").read_text()
+    table = text.split("<!-- bounds:", 1)[1].split("\n\n", 1)[0]
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| `")]
+    documented = {name.strip().strip("`"): (kind.strip(), values.strip()) for name, kind, values in rows}
+    assert documented == bounds()

@@ -162,6 +162,13 @@ def test_values_of_the_wrong_type_or_meaningless_are_refused_by_name(live, body,
     assert reply.json()["error"]["param"] == param, reply.text
 
 
+def test_stream_options_include_usage_is_honoured_when_true_and_only_then(live):
+    for include, has_usage in ((True, True), (False, False)):
+        lines = stream_lines(live.url, {"prompt": "the", "max_tokens": 2, "stream_options": {"include_usage": include}})
+        chunks = [json.loads(x[6:]) for x in lines[:-1]]
+        assert lines[-1] == "data: [DONE]" and any("usage" in c for c in chunks) == has_usage
+
+
 def test_a_chat_message_takes_strict_types_too(live):
     reply = httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
         "model": "tiny", "messages": [{"role": "user", "content": 1}], "max_tokens": 2})

@@ -371,7 +371,7 @@ class OpenAIServer:
             return {"id": rid, "object": kind, "created": created, "model": name}
 
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self.stream(request.url.path, head, prompt, *started[0], chat, include_usage),
                                      media_type="text/event-stream")
         await self.collect(request, started)
