@@ -136,7 +136,7 @@ def rdlm_argv(line: str) -> list[str] | None:
         if word == "rdlm" or word.endswith("/rdlm"):     # rdlm, .venv/bin/rdlm, python -m rdlm, torchrun -m rdlm
             argv = words[i + 1:]
             for j, arg in enumerate(argv):       # a redirection or a following command ends it
-                if arg.startswith((">", "<")) or arg in ("&&", ";", "&"):
+                if arg.startswith((">", "<")) or arg in ("&&", "||", "|", ";", "&"):
                     return argv[:j]
             return argv
     return None
