@@ -304,6 +304,55 @@ def test_no_worker_outlives_the_demo(tmp_path, number):
             os.kill(pid, 9)
 
 
+def _children(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_stopping_demo_seeds_stops_its_demos_and_their_workers(tmp_path):
+    """benchmarks/demo_seeds.py runs `rdlm demo` processes, each with its workers: a SIGTERM to the sweep stops
+    them all within the bound fixed before the run (15 s: the sweep's SIGTERM, then each demo's kill of its
+    workers)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "demo_seeds.py"
+    tiny = ["--steps", "5000", "--batch-size", "8", "--hidden-size", "32", "--num-heads", "2", "--mean-recurrence",
+            "2", "--backprop-depth", "1", "--eval-examples", "6", "--num-steps", "1,2", "--exit-max-steps", "2",
+            "--no-depth-matched", "--workers", "2"]
+    sweep = subprocess.Popen([sys.executable, str(script), "--seeds", "3", "--out", str(tmp_path), "--", *tiny],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    family: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sweep.poll() is None:
+            demos = _children(sweep.pid)
+            if demos and len(workers := _workers_of(demos[0])) == 2:
+                family = [*demos, *workers]
+                break
+            time.sleep(0.2)
+        assert family, "the sweep never started a demo with its two workers"
+        time.sleep(1)
+        sweep.terminate()
+        signalled = time.monotonic()
+        while any(map(_alive, family)) and time.monotonic() - signalled < 15:
+            time.sleep(0.1)
+        assert not any(map(_alive, family)), f"processes {family} outlived the sweep by 15 s"
+        assert sweep.wait(timeout=10) == 128 + 15
+    finally:
+        sweep.kill()
+        sweep.wait()
+        for pid in filter(_alive, family):
+            os.kill(pid, 9)
+
+
 def test_the_learning_rate_cools_down_over_the_last_fraction_of_the_steps(tmp_path):
     from rdlm.demo.config import model_config
     from rdlm.demo.jobs import train_model
