@@ -246,18 +246,26 @@ def test_demo_seeds_names_an_out_that_is_a_file(tmp_path):
     assert (tmp_path / "afile").read_text() == "mine"
 
 
-def _workers_of(parent: int) -> list[int]:
-    """The demo's worker processes: children of `parent` started by multiprocessing's spawn."""
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is `parent`, from /proc."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes()
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and b"spawn_main" in command:
-            found.append(int(stat.parent.name))
     return found
+
+
+def _workers_of(parent: int) -> list[int]:
+    """The demo's worker processes: children of `parent` started by multiprocessing's spawn."""
+    def spawned(pid: int) -> bool:
+        try:
+            return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+    return [pid for pid in _children(parent) if spawned(pid)]
 
 
 def _alive(pid: int) -> bool:
@@ -302,17 +310,6 @@ def test_no_worker_outlives_the_demo(tmp_path, number):
         demo.wait()
         for pid in filter(_alive, workers):  # a failed run's leftovers, not left to burn the CPU
             os.kill(pid, 9)
-
-
-def _children(parent: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
