@@ -97,3 +97,18 @@ def test_the_list_of_writing_commands_is_complete():
             if dests & {"out", "out_dir", "destination"}:
                 writers.add(name)
     assert writers == set(NAMES)
+
+
+def test_an_eval_that_fails_on_the_way_leaves_no_results_json(model_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """results.json, the file that says "done", is written last (here the plot fails first)."""
+    from rdlm.inference import evaluate
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(evaluate, "plot_sweeps", full_disk)
+    (tmp_path / "doc.txt").write_text(CORPUS[0])
+    out = tmp_path / "eval"
+    assert main(["eval", str(model_dir), "--text", str(tmp_path / "doc.txt"), "--num-steps", "1", "--out",
+                 str(out)]) == 1
+    assert not (out / "results.json").exists()

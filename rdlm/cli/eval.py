@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         sweeps = accuracy_vs_steps(args.model, args.tasks.split(","), steps, include_path=args.include_path,
                                    metric=args.metric, model_args=extra, batch_size=args.batch_size,
                                    limit=args.limit)
-    write_results(sweeps, out / "results.json")
     plot_sweeps(sweeps, out / "plot.png", title=Path(args.model).name)
+    write_results(sweeps, out / "results.json")  # last: results.json is there once the output is complete
     for sweep in sweeps:
         cells = "  ".join(f"r={r}: {v:.4g}" for r, v in zip(sweep.num_steps, sweep.values))
         print(f"{sweep.task} {sweep.metric}: {cells}")
