@@ -138,7 +138,7 @@ def main() -> None:
     for seed in map(int, args.seeds.split(",")):
         retrofitted = retrofit(out / "llama", out / f"retrofit-{seed}", [0, 1], [2, 3, 4, 5], [6, 7],
                                adapter_init=args.adapter_init, mean_recurrence=args.mean_recurrence,
-                               backprop_depth=args.mean_recurrence)
+                               backprop_depth=args.mean_recurrence, overwrite=True)  # its own scratch copy
         b = run(retrofitted.train(), out / "shards", tok, seed=seed, lr=args.lr, batch=args.batch,
                 minutes=args.minutes, eval_every=50, eval_r=(1, args.mean_recurrence), curriculum=args.curriculum,
                 optimizer=args.optimizer)
