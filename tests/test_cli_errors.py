@@ -338,7 +338,8 @@ def run_without_ema(tmp_path_factory):
     (["generate", "--model", "{model}", "--prompt-ids", "1,2", "--quantize-group-size", "64"],
      "--quantize-group-size would have no effect: it is the group size of --quantize int4, and no --quantize is "
      "given"),
-    (["generate", "--model", "{model}", "--prompt-ids", "1,2", "--quantize", "core=int8", "--quantize-group-size", "64"],
+    (["generate", "--model", "{model}", "--prompt-ids", "1,2", "--quantize", "core=int8",
+      "--quantize-group-size", "64"],
      "--quantize-group-size would have no effect: it is the group size of int4, and --quantize core=int8 "
      "quantizes no part to int4"),
     (["eval", "{model}", "--text", "x.txt", "--quantize-group-size", "32"], "--quantize-group-size would have no "

@@ -61,7 +61,8 @@ NAMES = ["train", "data prepare", "tokenizer train", "eval", "analyze", "convert
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_writing_command_keeps_a_file_of_yours(name, model_dir, shards, llama_dir, tmp_path, capsys):  # noqa: F811
+def test_every_writing_command_keeps_a_file_of_yours(name, model_dir, shards, llama_dir,  # noqa: F811
+                                                     tmp_path, capsys):
     import os
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -88,11 +89,12 @@ def test_the_list_of_writing_commands_is_complete():
     """A new command that writes files joins the test above (and docs/files.md)."""
     from rdlm.cli import build_parser
 
+    def subcommands(parser):
+        return parser._subparsers._group_actions[0].choices.items() if parser._subparsers else ()
+
     writers = set()
-    for command, sub in build_parser()._subparsers._group_actions[0].choices.items():
-        parsers = [(command, sub)] + ([(f"{command} {a}", p) for a, p in sub._subparsers._group_actions[0].choices.items()]
-                                      if sub._subparsers else [])
-        for name, parser in parsers:
+    for command, sub in subcommands(build_parser()):
+        for name, parser in [(command, sub), *((f"{command} {a}", p) for a, p in subcommands(sub))]:
             dests = {a.dest for a in parser._actions}
             if dests & {"out", "out_dir", "destination"}:
                 writers.add(name)

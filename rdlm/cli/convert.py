@@ -37,7 +37,8 @@ def _weights_without_choice(args: argparse.Namespace) -> str | None:
     except (ValueError, OSError):
         return None  # the command names what is wrong with the source
     if found.kind not in ("checkpoint", "run"):
-        return f"{args.source} is a model directory, with one set of weights; --weights chooses in a training checkpoint"
+        return (f"{args.source} is a model directory, with one set of weights; --weights chooses in a training "
+                "checkpoint")
     if found.weights != args.weights:
         return f"{args.source} has no EMA weights (its run kept none: ema_decay none); give --weights model"
     return None
