@@ -17,7 +17,8 @@ scenarios until the time is up (together every scenario once first, then drawn, 
     extreme         values at the edge that must be refused or served (init_scale 1e38, seed 2**70, 5,000
                     stop strings, target_mean_iterations 1e308, repetition_penalty 1e38)
     huge-int        a number field of the request (every one the server takes) at a value JSON carries and no
-                    tensor holds (2**63, 2**64, -2**63 - 1, 10**30, 1e308): 400, or served at its bound
+                    tensor holds (2**63, 2**64, -2**63 - 1, 10**30, 1e308): 400, or served at its bound (n = 16
+                    beside the others: 503 overloaded, as over-capacity)
     boolean         true or "1" for a count, a string for a bool: 400 naming the field
     unknown-path    a random path, never the same twice: 404, all under one metric series
     smuggling       a body length given twice (Content-Length and Transfer-Encoding) with a request hidden
@@ -68,7 +69,7 @@ SCENARIOS = {"completion": 6, "chat-stream": 4, "cancel-stream": 3, "disconnect"
              "oversized": 1, "over-capacity": 1, "injection": 1, "slow-headers": 1, "slow-body": 1, "idle": 1,
              "huge-int": 2, "boolean": 1, "unknown-path": 1, "smuggling": 1, "not-http": 1}
 # What each hostile scenario must be answered with (anything else fails the soak).
-MUST = {"huge-int": {"200", "400"}, "boolean": {"400"}, "unknown-path": {"404"}, "smuggling": {"400 closed"},
+MUST = {"huge-int": {"200", "400", "503 overloaded"}, "boolean": {"400"}, "unknown-path": {"404"}, "smuggling": {"400 closed"},
         "not-http": {"400 json"}}
 HUGE = [2**63, 2**64, -2**63 - 1, 10**30, 1e308, -1e308]
 BOOLEAN = [{"max_tokens": True}, {"n": True}, {"num_steps": True}, {"logprobs": True}, {"min_steps": "2"},
@@ -222,7 +223,8 @@ class Soak:
             field, check = rng.choice(list(numeric_checks().items()))
             value = rng.choice([*HUGE, check.most if hasattr(check, "most") else check.high])
             reply = self.post({"model": m, "prompt": prompt, "max_tokens": 2, field: value})
-            self.record(scenario, reply.status_code)
+            overloaded = reply.status_code == 503 and reply.json()["error"]["code"] == "overloaded"   # n at 16
+            self.record(scenario, "503 overloaded" if overloaded else reply.status_code)
         elif scenario == "boolean":
             wrong = rng.choice(BOOLEAN)
             reply = self.post({"model": m, "prompt": prompt, "max_tokens": 2, **wrong})
@@ -340,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 rc = "killed"
         log_text = log_path.read_text()
 
-    fivexx = sum(n for (scenario, outcome), n in soak.outcomes.items()
+    fivexx = sum(n for (scenario, outcome), n in soak.outcomes.items()   # "503 overloaded": over capacity too
                  if outcome.isdigit() and int(outcome) >= 500 and not (outcome == "503" and scenario == "over-capacity"))
     report = {
         "seconds": round(wall, 1), "clients": args.clients, "requests": sum(soak.outcomes.values()),

@@ -104,7 +104,9 @@ class Number:
         """The values it takes, as an interval: (0, 1]."""
         low = "-inf" if self.low is None else figure(self.low)
         high = "inf" if self.high is None else figure(self.high)
-        return f"{'(' if self.open_low or self.low is None else '['}{low}, {high}{')' if self.open_high or self.high is None else ']'}"
+        left = "(" if self.open_low or self.low is None else "["
+        right = ")" if self.open_high or self.high is None else "]"
+        return f"{left}{low}, {high}{right}"
 
 
 @dataclass(frozen=True)

@@ -390,10 +390,15 @@ def test_a_request_with_two_body_lengths_is_refused_and_its_connection_closed(li
     b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32) + b"\r\n\r\n",   # a TLS ClientHello's start
 ])
 def test_a_request_that_is_not_http_gets_an_openai_error_object(live, payload):
+    series = 'rdlm_requests_total{endpoint="unmatched",status="400"} '
+    counted = lambda: sum(float(line.split()[-1]) for line in httpx.get(live.url + "/metrics", timeout=10)  # noqa: E731
+                          .text.splitlines() if line.startswith(series))
+    before = counted()
     answer = exchange(live.port, payload)
     head, _, rest = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), answer
     assert json.loads(rest)["error"]["code"] == "invalid_http"
+    assert counted() == before + 1
 
 
 def test_head_health_answers_as_get_without_a_body(live):

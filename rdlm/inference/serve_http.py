@@ -61,12 +61,12 @@ class Guard:
         if b"content-length" in names and b"transfer-encoding" in names:
             return APIError(400, "a request may not have both Content-Length and Transfer-Encoding",
                             code="ambiguous_body_length", headers=close)
-        if len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b"")) > MAX_TARGET_BYTES:
-            return APIError(414, f"the request's path and query exceed {MAX_TARGET_BYTES} bytes", code="uri_too_long",
-                            headers=close)
+        target = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b""))
+        if target > MAX_TARGET_BYTES:
+            return APIError(414, f"the request's path and query exceed {MAX_TARGET_BYTES} bytes",
+                            code="uri_too_long", headers=close)
         if names.count(b"authorization") > 1:
-            return APIError(400, "a request may have one Authorization header", param=None,
-                            code="duplicate_authorization")
+            return APIError(400, "a request may have one Authorization header", code="duplicate_authorization")
         headers = dict(scope.get("headers") or ())
         if (self.api_key is not None and scope["path"] not in OPEN_PATHS
                 and not self.authorized(headers.get(b"authorization", b""))):
@@ -127,7 +127,8 @@ class HeaderDeadline(H11Protocol):
     previous response, is closed (uvicorn's own keep-alive timeout covers a connection that sends nothing
     after a response)."""
 
-    timeout = 10.0   # set on a subclass per server (`uvicorn_server`)
+    timeout = 10.0   # set on a subclass per server (`uvicorn_server`), as is `count`
+    count: Callable[[str, int], None] = staticmethod(lambda path, status: None)
     _due: asyncio.TimerHandle | None = None
 
     def _between_requests(self) -> bool:
@@ -177,6 +178,7 @@ class HeaderDeadline(H11Protocol):
                 self.transport.write(self.conn.send(event))
         except h11.LocalProtocolError:   # a response had begun: nothing more can be said on this connection
             pass
+        self.count("", 400)   # under "unmatched": no path was read
         self.transport.close()
 
 
@@ -211,7 +213,8 @@ class Server(uvicorn.Server):
 def uvicorn_server(app: FastAPI, host: str, port: int, header_timeout: float,
                    shutdown_timeout: float | None = 10.0, **options) -> Server:
     """The server `rdlm serve` runs `app` with: HeaderDeadline's deadline, Server's shutdown."""
-    protocol = type("HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout})
+    protocol = type("HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout,
+                                                          "count": staticmethod(app.state.metrics.count)})
     config = uvicorn.Config(app, host=host, port=port, http=protocol, timeout_graceful_shutdown=shutdown_timeout,
                             **options)
     return Server(config, app.state.worker)
