@@ -8,6 +8,7 @@ the plugin's design (that was seed 0 and other prompts)."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -139,6 +140,35 @@ def test_a_bad_recurrence_option_is_refused_by_name(models):
     with pytest.raises(Exception, match="rdlm_cache"):
         vllm.LLM(str(models["huginn"]), hf_overrides={"rdlm_cache": "bogus"}, **ENGINE)
     gc.collect()
+
+
+TP_SCRIPT = """
+import json
+import sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=int(sys.argv[2]), hf_overrides={"rdlm_num_steps": 4}, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["huginn", "retrofit-olmo"])
+def test_two_tensor_parallel_ranks_give_the_tokens_of_one(models, family, tmp_path):
+    """vLLM's CPU backend runs 2 tensor-parallel ranks (one core each): heads split over the ranks (Huginn's
+    q/k biases with them), OLMo-2's QK-norm over all heads across ranks, a key/value head replicated; the
+    greedy tokens equal one rank's (and rdlm generate's). Slow: two worker processes start (about a minute)."""
+    prompts = prompts_for(load_pretrained(models[family]).config.vocab_size, lengths=(5, 57), seed=13)
+    script = tmp_path / "tp.py"
+    script.write_text(f"ENGINE = {ENGINE!r}\nPROMPTS = {prompts!r}\n" + TP_SCRIPT)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    run = subprocess.run([sys.executable, str(script), str(models[family]), "2"], env=env, capture_output=True,
+                         text=True, timeout=400)
+    line = next((line for line in run.stdout.splitlines() if line.startswith("TOKENS ")), None)
+    assert line is not None, run.stdout[-3000:] + run.stderr[-3000:]
+    assert json.loads(line[len("TOKENS "):]) == rdlm_tokens(models[family], prompts, num_steps=4)
 
 
 def test_the_plugin_is_found_through_the_entry_point():

@@ -60,6 +60,7 @@ class LayerWeights(nn.Module):
             raise ValueError(f"{config.num_heads} attention heads ({config.kv_heads} key/value heads) cannot be "
                              f"split over {self.tp} tensor-parallel ranks")
         self.heads, self.kv_heads = config.num_heads // self.tp, max(1, config.kv_heads // self.tp)
+        self.kv_whole = config.kv_heads < self.tp  # fewer key/value heads than ranks: each rank holds them all
         self.q_size, self.kv_size, self.head_dim = self.heads * d, self.kv_heads * d, d
         scheme = config.norm_scheme
         self.sandwich, self.pre, self.post = scheme == "sandwich", scheme != "postnorm", scheme in ("postnorm", "peri")
@@ -98,14 +99,15 @@ class LayerWeights(nn.Module):
             x = self.norm_1(x)
         q, k, v = self.attn.qkv(x)[0].split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         if self.qk_norm:
-            q, k = self._all_heads_norm(q, self.attn.q_norm), self._all_heads_norm(k, self.attn.k_norm)
+            q, k = self._all_heads_norm(q, self.attn.q_norm), self._all_heads_norm(k, self.attn.k_norm, self.kv_whole)
         if hasattr(self.attn, "qk_bias"):
             q, k = q + self.attn.qk_bias[0].flatten(), k + self.attn.qk_bias[1].flatten()
         q, k = self.rope(positions, q, k)
         return q, k, v
 
-    def _all_heads_norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        if self.tp == 1:
+    def _all_heads_norm(self, x: Tensor, norm: RMSNorm, whole: bool = False) -> Tensor:
+        """The norm over every rank's heads together (`whole`: each rank holds all of them, replicated)."""
+        if self.tp == 1 or whole:
             return norm(x)
         whole = norm(tensor_model_parallel_all_gather(x.contiguous()))
         return whole.chunk(self.tp, dim=-1)[get_tensor_model_parallel_rank()]
