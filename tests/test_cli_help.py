@@ -38,6 +38,17 @@ def test_help_shows_each_options_default():
     assert re.search(r"--seed SEED\s+seed of the data and of training \(default: 0\)", demo)
 
 
+def test_help_printed_while_parsing_shows_the_defaults(capsys):
+    """`--help` runs inside the parse, which also records the flags given (rdlm.cli.given): the help it prints
+    shows each default as it is."""
+    from rdlm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    shown = capsys.readouterr().out
+    assert re.search(r"128 or 256\) \(default: 128\)", shown) and "object at 0x" not in shown
+
+
 def test_every_command_taking_a_model_accepts_the_model_flag(huginn_tiny_dir, capsys):
     from rdlm.cli import main
 

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 from rdlm.checks import check_int
 from rdlm.resources import LongRunWarning
@@ -76,14 +76,6 @@ def takes_effect(action: argparse.Action, why_not: Callable[[argparse.Namespace]
     work: the one rule of every command (a silently ignored flag is a mistake the user never hears of)."""
     action.why_not = why_not
     return action
-
-
-class _NotGiven:
-    """An option's default while its parser runs, so that a flag given with its default value (`--weights
-    ema`) is still told from one not given."""
-
-    def __init__(self, default: Any) -> None:
-        self.default = default
 
 
 def given(args: argparse.Namespace, dest: str) -> bool:
@@ -211,32 +203,17 @@ class Parser(argparse.ArgumentParser):
         return chain
 
     def parse_known_args(self, args=None, namespace=None):
-        """As argparse's, and `given_options` (the dests of the flags on the command line: `given`)."""
-        # Flags whose action reads the value before it (append, count) keep their default.
-        swapped = {action: action.default for action in self._actions
-                   if action.option_strings and action.default is not argparse.SUPPRESS
-                   and not isinstance(action, (argparse._AppendAction, argparse._AppendConstAction,
-                                               argparse._CountAction))}
-        for action, default in swapped.items():
-            action.default = _NotGiven(default)
-        try:
-            parsed, extras = super().parse_known_args(args, namespace)
-        finally:
-            for action, default in swapped.items():
-                action.default = default
-        seen = set(getattr(parsed, "given_options", ()))
-        for action, default in swapped.items():
-            value = getattr(parsed, action.dest, None)
-            if isinstance(value, _NotGiven):  # as argparse sets a default: a string through the flag's type
-                setattr(parsed, action.dest, self._get_value(action, default) if isinstance(default, str) else default)
-            elif hasattr(parsed, action.dest):
-                seen.add(action.dest)
-        for action in self._actions:
-            if isinstance(action, (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction)):
-                if getattr(parsed, action.dest, action.default) != action.default:
-                    seen.add(action.dest)
-        parsed.given_options = frozenset(seen)
+        """As argparse's, and `given_options`: the dests of the flags on the command line (`given`), told from
+        flags left at their default even when given with the default's value (`--weights ema`)."""
+        self._given: set[str] = set()
+        parsed, extras = super().parse_known_args(args, namespace)
+        parsed.given_options = frozenset(self._given | set(getattr(parsed, "given_options", ())))
         return parsed, extras
+
+    def _get_values(self, action, arg_strings):
+        if action.option_strings:  # argparse converts an optional's values only when the flag is given
+            self._given.add(action.dest)
+        return super()._get_values(action, arg_strings)
 
 
 def build_parser() -> argparse.ArgumentParser:
