@@ -170,6 +170,9 @@ def test_tiny_gate_experiment_compares_the_gate_with_kl_exits(tmp_path):
     (["--experiment", "retrofit", "--pretrain-steps", "0"], "pretrain_steps must be a positive integer"),
     (["--experiment", "retrofit", "--source-layers", "2"], "at least 3 for the default split"),
     (["--experiment", "retrofit", "--source-layers", "3", "--split", "0/1/3"], "out of range"),
+    (["--experiment", "retrofit", "--split", "2/1/0"], "layer 1 comes after layer 2"),  # the source's order
+    (["--experiment", "gate", "--split", "0/1/2"], "--split would have no effect: it is an option of --experiment "
+                                                   "retrofit"),
     (["--experiment", "gate", "--loops", "0"], "loops must be a positive integer"),
     (["--experiment", "gate", "--gate-thresholds", "0,0.5"], "gate thresholds must be in (0, 1]"),
     (["--experiment", "nope"], "invalid choice"),
