@@ -126,7 +126,7 @@ def test_gate_claims_arithmetic():
 
 
 def test_tiny_retrofit_experiment_writes_its_report(tmp_path, capsys):
-    argv = ["demo", "--experiment", "retrofit", "--out", str(tmp_path), "--steps", "4", "--batch-size", "8",
+    argv = ["demo", "--experiment", "retrofit", "--out", str(tmp_path), "--batch-size", "8",
             "--hidden-size", "32", "--num-heads", "2", "--eval-examples", "12", "--num-steps", "1,2,4",
             "--pretrain-steps", "4", "--retrofit-steps", "5", "--warmup-steps", "1", "--quiet"]
     assert main(argv) == 0
@@ -173,6 +173,8 @@ def test_tiny_gate_experiment_compares_the_gate_with_kl_exits(tmp_path):
     (["--experiment", "retrofit", "--split", "2/1/0"], "layer 1 comes after layer 2"),  # the source's order
     (["--experiment", "gate", "--split", "0/1/2"], "--split would have no effect: it is an option of --experiment "
                                                    "retrofit"),
+    (["--experiment", "retrofit", "--steps", "4"], "--steps would have no effect: it is an option of --experiment "
+                                                   "main and gate"),  # retrofit: --pretrain-steps, --retrofit-steps
     (["--experiment", "gate", "--loops", "0"], "loops must be a positive integer"),
     (["--experiment", "gate", "--gate-thresholds", "0,0.5"], "gate thresholds must be in (0, 1]"),
     (["--experiment", "nope"], "invalid choice"),

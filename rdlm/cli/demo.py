@@ -15,9 +15,15 @@ from rdlm.demo.tasks import TASKS
 from rdlm.model.retrofit import ADAPTER_INITS, parse_layers
 
 EXPERIMENTS = ("main", "retrofit", "gate")
-# The options each experiment alone reads (given to another, they are refused by name).
-EXPERIMENT_OPTIONS = {"retrofit": ("pretrain_steps", "retrofit_steps", "source_layers", "split", "adapter_init"),
-                      "gate": ("loops", "loop_layers", "exit_loss_beta", "gate_thresholds", "no_kl")}
+# The options that only some experiments read (given to another, they are refused by name); every other
+# option is read by all three. The retrofit experiment trains its own Llama (--source-layers, --pretrain-steps,
+# --retrofit-steps) and scores no adaptive exits.
+READ_BY = {**dict.fromkeys(("pretrain_steps", "retrofit_steps", "source_layers", "split", "adapter_init"),
+                           ("retrofit",)),
+           **dict.fromkeys(("loops", "loop_layers", "exit_loss_beta", "gate_thresholds", "no_kl"), ("gate",)),
+           **dict.fromkeys(("no_twin", "no_depth_matched"), ("main",)),
+           **dict.fromkeys(("steps", "layers", "exit_criterion", "exit_thresholds", "exit_tolerance",
+                            "exit_max_steps"), ("main", "gate"))}
 
 
 # `--full`: the models trained twice as long, and r swept twice as far.
@@ -89,9 +95,8 @@ def register(subparsers) -> None:
                    help="validation accuracy an exit threshold may lose against fixed r")
     p.add_argument("--exit-max-steps", type=int, default=d.exit_max_steps,
                    help="the fixed r that adaptive exits are compared with (their maximum)")
-    for flag, what in (("--no-twin", "the parameter-matched twin"),
-                       ("--no-depth-matched", "the depth-matched non-recurrent model")):
-        takes_effect(p.add_argument(flag, action="store_true", help=f"skip {what}"), _experiment_option("main"))
+    p.add_argument("--no-twin", action="store_true", help="skip the parameter-matched twin")
+    p.add_argument("--no-depth-matched", action="store_true", help="skip the depth-matched non-recurrent model")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="CPU threads per model (1: the same numbers on every machine)")
     p.add_argument("--workers", type=int, default=d.workers,
@@ -122,17 +127,17 @@ def register(subparsers) -> None:
                    help="gate: exit thresholds q to try on validation")
     e.add_argument("--no-kl", action="store_true",
                    help="gate: skip training the recurrent model whose KL exits are compared")
-    for action in e._group_actions:
-        for experiment, dests in EXPERIMENT_OPTIONS.items():
-            if action.dest in dests:
-                takes_effect(action, _experiment_option(experiment))
+    for action in p._actions:
+        if action.dest in READ_BY:
+            takes_effect(action, _read_by(READ_BY[action.dest]))
     p.set_defaults(func=run)
 
 
-def _experiment_option(experiment: str):
+def _read_by(experiments: tuple[str, ...]):
     def why_not(args: argparse.Namespace) -> str | None:
-        if args.experiment != experiment:
-            return f"it is an option of --experiment {experiment}, and this is --experiment {args.experiment}"
+        if args.experiment not in experiments:
+            return (f"it is an option of --experiment {' and '.join(experiments)}, and this is --experiment "
+                    f"{args.experiment}")
         return None
     return why_not
 
