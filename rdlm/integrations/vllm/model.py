@@ -137,6 +137,12 @@ class RecurrentDepthForCausalLM(nn.Module):
             raise ValueError("rdlm's vLLM model does not support pipeline parallelism; use tensor parallelism")
         hf_config = vllm_config.model_config.hf_config
         config, self.recurrence = options.read(hf_config.to_dict(), f"{type(hf_config).__name__}")
+        model_config = vllm_config.model_config
+        if (self.recurrence.criterion is not None and not model_config.enforce_eager
+                and vllm_config.device_config.device.type == "cuda"):
+            raise options.RecurrenceOptionError(
+                "rdlm_exit_criterion stops the loop when every token has exited, which a CUDA graph cannot "
+                "hold: serve with enforce_eager=True (--enforce-eager)")
         self.config = config
         quant, cache_config = vllm_config.quant_config, vllm_config.cache_config
         h, d = config.hidden_size, config.head_dim
