@@ -109,3 +109,32 @@ def test_load_pretrained_restores_a_model_directory_whose_swap_was_interrupted(t
     (tmp_path / ".m.tmp-999999-x").mkdir()
     assert load_pretrained(target).config == tiny_model.config
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_the_output_rule_refuses_the_source_and_a_previous_result_before_anything_is_written(tmp_path):
+    """claim_output_dir, the rule of every writing command (docs/files.md)."""
+    from rdlm.fileio import claim_output_dir
+
+    owned = {"out.bin", "result.json"}.__contains__
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "out.bin").write_text("the input")
+    with pytest.raises(FileExistsError, match="is the source: .* choose another directory"):
+        claim_output_dir(source / ".", owned, True, "a result", source=source)  # no flag allows it
+    with pytest.raises(FileExistsError, match="is the source: .* pass --in-place"):
+        claim_output_dir(source, owned, True, "a result", source=source, in_place_flag="--in-place")
+    assert claim_output_dir(source, owned, False, "a result", source=source, in_place_flag="--in-place",
+                            in_place=True) == source
+    assert (source / "out.bin").read_text() == "the input"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "result.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"already holds a result \(result.json\); pass --overwrite"):
+        claim_output_dir(out, owned, False, "a result")
+    with pytest.raises(FileExistsError, match=r"holds other files \(notes.txt\)"):
+        claim_output_dir(out, owned, True, "a result", others_allowed=lambda ours: "out.bin" in ours)
+    claim_output_dir(out, owned, True, "a result", remove=False)  # swapped out later, whole
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "result.json"]
+    claim_output_dir(out, owned, True, "a result")  # removed first: nothing stale outlives the new result
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
