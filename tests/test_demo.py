@@ -246,6 +246,30 @@ def test_demo_seeds_names_an_out_that_is_a_file(tmp_path):
     assert (tmp_path / "afile").read_text() == "mine"
 
 
+def test_a_training_stopped_by_sigterm_stops_the_demo_instead_of_scoring_a_half_trained_model(tmp_path):
+    """`timeout 25 rdlm demo` signals the whole group: the trainer in each worker takes SIGTERM as "finish this
+    step, then stop", and the demo (which saves no checkpoint) must then stop too, not go on scoring."""
+    import signal
+
+    from rdlm.demo.config import model_config
+    from rdlm.demo.jobs import REPORT_EVERY, train_model
+    from rdlm.demo.run import task_rows
+
+    cfg = DemoConfig(steps=50, batch_size=4, hidden_size=16, num_heads=2, mean_recurrence=2, backprop_depth=1,
+                     out_dir=str(tmp_path), progress=False)
+    tok = T.CharTokenizer()
+    rows = task_rows(T.make_splits("permutations", cfg.steps * cfg.batch_size, 3, 0)["train"], tok)
+    steps = []
+
+    def at_step(step: int) -> None:
+        steps.append(step)
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, mid-training
+
+    with pytest.raises(SystemExit) as stopped:
+        train_model(cfg, model_config(cfg, tok.vocab_size, 64, "recurrent"), rows, "recurrent model", at_step)
+    assert stopped.value.code == 128 + signal.SIGTERM and steps == [REPORT_EVERY]
+
+
 def _children(parent: int) -> list[int]:
     """The processes whose parent is `parent`, from /proc."""
     found = []
