@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import torch
 
@@ -131,7 +131,7 @@ def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
                                  "flops_per_step": [r["flops"] for r in records]}
 
 
-def stop(number: int) -> None:
+def stop(number: int) -> NoReturn:
     """End the demo for the signal `number`, as the shell reports it: Ctrl-C is KeyboardInterrupt ("interrupted",
     130), SIGTERM an exit with 128 + 15."""
     if number == signal.SIGINT:
@@ -140,7 +140,7 @@ def stop(number: int) -> None:
 
 
 @contextlib.contextmanager
-def terminate_stops_the_demo():
+def terminate_stops_the_demo() -> Iterator[None]:
     """SIGTERM (what a job scheduler, a service manager or `kill PID` sends) ends the demo as Ctrl-C does:
     the exception it raises here reaches `run_jobs`, which kills the workers rather than orphaning them.
     (Only the main thread can take a signal; elsewhere the workers still exit with their parent.)"""
