@@ -328,6 +328,8 @@ def test_no_worker_outlives_the_demo(tmp_path, number):
             time.sleep(0.1)
         assert not any(map(_alive, workers)), f"workers {workers} outlived the demo by 10 s"
         assert demo.wait(timeout=10) == (128 + 15 if number == 15 else -9), demo.stderr.read()
+        if number == 15:
+            assert "rdlm demo: stopped by SIGTERM" in demo.stderr.read().decode()
         assert not (tmp_path / "report" / "results.json").exists()
     finally:
         demo.kill()

@@ -136,6 +136,9 @@ def stop(number: int) -> NoReturn:
     130), SIGTERM an exit with 128 + 15."""
     if number == signal.SIGINT:
         raise KeyboardInterrupt
+    if multiprocessing.parent_process() is None:  # the demo itself, not one of its workers
+        print(f"rdlm demo: stopped by {signal.Signals(number).name}; the workers are stopped and no report is "
+              "written", file=sys.stderr, flush=True)
     raise SystemExit(128 + number)
 
 
