@@ -180,13 +180,11 @@ class RecurrentDepthForCausalLM(nn.Module):
                       prefix=_name(prefix, f"kv.{i}")) for i in range(total))
         self._core_start, self._coda_start = config.prelude_layers, config.prelude_layers + core_caches
         # s_0 of each position: rdlm's table (rdlm.inference.noise), so a token's s_0 does not depend on the
-        # batch; drawn once, on the CPU, then moved with the model.
+        # batch; drawn once on the CPU (the same numbers on every device), then kept on the model's device.
         table = None
         if config.takes_initial_state:
-            with torch.device("meta"):
-                shape_only = RecurrentDepthLM(config)
-            table = noise_table(shape_only, self.recurrence.seed, self.recurrence.init_scale,
-                                config.context_length, torch.float32, torch.device("cpu"))
+            table = noise_table(_shape_only(config), self.recurrence.seed, self.recurrence.init_scale,
+                                config.context_length, model_config.dtype, vllm_config.device_config.device)
         self.register_buffer("s0_table", table, persistent=False)
         self.embed_scale = config.embedding_scale
         self.stats = ExitStats()
@@ -220,7 +218,7 @@ class RecurrentDepthForCausalLM(nn.Module):
             return embedded
         if self.s0_table is None:
             return torch.zeros_like(embedded)
-        return self.s0_table.index_select(0, positions).to(embedded.dtype)
+        return self.s0_table.index_select(0, positions)
 
     def core_cache(self, layer: int, iteration: int) -> Attention:
         slot = iteration if self.recurrence.cache == "per-iteration" else 0
@@ -344,7 +342,9 @@ class RecurrentDepthForCausalLM(nn.Module):
         if self.config.tie_embeddings:
             state.pop("lm_head.weight", None)
         params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(state) - ({"lm_head.weight"} if self.config.tie_embeddings else set()))
+        # rdlm's parameters, not this module's: a vLLM quantization method may add parameters of its own
+        expected = {name for name, _ in _shape_only(self.config).named_parameters()}
+        missing = sorted(expected - set(state))
         if missing:
             raise CheckpointError(f"missing tensor(s) {', '.join(adapter.file_name(n) for n in missing[:8])}")
         loaded = set()
@@ -393,6 +393,12 @@ def write_cache(cache: Attention, k: Tensor, v: Tensor) -> None:
     else:
         unified_kv_cache_update(k.view(-1, cache.num_kv_heads, cache.head_size),
                                 v.view(-1, cache.num_kv_heads, cache.head_size), cache.layer_name)
+
+
+def _shape_only(config: RDLMConfig) -> RecurrentDepthLM:
+    """rdlm's model of `config` on the meta device: its parameter names and its s_0 draw, no memory."""
+    with torch.device("meta"):
+        return RecurrentDepthLM(config)
 
 
 def _name(prefix: str, name: str) -> str:
