@@ -88,7 +88,8 @@ def test_decoding_goes_through_generate_and_exits_per_answer_token(tiny_demo_mod
     model, tok = tiny_demo_model
     examples = T.generate("permutations", 8, seed=0, split="test")
     strict = decode_answers(model, examples, tok, 6, exit_criterion="kl", exit_threshold=0.0)
-    loose = decode_answers(model, examples, tok, 6, exit_criterion="kl", exit_threshold=1e9)
+    # the largest threshold GenerationConfig allows (2**16): every score is below it
+    loose = decode_answers(model, examples, tok, 6, exit_criterion="kl", exit_threshold=2.0**16)
     fixed = decode_answers(model, examples, tok, 6)
     assert strict.mean_answer_steps == 6      # never converged: every answer token runs to the cap
     assert loose.mean_answer_steps == 2       # exits at the first comparison (iteration 2)
