@@ -9,6 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rdlm"
 OPTIONAL = {"rdlm.integrations.lm_eval": "lm_eval", "rdlm.integrations.hf": "transformers",
+            "rdlm.integrations.vllm.model": "vllm",
             **{f"rdlm.integrations.hf.{m}": "transformers"
                for m in ("cache", "config", "generation", "loading", "model", "tokenizer")}}
 
