@@ -21,6 +21,7 @@ Prompt tokens run every iteration, as in `rdlm generate` with such a criterion.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -143,6 +144,11 @@ class RecurrentDepthForCausalLM(nn.Module):
             raise options.RecurrenceOptionError(
                 "rdlm_exit_criterion stops the loop when every token has exited, which a CUDA graph cannot "
                 "hold: serve with enforce_eager=True (--enforce-eager)")
+        if self.recurrence.criterion is not None and vllm_config.cache_config.enable_prefix_caching:
+            logging.getLogger(__name__).warning(
+                "rdlm: with rdlm_exit_criterion and prefix caching, a prompt whose every token is cached has its "
+                "last token recomputed alone, which then reads as decoded and may exit early (rdlm generate runs "
+                "every prompt token to r): for rdlm's tokens, turn prefix caching off (--no-enable-prefix-caching)")
         self.config = config
         quant, cache_config = vllm_config.quant_config, vllm_config.cache_config
         h, d = config.hidden_size, config.head_dim
