@@ -1,0 +1,297 @@
+"""The same checkpoint at the same r served by `rdlm serve` and by vLLM with rdlm's plugin (docs/vllm.md):
+throughput and latency as ratios, at fixed r and with an exit criterion, and the KV-cache memory per token of
+each mode. Run it in the vLLM environment (both servers then run on the same torch):
+
+    bash scripts/setup.sh --vllm
+    OMP_WAIT_POLICY=PASSIVE .venv-vllm/bin/python benchmarks/bench_vllm.py --seconds 20 --rounds 2
+
+Each server runs as a subprocess on 127.0.0.1 (a free port); `--clients` threads send streamed completions
+of `--new-tokens` back to back from the same prompts until `--seconds` pass. The two servers alternate
+(rdlm, vLLM, then vLLM, rdlm, ...) for `--rounds` rounds per mode; printed per run: completion tokens/s, time
+to first token and time per output token (p50), and the ratio vLLM / rdlm of each round's pair.
+
+Then, in this process, vLLM's engine alone (`vllm.LLM`) on the same prompts: tokens/s and the core iterations
+each decoded token ran, at fixed r and with the exit criterion (the plugin counts them: `model.stats`),
+alternated for `--rounds` rounds. A model `rdlm demo` trained (its directory has `task_tokenizer.json`) is run
+there on `--task-prompts` unseen test examples of its task instead (prompt, then the reply marker and the
+answer, then whatever the model goes on with up to `--new-tokens`): the answers' accuracy at fixed r and with
+exits, and whether every prompt's tokens equal `rdlm generate`'s with the same settings at batch 1.
+
+Without --model, a random model of rdlm's `small` shape (8 heads of 32: vLLM's CPU attention takes no
+narrower) with a tokenizer trained on examples/lm_eval_task is written to a temporary directory; exits mean
+little on random weights, so pass a trained model (`rdlm train`, then `rdlm convert`) to judge them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_serve import free_port, http_client, percentile  # noqa: E402
+
+PROMPTS = ["The capital of France is", "Two plus two is", "Ravens are black birds and",
+           "The sun rises in the", "Water boils at one hundred degrees", "A week has seven"]
+
+
+def write_model(directory: Path) -> Path:
+    import torch
+
+    import rdlm
+    from rdlm.data.tokenizer import train_tokenizer
+
+    torch.manual_seed(0)
+    rdlm.save_pretrained(rdlm.build_model("small"), directory)
+    lines = (ROOT / "examples" / "lm_eval_task" / "facts.jsonl").read_text().splitlines(keepends=True) * 20
+    train_tokenizer(lines, vocab_size=512).save(directory)
+    return directory
+
+
+def start(kind: str, args, port: int, criterion: str | None, log: Path) -> subprocess.Popen:
+    if kind == "rdlm":
+        cmd = [sys.executable, "-m", "rdlm", "serve", args.model, "--port", str(port), "--model-name", "bench",
+               "--max-batch", str(args.clients), "--max-queue", str(4 * args.clients), "-r", str(args.num_steps),
+               "--dtype", "float32"]
+        if criterion:
+            cmd += ["--exit-criterion", criterion, "--exit-threshold", str(args.exit_threshold)]
+    else:
+        overrides = {"rdlm_num_steps": args.num_steps}
+        if criterion:
+            overrides.update(rdlm_exit_criterion=criterion, rdlm_exit_threshold=args.exit_threshold)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+               "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--enforce-eager", "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.clients),
+               "--hf-overrides", json.dumps(overrides), "--no-enable-prefix-caching"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    httpx = http_client()
+    deadline = time.time() + 300
+    while True:
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise SystemExit(f"{kind} server did not start:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.5)
+
+
+def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str], eos: int) -> dict:
+    """Completion tokens/s, TTFT and TPOT (p50) of `--clients` streaming clients for `--seconds`."""
+    httpx = http_client()
+    port = free_port()
+    proc = start(kind, args, port, criterion, log)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    ttft, tpot, tokens, lock = [], [], [0], threading.Lock()
+    try:
+        begin = time.perf_counter()
+        stop_at = begin + args.seconds
+
+        def client(k: int) -> None:
+            j = k
+            with httpx.Client(timeout=300) as http:
+                while time.perf_counter() < stop_at:
+                    body = {"model": "bench", "prompt": texts[j % len(texts)], "stream": True, "temperature": 0,
+                            "max_tokens": args.new_tokens, "stream_options": {"include_usage": True}}
+                    if kind == "vllm":
+                        body["stop_token_ids"] = [eos]  # where rdlm serve stops: the tokenizer's end of text
+                    t0, stamps, used = time.perf_counter(), [], 0
+                    with http.stream("POST", url, json=body) as response:
+                        for line in response.iter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            event = json.loads(line[6:])
+                            if event.get("usage") and not event.get("choices"):
+                                used = event["usage"]["completion_tokens"]
+                            elif event.get("choices"):
+                                stamps.append(time.perf_counter())
+                    j += args.clients
+                    with lock:
+                        tokens[0] += used
+                        if stamps:  # an event may carry several tokens: time per output token counts tokens
+                            ttft.append(stamps[0] - t0)
+                            if used > 1:
+                                tpot.append((stamps[-1] - stamps[0]) / (used - 1))
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - begin
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {"tok_s": tokens[0] / elapsed, "ttft": percentile(ttft, 0.5), "tpot": percentile(tpot, 0.5)}
+
+
+def task_prompts(args) -> tuple[list[list[int]], list[str], list[str]] | None:
+    """Unseen test examples of a demo model's task (seed 1234, not the demo's 0): token ids, replies, prompts."""
+    path = Path(args.model) / "task_tokenizer.json"
+    if not path.is_file():
+        return None
+    from rdlm.demo.tasks import CharTokenizer, generate
+
+    spec = json.loads(path.read_text())
+    tok = CharTokenizer(spec["alphabet"])
+    examples = generate(spec["task"], args.task_prompts, seed=1234, split="test")
+    return [tok.encode(e.prompt) for e in examples], [e.reply for e in examples], [e.prompt for e in examples]
+
+
+def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_tokens: int):
+    """vLLM's engine in this process on `prompts` (one batch): tokens/s, iterations per decoded token, tokens."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import gc
+
+    import vllm
+
+    overrides = {"rdlm_num_steps": args.num_steps}
+    if criterion:
+        overrides.update(rdlm_exit_criterion=criterion, rdlm_exit_threshold=args.exit_threshold)
+    llm = vllm.LLM(args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
+                   kv_cache_memory_bytes=1 << 30, skip_tokenizer_init=True, hf_overrides=overrides,
+                   enable_prefix_caching=False)  # repeated prompts: each is computed, as in rdlm serve
+    params = vllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    t0 = time.perf_counter()
+    llm.generate(batch, params, use_tqdm=False)  # warm-up: the same batch once
+    repeats = max(1, round(2.0 / (time.perf_counter() - t0)))  # about 2 s timed: a batch alone is too short
+    before = llm.apply_model(lambda model: dict(vars(model.stats)))[0]
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        out = llm.generate(batch, params, use_tqdm=False)
+    seconds = (time.perf_counter() - t0) / repeats
+    after = llm.apply_model(lambda model: dict(vars(model.stats)))[0]
+    caches = llm.apply_model(lambda model: len(model.kv))[0]
+    del llm
+    gc.collect()
+    tokens = [list(o.outputs[0].token_ids) for o in out]
+    decoded = after["decoded_tokens"] - before["decoded_tokens"]
+    per_token = (after["token_iterations"] - before["token_iterations"]) / decoded if decoded else args.num_steps
+    steps = after["steps"] - before["steps"]  # (counts over every repeat: the ratios are per token and step)
+    return {"tok_s": sum(map(len, tokens)) / seconds, "iterations_per_token": per_token, "caches": caches,
+            "loop_iterations_per_step": (after["step_iterations"] - before["step_iterations"]) / steps,
+            "tokens": tokens}
+
+
+def rdlm_tokens(args, criterion: str | None, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """`rdlm generate`'s greedy tokens for each prompt alone, with the same depth and criterion."""
+    from rdlm.inference.generate import generate
+    from rdlm.inference.params import GenerationConfig
+    from rdlm.model.huginn import load_pretrained
+
+    model = load_pretrained(args.model, dtype=__import__("torch").float32)
+    config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=new_tokens, exit_criterion=criterion,
+                              exit_threshold=args.exit_threshold if criterion else None)
+    return [generate(model, p, config).tokens[0] for p in prompts]
+
+
+def engine_report(args, modes: list) -> None:
+    task = task_prompts(args)
+    if task is None:
+        from rdlm.data.tokenizer import Tokenizer
+
+        tok = Tokenizer.load(args.model)
+        prompts, replies, new_tokens = [tok.encode(PROMPTS[j % len(PROMPTS)]) for j in range(args.clients)], None, \
+            args.new_tokens
+    else:
+        (prompts, replies, _), new_tokens = task, args.new_tokens  # the reply, then what the model goes on with
+        from rdlm.demo.tasks import CharTokenizer
+
+        alphabet = json.loads((Path(args.model) / "task_tokenizer.json").read_text())["alphabet"]
+        decode = CharTokenizer(alphabet).decode
+    best: dict = {}
+    for k in range(args.rounds):  # the modes alternate, each in an engine of its own; the best round is kept
+        for criterion in modes if k % 2 == 0 else modes[::-1]:
+            e = engine_alone(args, criterion, prompts, new_tokens)
+            print(f"vLLM engine alone, round {k + 1}, {criterion or 'fixed r'}: {e['tok_s']:.1f} tok/s "
+                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            if criterion not in best or e["tok_s"] > best[criterion]["tok_s"]:
+                best[criterion] = e
+    for criterion in modes:
+        e = best[criterion]
+        label = "fixed r" if criterion is None else f"{criterion} < {args.exit_threshold:g}"
+        line = (f"vLLM engine alone, {label:22} {len(prompts)} prompts: {e['tok_s']:8.1f} tok/s, "
+                f"{e['iterations_per_token']:.2f} iterations per decoded token, {e['loop_iterations_per_step']:.2f} "
+                f"loop iterations per step, {e['caches']} KV caches")
+        if replies is not None:
+            correct = sum(decode(t).startswith(r) for t, r in zip(e["tokens"], replies, strict=True))
+            same = e["tokens"] == rdlm_tokens(args, criterion, prompts, new_tokens)
+            line += f"; accuracy {correct}/{len(replies)}; tokens equal rdlm generate's at batch 1: {same}"
+        print(f"{line} (load {os.getloadavg()[0]:.2f})", flush=True)
+
+
+def cache_bytes_per_token(args) -> dict:
+    """KV-cache bytes one token holds in each mode (fp32): its prelude and coda layers, and the core's r or 1."""
+    from rdlm.model.huginn import read_config
+
+    c = read_config(args.model)
+    layer = 2 * c.kv_heads * c.head_dim * 4
+    outside = c.prelude_layers + c.coda_layers
+    return {"per-iteration (vLLM) / full (rdlm)": (outside + args.num_steps * c.core_layers) * layer,
+            "shared (vLLM: one per core layer; rdlm: cache_slots=1)": (outside + c.core_layers) * layer}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a model directory with tokenizer.json (default: a random `small` one)")
+    parser.add_argument("-r", "--num-steps", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--rounds", type=int, default=2, help="rdlm/vLLM pairs per mode, alternated")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--exit-criterion", default="latent-diff", help="the adaptive mode's ('none': fixed r only)")
+    parser.add_argument("--exit-threshold", type=float, default=0.03)
+    parser.add_argument("--task-prompts", type=int, default=64, help="test examples for a demo model's engine run")
+    parser.add_argument("--no-servers", action="store_true", help="the engine alone only (no HTTP servers)")
+    args = parser.parse_args()
+    for name in ("num_steps", "clients", "rounds", "new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.seconds > 0:
+        parser.error("--seconds must be > 0")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            args.model = str(write_model(Path(tmp) / "model"))
+        modes = [None] + ([args.exit_criterion] if args.exit_criterion != "none" else [])
+        from rdlm.data.tokenizer import Tokenizer
+
+        eos = Tokenizer.load(args.model).eos_id
+        task = task_prompts(args)
+        texts = PROMPTS if task is None else task[2]
+        print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; model {args.model}, r = "
+              f"{args.num_steps}, {args.clients} clients x {args.new_tokens} new tokens, {args.seconds:g} s per run")
+        for criterion in [] if args.no_servers else modes:
+            label = "fixed r" if criterion is None else f"{criterion} < {args.exit_threshold:g}"
+            ratios = []
+            for k in range(args.rounds):
+                order = ("rdlm", "vllm") if k % 2 == 0 else ("vllm", "rdlm")
+                got = {kind: measure(kind, args, criterion, Path(tmp) / f"{kind}.log", texts, eos) for kind in order}
+                ratios.append(got["vllm"]["tok_s"] / got["rdlm"]["tok_s"])
+                for kind in order:
+                    m = got[kind]
+                    print(f"{label:24} round {k + 1} {kind:5} {m['tok_s']:8.1f} tok/s  TTFT p50 {m['ttft'] * 1e3:7.1f} ms"
+                          f"  TPOT p50 {m['tpot'] * 1e3:6.1f} ms  (load {os.getloadavg()[0]:.2f})", flush=True)
+            print(f"{label:24} vLLM / rdlm serve tokens/s: " + ", ".join(f"{r:.2f}" for r in ratios), flush=True)
+        engine_report(args, modes)
+        for mode, size in cache_bytes_per_token(args).items():
+            print(f"KV cache per token, {mode}: {size} bytes")
+
+
+if __name__ == "__main__":
+    main()
