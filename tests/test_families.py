@@ -328,9 +328,10 @@ def test_the_heuristic_exit_criteria_run_on_every_family(name):
     from rdlm.inference.generate import GenerationConfig, generate
 
     model = load_pretrained(FIXTURES / name)
-    # A threshold every score passes: each token exits at its first reading, after min_steps = 2.
+    # A threshold every score passes (the largest GenerationConfig takes): each token exits at its first
+    # reading, after min_steps = 2.
     out = generate(model, [[4, 8, 15, 16]], GenerationConfig(max_new_tokens=5, num_steps=6, exit_criterion="kl",
-                                                              exit_threshold=1e9))
+                                                              exit_threshold=2**16))
     assert out.steps[0][1:] == [2, 2, 2, 2]
 
 

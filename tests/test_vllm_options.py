@@ -43,6 +43,7 @@ def test_options_override_and_the_gate_takes_the_checkpoints_threshold():
     ({"rdlm_seed": -1}, "rdlm_seed must be an integer"),
     ({"rdlm_init_scale": "1"}, "rdlm_init_scale must be a number"),
     ({"rdlm_nmu_steps": 4}, "unknown option.*rdlm_nmu_steps"),
+    ({"test_time_noise": 0.5}, "test_time_noise 0.5 .* is not served by vLLM"),
 ])
 def test_a_bad_option_is_refused_by_name(options, named):
     with pytest.raises(RecurrenceOptionError, match=named):

@@ -168,11 +168,9 @@ class RecurrentDepthForCausalLM(nn.Module):
         self.final_norm = RMSNorm(h, config.norm_eps)
         self.exit_gate = ReplicatedLinear(h, 1, bias=True, prefix=_name(prefix, "exit_gate")) \
             if config.exit_gate else None
+        self.lm_head = ParallelLMHead(config.vocab_size, h, quant_config=quant, prefix=_name(prefix, "lm_head"))
         if config.tie_embeddings:
-            self.lm_head = ParallelLMHead(config.vocab_size, h, quant_config=quant, prefix=_name(prefix, "lm_head"))
             self.lm_head = self.lm_head.tie_weights(self.embedding)
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, h, quant_config=quant, prefix=_name(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(config.vocab_size)
         # The KV caches: one Attention each (vLLM allocates a cache per Attention), named with one layer index
         # (vLLM reads one integer from a cache's name): prelude layers, then the core's (one per core layer and

@@ -65,6 +65,9 @@ def read(raw: Mapping[str, Any], source: str = "config") -> tuple[RDLMConfig, Re
     hf_overrides applied). An unknown rdlm_* key or a bad value is a RecurrenceOptionError naming it."""
     keys, options = split_options(raw)
     config = config_from_huginn(keys, source)
+    if config.test_time_noise > 0:
+        raise RecurrenceOptionError(f"{source}: test_time_noise {config.test_time_noise:g} (noise mixed into the state "
+                                    "before every iteration) is not served by vLLM; set it to 0 to serve the model")
     unknown = sorted(set(options) - set(KEYS))
     if unknown:
         raise RecurrenceOptionError(f"{source}: unknown option(s) {', '.join(PREFIX + k for k in unknown)}; "
