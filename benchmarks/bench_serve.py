@@ -94,15 +94,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until_serving(proc: subprocess.Popen, port: int, seconds: float, log: Path | None = None) -> None:
-    """Until the server `proc` answers /health on 127.0.0.1:`port`; SystemExit when it exits or `seconds`
-    pass first (with the tail of its `log` when there is one)."""
+def wait_until_serving(proc: subprocess.Popen, port: int, seconds: float, log: Path | None = None,
+                       name: str = "rdlm serve") -> None:
+    """Until the server `proc` (`name`) answers /health on 127.0.0.1:`port`; SystemExit when it exits or
+    `seconds` pass first (with the tail of its `log` when there is one)."""
     httpx = http_client()
     deadline = time.time() + seconds
     while True:
         if proc.poll() is not None or time.time() > deadline:
             tail = f":\n{log.read_text()[-3000:]}" if log is not None else ""
-            raise SystemExit(f"rdlm serve did not start within {seconds:g} s{tail}")
+            raise SystemExit(f"{name} did not start within {seconds:g} s{tail}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_serve import free_port, http_client, percentile  # noqa: E402
+from benchmarks.bench_serve import free_port, http_client, percentile, wait_until_serving  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Two plus two is", "Ravens are black birds and",
            "The sun rises in the", "Water boils at one hundred degrees", "A week has seven"]
@@ -74,17 +74,12 @@ def start(kind: str, args, port: int, criterion: str | None, log: Path) -> subpr
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    httpx = http_client()
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise SystemExit(f"{kind} server did not start:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    try:
+        wait_until_serving(proc, port, 300, log, name="rdlm serve" if kind == "rdlm" else "vLLM's server")
+    except SystemExit:
+        proc.kill()
+        raise
+    return proc
 
 
 def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str], eos: int) -> dict:
@@ -190,11 +185,13 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
 
 def rdlm_tokens(args, criterion: str | None, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """`rdlm generate`'s greedy tokens for each prompt alone, with the same depth and criterion."""
+    import torch
+
     from rdlm.inference.generate import generate
     from rdlm.inference.params import GenerationConfig
     from rdlm.model.huginn import load_pretrained
 
-    model = load_pretrained(args.model, dtype=__import__("torch").float32)
+    model = load_pretrained(args.model, dtype=torch.float32)
     config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=new_tokens, exit_criterion=criterion,
                               exit_threshold=args.exit_threshold if criterion else None)
     return [generate(model, p, config).tokens[0] for p in prompts]

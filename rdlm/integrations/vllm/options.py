@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from rdlm.checks import is_int
 from rdlm.inference.exits import CRITERIA, ExitCriterion, make_exit_criterion
+from rdlm.inference.params import MAX_INIT_SCALE, MAX_SEED
 from rdlm.model.config import RDLMConfig
 from rdlm.model.huginn import config_from_huginn
 
@@ -86,11 +87,12 @@ def read(raw: Mapping[str, Any], source: str = "config") -> tuple[RDLMConfig, Re
         raise RecurrenceOptionError(f"{source}: {PREFIX}min_steps must be an integer in 1..{PREFIX}num_steps "
                                     f"({steps}), got {min_steps!r}")
     seed = options.get("seed", 0)
-    if not is_int(seed, 0) or seed >= 2**63:
+    if not is_int(seed, 0) or seed > MAX_SEED:  # rdlm generate's bounds (rdlm.inference.params)
         raise RecurrenceOptionError(f"{source}: {PREFIX}seed must be an integer in 0..2**63-1, got {seed!r}")
     scale = options.get("init_scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale <= 1000:
-        raise RecurrenceOptionError(f"{source}: {PREFIX}init_scale must be a number in [0, 1000], got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale <= MAX_INIT_SCALE:
+        raise RecurrenceOptionError(f"{source}: {PREFIX}init_scale must be a number in [0, {MAX_INIT_SCALE:g}], got "
+                                    f"{scale!r}")
     return config, Recurrence(steps, cache, criterion, min_steps, seed, float(scale))
 
 
