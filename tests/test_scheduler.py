@@ -1,10 +1,14 @@
-"""The continuous batch's scheduler alone: no model, no tensors. Each test feeds it made-up outcomes (tokens
-chosen, exit flags read at a look) and checks its decisions, as a runner would see them."""
+"""The continuous batch's scheduler alone: no model, no tensors. Each test takes its plans (`schedule`), feeds it
+made-up outcomes as a step runner would give them back (`update`: tokens chosen, prompts ended, exit flags
+found at a look) and checks its decisions, the whole step's plan included."""
+
+from dataclasses import replace
 
 from rdlm.inference.exits import make_exit_criterion
 from rdlm.inference.params import GenerationConfig
+from rdlm.inference.plan import Chosen, Coda, EngineSettings, RoundOutput, StepOutput
 from rdlm.inference.request import Request, Status
-from rdlm.inference.scheduler import Prompts, Scheduler, StepPlan
+from rdlm.inference.scheduler import Scheduler
 
 FIXED = GenerationConfig(num_steps=8, max_new_tokens=3)
 KL = GenerationConfig(num_steps=8, max_new_tokens=3, exit_criterion="kl", exit_threshold=1e-3)
@@ -13,193 +17,251 @@ KL = GenerationConfig(num_steps=8, max_new_tokens=3, exit_criterion="kl", exit_t
 def request(i: int, config: GenerationConfig = FIXED, prompt: tuple = (1, 2, 3)) -> Request:
     criterion = None if config.exit_criterion is None else make_exit_criterion(config.exit_criterion,
                                                                                 config.exit_threshold)
-    return Request(i, list(prompt), config, criterion, config.core_slots, generator=None, noise=None)
+    return Request(i, list(prompt), config, criterion, config.core_slots)
 
 
-def admitted_and_started(s: Scheduler, *requests: Request) -> list[Request]:
-    """Requests through admission and prefill to their first token, then started (ITERATING)."""
+def scheduler(max_batch: int = 2, **settings) -> Scheduler:
+    return Scheduler(EngineSettings(max_batch, max_length=64, num_slots=16, **settings))
+
+
+def prefilled(s: Scheduler, *requests: Request, token: int = 7) -> list:
+    """Requests admitted, their prompts prefilled in the steps the plans give them, each first token chosen."""
     for q in requests:
         s.add(q)
-    s.admit()
-    for q in requests:
-        s.prefilled(q)
-        s.chosen(q, token=7, steps=q.cap, decode=None)
-    s.start(list(requests))
-    return list(requests)
+    events = []
+    while any(q.status in (Status.WAITING, Status.PREFILLING) for q in requests):
+        plan = s.schedule()
+        ended = [spec.chunk for spec in (c.spec for c in s.chunks)
+                 if spec.chunk in plan.prompts and next(c for c in s.chunks if c.spec.chunk == spec.chunk).left
+                 <= max(plan.prompt_iterations, 1)]
+        first = [Chosen(q.id, token, q.cap) for c in s.chunks if c.spec.chunk in ended for q, n in
+                 zip(c.requests, c.spec.lengths) if c.spec.start + n >= len(q.prompt) and q.config.max_new_tokens]
+        events += s.update(StepOutput(ended=ended, prompt_iterations=max(plan.prompt_iterations, 1), first=first,
+                                      computed=tuple(it.request for it in plan.iterating)))
+    return events
 
 
-def test_admission_fills_free_rows_in_order_and_groups_by_depth_and_budget():
-    s = Scheduler(max_batch=2)
+def test_admission_fills_free_rows_in_order_and_plans_one_chunk_per_depth_and_budget():
+    s = scheduler(max_batch=2, prefill_chunk=2)
     a, b, c = request(0), request(1, GenerationConfig(num_steps=4, max_new_tokens=3)), request(2)
     for q in (a, b, c):
         s.add(q)
-    groups = s.admit()
-    assert groups == {(8, 8): [a], (4, 4): [b]} and (a.row, b.row) == (0, 1)
+    plan = s.schedule()
+    assert [(x.request, x.row, x.positions) for x in plan.admitted] == [(0, 0, 6), (1, 1, 6)]
+    assert [(x.requests, x.start, x.lengths, x.cap, x.n) for x in plan.chunks] == [((0,), 0, (2,), 8, 2),
+                                                                                    ((1,), 0, (2,), 4, 2)]
     assert [q.status for q in (a, b, c)] == [Status.PREFILLING, Status.PREFILLING, Status.WAITING]
     assert (s.running, s.queued, s.busy) == (2, 1, True)
-    s.prefilled(a)
-    assert a.length == 3 and s.chosen(a, token=5, steps=8, decode=None) is None and a.status is Status.STARTING
-    a.config = GenerationConfig(num_steps=8, max_new_tokens=1)          # its last token comes next
-    s.start([a])
-    assert s.chosen(a, token=6, steps=8, decode=None) == "length" and a.tokens == [5, 6] and a.spent == 16
-    assert s.admit() == {(8, 8): [c]} and c.row == 0                 # the freed row goes to the next in line
+    # nothing decodes: the prompts run on until a chunk is done (the fewest left: b's 4)
+    assert plan.prompts == (0, 1) and plan.prompt_iterations == 4 and not plan.iterating and not plan.look_due
 
 
-def test_cancelled_requests_leave_the_queue_and_their_rows():
-    s = Scheduler(max_batch=1)
-    a, b = request(0), request(1)
-    s.add(a)
-    s.add(b)
-    s.admit()
+def test_a_long_prompt_goes_on_in_its_next_chunk_and_its_first_token_starts_it():
+    s = scheduler(max_batch=1, prefill_chunk=2)
+    q = request(0, FIXED, prompt=(1, 2, 3))
+    s.add(q)
+    plan = s.schedule()
+    assert plan.chunks[0].lengths == (2,)
+    assert s.update(StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8)) == []
+    plan = s.schedule()                          # the rest of the prompt, one token, begins now
+    assert [(x.start, x.lengths) for x in plan.chunks] == [(2, (1,))] and q.status is Status.PREFILLING
+    events = s.update(StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8,
+                                 first=[Chosen(0, 5, 8, (-0.5, ()))]))
+    assert [(e.token, e.steps, e.finish_reason, e.logprob) for e in events] == [(5, 8, None, -0.5)]
+    assert (q.status, q.length, q.tokens, q.spent) == (Status.STARTING, 3, [5], 8)
+    plan = s.schedule()
+    assert [(x.token, x.position, x.cap) for x in plan.starts] == [(5, 3, 8)] and plan.lockstep
+    assert q.status is Status.ITERATING and plan.iterations == 8
+
+
+def test_cancelled_requests_leave_the_queue_their_rows_and_their_chunk():
+    s = scheduler(max_batch=2)
+    a, b, c = request(0), request(1), request(2)
+    for q in (a, b, c):
+        s.add(q)
+    plan = s.schedule()
+    assert plan.chunks[0].requests == (0, 1)
+    s.update(StepOutput(prompt_iterations=1))
     s.cancel(0)
-    s.cancel(1)
-    assert s.drop_cancelled() == {0, 1} and not s.busy and s.drop_cancelled() == set()
+    s.cancel(2)
+    plan = s.schedule()
+    assert plan.dropped == (0,) and [c.spec.requests for c in s.chunks] == [(1,)] and s.queued == 0
+    assert s.chunks[0].iteration == 1 and s.chunks[0].spec.n == 3   # still padded as the runner's chunk is
 
 
-def test_the_host_looks_every_sync_every_steps_or_at_once_when_a_row_reaches_its_cap():
-    s = Scheduler(max_batch=2, exit_sync_every=3)
-    a, b = admitted_and_started(s, request(0, KL), request(1, KL))
+def test_the_host_looks_every_sync_every_steps_and_a_look_resets_the_count():
+    s = scheduler(max_batch=3, exit_sync_every=3)
+    a, b, c = request(0, KL), request(1, replace(KL, num_steps=12)), request(2, replace(KL, num_steps=16))
+    prefilled(s, a, b, c)
     looks = []
-    for _ in range(5):
-        s.ran([a, b])
-        looks.append(s.step_ran([a, b]))
-    assert looks == [False, False, True, False, False]
-    a.iteration = a.cap                                      # surely done: no need to wait for the next look
-    assert s.step_ran([a, b]) is True and s.since_look == 0
-    s.looked([a, b], finished=[True, False], steps=[8, 6])
-    assert (a.status, a.iteration, a.ready_since) == (Status.READY, 8, s.steps_run) and b.status is Status.ITERATING
+    for _ in range(6):
+        plan = s.schedule()
+        looks.append(plan.look_due)
+        # the runner looks when the plan says so (or when a row that computed reached its cap); none is done
+        s.update(StepOutput(computed=(0, 1, 2), found={} if plan.look_due else None))
+    assert looks == [False, False, True, False, False, True] and (a.iteration, c.iteration) == (6, 6)
+    plan = s.schedule()                               # a is one iteration from its cap: the runner looks at once
+    assert not plan.look_due and [(it.iteration, it.cap) for it in plan.iterating][0] == (6, 8)
+    s.update(StepOutput(computed=(0, 1, 2), found={}))
+    assert s.since_look == 0 and not s.schedule().look_due
 
 
-def test_a_coda_waits_for_company_within_coda_every():
-    s = Scheduler(max_batch=3, exit_sync_every=1, coda_every=4)
-    a, b, c = admitted_and_started(s, request(0, KL), request(1, KL), request(2, KL))
-    s.step_ran([a, b, c])
-    s.looked([a, b, c], [True, False, False], [3, 1, 1])
-    assert not s.coda_due([a])                  # b and c may exit any time: a waits for them
-    for _ in range(3):
-        s.step_ran([b, c])
-    assert s.coda_due([a])                       # it waited coda_every - 1 steps
-    s.looked([b], [True], [4])
-    assert s.coda_due([a, b])                    # half the rows wait: now
-    fixed = Scheduler(max_batch=3, exit_sync_every=1, coda_every=4)
-    x, y, z = admitted_and_started(fixed, request(0), request(1), request(2))
-    fixed.looked([x], [True], [8])
-    y.iteration = z.iteration = 2                # without an exit neither can be done before the wait ends
-    assert fixed.coda_due([x])
+def test_what_the_look_finds_waits_for_its_coda_and_the_coda_gives_the_next_tokens():
+    s = scheduler(max_batch=3, exit_sync_every=1, coda_every=4)
+    a, b, c = request(0, KL), request(1, KL), request(2, FIXED)
+    prefilled(s, a, b, c)
+    plan = s.schedule()                  # different depth settings: one iteration a step, no lockstep
+    assert not plan.lockstep and [it.request for it in plan.iterating] == [0, 1, 2] and plan.look_due
+    assert plan.coda == Coda((), False, 3, (0, 1))   # nobody waits; a and b may exit any time (c: cap 8 > 3)
+    s.update(StepOutput(computed=(0, 1, 2), found={0: 1}))
+    assert (a.status, a.iteration, a.stopped_at) == (Status.AWAITING_CODA, 1, s.steps_run)
+    assert (b.status, b.iteration, c.iteration) == (Status.ITERATING, 1, 1)
+    plan = s.schedule()
+    assert [it.request for it in plan.iterating] == [1, 2] and plan.coda.waiting == ((0, 1),)
+    assert not plan.coda.due(set()) and plan.coda.due({1})   # alone it waits; with b half the rows wait
+    events = s.update(StepOutput(computed=(1, 2), found={1: 2}, coda=[Chosen(0, 4, 1), Chosen(1, 5, 2)]))
+    assert [(e.request, e.token, e.steps) for e in events] == [(0, 4, 1), (1, 5, 2)]
+    assert (a.status, a.length, b.status, b.length) == (Status.STARTING, 4, Status.STARTING, 4)
+
+
+def test_a_coda_rule_runs_once_one_waited_or_half_wait_or_nobody_else_can_be_done_in_time():
+    assert not Coda().due(set()) and Coda(decoding=4).due({0, 1})
+    assert not Coda(decoding=4, blockers=(1, 2)).due({0})
+    assert Coda(decoding=4, blockers=(1,)).due({0, 1}) and Coda(((3, 5),), now=True, decoding=9).due(set())
+    assert Coda(decoding=9).due({0}) and not Coda(decoding=9, blockers=(1,)).due({0})
+    assert Coda(decoding=9, blockers=(1,)).due({0}, decoding=2)   # the rows the step left decoding
 
 
 def test_lockstep_needs_every_row_starting_together_with_one_depth_setting():
-    s = Scheduler(max_batch=3)
-    a, b = admitted_and_started(s, request(0), request(1))
+    s = scheduler(max_batch=3)
+    a, b = request(0), request(1)
+    prefilled(s, a, b)
     assert s.in_lockstep([a, b], prompts_in_flight=False)
     assert not s.in_lockstep([a, b], prompts_in_flight=True)
     assert not s.in_lockstep([a], prompts_in_flight=False)             # b is not starting with it
     s.add(request(2))
     assert not s.in_lockstep([a, b], prompts_in_flight=False)          # one waits for the free row
-    t = Scheduler(max_batch=2)
-    c, d = admitted_and_started(t, request(0), request(1, GenerationConfig(num_steps=6, max_new_tokens=3)))
+    t = scheduler(max_batch=2)
+    c, d = request(0), request(1, GenerationConfig(num_steps=6, max_new_tokens=3))
+    prefilled(t, c, d)
+    t.start([c, d])
     assert not t.in_lockstep([c, d], prompts_in_flight=False)
     budget = GenerationConfig(num_steps=8, max_new_tokens=3, max_latent_iterations=10)
-    u = Scheduler(max_batch=1)
-    (e,) = admitted_and_started(u, request(0, budget))
+    u = scheduler(max_batch=1)
+    (e,) = [request(0, budget)]
+    prefilled(u, e)
+    u.start([e])
     assert not u.in_lockstep([e], prompts_in_flight=False)
 
 
-def test_rows_found_done_leave_the_call_only_where_reading_the_flags_is_free():
-    s = Scheduler(max_batch=2, exit_sync_every=4)
-    a, b = admitted_and_started(s, request(0, KL), request(1, KL))
-    read = []
-    flags = lambda: read.append(1) or [True, False]  # noqa: E731
-    assert s.computing([a, b], rides_along=False, done=flags) == [a, b] and not read   # right after a look
-    s.step_ran([a, b])
-    assert s.computing([a, b], rides_along=True, done=flags) == [a, b] and not read
-    assert s.computing([a, b], rides_along=False, done=flags) == [b] and read == [1]
-    assert s.may_be_done([a, b])
-    f = Scheduler(max_batch=1, exit_sync_every=4)
-    (x,) = admitted_and_started(f, request(0))
-    f.step_ran([x])
-    assert f.computing([x], rides_along=False, done=flags) == [x] and read == [1]     # no criterion: no read
-    assert not f.may_be_done([x])
+def test_rows_done_on_the_device_leave_the_call_only_where_reading_the_flags_is_free():
+    for rides_along, peeks in ((False, True), (True, False)):
+        s = scheduler(max_batch=3, exit_sync_every=4, rides_along=rides_along)
+        a, b, c = request(0, KL), request(1, KL), request(2, FIXED)
+        prefilled(s, a, b, c)
+        first = s.schedule()
+        assert not first.peek and not first.since_look                 # right after a look nobody is done
+        s.update(StepOutput(computed=(0, 1, 2)))
+        later = s.schedule()
+        assert later.peek == peeks and later.since_look
+        s.update(StepOutput(computed=(1, 2)))                           # a left the call: it ran no more
+        assert (a.iteration, b.iteration, c.iteration) == (1, 2, 2)
+    f = scheduler(max_batch=2, exit_sync_every=4)
+    x, y = request(0, FIXED), request(1, GenerationConfig(num_steps=6, max_new_tokens=3))
+    prefilled(f, x, y)
+    f.update(StepOutput(computed=tuple(it.request for it in f.schedule().iterating)))
+    assert not f.schedule().peek                                       # no criterion: nothing to read
 
 
 def test_iterations_fuse_only_when_nothing_can_change_but_the_counts():
-    s = Scheduler(max_batch=2)
-    a, b = admitted_and_started(s, request(0), request(1))
+    s = scheduler(max_batch=2, static=True)
+    a, b = request(0), request(1)
+    prefilled(s, a, b)
+    s.start([a, b])
     a.iteration, b.iteration = 1, 0
-    assert s.fusable([a, b], static=True, prompts_in_flight=False) == 4          # 7 left: the largest power of 2
-    assert s.fusable([a, b], static=False, prompts_in_flight=False) == 1
-    assert s.fusable([a, b], static=True, prompts_in_flight=True) == 1
-    assert s.fusable([a], static=True, prompts_in_flight=False) == 1            # b waits for its coda
-    k = Scheduler(max_batch=1)
-    (c,) = admitted_and_started(k, request(0, KL))
-    assert k.fusable([c], static=True, prompts_in_flight=False) == 1           # an exit may come any time
+    assert s.fusable([a, b], prompts_in_flight=False) == 4          # 7 left: the largest power of 2
+    assert s.fusable([a, b], prompts_in_flight=True) == 1
+    assert s.fusable([a], prompts_in_flight=False) == 1            # b waits for its coda
+    eager = scheduler(max_batch=2)
+    c, d = request(0), request(1)
+    prefilled(eager, c, d)
+    assert eager.fusable(eager.start([c, d]), prompts_in_flight=False) == 1
+    k = scheduler(max_batch=1, static=True)
+    (e,) = [request(0, KL)]
+    prefilled(k, e)
+    assert k.fusable(k.start([e]), prompts_in_flight=False) == 1           # an exit may come any time
+
+
+def test_a_static_plan_fuses_iterations_and_the_host_looks_when_the_cap_comes():
+    s = scheduler(max_batch=2, static=True, exit_sync_every=8)
+    a, b = request(0), request(1, GenerationConfig(num_steps=6, max_new_tokens=3))
+    prefilled(s, a, b)
+    plan = s.schedule()
+    assert not plan.lockstep and plan.iterations == 4 and not plan.look_due   # b's 6 left: 4 at once
+    s.update(StepOutput(computed=(0, 1)))
+    assert (a.iteration, b.iteration) == (4, 4)
+    plan = s.schedule()
+    assert plan.iterations == 2                                    # b's 2 left; the runner looks at its cap
+    s.update(StepOutput(computed=(0, 1), found={1: 6}))
+    assert (a.status, b.status, b.iteration) == (Status.ITERATING, Status.AWAITING_CODA, 6)
 
 
 def test_a_depth_budget_caps_each_token_and_ends_the_response():
     budget = GenerationConfig(num_steps=8, max_new_tokens=4, max_latent_iterations=10)
-    s = Scheduler(max_batch=1)
+    s = scheduler(max_batch=1)
     q = request(0, budget)
     s.add(q)
-    s.admit()
-    assert q.cap == 7                             # 10, less one for each of the three later tokens
-    s.prefilled(q)
-    s.chosen(q, token=1, steps=7, decode=None)
-    s.start([q])
-    assert q.cap == 1                             # 3 left for 3 tokens
-    assert s.chosen(q, token=2, steps=1, decode=None) is None
+    plan = s.schedule()
+    assert q.cap == 7 and plan.chunks[0].cap == 7     # 10, less one for each of the three later tokens
+    s.update(StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=7, first=[Chosen(0, 1, 7)]))
+    plan = s.schedule()
+    assert q.cap == 1 and plan.starts[0].cap == 1      # 3 left for 3 tokens
+    events = s.update(StepOutput(computed=(0,), found={0: 1}, coda=[Chosen(0, 2, 1)]))
+    assert [e.finish_reason for e in events] == [None] and q.spent == 8
 
 
 def test_the_prompts_share_of_a_step():
-    s = Scheduler(max_batch=2, prefill_chunk=64)
+    s = scheduler(max_batch=2, prefill_chunk=64)
     assert s.extra_prompt_iterations(64, iterations_left=5, decoding=True) == 0
     assert s.extra_prompt_iterations(16, iterations_left=5, decoding=True) == 3
     assert s.extra_prompt_iterations(16, iterations_left=5, decoding=False) == 5   # nobody waits for them
 
 
-def test_a_step_plan_runs_a_lockstep_token_or_the_next_iterations_and_counts_them_run():
-    """`plan`: what the runner carries out, from the scheduler's decisions alone (no flags read unless asked)."""
-    never = lambda: [False, False]  # noqa: E731
-    s = Scheduler(max_batch=2)
-    a, b = admitted_and_started(s, request(0), request(1))
-    together = s.plan([a, b], None, static=False, rides_along=False, done=never)
-    assert together == StepPlan((a, b), (a, b), 8, lockstep=True) and a.iteration == 0   # its coda counts them
-    t = Scheduler(max_batch=2, prefill_chunk=64)
-    c, d = admitted_and_started(t, request(0), request(1))
-    d.iteration = 3                       # d started earlier: c's start does not make a lockstep token
-    plan = t.plan([c], Prompts(tokens=16, fewest_left=6), static=False, rides_along=False, done=never)
-    assert plan == StepPlan((c, d), (c, d), 1, False, (0, 3), False, prompt_iterations=4)  # 1 + 64 // 16 - 1
-    assert (c.iteration, d.iteration) == (1, 4)
-    t.step_ran([c, d])
-    alone = t.plan([], None, static=True, rides_along=True, done=never)
-    assert alone.iterations == 4 and alone.slots == (1, 4) and not alone.may_be_frozen   # 4 left for d: fused
-    assert (c.iteration, d.iteration) == (5, 8) and alone.prompt_iterations == 0
-
-
-def test_a_plan_may_freeze_rows_only_once_one_can_be_done_on_the_device():
-    s = Scheduler(max_batch=2, exit_sync_every=4)
-    a, b = admitted_and_started(s, request(0, KL), request(1, KL))
-    first = s.plan([], None, static=False, rides_along=True, done=lambda: [False, False])
-    assert first.computing == (a, b) and not first.may_be_frozen      # right after a look nobody is done
-    s.step_ran([a, b])
-    later = s.plan([], None, static=False, rides_along=False, done=lambda: [True, False])
-    assert later.iterating == (a, b) and later.computing == (b,) and later.may_be_frozen
-    assert (a.iteration, b.iteration) == (1, 2)                        # a left the call: it ran no more
-
-
 def test_requests_that_decode_in_rounds_are_planned_apart_and_a_prefill_alone_ends_after_its_prompt():
-    s = Scheduler(max_batch=4)
+    s = scheduler(max_batch=4)
     speculative = request(0, GenerationConfig(num_steps=8, max_new_tokens=3, draft_steps=2))
     wave = request(1, GenerationConfig(num_steps=8, max_new_tokens=3, sampler="parallel", full_prefill=False))
     alone = request(2, GenerationConfig(num_steps=8, max_new_tokens=0))
     empty_wave = request(3, GenerationConfig(num_steps=8, max_new_tokens=0, sampler="parallel", full_prefill=False))
     for q in (speculative, wave, alone, empty_wave):
         s.add(q)
-    groups = s.admit()
-    assert groups == {(8, 8): [speculative, alone]}            # the wave's first wave is its prompt: no prefill
-    assert wave.status is Status.STARTING and s.rows[3] is None  # nothing at all to do for the empty wave
-    assert s.prefilled(speculative) and not s.prefilled(alone) and s.rows[2] is None
-    s.chosen(speculative, token=5, steps=8, decode=None)
-    starting, rounds = s.starting()
-    assert starting == [] and rounds == [speculative, wave]
-    plan = s.plan(starting, None, static=False, rides_along=False, done=lambda: [], rounds=rounds)
-    assert plan.rounds == (speculative, wave) and not plan.lockstep and plan.computing == ()
+    plan = s.schedule()
+    assert [c.requests for c in plan.chunks] == [(0, 2)]          # the wave's first wave is its prompt
+    assert [a.positions for a in plan.admitted] == [64, 64, 3]   # in rounds: s_0 for the whole context
+    assert wave.status is Status.STARTING and s.rows[3] is None   # nothing at all to do for the empty wave
+    s.update(StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8, first=[Chosen(0, 5, 8)]))
+    assert s.rows[2] is None and speculative.status is Status.STARTING
+    plan = s.schedule()
+    assert [(r.request, r.token, r.position) for r in plan.rounds] == [(0, 5, 3), (1, -1, 0)]
+    assert not plan.lockstep and plan.iterating == () and plan.dropped == (2,)   # the prefill alone left
+    events = s.update(StepOutput(rounds=[RoundOutput(0, [(6, 8), (9, 8)], drafted=2, accepted=1),
+                                         RoundOutput(1, [(4, 2)], exhausted=True)]))
+    assert [(e.request, e.token, e.finish_reason) for e in events] == [(0, 6, None), (0, 9, "length"),
+                                                                       (1, 4, "length")]
+    assert (s.drafted, s.accepted, speculative.length, s.busy) == (2, 1, 5, False)
+
+
+def test_a_failure_frees_its_row_and_the_next_plan_wipes_it():
+    s = scheduler(max_batch=2)
+    a, b = request(0), request(1)
+    prefilled(s, a, b)
+    broken = replace(a.config)
+    object.__setattr__(broken, "min_steps", 2**63)   # past the declared bounds
+    a.config = broken
+    plan = s.schedule()
+    assert [x.request for x in plan.starts] == [1] and plan.wipe == (0,) and plan.dropped == (0,)
+    assert [(rid, type(err).__name__) for rid, err in s.failures] == [(0, "OverflowError")]
+    assert "min_steps = 9223372036854775808" in str(s.failures[0][1])
+    events = s.update(StepOutput(lockstep=[Chosen(1, error=FloatingPointError("nan"))]))
+    assert events == [] and not s.busy and [rid for rid, _ in s.failures] == [0, 1]
+    assert s.schedule().wipe == (1,)

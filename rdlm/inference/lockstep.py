@@ -1,5 +1,5 @@
 """A token that every decoding row starts together, with one `GenerationConfig`: the continuous batch's
-lockstep plan (rdlm.inference.scheduler.StepPlan), the usual one for the offline batch of `generate`
+lockstep plan (rdlm.inference.plan.StepPlan), the usual one for the offline batch of `generate`
 (rdlm.inference.batching), where every row's prompt is prefilled at once and each token starts and ends on
 every row at the same step. The batch's step runner (rdlm.inference.step_runner) runs it here.
 
@@ -16,7 +16,7 @@ bookkeeping between them:
   `exit_sync_every` iterations run as static steps over the whole batch (CUDA graphs on CUDA). When to
   look changes no result, only the cost.
 
-The prelude before and the coda after are the step runner's own (`StepRunner.start`, `coda`), so a row
+The prelude before and the coda after are the step runner's own (`StepRunner._start`, `_coda`), so a row
 gives the same tokens whether its token ran in lockstep or one iteration per step.
 """
 

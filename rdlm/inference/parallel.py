@@ -49,7 +49,7 @@ tests/fixtures/parallel_reference.json):
 In the engine: a request with `sampler="parallel"` decodes in its own row of the continuous batch
 (rdlm.inference.batching), its prompt prefilled as any other's (unless `full_prefill` is off: then the
 first wave is the prompt). The scheduler plans a wave step of it at every batch step
-(rdlm.inference.scheduler.StepPlan.rounds) and the step runner runs it here, in calls over its row alone;
+(rdlm.inference.plan.StepPlan.rounds) and the step runner runs it here (rdlm.inference.rounds), in calls over its row alone;
 `ParallelSampler` holds its wave. Several prompts each run their own wave in their own row, one after the
 other at every step: the waves' calls are not batched together (rows commit different numbers of positions
 per step, so their starts and widths diverge; one call over them would need a per-row start and width in
@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.params import GenerationConfig
-from rdlm.inference.request import Request
+from rdlm.inference.row_state import RowState
 from rdlm.inference.runner import ModelRunner
 from rdlm.inference.sampling import NonFiniteLogitsError, sample
 from rdlm.model.lm import RecurrentDepthLM
@@ -95,7 +95,7 @@ class ParallelSampler:
     own tensors (states, smoothed embeddings, criterion streaks, previous logits) are [1, W, ...] and shift
     when the wave start moves. Drafts are drawn from the request's generator, which chose its first token."""
 
-    def __init__(self, runner: ModelRunner, request: Request) -> None:
+    def __init__(self, runner: ModelRunner, request: RowState) -> None:
         self.runner, self.request, self.model = runner, request, runner.model
         self.config = c = request.config
         self.row, self.prompt_length = request.row, len(request.prompt)
@@ -109,8 +109,8 @@ class ParallelSampler:
         self.wave_steps = 0
         self.start = 0           # first position of the wave; positions before it are final in the cache
         self.final = self.prompt_length  # positions before this hold final tokens
-        if request.tokens:       # the first token, chosen after a full prefill
-            self.tokens[self.prompt_length] = request.tokens[0]
+        if request.first_token is not None:   # the first token, chosen after a full prefill
+            self.tokens[self.prompt_length] = request.first_token
             self.final = self.prompt_length + 1
             self._open(self.prompt_length, 1, exact=True)
         else:                    # the first wave is the prompt

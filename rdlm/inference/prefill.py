@@ -38,7 +38,7 @@ class PromptChunk:
     """Prompt tokens start .. start + n - 1 of requests admitted together (right-padded to n). A pad
     writes cache entries past its prompt that the row's own tokens overwrite later; no real token
     attends to it."""
-    requests: list[Any]                # the batch's requests (prompt, row, config, criterion); none: every row
+    requests: list[Any]                # the runner's rows (`RowState`: prompt, row, config, criterion); none: every row
     start: int
     lengths: list[int]                 # each request's tokens in this chunk
     cap: int                           # prefill iterations
@@ -52,13 +52,13 @@ class PromptChunk:
     minimum: Tensor | None = None      # [g, 1]: the requests' min_steps, with a gate
 
     @classmethod
-    def begin(cls, runner: ModelRunner, requests: list[Any], start: int, cap: int, budget: int,
-              size: int) -> "PromptChunk":
-        """The prelude and s_0 of the requests' next chunk of prompt: at most `size` tokens each, or the
-        whole rest when they cycle through fewer cache slots than the prefill runs iterations. Marks the
-        chunk's tokens valid (`ModelRunner.admit`)."""
-        device, whole = runner.device, budget < cap
-        lengths = [len(q.prompt) - start if whole else min(len(q.prompt) - start, size) for q in requests]
+    def begin(cls, runner: ModelRunner, requests: list[Any], start: int, lengths: list[int], cap: int,
+              budget: int) -> "PromptChunk":
+        """The prelude and s_0 of the requests' next chunk of prompt, `lengths[j]` tokens of request j from
+        `start` (the scheduler sized them: rdlm.inference.scheduler). Marks the chunk's tokens valid
+        (`ModelRunner.admit`)."""
+        device = runner.device
+        lengths = list(lengths)
         g, n = len(requests), max(lengths)
         ids = runner.upload([q.prompt[start:start + length] + [0] * (n - length)
                              for q, length in zip(requests, lengths)])

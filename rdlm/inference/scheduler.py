@@ -1,19 +1,20 @@
 """The continuous batch's scheduler: which request does what at each step (rdlm.inference.batching). It holds
-the requests and their rows, and decides admission, when a token runs in lockstep, which rows compute, when
-the host looks at the exit flags, when a coda is due and how many iterations may run at once, and emits each
-step's core work as a `StepPlan` for the step runner (rdlm.inference.step_runner); it owns no tensor of the
-model and touches no device, so its tests drive it with made-up outcomes and no model.
+the requests, their rows and the prompt chunks in flight as host numbers, decides admission, when a token
+runs in lockstep, which rows compute, when the host looks at the exit flags, when a coda is due and how many
+iterations may run at once, and says it all in one `StepPlan` per step (rdlm.inference.plan); `update` takes
+what the step runner gives back. It owns no tensor and touches no device, so its tests drive it with made-up
+outcomes and no model.
 
 A request moves through these states (`Status`):
 
-    WAITING -> PREFILLING -> STARTING -> ITERATING -> READY -> STARTING ... -> finished (its row freed)
+    WAITING -> PREFILLING -> STARTING -> ITERATING -> AWAITING_CODA -> STARTING ... -> finished (row freed)
 
 WAITING: queued for a row. PREFILLING: its prompt runs in chunks (rdlm.inference.prefill) until its first
 token is chosen. STARTING: a token was chosen; the prelude and s_0 of the next position come at the next
-step. ITERATING: the token's core iterations run, one per step (or all at once in lockstep). READY: the
-token is done (an exit, or its cap), found so when the host looked; its coda is due. A request leaves its
-row when its last token is chosen, when it fails or when it is cancelled; a request for no new tokens (a
-prefill alone) when its prompt is in the cache.
+step. ITERATING: the token's core iterations run, one per step (or all at once in lockstep). AWAITING_CODA:
+the token stopped iterating (an exit, or its cap), found so when the host looked; its coda comes when due. A
+request leaves its row when its last token is chosen, when it fails or when it is cancelled; a request for no
+new tokens (a prefill alone) when its prompt is in the cache.
 
 A request that decodes in rounds (self-speculative decoding, the parallel sampler: `in_rounds`) goes
 WAITING -> PREFILLING -> STARTING -> STARTING ...: each step runs one round from its pending token
@@ -23,46 +24,15 @@ STARTING: its first wave is its prompt.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
-from rdlm.inference.params import Decode, GenerationConfig
+from rdlm.checks import is_int
+from rdlm.inference.params import BatchEvent, Decode, GenerationConfig
+from rdlm.inference.plan import (Admission, ChunkSpec, Chosen, Coda, EngineSettings, Iterating, RoundSpec, Start,
+                                 StepOutput, StepPlan)
 from rdlm.inference.request import Request, Status
-
-
-@dataclass(frozen=True)
-class Prompts:
-    """The prompt chunks in flight as the scheduler weighs them (host numbers; the chunks themselves are the
-    runner's, rdlm.inference.prefill)."""
-    tokens: int          # their tokens in all (rows x chunk length)
-    fewest_left: int     # the fewest iterations a chunk has left
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step's core work, decided by the scheduler and carried out by the step runner
-    (rdlm.inference.step_runner), which reads nothing else of the requests' schedule:
-
-    - a lockstep token (`lockstep`): the `computing` requests started it together; all its `iterations`
-      (= r) run in this step, exits decided on the device, then the coda;
-    - otherwise `iterations` core iterations (1, or a power of two fused into one static call) of the
-      `computing` requests, each at core cache slot `slots[j]` (its iteration mod its budget), the rows done on
-      the device since the last look frozen where `may_be_frozen`, and `prompt_iterations` iterations of the
-      prompt chunks in flight (the first in the same call as the rows, where the rows' call is eager).
-
-    `iterating`: every request whose token is in progress, computing or not (the look reads their flags);
-    `rounds`: requests that decode a round at a time in calls of their own: self-speculative decoding (a round
-    of drafts and their verification from the pending token, rdlm.inference.speculative) and the parallel
-    sampler (a step of its wavefront, rdlm.inference.parallel)."""
-    iterating: tuple[Request, ...] = ()
-    computing: tuple[Request, ...] = ()
-    iterations: int = 1
-    lockstep: bool = False
-    slots: tuple[int, ...] = ()
-    may_be_frozen: bool = False
-    prompt_iterations: int = 0
-    rounds: tuple[Request, ...] = ()
 
 
 def in_rounds(config: GenerationConfig) -> bool:
@@ -70,19 +40,36 @@ def in_rounds(config: GenerationConfig) -> bool:
     return config.draft_steps is not None or config.sampler == "parallel"
 
 
-class Scheduler:
-    """The requests of a batch of `max_batch` rows and the decisions of its steps (see the module doc).
-    `exit_sync_every`: steps between the host's looks at the exit flags; `coda_every`: steps a done row may wait
-    for others to run the coda with; `prefill_chunk`: prompt token-iterations per step."""
+@dataclass
+class Chunk:
+    """A prompt chunk in flight as the scheduler counts it (its tensors are the runner's)."""
+    spec: ChunkSpec
+    requests: list[Request]
+    iteration: int = 0
 
-    def __init__(self, max_batch: int, exit_sync_every: int = 1, coda_every: int = 1, prefill_chunk: int = 256) -> None:
-        self.max_batch, self.exit_sync_every, self.coda_every = max_batch, exit_sync_every, coda_every
-        self.prefill_chunk = prefill_chunk
+    @property
+    def left(self) -> int:
+        return self.spec.cap - self.iteration
+
+
+class Scheduler:
+    """The requests of a batch and the decisions of its steps (see the module doc), by `settings`."""
+
+    def __init__(self, settings: EngineSettings, decode: Decode | None = None) -> None:
+        self.settings, self.decode = settings, decode
         self.waiting: deque[Request] = deque()
-        self.rows: list[Request | None] = [None] * max_batch
+        self.rows: list[Request | None] = [None] * settings.max_batch
         self.cancelled: set[int] = set()
+        self.chunks: list[Chunk] = []        # prompts being prefilled, in the order their iterations run
+        self.chunk_ids = itertools.count()
         self.steps_run = 0                    # steps run: the clock of the waits for a coda
         self.since_look = 0                   # steps since the host last read the exit flags
+        self.failures: list[tuple[int, Exception]] = []   # requests that failed alone, for the engine's caller
+        self.drafted = self.accepted = 0      # self-speculative decoding's drafts, in all
+        self._wipe: list[int] = []            # rows freed by a failure since the last plan
+        self._gone: list[int] = []            # requests that left since the last plan
+        self._next_chunks: list[ChunkSpec] = []   # chunks begun after others ended, for the next plan
+        self._plan: StepPlan | None = None    # the plan being carried out
 
     # ---- requests
 
@@ -91,7 +78,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def cancel(self, request: int) -> None:
-        """Drop a request (waiting or running) at the next step's `drop_cancelled`."""
+        """Drop a request (waiting or running) at the next step."""
         self.cancelled.add(request)
 
     @property
@@ -114,39 +101,73 @@ class Scheduler:
         return sum(q is not None for q in self.rows)
 
     def free(self, request: Request) -> None:
-        """The request leaves its row (finished or failed)."""
+        """The request leaves its row (finished, failed or cancelled); the runner forgets it at the next step."""
         self.rows[request.row] = None
+        self._gone.append(request.id)
 
-    def drop_cancelled(self) -> set[int]:
-        """Remove the cancelled requests, waiting or in rows; returns their ids (the batch drops them from the
-        prompt chunks in flight)."""
-        dropped, self.cancelled = self.cancelled, set()
-        if dropped:
-            self.waiting = deque(q for q in self.waiting if q.id not in dropped)
-            for q in self.active:
-                if q.id in dropped:
-                    self.free(q)
-        return dropped
-
-    def admit(self) -> dict[tuple[int, int], list[Request]]:
-        """Waiting requests into free rows, in order; each starts prefilling with the cap of its first token.
-        Returns them grouped by (cap, cache budget): each group's prompts prefill as one chunk."""
-        groups: dict[tuple[int, int], list[Request]] = {}
-        while self.waiting and None in self.rows:
-            q = self.waiting.popleft()
-            q.row = self.rows.index(None)
-            self.rows[q.row] = q
-            if q.config.sampler == "parallel" and not q.config.full_prefill:
-                if q.config.max_new_tokens == 0:
-                    self.free(q)             # nothing to prefill, nothing to decode
-                else:
-                    q.status = Status.STARTING   # its first wave is the prompt (rdlm.inference.parallel)
-                continue
-            q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
-            groups.setdefault((q.cap, q.budget), []).append(q)
-        return groups
+    def fail(self, request: Request, err: Exception) -> None:
+        """End one request with an error, alone: its row is freed and wiped before anyone reuses it."""
+        self.free(request)
+        self._wipe.append(request.row)
+        self.failures.append((request.id, err))
 
     # ---- the plan of a step
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (`StepPlan`): drop the cancelled, admit the waiting, start the chosen tokens,
+        then the core's work and the rules for what follows it. The planned iterations count as run for the
+        rows the runner computes (`update`)."""
+        self._drop_cancelled()
+        admitted, chunks = self._admit()
+        chunks, self._next_chunks = (*self._next_chunks, *chunks), []
+        starting, rounds = self.starting()
+        starting = self.start(starting)
+        wipe, self._wipe = tuple(self._wipe), []
+        gone, self._gone = tuple(self._gone), []
+        starts = tuple(Start(q.id, q.row, q.next_token, q.length, q.cap) for q in starting)
+        round_specs = tuple(RoundSpec(q.id, q.row, q.next_token, q.length) for q in rounds)
+        common = dict(wipe=wipe, dropped=gone, admitted=admitted, chunks=chunks, starts=starts, rounds=round_specs)
+        if starting and not rounds and self.in_lockstep(starting, bool(self.chunks)):
+            plan = StepPlan(**common, iterating=self._iterating(starting), lockstep=True,
+                            iterations=starting[0].cap)
+        else:
+            plan = self._plan_iterations(common)
+        self._plan = plan
+        return plan
+
+    def _plan_iterations(self, common: dict) -> StepPlan:
+        """A step that runs the iterating rows' next iteration(s) and the prompts' share of iterations."""
+        s = self.settings
+        iterating = self.with_status(Status.ITERATING)
+        peek = self.since_look > 0 and not s.rides_along and any(
+            q.criterion is not None and not q.criterion.spec.exact for q in iterating)
+        n = self.fusable(iterating, bool(self.chunks)) if iterating and not peek else 1
+        share = alone = 0
+        if self.chunks:
+            tokens = sum(len(c.spec.requests) * c.spec.n for c in self.chunks)
+            fewest_left = min(c.left for c in self.chunks)
+            share = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=True)
+            alone = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=False)
+        return StepPlan(**common, iterating=self._iterating(iterating), iterations=n, peek=peek,
+                        since_look=self.since_look > 0, prompts=tuple(c.spec.chunk for c in self.chunks),
+                        prompt_iterations=share if iterating else alone, prompt_iterations_alone=alone,
+                        look_due=bool(iterating) and self.since_look + 1 >= s.exit_sync_every,
+                        coda=self._coda_rule(iterating, n))
+
+    def _iterating(self, requests: list[Request]) -> tuple[Iterating, ...]:
+        return tuple(Iterating(q.id, q.row, q.length, q.iteration, q.cap) for q in requests)
+
+    def _coda_rule(self, iterating: list[Request], n: int) -> Coda:
+        """When the rows found done run their coda at the end of this step (`Coda`): once one has waited
+        `coda_every` - 1 steps, or half the decoding rows wait, or no other row can be done before then (a
+        row with an exit criterion may exit any time; one without ends at its cap)."""
+        waiting = self.with_status(Status.AWAITING_CODA)
+        now = self.steps_run + 1                 # the clock once this step ran
+        first = min((q.stopped_at for q in waiting), default=now)
+        wait = self.settings.coda_every - 1 - (now - first)
+        decoding = sum(q.status is not Status.PREFILLING for q in self.active)
+        blockers = tuple(q.row for q in iterating if q.criterion is not None or q.cap - (q.iteration + n) <= wait)
+        return Coda(tuple((q.row, q.iteration) for q in waiting), wait <= 0, decoding, blockers)
 
     def starting(self) -> tuple[list[Request], list[Request]]:
         """The requests whose chosen token is fed now: (those whose token starts its iterations, those that
@@ -154,64 +175,76 @@ class Scheduler:
         fed = self.with_status(Status.STARTING)
         return [q for q in fed if not in_rounds(q.config)], [q for q in fed if in_rounds(q.config)]
 
-    def plan(self, starting: list[Request], prompts: Prompts | None, static: bool, rides_along: bool,
-             done: Callable[[], list[bool]], rounds: list[Request] = ()) -> StepPlan:
-        """The step's core work (`StepPlan`), once admission and the starts are done: the token the `starting`
-        requests began in lockstep (`in_lockstep`), or the iterating requests' next iteration(s) (`computing`,
-        `fusable`) and the prompts' share (`extra_prompt_iterations`). `prompts`: the chunks in flight, if any;
-        `static`: the runner's step is the static one; `rides_along` and `done`: as `computing`. The planned
-        iterations count as run (`ran`), as a plan is always carried out whole. `rounds`: the requests whose
-        round runs in this step (`starting`)."""
-        if starting and not rounds and self.in_lockstep(starting, prompts is not None):
-            return StepPlan(tuple(starting), tuple(starting), starting[0].cap, lockstep=True)
-        iterating = self.with_status(Status.ITERATING)
-        computing = self.computing(iterating, rides_along, done)
-        n = self.fusable(computing, static, prompts is not None) if computing else 1
-        share = 0 if prompts is None else 1 + self.extra_prompt_iterations(
-            prompts.tokens, prompts.fewest_left - 1, decoding=bool(computing))
-        plan = StepPlan(tuple(iterating), tuple(computing), n, False, tuple(q.iteration % q.budget for q in computing),
-                        self.may_be_done(computing), share, tuple(rounds))
-        self.ran(computing, n)
-        return plan
+    def _drop_cancelled(self) -> None:
+        """Remove the cancelled requests, waiting, prefilling or in rows."""
+        dropped, self.cancelled = self.cancelled, set()
+        if not dropped:
+            return
+        self.waiting = deque(q for q in self.waiting if q.id not in dropped)
+        for q in self.active:
+            if q.id in dropped:
+                self.free(q)
+        for chunk in list(self.chunks):
+            keep = [j for j, q in enumerate(chunk.requests) if q.id not in dropped]
+            if len(keep) < len(chunk.requests):   # the runner drops them from its chunk, which goes last
+                self.chunks.remove(chunk)
+                if keep:
+                    spec = chunk.spec
+                    chunk.spec = ChunkSpec(spec.chunk, tuple(spec.requests[j] for j in keep), spec.start,
+                                           tuple(spec.lengths[j] for j in keep), spec.cap, spec.budget, spec.n)
+                    chunk.requests = [chunk.requests[j] for j in keep]
+                    self.chunks.append(chunk)
+        pending = {spec.chunk for spec in self._next_chunks}   # not begun by the runner yet: begun as they are now
+        self._next_chunks = [c.spec for c in self.chunks if c.spec.chunk in pending]
 
-    # ---- a token's life
+    def _admit(self) -> tuple[tuple[Admission, ...], tuple[ChunkSpec, ...]]:
+        """Waiting requests into free rows, in order; each starts prefilling with the cap of its first token,
+        those with the same (cap, cache budget) in one chunk."""
+        admitted, groups = [], {}
+        while self.waiting and None in self.rows:
+            q = self.waiting.popleft()
+            q.row = self.rows.index(None)
+            self.rows[q.row] = q
+            if q.config.sampler == "parallel" and not q.config.full_prefill and q.config.max_new_tokens == 0:
+                self.rows[q.row] = None      # nothing to prefill, nothing to decode
+                continue
+            positions = self.settings.max_length if in_rounds(q.config) else len(q.prompt) + q.config.max_new_tokens
+            admitted.append(Admission(q.id, q.row, tuple(q.prompt), q.config, q.criterion, q.budget, positions))
+            if q.config.sampler == "parallel" and not q.config.full_prefill:
+                q.status = Status.STARTING   # its first wave is the prompt (rdlm.inference.parallel)
+                continue
+            q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
+            groups.setdefault((q.cap, q.budget), []).append(q)
+        return tuple(admitted), tuple(self._begin_chunk(group, 0, cap, budget)
+                                      for (cap, budget), group in groups.items())
 
-    def start(self, requests: list[Request]) -> None:
-        """The requests' chosen tokens start: no iteration run yet, each with its cap (the depth budget's)."""
+    def _begin_chunk(self, requests: list[Request], start: int, cap: int, budget: int) -> ChunkSpec:
+        """The requests' next chunk of prompt: at most `prefill_chunk` tokens each, or the whole rest when they
+        cycle through fewer cache slots than the prefill runs iterations (a later chunk reads the earlier
+        chunks' keys of the same iteration)."""
+        whole = budget < cap
+        lengths = tuple(len(q.prompt) - start if whole else min(len(q.prompt) - start, self.settings.prefill_chunk)
+                        for q in requests)
+        spec = ChunkSpec(next(self.chunk_ids), tuple(q.id for q in requests), start, lengths, cap, budget,
+                         max(lengths))
+        self.chunks.append(Chunk(spec, list(requests)))
+        return spec
+
+    def start(self, requests: list[Request]) -> list[Request]:
+        """The requests' chosen tokens start: no iteration run yet, each with its cap (the depth budget's). A
+        request whose numbers do not fit the runner's rows (a long: the declared bounds keep every value far
+        inside it, so this is the failure path of one that escaped them) fails alone; the others start."""
+        started = []
         for q in requests:
             q.iteration, q.status = 0, Status.ITERATING
             q.cap = q.config.depth_cap(len(q.tokens), q.spent)
-
-    def prefilled(self, request: Request) -> bool:
-        """The request's whole prompt is in the cache; its first token is chosen next (`chosen`). Whether it
-        goes on: a request for no new tokens (a prefill alone) ends here."""
-        request.length = len(request.prompt)
-        if request.config.max_new_tokens == 0:
-            self.free(request)
-            return False
-        return True
-
-    def chosen(self, request: Request, token: int, steps: int, decode: Decode | None) -> str | None:
-        """A token was chosen after `steps` iterations: the request goes on to start it, or ends (its finish
-        reason, `GenerationConfig.finish_reason`; an error there, from its stop strings, is the caller's)."""
-        request.tokens.append(token)
-        request.spent += steps
-        reason = request.config.finish_reason(request.tokens, request.spent, decode)
-        if reason is not None:
-            self.free(request)
-        else:
-            request.next_token, request.status = token, Status.STARTING
-        return reason
-
-    def ran(self, requests: list[Request], iterations: int = 1) -> None:
-        """The iterating requests ran `iterations` more core iterations."""
-        for q in requests:
-            q.iteration += iterations
-
-    def done(self, requests: list[Request], steps: list[int]) -> None:
-        """The requests' tokens are done after `steps` iterations each (a lockstep token's end): the coda next."""
-        for q, n in zip(requests, steps):
-            q.iteration, q.status = n, Status.READY
+            values = {"cap": q.cap, "min_steps": q.config.min_steps, "budget": q.budget}
+            wrong = [f"{name} = {v}" for name, v in values.items() if not is_int(v, -2**63, 2**63)]
+            if wrong:
+                self.fail(q, OverflowError(f"{', '.join(wrong)} does not fit the engine's rows (a 64-bit integer)"))
+            else:
+                started.append(q)
+        return started
 
     def in_lockstep(self, starting: list[Request], prompts_in_flight: bool) -> bool:
         """Whether the token the `starting` requests just started runs in lockstep, all its iterations in this
@@ -219,64 +252,20 @@ class Scheduler:
         no depth budget, and no prompt is being prefilled or waits for a free row (`generate`'s batch)."""
         if prompts_in_flight or (self.waiting and None in self.rows) or len(starting) != self.running:
             return False
-        depth = lambda q: (q.config.num_steps, q.criterion, q.config.min_steps, q.config.exit_every,  # noqa: E731
-                           q.budget, q.cap)
+
+        def depth(q: Request) -> tuple:
+            return (q.config.num_steps, q.criterion, q.config.min_steps, q.config.exit_every, q.budget, q.cap)
+
         first = starting[0]
         return (not first.config.has_depth_budget and first.cap == first.config.num_steps
                 and all(depth(q) == depth(first) for q in starting[1:]))
 
-    def computing(self, iterating: list[Request], rides_along: bool, done: Callable[[], list[bool]]) -> list[Request]:
-        """The iterating requests the next core call computes. A row done on the device since the last look
-        rides along frozen where reading the flags would cost (`rides_along`: a static step, or a GPU, where
-        a read waits for the queued work); otherwise (`done()` reads each row's flag) it leaves the call at
-        once. Either way it stays ITERATING until the look, so its coda (and every token) comes at the same
-        step."""
-        if (self.since_look == 0 or rides_along
-                or not any(q.criterion is not None and not q.criterion.spec.exact for q in iterating)):
-            return iterating
-        flags = done()
-        return [q for q in iterating if not flags[q.row]]
-
-    def may_be_done(self, requests: list[Request]) -> bool:
-        """Whether a row of `requests` may be done on the device: not right after a look (nobody is), later
-        only a row with an exit criterion or at its cap."""
-        return self.since_look > 0 and any(q.criterion is not None or q.iteration >= q.cap for q in requests)
-
-    def step_ran(self, iterating: list[Request]) -> bool:
-        """A step ended: whether the host looks at the exit flags now (every `exit_sync_every` steps, or at once
-        when a row is surely done: at its cap)."""
-        self.steps_run += 1
-        if not iterating:
-            return False
-        self.since_look += 1
-        if self.since_look >= self.exit_sync_every or any(q.iteration >= q.cap for q in iterating):
-            self.since_look = 0
-            return True
-        return False
-
-    def looked(self, requests: list[Request], finished: list[bool], steps: list[int]) -> None:
-        """What the look found: the requests whose token is done leave the core's calls and wait for their coda."""
-        for q, is_done, n in zip(requests, finished, steps):
-            if is_done:
-                q.status, q.ready_since, q.iteration = Status.READY, self.steps_run, n
-
-    def coda_due(self, ready: list[Request]) -> bool:
-        """Whether the rows whose token is done run their coda now: once one has waited `coda_every` - 1
-        steps, or half the decoding rows wait, or no other row can be done before then (a row with an
-        exit criterion may exit any time; one without ends at its cap)."""
-        decoding = [q for q in self.active if q.status is not Status.PREFILLING]
-        wait = self.coda_every - 1 - (self.steps_run - min(q.ready_since for q in ready))
-        if wait <= 0 or 2 * len(ready) >= len(decoding):
-            return True
-        return not any(q.status is Status.ITERATING and (q.criterion is not None or q.cap - q.iteration <= wait)
-                       for q in decoding)
-
-    def fusable(self, requests: list[Request], static: bool, prompts_in_flight: bool) -> int:
+    def fusable(self, requests: list[Request], prompts_in_flight: bool) -> int:
         """How many core iterations the next step may run at once (1: the usual one). With the static step,
         when nothing can change between iterations but the iteration counts (no row with an exit criterion,
         no prompt in flight or able to join, no row waiting for its coda), the largest power of two that
         no row's cap cuts short."""
-        if (not static or prompts_in_flight or (self.waiting and None in self.rows)
+        if (not self.settings.static or prompts_in_flight or (self.waiting and None in self.rows)
                 or any(q.criterion is not None for q in requests) or len(requests) < self.running):
             return 1
         left = min(q.cap - q.iteration for q in requests)
@@ -287,5 +276,104 @@ class Scheduler:
         is `prefill_chunk` token-iterations, so chunks of `chunk_tokens` (all together) fewer tokens run more,
         and a short prompt's first token comes within a few steps. With no row decoding (`decoding` False)
         nobody waits: they run on until a chunk is done (`iterations_left`: the fewest a chunk has left)."""
-        extra = self.prefill_chunk // chunk_tokens - 1
+        extra = self.settings.prefill_chunk // chunk_tokens - 1
         return extra if decoding else max(extra, iterations_left)
+
+    # ---- what a step gave back
+
+    def update(self, out: StepOutput) -> list[BatchEvent]:
+        """Take the step's outcome: each request's chosen tokens (it goes on or ends), the prompts' progress, the
+        iterations run, what the look found. Returns the tokens as events, in the order they were chosen."""
+        plan, self._plan = self._plan, None
+        events: list[BatchEvent] = []
+        for done in out.rounds:
+            self._round(done, events)
+        self.steps_run += 1
+        if plan.lockstep:
+            self._coda_ran(out.lockstep, events)
+            return events
+        ended = set(out.ended)
+        for chunk in list(self.chunks):
+            if chunk.spec.chunk in ended:
+                self._end_chunk(chunk)
+            elif chunk.spec.chunk in plan.prompts:
+                chunk.iteration += out.prompt_iterations
+        for c in out.first:
+            self._chosen(self._by_id(c.request), c, events)
+        computed = set(out.computed)
+        for q in self.with_status(Status.ITERATING):
+            if q.id in computed:
+                q.iteration += plan.iterations
+        if plan.iterating:
+            self.since_look += 1
+        if out.found is not None:
+            self.since_look = 0
+            for q in self.with_status(Status.ITERATING):
+                if q.id in out.found:
+                    q.status, q.stopped_at, q.iteration = Status.AWAITING_CODA, self.steps_run, out.found[q.id]
+        self._coda_ran(out.coda, events)
+        return events
+
+    def _coda_ran(self, chosen: list[Chosen], events: list[BatchEvent]) -> None:
+        """The coda ran over these requests' done tokens (each now in the cache) and chose their next tokens."""
+        requests = [self._by_id(c.request) for c in chosen]
+        for q, c in zip(requests, chosen):
+            q.length, q.iteration = q.length + 1, c.iterations
+        for q, c in zip(requests, chosen):
+            self._chosen(q, c, events)
+
+    def _by_id(self, request: int) -> Request:
+        return next(q for q in self.rows if q is not None and q.id == request)
+
+    def _end_chunk(self, chunk: Chunk) -> None:
+        """A chunk ran its iterations: each prompt it ended is in the cache (a prefill alone ends there), the
+        others go on with their next chunk."""
+        self.chunks.remove(chunk)
+        spec, going_on = chunk.spec, []
+        for q, length in zip(chunk.requests, spec.lengths):
+            if spec.start + length < len(q.prompt):
+                going_on.append(q)
+                continue
+            q.length = len(q.prompt)
+            if q.config.max_new_tokens == 0:
+                self.free(q)
+        if going_on:
+            self._next_chunks.append(self._begin_chunk(going_on, spec.start + spec.n, spec.cap, spec.budget))
+
+    def _round(self, done, events: list[BatchEvent]) -> None:
+        """A round's tokens, the request's until it finishes (a round may overshoot). A speculative round's
+        pending token and accepted drafts are in the cache; a wave writes its own entries."""
+        q = self._by_id(done.request)
+        if done.error is not None:
+            self.fail(q, done.error)
+            return
+        self.drafted, self.accepted = self.drafted + done.drafted, self.accepted + done.accepted
+        if q.config.draft_steps is not None:
+            q.length += len(done.tokens)
+        going_on = all(self._chosen(q, Chosen(q.id, token, steps), events) for token, steps in done.tokens)
+        if going_on and done.exhausted:  # the wave ran out of room: the request ends with the tokens it has
+            self.free(q)
+            if done.tokens:
+                last = events[-1]
+                events[-1] = BatchEvent(last.request, last.token, last.steps, "length", last.logprob, last.top)
+
+    def _chosen(self, q: Request, c: Chosen, events: list[BatchEvent]) -> bool:
+        """A token chosen for `q` (or its failure): it goes on to start it, or ends (its finish reason,
+        `GenerationConfig.finish_reason`, through the engine's `decode` for stop strings); whether it goes on."""
+        if c.error is not None:
+            self.fail(q, c.error)
+            return False
+        q.tokens.append(c.token)
+        q.spent += c.iterations
+        try:   # the request's own stop strings, decoded with the engine's tokenizer
+            reason = q.config.finish_reason(q.tokens, q.spent, self.decode)
+        except Exception as err:  # noqa: BLE001 (whatever it is, it is this request's alone)
+            self.fail(q, err)
+            return False
+        if reason is not None:
+            self.free(q)
+        else:
+            q.next_token, q.status = c.token, Status.STARTING
+        events.append(BatchEvent(q.id, c.token, c.iterations, reason, *((None, None) if c.scored is None
+                                                                        else c.scored)))
+        return reason is None

@@ -1,0 +1,48 @@
+"""The rounds of the requests that decode a round at a time in the continuous batch (`StepPlan.rounds`,
+rdlm.inference.plan): a self-speculative round (rdlm.inference.speculative) or a step of a parallel sampler's
+wave (rdlm.inference.parallel), each in calls over the request's row alone. `Rounds` holds the waves
+in flight, one per parallel request, and counts their work."""
+
+from __future__ import annotations
+
+from rdlm.inference.parallel import ParallelSampler
+from rdlm.inference.plan import RoundOutput
+from rdlm.inference.row_state import RowState
+from rdlm.inference.runner import ModelRunner
+from rdlm.inference.sampling import NonFiniteLogitsError
+from rdlm.inference.speculative import speculate
+
+
+class Rounds:
+    """The waves of the parallel requests in flight (by request id) and the rounds' work, all requests
+    together: the waves' core calls (`core_passes`) and steps (`wave_steps`)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.waves: dict[int, ParallelSampler] = {}
+        self.core_passes = self.wave_steps = 0
+
+    def run(self, row: RowState) -> RoundOutput:
+        """A request's round: a speculative one, or its wave's next step (the wave opens at its first round);
+        a round whose logits are not finite fails the request alone (its wave goes with it)."""
+        try:
+            if row.config.draft_steps is not None:
+                tokens, drafted, accepted = speculate(self.runner, row)
+                return RoundOutput(row.id, [(t, row.config.num_steps) for t in tokens], drafted, accepted)
+            wave = self.waves.get(row.id)
+            if wave is None:
+                wave = self.waves[row.id] = ParallelSampler(self.runner, row)
+            passes, steps = wave.core_passes, wave.wave_steps
+            tokens = wave.step()
+            self.core_passes += wave.core_passes - passes
+            self.wave_steps += wave.wave_steps - steps
+            if wave.exhausted:
+                self.forget(row.id)
+            return RoundOutput(row.id, tokens, exhausted=wave.exhausted)
+        except NonFiniteLogitsError as err:
+            self.forget(row.id)
+            return RoundOutput(row.id, error=err)
+
+    def forget(self, request: int) -> None:
+        """The request left its row: its wave goes."""
+        self.waves.pop(request, None)
