@@ -240,7 +240,7 @@ def test_requests_that_cannot_be_served_are_refused_by_name(model):
 
 
 def test_non_finite_logits_fail_the_request_naming_the_weights():
-    from rdlm.inference.engine import NonFiniteLogitsError
+    from rdlm.inference.sampling import NonFiniteLogitsError
 
     torch.manual_seed(0)
     broken = RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()

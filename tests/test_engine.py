@@ -6,7 +6,7 @@ import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.inference.cache import RecurrentKVCache
-from rdlm.inference.engine import resolve_compile
+from rdlm.inference.graphs import resolve_compile
 from rdlm.inference.noise import noise_table
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, generate

@@ -337,24 +337,31 @@ class ExitTrack:
 
     def after_iteration(self, criterion: ExitCriterion, i: int, num_steps: int, prev_state: Tensor, state: Tensor,
                         *, min_steps: int | Tensor, every: int = 1, readout: Callable[[Tensor], Tensor] | None = None,
-                        gate: Callable[[Tensor], Tensor] | None = None) -> "ExitTrack":
+                        gate: Callable[[Tensor], Tensor] | None = None, threshold: float | Tensor | None = None,
+                        running: Tensor | None = None, reads: tuple[bool, bool] | None = None,
+                        counted: bool = False) -> ExitTrack:
         """The one update after 0-based iteration i of a loop capped at `num_steps`, whose states went from
         `prev_state` to `state` ([..., h], the track's tokens in order): every token still iterating counts
-        it (`count_iteration`); a gate criterion then reads `gate(state)` (`read_gate`), any other is read at the
-        iterations of `exit_schedule` (`read_criterion`), `readout(state)` giving the logits when it reads
-        them. Returns a new track (this one is not modified)."""
-        track = self.count_iteration()
-        flat = state.reshape(-1, state.shape[-1])
+        it (`count_iteration`; `counted`: the caller counted them); a gate criterion then reads `gate(state)`
+        (`read_gate`, against `threshold` when given: one per token or row), any other is read at the
+        iterations of `exit_schedule` (`read_criterion`; `reads`: (evaluate, needs logits next) decided by a
+        caller whose tokens sit at different iterations), `readout(state)` giving the logits when it reads
+        them. A reading holds `min_steps`, and reads only the `running` tokens when given. Whether a token is
+        then done iterating is `done_iterating`'s one rule. Returns a new track (this one is not modified)."""
+        track = self if counted else self.count_iteration()
+        tokens = track.exited.shape
+        flat = state.reshape(*tokens, state.shape[-1])
         if criterion.uses_gate:
-            return track.read_gate(gate(state).reshape(-1), flat, criterion.threshold, min_steps)
-        evaluate, next_evaluates = exit_schedule(i, num_steps, every)
+            return track.read_gate(gate(state).reshape(tokens), flat, criterion.threshold if threshold is None
+                                   else threshold, min_steps, running)
+        evaluate, next_evaluates = exit_schedule(i, num_steps, every) if reads is None else reads
         prev_logits = track.logits
         if criterion.uses_logits and (evaluate or next_evaluates):
             logits = readout(state)
-            track = replace(track, logits=logits.reshape(-1, logits.shape[-1]))
+            track = replace(track, logits=logits.reshape(*tokens, logits.shape[-1]))
         if evaluate:
             track = track.read_criterion(criterion, prev_logits, track.logits,
-                                         prev_state.reshape(-1, state.shape[-1]), flat, min_steps)
+                                         prev_state.reshape(*tokens, state.shape[-1]), flat, min_steps, running)
         return track
 
     def read_gate(self, lam: Tensor, state: Tensor, threshold: float | Tensor, min_steps: int | Tensor,
@@ -388,6 +395,18 @@ class ExitTrack:
         return replace(self, exited=self.exited | exits, streak=streak)
 
 
+def done_iterating(exited: Tensor, iterations: Tensor, cap: int | Tensor, runs_on: bool | Tensor = False) -> Tensor:
+    """The one rule of whether a token is done iterating after an iteration: its criterion fired (a reading of
+    `ExitTrack.after_iteration`, which holds min_steps), unless the criterion only chooses the state read out
+    and the token runs on (`runs_on`: gate-exact), or it ran its `cap` iterations. Used by the per-token loop
+    (`iterate_with_exits`) and the continuous batch's rows, eager and static (rdlm.inference.step_runner)."""
+    if isinstance(runs_on, bool):
+        fired = torch.zeros_like(exited) if runs_on else exited
+    else:
+        fired = exited & ~runs_on
+    return fired | (iterations >= cap)
+
+
 def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: Callable[[Tensor], Tensor],
                        state: Tensor, track: ExitTrack, criterion: ExitCriterion, first: int, n: int,
                        num_steps: int, *, min_steps: int = 2, every: int = 1, freeze: bool = True,
@@ -412,7 +431,10 @@ def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: C
             track = replace(track, exit_state=state.reshape(-1, state.shape[-1]).clone())
     for i in range(first, first + n):
         prev_state, new = state, step(state, i, track.exited)
-        state = torch.where(track.exited.view(*tokens, 1), prev_state, new) if freeze else new
+        if freeze:   # a token done iterating keeps its state
+            state = torch.where(done_iterating(track.exited, track.steps, num_steps).view(*tokens, 1), prev_state, new)
+        else:
+            state = new
         track = track.after_iteration(criterion, i, num_steps, prev_state, state, min_steps=min_steps, every=every,
                                       readout=readout, gate=gate)
     return state, track

@@ -43,13 +43,13 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.engine import check_generation_time
 from rdlm.inference.graphs import resolve_sync_every, sync
 from rdlm.inference.parallel import wave_room
 from rdlm.inference.params import (Decode, GenerationConfig, GenerationResult, TokenEvent, check_length, check_prompts,
                                   cut_at_stop)
 from rdlm.inference.sampling import sample
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.resources import check_time, forward_seconds
 
 __all__ = ["Decode", "GenerationConfig", "GenerationResult", "TokenEvent", "generate", "sample", "stream"]
 
@@ -63,6 +63,16 @@ def as_prompts(prompts: Sequence[int] | Sequence[Sequence[int]] | Tensor) -> lis
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     return [[int(t) for t in p] for p in prompts]
+
+
+def check_generation_time(config, device: torch.device, batch: int, prompt_length: int,
+                          generation: GenerationConfig) -> None:
+    """Refuse a generation whose one token (or whole run) cannot end in any reasonable time; warn when long."""
+    r = generation.num_steps
+    prefill = forward_seconds(config, device, batch * prompt_length, 1, generation.prefill_steps or r)
+    token = forward_seconds(config, device, batch, 1, r)
+    check_time(prefill + generation.max_new_tokens * token, max(token, prefill),
+               f"generating {generation.max_new_tokens} tokens at r = {r}", "token")
 
 
 def stream(model: RecurrentDepthLM, prompts, config: GenerationConfig | None = None,

@@ -139,7 +139,7 @@ class Lockstep:
         computes), each row's final state the one at its gate exit. Iterations reported: num_steps."""
         r = config.num_steps
         _, track = iterate_with_exits(
-            lambda state, i, exited: self.runner.step(state, rows.embedded, i, rows.call),
+            lambda state, i, exited: self.runner.iterate_once(state, rows.embedded, i, rows.call),
             None, rows.state, rows.track, criterion, 0, r, r, min_steps=config.min_steps, freeze=False,
             gate=self.runner.exit_probability)
         return track.exit_state.view_as(rows.state), torch.full_like(rows.steps, r)
@@ -154,7 +154,7 @@ class Lockstep:
             # At the first iteration only idle rows can have exited: every row writes when there are none (on
             # the static path the call's own writers, the decoding rows, say the same).
             call = rows.call.but(core_writers=~exited) if i or idle else rows.call
-            return self.runner.step(state, rows.embedded, i, call)
+            return self.runner.iterate_once(state, rows.embedded, i, call)
 
         def readout(state: Tensor) -> Tensor:
             return self.runner.readout(state, rows.call)[:, -1]

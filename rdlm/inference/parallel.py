@@ -61,6 +61,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rdlm.inference.exits import ExitTrack
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.row_state import RowState
 from rdlm.inference.runner import ModelRunner
@@ -167,14 +168,16 @@ class ParallelSampler:
         self.tokens[first_draft:a + width + 1] = self._draft(logits)[first_draft - a - 1:]
 
         # Freeze. Criterion between this step's and the previous step's state (or logits) per position.
+        # The reading is the exit state's own (`ExitTrack.read_criterion`: patience, streaks); a position's first
+        # step has nothing to compare its logits with, so it is not read (its streak is 0).
         crit = self.criterion
         prev_logits = logits if self.prev_logits is None else self.prev_logits
-        passed = crit(prev_logits, logits, prev[0], state[0])
-        if crit.uses_logits:  # a position's first step has nothing to compare its logits with
-            passed = passed & self.has_logits
-        self.streak = torch.where(passed, self.streak + 1, 0)
+        track = ExitTrack(self.iterations[a:a + width], torch.zeros_like(self.streak, dtype=torch.bool), self.streak, None)
+        read = track.read_criterion(crit, prev_logits, logits, prev[0], state[0], min_steps=0,
+                                    running=self.has_logits if crit.uses_logits else None)
+        self.streak = read.streak
         index = torch.arange(width, device=runner.device)
-        settled = torch.where(self.streak >= crit.patience, index, -1).max()
+        settled = torch.where(read.exited, index, -1).max()
         done = torch.where(self.iterations[a:a + width] >= c.num_steps, index + 1, -1).max()
         finite = torch.isfinite(logits).all().long()
         settled, done, finite = torch.stack((settled, done, finite)).tolist()  # the one host sync of a step

@@ -199,7 +199,7 @@ class GenerationConfig:
                                     Number(0, 1, open_high=True))
     full_prefill: bool = PARALLEL(True, "parallel: prefill the prompt at r (off: the prompt is the first wave)")
 
-    # -- engine (rdlm.inference.engine). In fp32 the static step never changes tokens, only speed; in bf16
+    # -- engine (rdlm.inference.batching). In fp32 the static step never changes tokens, only speed; in bf16
     # a greedy near-tie can flip (its attention reduces over the preallocated cache; docs/inference.md,
     # "The GPU suite").
     compile: bool | None = ENGINE(None, "the static decode step captured in a CUDA graph (default: on with "

@@ -1,6 +1,6 @@
 """The one prefill: a block of tokens run through prelude, r core iterations (with a learned gate, each
 token read out at its exit) and coda, a `PromptChunk`. A transformers forward over `Sequences`
-(rdlm.inference.engine) runs the whole left-padded batch as one chunk in one go (`PromptChunk.block`,
+(rdlm.inference.sequences) runs the whole left-padded batch as one chunk in one go (`PromptChunk.block`,
 `run`); the continuous batch (rdlm.inference.batching) prefills its prompts inside its steps, a chunk at a
 time.
 
@@ -15,9 +15,9 @@ cache slot per iteration, so a request that cycles through fewer slots than its 
 iterations (a KV-cache budget) is prefilled in one chunk.
 
 With a learned exit gate, where each token of the chunk stands is an `ExitTrack` over its [g, n] tokens
-(`PromptChunk.gate`; rdlm.inference.exits): after each iteration it counts the iteration and reads the gate
-(`ExitTrack.read_gate`, the rule every loop that reads a gate uses), and its `exit_state` is what the coda
-reads.
+(`PromptChunk.gate`; rdlm.inference.exits): after each iteration it takes the track's one update
+(`ExitTrack.after_iteration`: the iteration counted, the gate read against each row's threshold), and its
+`exit_state` is what the coda reads.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, ExitTrack
+from rdlm.inference.exits import ExitCriterion, ExitTrack, make_exit_criterion
 from rdlm.inference.runner import Call, ModelRunner, Pack
+
+
+GATE = make_exit_criterion("gate")   # a chunk reads the gate against each row's own threshold (`thresholds`)
 
 
 @dataclass
@@ -83,7 +86,7 @@ class PromptChunk:
     def block(cls, runner: ModelRunner, call: Call, embedded: Tensor, cap: int,
               criterion: ExitCriterion | None = None, min_steps: int = 0) -> "PromptChunk":
         """Tokens of every row of the runner's batch at once (a left-padded prompt, or a block appended
-        after it: `rdlm.inference.engine.Sequences`), their prelude run (`embedded`) and `call` from
+        after it: `rdlm.inference.sequences.Sequences`), their prelude run (`embedded`) and `call` from
         `ModelRunner.block`; s_0 from the runner's noise table. A learned gate `criterion` reads each
         token out at its exit."""
         state = runner.initial_state(embedded, call.positions)
@@ -103,8 +106,8 @@ class PromptChunk:
 
     def run(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
         """Every iteration of the chunk, one call each (nothing else in the call), then `finish`."""
-        while not self.done:
-            self.advance(runner, runner.step(self.state, self.embedded, self.iteration, self.call))
+        while not self.iterated:
+            self.advance(runner, runner.iterate_once(self.state, self.embedded, self.iteration, self.call))
         return self.finish(runner)
 
     @property
@@ -112,7 +115,8 @@ class PromptChunk:
         return self.state.shape[1]
 
     @property
-    def done(self) -> bool:
+    def iterated(self) -> bool:
+        """Whether the chunk ran all its iterations (its coda comes next)."""
         return self.iteration >= self.cap
 
     def pack(self, pack: Pack) -> slice:
@@ -122,12 +126,13 @@ class PromptChunk:
     def advance(self, runner: ModelRunner, state: Tensor) -> None:
         """Take the state of the iteration just run ([1, g * n, h]); a learned gate keeps, per token, the
         state where it first fired."""
-        self.state = state.view(self.state.shape)
+        previous, self.state = self.state, state.view(self.state.shape)
         self.iteration += 1
         if self.gate is None:
             return
-        self.gate = self.gate.count_iteration().read_gate(runner.exit_probability(self.state), self.state,
-                                                          self.thresholds, self.minimum)
+        self.gate = self.gate.after_iteration(GATE, self.iteration - 1, self.cap, previous, self.state,
+                                              min_steps=self.minimum, gate=runner.exit_probability,
+                                              threshold=self.thresholds)
 
     def finish(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
         """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]."""

@@ -1,12 +1,13 @@
-"""The continuous batch's exit decisions on the device (rdlm.inference.batching, step 4): after each core
-iteration, every running row's exit criterion (rdlm.inference.exits) marks the rows whose token is done,
-without a host sync; the host reads the flags only when it looks.
+"""The continuous batch's exit readings on the device (rdlm.inference.batching, step 4): after each core
+iteration, every running row's exit criterion (rdlm.inference.exits) is read without a host sync; the host
+reads the outcome only when it looks.
 
 `RowExits` keeps what the criteria carry from one iteration to the next in one `ExitTrack` over the batch's
 rows (`track`: the latest logits, the streak of passing readings, a learned gate's running sums, whether the
-criterion fired, gate-exact's chosen state), and updates it with the track's own readings
-(`ExitTrack.read_gate`, `ExitTrack.read_criterion`), those of the per-token loop, for the call's rows. The
-batch counts each row's iterations and owns the done flags; it passes them in.
+criterion fired, gate-exact's chosen state), and updates it with the track's one update
+(`ExitTrack.after_iteration`) for each group of the call's rows that read alike: the rows sit at different
+iterations, so each group's reading schedule is given. The step runner counts each row's iterations and
+decides, with `exits.done_iterating`, whether a row is done: `exited` and `runs_on` are what it reads here.
 """
 
 from __future__ import annotations
@@ -24,29 +25,36 @@ class RowExits:
     def __init__(self, runner: ModelRunner, max_batch: int, vocab_size: int, state: Tensor) -> None:
         self.runner = runner
         track = ExitTrack.start(max_batch, state.device, vocab_size, gate=True)
-        # The batch counts the rows' iterations (`update` takes them); the gate-exact state is one per row.
+        # The runner counts the rows' iterations (`update` takes them); the gate-exact state is one per row.
         self.track = ExitTrack(None, track.exited, track.streak, track.logits, track.remaining, track.cumulative,
                                torch.zeros_like(state[:, -1]))
+        self.runs_on = torch.zeros_like(track.exited)   # gate-exact rows: their exit only chooses a state
+
+    @property
+    def exited(self) -> Tensor:
+        """[max_batch] bool: the row's criterion fired for its token in progress."""
+        return self.track.exited
 
     @property
     def exit_state(self) -> Tensor:
         """[max_batch, 1, h]: gate-exact's chosen state per row (read out when the token is done)."""
         return self.track.exit_state.unsqueeze(1)
 
-    def reset(self, rows: Tensor | slice) -> None:
-        """Rows starting a token."""
+    def reset(self, rows: Tensor | slice, runs_on: Tensor | None = None) -> None:
+        """Rows starting a token (`runs_on`: those whose criterion is gate-exact)."""
         t = self.track
         t.streak[rows], t.exited[rows] = 0, False
         t.remaining[rows], t.cumulative[rows] = 1.0, 0.0
+        self.runs_on[rows] = False if runs_on is None else runs_on
 
-    def update(self, requests: list, rows: Tensor, call: Call, prev_state: Tensor, state: Tensor,
-               running: Tensor, steps: Tensor, min_steps: Tensor, done: Tensor) -> None:
-        """Each running row's exit decision after this iteration, into `done` (the batch's flags); `steps` and
-        `min_steps` are the batch's per-row counts. `requests` (with `.criterion`, `.iteration`,
-        `.cap`, `.config`) are the call's rows in order, at batch rows `rows`."""
-        self._gate(requests, rows, state, running, steps, min_steps, done)
+    def update(self, members: list, rows: Tensor, call: Call, prev_state: Tensor, state: Tensor,
+               running: Tensor, iterations: Tensor, min_steps: Tensor) -> None:
+        """Each running row's exit reading after this iteration (`ExitTrack.after_iteration`, the runner having
+        counted it in `iterations`); `min_steps` are the rows' own. `members` (with `.criterion`, `.iteration`:
+        iterations run with this one, `.cap`, `.config`) are the call's rows in order, at batch rows `rows`."""
+        self._gate(members, rows, prev_state, state, running, iterations, min_steps)
         evaluate, readout = [], []  # rows whose criterion is read now; rows that need this iteration's logits
-        for j, q in enumerate(requests):
+        for j, q in enumerate(members):
             if q.criterion is None or q.criterion.uses_gate:
                 continue
             now, next_reads = exit_schedule(q.iteration - 1, q.cap, q.config.exit_every)
@@ -58,52 +66,47 @@ class RowExits:
             return
         groups: dict[ExitCriterion, list[int]] = {}
         for j in evaluate:
-            groups.setdefault(requests[j].criterion, []).append(j)
-        everyone = list(range(len(requests)))
+            groups.setdefault(members[j].criterion, []).append(j)
+        everyone = list(range(len(members)))
 
-        def where(members: list[int]) -> tuple[Tensor | slice, Tensor | slice]:
-            """(positions in this call, rows of the batch) of `members`: views when they are every row."""
-            if members == everyone:
+        def where(group: list[int]) -> tuple[Tensor | slice, Tensor | slice]:
+            """(positions in this call, rows of the batch) of `group`: views when they are every row."""
+            if group == everyone:
                 return slice(None), call.rows
-            pick = self.runner.upload(members)
+            pick = self.runner.upload(group)
             return pick, rows[pick]
 
         # The previous reading's logits, before this iteration's readout replaces them.
-        previous = {crit: self.track.logits[where(members)[1]].clone()
-                    for crit, members in groups.items() if crit.uses_logits}
-        if readout:
+        previous = {crit: self.track.logits[where(group)[1]].clone()
+                    for crit, group in groups.items() if crit.uses_logits}
+        if readout:   # one readout for every row that needs one, whatever its criterion
             pick, at = where(readout)
             self.track.logits[at] = self.runner.readout(state[pick], call.select(pick, at))[:, -1]
-        for crit, members in groups.items():
-            pick, at = where(members)
-            logits = self.track.logits[at] if crit.uses_logits else None
-            read = self._rows(at, steps).read_criterion(crit, previous.get(crit), logits, prev_state[pick, -1],
-                                                        state[pick, -1], min_steps[at], running[pick])
-            self.track.streak[at], self.track.exited[at] = read.streak, read.exited
-            done[at] |= read.exited
+        for crit, group in groups.items():
+            pick, at = where(group)
+            t = self.track
+            track = ExitTrack(iterations[at], t.exited[at], t.streak[at], previous.get(crit))
+            read = track.after_iteration(crit, 0, 0, prev_state[pick, -1], state[pick, -1], min_steps=min_steps[at],
+                                         readout=lambda _, at=at: t.logits[at], running=running[pick], reads=(True, False),
+                                         counted=True)
+            t.streak[at], t.exited[at] = read.streak, read.exited
 
-    def _gate(self, requests: list, rows: Tensor, state: Tensor, running: Tensor, steps: Tensor,
-              min_steps: Tensor, done: Tensor) -> None:
-        """The learned exit gate after this iteration, for the rows that exit by it: `gate` is done once
-        the gate fires; `gate-exact` runs to its cap and reads out the state of the iteration the gate chose
-        (`exit_state`: kept while the gate has not fired, so the last one if it never does)."""
-        members = [j for j, q in enumerate(requests) if q.criterion is not None and q.criterion.uses_gate]
-        if not members:
+    def _gate(self, members: list, rows: Tensor, prev_state: Tensor, state: Tensor, running: Tensor,
+              iterations: Tensor, min_steps: Tensor) -> None:
+        """The learned exit gate after this iteration, for the rows that exit by it: `gate` is done once the gate
+        fires; `gate-exact` runs on to its cap (`runs_on`) and reads out the state of the iteration the gate
+        chose (`exit_state`: kept while the gate has not fired, so the last one if it never does)."""
+        group = [j for j, q in enumerate(members) if q.criterion is not None and q.criterion.uses_gate]
+        if not group:
             return
-        pick = self.runner.upload(members)
+        pick = self.runner.upload(group)
         at = rows[pick]
-        thresholds = self.runner.upload([requests[j].criterion.threshold for j in members])
-        exact = self.runner.upload([requests[j].criterion.spec.exact for j in members])
-        state = state[pick, -1]
-        read = self._rows(at, steps, gate=True).read_gate(self.runner.exit_probability(state), state, thresholds,
-                                                          min_steps[at], running[pick])
+        thresholds = self.runner.upload([members[j].criterion.threshold for j in group])
         t = self.track
+        track = ExitTrack(iterations[at], t.exited[at], t.streak[at], None, t.remaining[at], t.cumulative[at],
+                          t.exit_state[at])
+        read = track.after_iteration(members[group[0]].criterion, 0, 0, prev_state[pick, -1], state[pick, -1],
+                                     min_steps=min_steps[at], gate=self.runner.exit_probability,
+                                     threshold=thresholds, running=running[pick], counted=True)
         t.exited[at], t.remaining[at], t.cumulative[at], t.exit_state[at] = (
             read.exited, read.remaining, read.cumulative, read.exit_state)
-        done[at] |= read.exited & ~exact
-
-    def _rows(self, at: Tensor | slice, steps: Tensor, gate: bool = False) -> ExitTrack:
-        """The track of batch rows `at`, their iterations `steps[at]` (the gate's sums and state with `gate`)."""
-        t = self.track
-        sums = (t.remaining[at], t.cumulative[at], t.exit_state[at]) if gate else ()
-        return ExitTrack(steps[at], t.exited[at], t.streak[at], None, *sums)

@@ -1,7 +1,7 @@
 """The model runner: the one place the inference engines call the model (issue #29).
 
 Every engine runs the same three parts of the model (paper section 3, docs/inference.md): the prelude
-over new tokens (`embed`), core iterations on the latent state (`step`), the coda and the head
+over new tokens (`embed`), core iterations on the latent state (`iterate_once`, `iterate`), the coda and the head
 (`readout`), each with the RoPE of the tokens' positions, an attention mask over the cache's valid
 entries, and the cache with a write plan. `ModelRunner` owns the model, the `RecurrentKVCache`, which
 buffer entries hold a token (`key_valid`, the keys of every mask) and the s_0 noise table; a caller
@@ -202,17 +202,17 @@ class ModelRunner:
         """The prelude: e of the call's tokens."""
         return self.model.embed(ids, call.rope, call.mask, call.cache)
 
-    def step(self, state: Tensor, embedded: Tensor, iteration: int, call: Call) -> Tensor:
+    def iterate_once(self, state: Tensor, embedded: Tensor, iteration: int, call: Call) -> Tensor:
         """Core iteration `iteration`."""
         return self.model.step(state, embedded, iteration, call.rope, call.mask, call.cache)
 
     def iterate(self, state: Tensor, embedded: Tensor, call: Call, iterations: range) -> Tensor:
         """Core iterations `iterations`, one after the other."""
         for i in iterations:
-            state = self.step(state, embedded, i, call)
+            state = self.iterate_once(state, embedded, i, call)
         return state
 
-    def step_packed(self, pack: Pack) -> Tensor:
+    def iterate_packed(self, pack: Pack) -> Tensor:
         """One core iteration of every call in `pack` in one model call: the new states, [1, T, h]."""
         states, embedded, cos, sin = (torch.cat(part, dim=1) for part in pack.parts)
         return self.model.step(states, embedded, 0, (cos, sin), None, PackedCall(self.cache, pack.segments))

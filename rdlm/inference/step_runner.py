@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rdlm.inference.exits import done_iterating
 from rdlm.inference.graphs import PhaseTimes, StaticSteps
 from rdlm.inference.lockstep import Lockstep, Rows
 from rdlm.inference.plan import Admission, ChunkSpec, Chosen, EngineSettings, Iterating, Start, StepOutput, StepPlan
@@ -195,7 +196,8 @@ class StepRunner:
         self.cap[select], self.min_steps[select], self.budget[select] = limits.unbind(1)
         self.write_index[select] = lengths
         self.iterations[select], self.stopped[select] = 0, False
-        self.exits.reset(select)
+        self.exits.reset(select, self.runner.upload([row.criterion is not None and row.criterion.spec.exact
+                                                     for row in rows]))
 
     def _coda(self, requests: list[int], iterations: list[int], lockstep: bool = False) -> list[Chosen]:
         """The coda over the final states of the rows whose token is done (of `requests`, `iterations[j]` run),
@@ -228,7 +230,7 @@ class StepRunner:
         """Chunks that ran their iterations, in order: the coda over their tokens, then, for each prompt whose
         last chunk this was, its row's state set to its last token's and its first new token chosen from that
         token's logits (a prefill alone chooses none); the other prompts go on in a chunk the scheduler begins."""
-        for key in [k for k in plan.prompts if k in self.chunks and self.chunks[k].done]:
+        for key in [k for k in plan.prompts if k in self.chunks and self.chunks[k].iterated]:
             chunk = self.chunks.pop(key)
             out.ended.append(key)
             state, logits = chunk.finish(self.runner)
@@ -310,7 +312,7 @@ class StepRunner:
         elif chunks:
             self._prompts(Pack(), chunks)
         for _ in range(share - 1):  # the prompts' share of the step beyond the first
-            going = [c for c in chunks if not c.done]
+            going = [c for c in chunks if not c.iterated]
             if going:
                 self._prompts(Pack(), going)
         if not computing or n > 1:
@@ -320,9 +322,9 @@ class StepRunner:
             self.iterations[select] += running.long()
         with self.phases.timed("exit evaluation"):
             members = [_Member(self.rows[it.request], it.iteration + 1, it.cap) for it in computing]
-            self.exits.update(members, rows, call, prev_state, state, running, self.iterations, self.min_steps,
-                              self.stopped)
-            self.stopped[select] |= self.iterations[select] >= self.cap[select]
+            self.exits.update(members, rows, call, prev_state, state, running, self.iterations, self.min_steps)
+            self.stopped[select] |= done_iterating(self.exits.exited[select], self.iterations[select],
+                                                   self.cap[select], self.exits.runs_on[select])
         return computing
 
     def _static(self, requests: list[Iterating], n: int) -> None:
@@ -348,7 +350,7 @@ class StepRunner:
         """The static body of one iteration: (every row's new state, the rows that iterated: decoding, not done)."""
         writers = self.decoding & ~self.stopped
         call = self.runner.every_row(self.write_index, self.iterations % self.budget, writers)
-        out = self.runner.step(self.state, self.embedded, 0, call)
+        out = self.runner.iterate_once(self.state, self.embedded, 0, call)
         return torch.where(writers.view(-1, 1, 1), out, self.state), writers
 
     def _core_static_iterations(self, n: int) -> tuple:
@@ -356,7 +358,8 @@ class StepRunner:
             state, writers = self._core_static()
             self.state.copy_(state)
             self.iterations += writers.long()
-            self.stopped |= self.decoding & (self.iterations >= self.cap)
+            self.stopped |= self.decoding & done_iterating(self.exits.exited, self.iterations, self.cap,
+                                                           self.exits.runs_on)
         return ()
 
     def _eager(self, computing: list[Iterating], may_be_frozen: bool, rows: Tensor, call: Call, prev_state: Tensor,
@@ -375,7 +378,7 @@ class StepRunner:
         embedded = self.embedded[call.rows]
         if not chunks:  # the decoding rows alone: a plain batched call
             with self.phases.timed("core iteration"):
-                out = self.runner.step(prev_state, embedded, iteration, core)
+                out = self.runner.iterate_once(prev_state, embedded, iteration, core)
         else:
             pack = Pack()
             pack.add(core, prev_state, embedded, iteration)
@@ -389,12 +392,12 @@ class StepRunner:
         if not pack.segments and len(chunks) == 1:
             chunk = chunks[0]
             with self.phases.timed("core iteration"):
-                out = self.runner.step(chunk.state, chunk.embedded, chunk.iteration, chunk.call)
+                out = self.runner.iterate_once(chunk.state, chunk.embedded, chunk.iteration, chunk.call)
             chunk.advance(self.runner, out)
             return out
         tokens = [c.pack(pack) for c in chunks]
         with self.phases.timed("core iteration"):
-            out = self.runner.step_packed(pack)
+            out = self.runner.iterate_packed(pack)
         for c, part in zip(chunks, tokens):
             c.advance(self.runner, out[:, part])
         return out

@@ -10,13 +10,13 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from rdlm.checks import is_int
-from rdlm.inference.engine import Sequences
+from rdlm.inference.sequences import Sequences
 from rdlm.model.layers import padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
 
 
 class RecurrentCache(Cache):
-    """transformers' `Cache` for recurrence: the engine's `Sequences` (rdlm/inference/engine.py) over one
+    """transformers' `Cache` for recurrence: the engine's `Sequences` (rdlm/inference/sequences.py) over one
     preallocated `RecurrentKVCache` (rdlm/inference/cache.py: a slot per core iteration, "full", or k slots that
     iteration i reads and writes as i mod k, "shared"; paper section 6, "Zero-Shot KV-cache Sharing").
 

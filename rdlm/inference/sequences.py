@@ -7,8 +7,6 @@ each block a `PromptChunk` (rdlm.inference.prefill). Every generation of rdlm it
 features (fixed r, adaptive exits, continuous chain of thought, KV-cache sharing, self-speculative
 decoding, the parallel sampler, a prefill alone), decodes on the continuous batch
 (rdlm.inference.batching), for `generate` and the server alike.
-
-`check_generation_time` refuses a generation that would not end in any reasonable time.
 """
 
 from __future__ import annotations
@@ -17,23 +15,10 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.exits import ExitCriterion
-from rdlm.inference.graphs import resolve_compile  # noqa: F401 (its home before graphs.py)
 from rdlm.inference.params import GenerationConfig, check_length, check_prompts
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.runner import Call, ModelRunner
-from rdlm.inference.sampling import NonFiniteLogitsError  # noqa: F401 (its home before sampling.py)
 from rdlm.model.lm import RecurrentDepthLM
-from rdlm.resources import check_time, forward_seconds
-
-
-def check_generation_time(config, device: torch.device, batch: int, prompt_length: int,
-                          generation: GenerationConfig) -> None:
-    """Refuse a generation whose one token (or whole run) cannot end in any reasonable time; warn when long."""
-    r = generation.num_steps
-    prefill = forward_seconds(config, device, batch * prompt_length, 1, generation.prefill_steps or r)
-    token = forward_seconds(config, device, batch, 1, r)
-    check_time(prefill + generation.max_new_tokens * token, max(token, prefill),
-               f"generating {generation.max_new_tokens} tokens at r = {r}", "token")
 
 
 class Sequences:
