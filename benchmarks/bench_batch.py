@@ -85,7 +85,7 @@ def closed_loop(args, model, prompts: list[list[int]], config: GenerationConfig,
         steps += 1
         if mark is None and time.perf_counter() - t0 > args.seconds / 4:
             sync(batch.device)
-            mark = (time.perf_counter(), tokens, steps, dict(calls), batch.step_runner.fused_iterations)
+            mark = (time.perf_counter(), tokens, steps, dict(calls), batch.step_runner.static_step.fused_iterations)
             batch.take_timings()
             packed[0] = 0.0
     sync(batch.device)
@@ -97,7 +97,7 @@ def closed_loop(args, model, prompts: list[list[int]], config: GenerationConfig,
     per_step = ", ".join(f"{name} {(calls[name] - calls0.get(name, 0)) / n:.2f}" for name in CALLS)
     print(f"  {'static' if static else 'eager '} step{', profiled' if profile else ''}: "
           f"{(tokens - tokens0) / seconds:.1f} tok/s, {seconds / n * 1e3:.2f} ms/step, calls per step: {per_step}; "
-          f"iterations run several to a call: {batch.step_runner.fused_iterations - fused0}", flush=True)
+          f"iterations run several to a call: {batch.step_runner.static_step.fused_iterations - fused0}", flush=True)
     phases = batch.take_timings()
     for phase, spent in sorted(phases.items(), key=lambda item: -item[1]):
         print(f"      {phase:30s} {spent:7.2f} s  {spent / seconds:6.1%}")

@@ -88,13 +88,13 @@ def test_a_busy_batch_gives_each_request_its_tokens_alone(model, device, exit_sy
     with on(model, device):
         batch = each_alone(busy_batch(model, exit_sync_every=exit_sync_every, prefill_chunk=prefill_chunk,
                                       coda_every=coda_every, compile=False))
-    assert batch.step_runner.static_steps.runs == 0                      # the eager path
+    assert batch.step_runner.static_step.steps.runs == 0                      # the eager path
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_static_step_is_the_default_on_cuda_only(model, device):
     with on(model, device):
-        assert busy_batch(model).step_runner.static_steps.static == (device == "cuda")
+        assert busy_batch(model).step_runner.static_step.on == (device == "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -107,7 +107,7 @@ def test_the_static_step_gives_each_request_its_tokens_alone(model, device, exit
     with on(model, device):
         batch = each_alone(busy_batch(model, exit_sync_every=exit_sync_every, prefill_chunk=prefill_chunk,
                                       coda_every=coda_every, compile=True))
-    steps = batch.step_runner.static_steps
+    steps = batch.step_runner.static_step.steps
     assert steps.runs > 50                                # the static step ran (most iterations go through it)
     assert len(steps.graphed) == (device == "cuda")       # one graph, replayed at every later step
 
@@ -122,10 +122,11 @@ def test_the_static_step_compiles_to_one_graph_for_the_whole_run(model, monkeypa
         return graph.forward                                 # dynamo's capture only: inductor's codegen is slow on CPU
 
     batch = busy_batch(model, exit_sync_every=4, prefill_chunk=3, coda_every=6, compile=True)
-    rows = batch.step_runner
-    monkeypatch.setattr(rows, "_core_static", torch.compile(rows._core_static, fullgraph=True, backend=count))
+    static = batch.step_runner.static_step
+    monkeypatch.setattr(static, "iteration", torch.compile(static.iteration, fullgraph=True, backend=count))
+
     each_alone(batch)
-    assert batch.step_runner.static_steps.runs > 50 and len(graphs) == 1
+    assert batch.step_runner.static_step.steps.runs > 50 and len(graphs) == 1
 
 
 def test_rows_that_exit_early_go_on_to_their_next_token(model, monkeypatch):
@@ -165,7 +166,7 @@ def test_a_long_prompt_prefills_while_the_other_rows_go_on_decoding(model, compi
     while batch.busy:
         events += batch.step()
         if static_runs is None and any(e.request == late for e in events):
-            static_runs = batch.step_runner.static_steps.runs   # the static steps run while the long prompt prefilled
+            static_runs = batch.step_runner.static_step.steps.runs   # the static steps run while the long prompt prefilled
     order = [e.request for e in events]
     # Four chunks of 2 iterations each: 8 steps, in which the short request (a token every 2 steps) goes on.
     assert order[:order.index(late)].count(short) >= 3
@@ -360,8 +361,8 @@ def test_rows_without_exits_run_several_iterations_in_one_static_call(model, dev
     requests = [([rng.randrange(512) for _ in range(rng.randint(1, 6))], configs[k % 3]) for k in range(9)]
     with on(model, device):
         batch = each_alone(busy_batch(model, exit_sync_every=4, coda_every=6, compile=True), requests)
-    assert batch.step_runner.fused_iterations >= 16         # not most: with these caps rows often wait for a coda
-    assert any(key[0] == "core iterations" for key in batch.step_runner.static_steps.graphed) == (device == "cuda")
+    assert batch.step_runner.static_step.fused_iterations >= 16         # not most: with these caps rows often wait for a coda
+    assert any(key[0] == "core iterations" for key in batch.step_runner.static_step.steps.graphed) == (device == "cuda")
 
 
 def test_the_fused_iterations_compile_to_one_graph_per_count(model, monkeypatch):
@@ -374,9 +375,9 @@ def test_the_fused_iterations_compile_to_one_graph_per_count(model, monkeypatch)
         return graph.forward
 
     batch = busy_batch(model, exit_sync_every=4, coda_every=6, compile=True)
-    compiled = torch.compile(batch.step_runner._core_static_iterations, fullgraph=True, backend=count)
+    compiled = torch.compile(batch.step_runner.static_step.iterations, fullgraph=True, backend=count)
     counts = []
-    monkeypatch.setattr(batch.step_runner, "_core_static_iterations", lambda n: (counts.append(n), compiled(n))[1])
+    monkeypatch.setattr(batch.step_runner.static_step, "iterations", lambda n: (counts.append(n), compiled(n))[1])
     configs = [GenerationConfig(num_steps=8, max_new_tokens=5), GenerationConfig(num_steps=6, max_new_tokens=5)]
     for k, prompt in enumerate(([1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11, 12])):
         batch.add(prompt, configs[k % 2])   # two depths: the rows never go in lockstep

@@ -65,7 +65,7 @@ def test_the_static_step_serves_each_client_its_tokens_alone(model_dir):
     """compile=True (`rdlm serve --compile`): the batch's core iterations run as its fixed-shape static step."""
     with LiveServer(model_dir, compile=True) as live:
         ask_concurrently(live)
-    assert live.app.state.worker.batch.step_runner.static_steps.runs > 0
+    assert live.app.state.worker.batch.step_runner.static_step.steps.runs > 0
 
 
 def ask_concurrently(live: LiveServer) -> None:

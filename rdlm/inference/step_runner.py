@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.exits import done_iterating
-from rdlm.inference.graphs import PhaseTimes, StaticSteps
+from rdlm.inference.graphs import PhaseTimes
 from rdlm.inference.lockstep import Lockstep, Rows
 from rdlm.inference.plan import Admission, ChunkSpec, Chosen, EngineSettings, Iterating, Start, StepOutput, StepPlan
 from rdlm.inference.prefill import PromptChunk
@@ -43,6 +43,7 @@ from rdlm.inference.row_exits import RowExits
 from rdlm.inference.row_state import RowState
 from rdlm.inference.runner import Call, ModelRunner, Pack
 from rdlm.inference.sampling import NonFiniteLogitsError, choose_rows
+from rdlm.inference.static_step import RowTensors, StaticStep
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -58,34 +59,20 @@ class StepRunner:
         self.device, self.dtype, self.cache = self.runner.device, self.runner.dtype, self.runner.cache
         self.rows: dict[int, RowState] = {}          # the requests in rows, by request id (the runner's own copy)
         self.chunks: dict[int, PromptChunk] = {}     # prompts being prefilled, by chunk id
-        self.state = torch.zeros(max_batch, 1, c.hidden_size, dtype=self.dtype, device=self.device)
-        self.embedded = torch.zeros_like(self.state)
-        self.exits = RowExits(self.runner, max_batch, c.vocab_size, self.state)  # the criteria's per-row carry
-        # Each row's token in progress: iterations run, stopped (exited or at its cap: frozen until the host
-        # looks), its cap and min_steps; the tokens it has seen.
-        long = dict(dtype=torch.long, device=self.device)
-        self.iterations, self.cap = torch.zeros(max_batch, **long), torch.zeros(max_batch, **long)
-        self.min_steps = torch.zeros(max_batch, **long)
-        self.stopped = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
-        self.seen = torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=self.device)
-        # The static step's inputs, read in place by a captured step: each row's buffer index, core cache
-        # budget and whether it decodes in this step.
-        self.static_steps = StaticSteps(self.device, settings.static, shared_pool=True)
-        self.write_index, self.budget = torch.zeros(max_batch, **long), torch.ones(max_batch, **long)
-        self.decoding = torch.zeros_like(self.stopped)
-        self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
-        self.fused_iterations = 0             # core iterations run several to a call
+        self.t = RowTensors.zeros(self.runner, max_batch)   # the rows' tensors
+        self.exits = RowExits(self.runner, max_batch, c.vocab_size, self.t.state)  # the criteria's per-row carry
+        self.static_step = StaticStep(self.runner, self.t, self.exits, max_batch, settings.static)
         self.lockstep = Lockstep(self.runner, settings.static)
         self.rounds = Rounds(self.runner)      # the parallel sampler's waves
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
 
     @property
     def static(self) -> bool:
-        return self.static_steps.static
+        return self.static_step.on
 
     @property
     def capture_seconds(self) -> float:
-        return self.static_steps.capture_seconds + self.lockstep.static_steps.capture_seconds
+        return self.static_step.steps.capture_seconds + self.lockstep.static_steps.capture_seconds
 
     # ---- the step
 
@@ -135,8 +122,8 @@ class StepRunner:
             for request in spec.requests if spec.start == 0 else ():
                 row = self.rows[request]
                 self.runner.rewind(0, row.row)
-                self.seen[row.row] = False
-                self.seen[row.row, self.runner.upload(row.prompt)] = True
+                self.t.seen[row.row] = False
+                self.t.seen[row.row, self.runner.upload(row.prompt)] = True
         for spec in chunks:
             self.chunks[spec.chunk] = PromptChunk.begin(self.runner, [self.rows[r] for r in spec.requests],
                                                         spec.start, list(spec.lengths), spec.cap, spec.budget)
@@ -157,7 +144,7 @@ class StepRunner:
         """Wipe a failed request's row: a NaN left in its cache would reach the row's next request through the
         attention's masked (zero-weight) entries."""
         self.cache.clear_rows(row)
-        self.state[row] = 0
+        self.t.state[row] = 0
 
     def _inputs(self, places: list[tuple[int, int]]) -> tuple[Tensor, Call]:
         """(rows, call) of the tokens in progress at (row, buffer index) `places` (`ModelRunner.tokens`: the
@@ -183,19 +170,20 @@ class StepRunner:
         self._last_inputs = None  # the mask changed
         batch_rows, call = self._inputs([(s.row, s.position) for s in starts])
         select = call.rows
-        self.seen[batch_rows, self.runner.upload([s.token for s in starts])] = True
+        self.t.seen[batch_rows, self.runner.upload([s.token for s in starts])] = True
         ids = self.runner.upload([[s.token] for s in starts])
-        self.embedded[select] = self.runner.embed(ids, call)
+        self.t.embedded[select] = self.runner.embed(ids, call)
         fresh = [row for row in rows if not row.config.continuous_cot]  # else s_0 is the last final state, kept
         if fresh:
             at = self.runner.upload([row.row for row in fresh])
             drawn = [None if row.noise is None else row.noise[row.length] for row in fresh]
             noise = None if all(d is None for d in drawn) else torch.stack(
-                [torch.zeros_like(self.state[0, 0]) if d is None else d for d in drawn]).unsqueeze(1)
-            self.state[at] = self.runner.start_state(self.embedded[at], noise)
-        self.cap[select], self.min_steps[select], self.budget[select] = limits.unbind(1)
-        self.write_index[select] = lengths
-        self.iterations[select], self.stopped[select] = 0, False
+                [torch.zeros_like(self.t.state[0, 0]) if d is None else d for d in drawn]).unsqueeze(1)
+            self.t.state[at] = self.runner.start_state(self.t.embedded[at], noise)
+        t = self.t
+        t.cap[select], t.min_steps[select], t.budget[select] = limits.unbind(1)
+        t.write_index[select] = lengths
+        self.t.iterations[select], self.t.stopped[select] = 0, False
         self.exits.reset(select, self.runner.upload([row.criterion is not None and row.criterion.spec.exact
                                                      for row in rows]))
 
@@ -206,16 +194,16 @@ class StepRunner:
         rows = [self.rows[request] for request in requests]
         for row, n in zip(rows, iterations):
             if not lockstep and row.criterion is not None and row.criterion.spec.exact:
-                self.state[row.row] = self.exits.exit_state[row.row]  # what the readout (and continuous CoT) reads
+                self.t.state[row.row] = self.exits.exit_state[row.row]  # what the readout (and continuous CoT) reads
             self.cache.fill_missing(n, row.length, row.length + 1, row=row.row, slots=row.budget)
         call = self._inputs([(row.row, row.length) for row in rows])[1]
-        logits = self.runner.readout(self.state[call.rows], call)[:, -1]
+        logits = self.runner.readout(self.t.state[call.rows], call)[:, -1]
         return self._choose(rows, logits, iterations)
 
     def _choose(self, rows: list[RowState], logits: Tensor, iterations: list[int]) -> list[Chosen]:
         """Each row's next token from its row of logits [n, V] (`choose_rows`), or its failure where they are
         not finite."""
-        chosen = choose_rows(logits, [row.config for row in rows], [row.generator for row in rows], self.seen,
+        chosen = choose_rows(logits, [row.config for row in rows], [row.generator for row in rows], self.t.seen,
                              self.runner.upload([row.row for row in rows]), self.runner.upload)
         out = []
         for row, pick, n in zip(rows, chosen, iterations):
@@ -242,7 +230,7 @@ class StepRunner:
                 last.append(j * chunk.n + length - 1)  # the prompt's last token, in the chunk's [g * n]
             if ended:
                 index = self.runner.upload(last)
-                self.state[self.runner.upload([row.row for row in ended])] = \
+                self.t.state[self.runner.upload([row.row for row in ended])] = \
                     state.flatten(0, 1)[index].unsqueeze(1)
                 choosing = [j for j, row in enumerate(ended) if row.config.max_new_tokens > 0]
                 if choosing:
@@ -265,7 +253,7 @@ class StepRunner:
         if plan.iterating and (plan.look_due or any(
                 it.iteration + (plan.iterations if it.row in computed else 0) >= it.cap for it in plan.iterating)):
             select = self._inputs([(it.row, it.position) for it in plan.iterating])[1].rows
-            stopped, iterations = torch.stack((self.stopped[select].long(), self.iterations[select])).tolist()
+            stopped, iterations = torch.stack((self.t.stopped[select].long(), self.t.iterations[select])).tolist()
             out.found = {it.request: n for it, stop, n in zip(plan.iterating, stopped, iterations) if stop}
         found = {it.row: out.found[it.request] for it in plan.iterating if it.request in (out.found or {})}
         # Rows that became decoding or left in this step before the rule is read: first tokens that go on, and
@@ -286,7 +274,7 @@ class StepRunner:
         the rows that computed."""
         computing = list(plan.iterating)
         if plan.peek:   # rows done on the device since the last look leave the call (a free read here)
-            flags = self.stopped.tolist()
+            flags = self.t.stopped.tolist()
             computing = [it for it in computing if not flags[it.row]]
         out.computed = tuple(it.request for it in computing)
         share = plan.prompt_iterations if computing else plan.prompt_iterations_alone
@@ -298,13 +286,13 @@ class StepRunner:
         elif computing:
             rows, call = self._inputs([(it.row, it.position) for it in computing])
             select = call.rows
-            running = ~self.stopped[select]
-            prev_state = self.state[select].clone()  # `select` may be a view, overwritten below
+            running = ~self.t.stopped[select]
+            prev_state = self.t.state[select].clone()  # `select` may be a view, overwritten below
             if self.static:
                 self._static(computing, 1)
                 if chunks:  # the prompts' iteration in a call of their own: the step keeps its graph
                     self._prompts(Pack(), chunks)
-                state = self.state[select]
+                state = self.t.state[select]
             else:
                 may_be_frozen = plan.since_look and any(
                     self.rows[it.request].criterion is not None or it.iteration >= it.cap for it in computing)
@@ -318,56 +306,26 @@ class StepRunner:
         if not computing or n > 1:
             return computing
         if not self.static:
-            self.state[select] = state
-            self.iterations[select] += running.long()
+            self.t.state[select] = state
+            self.t.iterations[select] += running.long()
         with self.phases.timed("exit evaluation"):
             members = [_Member(self.rows[it.request], it.iteration + 1, it.cap) for it in computing]
-            self.exits.update(members, rows, call, prev_state, state, running, self.iterations, self.min_steps)
-            self.stopped[select] |= done_iterating(self.exits.exited[select], self.iterations[select],
-                                                   self.cap[select], self.exits.runs_on[select])
+            self.exits.update(members, rows, call, prev_state, state, running, self.t.iterations, self.t.min_steps)
+            self.t.stopped[select] |= done_iterating(self.exits.exited[select], self.t.iterations[select],
+                                                   self.t.cap[select], self.exits.runs_on[select])
         return computing
 
     def _static(self, requests: list[Iterating], n: int) -> None:
-        """n core iterations of the decoding rows as one fixed-shape call over all `max_batch` rows, the same
-        at every step (CUDA captures it once per n): each row's buffer index, core slot (iterations run,
-        modulo its budget) and whether it writes are device tensors, not a plan built per step. A row that
-        is not decoding (free, prefilling its prompt or waiting for its coda) or is done keeps its state
-        and writes nothing; each iteration updates the rows' counts and done flags on the device."""
-        self._mark_decoding(requests)
+        """n core iterations of the decoding rows as the static step (rdlm.inference.static_step)."""
         with self.phases.timed("core iteration"):
-            self.static_steps.run(("core iterations", n), lambda: self._core_static_iterations(n), idempotent=False)
-        if n > 1:
-            self.fused_iterations += n
-
-    def _mark_decoding(self, requests: list[Iterating] | tuple[Iterating, ...]) -> None:
-        """`self.decoding`: the rows of `requests` (copied to the device when they changed)."""
-        decoding = tuple(q.row for q in requests)
-        if decoding != self._decoding_rows:
-            self._decoding_rows = decoding
-            self.decoding.copy_(self.runner.upload([b in decoding for b in range(self.max_batch)]))
-
-    def _core_static(self) -> tuple[Tensor, Tensor]:
-        """The static body of one iteration: (every row's new state, the rows that iterated: decoding, not done)."""
-        writers = self.decoding & ~self.stopped
-        call = self.runner.every_row(self.write_index, self.iterations % self.budget, writers)
-        out = self.runner.iterate_once(self.state, self.embedded, 0, call)
-        return torch.where(writers.view(-1, 1, 1), out, self.state), writers
-
-    def _core_static_iterations(self, n: int) -> tuple:
-        for _ in range(n):
-            state, writers = self._core_static()
-            self.state.copy_(state)
-            self.iterations += writers.long()
-            self.stopped |= self.decoding & done_iterating(self.exits.exited, self.iterations, self.cap,
-                                                           self.exits.runs_on)
-        return ()
+            self.static_step.run([it.row for it in requests], n)
 
     def _eager(self, computing: list[Iterating], may_be_frozen: bool, rows: Tensor, call: Call, prev_state: Tensor,
                chunks: list[PromptChunk]) -> Tensor:
         """The computing rows' core iteration in a call over them alone, packed with the prompt chunks' when
         there are any: their new states (a frozen row's kept, where a row `may_be_frozen`). Each row runs at
         core slot (its iteration mod its budget)."""
-        frozen = self.stopped[call.rows] if may_be_frozen else None
+        frozen = self.t.stopped[call.rows] if may_be_frozen else None
         writers = None if frozen is None else ~frozen
         slots = [it.iteration % self.rows[it.request].budget for it in computing]
         if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
@@ -375,7 +333,7 @@ class StepRunner:
         else:
             core = call.but(rows=rows, slots=self.runner.upload(slots), core_writers=writers)
             iteration = 0
-        embedded = self.embedded[call.rows]
+        embedded = self.t.embedded[call.rows]
         if not chunks:  # the decoding rows alone: a plain batched call
             with self.phases.timed("core iteration"):
                 out = self.runner.iterate_once(prev_state, embedded, iteration, core)
@@ -410,25 +368,25 @@ class StepRunner:
         config, criterion, budget = first.config, first.criterion, first.budget
         vocab = self.model.config.vocab_size
         if self.static:
-            self._mark_decoding(requests)
-            every_row = lambda: self.runner.all_rows(self.write_index, budget, self.decoding)  # noqa: E731
+            self.static_step.mark_decoding([it.row for it in requests])
+            every_row = lambda: self.runner.all_rows(self.t.write_index, budget, self.static_step.decoding)  # noqa: E731
             if criterion is None:
-                self.state.copy_(self.lockstep.fixed(config, self.state, self.embedded, every_row))
+                self.t.state.copy_(self.lockstep.fixed(config, self.t.state, self.t.embedded, every_row))
                 return [config.num_steps] * len(requests)
             final, per_row = self.lockstep.adaptive(config, criterion, lambda: Rows.start(
-                self.runner.batch_rows, self.state, self.embedded, every_row(), ~self.decoding, criterion, vocab),
+                self.runner.batch_rows, self.t.state, self.t.embedded, every_row(), ~self.static_step.decoding, criterion, vocab),
                 self.max_batch - len(requests))
-            self.state.copy_(final)
+            self.t.state.copy_(final)
             return per_row[self._inputs([(it.row, it.position) for it in requests])[0]].tolist()
         span, rows, call, places, idle = self._eager_rows(requests, budget)
         if criterion is None:
-            out = self.lockstep.fixed(config, self.state[span], self.embedded[span], lambda: call)
-            self.state[span] = out if idle is None else torch.where(idle.view(-1, 1, 1), self.state[span], out)
+            out = self.lockstep.fixed(config, self.t.state[span], self.t.embedded[span], lambda: call)
+            self.t.state[span] = out if idle is None else torch.where(idle.view(-1, 1, 1), self.t.state[span], out)
             return [config.num_steps] * len(requests)
         frozen = torch.zeros(len(rows), dtype=torch.bool, device=self.device) if idle is None else idle
         final, per_row = self.lockstep.adaptive(config, criterion, lambda: Rows.start(
-            rows, self.state[span], self.embedded[span], call, frozen, criterion, vocab), len(rows) - len(requests))
-        self.state[span] = final
+            rows, self.t.state[span], self.t.embedded[span], call, frozen, criterion, vocab), len(rows) - len(requests))
+        self.t.state[span] = final
         return per_row[places].tolist()
 
     def _eager_rows(self, requests: tuple[Iterating, ...], budget: int) -> tuple[slice | Tensor, Tensor, Call,
