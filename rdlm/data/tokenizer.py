@@ -385,7 +385,7 @@ class StreamDecoder:
     def push(self, token: int) -> str:
         settled = self.decoder.settled
         piece = self.decoder.push(token)
-        if self._lead is None and piece.strip():
+        if self._lead is None and piece.lstrip():
             self._lead = settled + len(piece) - len(piece.lstrip())
         # hold back a character whose bytes are still arriving
         return self._emit(self.decoder.settled + len(self.decoder.pending.rstrip("\ufffd")))

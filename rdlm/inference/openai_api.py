@@ -256,9 +256,9 @@ class Completion:
         return text if self.end is None else text[:self.end]
 
     def delta(self) -> str:
-        """The text not streamed yet that is safe to stream: while the completion goes on, the last characters
-        that may begin a stop string (one fewer than the longest), and before them a U+FFFD that may be
-        half a character, are held back."""
+        """The text not streamed yet that is safe to stream. While the completion goes on, the last characters
+        that may begin a stop string (one fewer than the longest stop string's) are held back, and a U+FFFD
+        just before them (with no stop strings: the last character, which may be half of one)."""
         length = self.decoder.length
         if self.end is not None:
             end = self.end
