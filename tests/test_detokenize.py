@@ -148,7 +148,7 @@ def test_a_decoder_that_drops_a_text_s_leading_space_reads_each_token_in_its_con
     assert backend.decode(ids[1:]) == "bird runs" and backend.decode(ids) == "the bird runs"  # the premise
     rng = random.Random(1)
     for skip in (True, False):
-        decode = lambda t: backend.decode(t, skip_special_tokens=skip)  # noqa: E731
+        decode = lambda t, skip=skip: backend.decode(t, skip_special_tokens=skip)  # noqa: E731
         for _ in range(100):
             ids = [rng.randrange(backend.get_vocab_size()) for _ in range(rng.randrange(1, 30))]
             decoder = IncrementalDecoder(decode)
@@ -266,16 +266,16 @@ def test_streamed_logprobs_and_text_offsets_are_unchanged(tok, chat):
     ids = tok.encode("the river 🐦 runs ünïcödé") + [tok.eos_id]
     config = GenerationConfig(stop_strings=("runs ü",), stop_tokens=(tok.eos_id,), max_new_tokens=99, logprobs=2)
     events = engine_events(config, ids, decode, logprobs=True)
-    new, old, new_chunks, old_chunks, streamed = stream_both(tok, config, events, chat)
+    _, _, new_chunks, old_chunks, streamed = stream_both(tok, config, events, chat)
     assert new_chunks == old_chunks
     whole = Completion(tok, config)
     for event in events:
         whole.add(event)
     out = whole.logprobs(chat)
     if chat:
-        assert sum((part["content"] for part in streamed), []) == out["content"]
+        assert [entry for part in streamed for entry in part["content"]] == out["content"]
     else:
-        offsets = sum((part["text_offset"] for part in streamed), [])
+        offsets = [at for part in streamed for at in part["text_offset"]]
         assert offsets == out["text_offset"]
         assert offsets == [sum(len(tok.token_text(e.token)) for e in events[:k]) for k in range(len(events))]
 
