@@ -14,7 +14,7 @@ import re
 import secrets
 import threading
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -273,6 +273,75 @@ class Tokenizer:
 MAX_VOCAB_SIZE = 2**24
 
 
+class IncrementalDecoder:
+    """The text of a token stream, decoded as its tokens arrive at a cost linear in the stream's length.
+
+    `decode` (token ids to text, such as `Tokenizer.decode` with special tokens skipped) is never given the
+    whole stream. Each `push` decodes the tokens not settled yet after the tokens of the last settled piece,
+    which are context: the text after the context's own text is the new tokens' text, read as a decode of the
+    whole stream reads it (a decoder that treats a text's first token apart, as one that drops its leading
+    space does, sees them in the middle). That text is settled once it is not empty and does not end in
+    U+FFFD, the decoding of a character whose bytes are still arriving (byte-level BPE splits a character over
+    several tokens); until then it is `pending` and may change.
+
+    So after every push, `text` (the settled pieces, then the pending text) equals `decode(all tokens)` for a
+    decoder whose text of a token does not change with the tokens after it, beyond completing a character:
+    byte-level BPE's, which rdlm's tokenizers and Huginn's are. With a decoder that rewrites the context's text
+    when a token follows, the new text waits until the two agree again. The stream's tokens are not kept:
+    only the context's and the unsettled ones.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.pieces: list[str] = []    # the settled text, piece by piece
+        self.settled = 0               # ... its characters
+        self.pending = ""              # the text of the unsettled tokens (its end may still change)
+        self._window: list[int] = []   # the context's tokens, then the unsettled ones
+        self._start = 0                # where the unsettled tokens begin in the window
+        self._context = ""             # decode(the context's tokens)
+
+    def push(self, token: int) -> str:
+        """Take the stream's next token; returns the text it settles ("" while the text may still change)."""
+        self._window.append(int(token))
+        text = self.decode(self._window)
+        if not text.startswith(self._context):
+            return ""
+        self.pending = text[len(self._context):]
+        if not self.pending or self.pending.endswith("\ufffd"):
+            return ""
+        piece, self.pending = self.pending, ""
+        self.pieces.append(piece)
+        self.settled += len(piece)
+        # The tokens just settled are the next context.
+        self._window = self._window[self._start:]
+        self._start = len(self._window)
+        self._context = self.decode(self._window)
+        return piece
+
+    @property
+    def length(self) -> int:
+        """The characters of `text`."""
+        return self.settled + len(self.pending)
+
+    @property
+    def text(self) -> str:
+        """The stream's text so far: the settled pieces joined, then the pending text."""
+        return "".join(self.pieces) + self.pending
+
+    def since(self, start: int) -> str:
+        """`text[start:]`, read from the end: it costs the characters after `start`, not the whole text."""
+        start = max(start, 0)
+        if start >= self.settled:
+            return self.pending[start - self.settled:]
+        parts, at = [self.pending], self.settled
+        for piece in reversed(self.pieces):
+            parts.append(piece)
+            at -= len(piece)
+            if at <= start:
+                break
+        return "".join(reversed(parts))[start - at:]
+
+
 class StreamDecoder:
     """The text of a token stream as its tokens arrive, for printing replies while they are generated.
 
@@ -281,32 +350,49 @@ class StreamDecoder:
     part of the whole decode that is settled: not an incomplete UTF-8 character (decoded as U+FFFD until
     its last byte arrives), and never text that a later token could change. So a merge across the token
     boundary, or a special token dropped from the middle of the reply, reads the same streamed as at once.
+    The text is decoded incrementally (`IncrementalDecoder`): a reply of n tokens costs O(n), not O(n^2).
     """
 
-    def __init__(self, decode, strip_leading: bool = False) -> None:
-        self.decode, self.strip_leading = decode, strip_leading
-        self.tokens: list[int] = []
-        self.emitted = ""
+    def __init__(self, decode: Callable[[list[int]], str], strip_leading: bool = False) -> None:
+        self.decoder = IncrementalDecoder(decode)
+        self.strip_leading = strip_leading
+        self._lead: int | None = 0 if not strip_leading else None  # the leading white space's characters
+        self._shown = 0            # where the printed text ends in the decoder's text
+        self._pieces: list[str] = []
 
-    def _visible(self) -> str:
-        text = self.decode(self.tokens)
-        return text.lstrip() if self.strip_leading else text
+    @property
+    def emitted(self) -> str:
+        """The text printed so far."""
+        return "".join(self._pieces)
+
+    def _start(self) -> int:
+        """Where the printed text starts in the decoder's text: after its leading white space when
+        `strip_leading`; while the settled text is all white space, that of the pending text counts too."""
+        if self._lead is not None:
+            return self._lead
+        pending = self.decoder.pending
+        return self.decoder.settled + len(pending) - len(pending.lstrip())
+
+    def _emit(self, end: int) -> str:
+        start = max(self._start(), self._shown)
+        if end <= start:
+            return ""
+        new = self.decoder.since(start)[:end - start]
+        self._shown = end
+        self._pieces.append(new)
+        return new
 
     def push(self, token: int) -> str:
-        self.tokens.append(int(token))
-        text = self._visible().rstrip("\ufffd")   # hold back a character whose bytes are still arriving
-        if not text.startswith(self.emitted):
-            # A decoder that rewrites earlier text: emit only once the text agrees again.
-            return ""
-        new, self.emitted = text[len(self.emitted):], text
-        return new
+        settled = self.decoder.settled
+        piece = self.decoder.push(token)
+        if self._lead is None and piece.lstrip():
+            self._lead = settled + len(piece) - len(piece.lstrip())
+        # hold back a character whose bytes are still arriving
+        return self._emit(self.decoder.settled + len(self.decoder.pending.rstrip("\ufffd")))
 
     def finish(self) -> str:
         """The rest of the text, once the stream has ended (a held-back incomplete character included)."""
-        text = self._visible()
-        new = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted += new
-        return new
+        return self._emit(self.decoder.length)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,

@@ -12,10 +12,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from rdlm.checks import Integer, InvalidValue, Number
-from rdlm.data.tokenizer import Tokenizer
+from rdlm.data.tokenizer import IncrementalDecoder, Tokenizer
 from rdlm.inference.batching import BatchEvent
-from rdlm.inference.params import (KV_CACHE_BUDGET, MAX_TOKENS, MAX_TOP_LOGPROBS, GenerationConfig, cut_at_stop,
-                                   kv_cache_budget, params_for)
+from rdlm.inference.params import (KV_CACHE_BUDGET, MAX_TOKENS, MAX_TOP_LOGPROBS, GenerationConfig, kv_cache_budget,
+                                   params_for)
 
 
 MAX_STOPS = 4              # stop sequences per request (OpenAI's limit)
@@ -186,24 +186,42 @@ def bounds() -> dict[str, tuple[str, str]]:
 
 
 class Completion:
-    """Collects one ticket's tokens into text; `delta` gives what is safe to stream so far (nothing
-    that may still turn out to be a stop string or half a character)."""
+    """One ticket's completion. Its events are the one copy of its tokens (with their iterations and logprobs);
+    its text is decoded as they arrive (`IncrementalDecoder`, linear in the completion's length) and cut before
+    a stop string where the engine found one. `delta` gives what is safe to stream so far (nothing that may
+    still turn out to be a stop string or half a character)."""
 
     def __init__(self, tokenizer: Tokenizer, config: GenerationConfig) -> None:
         self.tokenizer, self.config = tokenizer, config
-        self.tokens: list[int] = []
         self.events: list[BatchEvent] = []
+        self.decoder = IncrementalDecoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self.steps = 0
         self.finish_reason: str | None = None
+        self.end: int | None = None          # once finished: the text's characters (before a stop string)
         self.sent = 0
         self.scored = self.scored_chars = 0  # events whose logprobs were sent (streaming), and their characters
 
     def add(self, event: BatchEvent) -> None:
-        self.tokens.append(event.token)
         self.events.append(event)
         self.steps += event.steps
+        settled = self.decoder.settled
+        self.decoder.push(event.token)
         if event.finish_reason is not None:
             self.finish_reason = "stop" if event.finish_reason != "length" else "length"
+            self.end = self._stop_at(settled) if event.finish_reason != "length" else self.decoder.length
+
+    def _stop_at(self, settled: int) -> int:
+        """Where the text ends once its last token is in: before the first stop string in it, else at its
+        end. The engine checks the stop strings after every token (`GenerationConfig.finish_reason`), so one
+        can only have been completed by the last token's text (it said "stop_string", or a stop token ended
+        the completion first): the text before the last token's `settled` characters holds none, and only
+        the tail from a stop string's length before them is searched."""
+        stops = self.config.stop_strings
+        if not stops:
+            return self.decoder.length
+        start = max(0, settled - max(map(len, stops)) + 1)
+        tail = self.decoder.since(start)
+        return start + min((tail.find(s) for s in stops if s in tail), default=len(tail))
 
     def logprobs(self, chat: bool, new_only: bool = False) -> dict | None:
         """OpenAI's logprobs object for the tokens so far (or, streaming, those not sent yet), each with
@@ -233,15 +251,23 @@ class Completion:
 
     @property
     def text(self) -> str:
-        return cut_at_stop(self.tokenizer.decode(self.tokens, skip_special_tokens=True), self.config.stop_strings)
+        """The completion's text: the decode of its tokens (special tokens skipped), cut before a stop string."""
+        text = self.decoder.text
+        return text if self.end is None else text[:self.end]
 
     def delta(self) -> str:
-        text = self.text
-        if self.finish_reason is None:
+        """The text not streamed yet that is safe to stream. While the completion goes on, the last characters
+        that may begin a stop string (one fewer than the longest stop string's) are held back, and a U+FFFD
+        just before them (with no stop strings: the last character, which may be half of one)."""
+        length = self.decoder.length
+        if self.end is not None:
+            end = self.end
+        else:
             hold = max((len(s) - 1 for s in self.config.stop_strings), default=0)
-            safe = len(text) - hold
-            if text[:safe].endswith("\ufffd"):
+            safe = length - hold
+            if safe >= 1 and self.decoder.since(safe - 1).startswith("\ufffd"):
                 safe -= 1
-            text = text[:max(safe, self.sent)]
-        new, self.sent = text[self.sent:], len(text)
+            end = min(max(safe, self.sent), length)
+        new = self.decoder.since(self.sent)[:end - self.sent] if end > self.sent else ""
+        self.sent = end
         return new

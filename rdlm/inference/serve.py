@@ -464,7 +464,7 @@ class OpenAIServer:
     def take(self, ticket: Ticket, completion: Completion, item) -> None:
         if isinstance(item, tuple) and item[0] == "error":
             raise error(item)
-        if not completion.tokens:
+        if not completion.events:
             self.metrics.ttft.observe(time.perf_counter() - ticket.submitted)
         completion.add(item)
 
@@ -483,7 +483,7 @@ async def disconnected(request: Request) -> None:
 
 
 def usage(prompt: list[int], completions: list[Completion]) -> dict:
-    out = sum(len(c.tokens) for c in completions)
+    out = sum(len(c.events) for c in completions)
     spent = sum(c.steps for c in completions)
     return {"prompt_tokens": len(prompt), "completion_tokens": out, "total_tokens": len(prompt) + out,
             "latent_iterations": spent, "mean_latent_iterations": spent / out if out else 0.0}
