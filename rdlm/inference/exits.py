@@ -398,8 +398,9 @@ class ExitTrack:
 def done_iterating(exited: Tensor, iterations: Tensor, cap: int | Tensor, runs_on: bool | Tensor = False) -> Tensor:
     """The one rule of whether a token is done iterating after an iteration: its criterion fired (a reading of
     `ExitTrack.after_iteration`, which holds min_steps), unless the criterion only chooses the state read out
-    and the token runs on (`runs_on`: gate-exact), or it ran its `cap` iterations. Used by the per-token loop
-    (`iterate_with_exits`) and the continuous batch's rows, eager and static (rdlm.inference.step_runner)."""
+    and the token runs on (`runs_on`: gate-exact), or it ran its `cap` iterations. The continuous batch's rows
+    read it after every iteration, eager and static (rdlm.inference.step_runner, static_step); the per-token
+    loop (`iterate_with_exits`) runs up to the cap, so inside it a token is done once its criterion fired."""
     if isinstance(runs_on, bool):
         fired = torch.zeros_like(exited) if runs_on else exited
     else:
@@ -431,10 +432,9 @@ def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: C
             track = replace(track, exit_state=state.reshape(-1, state.shape[-1]).clone())
     for i in range(first, first + n):
         prev_state, new = state, step(state, i, track.exited)
-        if freeze:   # a token done iterating keeps its state
-            state = torch.where(done_iterating(track.exited, track.steps, num_steps).view(*tokens, 1), prev_state, new)
-        else:
-            state = new
+        # A token done iterating keeps its state (`done_iterating`: its cap is this loop's bound, so inside the
+        # loop that is the tokens whose criterion fired).
+        state = torch.where(track.exited.view(*tokens, 1), prev_state, new) if freeze else new
         track = track.after_iteration(criterion, i, num_steps, prev_state, state, min_steps=min_steps, every=every,
                                       readout=readout, gate=gate)
     return state, track

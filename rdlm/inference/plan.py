@@ -100,7 +100,10 @@ class Coda:
     before the step as a rule over what the look finds (`due`). `waiting`: (row, iterations run) of the rows
     that were found done before; the look adds the rows it finds. It runs when some row is done and one of:
     `now` (a row waited long enough), half the rows `decoding` wait, or none of `blockers` (the rows that
-    could still be done before the wait ends) is still iterating."""
+    could still be done before the wait ends) is still iterating. `decoding` counts the rows decoding as the
+    step begins; the runner adds the first tokens that go on and drops the rounds that failed or ran out of
+    room (`due`'s `decoding`). A request that a round's tokens, or a first token's stop string, end in this
+    step still counts: the coda may then wait one step longer, which changes no token."""
     waiting: tuple[tuple[int, int], ...] = ()
     now: bool = False
     decoding: int = 0

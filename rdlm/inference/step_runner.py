@@ -311,8 +311,9 @@ class StepRunner:
         with self.phases.timed("exit evaluation"):
             members = [_Member(self.rows[it.request], it.iteration + 1, it.cap) for it in computing]
             self.exits.update(members, rows, call, prev_state, state, running, self.t.iterations, self.t.min_steps)
-            self.t.stopped[select] |= done_iterating(self.exits.exited[select], self.t.iterations[select],
-                                                   self.t.cap[select], self.exits.runs_on[select])
+            # over every row (one op each, no gather): a row that is not computing has stopped already, or does
+            # not decode, and its flag is reset when its next token starts
+            self.t.stopped |= done_iterating(self.exits.exited, self.t.iterations, self.t.cap, self.exits.runs_on)
         return computing
 
     def _static(self, requests: list[Iterating], n: int) -> None:
