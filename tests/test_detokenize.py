@@ -8,7 +8,8 @@ import pytest
 
 from rdlm.data.tokenizer import IncrementalDecoder, StreamDecoder, train_tokenizer
 from rdlm.inference.openai_api import Completion
-from rdlm.inference.params import BatchEvent, GenerationConfig, cut_at_stop
+from rdlm.inference.events import BatchEvent
+from rdlm.inference.params import GenerationConfig, cut_at_stop
 
 TEXTS = ["the river runs. the bird sings ünïcödé 🐦 数字 ✓ ", "ünïcödé the river bird 🐦🐦 数字 42 + 17 = 59"] * 20
 ALPHABET = list("the rivbdsng.ü ïcöé✓数字🐦42+=\n") + ["the ", "river ", "🐦🐦", "ünï", "<|end_text|>"]

@@ -91,7 +91,8 @@ def gate_exit_logits(model: RecurrentDepthLM, input_ids: Tensor, num_steps: int,
     teacher-forced: every token runs `num_steps` iterations and is read out at the first iteration whose
     cumulative exit probability reaches `threshold` (default the checkpoint's), the last if none does.
     What the reference computes when given an exit threshold (rdlm.inference.exits, "gate-exact")."""
-    from rdlm.inference.exits import ExitTrack, iterate_with_exits, make_exit_criterion
+    from rdlm.inference.exits import make_exit_criterion
+    from rdlm.inference.exit_track import ExitTrack, iterate_with_exits
 
     threshold = model.config.exit_threshold if threshold is None else threshold
     criterion = make_exit_criterion("gate", threshold)

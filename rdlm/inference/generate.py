@@ -45,8 +45,8 @@ from torch import Tensor
 from rdlm.inference.batching import ContinuousBatch
 from rdlm.inference.graphs import resolve_sync_every, sync
 from rdlm.inference.parallel import wave_room
-from rdlm.inference.params import (Decode, GenerationConfig, GenerationResult, TokenEvent, check_length, check_prompts,
-                                  cut_at_stop)
+from rdlm.inference.events import GenerationResult, TokenEvent
+from rdlm.inference.params import Decode, GenerationConfig, check_length, check_prompts, cut_at_stop
 from rdlm.inference.sampling import sample
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_time, forward_seconds

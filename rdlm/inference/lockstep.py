@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, ExitTrack, iterate_with_exits
+from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.exit_track import ExitTrack, iterate_with_exits
 from rdlm.inference.graphs import StaticSteps, resolve_sync_every
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from rdlm.checks import Integer, InvalidValue, Number
 from rdlm.data.tokenizer import IncrementalDecoder, Tokenizer
-from rdlm.inference.batching import BatchEvent
+from rdlm.inference.events import BatchEvent
 from rdlm.inference.params import (KV_CACHE_BUDGET, MAX_TOKENS, MAX_TOP_LOGPROBS, GenerationConfig, kv_cache_budget,
                                    params_for)
 

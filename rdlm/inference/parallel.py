@@ -61,7 +61,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitTrack
+from rdlm.inference.exit_track import ExitTrack
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.row_state import RowState
 from rdlm.inference.runner import ModelRunner

@@ -19,14 +19,12 @@ import math
 import types
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rdlm.checks import Integer, InvalidValue, Number, OneOf, is_int
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 
 if TYPE_CHECKING:  # annotations only: the module stays a leaf
-    import torch
-
     from rdlm.model.lm import RecurrentDepthLM
 
 Decode = Callable[[list[int]], str]
@@ -341,89 +339,6 @@ def params_for(front_end: str) -> tuple[Param, ...]:
     if front_end not in FRONT_ENDS:
         raise ValueError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
     return tuple(p for p in (*PARAMS, KV_CACHE_BUDGET) if front_end in p.front_ends)
-
-
-@dataclass(frozen=True)
-class BatchEvent:
-    """A token an engine chose for one of its requests."""
-    request: int                 # the id `Engine.add` returned
-    token: int
-    steps: int                   # core iterations run at the position whose logits chose this token
-    finish_reason: str | None    # None while the request goes on; "stop_token", "stop_string", "length"
-    logprob: float | None = None                      # with GenerationConfig.logprobs (TokenEvent's)
-    top: tuple[tuple[int, float], ...] | None = None
-
-
-class Engine(Protocol):
-    """Requests in, tokens out, one step at a time: what `generate` drives (docs/inference.md, "Decode
-    engine"). `add` queues a request and returns its id (ValueError for what the engine cannot serve),
-    `step` runs the next step and returns the tokens it chose, `cancel` drops a request, `busy` says whether
-    one is waiting or running, `take_failures` which requests failed alone (their errors) since the last call.
-    `ContinuousBatch` (rdlm.inference.batching), the one engine, admits and finishes them one by one and
-    ends each with `GenerationConfig.finish_reason`. The numbers below are `GenerationResult`'s,
-    zero for an engine that does not do that work."""
-    device: torch.device
-    cache_bytes: int                      # the KV cache's size
-    prefill_seconds = 0.0                 # prefilling the prompts before the first token's step
-    decode_start: float | None = None     # time.perf_counter() when decoding began; None: at the first step
-    capture_seconds = 0.0                 # capturing CUDA graphs (rdlm.inference.graphs.StaticSteps)
-    drafted = accepted = 0                # self-speculative decoding
-    core_passes = wave_steps = 0          # the parallel sampler
-
-    def add(self, prompt: list[int], config: GenerationConfig) -> int: ...
-
-    def step(self) -> list[BatchEvent]: ...
-
-    def cancel(self, request: int) -> None: ...
-
-    def take_failures(self) -> list[tuple[int, Exception]]: ...
-
-    @property
-    def busy(self) -> bool: ...
-
-    @property
-    def queued(self) -> int: ...          # requests waiting for a row
-
-    @property
-    def running(self) -> int: ...         # requests in rows, not finished
-
-    def take_timings(self) -> dict[str, float]: ...   # seconds per phase since the last call (a profiling engine)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    row: int      # which prompt of the batch
-    token: int
-    steps: int    # core iterations run at the position whose logits chose this token
-    logprob: float | None = None                      # with GenerationConfig.logprobs: log p(token)
-    top: tuple[tuple[int, float], ...] | None = None  # ... and the k most likely (token, log p), best first
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[list[int]]             # new tokens per prompt (stop token included, stop string not cut)
-    steps: list[list[int]]              # iterations per new token
-    finish_reasons: list[str]           # "stop_token", "stop_string" or "length"
-    texts: list[str] | None = None      # decoded new text (cut before a stop string) when decode given
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    drafted: int = 0                    # speculative decoding: drafted tokens ...
-    accepted: int = 0                   # ... and how many of them verification accepted
-    cache_bytes: int = 0
-    prompt_tokens: int = 0
-    compile_seconds: float = 0.0        # capturing the static decode step (not in decode_seconds)
-    core_passes: int = 0                # parallel sampler: core block calls after the prefill, each
-    wave_steps: int = 0                 # over a whole wave; and its wavefront steps
-    logprobs: list[list[float]] | None = None  # with GenerationConfig.logprobs: log p of each new token
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def mean_steps(self) -> float:
-        flat = [s for row in self.steps for s in row]
-        return sum(flat) / len(flat) if flat else 0.0
 
 
 def check_prompt(model: RecurrentDepthLM, prompt: list[int]) -> None:

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, ExitTrack, make_exit_criterion
+from rdlm.inference.exits import ExitCriterion, make_exit_criterion
+from rdlm.inference.exit_track import ExitTrack
 from rdlm.inference.runner import Call, ModelRunner, Pack
 
 

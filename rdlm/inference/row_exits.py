@@ -7,7 +7,7 @@ rows (`track`: the latest logits, the streak of passing readings, a learned gate
 criterion fired, gate-exact's chosen state), and updates it with the track's one update
 (`ExitTrack.after_iteration`) for each group of the call's rows that read alike: the rows sit at different
 iterations, so each group's reading schedule is given. The step runner counts each row's iterations and
-decides, with `exits.done_iterating`, whether a row is done: `exited` and `runs_on` are what it reads here.
+decides, with `exit_track.done_iterating`, whether a row is done: `exited` and `runs_on` are what it reads here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, ExitTrack, exit_schedule
+from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.exit_track import ExitTrack, exit_schedule
 from rdlm.inference.runner import Call, ModelRunner
 
 

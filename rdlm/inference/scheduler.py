@@ -29,7 +29,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from rdlm.checks import is_int
-from rdlm.inference.params import BatchEvent, Decode, GenerationConfig
+from rdlm.inference.events import BatchEvent
+from rdlm.inference.params import Decode, GenerationConfig
 from rdlm.inference.plan import (Admission, ChunkSpec, Chosen, Coda, EngineSettings, Iterating, RoundSpec, Start,
                                  StepOutput, StepPlan)
 from rdlm.inference.request import Request, Status

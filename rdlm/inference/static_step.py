@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import done_iterating
+from rdlm.inference.exit_track import done_iterating
 from rdlm.inference.graphs import StaticSteps
 from rdlm.inference.row_exits import RowExits
 from rdlm.inference.runner import ModelRunner

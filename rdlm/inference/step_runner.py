@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import done_iterating
+from rdlm.inference.exit_track import done_iterating
 from rdlm.inference.graphs import PhaseTimes
 from rdlm.inference.lockstep import Lockstep, Rows
 from rdlm.inference.plan import Admission, ChunkSpec, Chosen, EngineSettings, Iterating, Start, StepOutput, StepPlan

@@ -40,7 +40,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from rdlm.inference.exits import ExitTrack
+from rdlm.inference.exit_track import ExitTrack
 from rdlm.inference.noise import noise_table
 from rdlm.integrations.vllm import options
 from rdlm.model.config import RDLMConfig
