@@ -18,10 +18,10 @@ from rdlm.analysis.trajectories import Trajectory
 
 @dataclass
 class PCA:
-    mean: np.ndarray                 # [hidden]
-    components: np.ndarray           # [k, hidden], orthonormal rows, by decreasing variance
-    explained_variance: np.ndarray   # [k]
-    explained_ratio: np.ndarray      # [k], fraction of the total variance
+    mean: np.ndarray  # [hidden]
+    components: np.ndarray  # [k, hidden], orthonormal rows, by decreasing variance
+    explained_variance: np.ndarray  # [k]
+    explained_ratio: np.ndarray  # [k], fraction of the total variance
 
     def project(self, states: np.ndarray) -> np.ndarray:
         """[..., hidden] -> [..., k] coordinates in the principal directions."""
@@ -36,8 +36,10 @@ def fit_pca(blocks, num_components: int = 6) -> PCA:
         if x.ndim != 2:
             raise ValueError(f"PCA blocks must be [rows, hidden], got shape {tuple(x.shape)}")
         if total is None:
-            total, outer = torch.zeros(x.shape[1], dtype=torch.float64), torch.zeros(
-                x.shape[1], x.shape[1], dtype=torch.float64)
+            total, outer = (
+                torch.zeros(x.shape[1], dtype=torch.float64),
+                torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64),
+            )
         count += x.shape[0]
         total += x.sum(0)
         outer += x.T @ x
@@ -45,7 +47,7 @@ def fit_pca(blocks, num_components: int = 6) -> PCA:
         raise ValueError("PCA needs at least two states")
     mean = total / count
     covariance = (outer - count * torch.outer(mean, mean)) / (count - 1)
-    values, vectors = torch.linalg.eigh(covariance)           # ascending
+    values, vectors = torch.linalg.eigh(covariance)  # ascending
     values, vectors = values.flip(0).clamp_min(0), vectors.flip(1)
     k = min(num_components, vectors.shape[1])
     components = vectors[:, :k].T.clone()
@@ -54,8 +56,12 @@ def fit_pca(blocks, num_components: int = 6) -> PCA:
     components *= signs
     variance_total = values.sum().item()
     ratio = values[:k] / variance_total if variance_total > 0 else torch.zeros(k, dtype=torch.float64)
-    return PCA(mean=mean.numpy(), components=components.numpy(), explained_variance=values[:k].numpy(),
-               explained_ratio=ratio.numpy())
+    return PCA(
+        mean=mean.numpy(),
+        components=components.numpy(),
+        explained_variance=values[:k].numpy(),
+        explained_ratio=ratio.numpy(),
+    )
 
 
 def trajectory_pca(trajectory: Trajectory, num_components: int = 6) -> PCA:

@@ -11,9 +11,14 @@ import sys
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("lm-eval", help="run the lm-evaluation-harness with the rdlm model type",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                              add_help=False, prefix_chars="+")
+    p = subparsers.add_parser(
+        "lm-eval",
+        help="run the lm-evaluation-harness with the rdlm model type",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+        prefix_chars="+",
+    )
     p.add_argument("harness_args", nargs=argparse.REMAINDER, help="arguments for lm-eval")
     p.set_defaults(func=run)
 

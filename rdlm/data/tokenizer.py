@@ -23,7 +23,7 @@ from rdlm.checks import check_int
 from rdlm.fileio import write_text
 
 TOKENIZER_FILE = "tokenizer.json"
-_PLAIN_LOCK = threading.Lock()   # Tokenizer._backend: makes the plain-text copy once
+_PLAIN_LOCK = threading.Lock()  # Tokenizer._backend: makes the plain-text copy once
 
 BOS = "<|begin_text|>"
 EOS = "<|end_text|>"
@@ -64,8 +64,7 @@ def format_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bo
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
         turns.append({"role": str(message["role"]), "content": str(message["content"])})
-    return _compiled_chat_template().render(messages=turns, bos_token=BOS,
-                                            add_generation_prompt=add_generation_prompt)
+    return _compiled_chat_template().render(messages=turns, bos_token=BOS, add_generation_prompt=add_generation_prompt)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -111,8 +110,10 @@ class Tokenizer:
         if self.end_turn_id is not None and self.bos_id is None:
             raise TokenizerError(f"{source}: tokenizer has the chat tokens but no {BOS}, which starts a chat")
         if any(i is None for i in chat) and any(i is not None for i in chat):
-            raise TokenizerError(f"{source}: tokenizer has some chat tokens but not all of "
-                                 f"{', '.join((BEGIN_HEADER, END_HEADER, END_TURN))}")
+            raise TokenizerError(
+                f"{source}: tokenizer has some chat tokens but not all of "
+                f"{', '.join((BEGIN_HEADER, END_HEADER, END_TURN))}"
+            )
         # One past the largest id: the embedding rows a model needs (ids may have gaps, as Huginn's do).
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         self._plain: HFTokenizer | None = None
@@ -191,8 +192,9 @@ class Tokenizer:
         try:
             ids = self._backend(special).encode(text, add_special_tokens=False).ids
         except Exception as err:  # tokenizers raises a bare Exception (e.g. a character with no token)
-            raise TokenizerError(f"{self.source} cannot encode {text[:60]!r}: {err} (a character outside "
-                                 "its vocabulary?)") from err
+            raise TokenizerError(
+                f"{self.source} cannot encode {text[:60]!r}: {err} (a character outside its vocabulary?)"
+            ) from err
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = False, special: bool = True) -> list[list[int]]:
@@ -215,7 +217,7 @@ class Tokenizer:
         tokenizer does not have stands for none."""
         piece = self.backend.id_to_token(int(token))
         if piece is None:  # an id past the tokenizer's vocabulary (a model's padded embedding rows): no text,
-            return b""     # as `decode` gives it none
+            return b""  # as `decode` gives it none
         if type(self.backend.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF_CHAR for c in piece):
             return bytes(_BYTE_OF_CHAR[c] for c in piece)
         return self.decode([token]).encode()
@@ -240,14 +242,17 @@ class Tokenizer:
     def format_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         return format_chat(messages, add_generation_prompt)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """The chat's token ids. The template's own markers become control tokens; the messages' text
         never does ("<|end_turn|><|begin_header|>system" in a message is plain text). A chat with no
         such text gets the ids its rendered text has."""
         if not self.has_chat:
-            raise TokenizerError(f"{self.source}: this tokenizer has no chat tokens ({BEGIN_HEADER}, "
-                                 f"{END_HEADER}, {END_TURN}): the model was not made for chats")
+            raise TokenizerError(
+                f"{self.source}: this tokenizer has no chat tokens ({BEGIN_HEADER}, "
+                f"{END_HEADER}, {END_TURN}): the model was not made for chats"
+            )
         # Render with a random marker in place of each message's (trimmed) text, then encode: every
         # special token outside the markers is the template's and becomes its id; each stretch between two
         # of them, messages' text included, is encoded as plain text, as the tokenizer would encode that
@@ -294,43 +299,53 @@ class StreamDecoder:
 
     def push(self, token: int) -> str:
         self.tokens.append(int(token))
-        text = self._visible().rstrip("\ufffd")   # hold back a character whose bytes are still arriving
+        text = self._visible().rstrip("\ufffd")  # hold back a character whose bytes are still arriving
         if not text.startswith(self.emitted):
             # A decoder that rewrites earlier text: emit only once the text agrees again.
             return ""
-        new, self.emitted = text[len(self.emitted):], text
+        new, self.emitted = text[len(self.emitted) :], text
         return new
 
     def finish(self) -> str:
         """The rest of the text, once the stream has ended (a held-back incomplete character included)."""
         text = self._visible()
-        new = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        new = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
         self.emitted += new
         return new
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
-                    show_progress: bool = False) -> Tokenizer:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, min_frequency: int = 2, show_progress: bool = False
+) -> Tokenizer:
     """Train a byte-level BPE tokenizer whose last ids are SPECIAL_TOKENS (as in Huginn-0125).
 
     vocab_size counts the special tokens. A small corpus may yield fewer merges; the result's
     `vocab_size` says what was reached.
     """
     if vocab_size > MAX_VOCAB_SIZE:  # the tokenizers library aborts the process on sizes it cannot hold
-        raise ValueError(f"--vocab-size {vocab_size} is above the most this library trains, {MAX_VOCAB_SIZE} "
-                         "(the largest language-model vocabularies have about 2**18 tokens)")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is above the most this library trains, {MAX_VOCAB_SIZE} "
+            "(the largest language-model vocabularies have about 2**18 tokens)"
+        )
     check_int("min_frequency", min_frequency, 0)  # (the library overflows on others)
     base = vocab_size - len(SPECIAL_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if base < len(alphabet):
-        raise ValueError(f"vocab_size must be at least {len(alphabet) + len(SPECIAL_TOKENS)} "
-                         f"(256 byte tokens + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be at least {len(alphabet) + len(SPECIAL_TOKENS)} "
+            f"(256 byte tokens + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+        )
     backend = HFTokenizer(models.BPE())
     # No prefix space: byte-level BPE is then lossless, decode(encode(text)) == text.
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=base, min_frequency=min_frequency, initial_alphabet=alphabet,
-                                  show_progress=show_progress, special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=base,
+        min_frequency=min_frequency,
+        initial_alphabet=alphabet,
+        show_progress=show_progress,
+        special_tokens=[],
+    )
     backend.train_from_iterator(texts, trainer=trainer)
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return Tokenizer(backend, "<trained>")

@@ -26,17 +26,22 @@ class ExperimentResult:
     files: list[str] = field(default_factory=list)
 
 
-def phase_rows(family: T.TaskFamily, cfg: DemoConfig, steps: int, phase: int, reserved: set[str],
-               tokenizer: T.CharTokenizer):
+def phase_rows(
+    family: T.TaskFamily, cfg: DemoConfig, steps: int, phase: int, reserved: set[str], tokenizer: T.CharTokenizer
+):
     """The training rows of one phase, `steps` batches of `cfg.batch_size`: with the word-length curriculum
     in order (the main demo's), none of them a prompt of an evaluation split."""
     from rdlm.demo.run import task_rows
 
     n = steps * cfg.batch_size
-    order = (T.curriculum(family.train_difficulties, n, cfg.curriculum_fraction, cfg.curriculum_start)
-             if cfg.curriculum_fraction > 0 else None)
-    examples = T.generate(family, n, cfg.seed + PHASE_SEED_OFFSET * phase, "train", difficulties=order,
-                          exclude=reserved)
+    order = (
+        T.curriculum(family.train_difficulties, n, cfg.curriculum_fraction, cfg.curriculum_start)
+        if cfg.curriculum_fraction > 0
+        else None
+    )
+    examples = T.generate(
+        family, n, cfg.seed + PHASE_SEED_OFFSET * phase, "train", difficulties=order, exclude=reserved
+    )
     return task_rows(examples, tokenizer)
 
 
@@ -52,15 +57,24 @@ def check_rows(checks: Sequence[tuple[str, float, float]], op: str = ">=") -> li
             raise ValueError(f"a claim's comparison is >= or <=, got {sign!r}")
         margin = value - bound if sign == ">=" else bound - value
         # Accuracies are counts / n: a value exactly at the bound holds, whatever the rounding.
-        rows.append({"claim": f"{name} {sign} {bound:g}", "value": value, "op": sign, "bound": bound,
-                     "margin": margin, "holds": margin >= -MARGIN_EPS,
-                     "unit": check[4] if len(check) > 4 else "fraction"})
+        rows.append(
+            {
+                "claim": f"{name} {sign} {bound:g}",
+                "value": value,
+                "op": sign,
+                "bound": bound,
+                "margin": margin,
+                "holds": margin >= -MARGIN_EPS,
+                "unit": check[4] if len(check) > 4 else "fraction",
+            }
+        )
     return rows
 
 
 @dataclass
 class Environment:
     """The clock, CPU time and load at the start of a run; `finish` gives what the report states."""
+
     start: float
     cpu_start: float
     load_start: list[float] | None
@@ -68,11 +82,12 @@ class Environment:
     def finish(self, workers: int, threads: int) -> dict[str, Any]:
         from rdlm.demo.run import _cpu_seconds, _load, cpu_model
 
-        return {"seconds": round(time.perf_counter() - self.start, 1),
-                "cpu_seconds": round(_cpu_seconds() - self.cpu_start, 1),
-                "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "workers": workers,
-                            "threads_per_model": threads},
-                "load_average": {"start": self.load_start, "end": _load()}}
+        return {
+            "seconds": round(time.perf_counter() - self.start, 1),
+            "cpu_seconds": round(_cpu_seconds() - self.cpu_start, 1),
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "workers": workers, "threads_per_model": threads},
+            "load_average": {"start": self.load_start, "end": _load()},
+        }
 
 
 def environment() -> Environment:

@@ -22,8 +22,7 @@ def flops_per_token(model: RecurrentDepthLM, seq_len: int, no_grad_steps: int, g
     edge_attn = (c.prelude_layers + c.coda_layers) * attention
     r = no_grad_steps + grad_steps
     forward = 2 * (edges + r * groups["core"]) + edge_attn + r * c.core_layers * attention
-    backward = 2 * (2 * (edges + grad_steps * groups["core"]) + edge_attn
-                    + grad_steps * c.core_layers * attention)
+    backward = 2 * (2 * (edges + grad_steps * groups["core"]) + edge_attn + grad_steps * c.core_layers * attention)
     return float(forward + backward)
 
 
@@ -37,8 +36,11 @@ class ConfigSizes:
         layer = h * (q + 2 * kv) + q * h + 3 * h * inter  # attention (q, k, v, out) and the gated MLP
         adapter = 2 * h * h if config.injection == "concat" else 0  # the adapter of [s, e]
         self.config = config
-        self.groups = {"prelude": config.prelude_layers * layer, "coda": config.coda_layers * layer,
-                       "core": config.core_layers * layer + adapter}
+        self.groups = {
+            "prelude": config.prelude_layers * layer,
+            "coda": config.coda_layers * layer,
+            "core": config.core_layers * layer + adapter,
+        }
 
     def parameter_groups(self) -> dict[str, int]:
         return self.groups

@@ -61,8 +61,7 @@ class Attention(nn.Module):
         # "sdpa": torch's fused kernels; "eager": the same arithmetic as plain matmuls and a softmax.
         self.implementation = "sdpa"
 
-    def forward(self, x: Tensor, rope: Rope, mask: Tensor | None, cache: KVCacheHook | None,
-                key: LayerKey) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, mask: Tensor | None, cache: KVCacheHook | None, key: LayerKey) -> Tensor:
         batch, seq, _ = x.shape
         cos, sin = rope
         if self.kv_heads == self.num_heads and self.q_norm is None:
@@ -72,8 +71,9 @@ class Attention(nn.Module):
                 qk = qk + self.qk_bias.view(2, self.num_heads, self.head_dim)
             q, k = apply_rope(qk, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_pairs).unbind(dim=2)
         else:
-            q, k, v = self.qkv(x).split((self.num_heads * self.head_dim, self.kv_heads * self.head_dim,
-                                         self.kv_heads * self.head_dim), dim=-1)
+            q, k, v = self.qkv(x).split(
+                (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim), dim=-1
+            )
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = q.view(batch, seq, self.num_heads, self.head_dim), k.view(batch, seq, self.kv_heads, self.head_dim)
@@ -154,10 +154,10 @@ class GatedMLP(nn.Module):
 class Block(nn.Module):
     """One transformer layer; where it normalizes is the config's `norm_scheme`:
 
-        sandwich  x = n2(x + Attn(n1(x)));  x = n4(x + MLP(n3(x)))     Huginn
-        prenorm   x = x + Attn(n1(x));      x = x + MLP(n3(x))         Llama, the retrofitted Llama models
-        postnorm  x = x + n2(Attn(x));      x = x + n4(MLP(x))         OLMo-2
-        peri      x = x + n2(Attn(n1(x)));  x = x + n4(MLP(n3(x)))     Ouro
+    sandwich  x = n2(x + Attn(n1(x)));  x = n4(x + MLP(n3(x)))     Huginn
+    prenorm   x = x + Attn(n1(x));      x = x + MLP(n3(x))         Llama, the retrofitted Llama models
+    postnorm  x = x + n2(Attn(x));      x = x + n4(MLP(x))         OLMo-2
+    peri      x = x + n2(Attn(n1(x)));  x = x + n4(MLP(n3(x)))     Ouro
     """
 
     def __init__(self, config: RDLMConfig) -> None:
@@ -173,8 +173,14 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = GatedMLP(config)
 
-    def forward(self, x: Tensor, rope: Rope, mask: Tensor | None = None,
-                cache: KVCacheHook | None = None, key: LayerKey = ("", 0, -1)) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rope: Rope,
+        mask: Tensor | None = None,
+        cache: KVCacheHook | None = None,
+        key: LayerKey = ("", 0, -1),
+    ) -> Tensor:
         branch = self.attn(self.norm_1(x) if self.pre else x, rope, mask, cache, key)
         x = x + (self.norm_2(branch) if self.post else branch)
         if self.sandwich:

@@ -64,11 +64,14 @@ class QuantSpec:
     def __post_init__(self) -> None:
         for part in PARTS:
             if getattr(self, part) not in SCHEMES:
-                raise QuantizationError(f"quantization of {part}: unknown scheme {getattr(self, part)!r} "
-                                        f"(expected one of {', '.join(SCHEMES)})")
+                raise QuantizationError(
+                    f"quantization of {part}: unknown scheme {getattr(self, part)!r} "
+                    f"(expected one of {', '.join(SCHEMES)})"
+                )
         if self.group_size not in GROUP_SIZES:
-            raise QuantizationError(f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, "
-                                    f"got {self.group_size}")
+            raise QuantizationError(
+                f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}"
+            )
 
     @classmethod
     def parse(cls, text: str, group_size: int = DEFAULT_GROUP_SIZE) -> "QuantSpec":
@@ -77,19 +80,23 @@ class QuantSpec:
         # "," and "=" as written; "+" and ":" also, for places where commas separate arguments (lm-eval)
         items = [item.strip() for item in str(text).replace("+", ",").replace(":", "=").split(",")]
         if not text or not all(items):
-            raise QuantizationError(f"empty item in quantization spec {text!r} (e.g. 'int8' or "
-                                    "'core=int4,prelude=int8,coda=none')")
+            raise QuantizationError(
+                f"empty item in quantization spec {text!r} (e.g. 'int8' or 'core=int4,prelude=int8,coda=none')"
+            )
         for number, item in enumerate(items):
             if "=" not in item:
                 if number > 0:  # it would set every part again, undoing what the items before it said
-                    raise QuantizationError(f"quantization spec {text!r}: the scheme for every part ({item!r}) "
-                                            "comes first, e.g. 'int4,core=int8'")
+                    raise QuantizationError(
+                        f"quantization spec {text!r}: the scheme for every part ({item!r}) "
+                        "comes first, e.g. 'int4,core=int8'"
+                    )
                 values.update(dict.fromkeys(PARTS, item))
                 continue
             part, scheme = (s.strip() for s in item.split("=", 1))
             if part not in PARTS:
-                raise QuantizationError(f"quantization spec {text!r}: unknown part {part!r} "
-                                        f"(expected {', '.join(PARTS)})")
+                raise QuantizationError(
+                    f"quantization spec {text!r}: unknown part {part!r} (expected {', '.join(PARTS)})"
+                )
             if part in named:  # the last would win, silently
                 raise QuantizationError(f"quantization spec {text!r}: part {part!r} is named twice")
             named.add(part)
@@ -111,8 +118,10 @@ class QuantSpec:
     @classmethod
     def from_json(cls, raw: Any, source: str = "config.json") -> "QuantSpec":
         if not isinstance(raw, dict) or set(raw) - {f.name for f in fields(cls)}:
-            raise QuantizationError(f"{source}: {CONFIG_KEY} must be an object with keys "
-                                    f"{', '.join(f.name for f in fields(cls))}, got {raw!r}")
+            raise QuantizationError(
+                f"{source}: {CONFIG_KEY} must be an object with keys "
+                f"{', '.join(f.name for f in fields(cls))}, got {raw!r}"
+            )
         return cls(**raw)
 
 
@@ -139,10 +148,24 @@ class QuantizedLinear(nn.Module):
     linear, 7-bit activations): several times faster there, at the cost of activation rounding.
     `canonical()` gives the portable form that is saved, and `from_canonical` reads it back."""
 
-    def __init__(self, scheme: str, in_features: int, out_features: int, group_size: int,
-                 qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None) -> None:
+    def __init__(
+        self,
+        scheme: str,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        qweight: Tensor,
+        scales: Tensor,
+        zeros: Tensor | None,
+        bias: Tensor | None,
+    ) -> None:
         super().__init__()
-        self.scheme, self.in_features, self.out_features, self.group_size = scheme, in_features, out_features, group_size
+        self.scheme, self.in_features, self.out_features, self.group_size = (
+            scheme,
+            in_features,
+            out_features,
+            group_size,
+        )
         self.on_cpu = qweight.device.type == "cpu"
         kernel_dtype = torch.bfloat16 if self.on_cpu else torch.float32
         self.packed = None
@@ -151,19 +174,24 @@ class QuantizedLinear(nn.Module):
             try:
                 with warnings.catch_warnings():  # PyTorch marks its quantized tensors deprecated (docs/quantization.md)
                     warnings.simplefilter("ignore", UserWarning)
-                    weight = torch._make_per_channel_quantized_tensor(qweight, scales.double(), torch.zeros(
-                        out_features, dtype=torch.long), 0)
+                    weight = torch._make_per_channel_quantized_tensor(
+                        qweight, scales.double(), torch.zeros(out_features, dtype=torch.long), 0
+                    )
                     self.packed = torch.ops.quantized.linear_prepack(weight, None)
             except (AttributeError, RuntimeError) as err:
-                raise QuantizationError(f"w8a8 needs PyTorch's FBGEMM quantized linear, which this PyTorch lacks "
-                                        f"({err}); use int8") from None
+                raise QuantizationError(
+                    f"w8a8 needs PyTorch's FBGEMM quantized linear, which this PyTorch lacks ({err}); use int8"
+                ) from None
             self.register_buffer("qweight", None, persistent=False)
             self.register_buffer("scales", scales.float(), persistent=False)
         elif scheme == "int4" and self.on_cpu:
             self.register_buffer("qweight", _nibbles_to_cpu_int4_layout(qweight), persistent=False)
             # [in/group, out, 2]: scale and zero point, as the kernel reads them
-            self.register_buffer("scales_and_zeros", torch.stack((scales, zeros), -1).transpose(0, 1)
-                                 .contiguous().to(kernel_dtype), persistent=False)
+            self.register_buffer(
+                "scales_and_zeros",
+                torch.stack((scales, zeros), -1).transpose(0, 1).contiguous().to(kernel_dtype),
+                persistent=False,
+            )
         else:
             self.register_buffer("qweight", _aligned(qweight), persistent=False)
             self.register_buffer("scales", _aligned(scales.to(kernel_dtype)), persistent=False)
@@ -197,8 +225,17 @@ class QuantizedLinear(nn.Module):
         return cls("int4", in_features, out_features, group_size, packed, scales, zeros, bias)
 
     @classmethod
-    def from_canonical(cls, name: str, scheme: str, tensors: Mapping[str, Tensor], bias: Tensor | None,
-                       out_features: int, in_features: int, group_size: int, device) -> "QuantizedLinear":
+    def from_canonical(
+        cls,
+        name: str,
+        scheme: str,
+        tensors: Mapping[str, Tensor],
+        bias: Tensor | None,
+        out_features: int,
+        in_features: int,
+        group_size: int,
+        device,
+    ) -> "QuantizedLinear":
         """Read the stored form (see the module docstring) of a layer `scheme` quantizes, refusing tensors
         that do not fit the layer `name` [out_features, in_features] in one line."""
         q, scales, zeros = (tensors.get(s) for s in SUFFIXES)
@@ -208,9 +245,11 @@ class QuantizedLinear(nn.Module):
             stored, expected = "int8", {"qweight": (out_features, in_features), "scales": (out_features,)}
         elif q.dtype == torch.uint8:
             stored = "int4"
-            expected = {"qweight": (out_features, in_features // 2),
-                        "scales": (out_features, in_features // group_size),
-                        "zeros": (out_features, in_features // group_size)}
+            expected = {
+                "qweight": (out_features, in_features // 2),
+                "scales": (out_features, in_features // group_size),
+                "zeros": (out_features, in_features // group_size),
+            }
             if zeros is None:
                 raise QuantizationError(f"{name}: an int4 weight needs {name}.zeros")
         else:
@@ -222,17 +261,26 @@ class QuantizedLinear(nn.Module):
         given = {"qweight": q, "scales": scales, "zeros": zeros}
         for key, shape in expected.items():
             if tuple(given[key].shape) != shape:
-                raise QuantizationError(f"{name}.{key} has shape {list(given[key].shape)}, expected {list(shape)}"
-                                        + (f" (group size {group_size})" if stored == "int4" and key != "qweight"
-                                           else ""))
+                raise QuantizationError(
+                    f"{name}.{key} has shape {list(given[key].shape)}, expected {list(shape)}"
+                    + (f" (group size {group_size})" if stored == "int4" and key != "qweight" else "")
+                )
             if key != "qweight" and not given[key].is_floating_point():
                 raise QuantizationError(f"{name}.{key} has dtype {given[key].dtype}; expected a float tensor")
             if key != "qweight" and not torch.isfinite(given[key]).all():
                 raise QuantizationError(f"{name}.{key} holds non-finite values")
         if not (scales > 0).all():
             raise QuantizationError(f"{name}.scales holds values <= 0")
-        return cls(stored, in_features, out_features, group_size, q.to(device), scales.float().to(device),
-                   None if zeros is None else zeros.float().to(device), None if bias is None else bias.to(device))
+        return cls(
+            stored,
+            in_features,
+            out_features,
+            group_size,
+            q.to(device),
+            scales.float().to(device),
+            None if zeros is None else zeros.float().to(device),
+            None if bias is None else bias.to(device),
+        )
 
     def canonical(self) -> dict[str, Tensor]:
         """The stored form: qweight, scales (and zeros for int4) on the CPU, scales in float32."""
@@ -267,17 +315,20 @@ class QuantizedLinear(nn.Module):
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
         if self.on_cpu != (x.device.type == "cpu"):
-            raise RuntimeError(f"a layer quantized {'on' if self.on_cpu else 'off'} the CPU got input on {x.device}: "
-                               "quantize the model on the device it runs on (load_model(..., device=..., "
-                               "quantize=...))")
+            raise RuntimeError(
+                f"a layer quantized {'on' if self.on_cpu else 'off'} the CPU got input on {x.device}: "
+                "quantize the model on the device it runs on (load_model(..., device=..., "
+                "quantize=...))"
+            )
         if self.packed is not None:
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True)
         elif self.scheme in ("int8", "w8a8") and self.on_cpu:
             y = torch._weight_int8pack_mm(x2.to(self.scales.dtype).contiguous(), self.qweight, self.scales)
         elif self.on_cpu and self.scheme == "int4":
             kernel = self.scales_and_zeros.dtype
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(kernel).contiguous(), self.qweight,
-                                                           self.group_size, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(kernel).contiguous(), self.qweight, self.group_size, self.scales_and_zeros
+            )
         else:
             y = self.dequantized_matmul(x2)
         y = y.to(dtype)
@@ -332,8 +383,9 @@ def _nibbles_to_cpu_int4_layout(packed: Tensor, rows: int = _PACK_ROWS) -> Tenso
     """`_to_cpu_int4_layout(_unpack_nibbles(packed))` a block of rows at a time: the kernel's layout keeps
     blocks of 32 or 64 output rows, and unpacking a whole head to int32 at once costs 8 bytes per weight of
     transient memory (128 MiB for a 32768x1024 head)."""
-    return torch.cat([_to_cpu_int4_layout(_unpack_nibbles(packed[i:i + rows]))
-                      for i in range(0, packed.shape[0], rows)])
+    return torch.cat(
+        [_to_cpu_int4_layout(_unpack_nibbles(packed[i : i + rows])) for i in range(0, packed.shape[0], rows)]
+    )
 
 
 def _from_cpu_int4_layout(packed: Tensor, out_features: int, in_features: int, rows: int = _PACK_ROWS) -> Tensor:
@@ -344,7 +396,7 @@ def _from_cpu_int4_layout(packed: Tensor, out_features: int, in_features: int, r
     packed = packed.cpu()
     blocks = []
     for start in range(0, out_features, rows):
-        chunk = packed[start:start + rows]
+        chunk = packed[start : start + rows]
         order = _cpu_int4_order(chunk.shape[0], in_features)
         values = torch.empty(chunk.shape[0] * in_features, dtype=torch.uint8)
         values[order.long()] = _unpack_nibbles(chunk).flatten()
@@ -393,8 +445,10 @@ def quantize(model: nn.Module, spec: "QuantSpec | str | None", group_size: int =
     if spec is None:
         return model
     if getattr(model, "quantization", None) is not None:
-        raise QuantizationError(f"the model is quantized already ({model.quantization}); load the unquantized "
-                                "model to quantize it differently")
+        raise QuantizationError(
+            f"the model is quantized already ({model.quantization}); load the unquantized "
+            "model to quantize it differently"
+        )
     chosen: dict[str, str] = {}
     with torch.no_grad():
         for part, name, module in list(layers(model)):
@@ -426,8 +480,10 @@ def apply(model: nn.Module, spec: "QuantSpec | str | None", group_size: int = DE
     if spec is None or spec == stored:
         return model
     if stored is not None:
-        raise QuantizationError(f"the model is saved quantized ({stored}); --quantize {spec} would quantize it "
-                                "twice: drop --quantize, or quantize the unquantized model")
+        raise QuantizationError(
+            f"the model is saved quantized ({stored}); --quantize {spec} would quantize it "
+            "twice: drop --quantize, or quantize the unquantized model"
+        )
     return quantize(model, spec)
 
 
@@ -467,8 +523,9 @@ def attach_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, Tenso
         if has_bias and bias is None:
             raise QuantizationError(f"{source}: missing {name}.bias")
         try:
-            layer = QuantizedLinear.from_canonical(name, getattr(spec, part), parts, bias, out_features,
-                                                   in_features, spec.group_size, device)
+            layer = QuantizedLinear.from_canonical(
+                name, getattr(spec, part), parts, bias, out_features, in_features, spec.group_size, device
+            )
         except QuantizationError as err:
             raise QuantizationError(f"{source}: {err}") from None
         _set_module(model, name, layer)
@@ -494,5 +551,18 @@ def describe(model: nn.Module) -> str:
     return f"{spec} ({layers_text} layers; weights {weight_bytes(model) / 2**20:.1f} MiB)"
 
 
-__all__ = ["QuantSpec", "QuantizedLinear", "QuantizationError", "quantize", "is_quantized", "quantized_tensors",
-           "attach_quantized", "weight_bytes", "describe", "PARTS", "SCHEMES", "CONFIG_KEY", "as_spec"]
+__all__ = [
+    "QuantSpec",
+    "QuantizedLinear",
+    "QuantizationError",
+    "quantize",
+    "is_quantized",
+    "quantized_tensors",
+    "attach_quantized",
+    "weight_bytes",
+    "describe",
+    "PARTS",
+    "SCHEMES",
+    "CONFIG_KEY",
+    "as_spec",
+]

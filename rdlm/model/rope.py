@@ -68,8 +68,9 @@ def inverse_frequencies(head_dim: int, base: float, scaling: Mapping[str, Any] |
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(head_dim: int, length: int, base: float,
-                scaling: Mapping[str, Any] | None = None) -> tuple[Tensor, Tensor]:
+def rope_tables(
+    head_dim: int, length: int, base: float, scaling: Mapping[str, Any] | None = None
+) -> tuple[Tensor, Tensor]:
     """cos/sin tables [length, head_dim/2] in float32."""
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inverse_frequencies(head_dim, base, scaling))
     return angles.cos(), angles.sin()

@@ -54,10 +54,21 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rdlm.fileio import staging_dir, temp_prefix, write_json
-from rdlm.model.checkpoints import (SHARDED_DIR, STEP_RE, TRAINER_FILE, checkpoint_dir,  # noqa: F401 (the layout's
-                                    confined_shards, has_ema, is_sharded, last_finite_checkpoint,  # names, here too)
-                                    latest_checkpoint, list_checkpoints, load_weights, read_sharded_full,
-                                    read_trainer)
+from rdlm.model.checkpoints import (
+    SHARDED_DIR,
+    STEP_RE,
+    TRAINER_FILE,
+    checkpoint_dir,  # noqa: F401 (the layout's
+    confined_shards,
+    has_ema,
+    is_sharded,
+    last_finite_checkpoint,  # names, here too)
+    latest_checkpoint,
+    list_checkpoints,
+    load_weights,
+    read_sharded_full,
+    read_trainer,
+)
 from rdlm.model.huginn import load_pretrained, save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
 
@@ -82,8 +93,10 @@ def optimizer_tensors(optimizer_state: dict, names: list[str]) -> tuple[dict[str
         for key, value in state.items():
             value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
             tensors[f"{names[int(index)]}/{key}"] = value.detach().to("cpu").contiguous()
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[i] for i in g["params"]]}
-              for g in optimizer_state["param_groups"]]
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"params": [names[i] for i in g["params"]]}
+        for g in optimizer_state["param_groups"]
+    ]
     return tensors, groups
 
 
@@ -95,14 +108,24 @@ def optimizer_state_dict(tensors: dict[str, torch.Tensor], groups: list[dict], n
         if name not in index:
             raise ValueError(f"optimizer state names unknown parameter {name!r}")
         state.setdefault(index[name], {})[field] = value
-    param_groups = [{**g, "params": [index[n] for n in g["params"]],
-                     **({"betas": tuple(g["betas"])} if "betas" in g else {})} for g in groups]
+    param_groups = [
+        {**g, "params": [index[n] for n in g["params"]], **({"betas": tuple(g["betas"])} if "betas" in g else {})}
+        for g in groups
+    ]
     return {"state": state, "param_groups": param_groups}
 
 
-def save_checkpoint(out_dir: str | os.PathLike, step: int, model: RecurrentDepthLM,
-                    ema_model: RecurrentDepthLM | None, optimizer_state: dict, parameter_names: list[str],
-                    trainer: dict[str, Any], tokenizer=None, keep: int = 3) -> Path:
+def save_checkpoint(
+    out_dir: str | os.PathLike,
+    step: int,
+    model: RecurrentDepthLM,
+    ema_model: RecurrentDepthLM | None,
+    optimizer_state: dict,
+    parameter_names: list[str],
+    trainer: dict[str, Any],
+    tokenizer=None,
+    keep: int = 3,
+) -> Path:
     """Write checkpoint `step` atomically, then delete all but the newest `keep`."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -124,8 +147,9 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model: RecurrentDepth
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, ema_model: nn.Module | None,
-                    parameter_names: list[str]) -> tuple[Checkpoint, dict | None]:
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, ema_model: nn.Module | None, parameter_names: list[str]
+) -> tuple[Checkpoint, dict | None]:
     """Load weights (and EMA) into the given models; return the checkpoint and the optimizer state_dict."""
     path = Path(path)
     trainer = read_trainer(path)
@@ -170,8 +194,9 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return rng
 
 
-def sharded_state(model: nn.Module, optimizer, ema_shadow: list[torch.Tensor] | None,
-                  parameter_names: list[str]) -> tuple[dict[str, Any], list[dict]]:
+def sharded_state(
+    model: nn.Module, optimizer, ema_shadow: list[torch.Tensor] | None, parameter_names: list[str]
+) -> tuple[dict[str, Any], list[dict]]:
     """The state DCP saves and loads in place: {"model", "optimizer": {"state"}, "ema"} (DTensors under
     FSDP, plain tensors otherwise), and the optimizer's parameter groups (kept in trainer.json)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -190,13 +215,22 @@ def shaped_like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor
         return local_tensor
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        local_tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
-def save_sharded_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer,
-                            ema_shadow: list[torch.Tensor] | None, parameter_names: list[str],
-                            trainer: dict[str, Any], tokenizer=None, keep: int = 3) -> Path:
+def save_sharded_checkpoint(
+    out_dir: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer,
+    ema_shadow: list[torch.Tensor] | None,
+    parameter_names: list[str],
+    trainer: dict[str, Any],
+    tokenizer=None,
+    keep: int = 3,
+) -> Path:
     """Every worker writes its shards into one staging directory; rank 0 then adds trainer.json and
     renames it into place. Killed at any moment, the previous checkpoints stay complete."""
     import torch.distributed as dist
@@ -221,8 +255,11 @@ def save_sharded_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mod
             if tokenizer is not None:
                 tokenizer.save(tmp / "tokenizer.json")
             config = model.config.to_dict()
-            write_json(tmp / TRAINER_FILE, {**trainer, "step": step, "sharded": True, "model_config": config,
-                                            "optimizer_groups": groups}, indent=1)  # last: marks completeness
+            write_json(
+                tmp / TRAINER_FILE,
+                {**trainer, "step": step, "sharded": True, "model_config": config, "optimizer_groups": groups},
+                indent=1,
+            )  # last: marks completeness
             fsync_tree(tmp)
             replace_dir(tmp, final)
             for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
@@ -235,8 +272,13 @@ def save_sharded_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mod
     return final
 
 
-def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer,
-                            ema_shadow: list[torch.Tensor] | None, parameter_names: list[str]) -> Checkpoint:
+def load_sharded_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer,
+    ema_shadow: list[torch.Tensor] | None,
+    parameter_names: list[str],
+) -> Checkpoint:
     """Resume FSDP training, in place, from a sharded checkpoint (any number of writers) or a
     single-process one (each worker keeps its part of the whole tensors)."""
     import torch.distributed.checkpoint as dcp
@@ -258,9 +300,12 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer
                 for key in handle.keys():
                     name, _, field = key.rpartition("/")
                     _fill(state["optimizer"]["state"][name], {field: handle.get_tensor(key)})
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"]["state"],
-                                     "param_groups": trainer["optimizer_groups"]})
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict={"state": state["optimizer"]["state"], "param_groups": trainer["optimizer_groups"]},
+    )
     _load_rng(path)
     return Checkpoint(path, trainer)
 
@@ -273,8 +318,9 @@ def _fill(targets: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> N
         if hasattr(target, "device_mesh"):
             from torch.distributed.tensor import distribute_tensor
 
-            value = distribute_tensor(value.to(target.device_mesh.device_type, target.dtype),
-                                      target.device_mesh, target.placements).to_local()
+            value = distribute_tensor(
+                value.to(target.device_mesh.device_type, target.dtype), target.device_mesh, target.placements
+            ).to_local()
             target = target.to_local()
         target.copy_(value)
 

@@ -33,6 +33,7 @@ class CollapseWarning(UserWarning):
 # ------------------------------------------------------------------------------------------------
 # Evaluation
 
+
 def token_correlation(state: Tensor) -> float:
     """Mean Pearson correlation between different tokens' state vectors in a sequence.
 
@@ -41,7 +42,7 @@ def token_correlation(state: Tensor) -> float:
     x = state.float()
     x = x - x.mean(dim=-1, keepdim=True)
     x = F.normalize(x, dim=-1)
-    gram = x @ x.transpose(1, 2)                     # [B, S, S]
+    gram = x @ x.transpose(1, 2)  # [B, S, S]
     seq = gram.shape[-1]
     if seq < 2:
         return float("nan")
@@ -50,16 +51,23 @@ def token_correlation(state: Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Sequence[int], seed: int = 0,
-             autocast: torch.autocast | None = None, device: torch.device | None = None) -> dict[str, float]:
+def evaluate(
+    model: RecurrentDepthLM,
+    batches: Sequence[Batch],
+    num_steps: Sequence[int],
+    seed: int = 0,
+    autocast: torch.autocast | None = None,
+    device: torch.device | None = None,
+) -> dict[str, float]:
     """Validation perplexity at each r (same s_0 draws every time), plus state statistics."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
     metrics: dict[str, float] = {}
     try:
-        scores = nll_vs_steps(model, [(b.input_ids, b.labels) for b in batches], num_steps, seed=seed,
-                              autocast=autocast, device=device)
+        scores = nll_vs_steps(
+            model, [(b.input_ids, b.labels) for b in batches], num_steps, seed=seed, autocast=autocast, device=device
+        )
         for r in num_steps:
             loss = scores[int(r)].mean_nll
             metrics[f"val_loss_r{r}"] = loss
@@ -68,19 +76,20 @@ def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Seque
         r = model.config.mean_recurrence
         generator = torch.Generator(device=device).manual_seed(seed)
         with autocast or contextlib.nullcontext():
-            out = model(batches[0].input_ids.to(device), num_steps=r, generator=generator,
-                        return_trajectory=True)
+            out = model(batches[0].input_ids.to(device), num_steps=r, generator=generator, return_trajectory=True)
         last, previous = out.trajectory[-1].float(), out.trajectory[-2].float()
         metrics["token_correlation"] = token_correlation(last)
-        metrics["state_rel_change"] = ((last - previous).norm(dim=-1) / last.norm(dim=-1).clamp_min(1e-12)
-                                       ).mean().item()
+        metrics["state_rel_change"] = (
+            ((last - previous).norm(dim=-1) / last.norm(dim=-1).clamp_min(1e-12)).mean().item()
+        )
     finally:
         model.train(was_training)
     return metrics
 
 
-def collapse_signatures(metrics: dict[str, float], num_steps: Sequence[int],
-                        correlation_limit: float = 0.95, flat_tolerance: float = 0.01) -> list[str]:
+def collapse_signatures(
+    metrics: dict[str, float], num_steps: Sequence[int], correlation_limit: float = 0.95, flat_tolerance: float = 0.01
+) -> list[str]:
     """Messages for each collapse signature (docs/architecture.md#monitoring) present in `metrics`."""
     found = []
     corr = metrics.get("token_correlation")
@@ -89,8 +98,10 @@ def collapse_signatures(metrics: dict[str, float], num_steps: Sequence[int],
     if len(num_steps) >= 2:
         low, high = metrics[f"val_ppl_r{min(num_steps)}"], metrics[f"val_ppl_r{max(num_steps)}"]
         if abs(low - high) <= flat_tolerance * high:
-            found.append(f"the model ignores the recurrent state: validation perplexity {low:.3f} at "
-                         f"r={min(num_steps)} vs {high:.3f} at r={max(num_steps)}")
+            found.append(
+                f"the model ignores the recurrent state: validation perplexity {low:.3f} at "
+                f"r={min(num_steps)} vs {high:.3f} at r={max(num_steps)}"
+            )
     return found
 
 
@@ -121,11 +132,19 @@ def peak_flops(device: torch.device, configured: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------------
 # Writers
 
+
 class Monitor:
     """JSONL log (always, when there is an output directory), TensorBoard (if installed), tqdm bar."""
 
-    def __init__(self, out_dir: str | os.PathLike | None, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        out_dir: str | os.PathLike | None,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress: bool = True,
+        enabled: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.log_file = None
         self.tb = None
@@ -144,8 +163,11 @@ class Monitor:
 
                     self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1)
                 except ImportError:
-                    print("rdlm train: tensorboard is not installed; skipping the TensorBoard log "
-                          "(pip install 'rdlm[monitor]')", file=sys.stderr)
+                    print(
+                        "rdlm train: tensorboard is not installed; skipping the TensorBoard log "
+                        "(pip install 'rdlm[monitor]')",
+                        file=sys.stderr,
+                    )
         if progress:
             from tqdm.auto import tqdm
 
@@ -193,5 +215,8 @@ def truncate_log(path: Path, step: int) -> None:
 
 
 def read_log(path: str | os.PathLike, kind: str = "train") -> list[dict]:
-    return [r for r in (json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
-            if r.get("kind") == kind]
+    return [
+        r
+        for r in (json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
+        if r.get("kind") == kind
+    ]

@@ -51,26 +51,34 @@ class RunCheckpoints:
                 point = self._load(path)
             except Exception as err:  # noqa: BLE001 - any failure to read it means "damaged"
                 damaged.append(f"{path}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-                print(f"rdlm train: checkpoint {path} cannot be resumed from ({damaged[-1]}); trying the "
-                      "previous one", file=sys.stderr, flush=True)
+                print(
+                    f"rdlm train: checkpoint {path} cannot be resumed from ({damaged[-1]}); trying the previous one",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             if damaged:
-                print(f"rdlm train: resuming from {path}, the newest intact checkpoint", file=sys.stderr,
-                      flush=True)
+                print(f"rdlm train: resuming from {path}, the newest intact checkpoint", file=sys.stderr, flush=True)
             break
         else:
-            raise TrainingError(f"no checkpoint in {ckpt.checkpoint_dir(self.config.out_dir)} can be resumed "
-                                f"from: {'; '.join(damaged)}")
+            raise TrainingError(
+                f"no checkpoint in {ckpt.checkpoint_dir(self.config.out_dir)} can be resumed from: {'; '.join(damaged)}"
+            )
         state = point.trainer
         if state.get("global_batch_size") != self.batches.global_batch_size:
-            raise ConfigError(f"checkpoint {path} was trained with a global batch of "
-                              f"{state.get('global_batch_size')} rows, this run has "
-                              f"{self.batches.global_batch_size}: the data position would not match"
-                              + self._batch_hint(state.get("global_batch_size")))
+            raise ConfigError(
+                f"checkpoint {path} was trained with a global batch of "
+                f"{state.get('global_batch_size')} rows, this run has "
+                f"{self.batches.global_batch_size}: the data position would not match"
+                + self._batch_hint(state.get("global_batch_size"))
+            )
         self.step = point.step
         if self.world.rank == 0:
-            print(f"rdlm train: resumed from {path} at step {point.step} of {self.config.steps}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rdlm train: resumed from {path} at step {point.step} of {self.config.steps}",
+                file=sys.stderr,
+                flush=True,
+            )
         self.losses = list(state.get("losses", []))
         self.drawn = [list(x) for x in state.get("num_steps", [])]
         self.evals = list(state.get("evals", []))
@@ -82,8 +90,9 @@ class RunCheckpoints:
     def _load(self, path: Path) -> ckpt.Checkpoint:
         """Load checkpoint `path` into the model, EMA and optimizer."""
         if self.strategy == "fsdp":
-            return ckpt.load_sharded_checkpoint(path, self.model, self.optimizer,
-                                                self.ema.shadow if self.ema else None, self.names)
+            return ckpt.load_sharded_checkpoint(
+                path, self.model, self.optimizer, self.ema.shadow if self.ema else None, self.names
+            )
         ema_model = self._ema_model() if self.ema else None
         point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
         if ema_model is not None:
@@ -106,12 +115,16 @@ class RunCheckpoints:
         """How to keep a checkpoint's global batch of `saved` rows with this run's workers."""
         per_step = self.config.micro_batch_size * self.world.size
         if isinstance(saved, int) and saved > 0 and saved % per_step == 0:
-            return (f"; with {self.world.size} worker(s) of micro-batch {self.config.micro_batch_size}, "
-                    f"--accumulation {saved // per_step} keeps it")
+            return (
+                f"; with {self.world.size} worker(s) of micro-batch {self.config.micro_batch_size}, "
+                f"--accumulation {saved // per_step} keeps it"
+            )
         if isinstance(saved, int) and saved > 0:
-            return (f"; {saved} rows is not a multiple of {self.world.size} worker(s) x micro-batch "
-                    f"{self.config.micro_batch_size}: choose --micro-batch-size and --accumulation with "
-                    f"micro-batch x accumulation x workers = {saved}")
+            return (
+                f"; {saved} rows is not a multiple of {self.world.size} worker(s) x micro-batch "
+                f"{self.config.micro_batch_size}: choose --micro-batch-size and --accumulation with "
+                f"micro-batch x accumulation x workers = {saved}"
+            )
         return ""
 
     def _save(self) -> Path | None:
@@ -124,24 +137,51 @@ class RunCheckpoints:
         finite = self._weights_finite()
         trainer_state = {
             "finite_weights": finite,
-            "format": "rdlm-training-checkpoint", "consumed_rows": self.step * self.batches.global_batch_size,
-            "global_batch_size": self.batches.global_batch_size, "world_size": self.world.size,
+            "format": "rdlm-training-checkpoint",
+            "consumed_rows": self.step * self.batches.global_batch_size,
+            "global_batch_size": self.batches.global_batch_size,
+            "world_size": self.world.size,
             "strategy": self.strategy,
-            "epoch": self.batches.epoch_of(self.step), "lr": self.schedule(max(self.step - 1, 0)),
-            "schedule": dataclasses.asdict(self.schedule), "bad_steps": self.bad_steps,
-            "consecutive_bad": self.consecutive_bad, "losses": self.losses, "num_steps": self.drawn,
-            "evals": self.evals, "train_config": self.config.to_dict(),
-            "recurrence": {"mean": self.mean_recurrence, "backprop_depth": self.backprop_depth,
-                           "sampler": self.sampler, "sigma": self.sigma},
+            "epoch": self.batches.epoch_of(self.step),
+            "lr": self.schedule(max(self.step - 1, 0)),
+            "schedule": dataclasses.asdict(self.schedule),
+            "bad_steps": self.bad_steps,
+            "consecutive_bad": self.consecutive_bad,
+            "losses": self.losses,
+            "num_steps": self.drawn,
+            "evals": self.evals,
+            "train_config": self.config.to_dict(),
+            "recurrence": {
+                "mean": self.mean_recurrence,
+                "backprop_depth": self.backprop_depth,
+                "sampler": self.sampler,
+                "sigma": self.sigma,
+            },
         }
         if self.strategy == "fsdp":  # every worker writes its shards
-            path = ckpt.save_sharded_checkpoint(self.config.out_dir, self.step, self.model, optimizer,
-                                                self.ema.shadow if self.ema else None, self.names,
-                                                trainer_state, self.tokenizer, self.config.keep_checkpoints)
+            path = ckpt.save_sharded_checkpoint(
+                self.config.out_dir,
+                self.step,
+                self.model,
+                optimizer,
+                self.ema.shadow if self.ema else None,
+                self.names,
+                trainer_state,
+                self.tokenizer,
+                self.config.keep_checkpoints,
+            )
         elif self.world.is_main:
-            path = ckpt.save_checkpoint(self.config.out_dir, self.step, self.model,
-                                        self._ema_model() if self.ema else None, optimizer.state_dict(),
-                                        self.names, trainer_state, self.tokenizer, self.config.keep_checkpoints)
+            path = ckpt.save_checkpoint(
+                self.config.out_dir,
+                self.step,
+                self.model,
+                self._ema_model() if self.ema else None,
+                optimizer.state_dict(),
+                self.names,
+                trainer_state,
+                self.tokenizer,
+                self.config.keep_checkpoints,
+            )
         barrier(self.world)
         self.last_checkpoint = ckpt.checkpoint_dir(self.config.out_dir) / f"step-{self.step:06d}"
         if finite:

@@ -44,12 +44,16 @@ class RunLock:
             holder = _read_pid(fd)
             os.close(fd)
             who = f"process {holder}" if holder else "another process"
-            raise RunDirError(f"run directory {out_dir} is in use by {who} (another `rdlm train` writing "
-                              f"there); wait for it to finish or choose another --out-dir") from None
+            raise RunDirError(
+                f"run directory {out_dir} is in use by {who} (another `rdlm train` writing "
+                f"there); wait for it to finish or choose another --out-dir"
+            ) from None
         previous = _read_pid(fd)
         if previous and previous != os.getpid():
-            print(f"rdlm train: took over the lock of {out_dir} left by process {previous}, which is no "
-                  "longer running", file=sys.stderr)
+            print(
+                f"rdlm train: took over the lock of {out_dir} left by process {previous}, which is no longer running",
+                file=sys.stderr,
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd: int | None = fd
@@ -115,14 +119,20 @@ def check_run_dir(out_dir: str | os.PathLike, resume: bool, overwrite: bool) -> 
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out-dir {out} is a file, not a directory")
     if resume and not out.exists():
-        raise RunDirError(f"--resume: run directory {out} does not exist, so there is no run to continue; check "
-                          "the path, or start a new run without --resume")
+        raise RunDirError(
+            f"--resume: run directory {out} does not exist, so there is no run to continue; check "
+            "the path, or start a new run without --resume"
+        )
     if resume and not any(p.name != LOCK_FILE for p in out.iterdir()):
-        raise RunDirError(f"--resume: run directory {out} is empty, so there is no run to continue; check the "
-                          "path, or start a new run without --resume")
+        raise RunDirError(
+            f"--resume: run directory {out} is empty, so there is no run to continue; check the "
+            "path, or start a new run without --resume"
+        )
     if not resume and not overwrite and has_run(out):
-        raise RunDirError(f"{out} already holds a training run (checkpoints or {LOG_FILE}): pass --resume "
-                          f"to continue it, --overwrite to replace it, or choose another --out-dir")
+        raise RunDirError(
+            f"{out} already holds a training run (checkpoints or {LOG_FILE}): pass --resume "
+            f"to continue it, --overwrite to replace it, or choose another --out-dir"
+        )
 
 
 def prepare_run_dir(out_dir: str | os.PathLike, resume: bool, overwrite: bool) -> None:

@@ -15,6 +15,7 @@ from transformers import PreTrainedConfig
 from rdlm.model import huginn
 from rdlm.model.config import RDLMConfig
 from rdlm.model.families import MODEL_TYPE, adapter_of
+
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
@@ -26,8 +27,7 @@ class RavenConfig(PreTrainedConfig):
     """
 
     model_type = MODEL_TYPE
-    attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_heads",
-                     "max_position_embeddings": "block_size"}
+    attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_heads", "max_position_embeddings": "block_size"}
 
     n_embd: int = 5280
     n_heads: int = 55
@@ -72,8 +72,10 @@ class OuroConfig(PreTrainedConfig):
 
 
 # transformers model_type -> config class: each family's adapter names the model_type its files have.
-CONFIG_CLASSES: dict[str, type[PreTrainedConfig]] = {RavenConfig.model_type: RavenConfig,
-                                                     OuroConfig.model_type: OuroConfig}
+CONFIG_CLASSES: dict[str, type[PreTrainedConfig]] = {
+    RavenConfig.model_type: RavenConfig,
+    OuroConfig.model_type: OuroConfig,
+}
 
 
 def config_class_of(config: RDLMConfig) -> type[PreTrainedConfig]:
