@@ -14,11 +14,11 @@ __all__ = [
     "RDLMConfig",
     "RecurrentDepthLM",
     "RecurrentOutput",
+    "build_model",
+    "load_model",
     "load_pretrained",
     "sample_num_steps",
     "save_pretrained",
-    "build_model",
-    "load_model",
 ]
 
 

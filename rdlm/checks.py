@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 def is_int(value: Any, minimum: int | None = None, below: int | None = None) -> bool:

@@ -58,7 +58,7 @@ def classify(states: np.ndarray, thresholds: DynamicsThresholds = DynamicsThresh
     states = np.asarray(states, dtype=np.float64)
     if states.ndim != 2 or states.shape[0] < 3:
         raise ValueError(f"a trajectory must be [iterations >= 3, hidden], got shape {states.shape}")
-    tail_len = max(thresholds.min_tail_steps + 1, int(round(states.shape[0] * thresholds.tail_fraction)))
+    tail_len = max(thresholds.min_tail_steps + 1, round(states.shape[0] * thresholds.tail_fraction))
     tail = states[-min(tail_len, states.shape[0]) :]
     steps = np.linalg.norm(np.diff(tail, axis=0), axis=-1)
     path = steps.sum()

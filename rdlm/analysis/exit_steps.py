@@ -10,7 +10,7 @@ cheaper (one pass over the prompt instead of one per token).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -13,8 +13,8 @@ agrees across all K runs at r is reported as well ("same behaviour", not only "s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch

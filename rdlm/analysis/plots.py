@@ -7,21 +7,21 @@ atomically (temporary file, then rename), returning the path.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")  # before pyplot: render to files only
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.collections import LineCollection  # noqa: E402
-from matplotlib.colors import LogNorm, Normalize  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.collections import LineCollection
+from matplotlib.colors import LogNorm, Normalize
 
-from rdlm.analysis.convergence import Convergence  # noqa: E402
-from rdlm.analysis.path_independence import PathIndependence  # noqa: E402
-from rdlm.analysis.pca import PCA  # noqa: E402
-from rdlm.fileio import atomic_write  # noqa: E402
+from rdlm.analysis.convergence import Convergence
+from rdlm.analysis.path_independence import PathIndependence
+from rdlm.analysis.pca import PCA
+from rdlm.fileio import atomic_write
 
 PLANES = ((0, 1), (2, 3), (4, 5))  # PCA planes (1,2), (3,4), (5,6) of Figure 6
 
@@ -148,7 +148,7 @@ def plot_dynamics_counts(counts: Mapping[str, Mapping[str, int]], path: str | os
     labels = list(next(iter(counts.values()))) if counts else []
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(names) + 2), 3.2))
     bottom = np.zeros(len(names))
-    for label, colour in zip(labels, ("tab:blue", "tab:orange", "tab:green")):
+    for label, colour in zip(labels, ("tab:blue", "tab:orange", "tab:green"), strict=False):
         values = np.array([counts[n][label] for n in names], dtype=float)
         ax.bar(range(len(names)), values, bottom=bottom, label=label, color=colour)
         bottom += values

@@ -13,9 +13,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -29,7 +29,6 @@ from rdlm.analysis.trajectories import DEFAULT_MAX_BYTES, record_trajectory, sel
 from rdlm.fileio import write_json
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_time, forward_seconds
-
 
 # The files and directories `analyze` writes into its output directory.
 _OUTPUT_RE = re.compile(
@@ -324,8 +323,10 @@ def _exit_steps_section(
         title="Exit steps (Figure 4 style)",
         text="",
         notes=[
-            "Teacher-forced: the prompt is iterated as a whole and read out after every iteration; "
-            f"a token's exit step is the first iteration where {name} holds (capped at {max_steps})."
+            (
+                "Teacher-forced: the prompt is iterated as a whole and read out after every iteration; "
+                f"a token's exit step is the first iteration where {name} holds (capped at {max_steps})."
+            )
         ],
         figures=[Figure(fig_exit, "Distribution of per-token exit steps per group.")],
         tables={"exit steps": [{"group": k, **v} for k, v in summary["groups"].items()]},

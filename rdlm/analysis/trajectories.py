@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -181,7 +181,7 @@ class Recurrence:
 
     @classmethod
     @torch.no_grad()
-    def for_prompt(cls, model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor, batch: int = 1) -> "Recurrence":
+    def for_prompt(cls, model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor, batch: int = 1) -> Recurrence:
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
         if ids.numel() == 0:
             raise ValueError("the prompt has no tokens")

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 from rdlm.checks import check_int
 from rdlm.resources import LongRunWarning

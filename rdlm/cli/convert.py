@@ -4,6 +4,7 @@ sharded with an index when large)."""
 from __future__ import annotations
 
 import argparse
+
 from rdlm.cli import add_quantize_arguments, takes_effect
 from rdlm.model import dtypes
 from rdlm.model.convert import convert

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     plot_sweeps(sweeps, out / "plot.png", title=Path(args.model).name)
     write_results(sweeps, out / "results.json")  # last: results.json is there once the output is complete
     for sweep in sweeps:
-        cells = "  ".join(f"r={r}: {v:.4g}" for r, v in zip(sweep.num_steps, sweep.values))
+        cells = "  ".join(f"r={r}: {v:.4g}" for r, v in zip(sweep.num_steps, sweep.values, strict=True))
         print(f"{sweep.task} {sweep.metric}: {cells}")
     print(f"wrote {out / 'results.json'} and {out / 'plot.png'}")
     return 0

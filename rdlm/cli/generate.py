@@ -12,10 +12,10 @@ import sys
 
 import torch
 
+from rdlm.checks import OneOf
 from rdlm.cli import CLIError, add_quantize_arguments, add_threads_argument, check_exit_threshold
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
-from rdlm.checks import OneOf
 from rdlm.inference.params import PARTS, check_prompts, params_for
 from rdlm.model import dtypes
 from rdlm.model.resolve import ACCEPTED, resolve_model_source

@@ -25,8 +25,9 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import rdlm.integrations.lm_eval  # noqa: F401  (registers the model type "rdlm")
         from lm_eval.__main__ import cli_evaluate
+
+        import rdlm.integrations.lm_eval  # noqa: F401  (registers the model type "rdlm")
     except ImportError as err:
         raise ValueError(f"{err}; install the evaluation extra: pip install 'rdlm[eval]'") from err
     sys.argv = ["lm-eval", *args.harness_args]

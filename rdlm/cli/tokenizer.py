@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from rdlm.fileio import check_parents
-
 from rdlm.cli import CLIError, at_least
+from rdlm.fileio import check_parents
 
 
 def register(subparsers) -> None:

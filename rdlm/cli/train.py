@@ -24,7 +24,6 @@ from typing import Any
 
 from rdlm.cli import CLIError, takes_effect
 
-
 # Fields set otherwise than by a flag of their own.
 NOT_FLAGS = ("model_overrides",)  # --set KEY=VALUE
 NONE_WORDS = ("none", "null", "off")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 # Tests and site-packages are left out: the first is repetitive, the second is not the stdlib.
 SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}

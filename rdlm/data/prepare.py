@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import random
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 

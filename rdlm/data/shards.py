@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -110,14 +111,14 @@ class MemoryRows:
         return values
 
     @classmethod
-    def from_sequences(cls, sequences: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> "MemoryRows":
+    def from_sequences(cls, sequences: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> MemoryRows:
         """Right-pad sequences to `length` (default: the longest); padding is never a target."""
         return cls.from_pairs([((), s) for s in sequences], pad_id, length)
 
     @classmethod
     def from_pairs(
         cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, length: int | None = None
-    ) -> "MemoryRows":
+    ) -> MemoryRows:
         """Rows prompt + response, right-padded; the loss falls on response tokens only."""
         if not pairs:
             raise DataError("no prompt/response pairs given")

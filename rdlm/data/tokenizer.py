@@ -13,8 +13,8 @@ import os
 import re
 import secrets
 import threading
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -49,7 +49,7 @@ CHAT_TEMPLATE = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_chat_template():
     # Sandboxed and with the block settings transformers renders chat templates with.
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -111,8 +111,7 @@ class Tokenizer:
             raise TokenizerError(f"{source}: tokenizer has the chat tokens but no {BOS}, which starts a chat")
         if any(i is None for i in chat) and any(i is not None for i in chat):
             raise TokenizerError(
-                f"{source}: tokenizer has some chat tokens but not all of "
-                f"{', '.join((BEGIN_HEADER, END_HEADER, END_TURN))}"
+                f"{source}: tokenizer has some chat tokens but not all of {BEGIN_HEADER}, {END_HEADER}, {END_TURN}"
             )
         # One past the largest id: the embedding rows a model needs (ids may have gaps, as Huginn's do).
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
@@ -131,7 +130,7 @@ class Tokenizer:
     # Files
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise TokenizerError(f"tokenizer file {path} does not exist")
@@ -148,16 +147,16 @@ class Tokenizer:
         checks it first, so that no output looks complete with a tokenizer nothing can read."""
         try:
             HFTokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+        except Exception as err:  # noqa: BLE001 (tokenizers raises a bare Exception on malformed JSON)
             raise error(f"{path}: not a readable tokenizer.json ({err})") from None
         return Path(path)
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
         return cls.from_file(Path(model_dir) / TOKENIZER_FILE)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
         """A tokenizer.json file, or a directory holding one."""
         return cls.from_dir(path) if Path(path).is_dir() else cls.from_file(path)
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rdlm.demo import tasks as T
 from rdlm.demo.config import MARGIN_EPS, DemoConfig

@@ -17,10 +17,12 @@ def _header(res: dict[str, Any], title: str) -> list[str]:
     return [
         f"# rdlm demo: {title}",
         "",
-        f"Seed {res['config']['seed']}, {res['seconds']:.0f} s wall ({res['cpu_seconds']:.0f} s CPU) on "
-        f"{m['cpu']} ({m['cores']} cores, {m['workers']} processes of {m['threads_per_model']} thread), "
-        f"load average {load['start']} at the start, {load['end']} at the end. "
-        f"Training recipe: {_recipe(res['config'])}.",
+        (
+            f"Seed {res['config']['seed']}, {res['seconds']:.0f} s wall ({res['cpu_seconds']:.0f} s CPU) on "
+            f"{m['cpu']} ({m['cores']} cores, {m['workers']} processes of {m['threads_per_model']} thread), "
+            f"load average {load['start']} at the start, {load['end']} at the end. "
+            f"Training recipe: {_recipe(res['config'])}."
+        ),
         _timings(res),
         "",
     ]
@@ -65,14 +67,16 @@ def write_retrofit_report(out: Path, res: dict[str, Any]) -> list[str]:
     exp, flops, steps = res["retrofit"], res["flops"], res["steps"]
     lines = _header(res, "retrofitting recurrence into a pretrained Llama")
     lines += [
-        f"A {exp['source_layers']}-layer Llama ({res['parameters']['llama']:,} parameters) pretrained for "
-        f"{steps['pretraining']} steps ({flops['pretraining']:.3g} FLOPs), written as a transformers Llama "
-        f"directory (`llama/`), then from that directory: the retrofitted model (prelude "
-        f"{exp['prelude']}, core {exp['core']}, coda {exp['coda']}, adapter `{exp['adapter_init']}`; "
-        f"{steps['retrofitted']} steps, the mean r ramped {exp['r_curriculum']} from 1 over the first "
-        f"{100 * exp['r_curriculum_fraction']:.0f}%) and the control (the Llama trained on, "
-        f"{steps['control']} steps). Training FLOPs after pretraining: retrofitted {flops['retrofitted']:.4g}, "
-        f"control {flops['control']:.4g} (ratio {flops['control_over_retrofitted']:.4f}).",
+        (
+            f"A {exp['source_layers']}-layer Llama ({res['parameters']['llama']:,} parameters) pretrained for "
+            f"{steps['pretraining']} steps ({flops['pretraining']:.3g} FLOPs), written as a transformers Llama "
+            f"directory (`llama/`), then from that directory: the retrofitted model (prelude "
+            f"{exp['prelude']}, core {exp['core']}, coda {exp['coda']}, adapter `{exp['adapter_init']}`; "
+            f"{steps['retrofitted']} steps, the mean r ramped {exp['r_curriculum']} from 1 over the first "
+            f"{100 * exp['r_curriculum_fraction']:.0f}%) and the control (the Llama trained on, "
+            f"{steps['control']} steps). Training FLOPs after pretraining: retrofitted {flops['retrofitted']:.4g}, "
+            f"control {flops['control']:.4g} (ratio {flops['control_over_retrofitted']:.4f})."
+        ),
         "",
     ]
     lines += _checks(res)
@@ -80,8 +84,10 @@ def write_retrofit_report(out: Path, res: dict[str, Any]) -> list[str]:
     lines += _accuracy_rows(res["retrofitted"], SPLITS, "retrofitted")
     lines += _accuracy_rows(res["control"], SPLITS, "control (Llama)")
     lines += [
-        "`harder validation` holds words as long as `harder`'s (other prompts); it chooses the r at which "
-        "the harder split is scored.",
+        (
+            "`harder validation` holds words as long as `harder`'s (other prompts); it chooses the r at which "
+            "the harder split is scored."
+        ),
         "",
     ]
     write_text(out / "report.md", "\n".join(lines))
@@ -128,22 +134,26 @@ def plot_retrofit(out: Path, res: dict[str, Any]) -> list[str]:
 
 
 def write_gate_report(out: Path, res: dict[str, Any]) -> list[str]:
-    exp, gate, claims = res["gate_settings"], res["gate"], res["claims"]
+    exp, gate = res["gate_settings"], res["gate"]
     lines = _header(res, "the learned exit gate (Ouro) against the zero-shot KL exit (Huginn)")
     lines += [
-        f"A looped model of {exp['layers']} layer(s) ({res['parameters']['looped']:,} parameters) trained at "
-        f"{exp['loops']} loops on Ouro's objective (expected loss over the gate's exits minus "
-        f'{exp["exit_loss_beta"]:g} x their entropy); decoded with `exit_criterion="gate"`, threshold '
-        f"q = {gate['threshold']:g} chosen on validation (the loosest within "
-        f"{100 * res['config']['exit_tolerance']:g} point(s) of all loops).",
+        (
+            f"A looped model of {exp['layers']} layer(s) ({res['parameters']['looped']:,} parameters) trained at "
+            f"{exp['loops']} loops on Ouro's objective (expected loss over the gate's exits minus "
+            f'{exp["exit_loss_beta"]:g} x their entropy); decoded with `exit_criterion="gate"`, threshold '
+            f"q = {gate['threshold']:g} chosen on validation (the loosest within "
+            f"{100 * res['config']['exit_tolerance']:g} point(s) of all loops)."
+        ),
         "",
     ]
     lines += _checks(res)
     lines += ["## Where the depth goes (test and harder, iterations per decoded answer token)", ""]
     models = [("looped", "gate", gate)] + ([("recurrent", res["kl"]["criterion"], res["kl"])] if "kl" in res else [])
     lines += [
-        "| model | exit | threshold | test accuracy (exits / all) | test iterations | harder accuracy "
-        "(exits / all) | harder iterations | layer passes per test answer token |",
+        (
+            "| model | exit | threshold | test accuracy (exits / all) | test iterations | harder accuracy "
+            "(exits / all) | harder iterations | layer passes per test answer token |"
+        ),
         "|---" * 8 + "|",
     ]
     for kind, criterion, sweep in models:
@@ -158,9 +168,11 @@ def write_gate_report(out: Path, res: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        "Layer passes count what an exit costs: a loop of the looped model is its stack (the gate reads the "
-        "state); an iteration of the recurrent model is its core and, for the KL test, its coda (the "
-        "prediction after every iteration), plus its prelude once.",
+        (
+            "Layer passes count what an exit costs: a loop of the looped model is its stack (the gate reads the "
+            "state); an iteration of the recurrent model is its core and, for the KL test, its coda (the "
+            "prediction after every iteration), plus its prelude once."
+        ),
         "",
         "Iterations per answer token by word length (test, then harder):",
         "",
@@ -180,9 +192,11 @@ def write_gate_report(out: Path, res: dict[str, Any]) -> list[str]:
         )
         lines += [
             "",
-            f"The last row is the best a fixed number of loops per word length could do (from the "
-            f"fixed-loop accuracies below): {fewest['test']['mean']:.2f} loops per answer token on test, "
-            f"against the gate's {gate['test']['answer_steps']:.2f}.",
+            (
+                f"The last row is the best a fixed number of loops per word length could do (from the "
+                f"fixed-loop accuracies below): {fewest['test']['mean']:.2f} loops per answer token on test, "
+                f"against the gate's {gate['test']['answer_steps']:.2f}."
+            ),
         ]
     lines += ["", "## Accuracy at a fixed number of loops (%)", ""]
     lines += _accuracy_rows(res["looped"], ("validation", "test", "harder"), "looped")

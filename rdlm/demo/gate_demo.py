@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rdlm.checks import is_int
 from rdlm.demo import tasks as T

@@ -3,10 +3,11 @@ exit steps, training curves; perplexity against r for the code variant)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from rdlm.fileio import write_json, write_text
+from rdlm.fileio import write_text
 
 MODEL_LABELS = {
     "recurrent": "recurrent model",
@@ -79,20 +80,24 @@ def markdown_report(res: dict[str, Any]) -> str:
     lines = [
         f"# rdlm demo: {task['name']}",
         "",
-        f"{task['description']}. Recurrent model: layers ({lp},{lr},{lc}), h={cfg['hidden_size']}, "
-        f"{params['recurrent'] / 1e6:.2f}M parameters, log-normal Poisson r with mean "
-        f"{claims['train_mean_r']} (mean_recurrence {cfg['mean_recurrence']} + 1), backprop depth "
-        f"{cfg['backprop_depth']}; {cfg['steps']} steps of {cfg['batch_size']}, {_recipe(cfg)}, "
-        f"seed {cfg['seed']}, "
-        f"{cfg['threads']} thread(s) per model. Total time {res.get('seconds', 0):.0f} s, CPU time "
-        f"{res.get('cpu_seconds', 0):.0f} s{_machine(res)} (load average "
-        f"{res.get('load_average', {}).get('start')} at the start, {res.get('load_average', {}).get('end')} "
-        "at the end).",
+        (
+            f"{task['description']}. Recurrent model: layers ({lp},{lr},{lc}), h={cfg['hidden_size']}, "
+            f"{params['recurrent'] / 1e6:.2f}M parameters, log-normal Poisson r with mean "
+            f"{claims['train_mean_r']} (mean_recurrence {cfg['mean_recurrence']} + 1), backprop depth "
+            f"{cfg['backprop_depth']}; {cfg['steps']} steps of {cfg['batch_size']}, {_recipe(cfg)}, "
+            f"seed {cfg['seed']}, "
+            f"{cfg['threads']} thread(s) per model. Total time {res.get('seconds', 0):.0f} s, CPU time "
+            f"{res.get('cpu_seconds', 0):.0f} s{_machine(res)} (load average "
+            f"{res.get('load_average', {}).get('start')} at the start, {res.get('load_average', {}).get('end')} "
+            "at the end)."
+        ),
         "",
-        "Baselines, trained on the same rows for the same steps at r=1: the parameter-matched twin "
-        f"(layers ({lp},{lr},{lc}), {_params(params, 'twin')}) and the depth-matched model (layers "
-        f"({lp},{lr * claims['train_mean_r']},{lc}): the core unrolled to the training mean, "
-        f"{_params(params, 'depth_matched')}).",
+        (
+            "Baselines, trained on the same rows for the same steps at r=1: the parameter-matched twin "
+            f"(layers ({lp},{lr},{lc}), {_params(params, 'twin')}) and the depth-matched model (layers "
+            f"({lp},{lr * claims['train_mean_r']},{lc}): the core unrolled to the training mean, "
+            f"{_params(params, 'depth_matched')})."
+        ),
         "",
         "## Splits",
         "",
@@ -107,13 +112,17 @@ def markdown_report(res: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Evaluation prompts are drawn first and reserved; training never contains one, and validation, "
-        "test and harder share none.",
+        (
+            "Evaluation prompts are drawn first and reserved; training never contains one, and validation, "
+            "test and harder share none."
+        ),
         "",
         "## Selection (on validation only)",
         "",
-        f"- best r: {res['selection']['best_r']} -> **r={claims['best_r_on_validation']}** "
-        f"(validation {_pct(claims['validation_at_best_r'])}%).",
+        (
+            f"- best r: {res['selection']['best_r']} -> **r={claims['best_r_on_validation']}** "
+            f"(validation {_pct(claims['validation_at_best_r'])}%)."
+        ),
         f"- exit threshold: {res['selection']['exit_threshold']} -> **{claims['exit_threshold']:g}**.",
         "",
         "## Exact match (%) of greedy decoding through rdlm.inference.generate, against r",
@@ -126,8 +135,10 @@ def markdown_report(res: dict[str, Any]) -> str:
         lines.append(f"| {split} | " + " | ".join(row) + f" | {_baseline(twin, split)} | {_baseline(deep, split)} |")
     lines += [
         "",
-        "Secondary, labelled *strict*: teacher-forced, every intermediate value of the trace must be "
-        "right too (stricter than decoding).",
+        (
+            "Secondary, labelled *strict*: teacher-forced, every intermediate value of the trace must be "
+            "right too (stricter than decoding)."
+        ),
         "",
         "| split (strict) | " + " | ".join(f"r={r}" for r in rs) + " | twin (r=1) | depth-matched |",
         "|---" * (len(rs) + 3) + "|",
@@ -153,9 +164,11 @@ def markdown_report(res: dict[str, Any]) -> str:
         "",
         "## Adaptive exits through rdlm.inference.generate",
         "",
-        f"Criterion `{ex['criterion']}`, at most {ex['max_steps']} iterations per token. The reply marker "
-        f"`=` comes from the prompt pass at r={ex['max_steps']}; every answer token is decoded with its own "
-        "exit.",
+        (
+            f"Criterion `{ex['criterion']}`, at most {ex['max_steps']} iterations per token. The reply marker "
+            f"`=` comes from the prompt pass at r={ex['max_steps']}; every answer token is decoded with its own "
+            "exit."
+        ),
         "",
         "| threshold (validation) | accuracy | iterations per answer token | per decoded token |",
         "|---|---|---|---|",
@@ -176,11 +189,13 @@ def markdown_report(res: dict[str, Any]) -> str:
         + ", ".join(f"{d}: {s:.1f}" for d, s in ex["test_answer_steps_by_difficulty"].items())
         + ".",
         "",
-        f"What this does and does not show: the prompt ({ex['test_prompt_tokens']:.1f} tokens on average) "
-        f"runs at the full r={ex['max_steps']} in the prompt pass, and that is where this task's sequential "
-        "work happens (each move's value is computed at its own position). The decoded answer token reads "
-        "it and converges in a few iterations, so exits save iterations on decoded tokens, not on the "
-        "prompt; adaptive compute over the prompt pass is a separate feature of the decode engine.",
+        (
+            f"What this does and does not show: the prompt ({ex['test_prompt_tokens']:.1f} tokens on average) "
+            f"runs at the full r={ex['max_steps']} in the prompt pass, and that is where this task's sequential "
+            "work happens (each move's value is computed at its own position). The decoded answer token reads "
+            "it and converges in a few iterations, so exits save iterations on decoded tokens, not on the "
+            "prompt; adaptive compute over the prompt pass is a separate feature of the decode engine."
+        ),
         "",
         "## What the paper predicts, checked",
         "",

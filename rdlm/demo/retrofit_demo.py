@@ -22,9 +22,10 @@ import dataclasses
 import math
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rdlm.checks import is_int
 from rdlm.demo import tasks as T
@@ -273,7 +274,7 @@ def _run(cfg: DemoConfig, exp: RetrofitSettings, out: Path) -> ExperimentResult:
         ),
     ]
     done = run_jobs(cfg, jobs, None, splits)
-    models = {kind: done[kind].model(job.config) for kind, job in zip(("retrofitted", "control"), jobs)}
+    models = {kind: done[kind].model(job.config) for kind, job in zip(("retrofitted", "control"), jobs, strict=True)}
     tables = {kind: r.table for kind, r in done.items()}
     claims, checks = claims_and_checks(tables, cfg.train_mean_r)
     histories = {"pretraining": pre_history} | {kind: r.history for kind, r in done.items()}

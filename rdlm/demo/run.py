@@ -25,9 +25,10 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -258,7 +259,7 @@ def claims_and_checks(
         "best_r_on_validation": best_r,
         "validation_at_best_r": val[best_r],
         "test_at_best_r": test[best_r],
-        "test_at_r1": test[1] if 1 in test else None,
+        "test_at_r1": test.get(1),
         "test_at_max_r": test[r_max],
         "max_r": r_max,
         "train_mean_r": r_mean,

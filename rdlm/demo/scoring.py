@@ -4,8 +4,9 @@ per split, difficulty and r, and the choices made on validation (best r, exit th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ def decode_answers(
             seed=seed,
         )
         result = generate(model, [tokenizer.encode(ex.prompt) for ex in chunk], config)
-        for ex, tokens, steps in zip(chunk, result.tokens, result.steps):
+        for ex, tokens, steps in zip(chunk, result.tokens, result.steps, strict=True):
             correct.append(T.exact_match(tokenizer.decode(tokens), ex.reply))
             decoded_steps.append(steps[1:])  # steps[0]: the prompt pass (the marker)
             answer_steps.append(steps[1 : 1 + len(ex.answer)])
@@ -107,7 +108,7 @@ def answer_correct(
 
 def by_difficulty(correct: Sequence[bool], examples: Sequence[T.Example]) -> dict[int, float]:
     hits: dict[int, list[bool]] = {}
-    for ok, ex in zip(correct, examples):
+    for ok, ex in zip(correct, examples, strict=True):
         hits.setdefault(ex.difficulty, []).append(ok)
     return {d: sum(h) / len(h) for d, h in sorted(hits.items())}
 
@@ -167,7 +168,9 @@ def within_tolerance(accuracy: float, fixed_accuracy: float, tolerance: float) -
 def answer_steps_by_difficulty(decoded: Decoded, examples: Sequence[T.Example]) -> dict[int, float]:
     """Iterations per decoded answer token, per difficulty (in increasing order)."""
     return {
-        d: _mean([s for steps, ex in zip(decoded.answer_steps, examples) if ex.difficulty == d for s in steps])
+        d: _mean(
+            [s for steps, ex in zip(decoded.answer_steps, examples, strict=True) if ex.difficulty == d for s in steps]
+        )
         for d in sorted({ex.difficulty for ex in examples})
     }
 

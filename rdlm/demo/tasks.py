@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -95,7 +95,9 @@ class CharTokenizer:
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
-        from rdlm.data.tokenizer import EOS as END_TEXT, PAD as PAD_TOKEN, Tokenizer
+        from rdlm.data.tokenizer import EOS as END_TEXT
+        from rdlm.data.tokenizer import PAD as PAD_TOKEN
+        from rdlm.data.tokenizer import Tokenizer
 
         special = {self.pad_id: PAD_TOKEN, self.eos_id: END_TEXT}
         vocab = {special.get(i, c): i for i, c in enumerate(self.alphabet)}
@@ -125,7 +127,7 @@ def variables_example(rng: random.Random, hops: int, distractors: int = 3, distr
     names = rng.sample(VARIABLE_NAMES, sum(lengths))
     values = rng.sample(string.digits, len(lengths))  # distinct values: a guess from the wrong chain fails
     statements, start = [], 0
-    for length, value in zip(lengths, values):
+    for length, value in zip(lengths, values, strict=True):
         chain = names[start : start + length]
         start += length
         statements.append(f"{chain[0]}={value};")
@@ -344,7 +346,7 @@ def accuracy(predictions: Sequence[str], examples: Sequence[Example]) -> float:
         raise ValueError(f"{len(predictions)} predictions for {len(examples)} examples")
     if not examples:
         raise ValueError("no examples to score")
-    return sum(exact_match(p, ex.reply) for p, ex in zip(predictions, examples)) / len(examples)
+    return sum(exact_match(p, ex.reply) for p, ex in zip(predictions, examples, strict=True)) / len(examples)
 
 
 # --------------------------------------------------------------------------------------------------

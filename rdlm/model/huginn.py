@@ -15,8 +15,9 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -123,7 +124,7 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     for file in weight_files(path):
         try:
             with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 (not a dict: no iteration)
                     tensors[name] = handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from err
@@ -145,13 +146,16 @@ def load_pretrained(
     rope_table = adapter.rope_from_file(tensors)
     state, unexpected = adapter.from_file(tensors)
     file_name = adapter.file_name
-    if config.tie_embeddings and "lm_head.weight" in state:
-        # A tied head saved beside the embedding must equal it; it is not a parameter of its own.
-        if not torch.equal(state.pop("lm_head.weight"), state.get("embedding.weight", torch.empty(0))):
-            raise CheckpointError(
-                f"{path}: lm_head.weight differs from {file_name('embedding.weight')}, "
-                "but the config says the embeddings are tied"
-            )
+    # A tied head saved beside the embedding must equal it; it is not a parameter of its own.
+    if (
+        config.tie_embeddings
+        and "lm_head.weight" in state
+        and not torch.equal(state.pop("lm_head.weight"), state.get("embedding.weight", torch.empty(0)))
+    ):
+        raise CheckpointError(
+            f"{path}: lm_head.weight differs from {file_name('embedding.weight')}, "
+            "but the config says the embeddings are tied"
+        )
     with torch.device("meta"):
         model = RecurrentDepthLM(config)
     if dtype is None:
@@ -202,7 +206,7 @@ def _attach_stored_quantized(
     `state`. Anything left over or ill-fitting is refused in one line."""
     from rdlm.model.quantize import QuantizationError, attach_quantized, layers
 
-    for part, name, module in list(layers(model)):
+    for part, name, _module in list(layers(model)):
         if getattr(spec, part) != "none" and f"{name}.bias" in state:
             quantized[f"{name}.bias"] = state.pop(f"{name}.bias").to(device=device, dtype=dtype)
     if spec.head != "none" and model.lm_head is None:
@@ -304,7 +308,7 @@ def save_pretrained(
         else:
             names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
             weight_map = {}
-            for name, shard in zip(names, shards):
+            for name, shard in zip(names, shards, strict=True):
                 save_file(shard, tmp / name, metadata={"format": "pt"})
                 weight_map.update({key: name for key in shard})
             total = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -114,10 +114,7 @@ def eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor) -> Tenso
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
-    if attn_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    else:
-        scores = scores + attn_mask
+    scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     return scores.softmax(dim=-1) @ v
 
 

@@ -13,8 +13,8 @@ speculative decoding) without reimplementing the model.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from rdlm.model.config import RDLMConfig
 from rdlm.model.layers import ATTENTION_IMPLEMENTATIONS, Attention, Block, KVCacheHook, RMSNorm, Rope
 from rdlm.model.loss import expected_exit_loss, linear_cross_entropy
 from rdlm.model.recurrence import sample_num_steps
-from rdlm.model.rope import rope_tables  # noqa: F401  (rope_tables: also imported from here)
+from rdlm.model.rope import rope_tables
 
 NumSteps = int | tuple[int, int] | Sequence[int]
 
@@ -173,7 +173,7 @@ class RecurrentDepthLM(nn.Module):
             raise ValueError("this model has no learned exit gate (config.exit_gate is false)")
         return torch.sigmoid(self.exit_gate(state).squeeze(-1).float())
 
-    def compile_step(self, **options) -> "RecurrentDepthLM":
+    def compile_step(self, **options) -> RecurrentDepthLM:
         """Compile one core iteration (`step`) with `torch.compile(**options)` and keep the loop over
         iterations in Python, so every r reuses the same compiled step. (`torch.compile(model)` works
         too, `fullgraph=True` included, but it unrolls the loop: one graph per r.) Returns the model."""

@@ -22,7 +22,7 @@ CHUNK_ELEMENTS = 2**26
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:  # noqa: D102
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
         # Grad mode is off in here; autocast (if any) is still on, so `@` runs in its dtype.
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -51,7 +51,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor):  # noqa: D102
+    def backward(ctx, grad_output: Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)

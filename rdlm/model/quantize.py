@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +75,7 @@ class QuantSpec:
             )
 
     @classmethod
-    def parse(cls, text: str, group_size: int = DEFAULT_GROUP_SIZE) -> "QuantSpec":
+    def parse(cls, text: str, group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec:
         values: dict[str, str] = {}
         named: set[str] = set()
         # "," and "=" as written; "+" and ":" also, for places where commas separate arguments (lm-eval)
@@ -109,14 +110,16 @@ class QuantSpec:
 
     def __str__(self) -> str:
         schemes = [getattr(self, part) for part in PARTS]
-        text = schemes[0] if len(set(schemes)) == 1 else ",".join(f"{p}={s}" for p, s in zip(PARTS, schemes))
+        text = (
+            schemes[0] if len(set(schemes)) == 1 else ",".join(f"{p}={s}" for p, s in zip(PARTS, schemes, strict=True))
+        )
         return text + (f" (group {self.group_size})" if "int4" in schemes else "")
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_json(cls, raw: Any, source: str = "config.json") -> "QuantSpec":
+    def from_json(cls, raw: Any, source: str = "config.json") -> QuantSpec:
         if not isinstance(raw, dict) or set(raw) - {f.name for f in fields(cls)}:
             raise QuantizationError(
                 f"{source}: {CONFIG_KEY} must be an object with keys "
@@ -125,7 +128,7 @@ class QuantSpec:
         return cls(**raw)
 
 
-def as_spec(value: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec | None:
+def as_spec(value: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec | None:
     """A spec from a spec, its text or None (None and all-"none" mean no quantization)."""
     spec = QuantSpec.parse(value, group_size) if isinstance(value, str) else value
     return spec if spec is not None and spec.active else None
@@ -201,11 +204,11 @@ class QuantizedLinear(nn.Module):
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int) -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int) -> QuantizedLinear:
         return cls.from_weight(linear.weight, linear.bias, scheme, group_size)
 
     @classmethod
-    def from_weight(cls, weight: Tensor, bias: Tensor | None, scheme: str, group_size: int) -> "QuantizedLinear":
+    def from_weight(cls, weight: Tensor, bias: Tensor | None, scheme: str, group_size: int) -> QuantizedLinear:
         """Quantize `weight` [out, in] (on its device)."""
         w = weight.detach().float()
         out_features, in_features = w.shape
@@ -235,7 +238,7 @@ class QuantizedLinear(nn.Module):
         in_features: int,
         group_size: int,
         device,
-    ) -> "QuantizedLinear":
+    ) -> QuantizedLinear:
         """Read the stored form (see the module docstring) of a layer `scheme` quantizes, refusing tensors
         that do not fit the layer `name` [out_features, in_features] in one line."""
         q, scales, zeros = (tensors.get(s) for s in SUFFIXES)
@@ -437,7 +440,7 @@ def layers(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
     yield "head", "lm_head", model.lm_head if model.lm_head is not None else model.embedding
 
 
-def quantize(model: nn.Module, spec: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+def quantize(model: nn.Module, spec: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
     """Quantize `model` (a RecurrentDepthLM) in place by `spec` and return it; `model.quantization` records
     the spec. A layer int4 cannot hold (in_features not a multiple of the group size, out_features not of
     32) is quantized to int8 instead; `model.quantized_layers` says what each layer got."""
@@ -472,7 +475,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def apply(model: nn.Module, spec: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+def apply(model: nn.Module, spec: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
     """`quantize` for a model just loaded: a model saved quantized keeps its quantization when `spec` asks for
     nothing or for the same; asking a different one is refused (quantizing twice compounds the error)."""
     spec = as_spec(spec, group_size)
@@ -552,17 +555,17 @@ def describe(model: nn.Module) -> str:
 
 
 __all__ = [
-    "QuantSpec",
-    "QuantizedLinear",
-    "QuantizationError",
-    "quantize",
-    "is_quantized",
-    "quantized_tensors",
-    "attach_quantized",
-    "weight_bytes",
-    "describe",
+    "CONFIG_KEY",
     "PARTS",
     "SCHEMES",
-    "CONFIG_KEY",
+    "QuantSpec",
+    "QuantizationError",
+    "QuantizedLinear",
     "as_spec",
+    "attach_quantized",
+    "describe",
+    "is_quantized",
+    "quantize",
+    "quantized_tensors",
+    "weight_bytes",
 ]

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from rdlm.fileio import recover_dir
+from rdlm.model import checkpoints as ckpt
+from rdlm.model import quantize as quantization
 from rdlm.model.config import PRESETS, ConfigError, RDLMConfig
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import CONFIG_NAME, CheckpointError, load_pretrained
 from rdlm.model.lm import RecurrentDepthLM
-from rdlm.model import checkpoints as ckpt
-from rdlm.model import quantize as quantization
 from rdlm.model.quantize import DEFAULT_GROUP_SIZE
 
 PRESET_PREFIX = "preset:"

@@ -15,11 +15,13 @@ directory is run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -83,7 +85,7 @@ def check_split(layers: int, prelude: Sequence[int], core: Sequence[int], coda: 
     # The source's order, kept: at r = 1 an identity adapter then computes the source model without the dropped
     # layers (the module doc). Layers run out of order would silently compute something else.
     order = [*prelude, *core, *coda]
-    backwards = next(((a, b) for a, b in zip(order, order[1:]) if a > b), None)
+    backwards = next(((a, b) for a, b in itertools.pairwise(order) if a > b), None)
     if backwards is not None:
         raise RetrofitError(
             f"layer {backwards[1]} comes after layer {backwards[0]}: prelude, core and coda take the "

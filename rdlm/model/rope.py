@@ -13,7 +13,8 @@ here so that rdlm needs no transformers to run these models; tests compare the t
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -54,18 +54,21 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rdlm.fileio import staging_dir, temp_prefix, write_json
+
+# STEP_RE, last_finite_checkpoint, latest_checkpoint and load_weights are not used here: the layout's names,
+# re-exported because callers import them from here too (rdlm.train.resume, rdlm.model.resolve, the tests).
 from rdlm.model.checkpoints import (
     SHARDED_DIR,
-    STEP_RE,
+    STEP_RE,  # noqa: F401
     TRAINER_FILE,
-    checkpoint_dir,  # noqa: F401 (the layout's
+    checkpoint_dir,
     confined_shards,
     has_ema,
     is_sharded,
-    last_finite_checkpoint,  # names, here too)
-    latest_checkpoint,
+    last_finite_checkpoint,  # noqa: F401
+    latest_checkpoint,  # noqa: F401
     list_checkpoints,
-    load_weights,
+    load_weights,  # noqa: F401
     read_sharded_full,
     read_trainer,
 )
@@ -166,7 +169,7 @@ def load_checkpoint(
     optimizer_state = None
     if (path / OPTIMIZER_FILE).is_file():
         with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
-            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (not a dict: no iteration)
         optimizer_state = optimizer_state_dict(tensors, trainer["optimizer_groups"], parameter_names)
     _load_rng(path)
     return Checkpoint(path, trainer), optimizer_state
@@ -205,7 +208,9 @@ def sharded_state(
     state: dict[str, Any] = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
     if ema_shadow is not None:
         params = dict(model.named_parameters())
-        state["ema"] = {name: shaped_like(shadow, params[name]) for name, shadow in zip(parameter_names, ema_shadow)}
+        state["ema"] = {
+            name: shaped_like(shadow, params[name]) for name, shadow in zip(parameter_names, ema_shadow, strict=True)
+        }
     return state, optimizer_state["param_groups"]
 
 
@@ -297,7 +302,7 @@ def load_sharded_checkpoint(
             _fill(state["ema"], dict(load_pretrained(path / "ema", dtype=torch.float32).named_parameters()))
         if (path / OPTIMIZER_FILE).is_file():
             with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
-                for key in handle.keys():
+                for key in handle.keys():  # noqa: SIM118 (not a dict: no iteration)
                     name, _, field = key.rpartition("/")
                     _fill(state["optimizer"]["state"][name], {field: handle.get_tensor(key)})
     set_state_dict(
@@ -329,6 +334,6 @@ def _load_rng(path: Path) -> None:
     if (path / RNG_FILE).is_file():
         with safe_open(path / RNG_FILE, framework="pt") as handle:
             torch.set_rng_state(handle.get_tensor("torch"))
-            cuda = sorted(k for k in handle.keys() if k.startswith("cuda."))
+            cuda = sorted(k for k in handle.keys() if k.startswith("cuda."))  # noqa: SIM118 (not a dict: no iteration)
             if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all([handle.get_tensor(k) for k in cuda])

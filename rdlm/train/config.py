@@ -63,7 +63,7 @@ class TrainConfig:
         "what to train: a preset (tiny, small, ...), a Huginn-layout directory, a "
         "training checkpoint (its raw weights) or a run directory",
     )
-    model_overrides: dict[str, Any] = option(
+    model_overrides: dict[str, Any] = option(  # noqa: RUF009 (option() returns a dataclasses.field)
         help="model config fields to change (the command line's --set KEY=VALUE)", default_factory=dict
     )
     data: str | None = option(None, "token shards from `rdlm data prepare` (a directory)")
@@ -240,7 +240,7 @@ class TrainConfig:
             raise ConfigError(f"curriculum_fraction must be in (0, 1], got {self.curriculum_fraction}")
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         check_keys(values, cls)
         values = dict(values)
         for key in ("betas", "eval_num_steps"):

@@ -16,6 +16,7 @@ process, e.g. for CPU offload, runs in a one-member process group).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -150,8 +151,6 @@ def exit_process(code: int) -> None:
     if not _groups_made:
         raise SystemExit(code)
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can reach it
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
-            pass
     os._exit(code)

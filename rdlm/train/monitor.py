@@ -13,8 +13,9 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -156,7 +157,7 @@ class Monitor:
             out.mkdir(parents=True, exist_ok=True)
             self.log_path = out / "log.jsonl"
             truncate_log(self.log_path, start_step)
-            self.log_file = open(self.log_path, "a")
+            self.log_file = open(self.log_path, "a")  # noqa: SIM115 (open for the run, closed by close())
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter

@@ -15,7 +15,7 @@ where the 0-d tensor `t` is nonzero, decided on the device (the trainer's non-fi
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -235,19 +235,19 @@ class EMA:
             torch._foreach_lerp_(self.shadow, current, 1 - self.decay)
             return
         weights: dict[torch.device, Tensor] = {}  # decided on the device: no host sync
-        for shadow, value in zip(self.shadow, current):
+        for shadow, value in zip(self.shadow, current, strict=True):
             if shadow.device not in weights:
                 weights[shadow.device] = finite.to(shadow.device, torch.float32) * (1 - self.decay)
             shadow.lerp_(value, weights[shadow.device])
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
-        for target, value in zip(model.parameters(), self.shadow):
+        for target, value in zip(model.parameters(), self.shadow, strict=True):
             target.copy_(value.to(target.dtype))
 
     @torch.no_grad()
     def load(self, tensors: list[Tensor]) -> None:
-        for shadow, value in zip(self.shadow, tensors):
+        for shadow, value in zip(self.shadow, tensors, strict=True):
             shadow.copy_(value)
 
 

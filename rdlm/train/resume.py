@@ -107,7 +107,7 @@ class RunCheckpoints:
         if self.ema is None:
             return ema_model
         with torch.no_grad():  # EMA.shadow follows model.parameters()
-            for (name, param), shadow in zip(self.model.named_parameters(), self.ema.shadow):
+            for (name, param), shadow in zip(self.model.named_parameters(), self.ema.shadow, strict=True):
                 ema_model.get_parameter(name).copy_(full(ckpt.shaped_like(shadow, param)).cpu())
         return ema_model
 

@@ -16,9 +16,13 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rdlm.model.config import ConfigError
 from rdlm.fileio import fsync_dir
+from rdlm.model.config import ConfigError
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+, and annotations are not evaluated here (from __future__)
 
 LOCK_FILE = ".rdlm-train.lock"
 LOG_FILE = "log.jsonl"
@@ -64,7 +68,7 @@ class RunLock:
             os.close(self.fd)  # closing the last descriptor releases the flock
             self.fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

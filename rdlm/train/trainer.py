@@ -26,9 +26,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,6 +41,14 @@ from rdlm.model.flops import flops_per_token
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.recurrence import draw_for_microbatch, microbatch_seed
 from rdlm.resources import default_threads
+from rdlm.train.build import (
+    check_compatible,
+    check_step_fits,
+    data_sources,
+    parallelize,
+    resolve_model,
+    resolve_tokenizer,
+)
 from rdlm.train.config import TrainConfig
 from rdlm.train.distributed import (
     all_reduce_sum,
@@ -53,16 +62,8 @@ from rdlm.train.distributed import (
 from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, peak_flops, warn_loudly
 from rdlm.train.optim import EMA
 from rdlm.train.resume import RunCheckpoints, TrainingError
-from rdlm.train.rundir import RunDirError, RunLock, check_run_dir, prepare_run_dir
+from rdlm.train.rundir import RunLock, check_run_dir, prepare_run_dir
 from rdlm.train.schedule import RecurrenceCurriculum, Schedule
-from rdlm.train.build import (
-    check_compatible,
-    check_step_fits,
-    data_sources,
-    parallelize,
-    resolve_model,
-    resolve_tokenizer,
-)
 
 
 @dataclass

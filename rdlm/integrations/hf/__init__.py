@@ -39,9 +39,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from rdlm.integrations.hf.cache import RecurrentCache, padding_attention_mask  # noqa: E402
 from rdlm.integrations.hf.config import GENERATION_CONFIG_NAME, MODEL_TYPE, OuroConfig, RavenConfig  # noqa: E402
-from rdlm.integrations.hf.generation import (
+from rdlm.integrations.hf.generation import (  # noqa: E402
     RDLM_GENERATION_DEFAULTS,
-    unsupported_generation_options,  # noqa: E402
+    unsupported_generation_options,
     with_rdlm_generation_defaults,
 )
 from rdlm.integrations.hf.model import OuroForCausalLM, RavenForCausalLM  # noqa: E402
@@ -51,13 +51,13 @@ __all__ = [
     "GENERATION_CONFIG_NAME",
     "MODEL_TYPE",
     "RDLM_GENERATION_DEFAULTS",
+    "SUPPORTED_TRANSFORMERS",
     "OuroConfig",
     "OuroForCausalLM",
     "RavenConfig",
     "RavenForCausalLM",
     "RavenTokenizerFast",
     "RecurrentCache",
-    "SUPPORTED_TRANSFORMERS",
     "load_tokenizer",
     "padding_attention_mask",
     "register",
@@ -69,7 +69,6 @@ __all__ = [
 def register() -> None:
     """Register with the Auto classes (idempotent). Done on import of this module."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     for config, model in ((RavenConfig, RavenForCausalLM), (OuroConfig, OuroForCausalLM)):

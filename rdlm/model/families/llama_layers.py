@@ -4,7 +4,7 @@ OLMo-2) share: rdlm's fused q/k/v and gate/up projections are split into them an
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import Tensor
 
@@ -29,7 +29,7 @@ def split(tensor: Tensor, theirs: tuple[str, ...], sizes: tuple[int, ...] | None
     """A parameter as the layer's tensors `theirs` (rows `sizes` when there are several)."""
     if len(theirs) == 1:
         return {theirs[0]: tensor}
-    return dict(zip(theirs, tensor.split(sizes)))
+    return dict(zip(theirs, tensor.split(sizes), strict=True))
 
 
 def spelled(theirs: tuple[str, ...]) -> str:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from rdlm.model.config import RDLMConfig
 from rdlm.model.families.base import CheckpointError, FamilyAdapter, check_key_types, rdlm_section, with_rdlm_section
-from rdlm.model.families.llama_layers import LAYER_PARTS, inverse, split, split_sizes, spelled
+from rdlm.model.families.llama_layers import LAYER_PARTS, inverse, spelled, split, split_sizes
 
 _NORMS = {
     "norm_1.weight": "input_layernorm.weight",

@@ -8,7 +8,8 @@ Llama and OLMo-2 (file, source checkpoint and model config) is a field of the in
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
