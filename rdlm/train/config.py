@@ -1,14 +1,18 @@
-"""What a training run is given: `TrainConfig`, its validation, and its JSON form (`rdlm train --config`)."""
+"""What a training run is given: `TrainConfig`, its validation, and its JSON form (`rdlm train --config`); what
+it gives back (`TrainResult`) and the hooks it calls."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rdlm.checks import check_int
 from rdlm.model.config import ConfigError, check_keys
+from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.recurrence import SAMPLERS
 from rdlm.train.distributed import STRATEGIES
 from rdlm.train.schedule import CURRICULA
@@ -259,3 +263,23 @@ def _check_number(name: str, value: Any, low: float | None, high: float | None) 
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ConfigError(f"{name} must be {bounds}, got {value!r}")
+
+
+@dataclass
+class TrainResult:
+    model: RecurrentDepthLM  # under FSDP the sharded model (ema_model is whole)
+    losses: list[float]  # mean training loss per optimizer step (NaN for skipped steps)
+    num_steps: list[list[int]]  # the r drawn for each micro-batch of each step
+    evals: list[dict[str, float]]
+    bad_steps: int
+    checkpoint: Path | None
+    ema_model: RecurrentDepthLM | None = None
+    steps_done: int = 0
+    seconds: float = 0.0
+    stopped_by: int | None = None  # the signal (SIGTERM, SIGINT) that stopped the run early
+
+
+# An evaluation hook: called with (model, step) at each evaluation; its numbers join the eval record.
+EvalHook = Callable[[RecurrentDepthLM, int], dict[str, float]]
+# A step hook: called with each log record (train and eval) as it is written.
+StepHook = Callable[[dict[str, Any]], None]

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim.adamw import adamw as fused_adamw  # the functional form: fused=True below
 
+from rdlm.train.distributed import full
+
 
 class AdamW(torch.optim.Optimizer):
     def __init__(
@@ -253,3 +255,13 @@ class EMA:
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def clip_gradients(parameters, max_norm: float) -> Tensor:
+    """Clip the global gradient norm to `max_norm`; return the norm before clipping (a device tensor,
+    the whole model's even when FSDP shards the gradients)."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    norm = full(norm)  # FSDP: the shards' norms combined (an all-reduce, no host sync)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm

@@ -26,8 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,42 +48,20 @@ from rdlm.train.build import (
     resolve_model,
     resolve_tokenizer,
 )
-from rdlm.train.config import TrainConfig
+from rdlm.train.config import EvalHook, StepHook, TrainConfig, TrainResult
 from rdlm.train.distributed import (
     all_reduce_sum,
     barrier,
-    full,
     init_single_process_group,
     resolve_strategy,
     setup,
     teardown_group,
 )
 from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, peak_flops, warn_loudly
-from rdlm.train.optim import EMA
+from rdlm.train.optim import EMA, clip_gradients
 from rdlm.train.resume import RunCheckpoints, TrainingError
 from rdlm.train.rundir import RunLock, check_run_dir, prepare_run_dir
 from rdlm.train.schedule import RecurrenceCurriculum, Schedule
-
-
-@dataclass
-class TrainResult:
-    model: RecurrentDepthLM  # under FSDP the sharded model (ema_model is whole)
-    losses: list[float]  # mean training loss per optimizer step (NaN for skipped steps)
-    num_steps: list[list[int]]  # the r drawn for each micro-batch of each step
-    evals: list[dict[str, float]]
-    bad_steps: int
-    checkpoint: Path | None
-    ema_model: RecurrentDepthLM | None = None
-    steps_done: int = 0
-    seconds: float = 0.0
-    stopped_by: int | None = None  # the signal (SIGTERM, SIGINT) that stopped the run early
-
-
-# An evaluation hook: called with (model, step) at each evaluation; its numbers join the eval record.
-EvalHook = Callable[[RecurrentDepthLM, int], dict[str, float]]
-# A step hook: called with each log record (train and eval) as it is written.
-StepHook = Callable[[dict[str, Any]], None]
-
 
 # --------------------------------------------------------------------------------------------------
 # The trainer
@@ -537,16 +514,6 @@ class Trainer(RunCheckpoints):
                 )
 
         return {number: signal.signal(number, handler) for number in (signal.SIGTERM, signal.SIGINT)}
-
-
-def clip_gradients(parameters, max_norm: float) -> Tensor:
-    """Clip the global gradient norm to `max_norm`; return the norm before clipping (a device tensor,
-    the whole model's even when FSDP shards the gradients)."""
-    parameters = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    norm = full(norm)  # FSDP: the shards' norms combined (an all-reduce, no host sync)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return norm
 
 
 def train(
