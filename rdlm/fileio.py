@@ -45,7 +45,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
@@ -203,7 +203,7 @@ def check_parents(path: str | os.PathLike, what: str = "output") -> Path:
 
 def claim_output_dir(
     out: str | os.PathLike,
-    owned: Callable[[str], bool],
+    owned: Callable[[str], object],
     overwrite: bool,
     what: str,
     others_allowed: bool | Callable[[list[str]], bool] = True,

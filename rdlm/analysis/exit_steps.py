@@ -62,4 +62,5 @@ def exit_steps(
         )
         if bool(track.exited.all()):
             break
+    assert track.steps is not None  # ExitTrack.start counts the iterations (only the batch's rows do not)
     return track.steps.cpu().numpy()

@@ -61,8 +61,8 @@ def spread_over_runs(
     initial_states: Tensor,
     num_steps: int,
     *,
-    path_positions: Sequence[int] = (),
-    path_iterations: Sequence[int] | None = None,
+    path_positions: Sequence[int] | np.ndarray = (),
+    path_iterations: Sequence[int] | np.ndarray | None = None,
     readout: Callable[[Tensor], Tensor] | None = None,
 ) -> PathIndependence:
     """Iterate `step` on a batch of K initial states [K, T, h] and measure their spread per iteration.
@@ -110,8 +110,8 @@ def path_independence(
     num_runs: int = 4,
     seed: int = 0,
     init_scale: float = 1.0,
-    path_positions: Sequence[int] = (),
-    path_iterations: Sequence[int] | None = None,
+    path_positions: Sequence[int] | np.ndarray = (),
+    path_iterations: Sequence[int] | np.ndarray | None = None,
 ) -> PathIndependence:
     """Run one prompt from `num_runs` random initial states (seeds seed..) and compare the trajectories."""
     if num_runs < 2:

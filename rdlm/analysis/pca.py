@@ -30,12 +30,14 @@ class PCA:
 
 def fit_pca(blocks, num_components: int = 6) -> PCA:
     """PCA of the rows of all `blocks` (an iterable of [rows, hidden] arrays, e.g. one per token)."""
-    count, total, outer = 0, None, None
+    count = 0
+    total: torch.Tensor | None = None
+    outer: torch.Tensor | None = None
     for block in blocks:
         x = torch.as_tensor(np.asarray(block), dtype=torch.float64)
         if x.ndim != 2:
             raise ValueError(f"PCA blocks must be [rows, hidden], got shape {tuple(x.shape)}")
-        if total is None:
+        if total is None or outer is None:  # the first block (both are set together)
             total, outer = (
                 torch.zeros(x.shape[1], dtype=torch.float64),
                 torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64),
@@ -43,7 +45,7 @@ def fit_pca(blocks, num_components: int = 6) -> PCA:
         count += x.shape[0]
         total += x.sum(0)
         outer += x.T @ x
-    if count < 2:
+    if count < 2 or total is None or outer is None:  # (no rows: count is 0)
         raise ValueError("PCA needs at least two states")
     mean = total / count
     covariance = (outer - count * torch.outer(mean, mean)) / (count - 1)

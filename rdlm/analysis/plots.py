@@ -39,12 +39,14 @@ def save_figure(fig: plt.Figure, path: str | os.PathLike, dpi: int = 110) -> Pat
 def _coloured_path(ax: plt.Axes, xy: np.ndarray, iterations: np.ndarray, norm: Normalize) -> None:
     """A path whose colour runs with the iteration; start (circle) and end (star) marked."""
     segments = np.stack([xy[:-1], xy[1:]], axis=1)
-    lines = LineCollection(segments, cmap="viridis", norm=norm, linewidths=1.2)
+    lines = LineCollection(list(segments), cmap="viridis", norm=norm, linewidths=1.2)
     lines.set_array(iterations[1:])
     ax.add_collection(lines)
     ax.scatter(xy[:, 0], xy[:, 1], c=iterations, cmap="viridis", norm=norm, s=6, zorder=2)
-    ax.scatter(*xy[0], marker="o", s=50, facecolors="none", edgecolors="black", zorder=3, label="s_0")
-    ax.scatter(*xy[-1], marker="*", s=110, color="red", edgecolors="black", linewidths=0.5, zorder=3, label="s_r")
+    ax.scatter(xy[0, 0], xy[0, 1], marker="o", s=50, facecolors="none", edgecolors="black", zorder=3, label="s_0")
+    ax.scatter(
+        xy[-1, 0], xy[-1, 1], marker="*", s=110, color="red", edgecolors="black", linewidths=0.5, zorder=3, label="s_r"
+    )
     ax.autoscale_view()
 
 
@@ -169,7 +171,7 @@ def plot_exit_histograms(
         steps = np.asarray(steps)
         ax.hist(
             steps,
-            bins=bins,
+            bins=bins.tolist(),
             density=True,
             histtype="stepfilled",
             alpha=0.35,

@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +92,7 @@ class AnalysisResult:
     report: Path
 
 
-def token_labels(token_ids: Sequence[int], positions: Sequence[int], tokenizer=None) -> list[str]:
+def token_labels(token_ids: Sequence[int], positions: Sequence[int] | np.ndarray, tokenizer=None) -> list[str]:
     """ "pos: 'text'" with the tokenizer, else "pos: #id"."""
     labels = []
     for p in positions:
@@ -306,7 +307,7 @@ def _exit_steps_section(
     merged = {k: np.concatenate(v) for k, v in groups.items()}
     name = f"{criterion.name} < {criterion.threshold:g}"
     fig_exit = plots.plot_exit_histograms(merged, max_steps, name, out / "exit_steps.png")
-    summary = {
+    summary: dict[str, Any] = {
         "criterion": name,
         "max_steps": max_steps,
         "groups": {

@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ def record(
     initial_state: Tensor,
     num_steps: int,
     *,
-    positions: Sequence[int] | None = None,
+    positions: Sequence[int] | np.ndarray | None = None,
     iteration_stride: int | None = None,
     limit_steps: int | None = None,
     stream_to: str | os.PathLike | None = None,
@@ -103,14 +104,14 @@ def record(
     if limit_steps is not None and limit_steps < num_steps:
         raise ValueError(f"limit_steps ({limit_steps}) must be >= num_steps ({num_steps})")
     _, seq_len, hidden = initial_state.shape
-    positions = np.arange(seq_len) if positions is None else np.asarray(positions, dtype=int)
-    if positions.size == 0 or positions.min() < 0 or positions.max() >= seq_len:
-        raise ValueError(f"token positions must lie in [0, {seq_len}), got {positions.tolist()}")
+    recorded = np.arange(seq_len) if positions is None else np.asarray(positions, dtype=int)
+    if recorded.size == 0 or recorded.min() < 0 or recorded.max() >= seq_len:
+        raise ValueError(f"token positions must lie in [0, {seq_len}), got {recorded.tolist()}")
     storage = []
-    if positions.size < seq_len:
-        storage.append(f"tokens subsampled: {positions.size} of {seq_len} positions recorded")
+    if recorded.size < seq_len:
+        storage.append(f"tokens subsampled: {recorded.size} of {seq_len} positions recorded")
 
-    bytes_per_iteration = positions.size * hidden * 4
+    bytes_per_iteration = recorded.size * hidden * 4
     if iteration_stride is None:
         iteration_stride = 1
         if stream_to is None and bytes_per_iteration * (num_steps + 1) > max_bytes:
@@ -121,27 +122,27 @@ def record(
         mib = bytes_per_iteration / 2**20
         raise ValueError(
             f"the memory budget max_bytes = {max_bytes / 2**20:.3g} MiB (--max-memory-mb) holds "
-            f"fewer than 3 states of {positions.size} tokens x {hidden} ({mib:.3g} MiB each): give at "
+            f"fewer than 3 states of {recorded.size} tokens x {hidden} ({mib:.3g} MiB each): give at "
             f"least {3 * mib:.3g} MiB, fewer tokens (--max-tokens) or stream the states (--stream)"
         )
     if iteration_stride > 1:
         storage.append(
             f"iterations subsampled: every {iteration_stride}th state kept ({iterations.size} of {num_steps + 1})"
         )
-    shape = (positions.size, iterations.size, hidden)
+    shape = (recorded.size, iterations.size, hidden)
     size_mb = np.prod(shape) * 4 / 2**20
     if stream_to is not None:
         stream_to = Path(stream_to)
         stream_to.parent.mkdir(parents=True, exist_ok=True)
         partial = stream_to.with_name(stream_to.name + ".partial")
-        states = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape)
+        states: np.ndarray = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape)
         storage.append(f"streamed to disk: {stream_to} ({size_mb:.1f} MiB, numpy memmap)")
     else:
         states = np.empty(shape, dtype=np.float32)
         storage.append(f"in memory ({size_mb:.1f} MiB)")
 
     column = {int(i): c for c, i in enumerate(iterations)}
-    index = torch.as_tensor(positions, device=initial_state.device)
+    index = torch.as_tensor(recorded, device=initial_state.device)
 
     def keep(state: Tensor, i: int) -> None:
         if i in column:
@@ -155,13 +156,13 @@ def record(
     limit = state[0, index].float().cpu().numpy() if limit_steps is not None else None
 
     if stream_to is not None:
-        states.flush()
+        cast(np.memmap, states).flush()
         os.replace(partial, stream_to)  # the open memmap keeps pointing at the same file
     ids = np.asarray(token_ids if token_ids is not None else [], dtype=np.int64)
     return Trajectory(
         states=states,
         iterations=iterations,
-        positions=positions,
+        positions=recorded,
         token_ids=ids,
         num_steps=num_steps,
         limit=limit,
@@ -219,7 +220,7 @@ def record_trajectory(
     init_scale: float = 1.0,
     initial_state: Tensor | None = None,
     max_tokens: int | None = None,
-    positions: Sequence[int] | None = None,
+    positions: Sequence[int] | np.ndarray | None = None,
     iteration_stride: int | None = None,
     stream_to: str | os.PathLike | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,

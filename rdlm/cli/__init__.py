@@ -13,6 +13,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable
+from typing import cast
 
 from rdlm.checks import check_int
 from rdlm.resources import LongRunWarning
@@ -85,7 +86,7 @@ def takes_effect(action: argparse.Action, why_not: Callable[[argparse.Namespace]
     """Declare when a flag can take effect: `why_not(args)` says why it cannot in this command line (None:
     it can). `main` refuses a flag given where it would do nothing, naming it and the reason, before any
     work: the one rule of every command (a silently ignored flag is a mistake the user never hears of)."""
-    action.why_not = why_not
+    action.why_not = why_not  # type: ignore[attr-defined]  # our own attribute on argparse's Action
     return action
 
 
@@ -162,11 +163,19 @@ def add_model_argument(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--model", dest="model_option", metavar="MODEL", help="the model (as the positional MODEL)")
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of `parser`'s subcommands by name (none without subcommands): argparse keeps them in its
+    subparsers action, the first of its subparsers group."""
+    if parser._subparsers is None:
+        return {}
+    return cast("argparse._SubParsersAction[argparse.ArgumentParser]", parser._subparsers._group_actions[0]).choices
+
+
 def _merge_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if not hasattr(args, "model_option"):
         return
     given, option = args.model, args.model_option
-    command = parser._subparsers._group_actions[0].choices[args.command]  # its usage line, in the error
+    command = _subcommands(parser)[args.command]  # its usage line, in the error
     if given is not None and option is not None and given != option:
         command.error(f"the model is given twice ({given!r} and --model {option!r})")
     if given is None and option is None:
@@ -198,10 +207,10 @@ class ShowDefaults(argparse.HelpFormatter):
 
 def _with_defaults_shown(parser: argparse.ArgumentParser) -> None:
     """Every (sub)parser keeps its own formatter for the description and shows option defaults."""
-    if not issubclass(parser.formatter_class, ShowDefaults):
-        parser.formatter_class = type(
-            f"ShowDefaults{parser.formatter_class.__name__}", (ShowDefaults, parser.formatter_class), {}
-        )
+    formatter = cast(type, parser.formatter_class)  # a class (typeshed: a callable)
+    if not issubclass(formatter, ShowDefaults):
+        shown = type(f"ShowDefaults{formatter.__name__}", (ShowDefaults, formatter), {})
+        parser.formatter_class = cast("argparse._FormatterClass", shown)
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
@@ -227,7 +236,7 @@ class Parser(argparse.ArgumentParser):
         chain: list[argparse.ArgumentParser] = [self]
         for dest in ("command", "action"):
             where = chain[-1]
-            sub = where._subparsers and where._subparsers._group_actions[0].choices.get(getattr(parsed, dest, ""))
+            sub = _subcommands(where).get(getattr(parsed, dest, ""))
             if sub is None:
                 break
             chain.append(sub)
@@ -247,7 +256,7 @@ class Parser(argparse.ArgumentParser):
         return super()._get_values(action, arg_strings)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     import torch
 
     from rdlm import __version__

@@ -317,14 +317,14 @@ def _run_experiment(args: argparse.Namespace, cfg: DemoConfig) -> int:
     else:
         from rdlm.demo.gate_demo import run_gate_experiment
 
-        exp = GateSettings(
+        gate = GateSettings(
             loops=args.loops,
             layers=args.loop_layers,
             exit_loss_beta=args.exit_loss_beta,
             thresholds=args.gate_thresholds,
             compare_kl=not args.no_kl,
         )
-        result = run_gate_experiment(cfg, exp)
+        result = run_gate_experiment(cfg, gate)
     print(json.dumps(result.results["claims"], indent=2))
     for check in result.results["checks"]:
         print(f"{'PASS' if check['holds'] else 'FAIL'}  {check['claim']}  (margin {check['margin']:+.3f})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import cast
 
 import torch
 
@@ -73,7 +74,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         if param.kind is bool:
             options["action"] = "store_true" if param.default is False else argparse.BooleanOptionalAction
         elif "choices" in flag or isinstance(param.check, OneOf):
-            options["choices"] = flag.get("choices") or list(param.check.choices)
+            options["choices"] = flag.get("choices") or list(cast(OneOf, param.check).choices)
         else:
             options["type"] = param.kind
         groups[param.part].add_argument(*flag.get("flags", ["--" + param.name.replace("_", "-")]), **options)
@@ -218,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if text_mode:
         prompts = [tokenizer.encode(p, add_bos=not args.no_bos) for p in args.prompt]
-        stop_tokens = (tokenizer.eos_id,)
+        stop_tokens: tuple[int, ...] = (tokenizer.eos_id,)
     else:
         prompts = [parse_ids(p) for p in (args.prompt_ids or ["1,2,3"])]
         stop_tokens = ()

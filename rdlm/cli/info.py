@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ def describe(model: RecurrentDepthLM) -> dict:
 
 
 def time_forward(
-    model: RecurrentDepthLM, num_steps: int, seq_len: int, repeats: int = 3, on_pass: Callable[[], None] | None = None
+    model: RecurrentDepthLM, num_steps: int, seq_len: int, repeats: int = 3, on_pass: Callable[[], object] | None = None
 ) -> float:
     """Median wall time in seconds of one no-grad forward pass on random tokens (after a warm-up pass);
     `on_pass` is called after each pass."""
@@ -58,6 +59,7 @@ def time_forward(
 def run(args: argparse.Namespace) -> int:
     found = resolve_model_source(args.model)
     if found.kind == "preset":  # no weights to read: on the meta device unless it has to run
+        assert found.preset is not None  # a preset's name, by its kind
         config = RDLMConfig.from_preset(found.preset)
         device = "meta" if args.time_forward is None else "cpu"
         with torch.device(device):
@@ -84,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
             total=sum(steps) * (repeats + 1), unit="it", desc="forward passes", leave=False, dynamic_ncols=True
         ) as bar:
             info["forward_seconds"] = {
-                r: round(time_forward(model.eval(), r, seq_len, repeats, lambda r=r: bar.update(r)), 4) for r in steps
+                r: round(time_forward(model.eval(), r, seq_len, repeats, functools.partial(bar.update, r)), 4)
+                for r in steps
             }
         info["forward_seq_len"] = seq_len
     print(json.dumps(info, indent=2))

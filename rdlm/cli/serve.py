@@ -203,8 +203,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         uvicorn_server(app, args.host, args.port, args.header_timeout, args.shutdown_timeout, log_level="warning").run()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, before in previous.items():
+            signal.signal(sig, before)
     print(
         f"rdlm serve: shut down{' on ' + signal.Signals(stopped[0]).name if stopped else ''}",
         file=sys.stderr,

@@ -89,7 +89,12 @@ def add_config_flags(p: argparse.ArgumentParser, config_class: type, skip: tuple
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"{config_class.__name__}.{f.name} has no default")
         convert = flag_type(f.name, hints[f.name])
         text = f.metadata.get("help", "")
         # The field's default, unless its help says what it is (None stands for "the model's", "no clip", ...)
@@ -273,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         result = train(config)
     except TrainingError as err:
         raise CLIError(str(err)) from err
-    summary = {
+    summary: dict[str, Any] = {
         "steps": result.steps_done,
         "final_loss": result.losses[-1] if result.losses else None,
         "skipped_steps": result.bad_steps,

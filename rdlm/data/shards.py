@@ -56,10 +56,17 @@ class DataError(ValueError):
     """Training data is missing, empty or does not fit the model; the message names the problem."""
 
 
+# A source's rows: tokens, the loss mask or None, and the targets where they differ from the tokens.
+Rows = tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]
+
+
 class RowSource(Protocol):
     def __len__(self) -> int: ...
 
-    def rows(self, indices: np.ndarray) -> tuple[Tensor, ...]:
+    @property
+    def row_length(self) -> int: ...
+
+    def rows(self, indices: np.ndarray) -> Rows:
         """int64 tokens [n, row_length], an optional bool loss mask of the same shape and, optionally,
         int64 targets of the same shape (see `make_batch`)."""
 
@@ -143,15 +150,18 @@ class MemoryRows:
     def row_length(self) -> int:
         return self.tokens.shape[1]
 
-    def rows(self, indices: np.ndarray) -> tuple[Tensor, ...]:
+    def rows(self, indices: np.ndarray) -> Rows:
         index = torch.as_tensor(indices, dtype=torch.long)
-        rows = self.tokens[index], None if self.loss_mask is None else self.loss_mask[index]
-        rows = rows if self.targets is None else (*rows, self.targets[index])
+        tokens = self.tokens[index]
+        mask = None if self.loss_mask is None else self.loss_mask[index]
+        targets = None if self.targets is None else self.targets[index]
         if self.trim:
-            used = rows[1].any(dim=0).nonzero()
+            assert mask is not None  # trim needs a loss mask (refused without one above)
+            used = mask.any(dim=0).nonzero()
             end = max(2, int(used[-1]) + 1 if len(used) else 2)
-            rows = tuple(None if r is None else r[:, :end] for r in rows)
-        return rows
+            tokens, mask = tokens[:, :end], mask[:, :end]
+            targets = None if targets is None else targets[:, :end]
+        return (tokens, mask) if targets is None else (tokens, mask, targets)
 
     def max_token_id(self) -> int:
         return int(self.tokens.max() if self.targets is None else max(self.tokens.max(), self.targets.max()))

@@ -15,6 +15,7 @@ import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -101,11 +102,11 @@ class Tokenizer:
         if missing:
             raise TokenizerError(f"{source}: tokenizer lacks the special token(s) {', '.join(missing)}")
         self.bos_id = self._id(BOS)
-        self.eos_id = self._id(EOS)
+        self.eos_id = cast(int, self._id(EOS))  # EOS and PAD are there (checked above)
         self.begin_header_id = self._id(BEGIN_HEADER)
         self.end_header_id = self._id(END_HEADER)
         self.end_turn_id = self._id(END_TURN)
-        self.pad_id = self._id(PAD)
+        self.pad_id = cast(int, self._id(PAD))
         chat = (self.begin_header_id, self.end_header_id, self.end_turn_id)
         if self.end_turn_id is not None and self.bos_id is None:
             raise TokenizerError(f"{source}: tokenizer has the chat tokens but no {BOS}, which starts a chat")
@@ -266,8 +267,8 @@ class Tokenizer:
         rendered = format_chat(marked, add_generation_prompt)
         ids: list[int] = []
         for piece in re.split(f"({'|'.join(map(re.escape, SPECIAL_TOKENS))})", rendered):
-            if piece in SPECIAL_TOKENS and self._id(piece) is not None:
-                ids.append(self._id(piece))
+            if piece in SPECIAL_TOKENS and (special := self._id(piece)) is not None:
+                ids.append(special)
             elif piece:
                 text = re.sub(f"\x00{nonce}:(\\d+)\x00", lambda m: texts[int(m.group(1))], piece)
                 ids += self.encode(text, special=False)

@@ -172,6 +172,7 @@ def model_config(cfg: DemoConfig, vocab_size: int, context_length: int, kind: st
     if kind not in MODELS:
         raise ValueError(f"unknown model kind {kind!r}; available: {', '.join(MODELS)}")
     lp, lr, lc = cfg.layers
+    recurrence: dict[str, Any]
     if kind == "recurrent":
         recurrence = dict(
             mean_recurrence=cfg.mean_recurrence,

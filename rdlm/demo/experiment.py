@@ -46,7 +46,7 @@ def phase_rows(
     return task_rows(examples, tokenizer)
 
 
-def check_rows(checks: Sequence[tuple[str, float, float]], op: str = ">=") -> list[dict[str, Any]]:
+def check_rows(checks: Sequence[tuple[Any, ...]], op: str = ">=") -> list[dict[str, Any]]:
     """(claim, measured value, bound) -> the report's rows: the margin (how far the value is on the right
     side of the bound; negative: the claim fails) and whether it holds. `op` is ">=" or "<=", or per check
     a fourth element; a fifth, "ratio", marks a value that is not a fraction of examples (the row's unit)."""

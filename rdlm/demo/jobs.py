@@ -225,6 +225,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _run_in_worker(cfg: DemoConfig, job: Job) -> JobResult:
+    assert _data is not None  # set by the worker's initializer (_worker_init) before any job
     rows, splits = _data
     return run_job(cfg, job, rows, splits, progress=False)
 

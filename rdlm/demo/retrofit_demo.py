@@ -83,6 +83,7 @@ class RetrofitSettings:
             object.__setattr__(self, "coda", (n - 1,))
         elif None in (self.prelude, self.core, self.coda):
             raise ValueError("give the prelude, core and coda layers together, or none of them (the default split)")
+        assert self.prelude is not None and self.core is not None and self.coda is not None  # (just above)
         check_split(n, self.prelude, self.core, self.coda)
         if not 0 < self.r_curriculum_fraction <= 1:
             raise ValueError(f"r_curriculum_fraction must be in (0, 1], got {self.r_curriculum_fraction!r}")
@@ -221,6 +222,7 @@ def _run(cfg: DemoConfig, exp: RetrofitSettings, out: Path) -> ExperimentResult:
     pretrained = time.perf_counter()
 
     # 2. Retrofit it; plan the retrofitted model's FLOPs, then give the control as many.
+    assert exp.prelude is not None and exp.core is not None and exp.coda is not None  # (RetrofitSettings sets them)
     with tempfile.TemporaryDirectory() as tmp:
         retrofitted = retrofit(
             llama_dir,
@@ -278,7 +280,7 @@ def _run(cfg: DemoConfig, exp: RetrofitSettings, out: Path) -> ExperimentResult:
     tables = {kind: r.table for kind, r in done.items()}
     claims, checks = claims_and_checks(tables, cfg.train_mean_r)
     histories = {"pretraining": pre_history} | {kind: r.history for kind, r in done.items()}
-    results = {
+    results: dict[str, Any] = {
         "experiment": "retrofit",
         "config": settings_dict(cfg),
         "retrofit": settings_dict(exp),

@@ -38,6 +38,7 @@ import random
 import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -322,7 +323,7 @@ def make_splits(
     return splits
 
 
-def describe_split(examples: Sequence[Example]) -> dict[str, object]:
+def describe_split(examples: Sequence[Example]) -> dict[str, Any]:
     """What a split holds: size, distinct prompts, difficulty range and the count per difficulty."""
     counts: dict[int, int] = {}
     for ex in examples:

@@ -261,10 +261,9 @@ class RDLMEvalModel(TemplateLM):
                 noise = self.initial_state(inputs[i])
                 if noise is not None:
                     states[row, :end] = noise
-            if not self.model.config.takes_initial_state:
-                states = None  # s_0 = e, made by the model
+            initial = states if self.model.config.takes_initial_state else None  # None: s_0 = e, made by the model
             scores = score_targets(
-                self.model, ids.to(self._device), labels.to(self._device), self.num_steps, initial_state=states
+                self.model, ids.to(self._device), labels.to(self._device), self.num_steps, initial_state=initial
             )
             for row, i in enumerate(batch):
                 score, greedy = -scores.nll[row].item(), bool(scores.greedy[row])
@@ -276,7 +275,7 @@ class RDLMEvalModel(TemplateLM):
                 results[i] = (score, greedy)
                 if requests[i][0][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], (score, greedy))
-        return results  # type: ignore[return-value]
+        return results  # type: ignore[return-value]  # every request's slot is filled above
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole texts (perplexity tasks), in disjoint windows of max_length tokens."""
@@ -324,7 +323,7 @@ class RDLMEvalModel(TemplateLM):
                     self.cache_hook.add_partial("generate_until", requests[n].args, text)
                 progress.update(len(batch))
         progress.close()
-        return results  # type: ignore[return-value]
+        return results  # type: ignore[return-value]  # every request's slot is filled above
 
     def generation_config(self, gen_kwargs: dict[str, Any]) -> GenerationConfig:
         """lm-eval's generation kwargs (until, max_gen_toks, do_sample, temperature, top_p, top_k) plus

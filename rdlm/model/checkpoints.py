@@ -44,10 +44,17 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def _step_of(path: Path) -> int:
+    match = STEP_RE.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint (step-NNNNNN)")
+    return int(match.group(1))
+
+
 def last_finite_checkpoint(out_dir: str | os.PathLike, upto: Path | None = None) -> Path | None:
     """The newest checkpoint (not newer than `upto`) whose weights were finite when saved."""
     for path in list_checkpoints(out_dir)[::-1]:
-        if upto is not None and int(STEP_RE.match(path.name).group(1)) > int(STEP_RE.match(upto.name).group(1)):
+        if upto is not None and _step_of(path) > _step_of(upto):
             continue
         try:
             if json.loads((path / TRAINER_FILE).read_text()).get("finite_weights", True):

@@ -132,6 +132,7 @@ def convert(
     found = resolve_source(source, weights)
     # The tokenizer and generation files sit beside the weights, or beside trainer.json when sharded.
     src = found.checkpoint if found.sharded else found.directory
+    assert src is not None  # a model source found has its directory (a checkpoint's, when sharded)
     destination = check_destination(destination, src, in_place, overwrite)
     side = {} if src.resolve() == destination.resolve() else check_side_files(src)
     # the file's own dtype (FSDP shards are gathered in float32); quantized in the dtype it is saved in

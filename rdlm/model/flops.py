@@ -3,13 +3,22 @@ trainer's monitor reports (throughput, MFU) and what the resource checks use to 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from rdlm.model.lm import RecurrentDepthLM
+    from rdlm.model.config import RDLMConfig
 
 
-def flops_per_token(model: RecurrentDepthLM, seq_len: int, no_grad_steps: int, grad_steps: int) -> float:
+class Sizes(Protocol):
+    """What `flops_per_token` reads: a model (RecurrentDepthLM) or its config's sizes (`ConfigSizes`)."""
+
+    @property
+    def config(self) -> RDLMConfig: ...
+
+    def parameter_groups(self) -> dict[str, int]: ...
+
+
+def flops_per_token(model: Sizes, seq_len: int, no_grad_steps: float, grad_steps: float) -> float:
     """Training FLOPs per token: forward over all r iterations, backward (2x) over the last k only.
 
     Matmul FLOPs are 2 per parameter per token; attention adds 4*seq*h per layer (QK^T and AV).

@@ -4,7 +4,7 @@ KV-cache hook, the gated MLP, and the block that prelude, core and coda are made
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,7 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split(
                 (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim), dim=-1
             )
-            if self.q_norm is not None:
+            if self.q_norm is not None and self.k_norm is not None:  # (QK-norm: both)
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = q.view(batch, seq, self.num_heads, self.head_dim), k.view(batch, seq, self.kv_heads, self.head_dim)
             if self.qk_bias is not None:  # (equal head counts: the config refuses it with grouped queries)
@@ -82,8 +82,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin, self.rope_pairs), apply_rope(k, cos, sin, self.rope_pairs)
             v = v.view(batch, seq, self.kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if hasattr(cache, "attend"):  # several calls packed in one sequence (rdlm.inference.cache.PackedCall)
-            y = cache.attend(key, q, k, v, self.attention)
+        attend = getattr(cache, "attend", None)  # several calls packed in one sequence (inference.cache.PackedCall)
+        if attend is not None:
+            y = attend(key, q, k, v, self.attention)
         else:
             if cache is not None:
                 k, v = cache.update(key, k, v)
@@ -94,7 +95,7 @@ class Attention(nn.Module):
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """softmax(q k^T / sqrt(d) + mask) v over [batch, heads, n, d]; no mask: causal (as many keys as queries)."""
-        gqa = {"enable_gqa": True} if self.kv_heads != self.num_heads else {}
+        gqa: dict[str, Any] = {"enable_gqa": True} if self.kv_heads != self.num_heads else {}
         if mask is None and self.implementation == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         if mask is None:

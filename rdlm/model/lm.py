@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from rdlm.model.layers import ATTENTION_IMPLEMENTATIONS, Attention, Block, KVCac
 from rdlm.model.loss import expected_exit_loss, linear_cross_entropy
 from rdlm.model.recurrence import sample_num_steps
 from rdlm.model.rope import rope_tables
+
+if TYPE_CHECKING:
+    from rdlm.model.quantize import QuantSpec
 
 NumSteps = int | tuple[int, int] | Sequence[int]
 
@@ -40,6 +44,15 @@ class RecurrentOutput:
 
 
 class RecurrentDepthLM(nn.Module):
+    # Set outside __init__ and declared for the type checker: the RoPE tables (register_buffer), the directory a
+    # loaded model came from (rdlm.model.huginn), and the quantization (rdlm.model.quantize) of a quantized model,
+    # which a model never loaded or quantized lacks.
+    rope_cos: Tensor
+    rope_sin: Tensor
+    source: str
+    quantization: QuantSpec | None
+    quantized_layers: dict[str, str]
+
     def __init__(self, config: RDLMConfig) -> None:
         super().__init__()
         self.config = config
@@ -177,7 +190,7 @@ class RecurrentDepthLM(nn.Module):
         """Compile one core iteration (`step`) with `torch.compile(**options)` and keep the loop over
         iterations in Python, so every r reuses the same compiled step. (`torch.compile(model)` works
         too, `fullgraph=True` included, but it unrolls the loop: one graph per r.) Returns the model."""
-        self.step = torch.compile(RecurrentDepthLM.step.__get__(self), **options)
+        self.step = torch.compile(RecurrentDepthLM.step.__get__(self), **options)  # type: ignore[method-assign]  # the compiled step replaces the method on purpose
         return self
 
     def add_state_noise(self, state: Tensor, iteration: int, generator: torch.Generator | None = None) -> Tensor:
@@ -199,12 +212,12 @@ class RecurrentDepthLM(nn.Module):
             step1 = step1.sqrt() if c.test_time_noise_type == "sqrt" else step1
             state = state * (1 - a / step1) + normal() * a / step1
         elif c.test_time_noise_type == "line":
-            noise = max(a, (c.mean_recurrence - iteration) / c.mean_recurrence)
+            noise: float | Tensor = max(a, (c.mean_recurrence - iteration) / c.mean_recurrence)
             state = state * (1 - noise) + normal() * noise
         else:  # chi
             noise = 2 * torch.rand(1, generator=generator, device=state.device, dtype=state.dtype) * a
             state = state * (1 - noise) + normal() * noise
-        return self.core[-1].norm_4(state)
+        return cast(Block, self.core[-1]).norm_4(state)
 
     def readout(
         self, state: Tensor, rope: Rope, mask: Tensor | None = None, cache: KVCacheHook | None = None
@@ -316,6 +329,7 @@ class RecurrentDepthLM(nn.Module):
 
         loss = None
         if exit_loss_beta is not None:
+            assert trajectory is not None and labels is not None  # both set or checked above (_check_exit_loss)
             logits, loss = self._expected_exit_loss(
                 trajectory[1:], rope, attention_mask, cache, labels, exit_loss_beta, loss_reduction
             )

@@ -42,9 +42,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad.scatter_add_(1, target, torch.full_like(lse, -1.0).unsqueeze(1))
                 grad.mul_(valid.unsqueeze(1))
                 grad = grad.to(raw.dtype)
-                if want_hidden:
+                if grad_hidden is not None:  # (want_hidden)
                     grad_hidden[start : start + chunk] = grad @ weight
-                if want_weight:
+                if grad_weight is not None:  # (want_weight)
                     grad_weight += grad.t() @ h
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype

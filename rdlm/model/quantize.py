@@ -29,7 +29,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,9 @@ from rdlm.model.int4 import (
     dequantize_int4,
     int4_fits,
 )
+
+if TYPE_CHECKING:
+    from rdlm.model.lm import RecurrentDepthLM
 
 PARTS = ("prelude", "core", "coda", "head")
 SCHEMES = ("none", "int8", "int4", "w8a8")
@@ -156,6 +159,15 @@ class QuantizedLinear(nn.Module):
     linear, 7-bit activations): several times faster there, at the cost of activation rounding.
     `canonical()` gives the portable form that is saved, and `from_canonical` reads it back."""
 
+    # The buffers __init__ registers, declared for the type checker. Each is read only by the scheme and device
+    # that hold it: qweight is None under w8a8 on the CPU (`packed` holds the weight), zeros is int4's off the
+    # CPU, scales_and_zeros int4's on it.
+    qweight: Tensor
+    scales: Tensor
+    zeros: Tensor
+    scales_and_zeros: Tensor
+    bias: Tensor | None
+
     def __init__(
         self,
         scheme: str,
@@ -193,6 +205,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", None, persistent=False)
             self.register_buffer("scales", scales.float(), persistent=False)
         elif scheme == "int4" and self.on_cpu:
+            assert zeros is not None  # an int4 weight has its zero points (from_weight, from_canonical)
             self.register_buffer("qweight", _nibbles_to_cpu_int4_layout(qweight), persistent=False)
             # [in/group, out, 2]: scale and zero point, as the kernel reads them
             self.register_buffer(
@@ -266,7 +279,7 @@ class QuantizedLinear(nn.Module):
             raise QuantizationError(f"{name}.zeros is not part of an int8 weight")
         if scheme == "w8a8" and stored == "int8":
             stored = "w8a8"
-        given = {"qweight": q, "scales": scales, "zeros": zeros}
+        given = {"qweight": q, "scales": scales} | ({} if zeros is None else {"zeros": zeros})
         for key, shape in expected.items():
             if tuple(given[key].shape) != shape:
                 raise QuantizationError(
@@ -370,7 +383,7 @@ def _aligned(tensor: Tensor) -> Tensor:
 # Quantizing a model
 
 
-def layers(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
+def layers(model: RecurrentDepthLM) -> Iterator[tuple[str, str, nn.Linear | QuantizedLinear | nn.Embedding]]:
     """(part, module name, module) of every linear layer a spec can quantize."""
     for part, prefix in (("prelude", "prelude."), ("core", "core."), ("coda", "coda.")):
         for name, module in model.named_modules():
@@ -381,7 +394,9 @@ def layers(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
     yield "head", "lm_head", model.lm_head if model.lm_head is not None else model.embedding
 
 
-def quantize(model: nn.Module, spec: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+def quantize(
+    model: RecurrentDepthLM, spec: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE
+) -> RecurrentDepthLM:
     """Quantize `model` (a RecurrentDepthLM) in place by `spec` and return it; `model.quantization` records
     the spec. A layer int4 cannot hold (in_features not a multiple of the group size, out_features not of
     32) is quantized to int8 instead; `model.quantized_layers` says what each layer got."""
@@ -400,7 +415,8 @@ def quantize(model: nn.Module, spec: QuantSpec | str | None, group_size: int = D
             if scheme == "none":
                 continue
             weight = module.weight
-            if scheme == "int4" and not int4_fits(*weight.shape, spec.group_size):
+            out_features, in_features = weight.shape
+            if scheme == "int4" and not int4_fits(out_features, in_features, spec.group_size):
                 scheme = "int8"
             bias = module.bias if isinstance(module, nn.Linear) else None
             quantized = QuantizedLinear.from_weight(weight, bias, scheme, spec.group_size)
@@ -416,7 +432,9 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def apply(model: nn.Module, spec: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+def apply(
+    model: RecurrentDepthLM, spec: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE
+) -> RecurrentDepthLM:
     """`quantize` for a model just loaded: a model saved quantized keeps its quantization when `spec` asks for
     nothing or for the same; asking a different one is refused (quantizing twice compounds the error)."""
     spec = as_spec(spec, group_size)
@@ -448,7 +466,7 @@ def quantized_tensors(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def attach_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, Tensor], device, source: str) -> None:
+def attach_quantized(model: RecurrentDepthLM, spec: QuantSpec, tensors: dict[str, Tensor], device, source: str) -> None:
     """Replace the layers `spec` quantizes by QuantizedLinear layers read from `tensors` (keys as
     `quantized_tensors` writes them; used entries are removed). A missing, extra or ill-fitting tensor is
     refused in one line naming it."""
@@ -484,7 +502,7 @@ def weight_bytes(model: nn.Module) -> int:
     return total + sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
-def describe(model: nn.Module) -> str:
+def describe(model: RecurrentDepthLM) -> str:
     spec = getattr(model, "quantization", None)
     if spec is None:
         return "not quantized"

@@ -81,12 +81,15 @@ class ModelSource:
     def _load(self, dtype: Any, device: torch.device | str, overrides: dict[str, Any] | None) -> RecurrentDepthLM:
         dtype = resolve_dtype(dtype)
         if self.kind == "preset":
+            assert self.preset is not None  # (each kind has its fields: see the class)
             model = RecurrentDepthLM(RDLMConfig.from_preset(self.preset, **(overrides or {})))
         elif overrides:
             raise ConfigError(f"config overrides apply to presets only, not to {self.text}")
         elif self.sharded:
+            assert self.checkpoint is not None and self.weights is not None
             model = ckpt.load_weights(self.checkpoint, self.weights)
         else:
+            assert self.directory is not None
             return load_pretrained(self.directory, dtype=dtype, device=device).eval()
         return cast_parameters(model.to(device), dtype).eval()
 

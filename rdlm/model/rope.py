@@ -53,6 +53,8 @@ def inverse_frequencies(head_dim: int, base: float, scaling: Mapping[str, Any] |
     """inv_freq [head_dim/2] in float32, after `scaling` (see the module doc)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     kind = scaling_type(scaling)
+    if scaling is None:  # (kind "default")
+        return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind != "llama3":

@@ -28,6 +28,7 @@ def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple
 
     found = resolve_model_source(source, weights="model")
     if found.kind == "preset":
+        assert found.preset is not None  # a preset's name, by its kind
         return RecurrentDepthLM(RDLMConfig.from_preset(found.preset, **(overrides or {}))), None
     model = found.load(dtype=torch.float32)
     if getattr(model, "quantization", None) is not None:
@@ -187,7 +188,7 @@ def parallelize(
         for block in [*model.prelude, *model.core, *model.coda]:
             block.forward = torch.compile(block.forward)
 
-    opt_kwargs = dict(
+    opt_kwargs: dict[str, Any] = dict(
         lr=config.lr,
         betas=config.betas,
         eps=config.eps,
@@ -196,6 +197,7 @@ def parallelize(
         update_clip=config.update_clip,
     )
     ddp = None
+    optimizer: torch.optim.Optimizer
     if config.optimizer == "muon":
         if strategy == "fsdp" or (strategy == "ddp" and config.sharded_optimizer):
             raise ConfigError(

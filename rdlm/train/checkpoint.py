@@ -46,7 +46,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -158,6 +158,7 @@ def load_checkpoint(
     trainer = read_trainer(path)
     if is_sharded(path):  # written under FSDP: gather the whole tensors here
         weights, ema, tensors = read_sharded_full(path, model, parameter_names)
+        assert tensors is not None  # read with the optimizer (read_sharded_full's default)
         _copy_tensors(weights, model)
         if ema_model is not None and ema is not None:
             _copy_tensors(ema, ema_model)
@@ -211,7 +212,7 @@ def sharded_state(
         state["ema"] = {
             name: shaped_like(shadow, params[name]) for name, shadow in zip(parameter_names, ema_shadow, strict=True)
         }
-    return state, optimizer_state["param_groups"]
+    return state, cast(list[dict], optimizer_state["param_groups"])
 
 
 def shaped_like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -220,15 +221,16 @@ def shaped_like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor
         return local_tensor
     from torch.distributed.tensor import DTensor
 
+    sharded = cast(DTensor, param)
     return DTensor.from_local(
-        local_tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        local_tensor, sharded.device_mesh, sharded.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
 
 
 def save_sharded_checkpoint(
     out_dir: str | os.PathLike,
     step: int,
-    model: nn.Module,
+    model: RecurrentDepthLM,
     optimizer,
     ema_shadow: list[torch.Tensor] | None,
     parameter_names: list[str],
@@ -246,11 +248,12 @@ def save_sharded_checkpoint(
     main = dist.get_rank() == 0
     root = checkpoint_dir(out_dir)
     final = root / f"step-{step:06d}"
-    staging = [None]
+    staging: list[str | None] = [None]  # rank 0's staging directory, broadcast to every worker
     if main:
         root.mkdir(parents=True, exist_ok=True)
         staging = [tempfile.mkdtemp(prefix=temp_prefix(final.name), dir=root)]
     dist.broadcast_object_list(staging, src=0)
+    assert staging[0] is not None
     tmp = Path(staging[0])
     try:
         state, groups = sharded_state(model, optimizer, ema_shadow, parameter_names)
@@ -321,12 +324,13 @@ def _fill(targets: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> N
     for name, value in whole.items():
         target = targets[name]
         if hasattr(target, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor import DTensor, distribute_tensor
 
+            sharded = cast(DTensor, target)
             value = distribute_tensor(
-                value.to(target.device_mesh.device_type, target.dtype), target.device_mesh, target.placements
+                value.to(sharded.device_mesh.device_type, sharded.dtype), sharded.device_mesh, sharded.placements
             ).to_local()
-            target = target.to_local()
+            target = sharded.to_local()
         target.copy_(value)
 
 

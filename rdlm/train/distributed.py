@@ -20,11 +20,15 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from rdlm.resources import check_device
+
+if TYPE_CHECKING:
+    from rdlm.model.lm import RecurrentDepthLM
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,8 @@ def resolve_strategy(strategy: str, world: World) -> str:
 
 
 def apply_fsdp(
-    model: torch.nn.Module, device: torch.device, world: World, bf16: bool, cpu_offload: bool = False
-) -> torch.nn.Module:
+    model: RecurrentDepthLM, device: torch.device, world: World, bf16: bool, cpu_offload: bool = False
+) -> RecurrentDepthLM:
     """Shard `model` (a RecurrentDepthLM) in place with FSDP2: one unit per block, the rest at the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -99,7 +103,7 @@ def apply_fsdp(
         if bf16
         else MixedPrecisionPolicy()
     )
-    options = dict(
+    options: dict[str, Any] = dict(
         mesh=mesh, mp_policy=precision, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     )
     for block in [*model.prelude, *model.coda]:

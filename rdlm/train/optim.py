@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -84,7 +85,7 @@ class AdamW(torch.optim.Optimizer):
             inf = None if found_inf is None else found_inf.to(chosen[0].device, torch.float32)
             fused_adamw(
                 chosen,
-                [p.grad for p in chosen],
+                [cast(Tensor, p.grad) for p in chosen],  # (step passes only parameters with a gradient)
                 [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states],
                 [],
@@ -104,7 +105,7 @@ class AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         for p in params:
-            grad = p.grad.float()
+            grad = cast(Tensor, p.grad).float()  # (as in _step_fused)
             state = self.state[p]
             state["step"] += 1
             step = state["step"].item()
@@ -178,7 +179,7 @@ class MuonAdamW(AdamW):
             buffers.append(state["momentum_buffer"])
         muon(
             params,
-            [p.grad.float() for p in params],
+            [cast(Tensor, p.grad).float() for p in params],  # (as in _step_fused)
             buffers,
             lr=group["lr"],
             weight_decay=group["weight_decay"],
@@ -194,7 +195,8 @@ class MuonAdamW(AdamW):
 
 def muon_parameters(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     """(the blocks' and the adapter's weight matrices, everything else)."""
-    body, rest = [], []
+    body: list[Tensor] = []
+    rest: list[Tensor] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,13 @@ from rdlm.model.config import ConfigError
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.train import checkpoint as ckpt
 from rdlm.train.distributed import all_reduce_sum, barrier, full, local
+
+if TYPE_CHECKING:
+    from rdlm.data.shards import Batches
+    from rdlm.train.config import TrainConfig
+    from rdlm.train.distributed import World
+    from rdlm.train.optim import EMA
+    from rdlm.train.schedule import Schedule
 
 
 class TrainingError(RuntimeError):
@@ -38,6 +45,30 @@ def recorded_config(out_dir: str | Path) -> tuple[dict[str, Any], Path] | None:
 
 class RunCheckpoints:
     """The checkpoint half of `Trainer` (rdlm.train.trainer), which sets every attribute used here."""
+
+    # What this half reads and writes of the trainer's state (declared for the type checker; Trainer sets them).
+    config: TrainConfig
+    world: World
+    strategy: str
+    model: RecurrentDepthLM
+    names: list[str]
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    schedule: Schedule
+    batches: Batches
+    step: int
+    losses: list[float]
+    drawn: list[list[int]]
+    evals: list[dict[str, float]]
+    bad_steps: int
+    consecutive_bad: int
+    last_checkpoint: Path | None
+    last_finite_checkpoint: Path | None
+    mean_recurrence: int
+    backprop_depth: int
+    sampler: str
+    sigma: float
 
     def _resume(self) -> None:
         if self.config.out_dir is None:
@@ -95,7 +126,7 @@ class RunCheckpoints:
             )
         ema_model = self._ema_model() if self.ema else None
         point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
-        if ema_model is not None:
+        if self.ema is not None and ema_model is not None:
             self.ema.load([p.detach().float() for p in ema_model.parameters()])
         if optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)
@@ -191,5 +222,5 @@ class RunCheckpoints:
     def _weights_finite(self) -> bool:
         """Whether every weight is finite (one device sync; under FSDP over every worker's shards)."""
         with torch.no_grad():
-            bad = sum((~torch.isfinite(local(p))).sum() for p in self.model.parameters()).float().cpu()
+            bad = torch.as_tensor(sum((~torch.isfinite(local(p))).sum() for p in self.model.parameters())).float().cpu()
         return all_reduce_sum(bad.reshape(1), self.world).item() == 0

@@ -85,7 +85,7 @@ class Trainer(RunCheckpoints):
             raise ConfigError(f"--device: {err}") from err
         # One writer per run directory, for the whole run (released by `close`, or by the kernel).
         self.lock = None
-        made = contextlib.nullcontext()
+        made: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if config.out_dir is not None and self.world.is_main:
             check_run_dir(config.out_dir, config.resume, config.overwrite)  # before the lock: nothing written
             made = new_dirs_removed_on_failure(config.out_dir)  # a refused run leaves no directory behind
@@ -354,7 +354,7 @@ class Trainer(RunCheckpoints):
         loss_sum = all_reduce_sum(loss_sum, self.world)
         finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm.to(loss_sum.device))
         # A non-finite step changes nothing; decided on the device (no host sync), counted at `settle`.
-        self.optimizer.step(found_inf=~finite)
+        self.optimizer.step(found_inf=~finite)  # type: ignore[call-overload]  # rdlm's optimizers take found_inf (ZeRO passes it on)
         if self.ema is not None:
             self.ema.update(finite)
         self.optimizer.zero_grad(set_to_none=True)

@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rdlm.inference.generate import generate
 from rdlm.inference.params import GenerationConfig as RDLMGenerationConfig
 from rdlm.inference.params import kv_cache_budget, params_for
 from rdlm.model.config import RDLMConfig
+
+if TYPE_CHECKING:
+    from rdlm.integrations.hf.model import RavenForCausalLM
 
 # The authors' RavenForCausalLM.generate spells some of rdlm's options differently: criterion ("none" =
 # off), exit_threshold "auto" (= the criterion's default), continuous_compute.
@@ -114,13 +117,14 @@ def to_rdlm_config(
     """A transformers generation config (with rdlm's fields, already checked) as rdlm's: greedy unless
     do_sample with a temperature, r defaulting to the model's mean recurrence."""
     rdlm = {name: getattr(config, name) for name in RDLM_GENERATION_DEFAULTS if name != "kv_cache_budget"}
+    fields: Any = config  # rdlm's fields are extra attributes of transformers' config, unknown to its type
     rdlm.update(
-        num_steps=config.num_steps if config.num_steps is not None else default_steps,
-        exit_threshold=config.exit_threshold if config.exit_criterion is not None else None,
-        continuous_cot=bool(config.continuous_cot),
-        init_scale=float(config.init_scale),
-        seed=int(config.seed),
-        **kv_cache_budget(config.kv_cache_budget),
+        num_steps=fields.num_steps if fields.num_steps is not None else default_steps,
+        exit_threshold=fields.exit_threshold if fields.exit_criterion is not None else None,
+        continuous_cot=bool(fields.continuous_cot),
+        init_scale=float(fields.init_scale),
+        seed=int(fields.seed),
+        **kv_cache_budget(fields.kv_cache_budget),
     )
     sampling = config.do_sample and config.temperature != 0  # transformers' own options: greedy unless sampling
     return RDLMGenerationConfig(
@@ -139,7 +143,7 @@ def to_rdlm_config(
 
 
 def generate_with_engine(
-    wrapper: PreTrainedModel,
+    wrapper: RavenForCausalLM,
     inputs: Tensor | None,
     generation_config: GenerationConfig | None,
     streamer: Any,
@@ -149,7 +153,7 @@ def generate_with_engine(
     transformers merges them, mapped onto rdlm's, then decoded by rdlm.inference.generate."""
 
     kwargs = _rdlm_generation_names(kwargs)
-    config, model_kwargs = wrapper._prepare_generation_config(generation_config, **kwargs)
+    config, model_kwargs = wrapper._prepare_generation_config(generation_config, **kwargs)  # type: ignore[misc]  # transformers types self as a protocol its models miss
     input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
     attention_mask = model_kwargs.pop("attention_mask", None)
     tokenizer = model_kwargs.pop("tokenizer", None)
@@ -169,9 +173,10 @@ def generate_with_engine(
         input_ids = torch.tensor([[config.bos_token_id]], device=wrapper.device)
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, seq], got {list(input_ids.shape)}")
-    if config.exit_criterion == "none":  # the reference's "off", also inside a generation config
-        config.exit_criterion = None
-    if kwargs.get("exit_threshold") is not None and config.exit_criterion is None:
+    fields: Any = config  # rdlm's fields are extra attributes of transformers' config, unknown to its type
+    if fields.exit_criterion == "none":  # the reference's "off", also inside a generation config
+        fields.exit_criterion = None
+    if kwargs.get("exit_threshold") is not None and fields.exit_criterion is None:
         raise ValueError("exit_threshold needs an exit criterion (exit_criterion= or criterion=)")
     if config.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
@@ -200,5 +205,5 @@ def generate_with_engine(
         new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
     sequences = torch.cat([input_ids, new.to(input_ids.device)], dim=1)
     if config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
+        return GenerateDecoderOnlyOutput(sequences=cast(torch.LongTensor, sequences))
     return sequences

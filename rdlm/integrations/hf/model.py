@@ -7,7 +7,7 @@ import copy
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +50,14 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
     its recurrent KV cache, with transformers' generation config, sampling options and streamer.
     """
 
-    config_class = RavenConfig
+    config_class: type[RavenConfig | OuroConfig] = RavenConfig  # a family's own (OuroForCausalLM: OuroConfig)
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]  # noqa: RUF012 (an instance attribute in transformers, set from this default)
     _supports_sdpa = True
     supports_gradient_checkpointing = True
 
-    def __init__(self, config: RavenConfig, model: RecurrentDepthLM | None = None) -> None:
+    def __init__(self, config: RavenConfig | OuroConfig, model: RecurrentDepthLM | None = None) -> None:
         super().__init__(config)
         self.model = model if model is not None else RecurrentDepthLM(config.to_rdlm())
         self.post_init()
@@ -78,11 +78,11 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
     # Files: always through rdlm.model.huginn
 
     @classmethod
-    def from_pretrained(
+    def from_pretrained(  # type: ignore[override]  # rdlm's loader: transformers' options it serves, named
         cls,
         pretrained_model_name_or_path: str | os.PathLike,
         *args: Any,
-        config: RavenConfig | None = None,
+        config: RavenConfig | OuroConfig | None = None,
         dtype: Any = None,
         torch_dtype: Any = None,
         device_map: Any = None,
@@ -91,7 +91,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         subfolder: str = "",
         output_loading_info: bool = False,
         **kwargs: Any,
-    ) -> RavenForCausalLM:
+    ) -> RavenForCausalLM | tuple[RavenForCausalLM, dict[str, list[str]]]:
         """Load a Huginn-layout directory (or a Hub repository id) with `rdlm.model.huginn.load_pretrained`.
 
         dtype (or torch_dtype): None / "auto" keeps the file's dtype; a torch dtype or its name casts.
@@ -133,7 +133,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         config_class = config_class_of(model.config)
         if config is None or not isinstance(config, config_class):
             with quiet_rope_notes():
-                config = config_class.from_pretrained(path)
+                config = cast(RavenConfig | OuroConfig, config_class.from_pretrained(path))
         config.name_or_path = str(pretrained_model_name_or_path)
         wrapper = model_class_of(model.config).from_model(model, config)
         if generation_config is None and (path / GENERATION_CONFIG_NAME).is_file():
@@ -148,7 +148,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_model(
-        cls, model: RecurrentDepthLM, config: RavenConfig | None = None, **config_overrides: Any
+        cls, model: RecurrentDepthLM, config: RavenConfig | OuroConfig | None = None, **config_overrides: Any
     ) -> RavenForCausalLM:
         """Wrap an rdlm model (weights shared, not copied)."""
         if cls.config_class is not config_class_of(model.config):
@@ -164,7 +164,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         )
         return wrapper.eval()
 
-    def save_pretrained(
+    def save_pretrained(  # type: ignore[override]  # rdlm's writer: the options of transformers' it serves
         self,
         save_directory: str | os.PathLike,
         is_main_process: bool = True,
@@ -206,7 +206,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
             max_shard_bytes=max_shard_bytes or huginn.DEFAULT_SHARD_BYTES,
         )
 
-    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]  # refused, any arguments
         raise NotImplementedError(
             "push_to_hub is not supported: save_pretrained(dir), then "
             "huggingface_hub.upload_folder(repo_id=..., folder_path=dir)"
@@ -215,7 +215,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
     # ----------------------------------------------------------------------------------------------
     # Model switches transformers users expect
 
-    def set_attn_implementation(self, attn_implementation: str | dict, **kwargs: Any) -> None:
+    def set_attn_implementation(self, attn_implementation: str | dict, **kwargs: Any) -> None:  # type: ignore[override]  # rdlm's two implementations
         """ "sdpa" (torch's fused attention, the default) or "eager" (the same arithmetic written out)."""
         if kwargs:
             raise TypeError(f"set_attn_implementation does not take {', '.join(sorted(kwargs))}")
@@ -402,7 +402,8 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        result = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        # transformers 5.24 names the field `cache` and still accepts past_key_values (with a deprecation notice)
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)  # type: ignore[call-arg]
         return result.to_tuple() if return_dict is False else result
 
     @classmethod

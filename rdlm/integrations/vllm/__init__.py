@@ -48,7 +48,7 @@ class _CPUBuildAsVLLM(metadata.DistributionFinder):
     find it. Imports nothing."""
 
     def __init__(self, build: metadata.Distribution) -> None:
-        self.build = _CPUBuild(build._path)
+        self.build = _CPUBuild(build._path)  # type: ignore[attr-defined]  # an installed one: a PathDistribution
 
     def find_spec(self, *args, **kwargs):  # a metadata finder only: modules are found as before
         return None

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -79,7 +80,7 @@ class LayerWeights(nn.Module):
             self.norm_1, self.norm_3 = RMSNorm(h, eps), RMSNorm(h, eps)
         if scheme != "prenorm":
             self.norm_2, self.norm_4 = RMSNorm(h, eps), RMSNorm(h, eps)
-        self.attn = nn.Module()
+        self.attn: Any = nn.Module()  # a namespace of vLLM's layers (typed Any: vLLM ships no types here)
         self.attn.qkv = QKVParallelLinear(
             h, d, config.num_heads, config.kv_heads, bias=False, quant_config=quant_config, prefix=f"{prefix}.attn.qkv"
         )
@@ -88,13 +89,13 @@ class LayerWeights(nn.Module):
         )
         if config.qk_bias:  # [2, heads, d]: index 0 added to q, 1 to k, before RoPE; split by heads
             self.attn.qk_bias = nn.Parameter(torch.zeros(2, 1, self.heads, d), requires_grad=False)
-            self.attn.qk_bias.weight_loader = self._load_head_split
+            self.attn.qk_bias.weight_loader = self._load_head_split  # type: ignore[attr-defined]  # vLLM's loaders read it
         self.qk_norm = config.qk_norm
         if config.qk_norm:  # OLMo-2: one RMSNorm over all query heads together (all ranks), one over all keys
             self.attn.q_norm = RMSNorm(config.num_heads * d, eps)
             self.attn.k_norm = RMSNorm(config.kv_heads * d, eps)
         self.rope = rope
-        self.mlp = nn.Module()
+        self.mlp: Any = nn.Module()  # (as attn)
         self.mlp.fc = MergedColumnParallelLinear(
             h, [config.intermediate_size] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.mlp.fc"
         )
@@ -124,8 +125,8 @@ class LayerWeights(nn.Module):
         """The norm over every rank's heads together (`whole`: each rank holds all of them, replicated)."""
         if self.tp == 1 or whole:
             return norm(x)
-        whole = norm(tensor_model_parallel_all_gather(x.contiguous()))
-        return whole.chunk(self.tp, dim=-1)[get_tensor_model_parallel_rank()]
+        gathered = norm(tensor_model_parallel_all_gather(x.contiguous()))
+        return gathered.chunk(self.tp, dim=-1)[get_tensor_model_parallel_rank()]
 
     def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, cache: Attention) -> Tensor:
         """The rest of the layer after its queries, keys and values: attention with `cache`, the MLP, the
@@ -145,6 +146,8 @@ class LayerWeights(nn.Module):
 
 class RecurrentDepthForCausalLM(nn.Module):
     """Any checkpoint rdlm reads, served by vLLM (registered as RavenForCausalLM and OuroForCausalLM)."""
+
+    s0_table: Tensor | None  # a buffer (register_buffer): s_0's rows by position, None where s_0 is zero
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -249,7 +252,11 @@ class RecurrentDepthForCausalLM(nn.Module):
         intermediate_tensors=None,
         inputs_embeds: Tensor | None = None,
     ) -> Tensor:
-        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        if inputs_embeds is None:
+            assert input_ids is not None  # vLLM gives one of the two
+            x = self.embed_input_ids(input_ids)
+        else:
+            x = inputs_embeds
         if self.embed_scale != 1:
             x = x * self.embed_scale
         for i, layer in enumerate(self.prelude):
@@ -293,7 +300,7 @@ class RecurrentDepthForCausalLM(nn.Module):
         the coda reads."""
         criterion = self.recurrence.criterion
         decoding = self._decoding_tokens(positions) if criterion is not None else None
-        if decoding is None or not (criterion.uses_gate or bool(decoding.any())):
+        if criterion is None or decoding is None or not (criterion.uses_gate or bool(decoding.any())):
             for i in range(self.recurrence.num_steps):
                 state = self.core_iteration(state, embedded, positions, i)
             self.stats.steps += 1
@@ -310,10 +317,14 @@ class RecurrentDepthForCausalLM(nn.Module):
         - prompt tokens run every iteration; with a learned gate the coda reads each one's state at the
           iteration where its gate fired (rdlm's gated prefill), otherwise its last."""
         r, criterion, min_steps = self.recurrence.num_steps, self.recurrence.criterion, self.recurrence.min_steps
+        assert criterion is not None  # (iterate comes here only with one)
+        gate: Callable[[Tensor], Tensor] | None
         track = ExitTrack.start(state.shape[0], state.device, gate=criterion.uses_gate)
         if criterion.uses_gate:
             track = dataclasses.replace(track, exit_state=state)
-            gate = lambda s: torch.sigmoid(self.exit_gate(s)[0].squeeze(-1).float())  # noqa: E731
+            exit_gate = self.exit_gate
+            assert exit_gate is not None  # a criterion that reads a gate needs the model's (options.read)
+            gate = lambda s: torch.sigmoid(exit_gate(s)[0].squeeze(-1).float())  # noqa: E731
         else:
             gate = None
         last_kv: list[tuple[Tensor, Tensor]] = []
@@ -326,7 +337,7 @@ class RecurrentDepthForCausalLM(nn.Module):
                 break
             held = frozen.unsqueeze(-1)
             x = self.core_input(state, embedded)
-            for layer, weights in enumerate(self.core):
+            for layer, weights in enumerate(cast("Iterable[LayerWeights]", self.core)):
                 q, k, v = weights.qkv(positions, x)
                 if i > 0:
                     k, v = torch.where(held, last_kv[layer][0], k), torch.where(held, last_kv[layer][1], v)
@@ -337,8 +348,12 @@ class RecurrentDepthForCausalLM(nn.Module):
             new = self.final_norm(x) if self.config.final_norm == "loop" else x
             prev, state = state, torch.where(held, state, new)
             track = track.after_iteration(criterion, i, r, prev, state, min_steps=min_steps, gate=gate)
+        assert track.steps is not None  # ExitTrack.start counts the iterations
         self.stats.count(run, track.steps[decoding])
-        return track.exit_state if criterion.uses_gate else state
+        if criterion.uses_gate:
+            assert track.exit_state is not None  # set above, kept by every update
+            return track.exit_state
+        return state
 
     def _fill_caches(self, last_kv: list[tuple[Tensor, Tensor]], first: int) -> None:
         """Every token exited before iteration `first`: the caches of iterations first .. r-1 get each token's
@@ -413,8 +428,8 @@ class RecurrentDepthForCausalLM(nn.Module):
                 for shard, part in zip(("q", "k", "v"), tensor.split((q_rows, kv_rows, kv_rows)), strict=True):
                     loader(param, part, shard)
             elif name.endswith("mlp.fc.weight"):
-                for shard, part in enumerate(tensor.chunk(2)):
-                    loader(param, part, shard)
+                for half, part in enumerate(tensor.chunk(2)):
+                    loader(param, part, half)
             else:
                 loader(param, tensor)
             loaded.add(name)

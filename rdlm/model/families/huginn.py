@@ -156,7 +156,8 @@ class HuginnAdapter(FamilyAdapter):
     def _fixed_keys(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Keys of the file that must hold these values (a Huginn model rdlm saved with grouped-query
         attention says so in its section)."""
-        extra = raw.get("rdlm") if isinstance(raw.get("rdlm"), dict) else {}
+        extra = raw.get("rdlm")
+        extra = extra if isinstance(extra, dict) else {}
         return dict(bias=False, num_key_value_heads=extra.get("num_kv_heads") or raw.get("n_heads"))
 
     def _own_fields(self, raw: Mapping[str, Any], source: str) -> dict[str, Any]:

@@ -196,7 +196,7 @@ class OuroAdapter(FamilyAdapter):
                 continue
             match = _OURO_LAYER_RE.match(name)
             part = match.group(2) if match else None
-            if part not in holder:
+            if match is None or part not in holder:
                 unexpected.append(name)
             elif len(_PARTS[holder[part]]) == 1:
                 state[f"core.{match.group(1)}.{holder[part]}"] = tensor

@@ -46,7 +46,8 @@ class RetrofitAdapter(HuginnAdapter):
     def claims(self, raw: Mapping[str, Any], tensor_names: set[str] | None) -> bool:
         # The OLMo variant, the one with QK-norm: its q_norm tensors, or the modeling file its auto_map
         # names (read, never run).
-        auto_map = raw.get("auto_map") if isinstance(raw.get("auto_map"), dict) else {}
+        auto_map = raw.get("auto_map")
+        auto_map = auto_map if isinstance(auto_map, dict) else {}
         olmo = any(name.endswith("attn.q_norm.weight") for name in tensor_names or ()) or any(
             "olmo" in str(target).lower() for target in auto_map.values()
         )
