@@ -7,9 +7,19 @@ from rdlm.model.recurrence import sample_num_steps
 
 __version__ = "0.1.0"
 
-__all__ = ["PRESETS", "CheckpointError", "ConfigError", "RDLMConfig", "RecurrentDepthLM",
-           "RecurrentOutput", "load_pretrained", "sample_num_steps", "save_pretrained", "build_model",
-           "load_model"]
+__all__ = [
+    "PRESETS",
+    "CheckpointError",
+    "ConfigError",
+    "RDLMConfig",
+    "RecurrentDepthLM",
+    "RecurrentOutput",
+    "build_model",
+    "load_model",
+    "load_pretrained",
+    "sample_num_steps",
+    "save_pretrained",
+]
 
 
 def build_model(preset: str = "tiny", seed: int | None = None, **overrides) -> RecurrentDepthLM:
@@ -21,8 +31,9 @@ def build_model(preset: str = "tiny", seed: int | None = None, **overrides) -> R
     return RecurrentDepthLM(RDLMConfig.from_preset(preset, **overrides))
 
 
-def load_model(source: str, *, dtype=None, device="cpu", weights: str = "ema", quantize=None,
-               group_size: int = 128) -> RecurrentDepthLM:
+def load_model(
+    source: str, *, dtype=None, device="cpu", weights: str = "ema", quantize=None, group_size: int = 128
+) -> RecurrentDepthLM:
     """The model `source` names, in eval mode: a preset (a new random model; `preset:NAME` when a folder
     of that name holds a model too), a Huginn-layout directory, a training checkpoint `step-N/` or a run
     directory (its newest complete checkpoint). dtype: a name ("bf16", "float32", ...) or torch dtype,

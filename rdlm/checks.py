@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 def is_int(value: Any, minimum: int | None = None, below: int | None = None) -> bool:
     """Whether `value` is an integer (a bool is not one) in [minimum, below) (an open end: None)."""
-    return (isinstance(value, int) and not isinstance(value, bool)
-            and (minimum is None or value >= minimum) and (below is None or value < below))
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (minimum is None or value >= minimum)
+        and (below is None or value < below)
+    )
 
 
-def check_int(name: str, value: Any, minimum: int = 1, *, error: type[Exception] = ValueError,
-              note: str = "") -> int:
+def check_int(name: str, value: Any, minimum: int = 1, *, error: type[Exception] = ValueError, note: str = "") -> int:
     """`value` when it is an integer >= `minimum`; else `error` with "{name} must be an integer >= {minimum}
     {note}, got {value!r}" (an empty `name`: argparse names the flag itself)."""
     if not is_int(value, minimum):
@@ -53,6 +56,7 @@ def figure(value: float) -> str:
 class Integer:
     """An integer in [minimum, most] (`check_int`'s wording below the minimum); `says` words both bounds in
     one message. Every integer a request may carry needs a `most`: a value that reaches a tensor must fit it."""
+
     minimum: int = 1
     most: int | None = None
     says: str | None = None
@@ -76,6 +80,7 @@ class Integer:
 class Number:
     """A finite number (NaN passes every comparison: it is refused first, as are infinity and bools) in
     [low, high], each end left out with `open_low` / `open_high`; `note` says why, after the bounds."""
+
     low: float | None = None
     high: float | None = None
     open_low: bool = False
@@ -84,8 +89,11 @@ class Number:
 
     def __call__(self, name: str, value: Any) -> None:
         # (an int of any size is finite: math.isfinite would overflow converting it)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                isinstance(value, float) and not math.isfinite(value)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value))
+        ):
             raise InvalidValue(name, f"{name} must be a finite number, got {value!r}")
         low = self.low is None or (value > self.low if self.open_low else value >= self.low)
         high = self.high is None or (value < self.high if self.open_high else value <= self.high)
@@ -95,8 +103,9 @@ class Number:
     @property
     def says(self) -> str:
         """The bounds in words: ">= 1 and <= 65536" (how a refusal states them)."""
-        ends = ([f"{'>' if self.open_low else '>='} {figure(self.low)}"] if self.low is not None else []) + \
-               ([f"{'<' if self.open_high else '<='} {figure(self.high)}"] if self.high is not None else [])
+        ends = ([f"{'>' if self.open_low else '>='} {figure(self.low)}"] if self.low is not None else []) + (
+            [f"{'<' if self.open_high else '<='} {figure(self.high)}"] if self.high is not None else []
+        )
         return " and ".join(ends)
 
     @property
@@ -112,6 +121,7 @@ class Number:
 @dataclass(frozen=True)
 class OneOf:
     """One of a few names."""
+
     choices: tuple[str, ...]
 
     def __call__(self, name: str, value: Any) -> None:

@@ -17,9 +17,10 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 
 def current_umask() -> int:
@@ -44,7 +45,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
@@ -125,8 +126,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def leftovers(parent: str | os.PathLike, name: str | None = None,
-              any_writer: bool = False) -> list[tuple[Path, str, str]]:
+def leftovers(
+    parent: str | os.PathLike, name: str | None = None, any_writer: bool = False
+) -> list[tuple[Path, str, str]]:
     """(path, target name, "old" | "tmp") for the hidden siblings a dead writer left in `parent`
     (of `name` only, when given). any_writer: also those of live processes (the caller holds a lock
     that rules out another writer)."""
@@ -199,10 +201,19 @@ def check_parents(path: str | os.PathLike, what: str = "output") -> Path:
     return path
 
 
-def claim_output_dir(out: str | os.PathLike, owned: Callable[[str], bool], overwrite: bool, what: str,
-                     others_allowed: bool | Callable[[list[str]], bool] = True, flag: str = "--out", *,
-                     source: str | os.PathLike | None = None, in_place_flag: str | None = None,
-                     in_place: bool = False, remove: bool = True) -> Path:
+def claim_output_dir(
+    out: str | os.PathLike,
+    owned: Callable[[str], object],
+    overwrite: bool,
+    what: str,
+    others_allowed: bool | Callable[[list[str]], bool] = True,
+    flag: str = "--out",
+    *,
+    source: str | os.PathLike | None = None,
+    in_place_flag: str | None = None,
+    in_place: bool = False,
+    remove: bool = True,
+) -> Path:
     """The one rule of every command that writes a directory (docs/files.md): make sure that writing `what`
     into `out` loses nothing, before any work. Refused: `out` is a file; `out` is `source` (the input the
     output is made from), unless `in_place_flag` names a flag that allows it and `in_place` is given; `out`
@@ -216,22 +227,29 @@ def claim_output_dir(out: str | os.PathLike, owned: Callable[[str], bool], overw
         raise FileExistsError(f"{flag} {out} is a file, not a directory")
     if source is not None and out.is_dir() and out.resolve() == Path(source).resolve():
         if in_place_flag is None:
-            raise FileExistsError(f"{flag} {out} is the source: writing {what} there would replace it; "
-                                  "choose another directory")
+            raise FileExistsError(
+                f"{flag} {out} is the source: writing {what} there would replace it; choose another directory"
+            )
         if not in_place:
-            raise FileExistsError(f"{flag} {out} is the source: writing {what} there replaces it; pass "
-                                  f"{in_place_flag} to do that, or choose another directory")
+            raise FileExistsError(
+                f"{flag} {out} is the source: writing {what} there replaces it; pass "
+                f"{in_place_flag} to do that, or choose another directory"
+            )
         return out
     names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     ours = [name for name in names if owned(name)]
     others = [name for name in names if not owned(name)]
     allowed = others_allowed(ours) if callable(others_allowed) else others_allowed
     if others and not allowed:
-        raise FileExistsError(f"{flag} {out} holds other files ({_some(others)}): refusing to write {what} into "
-                              "it; choose a new or empty directory")
+        raise FileExistsError(
+            f"{flag} {out} holds other files ({_some(others)}): refusing to write {what} into "
+            "it; choose a new or empty directory"
+        )
     if ours and not overwrite:
-        raise FileExistsError(f"{flag} {out} already holds {what} ({_some(ours)}); pass --overwrite to replace it, "
-                              "or choose another directory")
+        raise FileExistsError(
+            f"{flag} {out} already holds {what} ({_some(ours)}); pass --overwrite to replace it, "
+            "or choose another directory"
+        )
     for name in ours if remove else ():
         path = out / name
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
@@ -261,8 +279,9 @@ def new_dirs_removed_on_failure(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def confined_name(name: Any, source: str | os.PathLike, error: type[Exception] = ValueError,
-                  directory: str = "directory") -> str:
+def confined_name(
+    name: Any, source: str | os.PathLike, error: type[Exception] = ValueError, directory: str = "directory"
+) -> str:
     """A file name read from a directory's own metadata (`source`), refused unless it stays inside it.
 
     Checked on the name itself, not the resolved path: the directory's own files may be symlinks
@@ -281,8 +300,9 @@ def read_utf8(path: str | os.PathLike, error: type[Exception] = ValueError) -> s
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise error(f"{path}: not valid UTF-8 at byte {err.start}; convert it first "
-                    "(e.g. iconv -f latin1 -t utf-8)") from None
+        raise error(
+            f"{path}: not valid UTF-8 at byte {err.start}; convert it first (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
 
 
 def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
@@ -292,8 +312,10 @@ def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> 
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise error(f"{path}:{number}: not valid UTF-8 at byte {err.start} of the line; convert it "
-                            "first (e.g. iconv -f latin1 -t utf-8)") from None
+                raise error(
+                    f"{path}:{number}: not valid UTF-8 at byte {err.start} of the line; convert it "
+                    "first (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -107,12 +107,15 @@ def check_memory(need: float, device: torch.device | str, what: str) -> None:
     """Refuse `what` when its lower-bound size `need` (bytes) exceeds the device's whole memory."""
     have = memory_bytes(device)
     if need > have:
-        raise ResourceError(f"{what} needs at least {format_bytes(need)}, more than the "
-                            f"{format_bytes(have)} of {torch.device(device).type} memory; refused")
+        raise ResourceError(
+            f"{what} needs at least {format_bytes(need)}, more than the "
+            f"{format_bytes(have)} of {torch.device(device).type} memory; refused"
+        )
 
 
-def forward_seconds(config, device: torch.device | str, tokens: float, calls: float, num_steps: float,
-                    grad_steps: float = 0) -> float:
+def forward_seconds(
+    config, device: torch.device | str, tokens: float, calls: float, num_steps: float, grad_steps: float = 0
+) -> float:
     """A lower bound on the seconds `calls` forward passes over `tokens` tokens in all take at r =
     num_steps (with a backward over the last `grad_steps` iterations when training)."""
     device = torch.device(device)
@@ -135,8 +138,9 @@ def check_time(total: float, unit: float, what: str, unit_name: str) -> None:
     if refusal is not None and not allowed:
         raise ResourceError(f"{refusal}; refused (a lower bound; {ALLOW_LONG_RUNS}=1 runs it anyway)")
     if total > WARN_SECONDS:
-        warnings.warn(f"{what} will take at least {format_seconds(total)} (a lower bound)", LongRunWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"{what} will take at least {format_seconds(total)} (a lower bound)", LongRunWarning, stacklevel=3
+        )
 
 
 def format_bytes(n: float) -> str:
@@ -150,8 +154,12 @@ def format_bytes(n: float) -> str:
 
 
 def format_seconds(s: float) -> str:
-    for limit, unit, size in ((120, "seconds", 1), (7200, "minutes", 60), (172800, "hours", 3600),
-                              (365 * 86400 * 2, "days", 86400)):
+    for limit, unit, size in (
+        (120, "seconds", 1),
+        (7200, "minutes", 60),
+        (172800, "hours", 3600),
+        (365 * 86400 * 2, "days", 86400),
+    ):
         if s < limit:
             return f"{s / size:.3g} {unit}"
     return f"{s / (365 * 86400):.3g} years"

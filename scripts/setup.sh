@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up rdlm in ./.venv on a fresh machine: PyTorch (the CPU build unless an NVIDIA GPU is present),
-# then rdlm itself with its test dependencies. Safe to run again; it skips what is already there.
+# then rdlm itself with its test dependencies, the linter and the type checker (the dev extra: pytest, ruff,
+# mypy). Safe to run again; it skips what is already there.
 #
 #   bash scripts/setup.sh --vllm        also makes ./.venv-vllm: vLLM with rdlm's plugin (docs/vllm.md), apart
 #                                       from .venv because vLLM pins its own torch and transformers.

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from rdlm import build_model, load_model, load_pretrained
 from rdlm.inference.generate import GenerationConfig, generate
 from rdlm.model.huginn import CheckpointError, save_pretrained
-from rdlm.model.quantize import (QuantizationError, QuantizedLinear, QuantSpec, _from_cpu_int4_layout,
-                                 _to_cpu_int4_layout, quantize, weight_bytes)
+from rdlm.model.int4 import _from_cpu_int4_layout, _to_cpu_int4_layout
+from rdlm.model.quantize import QuantizationError, QuantizedLinear, QuantSpec, quantize, weight_bytes
 
 # The int8/int4 kernels, their weight layouts and their crashes differ with the CPU's vector width: CI reruns
 # these with the AVX2 and the portable kernels too.

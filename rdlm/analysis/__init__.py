@@ -17,7 +17,26 @@ from rdlm.analysis.pca import PCA, fit_pca, project_trajectory, trajectory_pca
 from rdlm.analysis.run import AnalysisResult, AnalysisSettings, Prompt, analyze
 from rdlm.analysis.trajectories import Trajectory, record, record_trajectory
 
-__all__ = ["PCA", "AnalysisResult", "AnalysisSettings", "Convergence", "Dynamics", "DynamicsThresholds",
-           "PathIndependence", "Prompt", "Trajectory", "analyze", "classify", "classify_trajectory",
-           "convergence", "count_labels", "fit_pca", "path_independence", "project_trajectory", "record",
-           "record_trajectory", "spread_over_runs", "trajectory_pca"]
+__all__ = [
+    "PCA",
+    "AnalysisResult",
+    "AnalysisSettings",
+    "Convergence",
+    "Dynamics",
+    "DynamicsThresholds",
+    "PathIndependence",
+    "Prompt",
+    "Trajectory",
+    "analyze",
+    "classify",
+    "classify_trajectory",
+    "convergence",
+    "count_labels",
+    "fit_pca",
+    "path_independence",
+    "project_trajectory",
+    "record",
+    "record_trajectory",
+    "spread_over_runs",
+    "trajectory_pca",
+]

@@ -17,9 +17,9 @@ from rdlm.analysis.trajectories import Trajectory
 
 @dataclass
 class Convergence:
-    distance: np.ndarray           # [tokens, iterations] ||s_i - s*||
+    distance: np.ndarray  # [tokens, iterations] ||s_i - s*||
     relative_distance: np.ndarray  # [tokens, iterations] ||s_i - s*|| / ||s*||
-    relative_change: np.ndarray    # [tokens, iterations - 1] ||s_i - s_{i-1}|| / ||s_i|| between recorded states
+    relative_change: np.ndarray  # [tokens, iterations - 1] ||s_i - s_{i-1}|| / ||s_i|| between recorded states
     iterations: np.ndarray
     limit_steps: int
 
@@ -27,11 +27,11 @@ class Convergence:
         final = self.relative_distance[:, -1]
         return {
             "limit_steps": self.limit_steps,
-            "relative_distance_to_limit_at_r": {"median": float(np.median(final)),
-                                                "max": float(final.max())},
+            "relative_distance_to_limit_at_r": {"median": float(np.median(final)), "max": float(final.max())},
             "relative_distance_to_limit_at_0": float(np.median(self.relative_distance[:, 0])),
             "relative_change_at_r": {"median": float(np.median(self.relative_change[:, -1]))}
-            if self.relative_change.shape[1] else {},
+            if self.relative_change.shape[1]
+            else {},
         }
 
 
@@ -47,7 +47,13 @@ def convergence(trajectory: Trajectory) -> Convergence:
         states = trajectory.token_state(j).astype(np.float64)
         distance[j] = np.linalg.norm(states - trajectory.limit[j], axis=-1)
         change[j] = np.linalg.norm(np.diff(states, axis=0), axis=-1) / np.maximum(
-            np.linalg.norm(states[1:], axis=-1), 1e-30)
+            np.linalg.norm(states[1:], axis=-1), 1e-30
+        )
     relative = distance / np.maximum(limit_norm, 1e-30)[:, None]
-    return Convergence(distance=distance, relative_distance=relative, relative_change=change,
-                       iterations=trajectory.iterations, limit_steps=trajectory.limit_steps)
+    return Convergence(
+        distance=distance,
+        relative_distance=relative,
+        relative_change=change,
+        iterations=trajectory.iterations,
+        limit_steps=trajectory.limit_steps,
+    )

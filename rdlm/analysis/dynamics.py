@@ -45,9 +45,9 @@ class DynamicsThresholds:
 @dataclass
 class Dynamics:
     label: str
-    relative_step: float    # mean step length over mean state norm, in the tail
-    step_shrink: float      # factor by which the step length changes across the tail (fitted)
-    straightness: float     # net displacement over path length, in the tail
+    relative_step: float  # mean step length over mean state norm, in the tail
+    step_shrink: float  # factor by which the step length changes across the tail (fitted)
+    straightness: float  # net displacement over path length, in the tail
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,8 +58,8 @@ def classify(states: np.ndarray, thresholds: DynamicsThresholds = DynamicsThresh
     states = np.asarray(states, dtype=np.float64)
     if states.ndim != 2 or states.shape[0] < 3:
         raise ValueError(f"a trajectory must be [iterations >= 3, hidden], got shape {states.shape}")
-    tail_len = max(thresholds.min_tail_steps + 1, int(round(states.shape[0] * thresholds.tail_fraction)))
-    tail = states[-min(tail_len, states.shape[0]):]
+    tail_len = max(thresholds.min_tail_steps + 1, round(states.shape[0] * thresholds.tail_fraction))
+    tail = states[-min(tail_len, states.shape[0]) :]
     steps = np.linalg.norm(np.diff(tail, axis=0), axis=-1)
     path = steps.sum()
     relative_step = float(steps.mean() / max(np.linalg.norm(tail, axis=-1).mean(), 1e-30))
@@ -77,8 +77,9 @@ def classify(states: np.ndarray, thresholds: DynamicsThresholds = DynamicsThresh
     return Dynamics(label, relative_step, shrink, straightness)
 
 
-def classify_trajectory(trajectory: Trajectory,
-                        thresholds: DynamicsThresholds = DynamicsThresholds()) -> list[Dynamics]:
+def classify_trajectory(
+    trajectory: Trajectory, thresholds: DynamicsThresholds = DynamicsThresholds()
+) -> list[Dynamics]:
     """One label per recorded token."""
     return [classify(trajectory.token_state(j), thresholds) for j in range(trajectory.num_tokens)]
 

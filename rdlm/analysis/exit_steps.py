@@ -10,7 +10,7 @@ cheaper (one pass over the prompt instead of one per token).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -23,8 +23,15 @@ from rdlm.model.lm import RecurrentDepthLM
 
 
 @torch.no_grad()
-def exit_steps(model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor, criterion: ExitCriterion,
-               max_steps: int, *, seed: int = 0, init_scale: float = 1.0) -> np.ndarray:
+def exit_steps(
+    model: RecurrentDepthLM,
+    token_ids: Sequence[int] | Tensor,
+    criterion: ExitCriterion,
+    max_steps: int,
+    *,
+    seed: int = 0,
+    init_scale: float = 1.0,
+) -> np.ndarray:
     """The exit iteration of every token of one prompt, in [1, max_steps] (max_steps = never exited).
 
     The decode engine's loop (`iterate_with_exits`) over the whole prompt, with exited tokens iterating
@@ -33,12 +40,28 @@ def exit_steps(model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor, crite
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     recurrence = Recurrence.for_prompt(model, token_ids)
     state = recurrence.initial_state(seed, init_scale)
-    track = ExitTrack.start(state.shape[1], state.device,
-                            model.config.vocab_size if criterion.uses_logits else None, gate=criterion.uses_gate)
+    track = ExitTrack.start(
+        state.shape[1],
+        state.device,
+        model.config.vocab_size if criterion.uses_logits else None,
+        gate=criterion.uses_gate,
+    )
     gate = model.exit_probability if criterion.uses_gate else None
     for i in range(max_steps):  # one iteration at a time: stop once every token has exited
-        state, track = iterate_with_exits(lambda s, i, exited: recurrence.step(s, i), recurrence.readout, state,
-                                          track, criterion, i, 1, max_steps, min_steps=1, freeze=False, gate=gate)
+        state, track = iterate_with_exits(
+            lambda s, i, exited: recurrence.step(s, i),
+            recurrence.readout,
+            state,
+            track,
+            criterion,
+            i,
+            1,
+            max_steps,
+            min_steps=1,
+            freeze=False,
+            gate=gate,
+        )
         if bool(track.exited.all()):
             break
+    assert track.steps is not None  # ExitTrack.start counts the iterations (only the batch's rows do not)
     return track.steps.cpu().numpy()

@@ -13,8 +13,8 @@ agrees across all K runs at r is reported as well ("same behaviour", not only "s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,11 +26,11 @@ from rdlm.model.lm import RecurrentDepthLM
 
 @dataclass
 class PathIndependence:
-    spread: np.ndarray            # [tokens, r + 1] RMS distance of the K states from their mean
-    relative_spread: np.ndarray   # [tokens, r + 1] spread / mean state norm
-    paths: np.ndarray             # [K, chosen tokens, len(path_iterations), hidden] paths of `path_positions`
+    spread: np.ndarray  # [tokens, r + 1] RMS distance of the K states from their mean
+    relative_spread: np.ndarray  # [tokens, r + 1] spread / mean state norm
+    paths: np.ndarray  # [K, chosen tokens, len(path_iterations), hidden] paths of `path_positions`
     path_positions: np.ndarray
-    path_iterations: np.ndarray   # the iterations stored in `paths` (all, or a subsample to bound memory)
+    path_iterations: np.ndarray  # the iterations stored in `paths` (all, or a subsample to bound memory)
     num_runs: int
     argmax_agreement: float | None = None  # fraction of tokens with one argmax across all K runs at r
 
@@ -42,7 +42,7 @@ class PathIndependence:
             "relative_spread_final": {"median": float(np.median(final)), "max": float(final.max())},
             "relative_spread_whole_trajectory": {
                 "mean": float(self.relative_spread.mean()),
-                "max_over_last_half": float(self.relative_spread[:, self.relative_spread.shape[1] // 2:].max()),
+                "max_over_last_half": float(self.relative_spread[:, self.relative_spread.shape[1] // 2 :].max()),
             },
             "argmax_agreement_at_r": self.argmax_agreement,
         }
@@ -56,9 +56,15 @@ def _spread(states: Tensor) -> tuple[Tensor, Tensor]:
     return spread, states.norm(dim=-1).mean(0)
 
 
-def spread_over_runs(step: StepFn, initial_states: Tensor, num_steps: int, *,
-                     path_positions: Sequence[int] = (), path_iterations: Sequence[int] | None = None,
-                     readout: Callable[[Tensor], Tensor] | None = None) -> PathIndependence:
+def spread_over_runs(
+    step: StepFn,
+    initial_states: Tensor,
+    num_steps: int,
+    *,
+    path_positions: Sequence[int] | np.ndarray = (),
+    path_iterations: Sequence[int] | np.ndarray | None = None,
+    readout: Callable[[Tensor], Tensor] | None = None,
+) -> PathIndependence:
     """Iterate `step` on a batch of K initial states [K, T, h] and measure their spread per iteration.
 
     The full states of `path_positions` are kept at `path_iterations` (default: every iteration).
@@ -85,19 +91,38 @@ def spread_over_runs(step: StepFn, initial_states: Tensor, num_steps: int, *,
     if readout is not None:
         top = readout(state).argmax(-1)  # [K, T]
         agreement = float((top == top[:1]).all(0).float().mean())
-    return PathIndependence(spread=spread, relative_spread=spread / np.maximum(norm, 1e-30), paths=paths,
-                            path_positions=positions, path_iterations=kept, num_runs=runs,
-                            argmax_agreement=agreement)
+    return PathIndependence(
+        spread=spread,
+        relative_spread=spread / np.maximum(norm, 1e-30),
+        paths=paths,
+        path_positions=positions,
+        path_iterations=kept,
+        num_runs=runs,
+        argmax_agreement=agreement,
+    )
 
 
-def path_independence(model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor, num_steps: int, *,
-                      num_runs: int = 4, seed: int = 0, init_scale: float = 1.0,
-                      path_positions: Sequence[int] = (),
-                      path_iterations: Sequence[int] | None = None) -> PathIndependence:
+def path_independence(
+    model: RecurrentDepthLM,
+    token_ids: Sequence[int] | Tensor,
+    num_steps: int,
+    *,
+    num_runs: int = 4,
+    seed: int = 0,
+    init_scale: float = 1.0,
+    path_positions: Sequence[int] | np.ndarray = (),
+    path_iterations: Sequence[int] | np.ndarray | None = None,
+) -> PathIndependence:
     """Run one prompt from `num_runs` random initial states (seeds seed..) and compare the trajectories."""
     if num_runs < 2:
         raise ValueError(f"path independence needs at least 2 runs, got {num_runs}")
     recurrence = Recurrence.for_prompt(model, token_ids, batch=num_runs)
     initial = recurrence.initial_state(seed, init_scale)  # one generator, K different draws
-    return spread_over_runs(recurrence.step, initial, num_steps, path_positions=path_positions,
-                            path_iterations=path_iterations, readout=recurrence.readout)
+    return spread_over_runs(
+        recurrence.step,
+        initial,
+        num_steps,
+        path_positions=path_positions,
+        path_iterations=path_iterations,
+        readout=recurrence.readout,
+    )

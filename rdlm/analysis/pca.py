@@ -18,10 +18,10 @@ from rdlm.analysis.trajectories import Trajectory
 
 @dataclass
 class PCA:
-    mean: np.ndarray                 # [hidden]
-    components: np.ndarray           # [k, hidden], orthonormal rows, by decreasing variance
-    explained_variance: np.ndarray   # [k]
-    explained_ratio: np.ndarray      # [k], fraction of the total variance
+    mean: np.ndarray  # [hidden]
+    components: np.ndarray  # [k, hidden], orthonormal rows, by decreasing variance
+    explained_variance: np.ndarray  # [k]
+    explained_ratio: np.ndarray  # [k], fraction of the total variance
 
     def project(self, states: np.ndarray) -> np.ndarray:
         """[..., hidden] -> [..., k] coordinates in the principal directions."""
@@ -30,22 +30,26 @@ class PCA:
 
 def fit_pca(blocks, num_components: int = 6) -> PCA:
     """PCA of the rows of all `blocks` (an iterable of [rows, hidden] arrays, e.g. one per token)."""
-    count, total, outer = 0, None, None
+    count = 0
+    total: torch.Tensor | None = None
+    outer: torch.Tensor | None = None
     for block in blocks:
         x = torch.as_tensor(np.asarray(block), dtype=torch.float64)
         if x.ndim != 2:
             raise ValueError(f"PCA blocks must be [rows, hidden], got shape {tuple(x.shape)}")
-        if total is None:
-            total, outer = torch.zeros(x.shape[1], dtype=torch.float64), torch.zeros(
-                x.shape[1], x.shape[1], dtype=torch.float64)
+        if total is None or outer is None:  # the first block (both are set together)
+            total, outer = (
+                torch.zeros(x.shape[1], dtype=torch.float64),
+                torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64),
+            )
         count += x.shape[0]
         total += x.sum(0)
         outer += x.T @ x
-    if count < 2:
+    if count < 2 or total is None or outer is None:  # (no rows: count is 0)
         raise ValueError("PCA needs at least two states")
     mean = total / count
     covariance = (outer - count * torch.outer(mean, mean)) / (count - 1)
-    values, vectors = torch.linalg.eigh(covariance)           # ascending
+    values, vectors = torch.linalg.eigh(covariance)  # ascending
     values, vectors = values.flip(0).clamp_min(0), vectors.flip(1)
     k = min(num_components, vectors.shape[1])
     components = vectors[:, :k].T.clone()
@@ -54,8 +58,12 @@ def fit_pca(blocks, num_components: int = 6) -> PCA:
     components *= signs
     variance_total = values.sum().item()
     ratio = values[:k] / variance_total if variance_total > 0 else torch.zeros(k, dtype=torch.float64)
-    return PCA(mean=mean.numpy(), components=components.numpy(), explained_variance=values[:k].numpy(),
-               explained_ratio=ratio.numpy())
+    return PCA(
+        mean=mean.numpy(),
+        components=components.numpy(),
+        explained_variance=values[:k].numpy(),
+        explained_ratio=ratio.numpy(),
+    )
 
 
 def trajectory_pca(trajectory: Trajectory, num_components: int = 6) -> PCA:

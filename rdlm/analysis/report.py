@@ -52,23 +52,26 @@ def _table(name: str, rows: list[dict]) -> str:
         return ""
     columns = list(rows[0])
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c, ''))}</td>" for c in columns) + "</tr>"
-                   for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c, ''))}</td>" for c in columns) + "</tr>" for r in rows)
     return f"<details><summary>{html.escape(name)}</summary><table><tr>{head}</tr>{body}</table></details>"
 
 
 def render(title: str, intro: str, sections: list[Section]) -> str:
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
-             f"<p>{html.escape(intro)}</p>"]
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
+        f"<p>{html.escape(intro)}</p>",
+    ]
     for section in sections:
         parts.append(f"<h2>{html.escape(section.title)}</h2>")
         if section.text:
             parts.append(f"<p class='prompt'>{html.escape(section.text)}</p>")
         parts += [f"<p class='note'>{html.escape(n)}</p>" for n in section.notes]
         for fig in section.figures:
-            parts.append(f"<figure><img alt='{html.escape(fig.path.name)}' src='{embed_png(fig.path)}'>"
-                         f"<figcaption>{html.escape(fig.caption)}</figcaption></figure>")
+            parts.append(
+                f"<figure><img alt='{html.escape(fig.path.name)}' src='{embed_png(fig.path)}'>"
+                f"<figcaption>{html.escape(fig.caption)}</figcaption></figure>"
+            )
         parts += [_table(name, rows) for name, rows in section.tables.items()]
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -13,9 +13,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,10 +31,11 @@ from rdlm.fileio import write_json
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_time, forward_seconds
 
-
 # The files and directories `analyze` writes into its output directory.
-_OUTPUT_RE = re.compile(r"(report\.html|summary\.json|dynamics_counts\.png|exit_steps\.png|states|"
-                        r"(trajectories|convergence|path_independence)_.+\.png)")
+_OUTPUT_RE = re.compile(
+    r"(report\.html|summary\.json|dynamics_counts\.png|exit_steps\.png|states|"
+    r"(trajectories|convergence|path_independence)_.+\.png)"
+)
 
 
 def is_analysis_file(name: str) -> bool:
@@ -45,26 +47,26 @@ def is_analysis_file(name: str) -> bool:
 class Prompt:
     name: str
     token_ids: list[int]
-    category: str = ""          # groups prompts in the exit-step histogram (e.g. a task name)
+    category: str = ""  # groups prompts in the exit-step histogram (e.g. a task name)
     text: str | None = None
 
 
 @dataclass
 class AnalysisSettings:
-    num_steps: int = 32                 # r for the trajectories
-    limit_steps: int | None = None      # r for s*; default 4 * num_steps
+    num_steps: int = 32  # r for the trajectories
+    limit_steps: int | None = None  # r for s*; default 4 * num_steps
     seed: int = 0
     init_scale: float = 1.0
-    plot_tokens: int = 6                # tokens drawn in the trajectory figure, evenly spread
+    plot_tokens: int = 6  # tokens drawn in the trajectory figure, evenly spread
     plot_positions: Sequence[int] | None = None  # or exactly these prompt positions
-    max_tokens: int | None = 128        # recorded tokens per prompt (evenly spread); None = all
+    max_tokens: int | None = 128  # recorded tokens per prompt (evenly spread); None = all
     iteration_stride: int | None = None  # None: 1, or larger if the record would exceed max_bytes
     max_bytes: int = DEFAULT_MAX_BYTES
-    stream: bool = False                # stream states to <out>/states/*.npy (numpy memmap)
-    num_runs: int = 4                   # random s_0 for path independence
-    exit_criterion: str | None = "kl"   # None: skip the exit-step histogram
+    stream: bool = False  # stream states to <out>/states/*.npy (numpy memmap)
+    num_runs: int = 4  # random s_0 for path independence
+    exit_criterion: str | None = "kl"  # None: skip the exit-step histogram
     exit_threshold: float | None = None
-    exit_max_steps: int | None = None   # default num_steps
+    exit_max_steps: int | None = None  # default num_steps
     thresholds: DynamicsThresholds = field(default_factory=DynamicsThresholds)
 
     def __post_init__(self) -> None:
@@ -90,8 +92,8 @@ class AnalysisResult:
     report: Path
 
 
-def token_labels(token_ids: Sequence[int], positions: Sequence[int], tokenizer=None) -> list[str]:
-    """"pos: 'text'" with the tokenizer, else "pos: #id"."""
+def token_labels(token_ids: Sequence[int], positions: Sequence[int] | np.ndarray, tokenizer=None) -> list[str]:
+    """ "pos: 'text'" with the tokenizer, else "pos: #id"."""
     labels = []
     for p in positions:
         tid = int(token_ids[p])
@@ -100,9 +102,14 @@ def token_labels(token_ids: Sequence[int], positions: Sequence[int], tokenizer=N
     return labels
 
 
-def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | os.PathLike,
-            settings: AnalysisSettings | None = None, tokenizer=None,
-            model_name: str = "") -> AnalysisResult:
+def analyze(
+    model: RecurrentDepthLM,
+    prompts: Sequence[Prompt],
+    out_dir: str | os.PathLike,
+    settings: AnalysisSettings | None = None,
+    tokenizer=None,
+    model_name: str = "",
+) -> AnalysisResult:
     if not prompts:
         raise ValueError("no prompts to analyze")
     out = Path(out_dir)
@@ -115,10 +122,8 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
     iterations = max(s.num_steps, limit_steps) + s.num_runs * s.num_steps + (s.exit_max_steps or s.num_steps)
     device = next(model.parameters()).device
     seconds = [forward_seconds(model.config, device, len(p.token_ids), 1, iterations) for p in prompts]
-    check_time(sum(seconds), max(seconds), f"analyzing at r = {s.num_steps} (s* at {limit_steps} iterations)",
-               "prompt")
-    summary: dict = {"model": model_name, "settings": {**asdict(s), "limit_steps": limit_steps},
-                     "prompts": {}}
+    check_time(sum(seconds), max(seconds), f"analyzing at r = {s.num_steps} (s* at {limit_steps} iterations)", "prompt")
+    summary: dict = {"model": model_name, "settings": {**asdict(s), "limit_steps": limit_steps}, "prompts": {}}
     sections: list[Section] = []
     figures: list[Path] = []
     counts: dict[str, dict[str, int]] = {}
@@ -132,20 +137,30 @@ def analyze(model: RecurrentDepthLM, prompts: Sequence[Prompt], out_dir: str | o
     fig_dyn = plots.plot_dynamics_counts(counts, out / "dynamics_counts.png")
     figures.append(fig_dyn)
     summary["dynamics_counts"] = counts
-    overview = [Section(title="Dynamics per prompt", text="",
-                        notes=[plots_doc_dynamics(s.thresholds)],
-                        figures=[Figure(fig_dyn, "Tokens labelled fixed point / orbit / slider.")],
-                        tables={"counts": [{"prompt": k, **v} for k, v in counts.items()]})]
+    overview = [
+        Section(
+            title="Dynamics per prompt",
+            text="",
+            notes=[plots_doc_dynamics(s.thresholds)],
+            figures=[Figure(fig_dyn, "Tokens labelled fixed point / orbit / slider.")],
+            tables={"counts": [{"prompt": k, **v} for k, v in counts.items()]},
+        )
+    ]
     if criterion is not None:
         summary["exit_steps"], section, fig_exit = _exit_steps_section(model, prompts, criterion, s, out)
         figures.append(fig_exit)
         overview.append(section)
 
     write_json(out / "summary.json", summary)
-    report = write_report(out / "report.html", title=f"Latent analysis {model_name}".strip(),
-                          intro=(f"r = {s.num_steps}, s* at r = {limit_steps}, seed {s.seed}, "
-                                 f"init scale {s.init_scale}, {len(prompts)} prompt(s)."),
-                          sections=overview + sections)
+    report = write_report(
+        out / "report.html",
+        title=f"Latent analysis {model_name}".strip(),
+        intro=(
+            f"r = {s.num_steps}, s* at r = {limit_steps}, seed {s.seed}, "
+            f"init scale {s.init_scale}, {len(prompts)} prompt(s)."
+        ),
+        sections=overview + sections,
+    )
     return AnalysisResult(out_dir=out, summary=summary, figures=figures, report=report)
 
 
@@ -164,15 +179,24 @@ def _exit_criterion(model: RecurrentDepthLM, s: AnalysisSettings):
     return criterion
 
 
-def _analyze_prompt(model: RecurrentDepthLM, prompt: Prompt, s: AnalysisSettings, limit_steps: int, out: Path,
-                    tokenizer) -> tuple[dict, Section, list[Path]]:
+def _analyze_prompt(
+    model: RecurrentDepthLM, prompt: Prompt, s: AnalysisSettings, limit_steps: int, out: Path, tokenizer
+) -> tuple[dict, Section, list[Path]]:
     """One prompt's trajectory, convergence, dynamics and path independence: (its summary, its report
     section, its figures)."""
     ids = prompt.token_ids
     traj = record_trajectory(
-        model, ids, s.num_steps, limit_steps=limit_steps, seed=s.seed, init_scale=s.init_scale,
-        max_tokens=s.max_tokens, iteration_stride=s.iteration_stride, max_bytes=s.max_bytes,
-        stream_to=out / "states" / f"{prompt.name}.npy" if s.stream else None)
+        model,
+        ids,
+        s.num_steps,
+        limit_steps=limit_steps,
+        seed=s.seed,
+        init_scale=s.init_scale,
+        max_tokens=s.max_tokens,
+        iteration_stride=s.iteration_stride,
+        max_bytes=s.max_bytes,
+        stream_to=out / "states" / f"{prompt.name}.npy" if s.stream else None,
+    )
     labels = token_labels(ids, traj.positions, tokenizer)
 
     # Figure 6: PCA over all recorded tokens, chosen tokens' paths in planes (1,2), (3,4), (5,6).
@@ -181,34 +205,56 @@ def _analyze_prompt(model: RecurrentDepthLM, prompt: Prompt, s: AnalysisSettings
         wanted = [int(p) for p in s.plot_positions]
         missing = [p for p in wanted if p not in set(traj.positions.tolist())]
         if missing:
-            raise ValueError(f"plot positions {missing} are not among the recorded positions of "
-                             f"prompt {prompt.name!r} (length {len(ids)})")
+            raise ValueError(
+                f"plot positions {missing} are not among the recorded positions of "
+                f"prompt {prompt.name!r} (length {len(ids)})"
+            )
         rows = [int(np.flatnonzero(traj.positions == p)[0]) for p in wanted]
     else:
         rows = select_positions(traj.num_tokens, s.plot_tokens).tolist()
     projected = project_trajectory(traj, pca)
-    fig_traj = plots.plot_trajectories(projected[rows], traj.iterations, [labels[r] for r in rows], pca,
-                                       out / f"trajectories_{prompt.name}.png",
-                                       title=f"{prompt.name}: latent paths, r = {s.num_steps}")
+    fig_traj = plots.plot_trajectories(
+        projected[rows],
+        traj.iterations,
+        [labels[r] for r in rows],
+        pca,
+        out / f"trajectories_{prompt.name}.png",
+        title=f"{prompt.name}: latent paths, r = {s.num_steps}",
+    )
 
     # Figure 5: distance to s*.
     conv = convergence(traj)
-    fig_conv = plots.plot_convergence(conv, labels, out / f"convergence_{prompt.name}.png",
-                                      title=f"{prompt.name}: ||s_i - s*||")
+    fig_conv = plots.plot_convergence(
+        conv, labels, out / f"convergence_{prompt.name}.png", title=f"{prompt.name}: ||s_i - s*||"
+    )
 
     dynamics = classify_trajectory(traj, s.thresholds)
-    pi = path_independence(model, ids, s.num_steps, num_runs=s.num_runs, seed=s.seed + 1,
-                           init_scale=s.init_scale, path_positions=traj.positions[rows],
-                           path_iterations=traj.iterations)
-    fig_pi = plots.plot_path_independence(pi, [labels[r] for r in rows], pca,
-                                          out / f"path_independence_{prompt.name}.png",
-                                          title=f"{prompt.name}: path independence")
+    pi = path_independence(
+        model,
+        ids,
+        s.num_steps,
+        num_runs=s.num_runs,
+        seed=s.seed + 1,
+        init_scale=s.init_scale,
+        path_positions=traj.positions[rows],
+        path_iterations=traj.iterations,
+    )
+    fig_pi = plots.plot_path_independence(
+        pi,
+        [labels[r] for r in rows],
+        pca,
+        out / f"path_independence_{prompt.name}.png",
+        title=f"{prompt.name}: path independence",
+    )
 
     prompt_summary = {
-        "text": prompt.text, "num_tokens": len(ids), "category": prompt.category,
-        "recorded_positions": traj.positions.tolist(), "recorded_iterations": traj.iterations.tolist()
-        if traj.iterations.size <= 64 else f"{traj.iterations.size} iterations, stride "
-        f"{int(traj.iterations[1] - traj.iterations[0])}",
+        "text": prompt.text,
+        "num_tokens": len(ids),
+        "category": prompt.category,
+        "recorded_positions": traj.positions.tolist(),
+        "recorded_iterations": traj.iterations.tolist()
+        if traj.iterations.size <= 64
+        else f"{traj.iterations.size} iterations, stride {int(traj.iterations[1] - traj.iterations[0])}",
         "storage": traj.storage,
         "pca_explained_ratio": [round(float(x), 4) for x in pca.explained_ratio],
         "convergence": conv.summary(),
@@ -219,21 +265,37 @@ def _analyze_prompt(model: RecurrentDepthLM, prompt: Prompt, s: AnalysisSettings
     section = Section(
         title=f"Prompt {prompt.name}" + (f" ({prompt.category})" if prompt.category else ""),
         text=prompt.text if prompt.text is not None else " ".join(map(str, ids)),
-        notes=[f"storage: {'; '.join(traj.storage)}",
-               f"s* is the state after {limit_steps} iterations from the same s_0"],
-        figures=[Figure(fig_traj, "Latent trajectories (Figure 6 style): PCA over all recorded "
-                                  "tokens' states; o marks s_0, * marks s_r, colour runs with i."),
-                 Figure(fig_conv, "Convergence (Figure 5 style): distance of s_i to s* per token."),
-                 Figure(fig_pi, f"Path independence: {s.num_runs} random s_0.")],
-        tables={"dynamics": [{"token": labels[j], **d.to_dict()} for j, d in enumerate(dynamics)],
-                "numbers": [{"quantity": k, "value": json.dumps(v)} for k, v in {
-                    **conv.summary(), **pi.summary(),
-                    "pca_explained_ratio": prompt_summary["pca_explained_ratio"]}.items()]})
+        notes=[
+            f"storage: {'; '.join(traj.storage)}",
+            f"s* is the state after {limit_steps} iterations from the same s_0",
+        ],
+        figures=[
+            Figure(
+                fig_traj,
+                "Latent trajectories (Figure 6 style): PCA over all recorded "
+                "tokens' states; o marks s_0, * marks s_r, colour runs with i.",
+            ),
+            Figure(fig_conv, "Convergence (Figure 5 style): distance of s_i to s* per token."),
+            Figure(fig_pi, f"Path independence: {s.num_runs} random s_0."),
+        ],
+        tables={
+            "dynamics": [{"token": labels[j], **d.to_dict()} for j, d in enumerate(dynamics)],
+            "numbers": [
+                {"quantity": k, "value": json.dumps(v)}
+                for k, v in {
+                    **conv.summary(),
+                    **pi.summary(),
+                    "pca_explained_ratio": prompt_summary["pca_explained_ratio"],
+                }.items()
+            ],
+        },
+    )
     return prompt_summary, section, [fig_traj, fig_conv, fig_pi]
 
 
-def _exit_steps_section(model: RecurrentDepthLM, prompts: Sequence[Prompt], criterion, s: AnalysisSettings,
-                        out: Path) -> tuple[dict, Section, Path]:
+def _exit_steps_section(
+    model: RecurrentDepthLM, prompts: Sequence[Prompt], criterion, s: AnalysisSettings, out: Path
+) -> tuple[dict, Section, Path]:
     """Figure 4: per-token exit steps by prompt group: (their summary, the report section, the figure)."""
     from rdlm.analysis.exit_steps import exit_steps
 
@@ -245,20 +307,38 @@ def _exit_steps_section(model: RecurrentDepthLM, prompts: Sequence[Prompt], crit
     merged = {k: np.concatenate(v) for k, v in groups.items()}
     name = f"{criterion.name} < {criterion.threshold:g}"
     fig_exit = plots.plot_exit_histograms(merged, max_steps, name, out / "exit_steps.png")
-    summary = {"criterion": name, "max_steps": max_steps, "groups": {
-        k: {"mean": float(v.mean()), "median": float(np.median(v)),
-            "never_exited": int((v == max_steps).sum()), "tokens": int(v.size)} for k, v in merged.items()}}
+    summary: dict[str, Any] = {
+        "criterion": name,
+        "max_steps": max_steps,
+        "groups": {
+            k: {
+                "mean": float(v.mean()),
+                "median": float(np.median(v)),
+                "never_exited": int((v == max_steps).sum()),
+                "tokens": int(v.size),
+            }
+            for k, v in merged.items()
+        },
+    }
     section = Section(
-        title="Exit steps (Figure 4 style)", text="",
-        notes=["Teacher-forced: the prompt is iterated as a whole and read out after every iteration; "
-               f"a token's exit step is the first iteration where {name} holds (capped at {max_steps})."],
+        title="Exit steps (Figure 4 style)",
+        text="",
+        notes=[
+            (
+                "Teacher-forced: the prompt is iterated as a whole and read out after every iteration; "
+                f"a token's exit step is the first iteration where {name} holds (capped at {max_steps})."
+            )
+        ],
         figures=[Figure(fig_exit, "Distribution of per-token exit steps per group.")],
-        tables={"exit steps": [{"group": k, **v} for k, v in summary["groups"].items()]})
+        tables={"exit steps": [{"group": k, **v} for k, v in summary["groups"].items()]},
+    )
     return summary, section, fig_exit
 
 
 def plots_doc_dynamics(t: DynamicsThresholds) -> str:
-    return (f"Heuristic on the last {t.tail_fraction:.0%} of each trajectory: fixed point if the mean "
-            f"step is below {t.still_tol:g} of the state norm or the step length shrinks by more than "
-            f"{1 / t.shrink_tol:g}x across the tail; otherwise slider if net displacement / path length "
-            f"> {t.straight_tol:g}, else orbit (see rdlm/analysis/dynamics.py).")
+    return (
+        f"Heuristic on the last {t.tail_fraction:.0%} of each trajectory: fixed point if the mean "
+        f"step is below {t.still_tol:g} of the state norm or the step length shrinks by more than "
+        f"{1 / t.shrink_tol:g}x across the tail; otherwise slider if net displacement / path length "
+        f"> {t.straight_tol:g}, else orbit (see rdlm/analysis/dynamics.py)."
+    )

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -38,11 +39,11 @@ DEFAULT_MAX_BYTES = 512 * 2**20
 class Trajectory:
     """Latent states of one prompt: `states[j, c]` is token `positions[j]` at iteration `iterations[c]`."""
 
-    states: np.ndarray              # [tokens, recorded iterations, hidden] float32 (np.memmap if streamed)
-    iterations: np.ndarray          # iteration index i of each recorded column (0 is s_0)
-    positions: np.ndarray           # prompt positions of the recorded tokens
-    token_ids: np.ndarray           # the whole prompt's token ids
-    num_steps: int                  # r: the last iteration recorded
+    states: np.ndarray  # [tokens, recorded iterations, hidden] float32 (np.memmap if streamed)
+    iterations: np.ndarray  # iteration index i of each recorded column (0 is s_0)
+    positions: np.ndarray  # prompt positions of the recorded tokens
+    token_ids: np.ndarray  # the whole prompt's token ids
+    num_steps: int  # r: the last iteration recorded
     limit: np.ndarray | None = None  # s* [tokens, hidden] after `limit_steps` iterations, same s_0
     limit_steps: int | None = None
     storage: list[str] = field(default_factory=list)  # how the record was kept (memory/disk/subsampled)
@@ -77,10 +78,18 @@ def select_iterations(num_steps: int, stride: int) -> np.ndarray:
     return kept if kept[-1] == num_steps else np.append(kept, num_steps)
 
 
-def record(step: StepFn, initial_state: Tensor, num_steps: int, *, positions: Sequence[int] | None = None,
-           iteration_stride: int | None = None, limit_steps: int | None = None,
-           stream_to: str | os.PathLike | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
-           token_ids: Sequence[int] | None = None) -> Trajectory:
+def record(
+    step: StepFn,
+    initial_state: Tensor,
+    num_steps: int,
+    *,
+    positions: Sequence[int] | np.ndarray | None = None,
+    iteration_stride: int | None = None,
+    limit_steps: int | None = None,
+    stream_to: str | os.PathLike | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    token_ids: Sequence[int] | None = None,
+) -> Trajectory:
     """Iterate `step` from `initial_state` ([1, T, h]) and record the states of `positions`.
 
     iteration_stride: keep every k-th state. None: 1 if the record fits `max_bytes` (or is streamed),
@@ -95,14 +104,14 @@ def record(step: StepFn, initial_state: Tensor, num_steps: int, *, positions: Se
     if limit_steps is not None and limit_steps < num_steps:
         raise ValueError(f"limit_steps ({limit_steps}) must be >= num_steps ({num_steps})")
     _, seq_len, hidden = initial_state.shape
-    positions = np.arange(seq_len) if positions is None else np.asarray(positions, dtype=int)
-    if positions.size == 0 or positions.min() < 0 or positions.max() >= seq_len:
-        raise ValueError(f"token positions must lie in [0, {seq_len}), got {positions.tolist()}")
+    recorded = np.arange(seq_len) if positions is None else np.asarray(positions, dtype=int)
+    if recorded.size == 0 or recorded.min() < 0 or recorded.max() >= seq_len:
+        raise ValueError(f"token positions must lie in [0, {seq_len}), got {recorded.tolist()}")
     storage = []
-    if positions.size < seq_len:
-        storage.append(f"tokens subsampled: {positions.size} of {seq_len} positions recorded")
+    if recorded.size < seq_len:
+        storage.append(f"tokens subsampled: {recorded.size} of {seq_len} positions recorded")
 
-    bytes_per_iteration = positions.size * hidden * 4
+    bytes_per_iteration = recorded.size * hidden * 4
     if iteration_stride is None:
         iteration_stride = 1
         if stream_to is None and bytes_per_iteration * (num_steps + 1) > max_bytes:
@@ -111,26 +120,29 @@ def record(step: StepFn, initial_state: Tensor, num_steps: int, *, positions: Se
     iterations = select_iterations(num_steps, iteration_stride)
     if iterations.size < min(3, num_steps + 1):  # the dynamics need three states at least
         mib = bytes_per_iteration / 2**20
-        raise ValueError(f"the memory budget max_bytes = {max_bytes / 2**20:.3g} MiB (--max-memory-mb) holds "
-                         f"fewer than 3 states of {positions.size} tokens x {hidden} ({mib:.3g} MiB each): give at "
-                         f"least {3 * mib:.3g} MiB, fewer tokens (--max-tokens) or stream the states (--stream)")
+        raise ValueError(
+            f"the memory budget max_bytes = {max_bytes / 2**20:.3g} MiB (--max-memory-mb) holds "
+            f"fewer than 3 states of {recorded.size} tokens x {hidden} ({mib:.3g} MiB each): give at "
+            f"least {3 * mib:.3g} MiB, fewer tokens (--max-tokens) or stream the states (--stream)"
+        )
     if iteration_stride > 1:
-        storage.append(f"iterations subsampled: every {iteration_stride}th state kept "
-                       f"({iterations.size} of {num_steps + 1})")
-    shape = (positions.size, iterations.size, hidden)
+        storage.append(
+            f"iterations subsampled: every {iteration_stride}th state kept ({iterations.size} of {num_steps + 1})"
+        )
+    shape = (recorded.size, iterations.size, hidden)
     size_mb = np.prod(shape) * 4 / 2**20
     if stream_to is not None:
         stream_to = Path(stream_to)
         stream_to.parent.mkdir(parents=True, exist_ok=True)
         partial = stream_to.with_name(stream_to.name + ".partial")
-        states = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape)
+        states: np.ndarray = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape)
         storage.append(f"streamed to disk: {stream_to} ({size_mb:.1f} MiB, numpy memmap)")
     else:
         states = np.empty(shape, dtype=np.float32)
         storage.append(f"in memory ({size_mb:.1f} MiB)")
 
     column = {int(i): c for c, i in enumerate(iterations)}
-    index = torch.as_tensor(positions, device=initial_state.device)
+    index = torch.as_tensor(recorded, device=initial_state.device)
 
     def keep(state: Tensor, i: int) -> None:
         if i in column:
@@ -144,11 +156,19 @@ def record(step: StepFn, initial_state: Tensor, num_steps: int, *, positions: Se
     limit = state[0, index].float().cpu().numpy() if limit_steps is not None else None
 
     if stream_to is not None:
-        states.flush()
+        cast(np.memmap, states).flush()
         os.replace(partial, stream_to)  # the open memmap keeps pointing at the same file
     ids = np.asarray(token_ids if token_ids is not None else [], dtype=np.int64)
-    return Trajectory(states=states, iterations=iterations, positions=positions, token_ids=ids,
-                      num_steps=num_steps, limit=limit, limit_steps=limit_steps, storage=storage)
+    return Trajectory(
+        states=states,
+        iterations=iterations,
+        positions=recorded,
+        token_ids=ids,
+        num_steps=num_steps,
+        limit=limit,
+        limit_steps=limit_steps,
+        storage=storage,
+    )
 
 
 @dataclass
@@ -156,21 +176,21 @@ class Recurrence:
     """A model's core recurrence for one prompt: e = P(x) computed once, then s -> R(e, s)."""
 
     model: RecurrentDepthLM
-    input_ids: Tensor                 # [batch, seq]
+    input_ids: Tensor  # [batch, seq]
     embedded: Tensor
     rope: tuple[Tensor, Tensor]
 
     @classmethod
     @torch.no_grad()
-    def for_prompt(cls, model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor,
-                   batch: int = 1) -> "Recurrence":
+    def for_prompt(cls, model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor, batch: int = 1) -> Recurrence:
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
         if ids.numel() == 0:
             raise ValueError("the prompt has no tokens")
         outside = (ids < 0) | (ids >= model.config.vocab_size)
         if bool(outside.any()):
-            raise ValueError(f"token id {int(ids[outside][0])} is outside the model's vocabulary "
-                             f"(size {model.config.vocab_size})")
+            raise ValueError(
+                f"token id {int(ids[outside][0])} is outside the model's vocabulary (size {model.config.vocab_size})"
+            )
         device = model.embedding.weight.device
         ids = ids.to(device).expand(batch, -1)
         rope = model.rope(torch.arange(ids.shape[1], device=device))
@@ -190,12 +210,21 @@ class Recurrence:
         return self.model.init_state(self.embedded, init_scale, generator)
 
 
-def record_trajectory(model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor, num_steps: int, *,
-                      limit_steps: int | None = None, seed: int = 0, init_scale: float = 1.0,
-                      initial_state: Tensor | None = None, max_tokens: int | None = None,
-                      positions: Sequence[int] | None = None, iteration_stride: int | None = None,
-                      stream_to: str | os.PathLike | None = None,
-                      max_bytes: int = DEFAULT_MAX_BYTES) -> Trajectory:
+def record_trajectory(
+    model: RecurrentDepthLM,
+    token_ids: Sequence[int] | Tensor,
+    num_steps: int,
+    *,
+    limit_steps: int | None = None,
+    seed: int = 0,
+    init_scale: float = 1.0,
+    initial_state: Tensor | None = None,
+    max_tokens: int | None = None,
+    positions: Sequence[int] | np.ndarray | None = None,
+    iteration_stride: int | None = None,
+    stream_to: str | os.PathLike | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Trajectory:
     """Run `model` on one prompt for `num_steps` iterations and record [s_0 .. s_r] per token.
 
     s_0 is drawn as in training (seed, init_scale; 0 gives the all-zero state) unless `initial_state`
@@ -210,8 +239,17 @@ def record_trajectory(model: RecurrentDepthLM, token_ids: Sequence[int] | Tensor
     else:
         initial_state = initial_state.to(recurrence.embedded)
         if initial_state.shape != recurrence.embedded.shape:
-            raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, "
-                             f"expected {tuple(recurrence.embedded.shape)}")
-    return record(recurrence.step, initial_state, num_steps, positions=positions,
-                  iteration_stride=iteration_stride, limit_steps=limit_steps, stream_to=stream_to,
-                  max_bytes=max_bytes, token_ids=recurrence.input_ids[0].tolist())
+            raise ValueError(
+                f"initial_state has shape {tuple(initial_state.shape)}, expected {tuple(recurrence.embedded.shape)}"
+            )
+    return record(
+        recurrence.step,
+        initial_state,
+        num_steps,
+        positions=positions,
+        iteration_stride=iteration_stride,
+        limit_steps=limit_steps,
+        stream_to=stream_to,
+        max_bytes=max_bytes,
+        token_ids=recurrence.input_ids[0].tolist(),
+    )

@@ -12,7 +12,8 @@ import os
 import signal
 import sys
 import warnings
-from typing import Callable
+from collections.abc import Callable
+from typing import cast
 
 from rdlm.checks import check_int
 from rdlm.resources import LongRunWarning
@@ -46,13 +47,24 @@ def _quantize_spec(text: str) -> str:
 
 def add_quantize_arguments(parser) -> None:
     """--quantize / --quantize-group-size: weight-only quantization at load time (rdlm.model.quantize)."""
-    parser.add_argument("--quantize", metavar="SPEC", type=_quantize_spec,
-                        help="weight-only quantization per part of the loop: int8, int4, or part=scheme items "
-                             "(parts prelude, core, coda, head; schemes none, int8, int4), e.g. "
-                             "'core=int8,prelude=int4,coda=int4,head=int8'; docs/quantization.md")
-    takes_effect(parser.add_argument("--quantize-group-size", type=int, default=128, metavar="N",
-                                     help="int4: input columns per scale and zero point (32, 64, 128 or 256)"),
-                 _without_int4)
+    parser.add_argument(
+        "--quantize",
+        metavar="SPEC",
+        type=_quantize_spec,
+        help="weight-only quantization per part of the loop: int8, int4, or part=scheme items "
+        "(parts prelude, core, coda, head; schemes none, int8, int4), e.g. "
+        "'core=int8,prelude=int4,coda=int4,head=int8'; docs/quantization.md",
+    )
+    takes_effect(
+        parser.add_argument(
+            "--quantize-group-size",
+            type=int,
+            default=128,
+            metavar="N",
+            help="int4: input columns per scale and zero point (32, 64, 128 or 256)",
+        ),
+        _without_int4,
+    )
 
 
 def _without_int4(args: argparse.Namespace) -> str | None:
@@ -74,7 +86,7 @@ def takes_effect(action: argparse.Action, why_not: Callable[[argparse.Namespace]
     """Declare when a flag can take effect: `why_not(args)` says why it cannot in this command line (None:
     it can). `main` refuses a flag given where it would do nothing, naming it and the reason, before any
     work: the one rule of every command (a silently ignored flag is a mistake the user never hears of)."""
-    action.why_not = why_not
+    action.why_not = why_not  # type: ignore[attr-defined]  # our own attribute on argparse's Action
     return action
 
 
@@ -95,14 +107,20 @@ def refuse_flags_without_effect(parsers: list[argparse.ArgumentParser], args: ar
 
 def add_threads_argument(parser) -> None:
     """--threads: the CPU threads of a command's model work (rdlm.resources.use_threads applies it)."""
-    parser.add_argument("--threads", type=at_least(1), default=None, metavar="N",
-                        help="CPU threads for the model's work (default: 1 for models under 20M parameters, else "
-                             "the cores the load average leaves free; more threads than free cores make every "
-                             "operation wait: benchmarks/bench_threads.py)")
+    parser.add_argument(
+        "--threads",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="CPU threads for the model's work (default: 1 for models under 20M parameters, else "
+        "the cores the load average leaves free; more threads than free cores make every "
+        "operation wait: benchmarks/bench_threads.py)",
+    )
 
 
 def at_least(minimum: int):
     """An argparse type: an integer >= `minimum` (argparse names the flag in its one-line error)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -114,8 +132,12 @@ def at_least(minimum: int):
     return parse
 
 
-def check_exit_threshold(criterion: str | None, threshold: float | None, flag: str = "--exit-threshold",
-                         criterion_flag: str = "--exit-criterion") -> None:
+def check_exit_threshold(
+    criterion: str | None,
+    threshold: float | None,
+    flag: str = "--exit-threshold",
+    criterion_flag: str = "--exit-criterion",
+) -> None:
     """Refuse a threshold no token can pass: a score criterion's score is never below 0, so a threshold
     <= 0 means "never exit" (the Python API allows it on purpose, to time a criterion; a flag never means
     that). A threshold without a criterion would be ignored."""
@@ -127,9 +149,11 @@ def check_exit_threshold(criterion: str | None, threshold: float | None, flag: s
         raise CLIError(f"{flag} needs {criterion_flag} (it is that criterion's threshold)")
     spec = CRITERIA.get(criterion)
     if spec is not None and not (spec.uses_gate or spec.counts_steps) and threshold <= 0:
-        raise CLIError(f"{flag} {threshold:g}: a token exits once its {criterion} score is below the threshold, "
-                       f"and the score is never below 0, so no token could exit; give a threshold > 0 (the "
-                       f"default is {spec.threshold:g})")
+        raise CLIError(
+            f"{flag} {threshold:g}: a token exits once its {criterion} score is below the threshold, "
+            f"and the score is never below 0, so no token could exit; give a threshold > 0 (the "
+            f"default is {spec.threshold:g})"
+        )
 
 
 def add_model_argument(parser: argparse.ArgumentParser, help: str) -> None:
@@ -139,11 +163,19 @@ def add_model_argument(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--model", dest="model_option", metavar="MODEL", help="the model (as the positional MODEL)")
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of `parser`'s subcommands by name (none without subcommands): argparse keeps them in its
+    subparsers action, the first of its subparsers group."""
+    if parser._subparsers is None:
+        return {}
+    return cast("argparse._SubParsersAction[argparse.ArgumentParser]", parser._subparsers._group_actions[0]).choices
+
+
 def _merge_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if not hasattr(args, "model_option"):
         return
     given, option = args.model, args.model_option
-    command = parser._subparsers._group_actions[0].choices[args.command]  # its usage line, in the error
+    command = _subcommands(parser)[args.command]  # its usage line, in the error
     if given is not None and option is not None and given != option:
         command.error(f"the model is given twice ({given!r} and --model {option!r})")
     if given is None and option is None:
@@ -159,8 +191,15 @@ class ShowDefaults(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if ("default" in text or not action.option_strings or default is argparse.SUPPRESS
-                or default is None or default is False or default == [] or default == ""):
+        if (
+            "default" in text
+            or not action.option_strings
+            or default is argparse.SUPPRESS
+            or default is None
+            or default is False
+            or default == []
+            or default == ""
+        ):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else "%(default)s"
         return f"{text} (default: {shown})"
@@ -168,9 +207,10 @@ class ShowDefaults(argparse.HelpFormatter):
 
 def _with_defaults_shown(parser: argparse.ArgumentParser) -> None:
     """Every (sub)parser keeps its own formatter for the description and shows option defaults."""
-    if not issubclass(parser.formatter_class, ShowDefaults):
-        parser.formatter_class = type(f"ShowDefaults{parser.formatter_class.__name__}",
-                                      (ShowDefaults, parser.formatter_class), {})
+    formatter = cast(type, parser.formatter_class)  # a class (typeshed: a callable)
+    if not issubclass(formatter, ShowDefaults):
+        shown = type(f"ShowDefaults{formatter.__name__}", (ShowDefaults, formatter), {})
+        parser.formatter_class = cast("argparse._FormatterClass", shown)
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
@@ -196,7 +236,7 @@ class Parser(argparse.ArgumentParser):
         chain: list[argparse.ArgumentParser] = [self]
         for dest in ("command", "action"):
             where = chain[-1]
-            sub = where._subparsers and where._subparsers._group_actions[0].choices.get(getattr(parsed, dest, ""))
+            sub = _subcommands(where).get(getattr(parsed, dest, ""))
             if sub is None:
                 break
             chain.append(sub)
@@ -216,14 +256,18 @@ class Parser(argparse.ArgumentParser):
         return super()._get_values(action, arg_strings)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     import torch
 
     from rdlm import __version__
 
     parser = Parser(prog="rdlm", description="Recurrent-depth language models.")
-    parser.add_argument("--version", action="version", version=f"rdlm {__version__} (torch {torch.__version__})",
-                        help="print rdlm's version (and torch's) and exit")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"rdlm {__version__} (torch {torch.__version__})",
+        help="print rdlm's version (and torch's) and exit",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(name).register(subparsers)
@@ -233,11 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def one_line_warnings(command: str, default):
     """Show rdlm's own warnings (a long job's estimate) as one line, without a source excerpt."""
+
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, LongRunWarning):
             print(f"rdlm {command}: warning: {message}", file=sys.stderr)
         else:
             default(message, category, filename, lineno, file, line)
+
     return show
 
 

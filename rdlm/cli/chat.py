@@ -21,16 +21,22 @@ import sys
 import torch
 
 from rdlm.cli import at_least
-from rdlm.cli.generate import TextStreamer, add_generation_args, config_from_args, load_model_and_tokenizer, \
-    print_stats
+from rdlm.cli.generate import TextStreamer, add_generation_args, config_from_args, load_model_and_tokenizer, print_stats
 from rdlm.inference.generate import generate
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("chat", help="interactive chat with a model directory (needs tokenizer.json)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a model directory, training checkpoint step-N/ or run "
-                                                   "directory with tokenizer.json")
+    p = subparsers.add_parser(
+        "chat",
+        help="interactive chat with a model directory (needs tokenizer.json)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a model directory, training checkpoint step-N/ or run directory with tokenizer.json",
+    )
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument("--stats", action="store_true", help="print iterations per token and speed after each reply")
     add_generation_args(p)
@@ -43,11 +49,17 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model, tokenizer = load_model_and_tokenizer(
-        args.model, args.dtype, args.device, need_tokenizer=True, quantize=args.quantize,
-        group_size=args.quantize_group_size, threads=args.threads,
+        args.model,
+        args.dtype,
+        args.device,
+        need_tokenizer=True,
+        quantize=args.quantize,
+        group_size=args.quantize_group_size,
+        threads=args.threads,
         without_tokenizer="chat reads and writes text: give a run directory or model directory with "
-                          "tokenizer.json, e.g. one trained with `rdlm train --tokenizer ...`, or `rdlm generate "
-                          "--prompt-ids` for a model without one")
+        "tokenizer.json, e.g. one trained with `rdlm train --tokenizer ...`, or `rdlm generate "
+        "--prompt-ids` for a model without one",
+    )
     stops = tuple(i for i in (tokenizer.end_turn_id, tokenizer.eos_id) if i is not None)
     config = config_from_args(args, model, stop_tokens=stops)
     # A tokenizer without the chat tokens (a task model's, e.g. `rdlm demo`'s): each line is a prompt of
@@ -58,9 +70,12 @@ def run(args: argparse.Namespace) -> int:
     context = model.config.context_length
     messages = list(opening)
     if interactive:
-        print("rdlm chat: /reset forgets the conversation, /exit quits." if not plain else
-              "rdlm chat: this model has no chat format; each line is completed on its own. /exit quits.",
-              file=sys.stderr)
+        print(
+            "rdlm chat: /reset forgets the conversation, /exit quits."
+            if not plain
+            else "rdlm chat: this model has no chat format; each line is completed on its own. /exit quits.",
+            file=sys.stderr,
+        )
     # Bytes, decoded here: a line that is not UTF-8 is named and skipped, not the end of the chat.
     read_line = sys.stdin.buffer.readline if hasattr(sys.stdin, "buffer") else sys.stdin.readline
     number = 0
@@ -74,8 +89,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             line = raw if isinstance(raw, str) else raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            print(f"rdlm chat: input line {number} is not UTF-8 (byte 0x{raw[err.start]:02x} at {err.start}); "
-                  "skipped", file=sys.stderr)
+            print(
+                f"rdlm chat: input line {number} is not UTF-8 (byte 0x{raw[err.start]:02x} at {err.start}); skipped",
+                file=sys.stderr,
+            )
             continue
         if line.strip() == "/exit":
             return 0
@@ -91,14 +108,20 @@ def run(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": text})
             prompt, dropped = fit_conversation(tokenizer, messages, len(opening), context, config.max_new_tokens)
             if dropped:
-                del messages[len(opening):len(opening) + dropped]
-                print(f"rdlm chat: note: dropped the oldest {dropped // 2} exchange(s) of the conversation so that "
-                      f"it fits the model's context of {context} tokens with room for a reply", file=sys.stderr)
+                del messages[len(opening) : len(opening) + dropped]
+                print(
+                    f"rdlm chat: note: dropped the oldest {dropped // 2} exchange(s) of the conversation so that "
+                    f"it fits the model's context of {context} tokens with room for a reply",
+                    file=sys.stderr,
+                )
         if len(prompt) >= context:
             if not plain:
                 messages.pop()
-            print(f"rdlm chat: message not sent: it makes a prompt of {len(prompt)} tokens, and the model's "
-                  f"context is {context}; the conversation goes on", file=sys.stderr)
+            print(
+                f"rdlm chat: message not sent: it makes a prompt of {len(prompt)} tokens, and the model's "
+                f"context is {context}; the conversation goes on",
+                file=sys.stderr,
+            )
             continue
         room = context - len(prompt)
         turn = config if room >= config.max_new_tokens else dataclasses.replace(config, max_new_tokens=room)
@@ -127,7 +150,7 @@ def fit_conversation(tokenizer, messages: list[dict], keep: int, context: int, r
         return alone, 0
     dropped = 0
     while True:
-        kept = messages[:keep] + messages[keep + dropped:]
+        kept = messages[:keep] + messages[keep + dropped :]
         prompt = tokenizer.apply_chat_template(kept, add_generation_prompt=True)
         if len(prompt) + room <= context or len(kept) <= keep + 1:
             return prompt, dropped

@@ -15,8 +15,7 @@ OUTPUTS = ("results.json", "plot.png")
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="accuracy or perplexity against the number of iterations r")
-    add_model_argument(p, "a model directory, training checkpoint step-N/ or run directory with "
-                                 "tokenizer.json")
+    add_model_argument(p, "a model directory, training checkpoint step-N/ or run directory with tokenizer.json")
     p.add_argument("--num-steps", default="1,2,4,8,16,32", help="comma-separated values of r")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", help="perplexity on this file (.txt: one document; .jsonl: field 'text')")
@@ -67,24 +66,43 @@ def run(args: argparse.Namespace) -> int:
         use_threads(model, args.threads)
         tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         docs = [tokenizer.encode(d, add_bos=True) for d in read_documents(Path(args.text))]
-        sweeps = [perplexity_vs_steps(model, docs, steps, seq_len=args.seq_len, batch_size=args.batch_size,
-                                      init_scale=args.init_scale, task=Path(args.text).name, progress=True)]
+        sweeps = [
+            perplexity_vs_steps(
+                model,
+                docs,
+                steps,
+                seq_len=args.seq_len,
+                batch_size=args.batch_size,
+                init_scale=args.init_scale,
+                task=Path(args.text).name,
+                progress=True,
+            )
+        ]
     else:
         try:
             from rdlm.integrations.lm_eval import accuracy_vs_steps
         except ImportError as err:
             raise CLIError(f"{err}; accuracy on lm-eval tasks needs lm-eval: pip install 'rdlm[eval]'") from err
-        quantize = args.quantize and (f"quantize={args.quantize.replace(',', '+').replace('=', ':')},"
-                                      f"quantize_group_size={args.quantize_group_size}")
+        quantize = args.quantize and (
+            f"quantize={args.quantize.replace(',', '+').replace('=', ':')},"
+            f"quantize_group_size={args.quantize_group_size}"
+        )
         threads = args.threads and f"threads={args.threads}"
         extra = ",".join(a for a in (f"init_scale={args.init_scale}", quantize, threads, args.model_args) if a)
-        sweeps = accuracy_vs_steps(args.model, args.tasks.split(","), steps, include_path=args.include_path,
-                                   metric=args.metric, model_args=extra, batch_size=args.batch_size,
-                                   limit=args.limit)
+        sweeps = accuracy_vs_steps(
+            args.model,
+            args.tasks.split(","),
+            steps,
+            include_path=args.include_path,
+            metric=args.metric,
+            model_args=extra,
+            batch_size=args.batch_size,
+            limit=args.limit,
+        )
     plot_sweeps(sweeps, out / "plot.png", title=Path(args.model).name)
     write_results(sweeps, out / "results.json")  # last: results.json is there once the output is complete
     for sweep in sweeps:
-        cells = "  ".join(f"r={r}: {v:.4g}" for r, v in zip(sweep.num_steps, sweep.values))
+        cells = "  ".join(f"r={r}: {v:.4g}" for r, v in zip(sweep.num_steps, sweep.values, strict=True))
         print(f"{sweep.task} {sweep.metric}: {cells}")
     print(f"wrote {out / 'results.json'} and {out / 'plot.png'}")
     return 0

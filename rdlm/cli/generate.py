@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import cast
 
 import torch
 
+from rdlm.checks import OneOf
 from rdlm.cli import CLIError, add_quantize_arguments, add_threads_argument, check_exit_threshold
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
-from rdlm.checks import OneOf
 from rdlm.inference.params import PARTS, check_prompts, params_for
 from rdlm.model import dtypes
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
@@ -27,8 +28,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", required=True, help=ACCEPTED)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); needs tokenizer.json")
-    src.add_argument("--prompt-ids", action="append",
-                     help="comma-separated token ids (repeat for a batch); default 1,2,3")
+    src.add_argument(
+        "--prompt-ids", action="append", help="comma-separated token ids (repeat for a batch); default 1,2,3"
+    )
     p.add_argument("--no-bos", action="store_true", help="do not prepend <|begin_text|> to text prompts")
     p.add_argument("--no-stream", action="store_true", help="print text when done instead of streaming")
     p.add_argument("--stats", action="store_true", help="print iterations per token and speed to stderr")
@@ -40,11 +42,16 @@ def register(subparsers) -> None:
 # they are not --field-name, its default where it is not the field's, choices, and help ("{help}": the
 # declared meaning) that names other flags or rdlm serve.
 FLAGS: dict[str, dict] = {
-    "num_steps": {"flags": ("--num-steps", "-r"), "default": None,
-                  "help": "{help}; default: the model's mean recurrence"},
+    "num_steps": {
+        "flags": ("--num-steps", "-r"),
+        "default": None,
+        "help": "{help}; default: the model's mean recurrence",
+    },
     "exit_criterion": {"choices": sorted(CRITERIA)},
-    "exit_sync_every": {"help": "{help}; in rdlm serve also every n steps of the batch (rows found done then "
-                                "leave its calls; default 4)"},
+    "exit_sync_every": {
+        "help": "{help}; in rdlm serve also every n steps of the batch (rows found done then "
+        "leave its calls; default 4)"
+    },
     "cache_strategy": {"flags": ("--cache",)},
     "freeze_criterion": {"choices": sorted(n for n, s in CRITERIA.items() if not s.uses_gate)},
     "max_wavefront": {"help": "{help} (0: no limit)"},
@@ -59,17 +66,21 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     groups = {part.name: p.add_argument_group(f"generation: {part.name}", part.controls) for part in PARTS}
     for param in params_for("cli"):
         flag = FLAGS.get(param.name, {})
-        options = {"dest": param.name, "default": flag.get("default", param.default),
-                   "help": flag.get("help", "{help}").format(help=param.help)}
+        options = {
+            "dest": param.name,
+            "default": flag.get("default", param.default),
+            "help": flag.get("help", "{help}").format(help=param.help),
+        }
         if param.kind is bool:
             options["action"] = "store_true" if param.default is False else argparse.BooleanOptionalAction
         elif "choices" in flag or isinstance(param.check, OneOf):
-            options["choices"] = flag.get("choices") or list(param.check.choices)
+            options["choices"] = flag.get("choices") or list(cast(OneOf, param.check).choices)
         else:
             options["type"] = param.kind
         groups[param.part].add_argument(*flag.get("flags", ["--" + param.name.replace("_", "-")]), **options)
-    groups["sampling"].add_argument("--stop", action="append", default=[],
-                                    help="stop string (repeatable; needs a tokenizer)")
+    groups["sampling"].add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable; needs a tokenizer)"
+    )
     groups["sampling"].add_argument("--stop-ids", default="", help="comma-separated stop token ids")
     g = p.add_argument_group("model", "how the model is loaded and where it runs")
     g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32", help="weights and activations dtype")
@@ -83,22 +94,33 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
     vocab = model.config.vocab_size
     for token in stop_ids:
         if not 0 <= token < vocab:
-            raise CLIError(f"--stop-ids {token} is outside the model's vocabulary (ids 0 to {vocab - 1}): it could "
-                           "never be generated")
+            raise CLIError(
+                f"--stop-ids {token} is outside the model's vocabulary (ids 0 to {vocab - 1}): it could "
+                "never be generated"
+            )
     check_exit_threshold(args.exit_criterion, args.exit_threshold)
     if args.sampler == "parallel":
-        check_exit_threshold(args.freeze_criterion, args.freeze_threshold, "--freeze-threshold",
-                             "--freeze-criterion")
+        check_exit_threshold(args.freeze_criterion, args.freeze_threshold, "--freeze-threshold", "--freeze-criterion")
     values = {param.name: getattr(args, param.name) for param in params_for("cli")}
-    values.update(num_steps=model.config.mean_recurrence if args.num_steps is None else args.num_steps,
-                  max_wavefront=args.max_wavefront or None, stop_tokens=stop_tokens + stop_ids,
-                  stop_strings=tuple(args.stop))
+    values.update(
+        num_steps=model.config.mean_recurrence if args.num_steps is None else args.num_steps,
+        max_wavefront=args.max_wavefront or None,
+        stop_tokens=stop_tokens + stop_ids,
+        stop_strings=tuple(args.stop),
+    )
     return GenerationConfig(**values)
 
 
-def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = "cpu", need_tokenizer=False,
-                             without_tokenizer: str = "use --prompt-ids for token ids", quantize: str | None = None,
-                             group_size: int = 128, threads: int | None = None):
+def load_model_and_tokenizer(
+    source: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    need_tokenizer=False,
+    without_tokenizer: str = "use --prompt-ids for token ids",
+    quantize: str | None = None,
+    group_size: int = 128,
+    threads: int | None = None,
+):
     """The model (quantized by `quantize`, when given; its work on `threads` CPU threads, by default
     rdlm.resources.use_threads') and, when it comes with tokenizer.json, its tokenizer (else None).
     `without_tokenizer` ends the error when one is needed and missing: what the command can do instead."""
@@ -110,8 +132,9 @@ def load_model_and_tokenizer(source: str, dtype: str = "float32", device: str = 
     if found.tokenizer_dir is not None:
         tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
     elif need_tokenizer:
-        raise ValueError(f"{source!r} has no {TOKENIZER_FILE}: text needs a model directory with a "
-                         f"tokenizer ({without_tokenizer})")
+        raise ValueError(
+            f"{source!r} has no {TOKENIZER_FILE}: text needs a model directory with a tokenizer ({without_tokenizer})"
+        )
     model = found.load(dtype=dtype, device=device, quantize=quantize, group_size=group_size)
     use_threads(model, threads)
     if getattr(model, "quantization", None) is not None:
@@ -126,10 +149,14 @@ def check_fits(context: int, prompt_length: int, new_tokens: int) -> None:
     if prompt_length + new_tokens <= context:
         return
     if prompt_length >= context:
-        raise CLIError(f"the prompt has {prompt_length} tokens and the model's context is {context}: a prompt of "
-                       f"at most {context - 1} tokens leaves room for a new one")
-    raise CLIError(f"the prompt ({prompt_length} tokens) + --max-new-tokens {new_tokens} exceed the model's context "
-                   f"of {context}: at most --max-new-tokens {context - prompt_length} fits this prompt")
+        raise CLIError(
+            f"the prompt has {prompt_length} tokens and the model's context is {context}: a prompt of "
+            f"at most {context - 1} tokens leaves room for a new one"
+        )
+    raise CLIError(
+        f"the prompt ({prompt_length} tokens) + --max-new-tokens {new_tokens} exceed the model's context "
+        f"of {context}: at most --max-new-tokens {context - prompt_length} fits this prompt"
+    )
 
 
 def parse_ids(text: str) -> list[int]:
@@ -161,12 +188,16 @@ class TextStreamer:
 def print_stats(result: GenerationResult) -> None:
     new = sum(len(t) for t in result.tokens)
     decode_tps = (new - len(result.tokens)) / result.decode_seconds if result.decode_seconds else 0.0
-    line = (f"new tokens {new} | iterations per token mean {result.mean_steps:.2f} | prefill "
-            f"{result.prompt_tokens / max(result.prefill_seconds, 1e-9):.1f} tok/s | decode {decode_tps:.1f} "
-            f"tok/s | cache {result.cache_bytes / 2**20:.2f} MiB")
+    line = (
+        f"new tokens {new} | iterations per token mean {result.mean_steps:.2f} | prefill "
+        f"{result.prompt_tokens / max(result.prefill_seconds, 1e-9):.1f} tok/s | decode {decode_tps:.1f} "
+        f"tok/s | cache {result.cache_bytes / 2**20:.2f} MiB"
+    )
     if result.wave_steps:
-        line += (f" | parallel: {result.wave_steps} wavefront steps, "
-                 f"{result.core_passes / max(new - 1, 1):.2f} core passes per token")
+        line += (
+            f" | parallel: {result.wave_steps} wavefront steps, "
+            f"{result.core_passes / max(new - 1, 1):.2f} core passes per token"
+        )
     if result.acceptance_rate is not None:
         line += f" | speculative acceptance {result.acceptance_rate:.2f} ({result.accepted}/{result.drafted})"
     print(line, file=sys.stderr)
@@ -177,13 +208,18 @@ def print_stats(result: GenerationResult) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)  # a preset is a freshly initialized model: make it reproducible
     text_mode = args.prompt is not None
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device,
-                                                need_tokenizer=text_mode or bool(args.stop),
-                                                quantize=args.quantize, group_size=args.quantize_group_size,
-                                                threads=args.threads)
+    model, tokenizer = load_model_and_tokenizer(
+        args.model,
+        args.dtype,
+        args.device,
+        need_tokenizer=text_mode or bool(args.stop),
+        quantize=args.quantize,
+        group_size=args.quantize_group_size,
+        threads=args.threads,
+    )
     if text_mode:
         prompts = [tokenizer.encode(p, add_bos=not args.no_bos) for p in args.prompt]
-        stop_tokens = (tokenizer.eos_id,)
+        stop_tokens: tuple[int, ...] = (tokenizer.eos_id,)
     else:
         prompts = [parse_ids(p) for p in (args.prompt_ids or ["1,2,3"])]
         stop_tokens = ()

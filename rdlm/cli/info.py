@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -19,8 +20,12 @@ from rdlm.resources import use_threads
 def register(subparsers) -> None:
     p = subparsers.add_parser("info", help="show a model's config and parameter counts")
     add_model_argument(p, ACCEPTED)
-    p.add_argument("--time-forward", metavar="R,R,...", default=None,
-                   help="time one forward pass (batch 1, full context) at these iteration counts")
+    p.add_argument(
+        "--time-forward",
+        metavar="R,R,...",
+        default=None,
+        help="time one forward pass (batch 1, full context) at these iteration counts",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="sequence length for --time-forward")
     add_threads_argument(p)
     p.set_defaults(func=run)
@@ -31,8 +36,9 @@ def describe(model: RecurrentDepthLM) -> dict:
     return {"config": model.config.to_dict(), "parameters": {**groups, "total": sum(groups.values())}}
 
 
-def time_forward(model: RecurrentDepthLM, num_steps: int, seq_len: int, repeats: int = 3,
-                 on_pass: Callable[[], None] | None = None) -> float:
+def time_forward(
+    model: RecurrentDepthLM, num_steps: int, seq_len: int, repeats: int = 3, on_pass: Callable[[], object] | None = None
+) -> float:
     """Median wall time in seconds of one no-grad forward pass on random tokens (after a warm-up pass);
     `on_pass` is called after each pass."""
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len))
@@ -53,6 +59,7 @@ def time_forward(model: RecurrentDepthLM, num_steps: int, seq_len: int, repeats:
 def run(args: argparse.Namespace) -> int:
     found = resolve_model_source(args.model)
     if found.kind == "preset":  # no weights to read: on the meta device unless it has to run
+        assert found.preset is not None  # a preset's name, by its kind
         config = RDLMConfig.from_preset(found.preset)
         device = "meta" if args.time_forward is None else "cpu"
         with torch.device(device):
@@ -75,11 +82,13 @@ def run(args: argparse.Namespace) -> int:
         use_threads(model, args.threads)
         repeats = 3
         # A bar over the passes, weighted by iterations: r = 64 takes 64 times as long as r = 1.
-        with tqdm(total=sum(steps) * (repeats + 1), unit="it", desc="forward passes", leave=False,
-                  dynamic_ncols=True) as bar:
+        with tqdm(
+            total=sum(steps) * (repeats + 1), unit="it", desc="forward passes", leave=False, dynamic_ncols=True
+        ) as bar:
             info["forward_seconds"] = {
-                r: round(time_forward(model.eval(), r, seq_len, repeats, lambda r=r: bar.update(r)), 4)
-                for r in steps}
+                r: round(time_forward(model.eval(), r, seq_len, repeats, functools.partial(bar.update, r)), 4)
+                for r in steps
+            }
         info["forward_seq_len"] = seq_len
     print(json.dumps(info, indent=2))
     return 0

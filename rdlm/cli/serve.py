@@ -15,45 +15,85 @@ from rdlm.cli.generate import add_generation_args, config_from_args, load_model_
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model directory (with tokenizer.json) over /v1/completions, "
-                    "/v1/chat/completions, /v1/models, /health and /metrics. Requests join and leave "
-                    "the batch between core iterations; the generation options below are the defaults "
-                    "a request's fields override (--max-new-tokens: max_tokens).")
-    add_model_argument(p, "a model directory, training checkpoint step-N/ or run directory with "
-                                 "tokenizer.json")
+        "/v1/chat/completions, /v1/models, /health and /metrics. Requests join and leave "
+        "the batch between core iterations; the generation options below are the defaults "
+        "a request's fields override (--max-new-tokens: max_tokens).",
+    )
+    add_model_argument(p, "a model directory, training checkpoint step-N/ or run directory with tokenizer.json")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--model-name", help="the name clients use (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 503")
-    p.add_argument("--max-length", type=int, help="tokens per row, prompt and completion (default: the "
-                                                  "model's context, at most 2048)")
-    p.add_argument("--num-slots", type=int, help="core cache slots per token, the largest r without "
-                                                 "kv_cache_budget (default: the default r, at least 32)")
-    p.add_argument("--api-key", default=os.environ.get("RDLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $RDLM_API_KEY; none)")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                   help="largest request body accepted, in bytes (default 1 MiB); larger ones get 413")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt token-iterations per step of the batch: prompts run their iterations inside the "
-                        "steps (a longer prompt in chunks of this many tokens, one iteration per step), so running "
-                        "requests keep decoding")
-    p.add_argument("--coda-every", type=int, default=8,
-                   help="steps a row whose token is done may wait for others, so that their codas (and the "
-                        "head) run in one call")
-    p.add_argument("--profile", action="store_true",
-                   help="time each phase of the batch's steps and export them on /metrics "
-                        "(rdlm_batch_phase_seconds; on CUDA a device sync around each phase)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish after SIGTERM; those still running then end "
-                        "with an error (a stream's error event, a 503)")
-    p.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a connection may take to send a request's headers before it is closed")
-    p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request may take to send its body after its headers (then 408)")
-    p.add_argument("--max-num-steps", type=int, default=256,
-                   help="the most core iterations per token (num_steps) a request may ask for (default 256)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        help="tokens per row, prompt and completion (default: the model's context, at most 2048)",
+    )
+    p.add_argument(
+        "--num-slots",
+        type=int,
+        help="core cache slots per token, the largest r without kv_cache_budget (default: the default r, at least 32)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RDLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $RDLM_API_KEY; none)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body accepted, in bytes (default 1 MiB); larger ones get 413",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="prompt token-iterations per step of the batch: prompts run their iterations inside the "
+        "steps (a longer prompt in chunks of this many tokens, one iteration per step), so running "
+        "requests keep decoding",
+    )
+    p.add_argument(
+        "--coda-every",
+        type=int,
+        default=8,
+        help="steps a row whose token is done may wait for others, so that their codas (and the head) run in one call",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time each phase of the batch's steps and export them on /metrics "
+        "(rdlm_batch_phase_seconds; on CUDA a device sync around each phase)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish after SIGTERM; those still running then end "
+        "with an error (a stream's error event, a 503)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request may take to send its body after its headers (then 408)",
+    )
+    p.add_argument(
+        "--max-num-steps",
+        type=int,
+        default=256,
+        help="the most core iterations per token (num_steps) a request may ask for (default 256)",
+    )
     add_generation_args(p)
     p.set_defaults(func=run)
 
@@ -72,17 +112,24 @@ def run(args: argparse.Namespace) -> int:
         from rdlm.inference.serve import ServeConfig, create_app
         from rdlm.inference.serve_http import uvicorn_server
     except ImportError as err:
-        raise ValueError(f"rdlm serve needs the serve extra ({err.name} is missing): "
-                         f"pip install 'rdlm[serve]'") from None
+        raise ValueError(
+            f"rdlm serve needs the serve extra ({err.name} is missing): pip install 'rdlm[serve]'"
+        ) from None
     from pathlib import Path
 
     if args.draft_steps is not None:
         raise ValueError("--draft-steps: speculative decoding is not available in the server")
     model, tokenizer = load_model_and_tokenizer(
-        args.model, args.dtype, args.device, need_tokenizer=True, quantize=args.quantize,
-        group_size=args.quantize_group_size, threads=args.threads,
+        args.model,
+        args.dtype,
+        args.device,
+        need_tokenizer=True,
+        quantize=args.quantize,
+        group_size=args.quantize_group_size,
+        threads=args.threads,
         without_tokenizer="the server takes and returns text: give a run directory or model directory with "
-                          "tokenizer.json")
+        "tokenizer.json",
+    )
     defaults = config_from_args(args, model)
     c = model.config
     max_length = args.max_length if args.max_length is not None else min(c.context_length, 2048)
@@ -95,8 +142,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.max_num_steps < defaults.max_steps:
         raise ValueError(f"--max-num-steps {args.max_num_steps} is below the default r ({defaults.max_steps})")
-    for flag, seconds in (("--shutdown-timeout", args.shutdown_timeout), ("--header-timeout", args.header_timeout),
-                          ("--body-timeout", args.body_timeout)):
+    for flag, seconds in (
+        ("--shutdown-timeout", args.shutdown_timeout),
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+    ):
         if not 0 < seconds < float("inf"):
             raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
     if args.api_key is not None and not args.api_key.strip():
@@ -104,39 +154,60 @@ def run(args: argparse.Namespace) -> int:
     # --exit-sync-every: the batch's steps between looks, and each request's iterations between looks in a
     # token that runs in lockstep; without it the batch looks every 4 steps, a lockstep token by its device
     exit_sync_every = ServeConfig.exit_sync_every if defaults.exit_sync_every is None else defaults.exit_sync_every
-    config = ServeConfig(model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
-                         max_length=max_length, num_slots=num_slots, exit_sync_every=exit_sync_every,
-                         defaults=defaults, api_key=args.api_key,
-                         max_request_bytes=args.max_request_bytes, prefill_chunk=args.prefill_chunk,
-                         coda_every=args.coda_every, profile=args.profile, compile=defaults.compile,
-                         max_num_steps=args.max_num_steps, header_timeout=args.header_timeout,
-                         body_timeout=args.body_timeout)
+    config = ServeConfig(
+        model_name=name,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_length=max_length,
+        num_slots=num_slots,
+        exit_sync_every=exit_sync_every,
+        defaults=defaults,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        prefill_chunk=args.prefill_chunk,
+        coda_every=args.coda_every,
+        profile=args.profile,
+        compile=defaults.compile,
+        max_num_steps=args.max_num_steps,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+    )
     if args.api_key is None and not _loopback(args.host):
-        print(f"rdlm serve: warning: listening on {args.host} without an API key; anyone who can reach it may "
-              f"use it (--api-key or $RDLM_API_KEY)", file=sys.stderr, flush=True)
+        print(
+            f"rdlm serve: warning: listening on {args.host} without an API key; anyone who can reach it may "
+            f"use it (--api-key or $RDLM_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
     app = create_app(model, tokenizer, config)
     batch = app.state.worker.batch
     static = "on" if batch.step_runner.static else "off"
-    print(f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
-          f"per row, {num_slots} core slots, KV cache {batch.cache_bytes / 2 ** 30:.2f} GiB, default r "
-          f"{defaults.num_steps}, static step {static})",
-          file=sys.stderr, flush=True)
+    print(
+        f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
+        f"per row, {num_slots} core slots, KV cache {batch.cache_bytes / 2**30:.2f} GiB, default r "
+        f"{defaults.num_steps}, static step {static})",
+        file=sys.stderr,
+        flush=True,
+    )
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again: a finished
     # shutdown is a normal exit here, not a death by signal.
     stopped = []
-    previous = {sig: signal.signal(sig, lambda number, frame: stopped.append(number))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
-    log = logging.getLogger("rdlm")   # the server's errors, each 500 with its traceback, on stderr
+    previous = {
+        sig: signal.signal(sig, lambda number, frame: stopped.append(number)) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    log = logging.getLogger("rdlm")  # the server's errors, each 500 with its traceback, on stderr
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("rdlm serve: %(levelname)s: %(message)s"))
         log.addHandler(handler)
     try:
-        uvicorn_server(app, args.host, args.port, args.header_timeout, args.shutdown_timeout,
-                       log_level="warning").run()
+        uvicorn_server(app, args.host, args.port, args.header_timeout, args.shutdown_timeout, log_level="warning").run()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    print(f"rdlm serve: shut down{' on ' + signal.Signals(stopped[0]).name if stopped else ''}",
-          file=sys.stderr, flush=True)
+        for sig, before in previous.items():
+            signal.signal(sig, before)
+    print(
+        f"rdlm serve: shut down{' on ' + signal.Signals(stopped[0]).name if stopped else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from rdlm.fileio import check_parents
-
 from rdlm.cli import CLIError, at_least
+from rdlm.fileio import check_parents
 
 
 def register(subparsers) -> None:
@@ -44,8 +43,18 @@ def run_train(args: argparse.Namespace) -> int:
     path = tok.save(args.out)
     if tok.vocab_size < args.vocab_size:
         print(f"note: the corpus supported only {tok.vocab_size} tokens of the {args.vocab_size} asked for")
-    print(json.dumps({"tokenizer": str(path), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
-                      "eos_id": tok.eos_id, "end_turn_id": tok.end_turn_id, "pad_id": tok.pad_id}))
+    print(
+        json.dumps(
+            {
+                "tokenizer": str(path),
+                "vocab_size": tok.vocab_size,
+                "bos_id": tok.bos_id,
+                "eos_id": tok.eos_id,
+                "end_turn_id": tok.end_turn_id,
+                "pad_id": tok.pad_id,
+            }
+        )
+    )
     return 0
 
 

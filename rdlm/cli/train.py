@@ -24,7 +24,6 @@ from typing import Any
 
 from rdlm.cli import CLIError, takes_effect
 
-
 # Fields set otherwise than by a flag of their own.
 NOT_FLAGS = ("model_overrides",)  # --set KEY=VALUE
 NONE_WORDS = ("none", "null", "off")
@@ -70,12 +69,15 @@ def flag_type(name: str, annotation: Any):
         variadic = len(items) == 2 and items[1] is Ellipsis
         element = items[0]
         if element not in (int, float, str) or not (variadic or all(i is element for i in items)):
-            raise TypeError(f"field {name!r}: type {annotation} has no command-line flag "
-                            "(tuples must hold one of int, float, str)")
+            raise TypeError(
+                f"field {name!r}: type {annotation} has no command-line flag (tuples must hold one of int, float, str)"
+            )
         convert = _comma_separated(element, None if variadic else len(items))
     else:
-        raise TypeError(f"field {name!r}: type {annotation} has no command-line flag (bool, int, float, str, "
-                        "X | None and tuples of those are supported)")
+        raise TypeError(
+            f"field {name!r}: type {annotation} has no command-line flag (bool, int, float, str, "
+            "X | None and tuples of those are supported)"
+        )
     return _none_or(convert) if optional else convert
 
 
@@ -87,7 +89,12 @@ def add_config_flags(p: argparse.ArgumentParser, config_class: type, skip: tuple
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"{config_class.__name__}.{f.name} has no default")
         convert = flag_type(f.name, hints[f.name])
         text = f.metadata.get("help", "")
         # The field's default, unless its help says what it is (None stands for "the model's", "no clip", ...)
@@ -103,17 +110,28 @@ def add_config_flags(p: argparse.ArgumentParser, config_class: type, skip: tuple
 def register(subparsers) -> None:
     from rdlm.train import TrainConfig
 
-    p = subparsers.add_parser("train", help="train or fine-tune a recurrent-depth model",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "train",
+        help="train or fine-tune a recurrent-depth model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="a JSON file of TrainConfig fields (flags override it)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a model config field (JSON value), e.g. --set mean_recurrence=16")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model config field (JSON value), e.g. --set mean_recurrence=16",
+    )
     add_config_flags(p, TrainConfig, skip=NOT_FLAGS)
     for action in p._actions:
         if action.dest == "out_dir":  # not given (no attribute) is told from `--out-dir none`
             action.default = argparse.SUPPRESS
-            action.help = ("run directory: checkpoints, log.jsonl, TensorBoard events; required (none: train "
-                           "without saving anything)")
+            action.help = (
+                "run directory: checkpoints, log.jsonl, TensorBoard events; required (none: train "
+                "without saving anything)"
+            )
         if action.dest in SETTING_OF:
             takes_effect(action, _needs_setting(*SETTING_OF[action.dest]))
     p.set_defaults(func=run)
@@ -134,6 +152,7 @@ def _needs_setting(field: str, value: str | None, words: str):
         if setting is None or (value is not None and setting != value):
             return f"it applies with {words}, which this run does not have"
         return None
+
     return why_not
 
 
@@ -164,8 +183,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError as err:
         raise CLIError(f"{path}: not UTF-8 text (byte {err.start})") from err
     if not isinstance(values, dict):
-        raise CLIError(f"{path}: expected a JSON object of TrainConfig fields (like {{\"steps\": 100}}), got "
-                       f"{type(values).__name__} {json.dumps(values)[:40]}")
+        raise CLIError(
+            f'{path}: expected a JSON object of TrainConfig fields (like {{"steps": 100}}), got '
+            f"{type(values).__name__} {json.dumps(values)[:40]}"
+        )
     return values
 
 
@@ -182,8 +203,9 @@ def build_config(args: argparse.Namespace, require_out_dir: bool = False):
     if hasattr(args, "out_dir"):
         values["out_dir"] = args.out_dir
     elif "out_dir" not in values and require_out_dir:
-        raise CLIError("give --out-dir DIR: the trained model is saved only there (--out-dir none trains "
-                       "without saving anything)")
+        raise CLIError(
+            "give --out-dir DIR: the trained model is saved only there (--out-dir none trains without saving anything)"
+        )
     overrides = dict(values.get("model_overrides", {}))
     for item in args.set:
         key, sep, raw = item.partition("=")
@@ -200,8 +222,9 @@ def build_config(args: argparse.Namespace, require_out_dir: bool = False):
     values.setdefault("model_overrides", {})
     config = TrainConfig.from_dict(values)  # every value checked first
     if require_out_dir and not config.resume and not (config.data or config.prompt_response):
-        raise CLIError("no training data: give --data DIR (token shards from `rdlm data prepare`) or "
-                       "--prompt-response FILE.jsonl")
+        raise CLIError(
+            "no training data: give --data DIR (token shards from `rdlm data prepare`) or --prompt-response FILE.jsonl"
+        )
     return config
 
 
@@ -214,8 +237,10 @@ def resumed_values(given: dict[str, Any]) -> dict[str, Any]:
     found = recorded_config(given["out_dir"])
     if found is None:
         if not (given.get("data") or given.get("prompt_response")):
-            raise CLIError(f"--resume: {given['out_dir']} holds no checkpoint to resume from; to start the run, "
-                           "give its model and data (--data DIR or --prompt-response FILE.jsonl)")
+            raise CLIError(
+                f"--resume: {given['out_dir']} holds no checkpoint to resume from; to start the run, "
+                "give its model and data (--data DIR or --prompt-response FILE.jsonl)"
+            )
         return given
     recorded, checkpoint = found
     recorded = TrainConfig.from_dict(recorded).to_dict()  # tuples as the flags give them
@@ -229,8 +254,10 @@ def resumed_values(given: dict[str, Any]) -> dict[str, Any]:
             fixed.append(f"{flag} {_shown(value)} (the run's: {_shown(was)})")
     if fixed:
         allowed = ", ".join("--" + k.replace("_", "-") for k in MAY_CHANGE_ON_RESUME if k != "resume")
-        raise CLIError(f"--resume continues the run with its own settings ({checkpoint}/trainer.json); it "
-                       f"cannot change {'; '.join(fixed)}. A resumed run may change only {allowed}")
+        raise CLIError(
+            f"--resume continues the run with its own settings ({checkpoint}/trainer.json); it "
+            f"cannot change {'; '.join(fixed)}. A resumed run may change only {allowed}"
+        )
     changed = {k: v for k, v in given.items() if k in MAY_CHANGE_ON_RESUME}
     return {**recorded, **changed, "out_dir": given["out_dir"], "overwrite": False}
 
@@ -251,9 +278,13 @@ def run(args: argparse.Namespace) -> int:
         result = train(config)
     except TrainingError as err:
         raise CLIError(str(err)) from err
-    summary = {"steps": result.steps_done, "final_loss": result.losses[-1] if result.losses else None,
-               "skipped_steps": result.bad_steps, "seconds": round(result.seconds, 2),
-               "checkpoint": str(result.checkpoint) if result.checkpoint else None}
+    summary: dict[str, Any] = {
+        "steps": result.steps_done,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "skipped_steps": result.bad_steps,
+        "seconds": round(result.seconds, 2),
+        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+    }
     if result.evals:
         summary["eval"] = {k: round(v, 4) for k, v in result.evals[-1].items() if isinstance(v, float)}
     if result.stopped_by is not None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 # Tests and site-packages are left out: the first is repetitive, the second is not the stdlib.
 SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
@@ -37,8 +37,9 @@ def is_validation(name: str, val_fraction: float) -> bool:
     return digest / 0xFFFFFFFF < val_fraction
 
 
-def stdlib_documents(split: str = "train", max_chars: int | None = None, val_fraction: float = 0.05,
-                     root: Path | None = None) -> Iterator[str]:
+def stdlib_documents(
+    split: str = "train", max_chars: int | None = None, val_fraction: float = 0.05, root: Path | None = None
+) -> Iterator[str]:
     """Source files of the standard library as documents, up to `max_chars` characters in total."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -52,7 +53,7 @@ def stdlib_documents(split: str = "train", max_chars: int | None = None, val_fra
         except (UnicodeDecodeError, OSError):
             continue
         if max_chars is not None and total + len(text) > max_chars:
-            text = text[:max_chars - total]
+            text = text[: max_chars - total]
         if text:
             yield text
             total += len(text)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import random
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -18,8 +18,9 @@ from rdlm.data.shards import META_FILE, SHARD_FORMAT, DataError
 from rdlm.fileio import atomic_write, claim_output_dir, new_dirs_removed_on_failure, read_jsonl, read_utf8, write_json
 
 
-def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text",
-                   separator: str | None = None) -> Iterator[str]:
+def read_documents(
+    paths: Sequence[str | os.PathLike], text_field: str = "text", separator: str | None = None
+) -> Iterator[str]:
     """Documents from .txt (a file is a document, or split on `separator`), .jsonl and .parquet files."""
     for path in paths:
         path = Path(path)
@@ -63,20 +64,20 @@ class Packer:
         self.row_length, self.policy = row_length, policy
         self.row: list[int] = []
         self.rows = 0
-        self.tokens = 0   # every token of every document added
+        self.tokens = 0  # every token of every document added
 
     def add(self, doc: Sequence[int]) -> list[np.ndarray]:
         """The rows `doc` completes (none, one or several)."""
         self.tokens += len(doc)
         if self.policy == "truncate":
-            self.row.extend(doc[:self.row_length - len(self.row)])
+            self.row.extend(doc[: self.row_length - len(self.row)])
         else:
             self.row.extend(doc)
         done = []
         while len(self.row) >= self.row_length:
-            done.append(np.asarray(self.row[:self.row_length]))
+            done.append(np.asarray(self.row[: self.row_length]))
             # stream: the row's last token opens the next row (the context of its first target)
-            self.row = self.row[self.row_length - 1:] if self.policy == "stream" else []
+            self.row = self.row[self.row_length - 1 :] if self.policy == "stream" else []
         self.rows += len(done)
         return done
 
@@ -92,8 +93,7 @@ class Packer:
         return self.tokens - self.kept_tokens
 
 
-def pack_documents(documents: Iterable[Sequence[int]], row_length: int, policy: str = "stream"
-                   ) -> Iterator[np.ndarray]:
+def pack_documents(documents: Iterable[Sequence[int]], row_length: int, policy: str = "stream") -> Iterator[np.ndarray]:
     packer = Packer(row_length, policy)
     for doc in documents:
         yield from packer.add(doc)
@@ -103,10 +103,20 @@ def pack_documents(documents: Iterable[Sequence[int]], row_length: int, policy: 
 _SHARD_RE = re.compile(r"^((train|val)-\d{5}\.npy|meta\.json|tokenizer\.json)$")
 
 
-def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.PathLike,
-            context_length: int, val_fraction: float = 0.05, seed: int = 0, rows_per_shard: int = 65536,
-            text_field: str = "text", separator: str | None = None, batch_docs: int = 256,
-            packing: str = "stream", overwrite: bool = False) -> dict:
+def prepare(
+    inputs: Sequence[str | os.PathLike],
+    tokenizer,
+    out_dir: str | os.PathLike,
+    context_length: int,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    rows_per_shard: int = 65536,
+    text_field: str = "text",
+    separator: str | None = None,
+    batch_docs: int = 256,
+    packing: str = "stream",
+    overwrite: bool = False,
+) -> dict:
     """Tokenize documents into packed, memory-mappable shards with a held-out validation split (`packing`:
     see `Packer`); meta.json records how many tokens the rows kept and how many were dropped. A dataset
     already in `out_dir` is replaced only with `overwrite`, which removes its files first (a directory of other
@@ -123,12 +133,34 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer, out_dir: str | os.Pa
     claim_output_dir(out, _SHARD_RE.match, overwrite, "a dataset", others_allowed=False)
     with new_dirs_removed_on_failure(out):
         out.mkdir(parents=True, exist_ok=True)
-        return _prepare(inputs, tokenizer, out, context_length, val_fraction, seed, rows_per_shard, text_field,
-                        separator, batch_docs, packing)
+        return _prepare(
+            inputs,
+            tokenizer,
+            out,
+            context_length,
+            val_fraction,
+            seed,
+            rows_per_shard,
+            text_field,
+            separator,
+            batch_docs,
+            packing,
+        )
 
 
-def _prepare(inputs, tokenizer, out: Path, context_length: int, val_fraction: float, seed: int, rows_per_shard: int,
-             text_field: str, separator: str | None, batch_docs: int, packing: str) -> dict:
+def _prepare(
+    inputs,
+    tokenizer,
+    out: Path,
+    context_length: int,
+    val_fraction: float,
+    seed: int,
+    rows_per_shard: int,
+    text_field: str,
+    separator: str | None,
+    batch_docs: int,
+    packing: str,
+) -> dict:
     row_length = context_length + 1
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     rng = random.Random(seed)
@@ -172,14 +204,28 @@ def _prepare(inputs, tokenizer, out: Path, context_length: int, val_fraction: fl
     for which in ("train", "val"):
         flush(which, final=True)
     if not splits["train"]:
-        raise DataError(f"no complete training row of {row_length} tokens: the inputs hold too little text "
-                        f"({counts['documents']} documents)")
-    meta = {"format": SHARD_FORMAT, "row_length": row_length, "context_length": context_length,
-            "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
-            "max_token_id": max_id, "seed": seed, "val_fraction": val_fraction, **counts, "packing": packing,
-            "tokens": {k: {"total": pk.tokens, "kept": pk.kept_tokens, "dropped": pk.dropped_tokens}
-                       for k, pk in packers.items()},
-            "rows": {k: sum(e["rows"] for e in v) for k, v in splits.items()}, "splits": splits}
+        raise DataError(
+            f"no complete training row of {row_length} tokens: the inputs hold too little text "
+            f"({counts['documents']} documents)"
+        )
+    meta = {
+        "format": SHARD_FORMAT,
+        "row_length": row_length,
+        "context_length": context_length,
+        "dtype": np.dtype(dtype).name,
+        "vocab_size": tokenizer.vocab_size,
+        "bos_id": tokenizer.bos_id,
+        "max_token_id": max_id,
+        "seed": seed,
+        "val_fraction": val_fraction,
+        **counts,
+        "packing": packing,
+        "tokens": {
+            k: {"total": pk.tokens, "kept": pk.kept_tokens, "dropped": pk.dropped_tokens} for k, pk in packers.items()
+        },
+        "rows": {k: sum(e["rows"] for e in v) for k, v in splits.items()},
+        "splits": splits,
+    }
     tokenizer.save(out / "tokenizer.json")
     write_json(out / META_FILE, meta)
     return meta

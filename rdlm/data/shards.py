@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -55,10 +56,17 @@ class DataError(ValueError):
     """Training data is missing, empty or does not fit the model; the message names the problem."""
 
 
+# A source's rows: tokens, the loss mask or None, and the targets where they differ from the tokens.
+Rows = tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]
+
+
 class RowSource(Protocol):
     def __len__(self) -> int: ...
 
-    def rows(self, indices: np.ndarray) -> tuple[Tensor, ...]:
+    @property
+    def row_length(self) -> int: ...
+
+    def rows(self, indices: np.ndarray) -> Rows:
         """int64 tokens [n, row_length], an optional bool loss mask of the same shape and, optionally,
         int64 targets of the same shape (see `make_batch`)."""
 
@@ -68,14 +76,19 @@ class RowSource(Protocol):
 # --------------------------------------------------------------------------------------------------
 # In-memory rows
 
+
 def _tensor(values) -> Tensor:
     return values if isinstance(values, Tensor) else torch.as_tensor(np.asarray(values))
 
 
 class MemoryRows:
-    def __init__(self, tokens: Tensor | np.ndarray | Sequence[Sequence[int]],
-                 loss_mask: Tensor | np.ndarray | None = None,
-                 targets: Tensor | np.ndarray | None = None, trim: bool = False) -> None:
+    def __init__(
+        self,
+        tokens: Tensor | np.ndarray | Sequence[Sequence[int]],
+        loss_mask: Tensor | np.ndarray | None = None,
+        targets: Tensor | np.ndarray | None = None,
+        trim: bool = False,
+    ) -> None:
         """`trim` (with a loss mask): a batch of rows ends at its last supervised column, so short rows of
         right-padded data cost what they need (the model is causal: earlier positions are the same)."""
         tokens = _tensor(tokens)
@@ -105,14 +118,14 @@ class MemoryRows:
         return values
 
     @classmethod
-    def from_sequences(cls, sequences: Sequence[Sequence[int]], pad_id: int,
-                       length: int | None = None) -> "MemoryRows":
+    def from_sequences(cls, sequences: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> MemoryRows:
         """Right-pad sequences to `length` (default: the longest); padding is never a target."""
         return cls.from_pairs([((), s) for s in sequences], pad_id, length)
 
     @classmethod
-    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
-                   length: int | None = None) -> "MemoryRows":
+    def from_pairs(
+        cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, length: int | None = None
+    ) -> MemoryRows:
         """Rows prompt + response, right-padded; the loss falls on response tokens only."""
         if not pairs:
             raise DataError("no prompt/response pairs given")
@@ -126,8 +139,8 @@ class MemoryRows:
             row = [*prompt, *response][:length]
             if len(row) < 2:
                 raise DataError(f"pair {i} has fewer than 2 tokens")
-            tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, len(prompt):len(row)] = True
+            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, len(prompt) : len(row)] = True
         return cls(tokens, mask)
 
     def __len__(self) -> int:
@@ -137,15 +150,18 @@ class MemoryRows:
     def row_length(self) -> int:
         return self.tokens.shape[1]
 
-    def rows(self, indices: np.ndarray) -> tuple[Tensor, ...]:
+    def rows(self, indices: np.ndarray) -> Rows:
         index = torch.as_tensor(indices, dtype=torch.long)
-        rows = self.tokens[index], None if self.loss_mask is None else self.loss_mask[index]
-        rows = rows if self.targets is None else (*rows, self.targets[index])
+        tokens = self.tokens[index]
+        mask = None if self.loss_mask is None else self.loss_mask[index]
+        targets = None if self.targets is None else self.targets[index]
         if self.trim:
-            used = rows[1].any(dim=0).nonzero()
+            assert mask is not None  # trim needs a loss mask (refused without one above)
+            used = mask.any(dim=0).nonzero()
             end = max(2, int(used[-1]) + 1 if len(used) else 2)
-            rows = tuple(None if r is None else r[:, :end] for r in rows)
-        return rows
+            tokens, mask = tokens[:, :end], mask[:, :end]
+            targets = None if targets is None else targets[:, :end]
+        return (tokens, mask) if targets is None else (tokens, mask, targets)
 
     def max_token_id(self) -> int:
         return int(self.tokens.max() if self.targets is None else max(self.tokens.max(), self.targets.max()))
@@ -161,8 +177,9 @@ def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None 
     the assistant's reply and its closing <|end_turn|>, which teaches the model to stop.
     """
     if not getattr(tokenizer, "has_chat", True):
-        raise DataError(f"prompt/response data is written in the chat format; the tokenizer {tokenizer.source} "
-                        "has no chat tokens")
+        raise DataError(
+            f"prompt/response data is written in the chat format; the tokenizer {tokenizer.source} has no chat tokens"
+        )
     path = Path(path)
     if not path.is_file():
         raise DataError(f"prompt/response file {path} does not exist")
@@ -173,18 +190,25 @@ def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None 
             if not isinstance(messages, list) or not messages:
                 raise DataError(f"{path}:{number}: field 'messages' must be a non-empty list")
             for i, message in enumerate(messages):
-                if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                        or not isinstance(message.get("content"), str):
-                    raise DataError(f"{path}:{number}: field 'messages[{i}]' must be an object with string "
-                                    f"'role' and 'content', got {message!r}"[:300])
+                if (
+                    not isinstance(message, dict)
+                    or not isinstance(message.get("role"), str)
+                    or not isinstance(message.get("content"), str)
+                ):
+                    raise DataError(
+                        f"{path}:{number}: field 'messages[{i}]' must be an object with string "
+                        f"'role' and 'content', got {message!r}"[:300]
+                    )
             if messages[-1]["role"] != "assistant":
                 raise DataError(f"{path}:{number}: 'messages' must end with an assistant turn")
             prompt_messages, reply = messages[:-1], messages[-1]["content"]
         elif isinstance(example, dict) and "prompt" in example and "response" in example:
             for key in ("prompt", "response"):
                 if not isinstance(example[key], str):
-                    raise DataError(f"{path}:{number}: field {key!r} must be a string, got "
-                                    f"{type(example[key]).__name__} {example[key]!r}"[:300])
+                    raise DataError(
+                        f"{path}:{number}: field {key!r} must be a string, got "
+                        f"{type(example[key]).__name__} {example[key]!r}"[:300]
+                    )
             prompt_messages, reply = [{"role": "user", "content": example["prompt"]}], example["response"]
         else:
             raise DataError(f"{path}:{number}: expected keys 'prompt' and 'response', or 'messages'")
@@ -199,6 +223,7 @@ def load_prompt_response(path: str | os.PathLike, tokenizer, length: int | None 
 # --------------------------------------------------------------------------------------------------
 # Shards on disk
 
+
 class TokenShards:
     """One split of a shard directory, memory-mapped."""
 
@@ -207,13 +232,16 @@ class TokenShards:
         self.meta = read_meta(self.directory)
         entries = self.meta["splits"].get(split)
         if not entries:
-            raise DataError(f"{self.directory}: no rows in split {split!r} "
-                            f"(splits: {', '.join(k for k, v in self.meta['splits'].items() if v) or 'none'})")
+            raise DataError(
+                f"{self.directory}: no rows in split {split!r} "
+                f"(splits: {', '.join(k for k, v in self.meta['splits'].items() if v) or 'none'})"
+            )
         self.split = split
         self.arrays = []
         for entry in entries:
-            file = self.directory / confined_name(entry["file"], self.directory / META_FILE, DataError,
-                                                  "data directory")
+            file = self.directory / confined_name(
+                entry["file"], self.directory / META_FILE, DataError, "data directory"
+            )
             if not file.is_file():
                 raise DataError(f"{file}: shard listed in {META_FILE} is missing")
             try:
@@ -241,9 +269,11 @@ class TokenShards:
             where = shard == s
             out[where] = self.arrays[s][indices[where] - self.offsets[s]]
             if out[where].max(initial=0) > top:  # meta.json is what the model's vocabulary was checked against
-                raise DataError(f"{self.directory / self.meta['splits'][self.split][s]['file']} holds token id "
-                                f"{int(out[where].max())}, above max_token_id {top} in {META_FILE}: "
-                                f"{META_FILE} does not describe its shards")
+                raise DataError(
+                    f"{self.directory / self.meta['splits'][self.split][s]['file']} holds token id "
+                    f"{int(out[where].max())}, above max_token_id {top} in {META_FILE}: "
+                    f"{META_FILE} does not describe its shards"
+                )
         return torch.from_numpy(out), None
 
     def max_token_id(self) -> int:
@@ -271,6 +301,7 @@ def read_meta(directory: Path) -> dict:
 
 def check_meta(meta: dict, meta_file: Path) -> None:
     """The fields readers rely on, each present and of its kind, named when not."""
+
     def integer(key: str, minimum: int) -> int:
         return check_int(f"{meta_file}: {key!r}", meta.get(key), minimum, error=DataError)
 
@@ -285,20 +316,27 @@ def check_meta(meta: dict, meta_file: Path) -> None:
         if not isinstance(entries, list):
             raise DataError(f"{meta_file}: splits[{split!r}] must be a list of shard entries, got {entries!r}")
         for i, entry in enumerate(entries):
-            if not isinstance(entry, dict) or isinstance(entry.get("rows"), bool) \
-                    or not isinstance(entry.get("rows"), int) or entry["rows"] < 0:
-                raise DataError(f"{meta_file}: splits[{split!r}][{i}] must be an object with 'file' and "
-                                f"an integer 'rows' >= 0, got {entry!r}"[:300])
+            if (
+                not isinstance(entry, dict)
+                or isinstance(entry.get("rows"), bool)
+                or not isinstance(entry.get("rows"), int)
+                or entry["rows"] < 0
+            ):
+                raise DataError(
+                    f"{meta_file}: splits[{split!r}][{i}] must be an object with 'file' and "
+                    f"an integer 'rows' >= 0, got {entry!r}"[:300]
+                )
             confined_name(entry.get("file"), meta_file, DataError, "data directory")
 
 
 # --------------------------------------------------------------------------------------------------
 # Batching
 
+
 @dataclass(frozen=True)
 class Batch:
-    input_ids: Tensor   # [b, L]
-    labels: Tensor      # [b, L], IGNORE_INDEX where there is no target
+    input_ids: Tensor  # [b, L]
+    labels: Tensor  # [b, L], IGNORE_INDEX where there is no target
     num_targets: int
 
 
@@ -320,8 +358,15 @@ class Batches:
     batch sees exactly the union of what the workers see.
     """
 
-    def __init__(self, source: RowSource, micro_batch_size: int, accumulation: int = 1, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        source: RowSource,
+        micro_batch_size: int,
+        accumulation: int = 1,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
         if len(source) == 0:
             raise DataError("the data source has no rows")
         self.source, self.micro_batch_size, self.accumulation = source, micro_batch_size, accumulation
@@ -335,8 +380,7 @@ class Batches:
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
             n = len(self.source)
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                          else np.arange(n))
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
             self._epoch = epoch
         return self._perm
 

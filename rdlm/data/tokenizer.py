@@ -13,8 +13,9 @@ import os
 import re
 import secrets
 import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import cast
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -23,7 +24,7 @@ from rdlm.checks import check_int
 from rdlm.fileio import write_text
 
 TOKENIZER_FILE = "tokenizer.json"
-_PLAIN_LOCK = threading.Lock()   # Tokenizer._backend: makes the plain-text copy once
+_PLAIN_LOCK = threading.Lock()  # Tokenizer._backend: makes the plain-text copy once
 
 BOS = "<|begin_text|>"
 EOS = "<|end_text|>"
@@ -49,7 +50,7 @@ CHAT_TEMPLATE = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_chat_template():
     # Sandboxed and with the block settings transformers renders chat templates with.
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -64,8 +65,7 @@ def format_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bo
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
         turns.append({"role": str(message["role"]), "content": str(message["content"])})
-    return _compiled_chat_template().render(messages=turns, bos_token=BOS,
-                                            add_generation_prompt=add_generation_prompt)
+    return _compiled_chat_template().render(messages=turns, bos_token=BOS, add_generation_prompt=add_generation_prompt)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -102,17 +102,18 @@ class Tokenizer:
         if missing:
             raise TokenizerError(f"{source}: tokenizer lacks the special token(s) {', '.join(missing)}")
         self.bos_id = self._id(BOS)
-        self.eos_id = self._id(EOS)
+        self.eos_id = cast(int, self._id(EOS))  # EOS and PAD are there (checked above)
         self.begin_header_id = self._id(BEGIN_HEADER)
         self.end_header_id = self._id(END_HEADER)
         self.end_turn_id = self._id(END_TURN)
-        self.pad_id = self._id(PAD)
+        self.pad_id = cast(int, self._id(PAD))
         chat = (self.begin_header_id, self.end_header_id, self.end_turn_id)
         if self.end_turn_id is not None and self.bos_id is None:
             raise TokenizerError(f"{source}: tokenizer has the chat tokens but no {BOS}, which starts a chat")
         if any(i is None for i in chat) and any(i is not None for i in chat):
-            raise TokenizerError(f"{source}: tokenizer has some chat tokens but not all of "
-                                 f"{', '.join((BEGIN_HEADER, END_HEADER, END_TURN))}")
+            raise TokenizerError(
+                f"{source}: tokenizer has some chat tokens but not all of {BEGIN_HEADER}, {END_HEADER}, {END_TURN}"
+            )
         # One past the largest id: the embedding rows a model needs (ids may have gaps, as Huginn's do).
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         self._plain: HFTokenizer | None = None
@@ -130,7 +131,7 @@ class Tokenizer:
     # Files
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise TokenizerError(f"tokenizer file {path} does not exist")
@@ -147,16 +148,16 @@ class Tokenizer:
         checks it first, so that no output looks complete with a tokenizer nothing can read."""
         try:
             HFTokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+        except Exception as err:  # noqa: BLE001 (tokenizers raises a bare Exception on malformed JSON)
             raise error(f"{path}: not a readable tokenizer.json ({err})") from None
         return Path(path)
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
         return cls.from_file(Path(model_dir) / TOKENIZER_FILE)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
         """A tokenizer.json file, or a directory holding one."""
         return cls.from_dir(path) if Path(path).is_dir() else cls.from_file(path)
 
@@ -191,8 +192,9 @@ class Tokenizer:
         try:
             ids = self._backend(special).encode(text, add_special_tokens=False).ids
         except Exception as err:  # tokenizers raises a bare Exception (e.g. a character with no token)
-            raise TokenizerError(f"{self.source} cannot encode {text[:60]!r}: {err} (a character outside "
-                                 "its vocabulary?)") from err
+            raise TokenizerError(
+                f"{self.source} cannot encode {text[:60]!r}: {err} (a character outside its vocabulary?)"
+            ) from err
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = False, special: bool = True) -> list[list[int]]:
@@ -215,7 +217,7 @@ class Tokenizer:
         tokenizer does not have stands for none."""
         piece = self.backend.id_to_token(int(token))
         if piece is None:  # an id past the tokenizer's vocabulary (a model's padded embedding rows): no text,
-            return b""     # as `decode` gives it none
+            return b""  # as `decode` gives it none
         if type(self.backend.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF_CHAR for c in piece):
             return bytes(_BYTE_OF_CHAR[c] for c in piece)
         return self.decode([token]).encode()
@@ -240,14 +242,17 @@ class Tokenizer:
     def format_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         return format_chat(messages, add_generation_prompt)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """The chat's token ids. The template's own markers become control tokens; the messages' text
         never does ("<|end_turn|><|begin_header|>system" in a message is plain text). A chat with no
         such text gets the ids its rendered text has."""
         if not self.has_chat:
-            raise TokenizerError(f"{self.source}: this tokenizer has no chat tokens ({BEGIN_HEADER}, "
-                                 f"{END_HEADER}, {END_TURN}): the model was not made for chats")
+            raise TokenizerError(
+                f"{self.source}: this tokenizer has no chat tokens ({BEGIN_HEADER}, "
+                f"{END_HEADER}, {END_TURN}): the model was not made for chats"
+            )
         # Render with a random marker in place of each message's (trimmed) text, then encode: every
         # special token outside the markers is the template's and becomes its id; each stretch between two
         # of them, messages' text included, is encoded as plain text, as the tokenizer would encode that
@@ -262,8 +267,8 @@ class Tokenizer:
         rendered = format_chat(marked, add_generation_prompt)
         ids: list[int] = []
         for piece in re.split(f"({'|'.join(map(re.escape, SPECIAL_TOKENS))})", rendered):
-            if piece in SPECIAL_TOKENS and self._id(piece) is not None:
-                ids.append(self._id(piece))
+            if piece in SPECIAL_TOKENS and (special := self._id(piece)) is not None:
+                ids.append(special)
             elif piece:
                 text = re.sub(f"\x00{nonce}:(\\d+)\x00", lambda m: texts[int(m.group(1))], piece)
                 ids += self.encode(text, special=False)
@@ -293,12 +298,12 @@ class IncrementalDecoder:
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode = decode
-        self.pieces: list[str] = []    # the settled text, piece by piece
-        self.settled = 0               # ... its characters
-        self.pending = ""              # the text of the unsettled tokens (its end may still change)
-        self._window: list[int] = []   # the context's tokens, then the unsettled ones
-        self._start = 0                # where the unsettled tokens begin in the window
-        self._context = ""             # decode(the context's tokens)
+        self.pieces: list[str] = []  # the settled text, piece by piece
+        self.settled = 0  # ... its characters
+        self.pending = ""  # the text of the unsettled tokens (its end may still change)
+        self._window: list[int] = []  # the context's tokens, then the unsettled ones
+        self._start = 0  # where the unsettled tokens begin in the window
+        self._context = ""  # decode(the context's tokens)
 
     def push(self, token: int) -> str:
         """Take the stream's next token; returns the text it settles ("" while the text may still change)."""
@@ -306,14 +311,14 @@ class IncrementalDecoder:
         text = self.decode(self._window)
         if not text.startswith(self._context):
             return ""
-        self.pending = text[len(self._context):]
+        self.pending = text[len(self._context) :]
         if not self.pending or self.pending.endswith("\ufffd"):
             return ""
         piece, self.pending = self.pending, ""
         self.pieces.append(piece)
         self.settled += len(piece)
         # The tokens just settled are the next context.
-        self._window = self._window[self._start:]
+        self._window = self._window[self._start :]
         self._start = len(self._window)
         self._context = self.decode(self._window)
         return piece
@@ -332,14 +337,14 @@ class IncrementalDecoder:
         """`text[start:]`, read from the end: it costs the characters after `start`, not the whole text."""
         start = max(start, 0)
         if start >= self.settled:
-            return self.pending[start - self.settled:]
+            return self.pending[start - self.settled :]
         parts, at = [self.pending], self.settled
         for piece in reversed(self.pieces):
             parts.append(piece)
             at -= len(piece)
             if at <= start:
                 break
-        return "".join(reversed(parts))[start - at:]
+        return "".join(reversed(parts))[start - at :]
 
 
 class StreamDecoder:
@@ -357,7 +362,7 @@ class StreamDecoder:
         self.decoder = IncrementalDecoder(decode)
         self.strip_leading = strip_leading
         self._lead: int | None = 0 if not strip_leading else None  # the leading white space's characters
-        self._shown = 0            # where the printed text ends in the decoder's text
+        self._shown = 0  # where the printed text ends in the decoder's text
         self._pieces: list[str] = []
 
     @property
@@ -377,7 +382,7 @@ class StreamDecoder:
         start = max(self._start(), self._shown)
         if end <= start:
             return ""
-        new = self.decoder.since(start)[:end - start]
+        new = self.decoder.since(start)[: end - start]
         self._shown = end
         self._pieces.append(new)
         return new
@@ -395,28 +400,38 @@ class StreamDecoder:
         return self._emit(self.decoder.length)
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
-                    show_progress: bool = False) -> Tokenizer:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, min_frequency: int = 2, show_progress: bool = False
+) -> Tokenizer:
     """Train a byte-level BPE tokenizer whose last ids are SPECIAL_TOKENS (as in Huginn-0125).
 
     vocab_size counts the special tokens. A small corpus may yield fewer merges; the result's
     `vocab_size` says what was reached.
     """
     if vocab_size > MAX_VOCAB_SIZE:  # the tokenizers library aborts the process on sizes it cannot hold
-        raise ValueError(f"--vocab-size {vocab_size} is above the most this library trains, {MAX_VOCAB_SIZE} "
-                         "(the largest language-model vocabularies have about 2**18 tokens)")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is above the most this library trains, {MAX_VOCAB_SIZE} "
+            "(the largest language-model vocabularies have about 2**18 tokens)"
+        )
     check_int("min_frequency", min_frequency, 0)  # (the library overflows on others)
     base = vocab_size - len(SPECIAL_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if base < len(alphabet):
-        raise ValueError(f"vocab_size must be at least {len(alphabet) + len(SPECIAL_TOKENS)} "
-                         f"(256 byte tokens + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be at least {len(alphabet) + len(SPECIAL_TOKENS)} "
+            f"(256 byte tokens + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+        )
     backend = HFTokenizer(models.BPE())
     # No prefix space: byte-level BPE is then lossless, decode(encode(text)) == text.
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=base, min_frequency=min_frequency, initial_alphabet=alphabet,
-                                  show_progress=show_progress, special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=base,
+        min_frequency=min_frequency,
+        initial_alphabet=alphabet,
+        show_progress=show_progress,
+        special_tokens=[],
+    )
     backend.train_from_iterator(texts, trainer=trainer)
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return Tokenizer(backend, "<trained>")

@@ -22,7 +22,7 @@ MARGIN_EPS = 1e-9  # floating-point slack when a claim's margin is exactly zero
 
 @dataclass(frozen=True)
 class DemoConfig:
-    task: str = "permutations"            # a family of rdlm.demo.tasks, or "code"
+    task: str = "permutations"  # a family of rdlm.demo.tasks, or "code"
     seed: int = 0
     out_dir: str = "demo-report"
     overwrite: bool = False  # replace a report already in out_dir (refused otherwise; docs/files.md)
@@ -65,8 +65,8 @@ class DemoConfig:
     eval_num_steps: tuple[int, ...] = EVAL_NUM_STEPS
     exit_criterion: str = "kl"
     exit_thresholds: tuple[float, ...] = EXIT_THRESHOLDS  # the loosest within exit_tolerance is chosen
-    exit_tolerance: float = 0.01          # validation accuracy an exit threshold may lose vs fixed r
-    exit_max_steps: int = 32              # adaptive exits are compared with this fixed r
+    exit_tolerance: float = 0.01  # validation accuracy an exit threshold may lose vs fixed r
+    exit_max_steps: int = 32  # adaptive exits are compared with this fixed r
     eval_batch_size: int = 100
     train_twin: bool = True
     train_depth_matched: bool = True
@@ -86,9 +86,21 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.task != "code":
             T.get_task(self.task)  # raises, naming the task
-        for name in ("steps", "batch_size", "hidden_size", "num_heads", "mean_recurrence", "backprop_depth",
-                     "eval_examples", "exit_max_steps", "eval_batch_size", "threads", "code_vocab_size",
-                     "code_chars", "code_seq_len"):
+        for name in (
+            "steps",
+            "batch_size",
+            "hidden_size",
+            "num_heads",
+            "mean_recurrence",
+            "backprop_depth",
+            "eval_examples",
+            "exit_max_steps",
+            "eval_batch_size",
+            "threads",
+            "code_vocab_size",
+            "code_chars",
+            "code_seq_len",
+        ):
             if not is_int(getattr(self, name), 1):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not is_int(self.workers, 0):
@@ -112,8 +124,10 @@ class DemoConfig:
         if self.task != "code":
             n = len(T.get_task(self.task).train_difficulties)
             if not is_int(self.curriculum_start, 1, n + 1):
-                raise ValueError(f"curriculum_start must be 1 to {n} (the {self.task} task's training "
-                                 f"difficulties), got {self.curriculum_start!r}")
+                raise ValueError(
+                    f"curriculum_start must be 1 to {n} (the {self.task} task's training "
+                    f"difficulties), got {self.curriculum_start!r}"
+                )
         check_int("warmup_steps", self.warmup_steps, 0)
         if not 0 <= self.cooldown_fraction <= 1:
             raise ValueError(f"cooldown_fraction must be in [0, 1], got {self.cooldown_fraction!r}")
@@ -144,8 +158,11 @@ class DemoConfig:
         return self.workers or len(self.models())
 
     def models(self) -> tuple[str, ...]:
-        return ("recurrent",) + (("twin",) if self.train_twin else ()) + (
-            ("depth_matched",) if self.train_depth_matched else ())
+        return (
+            ("recurrent",)
+            + (("twin",) if self.train_twin else ())
+            + (("depth_matched",) if self.train_depth_matched else ())
+        )
 
 
 def model_config(cfg: DemoConfig, vocab_size: int, context_length: int, kind: str = "recurrent") -> RDLMConfig:
@@ -155,16 +172,29 @@ def model_config(cfg: DemoConfig, vocab_size: int, context_length: int, kind: st
     if kind not in MODELS:
         raise ValueError(f"unknown model kind {kind!r}; available: {', '.join(MODELS)}")
     lp, lr, lc = cfg.layers
+    recurrence: dict[str, Any]
     if kind == "recurrent":
-        recurrence = dict(mean_recurrence=cfg.mean_recurrence, backprop_depth=cfg.backprop_depth,
-                          recurrence_sampler="lognormal-poisson", recurrence_sigma=cfg.recurrence_sigma)
+        recurrence = dict(
+            mean_recurrence=cfg.mean_recurrence,
+            backprop_depth=cfg.backprop_depth,
+            recurrence_sampler="lognormal-poisson",
+            recurrence_sigma=cfg.recurrence_sigma,
+        )
     else:
         recurrence = dict(mean_recurrence=1, backprop_depth=1, recurrence_sampler="fixed")
         lr = lr * cfg.train_mean_r if kind == "depth_matched" else lr
-    return RDLMConfig(prelude_layers=lp, core_layers=lr, coda_layers=lc, hidden_size=cfg.hidden_size,
-                      num_heads=cfg.num_heads, intermediate_size=2 * cfg.hidden_size, vocab_size=vocab_size,
-                      context_length=context_length, name={"recurrent": "demo"}.get(kind, f"demo-{kind}"),
-                      **recurrence)
+    return RDLMConfig(
+        prelude_layers=lp,
+        core_layers=lr,
+        coda_layers=lc,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        intermediate_size=2 * cfg.hidden_size,
+        vocab_size=vocab_size,
+        context_length=context_length,
+        name={"recurrent": "demo"}.get(kind, f"demo-{kind}"),
+        **recurrence,
+    )
 
 
 def settings_dict(settings: Any) -> dict[str, Any]:

@@ -14,18 +14,26 @@ from rdlm.fileio import write_text
 
 def _header(res: dict[str, Any], title: str) -> list[str]:
     m, load = res["machine"], res["load_average"]
-    return [f"# rdlm demo: {title}", "",
+    return [
+        f"# rdlm demo: {title}",
+        "",
+        (
             f"Seed {res['config']['seed']}, {res['seconds']:.0f} s wall ({res['cpu_seconds']:.0f} s CPU) on "
             f"{m['cpu']} ({m['cores']} cores, {m['workers']} processes of {m['threads_per_model']} thread), "
             f"load average {load['start']} at the start, {load['end']} at the end. "
-            f"Training recipe: {_recipe(res['config'])}.", _timings(res), ""]
+            f"Training recipe: {_recipe(res['config'])}."
+        ),
+        _timings(res),
+        "",
+    ]
 
 
 def _timings(res: dict[str, Any]) -> str:
     t = res.get("timings", {})
     parts = [f"pretraining {t['pretraining']:.0f} s"] if "pretraining" in t else []
-    parts += [f"{kind}: training {v['train']:.0f} s, scoring {v['score']:.0f} s"
-              for kind, v in t.get("per_model", {}).items()]
+    parts += [
+        f"{kind}: training {v['train']:.0f} s, scoring {v['score']:.0f} s" for kind, v in t.get("per_model", {}).items()
+    ]
     return f"Where the time went: {'; '.join(parts)} (side by side)." if parts else ""
 
 
@@ -40,8 +48,9 @@ def _accuracy_rows(table: dict[str, Any], splits: tuple[str, ...], label: str) -
     rs = sorted(table[splits[0]]["overall"], key=int)
     lines = [f"| {label} | " + " | ".join(f"r={r}" for r in rs) + " |", "|---|" + "---|" * len(rs)]
     for split in splits:
-        lines.append(f"| {split.replace('_', ' ')} | " + " | ".join(_pct(table[split]["overall"][r]) for r in rs)
-                     + " |")
+        lines.append(
+            f"| {split.replace('_', ' ')} | " + " | ".join(_pct(table[split]["overall"][r]) for r in rs) + " |"
+        )
     return lines + [""]
 
 
@@ -57,20 +66,30 @@ def _smooth(values: list[float]) -> np.ndarray:
 def write_retrofit_report(out: Path, res: dict[str, Any]) -> list[str]:
     exp, flops, steps = res["retrofit"], res["flops"], res["steps"]
     lines = _header(res, "retrofitting recurrence into a pretrained Llama")
-    lines += [f"A {exp['source_layers']}-layer Llama ({res['parameters']['llama']:,} parameters) pretrained for "
-              f"{steps['pretraining']} steps ({flops['pretraining']:.3g} FLOPs), written as a transformers Llama "
-              f"directory (`llama/`), then from that directory: the retrofitted model (prelude "
-              f"{exp['prelude']}, core {exp['core']}, coda {exp['coda']}, adapter `{exp['adapter_init']}`; "
-              f"{steps['retrofitted']} steps, the mean r ramped {exp['r_curriculum']} from 1 over the first "
-              f"{100 * exp['r_curriculum_fraction']:.0f}%) and the control (the Llama trained on, "
-              f"{steps['control']} steps). Training FLOPs after pretraining: retrofitted {flops['retrofitted']:.4g}, "
-              f"control {flops['control']:.4g} (ratio {flops['control_over_retrofitted']:.4f}).", ""]
+    lines += [
+        (
+            f"A {exp['source_layers']}-layer Llama ({res['parameters']['llama']:,} parameters) pretrained for "
+            f"{steps['pretraining']} steps ({flops['pretraining']:.3g} FLOPs), written as a transformers Llama "
+            f"directory (`llama/`), then from that directory: the retrofitted model (prelude "
+            f"{exp['prelude']}, core {exp['core']}, coda {exp['coda']}, adapter `{exp['adapter_init']}`; "
+            f"{steps['retrofitted']} steps, the mean r ramped {exp['r_curriculum']} from 1 over the first "
+            f"{100 * exp['r_curriculum_fraction']:.0f}%) and the control (the Llama trained on, "
+            f"{steps['control']} steps). Training FLOPs after pretraining: retrofitted {flops['retrofitted']:.4g}, "
+            f"control {flops['control']:.4g} (ratio {flops['control_over_retrofitted']:.4f})."
+        ),
+        "",
+    ]
     lines += _checks(res)
     lines += ["## Accuracy (exact match of the decoded reply, %)", ""]
     lines += _accuracy_rows(res["retrofitted"], SPLITS, "retrofitted")
     lines += _accuracy_rows(res["control"], SPLITS, "control (Llama)")
-    lines += ["`harder validation` holds words as long as `harder`'s (other prompts); it chooses the r at which "
-              "the harder split is scored.", ""]
+    lines += [
+        (
+            "`harder validation` holds words as long as `harder`'s (other prompts); it chooses the r at which "
+            "the harder split is scored."
+        ),
+        "",
+    ]
     write_text(out / "report.md", "\n".join(lines))
     return [str(out / "report.md"), *plot_retrofit(out, res)]
 
@@ -81,10 +100,19 @@ def plot_retrofit(out: Path, res: dict[str, Any]) -> list[str]:
     retro, control = res["retrofitted"], res["control"]
     rs = sorted(retro["test"]["overall"], key=int)
     for i, split in enumerate(("test", "harder")):
-        left.plot([int(r) for r in rs], [100 * retro[split]["overall"][r] for r in rs], "o-", color=f"C{i}",
-                  label=f"retrofitted, {split}")
-        left.axhline(100 * control[split]["overall"][next(iter(control[split]["overall"]))], color=f"C{i}",
-                     ls="--", label=f"control (Llama), {split}")
+        left.plot(
+            [int(r) for r in rs],
+            [100 * retro[split]["overall"][r] for r in rs],
+            "o-",
+            color=f"C{i}",
+            label=f"retrofitted, {split}",
+        )
+        left.axhline(
+            100 * control[split]["overall"][next(iter(control[split]["overall"]))],
+            color=f"C{i}",
+            ls="--",
+            label=f"control (Llama), {split}",
+        )
     _r_axis(left, [int(r) for r in rs])
     left.set_ylabel("exact match (%)")
     left.set_ylim(-2, 102)
@@ -106,30 +134,49 @@ def plot_retrofit(out: Path, res: dict[str, Any]) -> list[str]:
 
 
 def write_gate_report(out: Path, res: dict[str, Any]) -> list[str]:
-    exp, gate, claims = res["gate_settings"], res["gate"], res["claims"]
+    exp, gate = res["gate_settings"], res["gate"]
     lines = _header(res, "the learned exit gate (Ouro) against the zero-shot KL exit (Huginn)")
-    lines += [f"A looped model of {exp['layers']} layer(s) ({res['parameters']['looped']:,} parameters) trained at "
-              f"{exp['loops']} loops on Ouro's objective (expected loss over the gate's exits minus "
-              f"{exp['exit_loss_beta']:g} x their entropy); decoded with `exit_criterion=\"gate\"`, threshold "
-              f"q = {gate['threshold']:g} chosen on validation (the loosest within "
-              f"{100 * res['config']['exit_tolerance']:g} point(s) of all loops).", ""]
+    lines += [
+        (
+            f"A looped model of {exp['layers']} layer(s) ({res['parameters']['looped']:,} parameters) trained at "
+            f"{exp['loops']} loops on Ouro's objective (expected loss over the gate's exits minus "
+            f'{exp["exit_loss_beta"]:g} x their entropy); decoded with `exit_criterion="gate"`, threshold '
+            f"q = {gate['threshold']:g} chosen on validation (the loosest within "
+            f"{100 * res['config']['exit_tolerance']:g} point(s) of all loops)."
+        ),
+        "",
+    ]
     lines += _checks(res)
     lines += ["## Where the depth goes (test and harder, iterations per decoded answer token)", ""]
     models = [("looped", "gate", gate)] + ([("recurrent", res["kl"]["criterion"], res["kl"])] if "kl" in res else [])
-    lines += ["| model | exit | threshold | test accuracy (exits / all) | test iterations | harder accuracy "
-              "(exits / all) | harder iterations | layer passes per test answer token |", "|---" * 8 + "|"]
+    lines += [
+        (
+            "| model | exit | threshold | test accuracy (exits / all) | test iterations | harder accuracy "
+            "(exits / all) | harder iterations | layer passes per test answer token |"
+        ),
+        "|---" * 8 + "|",
+    ]
     for kind, criterion, sweep in models:
         layers = res["layers"][kind]
         passes = layers["outside"] + layers["per_iteration"] * sweep["test"]["answer_steps"]
-        lines.append(f"| {kind} | {criterion} | {sweep['threshold']:g} | {_pct(sweep['test']['accuracy'])} / "
-                     f"{_pct(sweep['fixed_accuracy']['test'])} (all {sweep['max_steps']}) | "
-                     f"{sweep['test']['answer_steps']:.2f} | {_pct(sweep['harder']['accuracy'])} / "
-                     f"{_pct(sweep['fixed_accuracy']['harder'])} | {sweep['harder']['answer_steps']:.2f} | "
-                     f"{passes:.1f} |")
-    lines += ["", "Layer passes count what an exit costs: a loop of the looped model is its stack (the gate reads the "
-              "state); an iteration of the recurrent model is its core and, for the KL test, its coda (the "
-              "prediction after every iteration), plus its prelude once.", "",
-              "Iterations per answer token by word length (test, then harder):", ""]
+        lines.append(
+            f"| {kind} | {criterion} | {sweep['threshold']:g} | {_pct(sweep['test']['accuracy'])} / "
+            f"{_pct(sweep['fixed_accuracy']['test'])} (all {sweep['max_steps']}) | "
+            f"{sweep['test']['answer_steps']:.2f} | {_pct(sweep['harder']['accuracy'])} / "
+            f"{_pct(sweep['fixed_accuracy']['harder'])} | {sweep['harder']['answer_steps']:.2f} | "
+            f"{passes:.1f} |"
+        )
+    lines += [
+        "",
+        (
+            "Layer passes count what an exit costs: a loop of the looped model is its stack (the gate reads the "
+            "state); an iteration of the recurrent model is its core and, for the KL test, its coda (the "
+            "prediction after every iteration), plus its prelude once."
+        ),
+        "",
+        "Iterations per answer token by word length (test, then harder):",
+        "",
+    ]
     difficulties = sorted({int(d) for s in ("test", "harder") for d in gate[s]["answer_steps_by_difficulty"]})
     lines += ["| model | " + " | ".join(map(str, difficulties)) + " |", "|---|" + "---|" * len(difficulties)]
     for kind, _, sweep in models:
@@ -138,11 +185,19 @@ def write_gate_report(out: Path, res: dict[str, Any]) -> list[str]:
     fewest = gate.get("fewest_loops")
     if fewest:
         floor = {int(d): v for s in ("test", "harder") for d, v in fewest[s]["by_difficulty"].items()}
-        lines.append("| looped, fewest fixed loops within 2 points of all | "
-                     + " | ".join(str(floor[d]) for d in difficulties) + " |")
-        lines += ["", f"The last row is the best a fixed number of loops per word length could do (from the "
-                  f"fixed-loop accuracies below): {fewest['test']['mean']:.2f} loops per answer token on test, "
-                  f"against the gate's {gate['test']['answer_steps']:.2f}."]
+        lines.append(
+            "| looped, fewest fixed loops within 2 points of all | "
+            + " | ".join(str(floor[d]) for d in difficulties)
+            + " |"
+        )
+        lines += [
+            "",
+            (
+                f"The last row is the best a fixed number of loops per word length could do (from the "
+                f"fixed-loop accuracies below): {fewest['test']['mean']:.2f} loops per answer token on test, "
+                f"against the gate's {gate['test']['answer_steps']:.2f}."
+            ),
+        ]
     lines += ["", "## Accuracy at a fixed number of loops (%)", ""]
     lines += _accuracy_rows(res["looped"], ("validation", "test", "harder"), "looped")
     write_text(out / "report.md", "\n".join(lines))
@@ -155,19 +210,36 @@ def plot_gate(out: Path, res: dict[str, Any]) -> list[str]:
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     models = [("looped", "gate", res["gate"], "C3")] + (
-        [("recurrent", res["kl"]["criterion"], res["kl"], "C0")] if "kl" in res else [])
+        [("recurrent", res["kl"]["criterion"], res["kl"], "C0")] if "kl" in res else []
+    )
     for kind, criterion, sweep, color in models:
         layers = res["layers"][kind]
         cost = [layers["outside"] + layers["per_iteration"] * row["answer_steps"] for row in sweep["validation_sweep"]]
-        left.plot(cost, [100 * row["accuracy"] for row in sweep["validation_sweep"]], "o-", color=color,
-                  label=f"{kind}, {criterion} exit (thresholds)")
+        left.plot(
+            cost,
+            [100 * row["accuracy"] for row in sweep["validation_sweep"]],
+            "o-",
+            color=color,
+            label=f"{kind}, {criterion} exit (thresholds)",
+        )
         full = layers["outside"] + layers["per_iteration"] * sweep["max_steps"]
-        left.scatter([full], [100 * sweep["fixed_accuracy"]["validation"]], marker="*", s=120, color=color,
-                     label=f"{kind}, all {sweep['max_steps']} iterations")
+        left.scatter(
+            [full],
+            [100 * sweep["fixed_accuracy"]["validation"]],
+            marker="*",
+            s=120,
+            color=color,
+            label=f"{kind}, all {sweep['max_steps']} iterations",
+        )
         for split, style in (("test", "o-"), ("harder", "s--")):
             by = sweep[split]["answer_steps_by_difficulty"]
-            right.plot([int(d) for d in by], [layers["outside"] + layers["per_iteration"] * v for v in by.values()],
-                       style, color=color, label=f"{kind} ({criterion}), {split}")
+            right.plot(
+                [int(d) for d in by],
+                [layers["outside"] + layers["per_iteration"] * v for v in by.values()],
+                style,
+                color=color,
+                label=f"{kind} ({criterion}), {split}",
+            )
     left.set_xscale("log", base=2)
     left.set_xlabel("layer passes per answer token (validation)")
     left.set_ylabel("exact match (%)")

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rdlm.checks import is_int
 from rdlm.demo import tasks as T
@@ -44,15 +45,16 @@ GATE_THRESHOLDS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9
 @dataclass(frozen=True)
 class GateSettings:
     """The looped model and its gate; the task, width, recipe and evaluation are the DemoConfig's."""
+
     # The looped model paces its work to the loops it trains at: at 8 loops the longest training words
     # needed all 8 and no exit could save 40% (seed 0: even the fewest fixed loops per word length that keep
     # the accuracy average 5.5 of 8). With 12 loops and a larger entropy weight, which rewards a token for
     # being right at more of the loops (so, sooner), the same words need fewer of them (docs/demo.md).
-    loops: int = 12               # the fixed number of loops it trains at, and the most it runs
-    layers: int = 1               # layers in the looped stack
-    exit_loss_beta: float = 0.2   # Ouro's entropy weight beta
+    loops: int = 12  # the fixed number of loops it trains at, and the most it runs
+    layers: int = 1  # layers in the looped stack
+    exit_loss_beta: float = 0.2  # Ouro's entropy weight beta
     thresholds: tuple[float, ...] = GATE_THRESHOLDS
-    compare_kl: bool = True       # also train the main demo's recurrent model and sweep its KL exits
+    compare_kl: bool = True  # also train the main demo's recurrent model and sweep its KL exits
 
     def __post_init__(self) -> None:
         for name in ("loops", "layers"):
@@ -66,33 +68,59 @@ class GateSettings:
 
 def looped_config(cfg: DemoConfig, exp: GateSettings, vocab_size: int, context: int) -> RDLMConfig:
     """Ouro's wiring (the ouro-tiny preset) at the demo's width."""
-    return RDLMConfig.from_preset("ouro-tiny", vocab_size=vocab_size, hidden_size=cfg.hidden_size,
-                                  num_heads=cfg.num_heads, num_kv_heads=None, intermediate_size=2 * cfg.hidden_size,
-                                  context_length=context, core_layers=exp.layers, mean_recurrence=exp.loops,
-                                  backprop_depth=exp.loops).replace(name="demo-looped")
+    return RDLMConfig.from_preset(
+        "ouro-tiny",
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=None,
+        intermediate_size=2 * cfg.hidden_size,
+        context_length=context,
+        core_layers=exp.layers,
+        mean_recurrence=exp.loops,
+        backprop_depth=exp.loops,
+    ).replace(name="demo-looped")
 
 
-def exit_sweep(model, splits: dict[str, list[T.Example]], tokenizer: T.CharTokenizer, cfg: DemoConfig,
-               criterion: str, thresholds: Sequence[float], max_steps: int, table: dict[str, Any],
-               loose_first: bool = True) -> dict[str, Any]:
+def exit_sweep(
+    model,
+    splits: dict[str, list[T.Example]],
+    tokenizer: T.CharTokenizer,
+    cfg: DemoConfig,
+    criterion: str,
+    thresholds: Sequence[float],
+    max_steps: int,
+    table: dict[str, Any],
+    loose_first: bool = True,
+) -> dict[str, Any]:
     """Every threshold on validation; the loosest whose accuracy is within `cfg.exit_tolerance` of
     r = max_steps chosen (`choose_exit_threshold`; `loose_first` as there); test and harder decoded at it
     (accuracy, iterations per answer token overall and per difficulty)."""
     fixed = {name: table[name]["overall"][max_steps] for name in ("validation", "test", "harder")}
     sweep = []
     for threshold in thresholds:
-        d = decode_answers(model, splits["validation"], tokenizer, max_steps, cfg.eval_batch_size, cfg.seed,
-                           criterion, threshold)
+        d = decode_answers(
+            model, splits["validation"], tokenizer, max_steps, cfg.eval_batch_size, cfg.seed, criterion, threshold
+        )
         sweep.append({"threshold": threshold, "accuracy": d.accuracy, "answer_steps": d.mean_answer_steps})
     chosen = choose_exit_threshold(sweep, fixed["validation"], cfg.exit_tolerance, loose_first)
-    out: dict[str, Any] = {"criterion": criterion, "max_steps": max_steps, "validation_sweep": sweep,
-                           "threshold": chosen["threshold"], "fixed_accuracy": fixed}
+    out: dict[str, Any] = {
+        "criterion": criterion,
+        "max_steps": max_steps,
+        "validation_sweep": sweep,
+        "threshold": chosen["threshold"],
+        "fixed_accuracy": fixed,
+    }
     for name in ("test", "harder"):
         examples = splits[name]
-        d = decode_answers(model, examples, tokenizer, max_steps, cfg.eval_batch_size, cfg.seed, criterion,
-                           chosen["threshold"])
-        out[name] = {"accuracy": d.accuracy, "answer_steps": d.mean_answer_steps,
-                     "answer_steps_by_difficulty": answer_steps_by_difficulty(d, examples)}
+        d = decode_answers(
+            model, examples, tokenizer, max_steps, cfg.eval_batch_size, cfg.seed, criterion, chosen["threshold"]
+        )
+        out[name] = {
+            "accuracy": d.accuracy,
+            "answer_steps": d.mean_answer_steps,
+            "answer_steps_by_difficulty": answer_steps_by_difficulty(d, examples),
+        }
     return out
 
 
@@ -108,13 +136,22 @@ def fewest_loops(split: dict[str, Any], counts: dict[int, int], loops: int, tole
 
 
 def _gate_sweep(exp: GateSettings, model, splits, tokenizer, cfg, table) -> dict[str, Any]:
-    return exit_sweep(model, splits, tokenizer, cfg, "gate", sorted(exp.thresholds), exp.loops, table,
-                      loose_first=False)
+    return exit_sweep(
+        model, splits, tokenizer, cfg, "gate", sorted(exp.thresholds), exp.loops, table, loose_first=False
+    )
 
 
 def _kl_sweep(model, splits, tokenizer, cfg, table) -> dict[str, Any]:
-    return exit_sweep(model, splits, tokenizer, cfg, cfg.exit_criterion, sorted(cfg.exit_thresholds, reverse=True),
-                      cfg.exit_max_steps, table)
+    return exit_sweep(
+        model,
+        splits,
+        tokenizer,
+        cfg,
+        cfg.exit_criterion,
+        sorted(cfg.exit_thresholds, reverse=True),
+        cfg.exit_max_steps,
+        table,
+    )
 
 
 def claims_and_checks(gate: dict[str, Any], loops: int, shortest: int) -> tuple[dict[str, Any], list[dict]]:
@@ -122,18 +159,32 @@ def claims_and_checks(gate: dict[str, Any], loops: int, shortest: int) -> tuple[
     word length."""
     test, harder = gate["test"], gate["harder"]
     short = test["answer_steps_by_difficulty"][shortest]
-    claims = {"threshold": gate["threshold"], "loops": loops,
-              "test_accuracy_at_exits": test["accuracy"], "test_accuracy_all_loops": gate["fixed_accuracy"]["test"],
-              "test_loops_per_answer_token": test["answer_steps"],
-              "shortest_words_loops": short, "harder_loops": harder["answer_steps"],
-              "harder_accuracy_at_exits": harder["accuracy"],
-              "harder_accuracy_all_loops": gate["fixed_accuracy"]["harder"]}
+    claims = {
+        "threshold": gate["threshold"],
+        "loops": loops,
+        "test_accuracy_at_exits": test["accuracy"],
+        "test_accuracy_all_loops": gate["fixed_accuracy"]["test"],
+        "test_loops_per_answer_token": test["answer_steps"],
+        "shortest_words_loops": short,
+        "harder_loops": harder["answer_steps"],
+        "harder_accuracy_at_exits": harder["accuracy"],
+        "harder_accuracy_all_loops": gate["fixed_accuracy"]["harder"],
+    }
     b = BOUNDS
     checks = [
-        (f"loops per answer token: harder split / words of {shortest} moves", harder["answer_steps"] / short,
-         b["harder_over_shortest"], ">=", "ratio"),
-        (f"test accuracy lost at the gate's exits against all {loops} loops",
-         gate["fixed_accuracy"]["test"] - test["accuracy"], b["accuracy_drop"], "<="),
+        (
+            f"loops per answer token: harder split / words of {shortest} moves",
+            harder["answer_steps"] / short,
+            b["harder_over_shortest"],
+            ">=",
+            "ratio",
+        ),
+        (
+            f"test accuracy lost at the gate's exits against all {loops} loops",
+            gate["fixed_accuracy"]["test"] - test["accuracy"],
+            b["accuracy_drop"],
+            "<=",
+        ),
         (f"loops saved on test against all {loops}", 1 - test["answer_steps"] / loops, b["loops_saved"], ">="),
     ]
     return claims, check_rows(checks)
@@ -148,14 +199,24 @@ def run_gate_experiment(cfg: DemoConfig, exp: GateSettings | None = None) -> Exp
 def _run(cfg: DemoConfig, exp: GateSettings, out: Path) -> ExperimentResult:
     env = environment()
     family, tokenizer = T.get_task(cfg.task), T.CharTokenizer()
-    splits = T.make_splits(family, cfg.steps * cfg.batch_size, cfg.eval_examples, cfg.seed,
-                           cfg.curriculum_fraction, cfg.curriculum_start)
+    splits = T.make_splits(
+        family, cfg.steps * cfg.batch_size, cfg.eval_examples, cfg.seed, cfg.curriculum_fraction, cfg.curriculum_start
+    )
     rows = task_rows(splits.pop("train"), tokenizer)
     context = task_context(splits, rows)
     looped = looped_config(cfg, exp, tokenizer.vocab_size, context)
-    jobs = [Job("looped", looped, tuple(range(1, exp.loops + 1)), 3.0 * exp.loops * exp.layers,
-                train={"exit_loss_beta": exp.exit_loss_beta}, exits=False, strict=False,
-                after=functools.partial(_gate_sweep, exp))]
+    jobs = [
+        Job(
+            "looped",
+            looped,
+            tuple(range(1, exp.loops + 1)),
+            3.0 * exp.loops * exp.layers,
+            train={"exit_loss_beta": exp.exit_loss_beta},
+            exits=False,
+            strict=False,
+            after=functools.partial(_gate_sweep, exp),
+        )
+    ]
     if exp.compare_kl:
         recurrent = model_config(cfg, tokenizer.vocab_size, context, "recurrent")
         rs = tuple(sorted(set(cfg.eval_num_steps) | {cfg.train_mean_r, cfg.exit_max_steps}))
@@ -166,21 +227,33 @@ def _run(cfg: DemoConfig, exp: GateSettings, out: Path) -> ExperimentResult:
     gate = done["looped"].extra
     shortest = min(family.train_difficulties)
     claims, checks = claims_and_checks(gate, exp.loops, shortest)
-    gate["fewest_loops"] = {name: fewest_loops(done["looped"].table[name],
-                                               T.describe_split(splits[name])["per_difficulty"], exp.loops,
-                                               BOUNDS["accuracy_drop"]) for name in ("test", "harder")}
+    gate["fewest_loops"] = {
+        name: fewest_loops(
+            done["looped"].table[name],
+            T.describe_split(splits[name])["per_difficulty"],
+            exp.loops,
+            BOUNDS["accuracy_drop"],
+        )
+        for name in ("test", "harder")
+    }
     results = {
         "experiment": "gate",
         "config": settings_dict(cfg),
         "gate_settings": settings_dict(exp),
-        "task": {"name": family.name, "train_difficulties": list(family.train_difficulties),
-                 "harder_difficulties": list(family.harder_difficulties)},
+        "task": {
+            "name": family.name,
+            "train_difficulties": list(family.train_difficulties),
+            "harder_difficulties": list(family.harder_difficulties),
+        },
         "splits": {k: T.describe_split(v) for k, v in splits.items()},
         "parameters": {k: m.num_parameters() for k, m in models.items()},
         # Layer passes per iteration, and per token outside the loop: the cost of an iteration in each model,
         # with what its exit test reads (the gate: a linear map of the state; no layer).
         "layers": {"looped": {"per_iteration": exp.layers, "outside": 0}},
-        "looped": done["looped"].table, "gate": gate, "claims": claims, "checks": checks,
+        "looped": done["looped"].table,
+        "gate": gate,
+        "claims": claims,
+        "checks": checks,
         "training": {k: r.history for k, r in done.items()},
     }
     if exp.compare_kl:
@@ -190,8 +263,10 @@ def _run(cfg: DemoConfig, exp: GateSettings, out: Path) -> ExperimentResult:
         lp, lr, lc = cfg.layers
         results["layers"]["recurrent"] = {"per_iteration": lr + lc, "outside": lp}
     results.update(env.finish(workers=min(cfg.processes, len(jobs)), threads=cfg.threads))
-    results["timings"] = {"data": round(drawn - env.start, 1),
-                          "per_model": {kind: r.seconds for kind, r in done.items()}}
+    results["timings"] = {
+        "data": round(drawn - env.start, 1),
+        "per_model": {kind: r.seconds for kind, r in done.items()},
+    }
     from rdlm.demo.experiment_report import write_gate_report
 
     files = write_gate_report(out, results)

@@ -19,9 +19,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import torch
 
@@ -40,10 +41,10 @@ SCORING_SHARE = 0.23
 
 @dataclass
 class Job:
-    kind: str               # "recurrent", "twin", "depth_matched", or an experiment's model (rdlm.demo.experiments)
+    kind: str  # "recurrent", "twin", "depth_matched", or an experiment's model (rdlm.demo.experiments)
     config: RDLMConfig
-    rs: tuple[int, ...]     # the r values it is scored at
-    cost: float             # relative work, for the estimate of the time left (see `job_cost`)
+    rs: tuple[int, ...]  # the r values it is scored at
+    cost: float  # relative work, for the estimate of the time left (see `job_cost`)
     # An experiment's job may start from given weights, train on its own rows for its own number of steps
     # with further training settings (rdlm.train.TrainConfig fields), and skip the adaptive exits or the
     # strict score. The defaults are the main demo's: a fresh model on the shared rows.
@@ -51,7 +52,7 @@ class Job:
     rows: Any = None
     steps: int | None = None
     train: dict[str, Any] = field(default_factory=dict)
-    exits: bool | None = None   # None: the recurrent model's
+    exits: bool | None = None  # None: the recurrent model's
     strict: bool = True
     # More scoring after the accuracy table, in the job's process: a module-level function (it is pickled
     # by name) called as after(model, splits, tokenizer, cfg, table), whose result is JobResult.extra.
@@ -88,9 +89,17 @@ def job_cost(cfg: DemoConfig, config: RDLMConfig) -> float:
 
 # --------------------------------------------------------------------------------------------------
 
-def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
-                on_step: Callable[[int], None] | None = None, progress: bool | None = None,
-                start: dict[str, torch.Tensor] | None = None, **settings: Any) -> tuple[RecurrentDepthLM, dict]:
+
+def train_model(
+    cfg: DemoConfig,
+    config: RDLMConfig,
+    rows,
+    label: str,
+    on_step: Callable[[int], None] | None = None,
+    progress: bool | None = None,
+    start: dict[str, torch.Tensor] | None = None,
+    **settings: Any,
+) -> tuple[RecurrentDepthLM, dict]:
     """Train through rdlm.train (log-normal Poisson r, truncated backprop, Muon and AdamW or AdamW alone,
     clipping), on the rows in their order when they follow a curriculum: a fresh model, or one with the
     weights `start`. `settings` are further TrainConfig fields (e.g. a curriculum on r).
@@ -106,29 +115,59 @@ def train_model(cfg: DemoConfig, config: RDLMConfig, rows, label: str,
 
     def keep(record: dict) -> None:
         if record.get("kind") == "train":
-            records.append({"step": record["step"], "loss": record["loss"], "num_steps": record["num_steps"],
-                            "lr": record["lr"], "flops": record["flops"]})
+            records.append(
+                {
+                    "step": record["step"],
+                    "loss": record["loss"],
+                    "num_steps": record["num_steps"],
+                    "lr": record["lr"],
+                    "flops": record["flops"],
+                }
+            )
             if on_step is not None and record["step"] % REPORT_EVERY == 0:
                 on_step(record["step"])
 
     if progress:
-        print(f"rdlm demo: training the {label} ({model.num_parameters() / 1e6:.2f}M parameters, "
-              f"{cfg.steps} steps of {cfg.batch_size})", flush=True)
+        print(
+            f"rdlm demo: training the {label} ({model.num_parameters() / 1e6:.2f}M parameters, "
+            f"{cfg.steps} steps of {cfg.batch_size})",
+            flush=True,
+        )
     warmup, cooldown = min(cfg.warmup_steps, cfg.steps - 1), round(cfg.cooldown_fraction * cfg.steps)
-    tc = TrainConfig(model=config.name, seed=cfg.seed, steps=cfg.steps, micro_batch_size=cfg.batch_size,
-                     shuffle=not cfg.ordered, lr=cfg.lr, optimizer=cfg.optimizer,
-                     muon_lr=cfg.muon_lr, warmup_steps=warmup, cooldown_steps=min(cooldown, cfg.steps - warmup),
-                     weight_decay=0.01, ema_decay=None, precision="fp32", device="cpu", threads=cfg.threads,
-                     progress=progress, tensorboard=False, out_dir=None, **settings)
+    tc = TrainConfig(
+        model=config.name,
+        seed=cfg.seed,
+        steps=cfg.steps,
+        micro_batch_size=cfg.batch_size,
+        shuffle=not cfg.ordered,
+        lr=cfg.lr,
+        optimizer=cfg.optimizer,
+        muon_lr=cfg.muon_lr,
+        warmup_steps=warmup,
+        cooldown_steps=min(cooldown, cfg.steps - warmup),
+        weight_decay=0.01,
+        ema_decay=None,
+        precision="fp32",
+        device="cpu",
+        threads=cfg.threads,
+        progress=progress,
+        tensorboard=False,
+        out_dir=None,
+        **settings,
+    )
     result = train(tc, model=model, train_data=rows, step_hooks=[keep])
     if result.stopped_by is not None:
         # The trainer took SIGTERM/SIGINT as "save this step, then stop"; the demo saves no checkpoint, and a
         # model stopped early must not be scored and reported as if trained: the demo stops here.
         stop(result.stopped_by)
-    return result.model.eval(), {"losses": [r["loss"] for r in records], "lr": [r["lr"] for r in records],
-                                 "num_steps": [r["num_steps"] for r in records], "seconds": result.seconds,
-                                 "flops": sum(r["flops"] for r in records),
-                                 "flops_per_step": [r["flops"] for r in records]}
+    return result.model.eval(), {
+        "losses": [r["loss"] for r in records],
+        "lr": [r["lr"] for r in records],
+        "num_steps": [r["num_steps"] for r in records],
+        "seconds": result.seconds,
+        "flops": sum(r["flops"] for r in records),
+        "flops_per_step": [r["flops"] for r in records],
+    }
 
 
 def stop(number: int) -> NoReturn:
@@ -137,8 +176,11 @@ def stop(number: int) -> NoReturn:
     if number == signal.SIGINT:
         raise KeyboardInterrupt
     if multiprocessing.parent_process() is None:  # the demo itself, not one of its workers
-        print(f"rdlm demo: stopped by {signal.Signals(number).name}; the workers are stopped and no report is "
-              "written", file=sys.stderr, flush=True)
+        print(
+            f"rdlm demo: stopped by {signal.Signals(number).name}; the workers are stopped and no report is written",
+            file=sys.stderr,
+            flush=True,
+        )
     raise SystemExit(128 + number)
 
 
@@ -183,20 +225,35 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _run_in_worker(cfg: DemoConfig, job: Job) -> JobResult:
+    assert _data is not None  # set by the worker's initializer (_worker_init) before any job
     rows, splits = _data
     return run_job(cfg, job, rows, splits, progress=False)
 
 
-def run_job(cfg: DemoConfig, job: Job, rows, splits: dict[str, list[T.Example]], progress: bool | None = None,
-            on_step: Callable[[str, int], None] | None = None) -> JobResult:
+def run_job(
+    cfg: DemoConfig,
+    job: Job,
+    rows,
+    splits: dict[str, list[T.Example]],
+    progress: bool | None = None,
+    on_step: Callable[[str, int], None] | None = None,
+) -> JobResult:
     """Train one model and score it; with the recurrent model, also its adaptive exits."""
     torch.set_num_threads(cfg.threads)
     label = MODEL_LABELS.get(job.kind, job.kind)
     report = on_step or (lambda kind, step: _reports.put((kind, step)) if _reports is not None else None)
     start = time.perf_counter()
     job_cfg = cfg if job.steps is None else dataclasses.replace(cfg, steps=job.steps)
-    model, history = train_model(job_cfg, job.config, rows if job.rows is None else job.rows, label,
-                                 lambda step: report(job.kind, step), progress, job.start, **job.train)
+    model, history = train_model(
+        job_cfg,
+        job.config,
+        rows if job.rows is None else job.rows,
+        label,
+        lambda step: report(job.kind, step),
+        progress,
+        job.start,
+        **job.train,
+    )
     trained = time.perf_counter()
     report(job.kind, -1)  # scoring
     tokenizer = T.CharTokenizer()
@@ -212,6 +269,7 @@ def run_job(cfg: DemoConfig, job: Job, rows, splits: dict[str, list[T.Example]],
 
 
 # --------------------------------------------------------------------------------------------------
+
 
 class Progress:
     """Steps done per job and the time left, printed one line at a time (a line every `every` seconds,
@@ -262,8 +320,13 @@ class Progress:
     def line(self) -> str:
         parts = []
         for kind in self.jobs:
-            state = ("done" if kind in self.done else "scoring" if kind in self.scoring
-                     else f"{self.step[kind]}/{self._steps(kind)}")
+            state = (
+                "done"
+                if kind in self.done
+                else "scoring"
+                if kind in self.scoring
+                else f"{self.step[kind]}/{self._steps(kind)}"
+            )
             parts.append(f"{kind.replace('_', '-')} {state}")
         left = self.seconds_left()
         eta = f", about {_duration(left)} left" if left is not None else ""
@@ -317,6 +380,7 @@ def run_jobs(cfg: DemoConfig, jobs: Sequence[Job], rows, splits: dict[str, list[
     progress = Progress(cfg, ordered, workers)
     results: dict[str, JobResult] = {}
     if workers <= 1:
+
         def on_step(kind: str, step: int) -> None:
             progress.update(kind, step)
             progress.show()
@@ -328,8 +392,12 @@ def run_jobs(cfg: DemoConfig, jobs: Sequence[Job], rows, splits: dict[str, list[
         return results
     context = multiprocessing.get_context("spawn")  # no fork of a process with OpenMP threads
     reports = context.Queue()
-    with terminate_stops_the_demo(), ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                                                         initargs=(reports, rows, splits, os.getpid())) as pool:
+    with (
+        terminate_stops_the_demo(),
+        ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_worker_init, initargs=(reports, rows, splits, os.getpid())
+        ) as pool,
+    ):
         with _main_not_rerun():  # the workers start at the first submissions
             pending = {pool.submit(_run_in_worker, cfg, job): job.kind for job in ordered}
         try:

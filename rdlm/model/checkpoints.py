@@ -33,8 +33,9 @@ def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
     root = checkpoint_dir(out_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_RE.match(p.name)) and (p / TRAINER_FILE).is_file()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := STEP_RE.match(p.name)) and (p / TRAINER_FILE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -43,10 +44,17 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def _step_of(path: Path) -> int:
+    match = STEP_RE.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint (step-NNNNNN)")
+    return int(match.group(1))
+
+
 def last_finite_checkpoint(out_dir: str | os.PathLike, upto: Path | None = None) -> Path | None:
     """The newest checkpoint (not newer than `upto`) whose weights were finite when saved."""
     for path in list_checkpoints(out_dir)[::-1]:
-        if upto is not None and int(STEP_RE.match(path.name).group(1)) > int(STEP_RE.match(upto.name).group(1)):
+        if upto is not None and _step_of(path) > _step_of(upto):
             continue
         try:
             if json.loads((path / TRAINER_FILE).read_text()).get("finite_weights", True):
@@ -69,9 +77,9 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return (Path(path) / SHARDED_DIR).is_dir()
 
 
-def read_sharded_full(path: str | os.PathLike, model: nn.Module, parameter_names: list[str],
-                      with_optimizer: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None,
-                                                            dict[str, torch.Tensor] | None]:
+def read_sharded_full(
+    path: str | os.PathLike, model: nn.Module, parameter_names: list[str], with_optimizer: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
     """Whole tensors from a sharded checkpoint, read by this process alone (no collectives):
     (weights by name, EMA weights by name or None, optimizer tensors as "<name>/<key>" or None).
     `model` only gives the names and shapes."""
@@ -84,8 +92,12 @@ def read_sharded_full(path: str | os.PathLike, model: nn.Module, parameter_names
     if has_ema(path):
         state["ema"] = {n: torch.empty(s) for n, s in shapes.items()}
     if with_optimizer:
-        state["optimizer"] = {"state": {n: {"step": torch.zeros(()), "exp_avg": torch.empty(s),
-                                            "exp_avg_sq": torch.empty(s)} for n, s in shapes.items()}}
+        state["optimizer"] = {
+            "state": {
+                n: {"step": torch.zeros(()), "exp_avg": torch.empty(s), "exp_avg_sq": torch.empty(s)}
+                for n, s in shapes.items()
+            }
+        }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(state, checkpoint_id=confined_shards(path / SHARDED_DIR), no_dist=True)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from rdlm.checks import is_int
 
@@ -101,9 +102,18 @@ class RDLMConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
-        positive = ("prelude_layers", "core_layers", "coda_layers", "hidden_size", "num_heads",
-                    "intermediate_size", "vocab_size", "context_length", "mean_recurrence",
-                    "backprop_depth")
+        positive = (
+            "prelude_layers",
+            "core_layers",
+            "coda_layers",
+            "hidden_size",
+            "num_heads",
+            "intermediate_size",
+            "vocab_size",
+            "context_length",
+            "mean_recurrence",
+            "backprop_depth",
+        )
         for name in positive:
             value = getattr(self, name)
             if not is_int(value):
@@ -118,12 +128,13 @@ class RDLMConfig:
             if value is not None and not is_int(value, 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if self.head_size is None and self.hidden_size % self.num_heads != 0:
-            raise ConfigError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+            raise ConfigError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.context_length > MAX_CONTEXT_LENGTH:
             table = self.context_length * self.head_dim * 4  # cos and sin, head_dim / 2 floats each
-            raise ConfigError(f"context_length must be at most {MAX_CONTEXT_LENGTH} positions (2**20), got "
-                              f"{self.context_length} (its RoPE tables alone would need {table / 1e9:.3g} GB)")
+            raise ConfigError(
+                f"context_length must be at most {MAX_CONTEXT_LENGTH} positions (2**20), got "
+                f"{self.context_length} (its RoPE tables alone would need {table / 1e9:.3g} GB)"
+            )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"head dimension {self.head_dim} must be even for RoPE")
         if self.num_heads % self.kv_heads != 0:
@@ -133,11 +144,18 @@ class RDLMConfig:
         for name, allowed in (("final_norm", FINAL_NORMS), ("rope_pairs", ROPE_PAIRS), ("family", FAMILIES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.embed_scale is not None and (isinstance(self.embed_scale, bool) or not isinstance(
-                self.embed_scale, (int, float)) or not math.isfinite(self.embed_scale) or self.embed_scale <= 0):
+        if self.embed_scale is not None and (
+            isinstance(self.embed_scale, bool)
+            or not isinstance(self.embed_scale, (int, float))
+            or not math.isfinite(self.embed_scale)
+            or self.embed_scale <= 0
+        ):
             raise ConfigError(f"embed_scale must be a finite number > 0 or None, got {self.embed_scale!r}")
-        if self.exit_threshold is not None and (isinstance(self.exit_threshold, bool) or not isinstance(
-                self.exit_threshold, (int, float)) or not 0 < self.exit_threshold <= 1):
+        if self.exit_threshold is not None and (
+            isinstance(self.exit_threshold, bool)
+            or not isinstance(self.exit_threshold, (int, float))
+            or not 0 < self.exit_threshold <= 1
+        ):
             raise ConfigError(f"exit_threshold must be a number in (0, 1] or None, got {self.exit_threshold!r}")
         from rdlm.model.rope import check_scaling  # local import: rope imports nothing from here
 
@@ -162,24 +180,24 @@ class RDLMConfig:
         if self.test_time_noise < 0:
             raise ConfigError(f"test_time_noise must be >= 0, got {self.test_time_noise}")
         if self.test_time_noise_type not in NOISE_SCHEDULES:
-            raise ConfigError(f"test_time_noise_type must be one of {NOISE_SCHEDULES}, "
-                              f"got {self.test_time_noise_type!r}")
+            raise ConfigError(
+                f"test_time_noise_type must be one of {NOISE_SCHEDULES}, got {self.test_time_noise_type!r}"
+            )
         if self.test_time_noise > 0 and self.norm_scheme != "sandwich":
-            raise ConfigError("test_time_noise renormalizes with the core's last sandwich norm; "
-                              f"norm_scheme {self.norm_scheme!r} has none")
-        for name in ("qk_bias", "tie_embeddings", "activation_checkpointing", "qk_norm", "adapter_bias",
-                     "exit_gate"):
+            raise ConfigError(
+                "test_time_noise renormalizes with the core's last sandwich norm; "
+                f"norm_scheme {self.norm_scheme!r} has none"
+            )
+        for name in ("qk_bias", "tie_embeddings", "activation_checkpointing", "qk_norm", "adapter_bias", "exit_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name, allowed in (("norm_scheme", NORM_SCHEMES), ("injection", INJECTIONS),
-                              ("state_init", STATE_INITS)):
+        for name, allowed in (("norm_scheme", NORM_SCHEMES), ("injection", INJECTIONS), ("state_init", STATE_INITS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         from rdlm.model.recurrence import SAMPLERS  # local import: recurrence imports nothing from here
 
         if self.recurrence_sampler not in SAMPLERS:
-            raise ConfigError(
-                f"recurrence_sampler must be one of {sorted(SAMPLERS)}, got {self.recurrence_sampler!r}")
+            raise ConfigError(f"recurrence_sampler must be one of {sorted(SAMPLERS)}, got {self.recurrence_sampler!r}")
 
     @property
     def head_dim(self) -> int:
@@ -215,19 +233,20 @@ class RDLMConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "RDLMConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> RDLMConfig:
         check_keys(values, cls)
         return cls(**values)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "RDLMConfig":
+    def from_preset(cls, name: str, **overrides: Any) -> RDLMConfig:
         if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}{_suggest(name, PRESETS)}; "
-                              f"available: {', '.join(sorted(PRESETS))}")
+            raise ConfigError(
+                f"unknown preset {name!r}{_suggest(name, PRESETS)}; available: {', '.join(sorted(PRESETS))}"
+            )
         values = {**PRESETS[name], "name": name, **overrides}
         return cls.from_dict(values)
 
-    def replace(self, **changes: Any) -> "RDLMConfig":
+    def replace(self, **changes: Any) -> RDLMConfig:
         check_keys(changes, type(self))
         return dataclasses.replace(self, **changes)
 
@@ -250,19 +269,57 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The released 3.5B model: (2, 4, 2), h=5280, 55 heads of 96, MLP 17920, vocab 65536, context 4096.
     "huginn-0125": {},
     # For tests: about 0.2M parameters, runs anything in milliseconds.
-    "tiny": dict(prelude_layers=1, core_layers=2, coda_layers=1, hidden_size=64, num_heads=4,
-                 intermediate_size=160, vocab_size=512, context_length=256, mean_recurrence=8,
-                 backprop_depth=4),
+    "tiny": dict(
+        prelude_layers=1,
+        core_layers=2,
+        coda_layers=1,
+        hidden_size=64,
+        num_heads=4,
+        intermediate_size=160,
+        vocab_size=512,
+        context_length=256,
+        mean_recurrence=8,
+        backprop_depth=4,
+    ),
     # Ouro's wiring at test size: the whole stack (2 layers) looped 4 times, s_0 = e, no injection, the final
     # norm after every loop, grouped-query attention, the learned exit gate (docs/model-families.md).
-    "ouro-tiny": dict(prelude_layers=0, core_layers=2, coda_layers=0, hidden_size=64, num_heads=4, num_kv_heads=2,
-                      intermediate_size=160, vocab_size=512, context_length=256, mean_recurrence=4,
-                      backprop_depth=4, recurrence_sampler="fixed", qk_bias=False, tie_embeddings=False,
-                      rope_pairs="halves", rope_base=10000.0, norm_scheme="peri", injection="none",
-                      state_init="embedding", final_norm="loop", embed_scale=1.0, exit_gate=True,
-                      exit_threshold=0.5, family="ouro"),
+    "ouro-tiny": dict(
+        prelude_layers=0,
+        core_layers=2,
+        coda_layers=0,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=160,
+        vocab_size=512,
+        context_length=256,
+        mean_recurrence=4,
+        backprop_depth=4,
+        recurrence_sampler="fixed",
+        qk_bias=False,
+        tie_embeddings=False,
+        rope_pairs="halves",
+        rope_base=10000.0,
+        norm_scheme="peri",
+        injection="none",
+        state_init="embedding",
+        final_norm="loop",
+        embed_scale=1.0,
+        exit_gate=True,
+        exit_threshold=0.5,
+        family="ouro",
+    ),
     # A CPU demo model: a few million parameters.
-    "small": dict(prelude_layers=1, core_layers=2, coda_layers=1, hidden_size=256, num_heads=8,
-                  intermediate_size=704, vocab_size=8192, context_length=512, mean_recurrence=8,
-                  backprop_depth=4),
+    "small": dict(
+        prelude_layers=1,
+        core_layers=2,
+        coda_layers=1,
+        hidden_size=256,
+        num_heads=8,
+        intermediate_size=704,
+        vocab_size=8192,
+        context_length=512,
+        mean_recurrence=8,
+        backprop_depth=4,
+    ),
 }

@@ -18,7 +18,6 @@ import json
 import os
 import re
 from pathlib import Path
-
 from typing import Any
 
 import torch
@@ -37,9 +36,11 @@ def resolve_source(path: str | os.PathLike, weights: str = "ema") -> ModelSource
     """What `convert` reads from `path` (rdlm.model.resolve; a preset has no weights to convert)."""
     found = resolve_model_source(path, weights)
     if found.kind == "preset":
-        raise ValueError(f"{os.fspath(path)!r} is a preset (random weights), nothing to convert: give a model "
-                         "directory, a training checkpoint step-N/ or a run directory (write ./NAME for a "
-                         "directory of that name)")
+        raise ValueError(
+            f"{os.fspath(path)!r} is a preset (random weights), nothing to convert: give a model "
+            "directory, a training checkpoint step-N/ or a run directory (write ./NAME for a "
+            "directory of that name)"
+        )
     return found
 
 
@@ -63,16 +64,30 @@ def model_dir_file(name: str) -> bool:
     return is_model_file(name) or name in SIDE_FILES
 
 
-def check_destination(destination: str | os.PathLike, source: Path, in_place: bool = False,
-                      overwrite: bool = False, in_place_flag: str | None = "--in-place",
-                      flag: str = "destination") -> Path:
+def check_destination(
+    destination: str | os.PathLike,
+    source: Path,
+    in_place: bool = False,
+    overwrite: bool = False,
+    in_place_flag: str | None = "--in-place",
+    flag: str = "destination",
+) -> Path:
     """Refuse a destination whose files writing a model there could lose (rdlm.fileio.claim_output_dir, the
     rule every command shares): a file; the source itself (unless `in_place`, and never when `in_place_flag`
     is None); a model directory (unless `overwrite`: its config, weights and tokenizer are replaced, its
     other files kept); a non-empty directory that holds no model."""
-    return claim_output_dir(destination, model_dir_file, overwrite, "a model", flag=flag, source=source,
-                            in_place_flag=in_place_flag, in_place=in_place, remove=False,
-                            others_allowed=lambda ours: CONFIG_NAME in ours)
+    return claim_output_dir(
+        destination,
+        model_dir_file,
+        overwrite,
+        "a model",
+        flag=flag,
+        source=source,
+        in_place_flag=in_place_flag,
+        in_place=in_place,
+        remove=False,
+        others_allowed=lambda ours: CONFIG_NAME in ours,
+    )
 
 
 def check_side_files(source: Path) -> dict[str, Path]:
@@ -89,9 +104,18 @@ def check_side_files(source: Path) -> dict[str, Path]:
     return found
 
 
-def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
-            max_shard_bytes: int | str = DEFAULT_SHARD_BYTES, weights: str = "ema", in_place: bool = False,
-            quantize: Any = None, group_size: int = 128, overwrite: bool = False) -> Path:
+def convert(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int | str = DEFAULT_SHARD_BYTES,
+    weights: str = "ema",
+    in_place: bool = False,
+    quantize: Any = None,
+    group_size: int = 128,
+    overwrite: bool = False,
+) -> Path:
     """Write the weights of `source` to `destination` in the Huginn layout.
 
     dtype: "bf16", "fp32", a torch dtype, or None / "keep" for the source's own. Shards larger than
@@ -108,11 +132,10 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, dtype:
     found = resolve_source(source, weights)
     # The tokenizer and generation files sit beside the weights, or beside trainer.json when sharded.
     src = found.checkpoint if found.sharded else found.directory
+    assert src is not None  # a model source found has its directory (a checkpoint's, when sharded)
     destination = check_destination(destination, src, in_place, overwrite)
     side = {} if src.resolve() == destination.resolve() else check_side_files(src)
     # the file's own dtype (FSDP shards are gathered in float32); quantized in the dtype it is saved in
     model = found.load(dtype=dtype if quantize else None, quantize=quantize, group_size=group_size)
     save_pretrained(model, destination, dtype=dtype, max_shard_bytes=max_bytes, extra_files=side)
     return destination
-
-

@@ -9,10 +9,17 @@ import torch
 
 # Every spelling a caller may use, short and long; "torch.bfloat16" is accepted too (prefix dropped).
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
 }
 # Spellings meaning "the checkpoint's own dtype" (transformers says "auto", `rdlm convert` "keep").
 KEEP = ("auto", "keep")
@@ -29,6 +36,8 @@ def resolve_dtype(dtype: Any) -> torch.dtype | None:
     if name in KEEP:
         return None
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)} "
-                         f"(or {' / '.join(KEEP)} for the checkpoint's own)")
+        raise ValueError(
+            f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)} "
+            f"(or {' / '.join(KEEP)} for the checkpoint's own)"
+        )
     return DTYPES[name]

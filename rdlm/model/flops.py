@@ -3,13 +3,22 @@ trainer's monitor reports (throughput, MFU) and what the resource checks use to 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from rdlm.model.lm import RecurrentDepthLM
+    from rdlm.model.config import RDLMConfig
 
 
-def flops_per_token(model: RecurrentDepthLM, seq_len: int, no_grad_steps: int, grad_steps: int) -> float:
+class Sizes(Protocol):
+    """What `flops_per_token` reads: a model (RecurrentDepthLM) or its config's sizes (`ConfigSizes`)."""
+
+    @property
+    def config(self) -> RDLMConfig: ...
+
+    def parameter_groups(self) -> dict[str, int]: ...
+
+
+def flops_per_token(model: Sizes, seq_len: int, no_grad_steps: float, grad_steps: float) -> float:
     """Training FLOPs per token: forward over all r iterations, backward (2x) over the last k only.
 
     Matmul FLOPs are 2 per parameter per token; attention adds 4*seq*h per layer (QK^T and AV).
@@ -22,8 +31,7 @@ def flops_per_token(model: RecurrentDepthLM, seq_len: int, no_grad_steps: int, g
     edge_attn = (c.prelude_layers + c.coda_layers) * attention
     r = no_grad_steps + grad_steps
     forward = 2 * (edges + r * groups["core"]) + edge_attn + r * c.core_layers * attention
-    backward = 2 * (2 * (edges + grad_steps * groups["core"]) + edge_attn
-                    + grad_steps * c.core_layers * attention)
+    backward = 2 * (2 * (edges + grad_steps * groups["core"]) + edge_attn + grad_steps * c.core_layers * attention)
     return float(forward + backward)
 
 
@@ -37,8 +45,11 @@ class ConfigSizes:
         layer = h * (q + 2 * kv) + q * h + 3 * h * inter  # attention (q, k, v, out) and the gated MLP
         adapter = 2 * h * h if config.injection == "concat" else 0  # the adapter of [s, e]
         self.config = config
-        self.groups = {"prelude": config.prelude_layers * layer, "coda": config.coda_layers * layer,
-                       "core": config.core_layers * layer + adapter}
+        self.groups = {
+            "prelude": config.prelude_layers * layer,
+            "coda": config.coda_layers * layer,
+            "core": config.core_layers * layer + adapter,
+        }
 
     def parameter_groups(self) -> dict[str, int]:
         return self.groups

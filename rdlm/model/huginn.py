@@ -15,8 +15,9 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,8 +37,10 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 # ------------------------------------------------------------------------------------------------
 # config.json
 
-def config_from_huginn(raw: dict[str, Any], source: str = CONFIG_NAME,
-                       tensor_names: set[str] | None = None) -> RDLMConfig:
+
+def config_from_huginn(
+    raw: dict[str, Any], source: str = CONFIG_NAME, tensor_names: set[str] | None = None
+) -> RDLMConfig:
     """Read a config.json dict of any family rdlm runs (its adapter, `rdlm.model.families.detect`; the
     retrofitted OLMo variant is told from the Llama one by its tensor names).
 
@@ -82,6 +85,7 @@ def tensor_names(path: str | os.PathLike) -> set[str]:
 # ------------------------------------------------------------------------------------------------
 # Loading
 
+
 def weight_files(path: str | os.PathLike) -> list[Path]:
     """The safetensors files of a model directory: the shards of its index, or its single file."""
     path = Path(path)
@@ -92,8 +96,10 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{index}: malformed index ({err})") from err
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: weight_map must be an object of tensor name -> file name, got "
-                                  f"{type(weight_map).__name__} {str(weight_map)[:60]}")
+            raise CheckpointError(
+                f"{index}: weight_map must be an object of tensor name -> file name, got "
+                f"{type(weight_map).__name__} {str(weight_map)[:60]}"
+            )
         files = [path / confined(name, index) for name in dict.fromkeys(weight_map.values())]
     elif (path / SINGLE_FILE).is_file():
         files = [path / SINGLE_FILE]
@@ -118,15 +124,16 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     for file in weight_files(path):
         try:
             with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 (not a dict: no iteration)
                     tensors[name] = handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from err
     return tensors
 
 
-def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str = "cpu") -> RecurrentDepthLM:
+def load_pretrained(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> RecurrentDepthLM:
     """Load a model directory of any family (read through its adapter, `rdlm.model.families`). dtype None
     keeps the file's floating dtype (bf16 or fp32)."""
     for note in recover_dir(path):  # a save that a crash interrupted: the complete copy comes back
@@ -139,11 +146,16 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     rope_table = adapter.rope_from_file(tensors)
     state, unexpected = adapter.from_file(tensors)
     file_name = adapter.file_name
-    if config.tie_embeddings and "lm_head.weight" in state:
-        # A tied head saved beside the embedding must equal it; it is not a parameter of its own.
-        if not torch.equal(state.pop("lm_head.weight"), state.get("embedding.weight", torch.empty(0))):
-            raise CheckpointError(f"{path}: lm_head.weight differs from {file_name('embedding.weight')}, "
-                                  "but the config says the embeddings are tied")
+    # A tied head saved beside the embedding must equal it; it is not a parameter of its own.
+    if (
+        config.tie_embeddings
+        and "lm_head.weight" in state
+        and not torch.equal(state.pop("lm_head.weight"), state.get("embedding.weight", torch.empty(0)))
+    ):
+        raise CheckpointError(
+            f"{path}: lm_head.weight differs from {file_name('embedding.weight')}, "
+            "but the config says the embeddings are tied"
+        )
     with torch.device("meta"):
         model = RecurrentDepthLM(config)
     if dtype is None:
@@ -155,13 +167,15 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     missing = [file_name(n) for n in expected if n not in state]
     unexpected += [file_name(n) for n in state if n not in expected]
     if missing or unexpected:
-        parts = ([f"missing tensor(s) {_listing(missing)}"] if missing else []) + \
-                ([f"unexpected tensor(s) {_listing(unexpected)}"] if unexpected else [])
+        parts = ([f"missing tensor(s) {_listing(missing)}"] if missing else []) + (
+            [f"unexpected tensor(s) {_listing(unexpected)}"] if unexpected else []
+        )
         raise CheckpointError(f"{path}: " + "; ".join(parts))
     for name, shape in expected.items():
         if state[name].shape != shape:
-            raise CheckpointError(f"{path}: tensor {file_name(name)} has shape "
-                                  f"{list(state[name].shape)}, expected {list(shape)}")
+            raise CheckpointError(
+                f"{path}: tensor {file_name(name)} has shape {list(state[name].shape)}, expected {list(shape)}"
+            )
         if not state[name].is_floating_point():
             raise CheckpointError(f"{path}: tensor {file_name(name)} has dtype {state[name].dtype}")
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
@@ -185,13 +199,14 @@ def read_quantization(path: str | os.PathLike):
         raise CheckpointError(str(err)) from None
 
 
-def _attach_stored_quantized(model, spec, quantized: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
-                             dtype: torch.dtype, device, path) -> None:
+def _attach_stored_quantized(
+    model, spec, quantized: dict[str, torch.Tensor], state: dict[str, torch.Tensor], dtype: torch.dtype, device, path
+) -> None:
     """Put the stored quantized layers into `model` (built on the meta device); their biases come out of
     `state`. Anything left over or ill-fitting is refused in one line."""
     from rdlm.model.quantize import QuantizationError, attach_quantized, layers
 
-    for part, name, module in list(layers(model)):
+    for part, name, _module in list(layers(model)):
         if getattr(spec, part) != "none" and f"{name}.bias" in state:
             quantized[f"{name}.bias"] = state.pop(f"{name}.bias").to(device=device, dtype=dtype)
     if spec.head != "none" and model.lm_head is None:
@@ -201,12 +216,14 @@ def _attach_stored_quantized(model, spec, quantized: dict[str, torch.Tensor], st
     except QuantizationError as err:
         raise CheckpointError(str(err)) from None
     if quantized:
-        raise CheckpointError(f"{path}: unexpected quantized tensor(s) {_listing(list(quantized))} (config.json's "
-                              f"quantization is {spec})")
+        raise CheckpointError(
+            f"{path}: unexpected quantized tensor(s) {_listing(list(quantized))} (config.json's quantization is {spec})"
+        )
 
 
-def stored_rope_tables(table: torch.Tensor | None, config: RDLMConfig,
-                       source: str | os.PathLike = "checkpoint") -> tuple[torch.Tensor, torch.Tensor]:
+def stored_rope_tables(
+    table: torch.Tensor | None, config: RDLMConfig, source: str | os.PathLike = "checkpoint"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE cos/sin [context_length, head_dim/2] in float32: the checkpoint's own table when it has one,
     else computed (`rope_tables`).
 
@@ -223,15 +240,19 @@ def stored_rope_tables(table: torch.Tensor | None, config: RDLMConfig,
         table = torch.view_as_real(table)
     expected = (1, config.context_length, 1, config.head_dim // 2, 2)
     if tuple(table.shape) != expected:
-        raise CheckpointError(f"{source}: freqs_cis has shape {list(table.shape)}, expected {list(expected)} "
-                              f"(context {config.context_length}, head dim {config.head_dim})")
+        raise CheckpointError(
+            f"{source}: freqs_cis has shape {list(table.shape)}, expected {list(expected)} "
+            f"(context {config.context_length}, head dim {config.head_dim})"
+        )
     if not table.is_floating_point():
         raise CheckpointError(f"{source}: freqs_cis has dtype {table.dtype}")
     stored_cos, stored_sin = table[0, :, 0, :, 0].float(), table[0, :, 0, :, 1].float()
     error = max((stored_cos - cos).abs().max().item(), (stored_sin - sin).abs().max().item())
     if not error <= ROPE_TOLERANCE:
-        raise CheckpointError(f"{source}: freqs_cis is not the RoPE table of rope_base={config.rope_base} "
-                              f"(max difference {error:.3g}); the file and its config disagree")
+        raise CheckpointError(
+            f"{source}: freqs_cis is not the RoPE table of rope_base={config.rope_base} "
+            f"(max difference {error:.3g}); the file and its config disagree"
+        )
     return stored_cos.contiguous(), stored_sin.contiguous()
 
 
@@ -242,10 +263,16 @@ ROPE_TOLERANCE = 1e-2
 # ------------------------------------------------------------------------------------------------
 # Saving
 
-def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    extra_json: Mapping[str, Any] | None = None,
-                    extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
+
+def save_pretrained(
+    model: RecurrentDepthLM,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    extra_json: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, str | os.PathLike] | None = None,
+) -> Path:
     """Write `model` to `path` in its family's layout (`rdlm.model.families`), atomically; `extra_json` maps
     more file names to JSON data written with it (e.g. transformers' generation_config.json), `extra_files`
     more file names to files copied in with it (a source's tokenizer: the model and the files it needs
@@ -281,7 +308,7 @@ def save_pretrained(model: RecurrentDepthLM, path: str | os.PathLike, *, dtype: 
         else:
             names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
             weight_map = {}
-            for name, shard in zip(names, shards):
+            for name, shard in zip(names, shards, strict=True):
                 save_file(shard, tmp / name, metadata={"format": "pt"})
                 weight_map.update({key: name for key in shard})
             total = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -4,7 +4,7 @@ KV-cache hook, the gated MLP, and the block that prelude, core and coda are made
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +61,7 @@ class Attention(nn.Module):
         # "sdpa": torch's fused kernels; "eager": the same arithmetic as plain matmuls and a softmax.
         self.implementation = "sdpa"
 
-    def forward(self, x: Tensor, rope: Rope, mask: Tensor | None, cache: KVCacheHook | None,
-                key: LayerKey) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, mask: Tensor | None, cache: KVCacheHook | None, key: LayerKey) -> Tensor:
         batch, seq, _ = x.shape
         cos, sin = rope
         if self.kv_heads == self.num_heads and self.q_norm is None:
@@ -72,9 +71,10 @@ class Attention(nn.Module):
                 qk = qk + self.qk_bias.view(2, self.num_heads, self.head_dim)
             q, k = apply_rope(qk, cos.unsqueeze(2), sin.unsqueeze(2), self.rope_pairs).unbind(dim=2)
         else:
-            q, k, v = self.qkv(x).split((self.num_heads * self.head_dim, self.kv_heads * self.head_dim,
-                                         self.kv_heads * self.head_dim), dim=-1)
-            if self.q_norm is not None:
+            q, k, v = self.qkv(x).split(
+                (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim), dim=-1
+            )
+            if self.q_norm is not None and self.k_norm is not None:  # (QK-norm: both)
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = q.view(batch, seq, self.num_heads, self.head_dim), k.view(batch, seq, self.kv_heads, self.head_dim)
             if self.qk_bias is not None:  # (equal head counts: the config refuses it with grouped queries)
@@ -82,8 +82,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin, self.rope_pairs), apply_rope(k, cos, sin, self.rope_pairs)
             v = v.view(batch, seq, self.kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if hasattr(cache, "attend"):  # several calls packed in one sequence (rdlm.inference.cache.PackedCall)
-            y = cache.attend(key, q, k, v, self.attention)
+        attend = getattr(cache, "attend", None)  # several calls packed in one sequence (inference.cache.PackedCall)
+        if attend is not None:
+            y = attend(key, q, k, v, self.attention)
         else:
             if cache is not None:
                 k, v = cache.update(key, k, v)
@@ -94,7 +95,7 @@ class Attention(nn.Module):
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """softmax(q k^T / sqrt(d) + mask) v over [batch, heads, n, d]; no mask: causal (as many keys as queries)."""
-        gqa = {"enable_gqa": True} if self.kv_heads != self.num_heads else {}
+        gqa: dict[str, Any] = {"enable_gqa": True} if self.kv_heads != self.num_heads else {}
         if mask is None and self.implementation == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         if mask is None:
@@ -114,10 +115,7 @@ def eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor) -> Tenso
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
-    if attn_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    else:
-        scores = scores + attn_mask
+    scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     return scores.softmax(dim=-1) @ v
 
 
@@ -154,10 +152,10 @@ class GatedMLP(nn.Module):
 class Block(nn.Module):
     """One transformer layer; where it normalizes is the config's `norm_scheme`:
 
-        sandwich  x = n2(x + Attn(n1(x)));  x = n4(x + MLP(n3(x)))     Huginn
-        prenorm   x = x + Attn(n1(x));      x = x + MLP(n3(x))         Llama, the retrofitted Llama models
-        postnorm  x = x + n2(Attn(x));      x = x + n4(MLP(x))         OLMo-2
-        peri      x = x + n2(Attn(n1(x)));  x = x + n4(MLP(n3(x)))     Ouro
+    sandwich  x = n2(x + Attn(n1(x)));  x = n4(x + MLP(n3(x)))     Huginn
+    prenorm   x = x + Attn(n1(x));      x = x + MLP(n3(x))         Llama, the retrofitted Llama models
+    postnorm  x = x + n2(Attn(x));      x = x + n4(MLP(x))         OLMo-2
+    peri      x = x + n2(Attn(n1(x)));  x = x + n4(MLP(n3(x)))     Ouro
     """
 
     def __init__(self, config: RDLMConfig) -> None:
@@ -173,8 +171,14 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = GatedMLP(config)
 
-    def forward(self, x: Tensor, rope: Rope, mask: Tensor | None = None,
-                cache: KVCacheHook | None = None, key: LayerKey = ("", 0, -1)) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rope: Rope,
+        mask: Tensor | None = None,
+        cache: KVCacheHook | None = None,
+        key: LayerKey = ("", 0, -1),
+    ) -> Tensor:
         branch = self.attn(self.norm_1(x) if self.pre else x, rope, mask, cache, key)
         x = x + (self.norm_2(branch) if self.post else branch)
         if self.sandwich:

@@ -13,8 +13,9 @@ speculative decoding) without reimplementing the model.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,21 +26,33 @@ from rdlm.model.config import RDLMConfig
 from rdlm.model.layers import ATTENTION_IMPLEMENTATIONS, Attention, Block, KVCacheHook, RMSNorm, Rope
 from rdlm.model.loss import expected_exit_loss, linear_cross_entropy
 from rdlm.model.recurrence import sample_num_steps
-from rdlm.model.rope import rope_tables  # noqa: F401  (rope_tables: also imported from here)
+from rdlm.model.rope import rope_tables
+
+if TYPE_CHECKING:
+    from rdlm.model.quantize import QuantSpec
 
 NumSteps = int | tuple[int, int] | Sequence[int]
 
 
 @dataclass
 class RecurrentOutput:
-    logits: Tensor | None                # [batch, seq, vocab], float32 (None: return_logits=False)
-    loss: Tensor | None = None           # mean cross-entropy over labels != -100
-    state: Tensor | None = None          # final latent state s_r, before the final norm
+    logits: Tensor | None  # [batch, seq, vocab], float32 (None: return_logits=False)
+    loss: Tensor | None = None  # mean cross-entropy over labels != -100
+    state: Tensor | None = None  # final latent state s_r, before the final norm
     trajectory: list[Tensor] | None = None  # [s_0, s_1, ..., s_r] when asked for
     num_steps: tuple[int, int] = (0, 0)  # (iterations without gradient, iterations with gradient)
 
 
 class RecurrentDepthLM(nn.Module):
+    # Set outside __init__ and declared for the type checker: the RoPE tables (register_buffer), the directory a
+    # loaded model came from (rdlm.model.huginn), and the quantization (rdlm.model.quantize) of a quantized model,
+    # which a model never loaded or quantized lacks.
+    rope_cos: Tensor
+    rope_sin: Tensor
+    source: str
+    quantization: QuantSpec | None
+    quantized_layers: dict[str, str]
+
     def __init__(self, config: RDLMConfig) -> None:
         super().__init__()
         self.config = config
@@ -89,8 +102,10 @@ class RecurrentDepthLM(nn.Module):
         """Raise if a position is beyond the context length. Reads the positions on the host (a sync), so
         callers do it once, outside a compiled region or a decode loop."""
         if positions.numel() and int(positions.max()) >= self.config.context_length:
-            raise ValueError(f"position {int(positions.max())} is beyond the context length "
-                             f"{self.config.context_length} of this model")
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the context length "
+                f"{self.config.context_length} of this model"
+            )
 
     def rope(self, positions: Tensor, check: bool = True) -> Rope:
         """cos/sin for token positions ([seq] or [batch, seq]), shaped [B|1, seq, 1, head_dim/2].
@@ -101,8 +116,9 @@ class RecurrentDepthLM(nn.Module):
             positions = positions.unsqueeze(0)
         return self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
 
-    def embed(self, input_ids: Tensor, rope: Rope, mask: Tensor | None = None,
-              cache: KVCacheHook | None = None) -> Tensor:
+    def embed(
+        self, input_ids: Tensor, rope: Rope, mask: Tensor | None = None, cache: KVCacheHook | None = None
+    ) -> Tensor:
         """Prelude P: token embedding times the embedding scale (sqrt(h) for Huginn), then the prelude
         layers. Returns e."""
         x = self.embedding(input_ids)
@@ -112,8 +128,7 @@ class RecurrentDepthLM(nn.Module):
             x = layer(x, rope, mask, cache, ("prelude", i, -1))
         return x
 
-    def init_state(self, embedded: Tensor, scale: float = 1.0,
-                   generator: torch.Generator | None = None) -> Tensor:
+    def init_state(self, embedded: Tensor, scale: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
         """s_0: truncated normal (3 sigma), std sqrt(2/(5h)) * sqrt(h) * scale; scale 0 gives zeros.
         A checkpoint's `init_values.std` replaces sqrt(2/(5h)) (config.state_init_std), its embedding scale
         sqrt(h). With `state_init="embedding"` (Ouro) s_0 is e itself, whatever the scale."""
@@ -140,9 +155,16 @@ class RecurrentDepthLM(nn.Module):
             return embedded
         return torch.zeros_like(embedded) if noise is None else noise
 
-    def step(self, state: Tensor, embedded: Tensor, iteration: int, rope: Rope,
-             mask: Tensor | None = None, cache: KVCacheHook | None = None,
-             generator: torch.Generator | None = None) -> Tensor:
+    def step(
+        self,
+        state: Tensor,
+        embedded: Tensor,
+        iteration: int,
+        rope: Rope,
+        mask: Tensor | None = None,
+        cache: KVCacheHook | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
         """One core iteration R: s_i = core(adapter([s_{i-1}, e])) (Huginn); s_{i-1} + e goes in with
         additive injection, s_{i-1} alone with none; final_norm "loop" normalizes s_i (Ouro)."""
         if self.config.test_time_noise > 0:
@@ -164,11 +186,11 @@ class RecurrentDepthLM(nn.Module):
             raise ValueError("this model has no learned exit gate (config.exit_gate is false)")
         return torch.sigmoid(self.exit_gate(state).squeeze(-1).float())
 
-    def compile_step(self, **options) -> "RecurrentDepthLM":
+    def compile_step(self, **options) -> RecurrentDepthLM:
         """Compile one core iteration (`step`) with `torch.compile(**options)` and keep the loop over
         iterations in Python, so every r reuses the same compiled step. (`torch.compile(model)` works
         too, `fullgraph=True` included, but it unrolls the loop: one graph per r.) Returns the model."""
-        self.step = torch.compile(RecurrentDepthLM.step.__get__(self), **options)
+        self.step = torch.compile(RecurrentDepthLM.step.__get__(self), **options)  # type: ignore[method-assign]  # the compiled step replaces the method on purpose
         return self
 
     def add_state_noise(self, state: Tensor, iteration: int, generator: torch.Generator | None = None) -> Tensor:
@@ -190,23 +212,25 @@ class RecurrentDepthLM(nn.Module):
             step1 = step1.sqrt() if c.test_time_noise_type == "sqrt" else step1
             state = state * (1 - a / step1) + normal() * a / step1
         elif c.test_time_noise_type == "line":
-            noise = max(a, (c.mean_recurrence - iteration) / c.mean_recurrence)
+            noise: float | Tensor = max(a, (c.mean_recurrence - iteration) / c.mean_recurrence)
             state = state * (1 - noise) + normal() * noise
         else:  # chi
             noise = 2 * torch.rand(1, generator=generator, device=state.device, dtype=state.dtype) * a
             state = state * (1 - noise) + normal() * noise
-        return self.core[-1].norm_4(state)
+        return cast(Block, self.core[-1]).norm_4(state)
 
-    def readout(self, state: Tensor, rope: Rope, mask: Tensor | None = None,
-                cache: KVCacheHook | None = None) -> Tensor:
+    def readout(
+        self, state: Tensor, rope: Rope, mask: Tensor | None = None, cache: KVCacheHook | None = None
+    ) -> Tensor:
         """Coda C (final norm, coda layers, final norm: see `coda_output`), then the un-embedding.
         Returns float32 logits."""
         x = self.coda_output(state, rope, mask, cache)
         # lm_head is a module when untied, or a quantized copy of a tied head (rdlm.model.quantize)
         return (F.linear(x, self.embedding.weight) if self.lm_head is None else self.lm_head(x)).float()
 
-    def coda_output(self, state: Tensor, rope: Rope, mask: Tensor | None = None,
-                    cache: KVCacheHook | None = None) -> Tensor:
+    def coda_output(
+        self, state: Tensor, rope: Rope, mask: Tensor | None = None, cache: KVCacheHook | None = None
+    ) -> Tensor:
         """Coda C up to the un-embedding: final norm, coda layers, final norm (Huginn). final_norm "output"
         skips the first norm (the retrofitted models), "loop" both (the state is normalized already)."""
         placement = self.config.final_norm
@@ -221,13 +245,25 @@ class RecurrentDepthLM(nn.Module):
 
     # ----------------------------------------------------------------------------------------------
 
-    def forward(self, input_ids: Tensor, num_steps: NumSteps | None = None, *,
-                initial_state: Tensor | None = None, init_scale: float = 1.0,
-                positions: Tensor | None = None, position_offset: int = 0,
-                attention_mask: Tensor | None = None, cache: KVCacheHook | None = None,
-                labels: Tensor | None = None, return_state: bool = False,
-                return_trajectory: bool = False, return_logits: bool = True, loss_reduction: str = "mean",
-                generator: torch.Generator | None = None, exit_loss_beta: float | None = None) -> RecurrentOutput:
+    def forward(
+        self,
+        input_ids: Tensor,
+        num_steps: NumSteps | None = None,
+        *,
+        initial_state: Tensor | None = None,
+        init_scale: float = 1.0,
+        positions: Tensor | None = None,
+        position_offset: int = 0,
+        attention_mask: Tensor | None = None,
+        cache: KVCacheHook | None = None,
+        labels: Tensor | None = None,
+        return_state: bool = False,
+        return_trajectory: bool = False,
+        return_logits: bool = True,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        exit_loss_beta: float | None = None,
+    ) -> RecurrentOutput:
         """Run prelude, `num_steps` core iterations and coda.
 
         num_steps: r (every iteration in the caller's grad mode), or (n, k): n iterations without
@@ -254,8 +290,9 @@ class RecurrentDepthLM(nn.Module):
         if positions is None:
             end = position_offset + input_ids.shape[1]
             if end > self.config.context_length:
-                raise ValueError(f"position {end - 1} is beyond the context length "
-                                 f"{self.config.context_length} of this model")
+                raise ValueError(
+                    f"position {end - 1} is beyond the context length {self.config.context_length} of this model"
+                )
             positions = torch.arange(position_offset, end, device=input_ids.device)
         elif not torch.compiler.is_compiling():
             self.check_positions(positions)
@@ -266,8 +303,9 @@ class RecurrentDepthLM(nn.Module):
             state = self.init_state(embedded, init_scale, generator)
         else:
             if initial_state.shape != embedded.shape:
-                raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, "
-                                 f"expected {tuple(embedded.shape)}")
+                raise ValueError(
+                    f"initial_state has shape {tuple(initial_state.shape)}, expected {tuple(embedded.shape)}"
+                )
             state = initial_state.to(embedded.dtype)
         trajectory = [state] if return_trajectory else None
 
@@ -281,8 +319,9 @@ class RecurrentDepthLM(nn.Module):
                     trajectory.append(state)
         for i in range(no_grad_steps, no_grad_steps + grad_steps):
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                state = checkpoint(self.step, state, embedded, i, rope, attention_mask, cache, generator,
-                                   use_reentrant=False)
+                state = checkpoint(
+                    self.step, state, embedded, i, rope, attention_mask, cache, generator, use_reentrant=False
+                )
             else:
                 state = self.step(state, embedded, i, rope, attention_mask, cache, generator)
             if trajectory is not None:
@@ -290,20 +329,29 @@ class RecurrentDepthLM(nn.Module):
 
         loss = None
         if exit_loss_beta is not None:
-            logits, loss = self._expected_exit_loss(trajectory[1:], rope, attention_mask, cache, labels,
-                                                    exit_loss_beta, loss_reduction)
+            assert trajectory is not None and labels is not None  # both set or checked above (_check_exit_loss)
+            logits, loss = self._expected_exit_loss(
+                trajectory[1:], rope, attention_mask, cache, labels, exit_loss_beta, loss_reduction
+            )
             trajectory = trajectory if return_trajectory else None
         elif labels is not None and not return_logits:
             logits = None
-            loss = linear_cross_entropy(self.coda_output(state, rope, attention_mask, cache),
-                                        self.unembedding_weight, labels, loss_reduction)
+            loss = linear_cross_entropy(
+                self.coda_output(state, rope, attention_mask, cache), self.unembedding_weight, labels, loss_reduction
+            )
         else:
             logits = self.readout(state, rope, attention_mask, cache)
             if labels is not None:
-                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                       reduction=loss_reduction)
-        return RecurrentOutput(logits=logits, loss=loss, state=state if return_state else None,
-                               trajectory=trajectory, num_steps=(no_grad_steps, grad_steps))
+                loss = F.cross_entropy(
+                    logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction=loss_reduction
+                )
+        return RecurrentOutput(
+            logits=logits,
+            loss=loss,
+            state=state if return_state else None,
+            trajectory=trajectory,
+            num_steps=(no_grad_steps, grad_steps),
+        )
 
     def _check_exit_loss(self, labels: Tensor | None, no_grad_steps: int) -> None:
         if self.exit_gate is None:
@@ -311,30 +359,45 @@ class RecurrentDepthLM(nn.Module):
         if labels is None:
             raise ValueError("exit_loss_beta needs labels")
         if no_grad_steps:
-            raise ValueError("the expected exit loss reads every iteration: run them all with gradient "
-                             f"(got {no_grad_steps} without)")
+            raise ValueError(
+                "the expected exit loss reads every iteration: run them all with gradient "
+                f"(got {no_grad_steps} without)"
+            )
 
-    def _expected_exit_loss(self, states: list[Tensor], rope: Rope, mask: Tensor | None,
-                            cache: KVCacheHook | None, labels: Tensor, beta: float,
-                            reduction: str) -> tuple[Tensor, Tensor]:
+    def _expected_exit_loss(
+        self,
+        states: list[Tensor],
+        rope: Rope,
+        mask: Tensor | None,
+        cache: KVCacheHook | None,
+        labels: Tensor,
+        beta: float,
+        reduction: str,
+    ) -> tuple[Tensor, Tensor]:
         """(last iteration's logits, the expected loss over the gate's exit distribution)."""
         losses, lambdas = [], []
         for state in states:
             logits = self.readout(state, rope, mask, cache)
-            losses.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                          reduction="none").view(labels.shape))
+            losses.append(
+                F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none").view(
+                    labels.shape
+                )
+            )
             lambdas.append(self.exit_probability(state))
-        loss = expected_exit_loss(torch.stack(losses, dim=-1), torch.stack(lambdas, dim=-1), labels != -100,
-                                  beta, reduction)
+        loss = expected_exit_loss(
+            torch.stack(losses, dim=-1), torch.stack(lambdas, dim=-1), labels != -100, beta, reduction
+        )
         return logits, loss
 
-    def resolve_num_steps(self, num_steps: NumSteps | None,
-                          generator: torch.Generator | None = None) -> tuple[int, int]:
+    def resolve_num_steps(
+        self, num_steps: NumSteps | None, generator: torch.Generator | None = None
+    ) -> tuple[int, int]:
         if num_steps is None:
             if self.training:
                 c = self.config
-                return sample_num_steps(c.mean_recurrence, c.backprop_depth, c.recurrence_sampler,
-                                        c.recurrence_sigma, generator)
+                return sample_num_steps(
+                    c.mean_recurrence, c.backprop_depth, c.recurrence_sampler, c.recurrence_sigma, generator
+                )
             return 0, self.config.mean_recurrence
         if isinstance(num_steps, Tensor):
             num_steps = num_steps.tolist()
@@ -351,8 +414,9 @@ class RecurrentDepthLM(nn.Module):
     def set_attention(self, implementation: str) -> None:
         """Every attention layer computes with `implementation`, one of ATTENTION_IMPLEMENTATIONS."""
         if implementation not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
-                             f"got {implementation!r}")
+            raise ValueError(
+                f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}"
+            )
         for module in self.modules():
             if isinstance(module, Attention):
                 module.implementation = implementation

@@ -22,14 +22,14 @@ CHUNK_ELEMENTS = 2**26
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:  # noqa: D102
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
         # Grad mode is off in here; autocast (if any) is still on, so `@` runs in its dtype.
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         for start in range(0, hidden.shape[0], chunk):
-            h, y = hidden[start:start + chunk], labels[start:start + chunk]
+            h, y = hidden[start : start + chunk], labels[start : start + chunk]
             raw = h @ weight.t()
             logits = raw.float()
             valid = y != IGNORE_INDEX
@@ -42,16 +42,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad.scatter_add_(1, target, torch.full_like(lse, -1.0).unsqueeze(1))
                 grad.mul_(valid.unsqueeze(1))
                 grad = grad.to(raw.dtype)
-                if want_hidden:
-                    grad_hidden[start:start + chunk] = grad @ weight
-                if want_weight:
+                if grad_hidden is not None:  # (want_hidden)
+                    grad_hidden[start : start + chunk] = grad @ weight
+                if grad_weight is not None:  # (want_weight)
                     grad_weight += grad.t() @ h
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor):  # noqa: D102
+    def backward(ctx, grad_output: Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
@@ -60,8 +60,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, reduction: str = "mean",
-                         chunk_tokens: int | None = None) -> Tensor:
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, reduction: str = "mean", chunk_tokens: int | None = None
+) -> Tensor:
     """cross_entropy(hidden @ weight.T, labels) over labels != -100, never holding all the logits.
 
     hidden: [..., h]; weight: [vocab, h]; labels: [...]. reduction: "mean" (over counted targets) or
@@ -86,8 +87,9 @@ def exit_distribution(lambdas: Tensor) -> Tensor:
     return torch.cat((exits[..., :-1], before[..., -1:]), dim=-1)
 
 
-def expected_exit_loss(step_losses: Tensor, lambdas: Tensor, counted: Tensor, beta: float,
-                       reduction: str = "mean") -> Tensor:
+def expected_exit_loss(
+    step_losses: Tensor, lambdas: Tensor, counted: Tensor, beta: float, reduction: str = "mean"
+) -> Tensor:
     """Ouro's training objective: per token, sum_i p_i * loss_i - beta * H(p), with p the exit distribution
     of the gate's lambdas (`exit_distribution`) and loss_i the cross-entropy read out after iteration i.
 

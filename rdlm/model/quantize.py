@@ -26,14 +26,25 @@ scales); config.json says which parts are quantized under "rdlm_quantization".
 
 from __future__ import annotations
 
-import functools
 import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from rdlm.model.int4 import (
+    _from_cpu_int4_layout,
+    _nibbles_to_cpu_int4_layout,
+    _pack_nibbles,
+    dequantize_int4,
+    int4_fits,
+)
+
+if TYPE_CHECKING:
+    from rdlm.model.lm import RecurrentDepthLM
 
 PARTS = ("prelude", "core", "coda", "head")
 SCHEMES = ("none", "int8", "int4", "w8a8")
@@ -41,8 +52,6 @@ GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 DEFAULT_GROUP_SIZE = 128
 CONFIG_KEY = "rdlm_quantization"
 SUFFIXES = ("qweight", "scales", "zeros")
-_CPU_BLOCK_N = 32  # the CPU int4 kernel packs output rows in blocks of 32 or 64 (a tail of 16/32/48)
-_PACK_ROWS = 1024  # rows packed (and unpacked) at a time: a multiple of every block, so blocks never straddle two
 
 
 class QuantizationError(ValueError):
@@ -64,32 +73,39 @@ class QuantSpec:
     def __post_init__(self) -> None:
         for part in PARTS:
             if getattr(self, part) not in SCHEMES:
-                raise QuantizationError(f"quantization of {part}: unknown scheme {getattr(self, part)!r} "
-                                        f"(expected one of {', '.join(SCHEMES)})")
+                raise QuantizationError(
+                    f"quantization of {part}: unknown scheme {getattr(self, part)!r} "
+                    f"(expected one of {', '.join(SCHEMES)})"
+                )
         if self.group_size not in GROUP_SIZES:
-            raise QuantizationError(f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, "
-                                    f"got {self.group_size}")
+            raise QuantizationError(
+                f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}"
+            )
 
     @classmethod
-    def parse(cls, text: str, group_size: int = DEFAULT_GROUP_SIZE) -> "QuantSpec":
+    def parse(cls, text: str, group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec:
         values: dict[str, str] = {}
         named: set[str] = set()
         # "," and "=" as written; "+" and ":" also, for places where commas separate arguments (lm-eval)
         items = [item.strip() for item in str(text).replace("+", ",").replace(":", "=").split(",")]
         if not text or not all(items):
-            raise QuantizationError(f"empty item in quantization spec {text!r} (e.g. 'int8' or "
-                                    "'core=int4,prelude=int8,coda=none')")
+            raise QuantizationError(
+                f"empty item in quantization spec {text!r} (e.g. 'int8' or 'core=int4,prelude=int8,coda=none')"
+            )
         for number, item in enumerate(items):
             if "=" not in item:
                 if number > 0:  # it would set every part again, undoing what the items before it said
-                    raise QuantizationError(f"quantization spec {text!r}: the scheme for every part ({item!r}) "
-                                            "comes first, e.g. 'int4,core=int8'")
+                    raise QuantizationError(
+                        f"quantization spec {text!r}: the scheme for every part ({item!r}) "
+                        "comes first, e.g. 'int4,core=int8'"
+                    )
                 values.update(dict.fromkeys(PARTS, item))
                 continue
             part, scheme = (s.strip() for s in item.split("=", 1))
             if part not in PARTS:
-                raise QuantizationError(f"quantization spec {text!r}: unknown part {part!r} "
-                                        f"(expected {', '.join(PARTS)})")
+                raise QuantizationError(
+                    f"quantization spec {text!r}: unknown part {part!r} (expected {', '.join(PARTS)})"
+                )
             if part in named:  # the last would win, silently
                 raise QuantizationError(f"quantization spec {text!r}: part {part!r} is named twice")
             named.add(part)
@@ -102,21 +118,25 @@ class QuantSpec:
 
     def __str__(self) -> str:
         schemes = [getattr(self, part) for part in PARTS]
-        text = schemes[0] if len(set(schemes)) == 1 else ",".join(f"{p}={s}" for p, s in zip(PARTS, schemes))
+        text = (
+            schemes[0] if len(set(schemes)) == 1 else ",".join(f"{p}={s}" for p, s in zip(PARTS, schemes, strict=True))
+        )
         return text + (f" (group {self.group_size})" if "int4" in schemes else "")
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_json(cls, raw: Any, source: str = "config.json") -> "QuantSpec":
+    def from_json(cls, raw: Any, source: str = "config.json") -> QuantSpec:
         if not isinstance(raw, dict) or set(raw) - {f.name for f in fields(cls)}:
-            raise QuantizationError(f"{source}: {CONFIG_KEY} must be an object with keys "
-                                    f"{', '.join(f.name for f in fields(cls))}, got {raw!r}")
+            raise QuantizationError(
+                f"{source}: {CONFIG_KEY} must be an object with keys "
+                f"{', '.join(f.name for f in fields(cls))}, got {raw!r}"
+            )
         return cls(**raw)
 
 
-def as_spec(value: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec | None:
+def as_spec(value: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec | None:
     """A spec from a spec, its text or None (None and all-"none" mean no quantization)."""
     spec = QuantSpec.parse(value, group_size) if isinstance(value, str) else value
     return spec if spec is not None and spec.active else None
@@ -139,10 +159,33 @@ class QuantizedLinear(nn.Module):
     linear, 7-bit activations): several times faster there, at the cost of activation rounding.
     `canonical()` gives the portable form that is saved, and `from_canonical` reads it back."""
 
-    def __init__(self, scheme: str, in_features: int, out_features: int, group_size: int,
-                 qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None) -> None:
+    # The buffers __init__ registers, declared for the type checker. Each is read only by the scheme and device
+    # that hold it: qweight is None under w8a8 on the CPU (`packed` holds the weight), zeros is int4's off the
+    # CPU, scales_and_zeros int4's on it.
+    qweight: Tensor
+    scales: Tensor
+    zeros: Tensor
+    scales_and_zeros: Tensor
+    bias: Tensor | None
+
+    def __init__(
+        self,
+        scheme: str,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        qweight: Tensor,
+        scales: Tensor,
+        zeros: Tensor | None,
+        bias: Tensor | None,
+    ) -> None:
         super().__init__()
-        self.scheme, self.in_features, self.out_features, self.group_size = scheme, in_features, out_features, group_size
+        self.scheme, self.in_features, self.out_features, self.group_size = (
+            scheme,
+            in_features,
+            out_features,
+            group_size,
+        )
         self.on_cpu = qweight.device.type == "cpu"
         kernel_dtype = torch.bfloat16 if self.on_cpu else torch.float32
         self.packed = None
@@ -151,19 +194,25 @@ class QuantizedLinear(nn.Module):
             try:
                 with warnings.catch_warnings():  # PyTorch marks its quantized tensors deprecated (docs/quantization.md)
                     warnings.simplefilter("ignore", UserWarning)
-                    weight = torch._make_per_channel_quantized_tensor(qweight, scales.double(), torch.zeros(
-                        out_features, dtype=torch.long), 0)
+                    weight = torch._make_per_channel_quantized_tensor(
+                        qweight, scales.double(), torch.zeros(out_features, dtype=torch.long), 0
+                    )
                     self.packed = torch.ops.quantized.linear_prepack(weight, None)
             except (AttributeError, RuntimeError) as err:
-                raise QuantizationError(f"w8a8 needs PyTorch's FBGEMM quantized linear, which this PyTorch lacks "
-                                        f"({err}); use int8") from None
+                raise QuantizationError(
+                    f"w8a8 needs PyTorch's FBGEMM quantized linear, which this PyTorch lacks ({err}); use int8"
+                ) from None
             self.register_buffer("qweight", None, persistent=False)
             self.register_buffer("scales", scales.float(), persistent=False)
         elif scheme == "int4" and self.on_cpu:
+            assert zeros is not None  # an int4 weight has its zero points (from_weight, from_canonical)
             self.register_buffer("qweight", _nibbles_to_cpu_int4_layout(qweight), persistent=False)
             # [in/group, out, 2]: scale and zero point, as the kernel reads them
-            self.register_buffer("scales_and_zeros", torch.stack((scales, zeros), -1).transpose(0, 1)
-                                 .contiguous().to(kernel_dtype), persistent=False)
+            self.register_buffer(
+                "scales_and_zeros",
+                torch.stack((scales, zeros), -1).transpose(0, 1).contiguous().to(kernel_dtype),
+                persistent=False,
+            )
         else:
             self.register_buffer("qweight", _aligned(qweight), persistent=False)
             self.register_buffer("scales", _aligned(scales.to(kernel_dtype)), persistent=False)
@@ -173,11 +222,11 @@ class QuantizedLinear(nn.Module):
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int) -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int) -> QuantizedLinear:
         return cls.from_weight(linear.weight, linear.bias, scheme, group_size)
 
     @classmethod
-    def from_weight(cls, weight: Tensor, bias: Tensor | None, scheme: str, group_size: int) -> "QuantizedLinear":
+    def from_weight(cls, weight: Tensor, bias: Tensor | None, scheme: str, group_size: int) -> QuantizedLinear:
         """Quantize `weight` [out, in] (on its device)."""
         w = weight.detach().float()
         out_features, in_features = w.shape
@@ -197,8 +246,17 @@ class QuantizedLinear(nn.Module):
         return cls("int4", in_features, out_features, group_size, packed, scales, zeros, bias)
 
     @classmethod
-    def from_canonical(cls, name: str, scheme: str, tensors: Mapping[str, Tensor], bias: Tensor | None,
-                       out_features: int, in_features: int, group_size: int, device) -> "QuantizedLinear":
+    def from_canonical(
+        cls,
+        name: str,
+        scheme: str,
+        tensors: Mapping[str, Tensor],
+        bias: Tensor | None,
+        out_features: int,
+        in_features: int,
+        group_size: int,
+        device,
+    ) -> QuantizedLinear:
         """Read the stored form (see the module docstring) of a layer `scheme` quantizes, refusing tensors
         that do not fit the layer `name` [out_features, in_features] in one line."""
         q, scales, zeros = (tensors.get(s) for s in SUFFIXES)
@@ -208,9 +266,11 @@ class QuantizedLinear(nn.Module):
             stored, expected = "int8", {"qweight": (out_features, in_features), "scales": (out_features,)}
         elif q.dtype == torch.uint8:
             stored = "int4"
-            expected = {"qweight": (out_features, in_features // 2),
-                        "scales": (out_features, in_features // group_size),
-                        "zeros": (out_features, in_features // group_size)}
+            expected = {
+                "qweight": (out_features, in_features // 2),
+                "scales": (out_features, in_features // group_size),
+                "zeros": (out_features, in_features // group_size),
+            }
             if zeros is None:
                 raise QuantizationError(f"{name}: an int4 weight needs {name}.zeros")
         else:
@@ -219,20 +279,29 @@ class QuantizedLinear(nn.Module):
             raise QuantizationError(f"{name}.zeros is not part of an int8 weight")
         if scheme == "w8a8" and stored == "int8":
             stored = "w8a8"
-        given = {"qweight": q, "scales": scales, "zeros": zeros}
+        given = {"qweight": q, "scales": scales} | ({} if zeros is None else {"zeros": zeros})
         for key, shape in expected.items():
             if tuple(given[key].shape) != shape:
-                raise QuantizationError(f"{name}.{key} has shape {list(given[key].shape)}, expected {list(shape)}"
-                                        + (f" (group size {group_size})" if stored == "int4" and key != "qweight"
-                                           else ""))
+                raise QuantizationError(
+                    f"{name}.{key} has shape {list(given[key].shape)}, expected {list(shape)}"
+                    + (f" (group size {group_size})" if stored == "int4" and key != "qweight" else "")
+                )
             if key != "qweight" and not given[key].is_floating_point():
                 raise QuantizationError(f"{name}.{key} has dtype {given[key].dtype}; expected a float tensor")
             if key != "qweight" and not torch.isfinite(given[key]).all():
                 raise QuantizationError(f"{name}.{key} holds non-finite values")
         if not (scales > 0).all():
             raise QuantizationError(f"{name}.scales holds values <= 0")
-        return cls(stored, in_features, out_features, group_size, q.to(device), scales.float().to(device),
-                   None if zeros is None else zeros.float().to(device), None if bias is None else bias.to(device))
+        return cls(
+            stored,
+            in_features,
+            out_features,
+            group_size,
+            q.to(device),
+            scales.float().to(device),
+            None if zeros is None else zeros.float().to(device),
+            None if bias is None else bias.to(device),
+        )
 
     def canonical(self) -> dict[str, Tensor]:
         """The stored form: qweight, scales (and zeros for int4) on the CPU, scales in float32."""
@@ -267,17 +336,20 @@ class QuantizedLinear(nn.Module):
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
         if self.on_cpu != (x.device.type == "cpu"):
-            raise RuntimeError(f"a layer quantized {'on' if self.on_cpu else 'off'} the CPU got input on {x.device}: "
-                               "quantize the model on the device it runs on (load_model(..., device=..., "
-                               "quantize=...))")
+            raise RuntimeError(
+                f"a layer quantized {'on' if self.on_cpu else 'off'} the CPU got input on {x.device}: "
+                "quantize the model on the device it runs on (load_model(..., device=..., "
+                "quantize=...))"
+            )
         if self.packed is not None:
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True)
         elif self.scheme in ("int8", "w8a8") and self.on_cpu:
             y = torch._weight_int8pack_mm(x2.to(self.scales.dtype).contiguous(), self.qweight, self.scales)
         elif self.on_cpu and self.scheme == "int4":
             kernel = self.scales_and_zeros.dtype
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(kernel).contiguous(), self.qweight,
-                                                           self.group_size, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(kernel).contiguous(), self.qweight, self.group_size, self.scales_and_zeros
+            )
         else:
             y = self.dequantized_matmul(x2)
         y = y.to(dtype)
@@ -300,23 +372,6 @@ class QuantizedLinear(nn.Module):
         return held + (self.out_features * self.in_features if self.packed is not None else 0)
 
 
-def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
-    q = _unpack_nibbles(packed).float()
-    out_features, in_features = q.shape
-    grouped = q.reshape(out_features, in_features // group_size, group_size)
-    return ((grouped - 8) * scales.float()[..., None] + zeros.float()[..., None]).reshape(out_features, in_features)
-
-
-def _pack_nibbles(q: Tensor) -> Tensor:
-    """[out, in] values 0..15 -> uint8 [out, in/2]: column 2j low nibble, 2j+1 high."""
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def _unpack_nibbles(packed: Tensor) -> Tensor:
-    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-
-
 def _aligned(tensor: Tensor) -> Tensor:
     """`tensor`, copied where its data does not start on a 64-byte boundary. A tensor read from a
     safetensors file can start anywhere in the file's buffer, and PyTorch's AVX-512 int8 kernel
@@ -324,57 +379,11 @@ def _aligned(tensor: Tensor) -> Tensor:
     return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
 
 
-def _to_cpu_int4_layout(q: Tensor) -> Tensor:
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-
-
-def _nibbles_to_cpu_int4_layout(packed: Tensor, rows: int = _PACK_ROWS) -> Tensor:
-    """`_to_cpu_int4_layout(_unpack_nibbles(packed))` a block of rows at a time: the kernel's layout keeps
-    blocks of 32 or 64 output rows, and unpacking a whole head to int32 at once costs 8 bytes per weight of
-    transient memory (128 MiB for a 32768x1024 head)."""
-    return torch.cat([_to_cpu_int4_layout(_unpack_nibbles(packed[i:i + rows]))
-                      for i in range(0, packed.shape[0], rows)])
-
-
-def _from_cpu_int4_layout(packed: Tensor, out_features: int, in_features: int, rows: int = _PACK_ROWS) -> Tensor:
-    """The inverse of `_to_cpu_int4_layout` (tested against it), a block of rows at a time as
-    `_nibbles_to_cpu_int4_layout` packs them. The layout is PyTorch's and depends on the CPU's kernels
-    (blocks of 64 output rows with AVX-512, 32 with AVX2, adjacent rows paired without either), so it is
-    read off the kernel itself (`_cpu_int4_order`), not assumed."""
-    packed = packed.cpu()
-    blocks = []
-    for start in range(0, out_features, rows):
-        chunk = packed[start:start + rows]
-        order = _cpu_int4_order(chunk.shape[0], in_features)
-        values = torch.empty(chunk.shape[0] * in_features, dtype=torch.uint8)
-        values[order.long()] = _unpack_nibbles(chunk).flatten()
-        blocks.append(values.view(chunk.shape[0], in_features))
-    return torch.cat(blocks)
-
-
-@functools.lru_cache(maxsize=4)
-def _cpu_int4_order(out_features: int, in_features: int) -> Tensor:
-    """For each nibble of the kernel's packed [out, in] weight (read as `_unpack_nibbles` does), the flat
-    index (row * in + column) of the weight it holds. Packing is a permutation of the nibbles, so packing
-    the indices themselves, 4 bits at a time, spells it out."""
-    index = torch.arange(out_features * in_features, dtype=torch.int32).view(out_features, in_features)
-    order = torch.zeros(out_features * in_features, dtype=torch.int32)
-    for shift in range(0, max(1, (out_features * in_features - 1).bit_length()), 4):
-        digits = _unpack_nibbles(_to_cpu_int4_layout((index >> shift) & 15)).flatten()
-        order |= digits.to(torch.int32) << shift
-    return order
-
-
 # ------------------------------------------------------------------------------------------------
 # Quantizing a model
 
 
-def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
-    """Whether the int4 layout holds a [out, in] layer (others fall back to int8)."""
-    return in_features % group_size == 0 and out_features % _CPU_BLOCK_N == 0 and in_features % 2 == 0
-
-
-def layers(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
+def layers(model: RecurrentDepthLM) -> Iterator[tuple[str, str, nn.Linear | QuantizedLinear | nn.Embedding]]:
     """(part, module name, module) of every linear layer a spec can quantize."""
     for part, prefix in (("prelude", "prelude."), ("core", "core."), ("coda", "coda.")):
         for name, module in model.named_modules():
@@ -385,7 +394,9 @@ def layers(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
     yield "head", "lm_head", model.lm_head if model.lm_head is not None else model.embedding
 
 
-def quantize(model: nn.Module, spec: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+def quantize(
+    model: RecurrentDepthLM, spec: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE
+) -> RecurrentDepthLM:
     """Quantize `model` (a RecurrentDepthLM) in place by `spec` and return it; `model.quantization` records
     the spec. A layer int4 cannot hold (in_features not a multiple of the group size, out_features not of
     32) is quantized to int8 instead; `model.quantized_layers` says what each layer got."""
@@ -393,8 +404,10 @@ def quantize(model: nn.Module, spec: "QuantSpec | str | None", group_size: int =
     if spec is None:
         return model
     if getattr(model, "quantization", None) is not None:
-        raise QuantizationError(f"the model is quantized already ({model.quantization}); load the unquantized "
-                                "model to quantize it differently")
+        raise QuantizationError(
+            f"the model is quantized already ({model.quantization}); load the unquantized "
+            "model to quantize it differently"
+        )
     chosen: dict[str, str] = {}
     with torch.no_grad():
         for part, name, module in list(layers(model)):
@@ -402,7 +415,8 @@ def quantize(model: nn.Module, spec: "QuantSpec | str | None", group_size: int =
             if scheme == "none":
                 continue
             weight = module.weight
-            if scheme == "int4" and not int4_fits(*weight.shape, spec.group_size):
+            out_features, in_features = weight.shape
+            if scheme == "int4" and not int4_fits(out_features, in_features, spec.group_size):
                 scheme = "int8"
             bias = module.bias if isinstance(module, nn.Linear) else None
             quantized = QuantizedLinear.from_weight(weight, bias, scheme, spec.group_size)
@@ -418,7 +432,9 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def apply(model: nn.Module, spec: "QuantSpec | str | None", group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+def apply(
+    model: RecurrentDepthLM, spec: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE
+) -> RecurrentDepthLM:
     """`quantize` for a model just loaded: a model saved quantized keeps its quantization when `spec` asks for
     nothing or for the same; asking a different one is refused (quantizing twice compounds the error)."""
     spec = as_spec(spec, group_size)
@@ -426,8 +442,10 @@ def apply(model: nn.Module, spec: "QuantSpec | str | None", group_size: int = DE
     if spec is None or spec == stored:
         return model
     if stored is not None:
-        raise QuantizationError(f"the model is saved quantized ({stored}); --quantize {spec} would quantize it "
-                                "twice: drop --quantize, or quantize the unquantized model")
+        raise QuantizationError(
+            f"the model is saved quantized ({stored}); --quantize {spec} would quantize it "
+            "twice: drop --quantize, or quantize the unquantized model"
+        )
     return quantize(model, spec)
 
 
@@ -448,7 +466,7 @@ def quantized_tensors(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def attach_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, Tensor], device, source: str) -> None:
+def attach_quantized(model: RecurrentDepthLM, spec: QuantSpec, tensors: dict[str, Tensor], device, source: str) -> None:
     """Replace the layers `spec` quantizes by QuantizedLinear layers read from `tensors` (keys as
     `quantized_tensors` writes them; used entries are removed). A missing, extra or ill-fitting tensor is
     refused in one line naming it."""
@@ -467,8 +485,9 @@ def attach_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, Tenso
         if has_bias and bias is None:
             raise QuantizationError(f"{source}: missing {name}.bias")
         try:
-            layer = QuantizedLinear.from_canonical(name, getattr(spec, part), parts, bias, out_features,
-                                                   in_features, spec.group_size, device)
+            layer = QuantizedLinear.from_canonical(
+                name, getattr(spec, part), parts, bias, out_features, in_features, spec.group_size, device
+            )
         except QuantizationError as err:
             raise QuantizationError(f"{source}: {err}") from None
         _set_module(model, name, layer)
@@ -483,7 +502,7 @@ def weight_bytes(model: nn.Module) -> int:
     return total + sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
-def describe(model: nn.Module) -> str:
+def describe(model: RecurrentDepthLM) -> str:
     spec = getattr(model, "quantization", None)
     if spec is None:
         return "not quantized"
@@ -494,5 +513,18 @@ def describe(model: nn.Module) -> str:
     return f"{spec} ({layers_text} layers; weights {weight_bytes(model) / 2**20:.1f} MiB)"
 
 
-__all__ = ["QuantSpec", "QuantizedLinear", "QuantizationError", "quantize", "is_quantized", "quantized_tensors",
-           "attach_quantized", "weight_bytes", "describe", "PARTS", "SCHEMES", "CONFIG_KEY", "as_spec"]
+__all__ = [
+    "CONFIG_KEY",
+    "PARTS",
+    "SCHEMES",
+    "QuantSpec",
+    "QuantizationError",
+    "QuantizedLinear",
+    "as_spec",
+    "attach_quantized",
+    "describe",
+    "is_quantized",
+    "quantize",
+    "quantized_tensors",
+    "weight_bytes",
+]

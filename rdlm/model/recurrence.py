@@ -25,7 +25,7 @@ and after a resume.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -80,8 +80,13 @@ SAMPLERS: dict[str, Sampler] = {
 }
 
 
-def sample_num_steps(mean: float, backprop_depth: int, sampler: str = "lognormal-poisson",
-                     sigma: float = 0.5, generator: torch.Generator | None = None) -> tuple[int, int]:
+def sample_num_steps(
+    mean: float,
+    backprop_depth: int,
+    sampler: str = "lognormal-poisson",
+    sigma: float = 0.5,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
     """Draw r and split it into (r - k, k) with k = min(backprop_depth, r)."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown recurrence sampler {sampler!r}; available: {sorted(SAMPLERS)}")
@@ -104,8 +109,9 @@ def microbatch_seed(seed: int, index: int, stream: int = 0) -> int:
     return int(np.random.SeedSequence([seed, index, stream]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def draw_for_microbatch(seed: int, index: int, mean: float, backprop_depth: int,
-                        sampler: str = "lognormal-poisson", sigma: float = 0.5) -> tuple[int, int]:
+def draw_for_microbatch(
+    seed: int, index: int, mean: float, backprop_depth: int, sampler: str = "lognormal-poisson", sigma: float = 0.5
+) -> tuple[int, int]:
     """The (no-grad, with-grad) split for global micro-batch `index`: the same on every worker."""
     generator = torch.Generator().manual_seed(microbatch_seed(seed, index))
     return sample_num_steps(mean, backprop_depth, sampler, sigma, generator)

@@ -15,11 +15,13 @@ directory is run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -52,9 +54,11 @@ def read_source_config(source: str | os.PathLike) -> dict[str, Any]:
         raise RetrofitError(f"{path}: expected a JSON object")
     kind = raw.get("model_type")
     if kind not in RETROFIT_SOURCES:
-        raise RetrofitError(f"{path}: model_type {kind!r} is not supported (supported: "
-                            f"{', '.join(RETROFIT_SOURCES)}; Qwen2's q/k/v biases, for one, have no place in the "
-                            "retrofitted layout)")
+        raise RetrofitError(
+            f"{path}: model_type {kind!r} is not supported (supported: "
+            f"{', '.join(RETROFIT_SOURCES)}; Qwen2's q/k/v biases, for one, have no place in the "
+            "retrofitted layout)"
+        )
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if raw.get(key, expected) != expected:
             raise RetrofitError(f"{path}: {key}={raw[key]!r} is not supported (expected {expected!r})")
@@ -81,11 +85,13 @@ def check_split(layers: int, prelude: Sequence[int], core: Sequence[int], coda: 
     # The source's order, kept: at r = 1 an identity adapter then computes the source model without the dropped
     # layers (the module doc). Layers run out of order would silently compute something else.
     order = [*prelude, *core, *coda]
-    backwards = next(((a, b) for a, b in zip(order, order[1:]) if a > b), None)
+    backwards = next(((a, b) for a, b in itertools.pairwise(order) if a > b), None)
     if backwards is not None:
-        raise RetrofitError(f"layer {backwards[1]} comes after layer {backwards[0]}: prelude, core and coda take the "
-                            f"source's layers in its order (e.g. prelude 0-1, core 2-5, coda 6-7), got prelude "
-                            f"{list(prelude)}, core {list(core)}, coda {list(coda)}")
+        raise RetrofitError(
+            f"layer {backwards[1]} comes after layer {backwards[0]}: prelude, core and coda take the "
+            f"source's layers in its order (e.g. prelude 0-1, core 2-5, coda 6-7), got prelude "
+            f"{list(prelude)}, core {list(core)}, coda {list(coda)}"
+        )
 
 
 def retrofit_config(raw: dict[str, Any], prelude: int, core: int, coda: int, **overrides: Any) -> RDLMConfig:
@@ -94,8 +100,16 @@ def retrofit_config(raw: dict[str, Any], prelude: int, core: int, coda: int, **o
         source = RETROFIT_SOURCES[raw["model_type"]].source_config(raw)
     except ValueError as err:
         raise RetrofitError(str(err)) from err
-    values = dict(source, prelude_layers=prelude, core_layers=core, coda_layers=coda, injection="concat",
-                  state_init="random", mean_recurrence=4, backprop_depth=4)
+    values = dict(
+        source,
+        prelude_layers=prelude,
+        core_layers=core,
+        coda_layers=coda,
+        injection="concat",
+        state_init="random",
+        mean_recurrence=4,
+        backprop_depth=4,
+    )
     values.update(overrides)
     try:
         return RDLMConfig.from_dict(values)
@@ -113,12 +127,15 @@ def _layer_tensors(tensors: dict[str, torch.Tensor], source: int, family: Retrof
             raise RetrofitError(f"the source checkpoint has no tensor {key}")
         return tensors[key]
 
-    return {ours: torch.cat([take(name) for name in theirs]) if len(theirs) > 1 else take(theirs[0])
-            for ours, theirs in family.source_parts().items()}
+    return {
+        ours: torch.cat([take(name) for name in theirs]) if len(theirs) > 1 else take(theirs[0])
+        for ours, theirs in family.source_parts().items()
+    }
 
 
-def adapter_weight(hidden: int, init: str, dtype: torch.dtype,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+def adapter_weight(
+    hidden: int, init: str, dtype: torch.dtype, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """The adapter [h, 2h] over [s, e]: "identity" [0 | I] passes e (the source model's function at r = 1);
     "sum" [I | I] adds s to e; "random" is rdlm's initialisation (truncated normal, std sqrt(2/(5h)))."""
     if init not in ADAPTER_INITS:
@@ -134,9 +151,19 @@ def adapter_weight(hidden: int, init: str, dtype: torch.dtype,
     return weight.to(dtype)
 
 
-def retrofit(source: str | os.PathLike, out: str | os.PathLike, prelude: Sequence[int], core: Sequence[int],
-             coda: Sequence[int], *, adapter_init: str = "identity", dtype: torch.dtype | None = None,
-             seed: int = 0, overwrite: bool = False, **config_overrides: Any) -> RecurrentDepthLM:
+def retrofit(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    prelude: Sequence[int],
+    core: Sequence[int],
+    coda: Sequence[int],
+    *,
+    adapter_init: str = "identity",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    overwrite: bool = False,
+    **config_overrides: Any,
+) -> RecurrentDepthLM:
     """Write the retrofitted model of `source` to `out` (see the module doc) and return it. `out` may not be
     the source, nor hold a model unless `overwrite` (rdlm.model.convert.check_destination)."""
     raw = read_source_config(source)
@@ -156,8 +183,9 @@ def retrofit(source: str | os.PathLike, out: str | os.PathLike, prelude: Sequenc
         raise RetrofitError(str(err)) from err
     state = _source_state(source, tensors, RETROFIT_SOURCES[raw["model_type"]], prelude, core, coda)
     dtype = dtype or state["embedding.weight"].dtype
-    state["adapter.weight"] = adapter_weight(config.hidden_size, adapter_init, dtype,
-                                             torch.Generator().manual_seed(seed))
+    state["adapter.weight"] = adapter_weight(
+        config.hidden_size, adapter_init, dtype, torch.Generator().manual_seed(seed)
+    )
     if config.adapter_bias:
         state["adapter.bias"] = torch.zeros(config.hidden_size, dtype=dtype)
     model = _assemble(config, state, dtype)
@@ -169,10 +197,22 @@ def plain_config(**values: Any) -> RDLMConfig:
     """A fixed-depth Llama as an rdlm config: one pass of `core_layers` layers, s_0 = e, no injection, pre-norm
     blocks, the final norm at the output. At r = 1 it is exactly a LlamaForCausalLM (`save_as_llama`), so
     rdlm's trainer can pretrain the baseline that `retrofit` starts from."""
-    base = dict(prelude_layers=0, coda_layers=0, injection="none", state_init="embedding", final_norm="output",
-                norm_scheme=RETROFIT_LLAMA.norm_scheme, rope_pairs="halves", qk_bias=False, tie_embeddings=False,
-                embed_scale=1.0, mean_recurrence=1, backprop_depth=1, recurrence_sampler="fixed",
-                family=RETROFIT_LLAMA.name)
+    base = dict(
+        prelude_layers=0,
+        coda_layers=0,
+        injection="none",
+        state_init="embedding",
+        final_norm="output",
+        norm_scheme=RETROFIT_LLAMA.norm_scheme,
+        rope_pairs="halves",
+        qk_bias=False,
+        tie_embeddings=False,
+        embed_scale=1.0,
+        mean_recurrence=1,
+        backprop_depth=1,
+        recurrence_sampler="fixed",
+        family=RETROFIT_LLAMA.name,
+    )
     return RDLMConfig.from_dict({**base, **values})
 
 
@@ -188,19 +228,35 @@ def save_as_llama(model: RecurrentDepthLM, out: str | os.PathLike) -> Path:
         raise RetrofitError("only a fixed-depth model (rdlm.model.retrofit.plain_config) is a Llama")
     sizes = split_sizes(c)
     params = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
-    tensors = {"model.embed_tokens.weight": params["embedding.weight"],
-               "model.norm.weight": params["final_norm.weight"], "lm_head.weight": params["lm_head.weight"]}
+    tensors = {
+        "model.embed_tokens.weight": params["embedding.weight"],
+        "model.norm.weight": params["final_norm.weight"],
+        "lm_head.weight": params["lm_head.weight"],
+    }
     for i in range(c.core_layers):
         for ours, theirs in RETROFIT_LLAMA.source_parts().items():
             pieces = split(params[f"core.{i}.{ours}"], theirs, sizes.get(ours))
             tensors.update({f"model.layers.{i}.{name}": tensor for name, tensor in pieces.items()})
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
-              "intermediate_size": c.intermediate_size, "num_hidden_layers": c.core_layers,
-              "num_attention_heads": c.num_heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
-              "max_position_embeddings": c.context_length, "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_base,
-              "rope_scaling": c.rope_scaling, "tie_word_embeddings": False, "hidden_act": "silu",
-              "attention_bias": False, "mlp_bias": False, "vocab_size": c.vocab_size,
-              "torch_dtype": str(params["embedding.weight"].dtype).removeprefix("torch.")}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.core_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.kv_heads,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.context_length,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_base,
+        "rope_scaling": c.rope_scaling,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": c.vocab_size,
+        "torch_dtype": str(params["embedding.weight"].dtype).removeprefix("torch."),
+    }
     out = Path(out)
     with staging_dir(out) as tmp:
         save_file({n: t.contiguous() for n, t in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -213,8 +269,17 @@ def load_llama(source: str | os.PathLike, dtype: torch.dtype | None = None) -> R
     same logits as the source): the no-recurrence baseline to compare a retrofitted model with."""
     raw = read_source_config(source)
     layers = list(range(raw["num_hidden_layers"]))
-    config = retrofit_config(raw, 0, len(layers), 0, injection="none", state_init="embedding", mean_recurrence=1,
-                             backprop_depth=1, recurrence_sampler="fixed")
+    config = retrofit_config(
+        raw,
+        0,
+        len(layers),
+        0,
+        injection="none",
+        state_init="embedding",
+        mean_recurrence=1,
+        backprop_depth=1,
+        recurrence_sampler="fixed",
+    )
     try:
         tensors = read_weights(source)
     except CheckpointError as err:
@@ -223,16 +288,25 @@ def load_llama(source: str | os.PathLike, dtype: torch.dtype | None = None) -> R
     return _assemble(config, state, dtype or state["embedding.weight"].dtype)
 
 
-def _source_state(source, tensors: dict[str, torch.Tensor], family: RetrofitAdapter, prelude: Sequence[int],
-                  core: Sequence[int], coda: Sequence[int]) -> dict[str, torch.Tensor]:
+def _source_state(
+    source,
+    tensors: dict[str, torch.Tensor],
+    family: RetrofitAdapter,
+    prelude: Sequence[int],
+    core: Sequence[int],
+    coda: Sequence[int],
+) -> dict[str, torch.Tensor]:
     """rdlm parameters from a source checkpoint's tensors (no adapter)."""
     embedding = tensors.get("model.embed_tokens.weight")
     if embedding is None:
         raise RetrofitError(f"{source}: the source checkpoint has no tensor model.embed_tokens.weight")
     # A tied source head becomes an untied copy: the retrofitted layout has its own lm_head.
     head = tensors.get("lm_head.weight", embedding)
-    state = {"embedding.weight": embedding, "lm_head.weight": head.clone(),
-             "final_norm.weight": tensors["model.norm.weight"]}
+    state = {
+        "embedding.weight": embedding,
+        "lm_head.weight": head.clone(),
+        "final_norm.weight": tensors["model.norm.weight"],
+    }
     for group, indices in (("prelude", prelude), ("core", core), ("coda", coda)):
         for i, index in enumerate(indices):
             for name, tensor in _layer_tensors(tensors, index, family).items():
@@ -261,7 +335,7 @@ def _rope(config: RDLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def parse_layers(text: str) -> list[int]:
-    """"0,1,2,3" or ranges "0-3,10-17" -> layer indices, in order."""
+    """ "0,1,2,3" or ranges "0-3,10-17" -> layer indices, in order."""
     out: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:

@@ -13,7 +13,8 @@ here so that rdlm needs no transformers to run these models; tests compare the t
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,6 +53,8 @@ def inverse_frequencies(head_dim: int, base: float, scaling: Mapping[str, Any] |
     """inv_freq [head_dim/2] in float32, after `scaling` (see the module doc)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     kind = scaling_type(scaling)
+    if scaling is None:  # (kind "default")
+        return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind != "llama3":
@@ -68,8 +71,9 @@ def inverse_frequencies(head_dim: int, base: float, scaling: Mapping[str, Any] |
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(head_dim: int, length: int, base: float,
-                scaling: Mapping[str, Any] | None = None) -> tuple[Tensor, Tensor]:
+def rope_tables(
+    head_dim: int, length: int, base: float, scaling: Mapping[str, Any] | None = None
+) -> tuple[Tensor, Tensor]:
     """cos/sin tables [length, head_dim/2] in float32."""
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inverse_frequencies(head_dim, base, scaling))
     return angles.cos(), angles.sin()

@@ -4,8 +4,9 @@ optimizer (`parallelize`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,11 +28,14 @@ def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple
 
     found = resolve_model_source(source, weights="model")
     if found.kind == "preset":
+        assert found.preset is not None  # a preset's name, by its kind
         return RecurrentDepthLM(RDLMConfig.from_preset(found.preset, **(overrides or {}))), None
     model = found.load(dtype=torch.float32)
     if getattr(model, "quantization", None) is not None:
-        raise ConfigError(f"{source} is quantized ({model.quantization}): its integer weights cannot be trained; "
-                          "train the unquantized model and quantize it afterwards")
+        raise ConfigError(
+            f"{source} is quantized ({model.quantization}): its integer weights cannot be trained; "
+            "train the unquantized model and quantize it afterwards"
+        )
     if overrides:
         # Training-time fields (recurrence, checkpointing) may change; shapes may not.
         new = model.config.replace(**overrides)
@@ -40,9 +44,11 @@ def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple
         for name, tensor in model.state_dict().items():
             if shapes.get(name) != tuple(tensor.shape):
                 changed = ", ".join(f"{k}={v}" for k, v in overrides.items() if getattr(model.config, k, v) != v)
-                raise ConfigError(f"--set {changed}: {source} holds weights of other shapes ({name} is "
-                                  f"{tuple(tensor.shape)}, the new config needs {shapes.get(name)}); a loaded "
-                                  "model can change training-time fields only (recurrence, checkpointing)")
+                raise ConfigError(
+                    f"--set {changed}: {source} holds weights of other shapes ({name} is "
+                    f"{tuple(tensor.shape)}, the new config needs {shapes.get(name)}); a loaded "
+                    "model can change training-time fields only (recurrence, checkpointing)"
+                )
         fresh.load_state_dict(model.state_dict())
         model = fresh
     return model.train(), found.tokenizer_dir
@@ -66,24 +72,34 @@ def check_compatible(model: RecurrentDepthLM, sources: dict[str, RowSource], tok
     """Catch data/model/tokenizer mismatches before the first step, naming what does not fit."""
     vocab = model.config.vocab_size
     if tokenizer is not None and tokenizer.vocab_size > vocab:
-        raise DataError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens but the model's "
-                        f"vocabulary is {vocab}: tokenizer/model vocabulary mismatch")
+        raise DataError(
+            f"tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens but the model's "
+            f"vocabulary is {vocab}: tokenizer/model vocabulary mismatch"
+        )
     for name, source in sources.items():
         top = source.max_token_id()
         if top >= vocab:
-            raise DataError(f"{name} data holds token id {top}, out of range for the model's vocabulary "
-                            f"of {vocab}")
+            raise DataError(f"{name} data holds token id {top}, out of range for the model's vocabulary of {vocab}")
         low = getattr(source, "min_token_id", lambda: 0)()
         if low < 0:
             raise DataError(f"{name} data holds negative token id {low}")
         length = getattr(source, "row_length", None)
         if length is not None and length - 1 > model.config.context_length:
-            raise DataError(f"{name} rows have {length - 1} input tokens, more than the model's context "
-                            f"length {model.config.context_length}")
+            raise DataError(
+                f"{name} rows have {length - 1} input tokens, more than the model's context "
+                f"length {model.config.context_length}"
+            )
 
 
-def check_step_fits(model_config: RDLMConfig, config: TrainConfig, device: torch.device, seq_len: int,
-                    mean_recurrence: int, backprop_depth: int, element_bytes: int) -> None:
+def check_step_fits(
+    model_config: RDLMConfig,
+    config: TrainConfig,
+    device: torch.device,
+    seq_len: int,
+    mean_recurrence: int,
+    backprop_depth: int,
+    element_bytes: int,
+) -> None:
     """Refuse, before the first step, a micro-batch whose activations cannot fit in the device's memory or
     an optimizer step that cannot end (lower bounds, rdlm.resources); warn when the run is long."""
     c, micro = model_config, config.micro_batch_size
@@ -91,13 +107,26 @@ def check_step_fits(model_config: RDLMConfig, config: TrainConfig, device: torch
     # normalized copy, q/k/v) and the MLP's two intermediate projections, for every layer with gradient.
     grad_layers = c.prelude_layers + c.coda_layers + min(backprop_depth, mean_recurrence) * c.core_layers
     per_token = grad_layers * (4 * c.hidden_size + 2 * c.intermediate_size) * element_bytes
-    check_memory(micro * seq_len * per_token, "cpu" if config.cpu_offload else device,
-                 f"--micro-batch-size {micro}: the activations of {micro} x {seq_len} tokens at backprop "
-                 f"depth {backprop_depth}")
-    step = forward_seconds(c, device, micro * config.accumulation * seq_len, config.accumulation,
-                           mean_recurrence, min(backprop_depth, mean_recurrence))
-    check_time(config.steps * step, step, f"training {config.steps} steps at mean r = {mean_recurrence} "
-               f"({micro} x {config.accumulation} rows of {seq_len} tokens per step)", "step")
+    check_memory(
+        micro * seq_len * per_token,
+        "cpu" if config.cpu_offload else device,
+        f"--micro-batch-size {micro}: the activations of {micro} x {seq_len} tokens at backprop depth {backprop_depth}",
+    )
+    step = forward_seconds(
+        c,
+        device,
+        micro * config.accumulation * seq_len,
+        config.accumulation,
+        mean_recurrence,
+        min(backprop_depth, mean_recurrence),
+    )
+    check_time(
+        config.steps * step,
+        step,
+        f"training {config.steps} steps at mean r = {mean_recurrence} "
+        f"({micro} x {config.accumulation} rows of {seq_len} tokens per step)",
+        "step",
+    )
 
 
 def as_source(data: Any) -> RowSource:
@@ -110,8 +139,10 @@ def as_source(data: Any) -> RowSource:
         lengths = {len(s) for s in data}
         if len(lengths) == 1:
             return MemoryRows(torch.tensor([list(s) for s in data]))
-        raise DataError("sequences of different lengths: build MemoryRows.from_sequences(seqs, pad_id) "
-                        "so padding is excluded from the loss")
+        raise DataError(
+            "sequences of different lengths: build MemoryRows.from_sequences(seqs, pad_id) "
+            "so padding is excluded from the loss"
+        )
     raise DataError(f"cannot use {type(data).__name__} as training data")
 
 
@@ -121,8 +152,9 @@ def has_split(directory: str, split: str) -> bool:
     return bool(read_meta(Path(directory))["splits"].get(split))
 
 
-def data_sources(config: TrainConfig, tokenizer, train_data: Any = None,
-                 val_data: Any = None) -> tuple[RowSource, RowSource | None]:
+def data_sources(
+    config: TrainConfig, tokenizer, train_data: Any = None, val_data: Any = None
+) -> tuple[RowSource, RowSource | None]:
     """The training rows and the validation rows (None without a validation split): given directly, or
     read from `config.data` (token shards) or `config.prompt_response` (JSONL, needs the tokenizer)."""
     if train_data is not None:
@@ -131,8 +163,9 @@ def data_sources(config: TrainConfig, tokenizer, train_data: Any = None,
         train_source = TokenShards(config.data, "train")
     elif config.prompt_response is not None:
         if tokenizer is None:
-            raise DataError("prompt/response data needs a tokenizer (--tokenizer, or tokenizer.json "
-                            "in the model directory)")
+            raise DataError(
+                "prompt/response data needs a tokenizer (--tokenizer, or tokenizer.json in the model directory)"
+            )
         train_source = load_prompt_response(config.prompt_response, tokenizer)
     else:
         raise DataError("no training data: give TrainConfig.data, prompt_response, or train_data")
@@ -143,8 +176,9 @@ def data_sources(config: TrainConfig, tokenizer, train_data: Any = None,
     return train_source, None
 
 
-def parallelize(model: RecurrentDepthLM, config: TrainConfig, strategy: str, device: torch.device, world,
-                bf16: bool) -> tuple[torch.optim.Optimizer, Any]:
+def parallelize(
+    model: RecurrentDepthLM, config: TrainConfig, strategy: str, device: torch.device, world, bf16: bool
+) -> tuple[torch.optim.Optimizer, Any]:
     """Compile, shard or replicate `model` for `strategy` and build its optimizer, outside the model (as
     torchtitan's `parallelize`). Returns the optimizer and the DDP wrapper (None unless ddp)."""
     if config.compile:
@@ -154,19 +188,27 @@ def parallelize(model: RecurrentDepthLM, config: TrainConfig, strategy: str, dev
         for block in [*model.prelude, *model.core, *model.coda]:
             block.forward = torch.compile(block.forward)
 
-    opt_kwargs = dict(lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
-                      atan2=config.atan2, update_clip=config.update_clip)
+    opt_kwargs: dict[str, Any] = dict(
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        atan2=config.atan2,
+        update_clip=config.update_clip,
+    )
     ddp = None
+    optimizer: torch.optim.Optimizer
     if config.optimizer == "muon":
         if strategy == "fsdp" or (strategy == "ddp" and config.sharded_optimizer):
-            raise ConfigError("the muon optimizer orthogonalizes whole matrices: run one process, or "
-                                "--strategy ddp --no-sharded-optimizer")
+            raise ConfigError(
+                "the muon optimizer orthogonalizes whole matrices: run one process, or "
+                "--strategy ddp --no-sharded-optimizer"
+            )
         if strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        return MuonAdamW(model, muon_lr=config.muon_lr, muon_weight_decay=config.muon_weight_decay,
-                         **opt_kwargs), ddp
+        return MuonAdamW(model, muon_lr=config.muon_lr, muon_weight_decay=config.muon_weight_decay, **opt_kwargs), ddp
     if strategy == "fsdp":
         apply_fsdp(model, device, world, bf16, config.cpu_offload)
         optimizer = AdamW(parameter_groups(model), **opt_kwargs)
@@ -177,8 +219,9 @@ def parallelize(model: RecurrentDepthLM, config: TrainConfig, strategy: str, dev
         if config.sharded_optimizer:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            optimizer = ZeroRedundancyOptimizer(parameter_groups(model)[0]["params"], optimizer_class=AdamW,
-                                                **opt_kwargs)
+            optimizer = ZeroRedundancyOptimizer(
+                parameter_groups(model)[0]["params"], optimizer_class=AdamW, **opt_kwargs
+            )
         else:
             optimizer = AdamW(parameter_groups(model), **opt_kwargs)
     else:

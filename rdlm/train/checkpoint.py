@@ -46,7 +46,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -54,10 +54,24 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rdlm.fileio import staging_dir, temp_prefix, write_json
-from rdlm.model.checkpoints import (SHARDED_DIR, STEP_RE, TRAINER_FILE, checkpoint_dir,  # noqa: F401 (the layout's
-                                    confined_shards, has_ema, is_sharded, last_finite_checkpoint,  # names, here too)
-                                    latest_checkpoint, list_checkpoints, load_weights, read_sharded_full,
-                                    read_trainer)
+
+# STEP_RE, last_finite_checkpoint, latest_checkpoint and load_weights are not used here: the layout's names,
+# re-exported because callers import them from here too (rdlm.train.resume, rdlm.model.resolve, the tests).
+from rdlm.model.checkpoints import (
+    SHARDED_DIR,
+    STEP_RE,  # noqa: F401
+    TRAINER_FILE,
+    checkpoint_dir,
+    confined_shards,
+    has_ema,
+    is_sharded,
+    last_finite_checkpoint,  # noqa: F401
+    latest_checkpoint,  # noqa: F401
+    list_checkpoints,
+    load_weights,  # noqa: F401
+    read_sharded_full,
+    read_trainer,
+)
 from rdlm.model.huginn import load_pretrained, save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
 
@@ -82,8 +96,10 @@ def optimizer_tensors(optimizer_state: dict, names: list[str]) -> tuple[dict[str
         for key, value in state.items():
             value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
             tensors[f"{names[int(index)]}/{key}"] = value.detach().to("cpu").contiguous()
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[i] for i in g["params"]]}
-              for g in optimizer_state["param_groups"]]
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"params": [names[i] for i in g["params"]]}
+        for g in optimizer_state["param_groups"]
+    ]
     return tensors, groups
 
 
@@ -95,14 +111,24 @@ def optimizer_state_dict(tensors: dict[str, torch.Tensor], groups: list[dict], n
         if name not in index:
             raise ValueError(f"optimizer state names unknown parameter {name!r}")
         state.setdefault(index[name], {})[field] = value
-    param_groups = [{**g, "params": [index[n] for n in g["params"]],
-                     **({"betas": tuple(g["betas"])} if "betas" in g else {})} for g in groups]
+    param_groups = [
+        {**g, "params": [index[n] for n in g["params"]], **({"betas": tuple(g["betas"])} if "betas" in g else {})}
+        for g in groups
+    ]
     return {"state": state, "param_groups": param_groups}
 
 
-def save_checkpoint(out_dir: str | os.PathLike, step: int, model: RecurrentDepthLM,
-                    ema_model: RecurrentDepthLM | None, optimizer_state: dict, parameter_names: list[str],
-                    trainer: dict[str, Any], tokenizer=None, keep: int = 3) -> Path:
+def save_checkpoint(
+    out_dir: str | os.PathLike,
+    step: int,
+    model: RecurrentDepthLM,
+    ema_model: RecurrentDepthLM | None,
+    optimizer_state: dict,
+    parameter_names: list[str],
+    trainer: dict[str, Any],
+    tokenizer=None,
+    keep: int = 3,
+) -> Path:
     """Write checkpoint `step` atomically, then delete all but the newest `keep`."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -124,13 +150,15 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model: RecurrentDepth
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, ema_model: nn.Module | None,
-                    parameter_names: list[str]) -> tuple[Checkpoint, dict | None]:
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, ema_model: nn.Module | None, parameter_names: list[str]
+) -> tuple[Checkpoint, dict | None]:
     """Load weights (and EMA) into the given models; return the checkpoint and the optimizer state_dict."""
     path = Path(path)
     trainer = read_trainer(path)
     if is_sharded(path):  # written under FSDP: gather the whole tensors here
         weights, ema, tensors = read_sharded_full(path, model, parameter_names)
+        assert tensors is not None  # read with the optimizer (read_sharded_full's default)
         _copy_tensors(weights, model)
         if ema_model is not None and ema is not None:
             _copy_tensors(ema, ema_model)
@@ -142,7 +170,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, ema_model: nn.Mod
     optimizer_state = None
     if (path / OPTIMIZER_FILE).is_file():
         with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
-            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (not a dict: no iteration)
         optimizer_state = optimizer_state_dict(tensors, trainer["optimizer_groups"], parameter_names)
     _load_rng(path)
     return Checkpoint(path, trainer), optimizer_state
@@ -170,8 +198,9 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return rng
 
 
-def sharded_state(model: nn.Module, optimizer, ema_shadow: list[torch.Tensor] | None,
-                  parameter_names: list[str]) -> tuple[dict[str, Any], list[dict]]:
+def sharded_state(
+    model: nn.Module, optimizer, ema_shadow: list[torch.Tensor] | None, parameter_names: list[str]
+) -> tuple[dict[str, Any], list[dict]]:
     """The state DCP saves and loads in place: {"model", "optimizer": {"state"}, "ema"} (DTensors under
     FSDP, plain tensors otherwise), and the optimizer's parameter groups (kept in trainer.json)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -180,8 +209,10 @@ def sharded_state(model: nn.Module, optimizer, ema_shadow: list[torch.Tensor] | 
     state: dict[str, Any] = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
     if ema_shadow is not None:
         params = dict(model.named_parameters())
-        state["ema"] = {name: shaped_like(shadow, params[name]) for name, shadow in zip(parameter_names, ema_shadow)}
-    return state, optimizer_state["param_groups"]
+        state["ema"] = {
+            name: shaped_like(shadow, params[name]) for name, shadow in zip(parameter_names, ema_shadow, strict=True)
+        }
+    return state, cast(list[dict], optimizer_state["param_groups"])
 
 
 def shaped_like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -190,13 +221,23 @@ def shaped_like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor
         return local_tensor
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    sharded = cast(DTensor, param)
+    return DTensor.from_local(
+        local_tensor, sharded.device_mesh, sharded.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
-def save_sharded_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Module, optimizer,
-                            ema_shadow: list[torch.Tensor] | None, parameter_names: list[str],
-                            trainer: dict[str, Any], tokenizer=None, keep: int = 3) -> Path:
+def save_sharded_checkpoint(
+    out_dir: str | os.PathLike,
+    step: int,
+    model: RecurrentDepthLM,
+    optimizer,
+    ema_shadow: list[torch.Tensor] | None,
+    parameter_names: list[str],
+    trainer: dict[str, Any],
+    tokenizer=None,
+    keep: int = 3,
+) -> Path:
     """Every worker writes its shards into one staging directory; rank 0 then adds trainer.json and
     renames it into place. Killed at any moment, the previous checkpoints stay complete."""
     import torch.distributed as dist
@@ -207,11 +248,12 @@ def save_sharded_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mod
     main = dist.get_rank() == 0
     root = checkpoint_dir(out_dir)
     final = root / f"step-{step:06d}"
-    staging = [None]
+    staging: list[str | None] = [None]  # rank 0's staging directory, broadcast to every worker
     if main:
         root.mkdir(parents=True, exist_ok=True)
         staging = [tempfile.mkdtemp(prefix=temp_prefix(final.name), dir=root)]
     dist.broadcast_object_list(staging, src=0)
+    assert staging[0] is not None
     tmp = Path(staging[0])
     try:
         state, groups = sharded_state(model, optimizer, ema_shadow, parameter_names)
@@ -221,8 +263,11 @@ def save_sharded_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mod
             if tokenizer is not None:
                 tokenizer.save(tmp / "tokenizer.json")
             config = model.config.to_dict()
-            write_json(tmp / TRAINER_FILE, {**trainer, "step": step, "sharded": True, "model_config": config,
-                                            "optimizer_groups": groups}, indent=1)  # last: marks completeness
+            write_json(
+                tmp / TRAINER_FILE,
+                {**trainer, "step": step, "sharded": True, "model_config": config, "optimizer_groups": groups},
+                indent=1,
+            )  # last: marks completeness
             fsync_tree(tmp)
             replace_dir(tmp, final)
             for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
@@ -235,8 +280,13 @@ def save_sharded_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mod
     return final
 
 
-def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer,
-                            ema_shadow: list[torch.Tensor] | None, parameter_names: list[str]) -> Checkpoint:
+def load_sharded_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer,
+    ema_shadow: list[torch.Tensor] | None,
+    parameter_names: list[str],
+) -> Checkpoint:
     """Resume FSDP training, in place, from a sharded checkpoint (any number of writers) or a
     single-process one (each worker keeps its part of the whole tensors)."""
     import torch.distributed.checkpoint as dcp
@@ -255,12 +305,15 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer
             _fill(state["ema"], dict(load_pretrained(path / "ema", dtype=torch.float32).named_parameters()))
         if (path / OPTIMIZER_FILE).is_file():
             with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
-                for key in handle.keys():
+                for key in handle.keys():  # noqa: SIM118 (not a dict: no iteration)
                     name, _, field = key.rpartition("/")
                     _fill(state["optimizer"]["state"][name], {field: handle.get_tensor(key)})
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"]["state"],
-                                     "param_groups": trainer["optimizer_groups"]})
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict={"state": state["optimizer"]["state"], "param_groups": trainer["optimizer_groups"]},
+    )
     _load_rng(path)
     return Checkpoint(path, trainer)
 
@@ -271,11 +324,13 @@ def _fill(targets: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> N
     for name, value in whole.items():
         target = targets[name]
         if hasattr(target, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor import DTensor, distribute_tensor
 
-            value = distribute_tensor(value.to(target.device_mesh.device_type, target.dtype),
-                                      target.device_mesh, target.placements).to_local()
-            target = target.to_local()
+            sharded = cast(DTensor, target)
+            value = distribute_tensor(
+                value.to(sharded.device_mesh.device_type, sharded.dtype), sharded.device_mesh, sharded.placements
+            ).to_local()
+            target = sharded.to_local()
         target.copy_(value)
 
 
@@ -283,6 +338,6 @@ def _load_rng(path: Path) -> None:
     if (path / RNG_FILE).is_file():
         with safe_open(path / RNG_FILE, framework="pt") as handle:
             torch.set_rng_state(handle.get_tensor("torch"))
-            cuda = sorted(k for k in handle.keys() if k.startswith("cuda."))
+            cuda = sorted(k for k in handle.keys() if k.startswith("cuda."))  # noqa: SIM118 (not a dict: no iteration)
             if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all([handle.get_tensor(k) for k in cuda])

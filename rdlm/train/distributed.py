@@ -16,14 +16,19 @@ process, e.g. for CPU offload, runs in a one-member process group).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from rdlm.resources import check_device
+
+if TYPE_CHECKING:
+    from rdlm.model.lm import RecurrentDepthLM
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,9 @@ def init_single_process_group(device: torch.device) -> bool:
     """A one-member process group (FSDP on one process); False when a group exists already."""
     if dist.is_initialized():
         return False
-    dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                            store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(
+        backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
     _groups_made.append(1)
     return True
 
@@ -82,8 +88,9 @@ def resolve_strategy(strategy: str, world: World) -> str:
     return strategy
 
 
-def apply_fsdp(model: torch.nn.Module, device: torch.device, world: World, bf16: bool,
-               cpu_offload: bool = False) -> torch.nn.Module:
+def apply_fsdp(
+    model: RecurrentDepthLM, device: torch.device, world: World, bf16: bool, cpu_offload: bool = False
+) -> RecurrentDepthLM:
     """Shard `model` (a RecurrentDepthLM) in place with FSDP2: one unit per block, the rest at the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -91,10 +98,14 @@ def apply_fsdp(model: torch.nn.Module, device: torch.device, world: World, bf16:
     mesh = init_device_mesh(device.type, (world.size,))
     # Inputs are not cast: the RoPE tables stay float32 (as Huginn-0125 computes them), and a recomputed
     # (activation-checkpointed) iteration sees the same dtypes as the first pass.
-    precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                      cast_forward_inputs=False) if bf16 else MixedPrecisionPolicy())
-    options = dict(mesh=mesh, mp_policy=precision,
-                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    precision = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    options: dict[str, Any] = dict(
+        mesh=mesh, mp_policy=precision, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    )
     for block in [*model.prelude, *model.coda]:
         fully_shard(block, **options)
     for block in model.core:
@@ -144,8 +155,6 @@ def exit_process(code: int) -> None:
     if not _groups_made:
         raise SystemExit(code)
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can reach it
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
-            pass
     os._exit(code)

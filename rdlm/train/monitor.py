@@ -13,8 +13,9 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ class CollapseWarning(UserWarning):
 # ------------------------------------------------------------------------------------------------
 # Evaluation
 
+
 def token_correlation(state: Tensor) -> float:
     """Mean Pearson correlation between different tokens' state vectors in a sequence.
 
@@ -41,7 +43,7 @@ def token_correlation(state: Tensor) -> float:
     x = state.float()
     x = x - x.mean(dim=-1, keepdim=True)
     x = F.normalize(x, dim=-1)
-    gram = x @ x.transpose(1, 2)                     # [B, S, S]
+    gram = x @ x.transpose(1, 2)  # [B, S, S]
     seq = gram.shape[-1]
     if seq < 2:
         return float("nan")
@@ -50,16 +52,23 @@ def token_correlation(state: Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Sequence[int], seed: int = 0,
-             autocast: torch.autocast | None = None, device: torch.device | None = None) -> dict[str, float]:
+def evaluate(
+    model: RecurrentDepthLM,
+    batches: Sequence[Batch],
+    num_steps: Sequence[int],
+    seed: int = 0,
+    autocast: torch.autocast | None = None,
+    device: torch.device | None = None,
+) -> dict[str, float]:
     """Validation perplexity at each r (same s_0 draws every time), plus state statistics."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
     metrics: dict[str, float] = {}
     try:
-        scores = nll_vs_steps(model, [(b.input_ids, b.labels) for b in batches], num_steps, seed=seed,
-                              autocast=autocast, device=device)
+        scores = nll_vs_steps(
+            model, [(b.input_ids, b.labels) for b in batches], num_steps, seed=seed, autocast=autocast, device=device
+        )
         for r in num_steps:
             loss = scores[int(r)].mean_nll
             metrics[f"val_loss_r{r}"] = loss
@@ -68,19 +77,20 @@ def evaluate(model: RecurrentDepthLM, batches: Sequence[Batch], num_steps: Seque
         r = model.config.mean_recurrence
         generator = torch.Generator(device=device).manual_seed(seed)
         with autocast or contextlib.nullcontext():
-            out = model(batches[0].input_ids.to(device), num_steps=r, generator=generator,
-                        return_trajectory=True)
+            out = model(batches[0].input_ids.to(device), num_steps=r, generator=generator, return_trajectory=True)
         last, previous = out.trajectory[-1].float(), out.trajectory[-2].float()
         metrics["token_correlation"] = token_correlation(last)
-        metrics["state_rel_change"] = ((last - previous).norm(dim=-1) / last.norm(dim=-1).clamp_min(1e-12)
-                                       ).mean().item()
+        metrics["state_rel_change"] = (
+            ((last - previous).norm(dim=-1) / last.norm(dim=-1).clamp_min(1e-12)).mean().item()
+        )
     finally:
         model.train(was_training)
     return metrics
 
 
-def collapse_signatures(metrics: dict[str, float], num_steps: Sequence[int],
-                        correlation_limit: float = 0.95, flat_tolerance: float = 0.01) -> list[str]:
+def collapse_signatures(
+    metrics: dict[str, float], num_steps: Sequence[int], correlation_limit: float = 0.95, flat_tolerance: float = 0.01
+) -> list[str]:
     """Messages for each collapse signature (docs/architecture.md#monitoring) present in `metrics`."""
     found = []
     corr = metrics.get("token_correlation")
@@ -89,8 +99,10 @@ def collapse_signatures(metrics: dict[str, float], num_steps: Sequence[int],
     if len(num_steps) >= 2:
         low, high = metrics[f"val_ppl_r{min(num_steps)}"], metrics[f"val_ppl_r{max(num_steps)}"]
         if abs(low - high) <= flat_tolerance * high:
-            found.append(f"the model ignores the recurrent state: validation perplexity {low:.3f} at "
-                         f"r={min(num_steps)} vs {high:.3f} at r={max(num_steps)}")
+            found.append(
+                f"the model ignores the recurrent state: validation perplexity {low:.3f} at "
+                f"r={min(num_steps)} vs {high:.3f} at r={max(num_steps)}"
+            )
     return found
 
 
@@ -121,11 +133,19 @@ def peak_flops(device: torch.device, configured: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------------
 # Writers
 
+
 class Monitor:
     """JSONL log (always, when there is an output directory), TensorBoard (if installed), tqdm bar."""
 
-    def __init__(self, out_dir: str | os.PathLike | None, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        out_dir: str | os.PathLike | None,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress: bool = True,
+        enabled: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.log_file = None
         self.tb = None
@@ -137,15 +157,18 @@ class Monitor:
             out.mkdir(parents=True, exist_ok=True)
             self.log_path = out / "log.jsonl"
             truncate_log(self.log_path, start_step)
-            self.log_file = open(self.log_path, "a")
+            self.log_file = open(self.log_path, "a")  # noqa: SIM115 (open for the run, closed by close())
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
 
                     self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1)
                 except ImportError:
-                    print("rdlm train: tensorboard is not installed; skipping the TensorBoard log "
-                          "(pip install 'rdlm[monitor]')", file=sys.stderr)
+                    print(
+                        "rdlm train: tensorboard is not installed; skipping the TensorBoard log "
+                        "(pip install 'rdlm[monitor]')",
+                        file=sys.stderr,
+                    )
         if progress:
             from tqdm.auto import tqdm
 
@@ -193,5 +216,8 @@ def truncate_log(path: Path, step: int) -> None:
 
 
 def read_log(path: str | os.PathLike, kind: str = "train") -> list[dict]:
-    return [r for r in (json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
-            if r.get("kind") == kind]
+    return [
+        r
+        for r in (json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
+        if r.get("kind") == kind
+    ]

@@ -15,25 +15,36 @@ where the 0-d tensor `t` is nonzero, decided on the device (the trainer's non-fi
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 from torch.optim.adamw import adamw as fused_adamw  # the functional form: fused=True below
 
+from rdlm.train.distributed import full
+
 
 class AdamW(torch.optim.Optimizer):
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 5e-4, atan2: bool = False,
-                 update_clip: float | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 5e-4,
+        atan2: bool = False,
+        update_clip: float | None = None,
+    ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if update_clip is not None and update_clip <= 0:
             raise ValueError(f"update_clip must be > 0, got {update_clip}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, atan2=atan2,
-                        update_clip=update_clip)
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, atan2=atan2, update_clip=update_clip
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -73,16 +84,28 @@ class AdamW(torch.optim.Optimizer):
             states = [self.state[p] for p in chosen]
             inf = None if found_inf is None else found_inf.to(chosen[0].device, torch.float32)
             fused_adamw(
-                chosen, [p.grad for p in chosen], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True,
-                found_inf=inf, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                weight_decay=group["weight_decay"] if decay else 0.0, eps=group["eps"], maximize=False)
+                chosen,
+                [cast(Tensor, p.grad) for p in chosen],  # (step passes only parameters with a gradient)
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [],
+                [s["step"] for s in states],
+                fused=True,
+                found_inf=inf,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"] if decay else 0.0,
+                eps=group["eps"],
+                maximize=False,
+            )
 
     def _step_per_tensor(self, group: dict, params: list[Tensor]) -> None:
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         for p in params:
-            grad = p.grad.float()
+            grad = cast(Tensor, p.grad).float()  # (as in _step_fused)
             state = self.state[p]
             state["step"] += 1
             step = state["step"].item()
@@ -103,7 +126,6 @@ class AdamW(torch.optim.Optimizer):
                 p.mul_(1 - lr * wd)
             p.add_(update.to(p.dtype), alpha=-lr)
 
-
     def _step_muon(self, group: dict, params: list[Tensor], found_inf: Tensor | None) -> None:
         raise ValueError("a Muon parameter group needs MuonAdamW")
 
@@ -115,16 +137,33 @@ class MuonAdamW(AdamW):
     its own learning rate (`lr_scale` x the schedule's) and weight decay. Orthogonalization needs whole
     matrices, so the parameters must not be sharded (one process, or DDP without a sharded optimizer)."""
 
-    def __init__(self, model: nn.Module, lr: float, muon_lr: float = 0.005, muon_weight_decay: float = 1e-4,
-                 momentum: float = 0.95, **adamw) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        muon_lr: float = 0.005,
+        muon_weight_decay: float = 1e-4,
+        momentum: float = 0.95,
+        **adamw,
+    ) -> None:
         try:
             from torch.optim._muon import muon  # noqa: F401  (the functional form of torch.optim.Muon)
         except ImportError as err:
-            raise ValueError(f"the muon optimizer needs torch.optim.Muon (torch >= 2.9); this torch is "
-                             f"{torch.__version__}") from err
+            raise ValueError(
+                f"the muon optimizer needs torch.optim.Muon (torch >= 2.9); this torch is {torch.__version__}"
+            ) from err
         body, rest = muon_parameters(model)
-        groups = [{"params": body, "muon": True, "lr_scale": muon_lr / lr, "lr": muon_lr,
-                   "weight_decay": muon_weight_decay, "momentum": momentum}, {"params": rest}]
+        groups = [
+            {
+                "params": body,
+                "muon": True,
+                "lr_scale": muon_lr / lr,
+                "lr": muon_lr,
+                "weight_decay": muon_weight_decay,
+                "momentum": momentum,
+            },
+            {"params": rest},
+        ]
         super().__init__(groups, lr=lr, **adamw)
 
     def _step_muon(self, group: dict, params: list[Tensor], found_inf: Tensor | None) -> None:
@@ -138,19 +177,32 @@ class MuonAdamW(AdamW):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
             buffers.append(state["momentum_buffer"])
-        muon(params, [p.grad.float() for p in params], buffers, lr=group["lr"], weight_decay=group["weight_decay"],
-             momentum=group["momentum"], nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7,
-             ns_steps=5, adjust_lr_fn=None, has_complex=False)
+        muon(
+            params,
+            [cast(Tensor, p.grad).float() for p in params],  # (as in _step_fused)
+            buffers,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            nesterov=True,
+            ns_coefficients=(3.4445, -4.775, 2.0315),
+            eps=1e-7,
+            ns_steps=5,
+            adjust_lr_fn=None,
+            has_complex=False,
+        )
 
 
 def muon_parameters(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     """(the blocks' and the adapter's weight matrices, everything else)."""
-    body, rest = [], []
+    body: list[Tensor] = []
+    rest: list[Tensor] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        matrix = p.ndim == 2 and name.endswith(".weight") and name.split(".")[0] in ("prelude", "core", "coda",
-                                                                                      "adapter")
+        matrix = (
+            p.ndim == 2 and name.endswith(".weight") and name.split(".")[0] in ("prelude", "core", "coda", "adapter")
+        )
         (body if matrix else rest).append(p)
     return body, rest
 
@@ -187,21 +239,31 @@ class EMA:
             torch._foreach_lerp_(self.shadow, current, 1 - self.decay)
             return
         weights: dict[torch.device, Tensor] = {}  # decided on the device: no host sync
-        for shadow, value in zip(self.shadow, current):
+        for shadow, value in zip(self.shadow, current, strict=True):
             if shadow.device not in weights:
                 weights[shadow.device] = finite.to(shadow.device, torch.float32) * (1 - self.decay)
             shadow.lerp_(value, weights[shadow.device])
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
-        for target, value in zip(model.parameters(), self.shadow):
+        for target, value in zip(model.parameters(), self.shadow, strict=True):
             target.copy_(value.to(target.dtype))
 
     @torch.no_grad()
     def load(self, tensors: list[Tensor]) -> None:
-        for shadow, value in zip(self.shadow, tensors):
+        for shadow, value in zip(self.shadow, tensors, strict=True):
             shadow.copy_(value)
 
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def clip_gradients(parameters, max_norm: float) -> Tensor:
+    """Clip the global gradient norm to `max_norm`; return the norm before clipping (a device tensor,
+    the whole model's even when FSDP shards the gradients)."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    norm = full(norm)  # FSDP: the shards' norms combined (an all-reduce, no host sync)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm

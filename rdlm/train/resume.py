@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,13 @@ from rdlm.model.config import ConfigError
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.train import checkpoint as ckpt
 from rdlm.train.distributed import all_reduce_sum, barrier, full, local
+
+if TYPE_CHECKING:
+    from rdlm.data.shards import Batches
+    from rdlm.train.config import TrainConfig
+    from rdlm.train.distributed import World
+    from rdlm.train.optim import EMA
+    from rdlm.train.schedule import Schedule
 
 
 class TrainingError(RuntimeError):
@@ -39,6 +46,30 @@ def recorded_config(out_dir: str | Path) -> tuple[dict[str, Any], Path] | None:
 class RunCheckpoints:
     """The checkpoint half of `Trainer` (rdlm.train.trainer), which sets every attribute used here."""
 
+    # What this half reads and writes of the trainer's state (declared for the type checker; Trainer sets them).
+    config: TrainConfig
+    world: World
+    strategy: str
+    model: RecurrentDepthLM
+    names: list[str]
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    schedule: Schedule
+    batches: Batches
+    step: int
+    losses: list[float]
+    drawn: list[list[int]]
+    evals: list[dict[str, float]]
+    bad_steps: int
+    consecutive_bad: int
+    last_checkpoint: Path | None
+    last_finite_checkpoint: Path | None
+    mean_recurrence: int
+    backprop_depth: int
+    sampler: str
+    sigma: float
+
     def _resume(self) -> None:
         if self.config.out_dir is None:
             raise ConfigError("resume needs out_dir (where the checkpoints are)")
@@ -51,26 +82,34 @@ class RunCheckpoints:
                 point = self._load(path)
             except Exception as err:  # noqa: BLE001 - any failure to read it means "damaged"
                 damaged.append(f"{path}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-                print(f"rdlm train: checkpoint {path} cannot be resumed from ({damaged[-1]}); trying the "
-                      "previous one", file=sys.stderr, flush=True)
+                print(
+                    f"rdlm train: checkpoint {path} cannot be resumed from ({damaged[-1]}); trying the previous one",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             if damaged:
-                print(f"rdlm train: resuming from {path}, the newest intact checkpoint", file=sys.stderr,
-                      flush=True)
+                print(f"rdlm train: resuming from {path}, the newest intact checkpoint", file=sys.stderr, flush=True)
             break
         else:
-            raise TrainingError(f"no checkpoint in {ckpt.checkpoint_dir(self.config.out_dir)} can be resumed "
-                                f"from: {'; '.join(damaged)}")
+            raise TrainingError(
+                f"no checkpoint in {ckpt.checkpoint_dir(self.config.out_dir)} can be resumed from: {'; '.join(damaged)}"
+            )
         state = point.trainer
         if state.get("global_batch_size") != self.batches.global_batch_size:
-            raise ConfigError(f"checkpoint {path} was trained with a global batch of "
-                              f"{state.get('global_batch_size')} rows, this run has "
-                              f"{self.batches.global_batch_size}: the data position would not match"
-                              + self._batch_hint(state.get("global_batch_size")))
+            raise ConfigError(
+                f"checkpoint {path} was trained with a global batch of "
+                f"{state.get('global_batch_size')} rows, this run has "
+                f"{self.batches.global_batch_size}: the data position would not match"
+                + self._batch_hint(state.get("global_batch_size"))
+            )
         self.step = point.step
         if self.world.rank == 0:
-            print(f"rdlm train: resumed from {path} at step {point.step} of {self.config.steps}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rdlm train: resumed from {path} at step {point.step} of {self.config.steps}",
+                file=sys.stderr,
+                flush=True,
+            )
         self.losses = list(state.get("losses", []))
         self.drawn = [list(x) for x in state.get("num_steps", [])]
         self.evals = list(state.get("evals", []))
@@ -82,11 +121,12 @@ class RunCheckpoints:
     def _load(self, path: Path) -> ckpt.Checkpoint:
         """Load checkpoint `path` into the model, EMA and optimizer."""
         if self.strategy == "fsdp":
-            return ckpt.load_sharded_checkpoint(path, self.model, self.optimizer,
-                                                self.ema.shadow if self.ema else None, self.names)
+            return ckpt.load_sharded_checkpoint(
+                path, self.model, self.optimizer, self.ema.shadow if self.ema else None, self.names
+            )
         ema_model = self._ema_model() if self.ema else None
         point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
-        if ema_model is not None:
+        if self.ema is not None and ema_model is not None:
             self.ema.load([p.detach().float() for p in ema_model.parameters()])
         if optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)
@@ -98,7 +138,7 @@ class RunCheckpoints:
         if self.ema is None:
             return ema_model
         with torch.no_grad():  # EMA.shadow follows model.parameters()
-            for (name, param), shadow in zip(self.model.named_parameters(), self.ema.shadow):
+            for (name, param), shadow in zip(self.model.named_parameters(), self.ema.shadow, strict=True):
                 ema_model.get_parameter(name).copy_(full(ckpt.shaped_like(shadow, param)).cpu())
         return ema_model
 
@@ -106,12 +146,16 @@ class RunCheckpoints:
         """How to keep a checkpoint's global batch of `saved` rows with this run's workers."""
         per_step = self.config.micro_batch_size * self.world.size
         if isinstance(saved, int) and saved > 0 and saved % per_step == 0:
-            return (f"; with {self.world.size} worker(s) of micro-batch {self.config.micro_batch_size}, "
-                    f"--accumulation {saved // per_step} keeps it")
+            return (
+                f"; with {self.world.size} worker(s) of micro-batch {self.config.micro_batch_size}, "
+                f"--accumulation {saved // per_step} keeps it"
+            )
         if isinstance(saved, int) and saved > 0:
-            return (f"; {saved} rows is not a multiple of {self.world.size} worker(s) x micro-batch "
-                    f"{self.config.micro_batch_size}: choose --micro-batch-size and --accumulation with "
-                    f"micro-batch x accumulation x workers = {saved}")
+            return (
+                f"; {saved} rows is not a multiple of {self.world.size} worker(s) x micro-batch "
+                f"{self.config.micro_batch_size}: choose --micro-batch-size and --accumulation with "
+                f"micro-batch x accumulation x workers = {saved}"
+            )
         return ""
 
     def _save(self) -> Path | None:
@@ -124,24 +168,51 @@ class RunCheckpoints:
         finite = self._weights_finite()
         trainer_state = {
             "finite_weights": finite,
-            "format": "rdlm-training-checkpoint", "consumed_rows": self.step * self.batches.global_batch_size,
-            "global_batch_size": self.batches.global_batch_size, "world_size": self.world.size,
+            "format": "rdlm-training-checkpoint",
+            "consumed_rows": self.step * self.batches.global_batch_size,
+            "global_batch_size": self.batches.global_batch_size,
+            "world_size": self.world.size,
             "strategy": self.strategy,
-            "epoch": self.batches.epoch_of(self.step), "lr": self.schedule(max(self.step - 1, 0)),
-            "schedule": dataclasses.asdict(self.schedule), "bad_steps": self.bad_steps,
-            "consecutive_bad": self.consecutive_bad, "losses": self.losses, "num_steps": self.drawn,
-            "evals": self.evals, "train_config": self.config.to_dict(),
-            "recurrence": {"mean": self.mean_recurrence, "backprop_depth": self.backprop_depth,
-                           "sampler": self.sampler, "sigma": self.sigma},
+            "epoch": self.batches.epoch_of(self.step),
+            "lr": self.schedule(max(self.step - 1, 0)),
+            "schedule": dataclasses.asdict(self.schedule),
+            "bad_steps": self.bad_steps,
+            "consecutive_bad": self.consecutive_bad,
+            "losses": self.losses,
+            "num_steps": self.drawn,
+            "evals": self.evals,
+            "train_config": self.config.to_dict(),
+            "recurrence": {
+                "mean": self.mean_recurrence,
+                "backprop_depth": self.backprop_depth,
+                "sampler": self.sampler,
+                "sigma": self.sigma,
+            },
         }
         if self.strategy == "fsdp":  # every worker writes its shards
-            path = ckpt.save_sharded_checkpoint(self.config.out_dir, self.step, self.model, optimizer,
-                                                self.ema.shadow if self.ema else None, self.names,
-                                                trainer_state, self.tokenizer, self.config.keep_checkpoints)
+            path = ckpt.save_sharded_checkpoint(
+                self.config.out_dir,
+                self.step,
+                self.model,
+                optimizer,
+                self.ema.shadow if self.ema else None,
+                self.names,
+                trainer_state,
+                self.tokenizer,
+                self.config.keep_checkpoints,
+            )
         elif self.world.is_main:
-            path = ckpt.save_checkpoint(self.config.out_dir, self.step, self.model,
-                                        self._ema_model() if self.ema else None, optimizer.state_dict(),
-                                        self.names, trainer_state, self.tokenizer, self.config.keep_checkpoints)
+            path = ckpt.save_checkpoint(
+                self.config.out_dir,
+                self.step,
+                self.model,
+                self._ema_model() if self.ema else None,
+                optimizer.state_dict(),
+                self.names,
+                trainer_state,
+                self.tokenizer,
+                self.config.keep_checkpoints,
+            )
         barrier(self.world)
         self.last_checkpoint = ckpt.checkpoint_dir(self.config.out_dir) / f"step-{self.step:06d}"
         if finite:
@@ -151,5 +222,5 @@ class RunCheckpoints:
     def _weights_finite(self) -> bool:
         """Whether every weight is finite (one device sync; under FSDP over every worker's shards)."""
         with torch.no_grad():
-            bad = sum((~torch.isfinite(local(p))).sum() for p in self.model.parameters()).float().cpu()
+            bad = torch.as_tensor(sum((~torch.isfinite(local(p))).sum() for p in self.model.parameters())).float().cpu()
         return all_reduce_sum(bad.reshape(1), self.world).item() == 0

@@ -16,9 +16,13 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rdlm.model.config import ConfigError
 from rdlm.fileio import fsync_dir
+from rdlm.model.config import ConfigError
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+, and annotations are not evaluated here (from __future__)
 
 LOCK_FILE = ".rdlm-train.lock"
 LOG_FILE = "log.jsonl"
@@ -44,12 +48,16 @@ class RunLock:
             holder = _read_pid(fd)
             os.close(fd)
             who = f"process {holder}" if holder else "another process"
-            raise RunDirError(f"run directory {out_dir} is in use by {who} (another `rdlm train` writing "
-                              f"there); wait for it to finish or choose another --out-dir") from None
+            raise RunDirError(
+                f"run directory {out_dir} is in use by {who} (another `rdlm train` writing "
+                f"there); wait for it to finish or choose another --out-dir"
+            ) from None
         previous = _read_pid(fd)
         if previous and previous != os.getpid():
-            print(f"rdlm train: took over the lock of {out_dir} left by process {previous}, which is no "
-                  "longer running", file=sys.stderr)
+            print(
+                f"rdlm train: took over the lock of {out_dir} left by process {previous}, which is no longer running",
+                file=sys.stderr,
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd: int | None = fd
@@ -60,7 +68,7 @@ class RunLock:
             os.close(self.fd)  # closing the last descriptor releases the flock
             self.fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -115,14 +123,20 @@ def check_run_dir(out_dir: str | os.PathLike, resume: bool, overwrite: bool) -> 
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out-dir {out} is a file, not a directory")
     if resume and not out.exists():
-        raise RunDirError(f"--resume: run directory {out} does not exist, so there is no run to continue; check "
-                          "the path, or start a new run without --resume")
+        raise RunDirError(
+            f"--resume: run directory {out} does not exist, so there is no run to continue; check "
+            "the path, or start a new run without --resume"
+        )
     if resume and not any(p.name != LOCK_FILE for p in out.iterdir()):
-        raise RunDirError(f"--resume: run directory {out} is empty, so there is no run to continue; check the "
-                          "path, or start a new run without --resume")
+        raise RunDirError(
+            f"--resume: run directory {out} is empty, so there is no run to continue; check the "
+            "path, or start a new run without --resume"
+        )
     if not resume and not overwrite and has_run(out):
-        raise RunDirError(f"{out} already holds a training run (checkpoints or {LOG_FILE}): pass --resume "
-                          f"to continue it, --overwrite to replace it, or choose another --out-dir")
+        raise RunDirError(
+            f"{out} already holds a training run (checkpoints or {LOG_FILE}): pass --resume "
+            f"to continue it, --overwrite to replace it, or choose another --out-dir"
+        )
 
 
 def prepare_run_dir(out_dir: str | os.PathLike, resume: bool, overwrite: bool) -> None:

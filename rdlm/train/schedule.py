@@ -12,8 +12,8 @@ class Schedule:
     lr: float
     warmup_steps: int = 0
     total_steps: int = 0
-    cooldown_steps: int = 0     # the last `cooldown_steps` of `total_steps` decay linearly
-    min_lr_ratio: float = 0.0   # the cooldown ends at lr * min_lr_ratio
+    cooldown_steps: int = 0  # the last `cooldown_steps` of `total_steps` decay linearly
+    min_lr_ratio: float = 0.0  # the cooldown ends at lr * min_lr_ratio
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -26,9 +26,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,45 +40,44 @@ from rdlm.model.flops import flops_per_token
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.recurrence import draw_for_microbatch, microbatch_seed
 from rdlm.resources import default_threads
-from rdlm.train.config import TrainConfig
-from rdlm.train.distributed import (all_reduce_sum, barrier, full, init_single_process_group, resolve_strategy,
-                                    setup, teardown_group)
+from rdlm.train.build import (
+    check_compatible,
+    check_step_fits,
+    data_sources,
+    parallelize,
+    resolve_model,
+    resolve_tokenizer,
+)
+from rdlm.train.config import EvalHook, StepHook, TrainConfig, TrainResult
+from rdlm.train.distributed import (
+    all_reduce_sum,
+    barrier,
+    init_single_process_group,
+    resolve_strategy,
+    setup,
+    teardown_group,
+)
 from rdlm.train.monitor import Monitor, collapse_signatures, evaluate, peak_flops, warn_loudly
-from rdlm.train.optim import EMA
+from rdlm.train.optim import EMA, clip_gradients
 from rdlm.train.resume import RunCheckpoints, TrainingError
-from rdlm.train.rundir import RunDirError, RunLock, check_run_dir, prepare_run_dir
+from rdlm.train.rundir import RunLock, check_run_dir, prepare_run_dir
 from rdlm.train.schedule import RecurrenceCurriculum, Schedule
-from rdlm.train.build import (check_compatible, check_step_fits, data_sources, parallelize, resolve_model,
-                              resolve_tokenizer)
-
-
-@dataclass
-class TrainResult:
-    model: RecurrentDepthLM                # under FSDP the sharded model (ema_model is whole)
-    losses: list[float]                   # mean training loss per optimizer step (NaN for skipped steps)
-    num_steps: list[list[int]]            # the r drawn for each micro-batch of each step
-    evals: list[dict[str, float]]
-    bad_steps: int
-    checkpoint: Path | None
-    ema_model: RecurrentDepthLM | None = None
-    steps_done: int = 0
-    seconds: float = 0.0
-    stopped_by: int | None = None         # the signal (SIGTERM, SIGINT) that stopped the run early
-
-
-# An evaluation hook: called with (model, step) at each evaluation; its numbers join the eval record.
-EvalHook = Callable[[RecurrentDepthLM, int], dict[str, float]]
-# A step hook: called with each log record (train and eval) as it is written.
-StepHook = Callable[[dict[str, Any]], None]
-
 
 # --------------------------------------------------------------------------------------------------
 # The trainer
 
+
 class Trainer(RunCheckpoints):
-    def __init__(self, config: TrainConfig, model: RecurrentDepthLM | None = None,
-                 train_data: Any = None, val_data: Any = None, tokenizer=None,
-                 eval_hooks: Sequence[EvalHook] = (), step_hooks: Sequence[StepHook] = ()) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        model: RecurrentDepthLM | None = None,
+        train_data: Any = None,
+        val_data: Any = None,
+        tokenizer=None,
+        eval_hooks: Sequence[EvalHook] = (),
+        step_hooks: Sequence[StepHook] = (),
+    ) -> None:
         self.config = config
         try:
             self.world, self.device = setup(config.device)
@@ -86,7 +85,7 @@ class Trainer(RunCheckpoints):
             raise ConfigError(f"--device: {err}") from err
         # One writer per run directory, for the whole run (released by `close`, or by the kernel).
         self.lock = None
-        made = contextlib.nullcontext()
+        made: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if config.out_dir is not None and self.world.is_main:
             check_run_dir(config.out_dir, config.resume, config.overwrite)  # before the lock: nothing written
             made = new_dirs_removed_on_failure(config.out_dir)  # a refused run leaves no directory behind
@@ -133,20 +132,38 @@ class Trainer(RunCheckpoints):
         c = self.model.config
         self._set_recurrence(config)
 
-        bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda"
-                                              and torch.cuda.is_bf16_supported())
+        bf16 = config.precision == "bf16" or (
+            config.precision == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        )
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
         self.precision = "bf16" if bf16 else "fp32"
-        check_step_fits(c, config, self.device, self.train_source.row_length - 1, self.mean_recurrence,
-                        self.backprop_depth, 2 if bf16 else 4)
+        check_step_fits(
+            c,
+            config,
+            self.device,
+            self.train_source.row_length - 1,
+            self.mean_recurrence,
+            self.backprop_depth,
+            2 if bf16 else 4,
+        )
         self.optimizer, self.ddp = parallelize(self.model, config, self.strategy, self.device, self.world, bf16)
         self.ema = EMA(self.model, config.ema_decay) if config.ema_decay else None
-        self.schedule = Schedule(config.lr, config.warmup_steps, config.steps, config.cooldown_steps,
-                                 config.min_lr_ratio)
-        self.batches = Batches(self.train_source, config.micro_batch_size, config.accumulation,
-                               self.world.size, seed=config.seed, shuffle=config.shuffle)
-        self.val_batches = (fixed_batches(self.val_source, config.eval_batch_size, config.eval_rows)
-                            if self.val_source is not None else [])
+        self.schedule = Schedule(
+            config.lr, config.warmup_steps, config.steps, config.cooldown_steps, config.min_lr_ratio
+        )
+        self.batches = Batches(
+            self.train_source,
+            config.micro_batch_size,
+            config.accumulation,
+            self.world.size,
+            seed=config.seed,
+            shuffle=config.shuffle,
+        )
+        self.val_batches = (
+            fixed_batches(self.val_source, config.eval_batch_size, config.eval_rows)
+            if self.val_source is not None
+            else []
+        )
         self._check_rows(config, train_data is None and val_data is None and not eval_hooks)
         self.eval_hooks, self.step_hooks = list(eval_hooks), list(step_hooks)
 
@@ -172,17 +189,25 @@ class Trainer(RunCheckpoints):
         repeats rows, and when data read from files has no validation split (no evaluation, ever)."""
         rows, micro = len(self.train_source), config.micro_batch_size
         if micro > rows:
-            raise ConfigError(f"--micro-batch-size {micro} exceeds the {rows} training rows: every micro-batch "
-                              f"would hold the same rows more than once; give at most {rows}, or more data")
+            raise ConfigError(
+                f"--micro-batch-size {micro} exceeds the {rows} training rows: every micro-batch "
+                f"would hold the same rows more than once; give at most {rows}, or more data"
+            )
         if not self.world.is_main:
             return
         if self.batches.global_batch_size > rows:
-            print(f"rdlm train: warning: a global batch of {self.batches.global_batch_size} rows (micro-batch x "
-                  f"accumulation x workers) exceeds the {rows} training rows: every step trains on some rows "
-                  "twice", file=sys.stderr)
+            print(
+                f"rdlm train: warning: a global batch of {self.batches.global_batch_size} rows (micro-batch x "
+                f"accumulation x workers) exceeds the {rows} training rows: every step trains on some rows "
+                "twice",
+                file=sys.stderr,
+            )
         if from_files and self.val_source is None:
-            where = (f"{config.data} has no validation rows (prepare it with more documents or a larger "
-                     "--val-fraction)" if config.data else "prompt/response data has no validation split")
+            where = (
+                f"{config.data} has no validation rows (prepare it with more documents or a larger --val-fraction)"
+                if config.data
+                else "prompt/response data has no validation split"
+            )
             print(f"rdlm train: note: {where}; this run will not evaluate", file=sys.stderr)
 
     def _set_recurrence(self, config) -> None:
@@ -195,15 +220,29 @@ class Trainer(RunCheckpoints):
         self.sigma = c.recurrence_sigma if config.recurrence_sigma is None else config.recurrence_sigma
         if config.exit_loss_beta is not None:  # Ouro's objective: every iteration read out, all with gradient
             if not c.exit_gate:
-                raise TrainingError("exit_loss_beta needs a model with a learned exit gate (model config "
-                                    "exit_gate: an Ouro checkpoint, or --set exit_gate=true)")
+                raise TrainingError(
+                    "exit_loss_beta needs a model with a learned exit gate (model config "
+                    "exit_gate: an Ouro checkpoint, or --set exit_gate=true)"
+                )
             self.backprop_depth = max(self.backprop_depth, self.mean_recurrence)
             if self.sampler != "fixed":
-                print(f"rdlm train: exit_loss_beta trains at a fixed r = {self.mean_recurrence} (the sampler "
-                      f"{self.sampler!r} is not used)", file=sys.stderr)
+                print(
+                    f"rdlm train: exit_loss_beta trains at a fixed r = {self.mean_recurrence} (the sampler "
+                    f"{self.sampler!r} is not used)",
+                    file=sys.stderr,
+                )
                 self.sampler = "fixed"
-        self.curriculum = None if config.curriculum is None else RecurrenceCurriculum(
-            self.mean_recurrence, config.steps, config.curriculum, config.curriculum_start, config.curriculum_fraction)
+        self.curriculum = (
+            None
+            if config.curriculum is None
+            else RecurrenceCurriculum(
+                self.mean_recurrence,
+                config.steps,
+                config.curriculum,
+                config.curriculum_start,
+                config.curriculum_fraction,
+            )
+        )
         if self.mean_recurrence < 1 or self.backprop_depth < 1:
             raise ConfigError("mean_recurrence and backprop_depth must be >= 1")
 
@@ -236,8 +275,16 @@ class Trainer(RunCheckpoints):
     def _evaluate(self, monitor: Monitor) -> dict[str, float]:
         record: dict[str, Any] = {"kind": "eval", "step": self.step}
         if self.val_batches:
-            record.update(evaluate(self.model, self.val_batches, self.config.eval_num_steps,
-                                   seed=self.config.seed, autocast=self.autocast, device=self.device))
+            record.update(
+                evaluate(
+                    self.model,
+                    self.val_batches,
+                    self.config.eval_num_steps,
+                    seed=self.config.seed,
+                    autocast=self.autocast,
+                    device=self.device,
+                )
+            )
         for hook in self.eval_hooks:
             record.update(hook(self.model, self.step))
         if self.world.is_main and self.val_batches:
@@ -278,8 +325,9 @@ class Trainer(RunCheckpoints):
         mean = self.mean_recurrence if self.curriculum is None else self.curriculum(step)
         for m, batch in enumerate(micro_batches):
             index = step * cfg.accumulation + m
-            no_grad, with_grad = draw_for_microbatch(cfg.seed, index, mean, self.backprop_depth, self.sampler,
-                                                     self.sigma)
+            no_grad, with_grad = draw_for_microbatch(
+                cfg.seed, index, mean, self.backprop_depth, self.sampler, self.sigma
+            )
             drawn.append(no_grad + with_grad)
             ids, labels = self._to_device(batch.input_ids), self._to_device(batch.labels)
             s0 = self._initial_state(batch, step, m)
@@ -288,9 +336,15 @@ class Trainer(RunCheckpoints):
             with context:
                 with self.autocast:
                     # The summed loss, without materializing the logits (rdlm.model.loss).
-                    loss = network(ids, num_steps=(no_grad, with_grad), initial_state=s0, labels=labels,
-                                   return_logits=False, loss_reduction="sum",
-                                   exit_loss_beta=cfg.exit_loss_beta).loss
+                    loss = network(
+                        ids,
+                        num_steps=(no_grad, with_grad),
+                        initial_state=s0,
+                        labels=labels,
+                        return_logits=False,
+                        loss_reduction="sum",
+                        exit_loss_beta=cfg.exit_loss_beta,
+                    ).loss
                 (loss * scale).backward()
             loss_sum += loss.detach().double()
             tokens += ids.numel()
@@ -300,16 +354,25 @@ class Trainer(RunCheckpoints):
         loss_sum = all_reduce_sum(loss_sum, self.world)
         finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm.to(loss_sum.device))
         # A non-finite step changes nothing; decided on the device (no host sync), counted at `settle`.
-        self.optimizer.step(found_inf=~finite)
+        self.optimizer.step(found_inf=~finite)  # type: ignore[call-overload]  # rdlm's optimizers take found_inf (ZeRO passes it on)
         if self.ema is not None:
             self.ema.update(finite)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.drawn.append(drawn)
-        return {"kind": "train", "step": self.step, "loss": loss_sum, "lr": lr, "grad_norm": grad_norm,
-                "finite": finite, "total_targets": total_targets,
-                "num_steps": drawn[0] if len(drawn) == 1 else drawn, "mean_recurrence": mean,
-                "tokens": tokens * self.world.size, "flops": flops * self.world.size}
+        return {
+            "kind": "train",
+            "step": self.step,
+            "loss": loss_sum,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "finite": finite,
+            "total_targets": total_targets,
+            "num_steps": drawn[0] if len(drawn) == 1 else drawn,
+            "mean_recurrence": mean,
+            "tokens": tokens * self.world.size,
+            "flops": flops * self.world.size,
+        }
 
     def settle(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Read launched steps' numbers back from the device (the host waits here), record them, and
@@ -327,31 +390,38 @@ class Trainer(RunCheckpoints):
             else:
                 self.bad_steps += 1
                 self.consecutive_bad += 1
-                print(f"rdlm train: step {record['step']}: non-finite loss or gradient, step skipped "
-                      f"({self.consecutive_bad} in a row, {self.bad_steps} in all)", flush=True)
+                print(
+                    f"rdlm train: step {record['step']}: non-finite loss or gradient, step skipped "
+                    f"({self.consecutive_bad} in a row, {self.bad_steps} in all)",
+                    flush=True,
+                )
                 if self.consecutive_bad >= self.config.max_bad_steps:
                     good = self.last_finite_checkpoint
                     kept = f"; the last checkpoint with finite weights is {good}" if good else ""
-                    raise TrainingError(f"{self.consecutive_bad} non-finite losses in a row at step "
-                                        f"{record['step']}: stopping{kept}")
+                    raise TrainingError(
+                        f"{self.consecutive_bad} non-finite losses in a row at step {record['step']}: stopping{kept}"
+                    )
             done.append(record)
         return done
 
     def fit(self) -> TrainResult:
         cfg = self.config
-        monitor = Monitor(cfg.out_dir, cfg.steps, self.step, cfg.tensorboard, cfg.progress,
-                          enabled=self.world.is_main)
+        monitor = Monitor(cfg.out_dir, cfg.steps, self.step, cfg.tensorboard, cfg.progress, enabled=self.world.is_main)
         start = time.perf_counter()
         threads = torch.get_num_threads()
         if self.device.type == "cpu":
-            torch.set_num_threads(cfg.threads if cfg.threads is not None else
-                                  default_threads(self.model.num_parameters()))
+            torch.set_num_threads(
+                cfg.threads if cfg.threads is not None else default_threads(self.model.num_parameters())
+            )
         pending: list[dict[str, Any]] = []
         # A resumed run that had already finished: its last checkpoint and evaluation stand as they are.
         finished = self.step >= cfg.steps and self.last_checkpoint is not None
         if finished and self.world.is_main:
-            print(f"rdlm train: the run in {cfg.out_dir} already finished at step {self.step}; nothing to do",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rdlm train: the run in {cfg.out_dir} already finished at step {self.step}; nothing to do",
+                file=sys.stderr,
+                flush=True,
+            )
         previous = self._catch_signals()
         try:
             interval_start = time.perf_counter()
@@ -398,19 +468,32 @@ class Trainer(RunCheckpoints):
                 print(f"rdlm train: stopped by {name} after step {self.step}{where}", file=sys.stderr, flush=True)
             if self.last_checkpoint is not None and self.last_finite_checkpoint != self.last_checkpoint:
                 good = self.last_finite_checkpoint
-                raise TrainingError(f"the weights are not finite at step {self.step} (the run diverged); "
-                                    + (f"the last checkpoint with finite weights is {good}" if good else
-                                       "no checkpoint has finite weights"))
+                raise TrainingError(
+                    f"the weights are not finite at step {self.step} (the run diverged); "
+                    + (
+                        f"the last checkpoint with finite weights is {good}"
+                        if good
+                        else "no checkpoint has finite weights"
+                    )
+                )
         finally:
             for number, handler in previous.items():
                 signal.signal(number, handler)
             monitor.close()
             torch.set_num_threads(threads)
         ema_model = self._ema_model() if self.ema else None
-        return TrainResult(model=self.model, losses=self.losses, num_steps=self.drawn, evals=self.evals,
-                           bad_steps=self.bad_steps, checkpoint=self.last_checkpoint,
-                           ema_model=ema_model, steps_done=self.step,
-                           seconds=time.perf_counter() - start, stopped_by=self.stop_signal)
+        return TrainResult(
+            model=self.model,
+            losses=self.losses,
+            num_steps=self.drawn,
+            evals=self.evals,
+            bad_steps=self.bad_steps,
+            checkpoint=self.last_checkpoint,
+            ema_model=ema_model,
+            steps_done=self.step,
+            seconds=time.perf_counter() - start,
+            stopped_by=self.stop_signal,
+        )
 
     def _catch_signals(self) -> dict[int, Any]:
         """SIGTERM (what schedulers send before a kill) and SIGINT finish the current step, save a
@@ -423,25 +506,25 @@ class Trainer(RunCheckpoints):
                 raise KeyboardInterrupt
             self.stop_signal = number
             if self.world.is_main:
-                print(f"\nrdlm train: {signal.Signals(number).name}: finishing step {self.step + 1}, then saving "
-                      "a checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
+                print(
+                    f"\nrdlm train: {signal.Signals(number).name}: finishing step {self.step + 1}, then saving "
+                    "a checkpoint (send it again to stop at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         return {number: signal.signal(number, handler) for number in (signal.SIGTERM, signal.SIGINT)}
 
 
-def clip_gradients(parameters, max_norm: float) -> Tensor:
-    """Clip the global gradient norm to `max_norm`; return the norm before clipping (a device tensor,
-    the whole model's even when FSDP shards the gradients)."""
-    parameters = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    norm = full(norm)  # FSDP: the shards' norms combined (an all-reduce, no host sync)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return norm
-
-
-def train(config: TrainConfig, model: RecurrentDepthLM | None = None, train_data: Any = None,
-          val_data: Any = None, tokenizer=None, eval_hooks: Sequence[EvalHook] = (),
-          step_hooks: Sequence[StepHook] = ()) -> TrainResult:
+def train(
+    config: TrainConfig,
+    model: RecurrentDepthLM | None = None,
+    train_data: Any = None,
+    val_data: Any = None,
+    tokenizer=None,
+    eval_hooks: Sequence[EvalHook] = (),
+    step_hooks: Sequence[StepHook] = (),
+) -> TrainResult:
     """Train a recurrent-depth model; see TrainConfig. Returns the model and the loss history.
 
     model: an existing RecurrentDepthLM (trained in place), else built/loaded from `config.model`.

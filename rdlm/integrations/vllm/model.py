@@ -22,19 +22,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from vllm.config import VllmConfig
-from vllm.distributed import (get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
-                              tensor_model_parallel_all_gather)
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+)
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                               RowParallelLinear)
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -58,8 +67,10 @@ class LayerWeights(nn.Module):
         h, eps, d = config.hidden_size, config.norm_eps, config.head_dim
         self.tp = get_tensor_model_parallel_world_size()
         if config.num_heads % self.tp or (config.kv_heads % self.tp and self.tp % config.kv_heads):
-            raise ValueError(f"{config.num_heads} attention heads ({config.kv_heads} key/value heads) cannot be "
-                             f"split over {self.tp} tensor-parallel ranks")
+            raise ValueError(
+                f"{config.num_heads} attention heads ({config.kv_heads} key/value heads) cannot be "
+                f"split over {self.tp} tensor-parallel ranks"
+            )
         self.heads, self.kv_heads = config.num_heads // self.tp, max(1, config.kv_heads // self.tp)
         self.kv_whole = config.kv_heads < self.tp  # fewer key/value heads than ranks: each rank holds them all
         self.q_size, self.kv_size, self.head_dim = self.heads * d, self.kv_heads * d, d
@@ -69,24 +80,28 @@ class LayerWeights(nn.Module):
             self.norm_1, self.norm_3 = RMSNorm(h, eps), RMSNorm(h, eps)
         if scheme != "prenorm":
             self.norm_2, self.norm_4 = RMSNorm(h, eps), RMSNorm(h, eps)
-        self.attn = nn.Module()
-        self.attn.qkv = QKVParallelLinear(h, d, config.num_heads, config.kv_heads, bias=False,
-                                          quant_config=quant_config, prefix=f"{prefix}.attn.qkv")
-        self.attn.out = RowParallelLinear(config.num_heads * d, h, bias=False, quant_config=quant_config,
-                                          prefix=f"{prefix}.attn.out")
+        self.attn: Any = nn.Module()  # a namespace of vLLM's layers (typed Any: vLLM ships no types here)
+        self.attn.qkv = QKVParallelLinear(
+            h, d, config.num_heads, config.kv_heads, bias=False, quant_config=quant_config, prefix=f"{prefix}.attn.qkv"
+        )
+        self.attn.out = RowParallelLinear(
+            config.num_heads * d, h, bias=False, quant_config=quant_config, prefix=f"{prefix}.attn.out"
+        )
         if config.qk_bias:  # [2, heads, d]: index 0 added to q, 1 to k, before RoPE; split by heads
             self.attn.qk_bias = nn.Parameter(torch.zeros(2, 1, self.heads, d), requires_grad=False)
-            self.attn.qk_bias.weight_loader = self._load_head_split
+            self.attn.qk_bias.weight_loader = self._load_head_split  # type: ignore[attr-defined]  # vLLM's loaders read it
         self.qk_norm = config.qk_norm
         if config.qk_norm:  # OLMo-2: one RMSNorm over all query heads together (all ranks), one over all keys
             self.attn.q_norm = RMSNorm(config.num_heads * d, eps)
             self.attn.k_norm = RMSNorm(config.kv_heads * d, eps)
         self.rope = rope
-        self.mlp = nn.Module()
-        self.mlp.fc = MergedColumnParallelLinear(h, [config.intermediate_size] * 2, bias=False,
-                                                 quant_config=quant_config, prefix=f"{prefix}.mlp.fc")
-        self.mlp.out = RowParallelLinear(config.intermediate_size, h, bias=False, quant_config=quant_config,
-                                         prefix=f"{prefix}.mlp.out")
+        self.mlp: Any = nn.Module()  # (as attn)
+        self.mlp.fc = MergedColumnParallelLinear(
+            h, [config.intermediate_size] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.mlp.fc"
+        )
+        self.mlp.out = RowParallelLinear(
+            config.intermediate_size, h, bias=False, quant_config=quant_config, prefix=f"{prefix}.mlp.out"
+        )
         self.act = SiluAndMul()
 
     def _load_head_split(self, param: Tensor, loaded: Tensor) -> None:
@@ -110,8 +125,8 @@ class LayerWeights(nn.Module):
         """The norm over every rank's heads together (`whole`: each rank holds all of them, replicated)."""
         if self.tp == 1 or whole:
             return norm(x)
-        whole = norm(tensor_model_parallel_all_gather(x.contiguous()))
-        return whole.chunk(self.tp, dim=-1)[get_tensor_model_parallel_rank()]
+        gathered = norm(tensor_model_parallel_all_gather(x.contiguous()))
+        return gathered.chunk(self.tp, dim=-1)[get_tensor_model_parallel_rank()]
 
     def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, cache: Attention) -> Tensor:
         """The rest of the layer after its queries, keys and values: attention with `cache`, the MLP, the
@@ -132,6 +147,8 @@ class LayerWeights(nn.Module):
 class RecurrentDepthForCausalLM(nn.Module):
     """Any checkpoint rdlm reads, served by vLLM (registered as RavenForCausalLM and OuroForCausalLM)."""
 
+    s0_table: Tensor | None  # a buffer (register_buffer): s_0's rows by position, None where s_0 is zero
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         if get_pp_group().world_size > 1:
@@ -139,35 +156,49 @@ class RecurrentDepthForCausalLM(nn.Module):
         hf_config = vllm_config.model_config.hf_config
         config, self.recurrence = options.read(hf_config.to_dict(), f"{type(hf_config).__name__}")
         model_config = vllm_config.model_config
-        if (self.recurrence.criterion is not None and not model_config.enforce_eager
-                and vllm_config.device_config.device.type == "cuda"):
+        if (
+            self.recurrence.criterion is not None
+            and not model_config.enforce_eager
+            and vllm_config.device_config.device.type == "cuda"
+        ):
             raise options.RecurrenceOptionError(
                 "rdlm_exit_criterion stops the loop when every token has exited, which a CUDA graph cannot "
-                "hold: serve with enforce_eager=True (--enforce-eager)")
+                "hold: serve with enforce_eager=True (--enforce-eager)"
+            )
         if self.recurrence.criterion is not None and vllm_config.cache_config.enable_prefix_caching:
             logging.getLogger(__name__).warning(
                 "rdlm: with rdlm_exit_criterion and prefix caching, a prompt whose every token is cached has its "
                 "last token recomputed alone, which then reads as decoded and may exit early (rdlm generate runs "
-                "every prompt token to r): for rdlm's tokens, turn prefix caching off (--no-enable-prefix-caching)")
+                "every prompt token to r): for rdlm's tokens, turn prefix caching off (--no-enable-prefix-caching)"
+            )
         self.config = config
         quant, cache_config = vllm_config.quant_config, vllm_config.cache_config
         h, d = config.hidden_size, config.head_dim
-        self.embedding = VocabParallelEmbedding(config.vocab_size, h, quant_config=quant,
-                                                prefix=_name(prefix, "embedding"))
+        self.embedding = VocabParallelEmbedding(
+            config.vocab_size, h, quant_config=quant, prefix=_name(prefix, "embedding")
+        )
         rope_parameters = {**(config.rope_scaling or {}), "rope_theta": config.rope_base}
-        rope = get_rope(d, config.context_length, is_neox_style=config.rope_pairs == "halves",
-                        rope_parameters=rope_parameters)
+        rope = get_rope(
+            d, config.context_length, is_neox_style=config.rope_pairs == "halves", rope_parameters=rope_parameters
+        )
 
         def layers(part: str, n: int) -> nn.ModuleList:
             return nn.ModuleList(LayerWeights(config, rope, quant, _name(prefix, f"{part}.{i}")) for i in range(n))
 
-        self.prelude, self.core, self.coda = (layers("prelude", config.prelude_layers),
-                                              layers("core", config.core_layers), layers("coda", config.coda_layers))
-        self.adapter = (ReplicatedLinear(2 * h, h, bias=config.adapter_bias, quant_config=quant,
-                                         prefix=_name(prefix, "adapter")) if config.injection == "concat" else None)
+        self.prelude, self.core, self.coda = (
+            layers("prelude", config.prelude_layers),
+            layers("core", config.core_layers),
+            layers("coda", config.coda_layers),
+        )
+        self.adapter = (
+            ReplicatedLinear(2 * h, h, bias=config.adapter_bias, quant_config=quant, prefix=_name(prefix, "adapter"))
+            if config.injection == "concat"
+            else None
+        )
         self.final_norm = RMSNorm(h, config.norm_eps)
-        self.exit_gate = ReplicatedLinear(h, 1, bias=True, prefix=_name(prefix, "exit_gate")) \
-            if config.exit_gate else None
+        self.exit_gate = (
+            ReplicatedLinear(h, 1, bias=True, prefix=_name(prefix, "exit_gate")) if config.exit_gate else None
+        )
         self.lm_head = ParallelLMHead(config.vocab_size, h, quant_config=quant, prefix=_name(prefix, "lm_head"))
         if config.tie_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.embedding)
@@ -180,15 +211,30 @@ class RecurrentDepthForCausalLM(nn.Module):
         core_caches = config.core_layers * self.recurrence.core_caches
         total = config.prelude_layers + core_caches + config.coda_layers
         self.kv = nn.ModuleList(
-            Attention(heads, d, d**-0.5, num_kv_heads=kv_heads, cache_config=cache_config, quant_config=quant,
-                      prefix=_name(prefix, f"kv.{i}")) for i in range(total))
+            Attention(
+                heads,
+                d,
+                d**-0.5,
+                num_kv_heads=kv_heads,
+                cache_config=cache_config,
+                quant_config=quant,
+                prefix=_name(prefix, f"kv.{i}"),
+            )
+            for i in range(total)
+        )
         self._core_start, self._coda_start = config.prelude_layers, config.prelude_layers + core_caches
         # s_0 of each position: rdlm's table (rdlm.inference.noise), so a token's s_0 does not depend on the
         # batch; drawn once on the CPU (the same numbers on every device), then kept on the model's device.
         table = None
         if config.takes_initial_state:
-            table = noise_table(_shape_only(config), self.recurrence.seed, self.recurrence.init_scale,
-                                config.context_length, model_config.dtype, vllm_config.device_config.device)
+            table = noise_table(
+                _shape_only(config),
+                self.recurrence.seed,
+                self.recurrence.init_scale,
+                config.context_length,
+                model_config.dtype,
+                vllm_config.device_config.device,
+            )
         self.register_buffer("s0_table", table, persistent=False)
         self.embed_scale = config.embedding_scale
         self.stats = ExitStats()
@@ -199,9 +245,18 @@ class RecurrentDepthForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         return self.embedding(input_ids)
 
-    def forward(self, input_ids: Tensor | None, positions: Tensor, intermediate_tensors=None,
-                inputs_embeds: Tensor | None = None) -> Tensor:
-        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+    def forward(
+        self,
+        input_ids: Tensor | None,
+        positions: Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
+        if inputs_embeds is None:
+            assert input_ids is not None  # vLLM gives one of the two
+            x = self.embed_input_ids(input_ids)
+        else:
+            x = inputs_embeds
         if self.embed_scale != 1:
             x = x * self.embed_scale
         for i, layer in enumerate(self.prelude):
@@ -245,7 +300,7 @@ class RecurrentDepthForCausalLM(nn.Module):
         the coda reads."""
         criterion = self.recurrence.criterion
         decoding = self._decoding_tokens(positions) if criterion is not None else None
-        if decoding is None or not (criterion.uses_gate or bool(decoding.any())):
+        if criterion is None or decoding is None or not (criterion.uses_gate or bool(decoding.any())):
             for i in range(self.recurrence.num_steps):
                 state = self.core_iteration(state, embedded, positions, i)
             self.stats.steps += 1
@@ -262,10 +317,14 @@ class RecurrentDepthForCausalLM(nn.Module):
         - prompt tokens run every iteration; with a learned gate the coda reads each one's state at the
           iteration where its gate fired (rdlm's gated prefill), otherwise its last."""
         r, criterion, min_steps = self.recurrence.num_steps, self.recurrence.criterion, self.recurrence.min_steps
+        assert criterion is not None  # (iterate comes here only with one)
+        gate: Callable[[Tensor], Tensor] | None
         track = ExitTrack.start(state.shape[0], state.device, gate=criterion.uses_gate)
         if criterion.uses_gate:
             track = dataclasses.replace(track, exit_state=state)
-            gate = lambda s: torch.sigmoid(self.exit_gate(s)[0].squeeze(-1).float())  # noqa: E731
+            exit_gate = self.exit_gate
+            assert exit_gate is not None  # a criterion that reads a gate needs the model's (options.read)
+            gate = lambda s: torch.sigmoid(exit_gate(s)[0].squeeze(-1).float())  # noqa: E731
         else:
             gate = None
         last_kv: list[tuple[Tensor, Tensor]] = []
@@ -278,7 +337,7 @@ class RecurrentDepthForCausalLM(nn.Module):
                 break
             held = frozen.unsqueeze(-1)
             x = self.core_input(state, embedded)
-            for layer, weights in enumerate(self.core):
+            for layer, weights in enumerate(cast("Iterable[LayerWeights]", self.core)):
                 q, k, v = weights.qkv(positions, x)
                 if i > 0:
                     k, v = torch.where(held, last_kv[layer][0], k), torch.where(held, last_kv[layer][1], v)
@@ -289,8 +348,12 @@ class RecurrentDepthForCausalLM(nn.Module):
             new = self.final_norm(x) if self.config.final_norm == "loop" else x
             prev, state = state, torch.where(held, state, new)
             track = track.after_iteration(criterion, i, r, prev, state, min_steps=min_steps, gate=gate)
+        assert track.steps is not None  # ExitTrack.start counts the iterations
         self.stats.count(run, track.steps[decoding])
-        return track.exit_state if criterion.uses_gate else state
+        if criterion.uses_gate:
+            assert track.exit_state is not None  # set above, kept by every update
+            return track.exit_state
+        return state
 
     def _fill_caches(self, last_kv: list[tuple[Tensor, Tensor]], first: int) -> None:
         """Every token exited before iteration `first`: the caches of iterations first .. r-1 get each token's
@@ -323,7 +386,7 @@ class RecurrentDepthForCausalLM(nn.Module):
             return None
         starts = starts.to(positions.device)
         queries = starts[1:] - starts[:-1]
-        one = (queries == 1) & (lengths.to(positions.device)[:queries.shape[0]] > 1)
+        one = (queries == 1) & (lengths.to(positions.device)[: queries.shape[0]] > 1)
         decoding = torch.zeros(positions.shape[0], dtype=torch.bool, device=positions.device)
         decoding[starts[:-1][one]] = True
         return decoding
@@ -337,8 +400,10 @@ class RecurrentDepthForCausalLM(nn.Module):
         adapter = adapter_of(self.config)
         tensors = dict(weights)
         if any(name.endswith((".qweight", ".scales")) for name in tensors):
-            raise CheckpointError("an rdlm-quantized checkpoint cannot be served by vLLM; serve the unquantized "
-                                  "model with vLLM's own quantization (e.g. quantization='fp8')")
+            raise CheckpointError(
+                "an rdlm-quantized checkpoint cannot be served by vLLM; serve the unquantized "
+                "model with vLLM's own quantization (e.g. quantization='fp8')"
+            )
         adapter.rope_from_file(tensors)  # a stored RoPE table is never used: vLLM's rotary embedding computes it
         state, unexpected = adapter.from_file(tensors)
         if unexpected:
@@ -363,8 +428,8 @@ class RecurrentDepthForCausalLM(nn.Module):
                 for shard, part in zip(("q", "k", "v"), tensor.split((q_rows, kv_rows, kv_rows)), strict=True):
                     loader(param, part, shard)
             elif name.endswith("mlp.fc.weight"):
-                for shard, part in enumerate(tensor.chunk(2)):
-                    loader(param, part, shard)
+                for half, part in enumerate(tensor.chunk(2)):
+                    loader(param, part, half)
             else:
                 loader(param, tensor)
             loaded.add(name)
@@ -376,6 +441,7 @@ class ExitStats:
     """What the forward ran since the model was loaded (read with `vllm.LLM.apply_model`): `steps` forwards
     and the core iterations they ran (`step_iterations`, each over all of the step's tokens); with an exit
     criterion, the decoded tokens and the iterations each ran before it exited (`token_iterations`)."""
+
     steps: int = 0
     step_iterations: int = 0
     decoded_tokens: int = 0
@@ -395,8 +461,11 @@ def write_cache(cache: Attention, k: Tensor, v: Tensor) -> None:
     if cache.attn_backend.forward_includes_kv_cache_update:
         cache(k.new_zeros(k.shape[0], cache.num_heads * cache.head_size), k, v)
     else:
-        unified_kv_cache_update(k.view(-1, cache.num_kv_heads, cache.head_size),
-                                v.view(-1, cache.num_kv_heads, cache.head_size), cache.layer_name)
+        unified_kv_cache_update(
+            k.view(-1, cache.num_kv_heads, cache.head_size),
+            v.view(-1, cache.num_kv_heads, cache.head_size),
+            cache.layer_name,
+        )
 
 
 def _shape_only(config: RDLMConfig) -> RecurrentDepthLM:

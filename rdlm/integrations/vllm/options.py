@@ -11,12 +11,13 @@ vLLM builds a model once per server, so these are per served model, not per requ
 | `rdlm_exit_threshold` | the criterion's threshold | the criterion's (latent-diff 0.03; gate: the checkpoint's) |
 | `rdlm_min_steps` | fewest iterations before a token may exit | 2 (1 for a gate), as `rdlm generate` |
 | `rdlm_seed`, `rdlm_init_scale` | s_0 of the token at position p is row p of rdlm's table drawn from the seed (rdlm.inference.noise) | 0 and 1, `rdlm generate`'s defaults |
-"""
+"""  # noqa: E501 (a markdown table: its rows cannot wrap)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from rdlm.checks import is_int
 from rdlm.inference.exits import CRITERIA, ExitCriterion, make_exit_criterion
@@ -41,6 +42,7 @@ class RecurrenceOptionError(ValueError):
 class Recurrence:
     """What the plugin's forward does per token: `num_steps` iterations (fewer once `criterion` says a decoded
     token has converged, never before `min_steps`), with `cache` mode, from s_0 drawn by `seed` and `init_scale`."""
+
     num_steps: int
     cache: str = "per-iteration"
     criterion: ExitCriterion | None = None
@@ -57,7 +59,7 @@ class Recurrence:
 def split_options(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the config.json keys, the rdlm_* recurrence options) of a served model's config dict."""
     config = {k: v for k, v in raw.items() if not k.startswith(PREFIX)}
-    options = {k[len(PREFIX):]: v for k, v in raw.items() if k.startswith(PREFIX)}
+    options = {k[len(PREFIX) :]: v for k, v in raw.items() if k.startswith(PREFIX)}
     return config, options
 
 
@@ -67,16 +69,21 @@ def read(raw: Mapping[str, Any], source: str = "config") -> tuple[RDLMConfig, Re
     keys, options = split_options(raw)
     config = config_from_huginn(keys, source)
     if config.test_time_noise > 0:
-        raise RecurrenceOptionError(f"{source}: test_time_noise {config.test_time_noise:g} (noise mixed into the state "
-                                    "before every iteration) is not served by vLLM; set it to 0 to serve the model")
+        raise RecurrenceOptionError(
+            f"{source}: test_time_noise {config.test_time_noise:g} (noise mixed into the state "
+            "before every iteration) is not served by vLLM; set it to 0 to serve the model"
+        )
     unknown = sorted(set(options) - set(KEYS))
     if unknown:
-        raise RecurrenceOptionError(f"{source}: unknown option(s) {', '.join(PREFIX + k for k in unknown)}; "
-                                    f"known: {', '.join(PREFIX + k for k in KEYS)}")
+        raise RecurrenceOptionError(
+            f"{source}: unknown option(s) {', '.join(PREFIX + k for k in unknown)}; "
+            f"known: {', '.join(PREFIX + k for k in KEYS)}"
+        )
     steps = options.get("num_steps", config.mean_recurrence)
     if not is_int(steps, 1) or steps > MAX_SERVED_STEPS:
-        raise RecurrenceOptionError(f"{source}: {PREFIX}num_steps must be an integer in 1..{MAX_SERVED_STEPS}, "
-                                    f"got {steps!r}")
+        raise RecurrenceOptionError(
+            f"{source}: {PREFIX}num_steps must be an integer in 1..{MAX_SERVED_STEPS}, got {steps!r}"
+        )
     cache = options.get("cache", "per-iteration")
     if cache not in CACHE_MODES:
         raise RecurrenceOptionError(f"{source}: {PREFIX}cache must be one of {CACHE_MODES}, got {cache!r}")
@@ -84,15 +91,17 @@ def read(raw: Mapping[str, Any], source: str = "config") -> tuple[RDLMConfig, Re
     gate = criterion is not None and criterion.uses_gate
     min_steps = options.get("min_steps", 1 if gate else 2)
     if not is_int(min_steps, 1) or min_steps > steps:
-        raise RecurrenceOptionError(f"{source}: {PREFIX}min_steps must be an integer in 1..{PREFIX}num_steps "
-                                    f"({steps}), got {min_steps!r}")
+        raise RecurrenceOptionError(
+            f"{source}: {PREFIX}min_steps must be an integer in 1..{PREFIX}num_steps ({steps}), got {min_steps!r}"
+        )
     seed = options.get("seed", 0)
     if not is_int(seed, 0) or seed > MAX_SEED:  # rdlm generate's bounds (rdlm.inference.params)
         raise RecurrenceOptionError(f"{source}: {PREFIX}seed must be an integer in 0..2**63-1, got {seed!r}")
     scale = options.get("init_scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale <= MAX_INIT_SCALE:
-        raise RecurrenceOptionError(f"{source}: {PREFIX}init_scale must be a number in [0, {MAX_INIT_SCALE:g}], got "
-                                    f"{scale!r}")
+        raise RecurrenceOptionError(
+            f"{source}: {PREFIX}init_scale must be a number in [0, {MAX_INIT_SCALE:g}], got {scale!r}"
+        )
     return config, Recurrence(steps, cache, criterion, min_steps, seed, float(scale))
 
 
@@ -103,12 +112,15 @@ def _criterion(config: RDLMConfig, options: Mapping[str, Any], source: str) -> E
             raise RecurrenceOptionError(f"{source}: {PREFIX}exit_threshold needs {PREFIX}exit_criterion")
         return None
     if name not in SERVED_CRITERIA:
-        raise RecurrenceOptionError(f"{source}: {PREFIX}exit_criterion must be one of {SERVED_CRITERIA} inside "
-                                    f"vLLM (criteria that read logits run the coda every iteration), got {name!r}")
+        raise RecurrenceOptionError(
+            f"{source}: {PREFIX}exit_criterion must be one of {SERVED_CRITERIA} inside "
+            f"vLLM (criteria that read logits run the coda every iteration), got {name!r}"
+        )
     if CRITERIA[name].uses_gate:
         if not config.exit_gate:
-            raise RecurrenceOptionError(f"{source}: {PREFIX}exit_criterion {name!r} needs a model with a learned "
-                                        "exit gate (Ouro)")
+            raise RecurrenceOptionError(
+                f"{source}: {PREFIX}exit_criterion {name!r} needs a model with a learned exit gate (Ouro)"
+            )
         if threshold is None:
             threshold = config.exit_threshold
     try:

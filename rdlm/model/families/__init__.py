@@ -16,8 +16,9 @@ family a model is: what differs is a config field, and what a file holds is its 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from rdlm.model.config import RDLMConfig
 from rdlm.model.families.base import CheckpointError, FamilyAdapter, declared_family, standard_rope_keys
@@ -27,13 +28,23 @@ from rdlm.model.families.retrofit import RETROFIT_LLAMA, RETROFIT_OLMO, Retrofit
 
 # name (RDLMConfig.family) -> adapter; read-only.
 ADAPTERS: Mapping[str, FamilyAdapter] = MappingProxyType(
-    {adapter.name: adapter for adapter in (HUGINN, RETROFIT_LLAMA, RETROFIT_OLMO, OURO)})
+    {adapter.name: adapter for adapter in (HUGINN, RETROFIT_LLAMA, RETROFIT_OLMO, OURO)}
+)
 # transformers model_type of a retrofit source -> the adapter of what it becomes (rdlm.model.retrofit).
 RETROFIT_SOURCES: Mapping[str, RetrofitAdapter] = MappingProxyType(
-    {adapter.source_model_type: adapter for adapter in (RETROFIT_LLAMA, RETROFIT_OLMO)})
+    {adapter.source_model_type: adapter for adapter in (RETROFIT_LLAMA, RETROFIT_OLMO)}
+)
 
-__all__ = ["ADAPTERS", "MODEL_TYPE", "RETROFIT_SOURCES", "CheckpointError", "FamilyAdapter", "adapter_of",
-           "detect", "standard_rope_keys"]
+__all__ = [
+    "ADAPTERS",
+    "MODEL_TYPE",
+    "RETROFIT_SOURCES",
+    "CheckpointError",
+    "FamilyAdapter",
+    "adapter_of",
+    "detect",
+    "standard_rope_keys",
+]
 
 
 def adapter_of(config: RDLMConfig) -> FamilyAdapter:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,9 +25,9 @@ class FamilyAdapter(ABC):
     these methods alone; the registry (`rdlm.model.families.ADAPTERS`) finds the adapter of a file or a
     config. What the model computes differently per family is `RDLMConfig` fields, never an adapter's."""
 
-    name: str                    # RDLMConfig.family
-    model_type: str              # config.json's model_type (transformers' key for the config class)
-    needs_tensor_names = False   # telling it from its siblings needs the checkpoint's tensor names
+    name: str  # RDLMConfig.family
+    model_type: str  # config.json's model_type (transformers' key for the config class)
+    needs_tensor_names = False  # telling it from its siblings needs the checkpoint's tensor names
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -77,8 +78,15 @@ class FamilyAdapter(ABC):
 # ------------------------------------------------------------------------------------------------
 # config.json helpers
 
-_JSON_KINDS = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
-               dict: "an object", type(None): "null"}
+_JSON_KINDS = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    list: "an array",
+    dict: "an object",
+    type(None): "null",
+}
 _ACCEPTS = {"integer": (int,), "number": (int, float), "boolean": (bool,)}
 
 
@@ -91,8 +99,10 @@ def check_key_types(raw: Mapping[str, Any], kinds: Mapping[str, str], source: st
             continue
         wrong_bool = isinstance(value, bool) and kind != "boolean"
         if wrong_bool or not isinstance(value, _ACCEPTS[kind]):
-            raise CheckpointError(f"{source}: {key} must be {'an' if kind == 'integer' else 'a'} {kind}, got "
-                                  f"{value!r} ({_JSON_KINDS.get(type(value), type(value).__name__)})")
+            raise CheckpointError(
+                f"{source}: {key} must be {'an' if kind == 'integer' else 'a'} {kind}, got "
+                f"{value!r} ({_JSON_KINDS.get(type(value), type(value).__name__)})"
+            )
 
 
 def standard_rope_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,8 +127,9 @@ def declared_family(raw: Mapping[str, Any]) -> str | None:
     return raw.get("rdlm", {}).get("family") if isinstance(raw.get("rdlm"), dict) else None
 
 
-def with_rdlm_section(values: dict[str, Any], raw: Mapping[str, Any], source: str,
-                      keys: Mapping[str, str] | None = None) -> RDLMConfig:
+def with_rdlm_section(
+    values: dict[str, Any], raw: Mapping[str, Any], source: str, keys: Mapping[str, str] | None = None
+) -> RDLMConfig:
     """The config of `values` and the file's "rdlm" section: fields rdlm adds (sampler, ...) travel there,
     so a round trip is lossless. `keys`: the file's name of a field, which an error about it names too."""
     extra = raw.get("rdlm", {})
@@ -137,15 +148,30 @@ def with_rdlm_section(values: dict[str, Any], raw: Mapping[str, Any], source: st
 
 # Fields beyond Huginn-0125's; a Huginn-layout file keeps those that differ from the default in its
 # "rdlm" section (the retrofitted and Ouro layouts have keys of their own for most of them).
-_GENERAL = ("num_kv_heads", "head_size", "qk_norm", "rope_pairs", "rope_scaling", "embed_scale", "final_norm",
-            "adapter_bias", "exit_gate", "exit_threshold", "norm_scheme", "injection", "state_init")
+_GENERAL = (
+    "num_kv_heads",
+    "head_size",
+    "qk_norm",
+    "rope_pairs",
+    "rope_scaling",
+    "embed_scale",
+    "final_norm",
+    "adapter_bias",
+    "exit_gate",
+    "exit_threshold",
+    "norm_scheme",
+    "injection",
+    "state_init",
+)
 
 
 def rdlm_section(config: RDLMConfig, general: bool) -> dict[str, Any]:
     """The file's "rdlm" section: the fields no family key holds (and with `general`, every field beyond
     Huginn-0125's that differs from its default)."""
-    section = {key: getattr(config, key) for key in
-               ("family", "recurrence_sampler", "recurrence_sigma", "activation_checkpointing", "name")}
+    section = {
+        key: getattr(config, key)
+        for key in ("family", "recurrence_sampler", "recurrence_sigma", "activation_checkpointing", "name")
+    }
     if general:
         default = RDLMConfig()
         section.update({key: getattr(config, key) for key in _GENERAL if getattr(config, key) != getattr(default, key)})

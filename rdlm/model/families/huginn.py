@@ -8,43 +8,82 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from rdlm.model.config import RDLMConfig
-from rdlm.model.families.base import (CheckpointError, FamilyAdapter, check_key_types, rdlm_section,
-                                      with_rdlm_section)
+from rdlm.model.families.base import CheckpointError, FamilyAdapter, check_key_types, rdlm_section, with_rdlm_section
 
 MODEL_TYPE = "huginn_raven"
 
-_REQUIRED = {"n_embd": "hidden_size", "n_heads": "num_heads", "n_layers_in_prelude": "prelude_layers",
-             "n_layers_in_recurrent_block": "core_layers", "n_layers_in_coda": "coda_layers",
-             "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
-             "block_size": "context_length"}
-_OPTIONAL = {"norm_eps": "norm_eps", "rope_base": "rope_base", "qk_bias": "qk_bias",
-             "tie_embeddings": "tie_embeddings", "mean_recurrence": "mean_recurrence",
-             "mean_backprop_depth": "backprop_depth", "test_time_noise": "test_time_noise",
-             "test_time_noise_type": "test_time_noise_type"}
+_REQUIRED = {
+    "n_embd": "hidden_size",
+    "n_heads": "num_heads",
+    "n_layers_in_prelude": "prelude_layers",
+    "n_layers_in_recurrent_block": "core_layers",
+    "n_layers_in_coda": "coda_layers",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "block_size": "context_length",
+}
+_OPTIONAL = {
+    "norm_eps": "norm_eps",
+    "rope_base": "rope_base",
+    "qk_bias": "qk_bias",
+    "tie_embeddings": "tie_embeddings",
+    "mean_recurrence": "mean_recurrence",
+    "mean_backprop_depth": "backprop_depth",
+    "test_time_noise": "test_time_noise",
+    "test_time_noise_type": "test_time_noise_type",
+}
 # transformers' generic names, which the reference config maps onto its own (its attribute_map); the
 # authors' raven_config_minimal.json spells the heads `num_attention_heads`.
-_ALIASES = {"num_attention_heads": "n_heads", "hidden_size": "n_embd", "num_hidden_layers": "n_layers",
-            "max_position_embeddings": "block_size"}
+_ALIASES = {
+    "num_attention_heads": "n_heads",
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layers",
+    "max_position_embeddings": "block_size",
+}
 # The JSON type of each key read (a retrofitted model's own keys too), checked before any arithmetic on them.
-_KINDS = {**dict.fromkeys((*_REQUIRED, "padded_vocab_size", "n_layers", "mean_recurrence", "mean_backprop_depth",
-                           "num_key_value_heads", "head_dim", "max_position_embeddings"), "integer"),
-          **dict.fromkeys(("norm_eps", "rope_base", "rope_theta", "test_time_noise"), "number"),
-          **dict.fromkeys(("qk_bias", "tie_embeddings", "bias", "tie_word_embeddings"), "boolean")}
+_KINDS = {
+    **dict.fromkeys(
+        (
+            *_REQUIRED,
+            "padded_vocab_size",
+            "n_layers",
+            "mean_recurrence",
+            "mean_backprop_depth",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ),
+        "integer",
+    ),
+    **dict.fromkeys(("norm_eps", "rope_base", "rope_theta", "test_time_noise"), "number"),
+    **dict.fromkeys(("qk_bias", "tie_embeddings", "bias", "tie_word_embeddings"), "boolean"),
+}
 
 _GROUPS = {"prelude": "prelude", "core": "core_block", "coda": "coda"}
-_PARTS = {"attn.qkv.weight": "attn.Wqkv.weight", "attn.qk_bias": "attn.qk_bias",
-          "attn.q_norm.weight": "attn.q_norm.weight", "attn.k_norm.weight": "attn.k_norm.weight",
-          "attn.out.weight": "attn.proj.weight", "mlp.fc.weight": "mlp.fc.weight",
-          "mlp.out.weight": "mlp.proj.weight", **{f"norm_{i}.weight": f"norm_{i}.weight" for i in range(1, 5)}}
-_TOP = {"embedding.weight": "transformer.wte.weight", "adapter.weight": "transformer.adapter.weight",
-        "adapter.bias": "transformer.adapter.bias", "final_norm.weight": "transformer.ln_f.weight",
-        "lm_head.weight": "lm_head.weight"}
+_PARTS = {
+    "attn.qkv.weight": "attn.Wqkv.weight",
+    "attn.qk_bias": "attn.qk_bias",
+    "attn.q_norm.weight": "attn.q_norm.weight",
+    "attn.k_norm.weight": "attn.k_norm.weight",
+    "attn.out.weight": "attn.proj.weight",
+    "mlp.fc.weight": "mlp.fc.weight",
+    "mlp.out.weight": "mlp.proj.weight",
+    **{f"norm_{i}.weight": f"norm_{i}.weight" for i in range(1, 5)},
+}
+_TOP = {
+    "embedding.weight": "transformer.wte.weight",
+    "adapter.weight": "transformer.adapter.weight",
+    "adapter.bias": "transformer.adapter.bias",
+    "final_norm.weight": "transformer.ln_f.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 _LAYER_RE = re.compile(r"^(prelude|core|coda)\.(\d+)\.(.+)$")
 _HUGINN_LAYER_RE = re.compile(r"^transformer\.(prelude|core_block|coda)\.(\d+)\.(.+)$")
 
@@ -82,8 +121,9 @@ class HuginnAdapter(FamilyAdapter):
         if missing:
             raise CheckpointError(f"{source}: missing required key(s) {', '.join(missing)}")
         check_key_types(raw, _KINDS, source)
-        values: dict[str, Any] = {ours: raw[theirs] for theirs, ours in {**_REQUIRED, **_OPTIONAL}.items()
-                                  if theirs in raw}
+        values: dict[str, Any] = {
+            ours: raw[theirs] for theirs, ours in {**_REQUIRED, **_OPTIONAL}.items() if theirs in raw
+        }
         # The reference pads the embedding table; its rows are what the weights hold.
         values["vocab_size"] = raw.get("padded_vocab_size", raw["vocab_size"])
         for key in ("rope_base", "norm_eps", "test_time_noise"):
@@ -116,7 +156,8 @@ class HuginnAdapter(FamilyAdapter):
     def _fixed_keys(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """Keys of the file that must hold these values (a Huginn model rdlm saved with grouped-query
         attention says so in its section)."""
-        extra = raw.get("rdlm") if isinstance(raw.get("rdlm"), dict) else {}
+        extra = raw.get("rdlm")
+        extra = extra if isinstance(extra, dict) else {}
         return dict(bias=False, num_key_value_heads=extra.get("num_kv_heads") or raw.get("n_heads"))
 
     def _own_fields(self, raw: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -143,8 +184,12 @@ class HuginnAdapter(FamilyAdapter):
             "norm_class_name": "RMSNorm_llama",
             "effective_expected_depth": depth,
             "init_strategy": "takase",
-            "init_values": {"std": config.state_std, "embedding": math.sqrt(2 / (5 * h)),
-                            "out_proj": math.sqrt(1 / (5 * h * depth)), "embed_scale": config.embedding_scale},
+            "init_values": {
+                "std": config.state_std,
+                "embedding": math.sqrt(2 / (5 * h)),
+                "out_proj": math.sqrt(1 / (5 * h * depth)),
+                "embed_scale": config.embedding_scale,
+            },
             "test_time_noise": config.test_time_noise,
             "test_time_noise_type": config.test_time_noise_type,
             "torch_dtype": str(dtype).removeprefix("torch."),

@@ -4,17 +4,19 @@ OLMo-2) share: rdlm's fused q/k/v and gate/up projections are split into them an
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import Tensor
 
 from rdlm.model.config import RDLMConfig
 
 # rdlm block parameter -> the layer's tensors it holds, in the order they are concatenated.
-LAYER_PARTS = {"attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-               "attn.out.weight": ("self_attn.o_proj.weight",),
-               "mlp.fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-               "mlp.out.weight": ("mlp.down_proj.weight",)}
+LAYER_PARTS = {
+    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "attn.out.weight": ("self_attn.o_proj.weight",),
+    "mlp.fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.out.weight": ("mlp.down_proj.weight",),
+}
 
 
 def split_sizes(config: RDLMConfig) -> dict[str, tuple[int, ...]]:
@@ -27,7 +29,7 @@ def split(tensor: Tensor, theirs: tuple[str, ...], sizes: tuple[int, ...] | None
     """A parameter as the layer's tensors `theirs` (rows `sizes` when there are several)."""
     if len(theirs) == 1:
         return {theirs[0]: tensor}
-    return dict(zip(theirs, tensor.split(sizes)))
+    return dict(zip(theirs, tensor.split(sizes), strict=True))
 
 
 def spelled(theirs: tuple[str, ...]) -> str:
@@ -36,7 +38,7 @@ def spelled(theirs: tuple[str, ...]) -> str:
         return theirs[0]
     head = os.path.commonprefix(theirs)
     tail = os.path.commonprefix([name[::-1] for name in theirs])[::-1]
-    return f"{head}{{{','.join(name[len(head):len(name) - len(tail)] for name in theirs)}}}{tail}"
+    return f"{head}{{{','.join(name[len(head) : len(name) - len(tail)] for name in theirs)}}}{tail}"
 
 
 def inverse(parts: Mapping[str, tuple[str, ...]]) -> dict[str, str]:

@@ -8,7 +8,8 @@ Llama and OLMo-2 (file, source checkpoint and model config) is a field of the in
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,8 +25,16 @@ class RetrofitAdapter(HuginnAdapter):
 
     needs_tensor_names = True  # an OLMo-2 checkpoint is told from a Llama one by its QK-norm tensors
 
-    def __init__(self, name: str, source_model_type: str, norm_scheme: str, qk_norm: bool,
-                 head_dim_follows_heads: bool, norm_names: Mapping[str, str], source_norms: Mapping[str, str]):
+    def __init__(
+        self,
+        name: str,
+        source_model_type: str,
+        norm_scheme: str,
+        qk_norm: bool,
+        head_dim_follows_heads: bool,
+        norm_names: Mapping[str, str],
+        source_norms: Mapping[str, str],
+    ):
         self.name = name
         self.source_model_type = source_model_type  # the transformers model_type it is retrofitted from
         self.norm_scheme, self.qk_norm = norm_scheme, qk_norm
@@ -37,9 +46,11 @@ class RetrofitAdapter(HuginnAdapter):
     def claims(self, raw: Mapping[str, Any], tensor_names: set[str] | None) -> bool:
         # The OLMo variant, the one with QK-norm: its q_norm tensors, or the modeling file its auto_map
         # names (read, never run).
-        auto_map = raw.get("auto_map") if isinstance(raw.get("auto_map"), dict) else {}
+        auto_map = raw.get("auto_map")
+        auto_map = auto_map if isinstance(auto_map, dict) else {}
         olmo = any(name.endswith("attn.q_norm.weight") for name in tensor_names or ()) or any(
-            "olmo" in str(target).lower() for target in auto_map.values())
+            "olmo" in str(target).lower() for target in auto_map.values()
+        )
         return has_rope_keys(raw) and olmo == self.qk_norm
 
     # ---- config.json
@@ -50,10 +61,15 @@ class RetrofitAdapter(HuginnAdapter):
     def _own_fields(self, raw: Mapping[str, Any], source: str) -> dict[str, Any]:
         heads = raw.get("n_heads", raw.get("num_attention_heads"))
         values: dict[str, Any] = {
-            "family": self.name, "rope_pairs": "halves", "qk_bias": bool(raw.get("qk_bias", False)),
-            "tie_embeddings": bool(raw.get("tie_embeddings", False)), "adapter_bias": bool(raw.get("bias", False)),
-            "norm_scheme": self.norm_scheme, "qk_norm": self.qk_norm,
-            "final_norm": "output", "rope_scaling": raw.get("rope_scaling"),
+            "family": self.name,
+            "rope_pairs": "halves",
+            "qk_bias": bool(raw.get("qk_bias", False)),
+            "tie_embeddings": bool(raw.get("tie_embeddings", False)),
+            "adapter_bias": bool(raw.get("bias", False)),
+            "norm_scheme": self.norm_scheme,
+            "qk_norm": self.qk_norm,
+            "final_norm": "output",
+            "rope_scaling": raw.get("rope_scaling"),
         }
         if raw.get("rope_theta") is not None:
             values["rope_base"] = float(raw["rope_theta"])
@@ -63,8 +79,10 @@ class RetrofitAdapter(HuginnAdapter):
         head_dim = raw.get("head_dim")
         if head_dim is not None and head_dim * heads != raw.get("n_embd", raw.get("hidden_size")):
             if self.head_dim_follows_heads:
-                raise CheckpointError(f"{source}: head_dim={head_dim} is not n_embd / n_heads, which the "
-                                      "retrofitted Llama layout requires")
+                raise CheckpointError(
+                    f"{source}: head_dim={head_dim} is not n_embd / n_heads, which the "
+                    "retrofitted Llama layout requires"
+                )
             values["head_size"] = head_dim
         if raw.get("max_position_embeddings") is not None:  # the base model's context, which its RoPE serves
             values["context_length"] = int(raw["max_position_embeddings"])
@@ -80,10 +98,16 @@ class RetrofitAdapter(HuginnAdapter):
 
     def _own_keys(self, config: RDLMConfig) -> dict[str, Any]:
         # So the authors' code loads what rdlm saves.
-        return {"num_key_value_heads": config.kv_heads, "head_dim": config.head_dim, "rope_theta": config.rope_base,
-                "rope_scaling": config.rope_scaling, "max_position_embeddings": config.context_length,
-                "bias": config.adapter_bias, "tie_word_embeddings": config.tie_embeddings,
-                "initial_state_mode": "embed-init" if config.state_init == "embedding" else "random"}
+        return {
+            "num_key_value_heads": config.kv_heads,
+            "head_dim": config.head_dim,
+            "rope_theta": config.rope_base,
+            "rope_scaling": config.rope_scaling,
+            "max_position_embeddings": config.context_length,
+            "bias": config.adapter_bias,
+            "tie_word_embeddings": config.tie_embeddings,
+            "initial_state_mode": "embed-init" if config.state_init == "embedding" else "random",
+        }
 
     # ---- no stored RoPE table
 
@@ -105,26 +129,53 @@ class RetrofitAdapter(HuginnAdapter):
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or hidden // heads
         if self.head_dim_follows_heads and head_dim * heads != hidden:
-            raise ValueError(f"head_dim={head_dim} x {heads} heads is not hidden_size {hidden}, which the "
-                             "retrofitted Llama layout requires")
+            raise ValueError(
+                f"head_dim={head_dim} x {heads} heads is not hidden_size {hidden}, which the "
+                "retrofitted Llama layout requires"
+            )
         kv = raw.get("num_key_value_heads") or heads
         return dict(
-            family=self.name, hidden_size=hidden, num_heads=heads, num_kv_heads=None if kv == heads else kv,
-            head_size=None if head_dim * heads == hidden else head_dim, intermediate_size=raw["intermediate_size"],
-            vocab_size=raw["vocab_size"], context_length=raw.get("max_position_embeddings", 2048),
-            rope_base=float(raw.get("rope_theta", 10000.0)), rope_scaling=raw.get("rope_scaling"),
-            rope_pairs="halves", norm_eps=float(raw.get("rms_norm_eps", 1e-6)), qk_bias=False,
-            qk_norm=self.qk_norm, tie_embeddings=False, norm_scheme=self.norm_scheme, final_norm="output",
-            embed_scale=1.0)
+            family=self.name,
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=None if kv == heads else kv,
+            head_size=None if head_dim * heads == hidden else head_dim,
+            intermediate_size=raw["intermediate_size"],
+            vocab_size=raw["vocab_size"],
+            context_length=raw.get("max_position_embeddings", 2048),
+            rope_base=float(raw.get("rope_theta", 10000.0)),
+            rope_scaling=raw.get("rope_scaling"),
+            rope_pairs="halves",
+            norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            qk_bias=False,
+            qk_norm=self.qk_norm,
+            tie_embeddings=False,
+            norm_scheme=self.norm_scheme,
+            final_norm="output",
+            embed_scale=1.0,
+        )
 
 
 RETROFIT_LLAMA = RetrofitAdapter(
-    "retrofit-llama", "llama", norm_scheme="prenorm", qk_norm=False, head_dim_follows_heads=True,
+    "retrofit-llama",
+    "llama",
+    norm_scheme="prenorm",
+    qk_norm=False,
+    head_dim_follows_heads=True,
     norm_names={"norm_1.weight": "norm_1.weight", "norm_3.weight": "norm_2.weight"},
-    source_norms={"norm_1.weight": "input_layernorm.weight", "norm_3.weight": "post_attention_layernorm.weight"})
+    source_norms={"norm_1.weight": "input_layernorm.weight", "norm_3.weight": "post_attention_layernorm.weight"},
+)
 RETROFIT_OLMO = RetrofitAdapter(
-    "retrofit-olmo", "olmo2", norm_scheme="postnorm", qk_norm=True, head_dim_follows_heads=False,
+    "retrofit-olmo",
+    "olmo2",
+    norm_scheme="postnorm",
+    qk_norm=True,
+    head_dim_follows_heads=False,
     norm_names={"norm_2.weight": "norm_1.weight", "norm_4.weight": "norm_2.weight"},
-    source_norms={"norm_2.weight": "post_attention_layernorm.weight",
-                  "norm_4.weight": "post_feedforward_layernorm.weight",
-                  "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"})
+    source_norms={
+        "norm_2.weight": "post_attention_layernorm.weight",
+        "norm_4.weight": "post_feedforward_layernorm.weight",
+        "attn.q_norm.weight": "self_attn.q_norm.weight",
+        "attn.k_norm.weight": "self_attn.k_norm.weight",
+    },
+)
