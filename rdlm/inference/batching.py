@@ -81,24 +81,46 @@ class ContinuousBatch(Engine):
             for event in batch.step(): ...
     """
 
-    def __init__(self, model: RecurrentDepthLM, max_batch: int = 8, max_length: int | None = None,
-                 num_slots: int = 32, decode: Decode | None = None, exit_sync_every: int = 1,
-                 prefill_chunk: int = 256, coda_every: int = 1, profile: bool = False,
-                 compile: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: RecurrentDepthLM,
+        max_batch: int = 8,
+        max_length: int | None = None,
+        num_slots: int = 32,
+        decode: Decode | None = None,
+        exit_sync_every: int = 1,
+        prefill_chunk: int = 256,
+        coda_every: int = 1,
+        profile: bool = False,
+        compile: bool | None = None,
+    ) -> None:
         max_length = model.config.context_length if max_length is None else max_length
-        for name, value in (("max_batch", max_batch), ("max_length", max_length), ("num_slots", num_slots),
-                            ("exit_sync_every", exit_sync_every), ("prefill_chunk", prefill_chunk),
-                            ("coda_every", coda_every)):
+        for name, value in (
+            ("max_batch", max_batch),
+            ("max_length", max_length),
+            ("num_slots", num_slots),
+            ("exit_sync_every", exit_sync_every),
+            ("prefill_chunk", prefill_chunk),
+            ("coda_every", coda_every),
+        ):
             check_int(name, value)
         self.model, self.decode = model.eval(), decode
         self.device = next(model.parameters()).device
         # `compile` None: the static step on with CUDA, off on the CPU
         static = resolve_compile(compile, self.device)
-        self.settings = EngineSettings(max_batch, max_length, num_slots, exit_sync_every, coda_every, prefill_chunk,
-                                       static, rides_along=self.device.type != "cpu" or static)
-        self.scheduler = Scheduler(self.settings, decode)          # who does what, when: no tensor
-        self.phases = PhaseTimes(self.device, profile)             # with `profile`: seconds per phase of the steps
-        self.step_runner = StepRunner(model, self.settings, self.phases)   # the rows' tensors and the model calls
+        self.settings = EngineSettings(
+            max_batch,
+            max_length,
+            num_slots,
+            exit_sync_every,
+            coda_every,
+            prefill_chunk,
+            static,
+            rides_along=self.device.type != "cpu" or static,
+        )
+        self.scheduler = Scheduler(self.settings, decode)  # who does what, when: no tensor
+        self.phases = PhaseTimes(self.device, profile)  # with `profile`: seconds per phase of the steps
+        self.step_runner = StepRunner(model, self.settings, self.phases)  # the rows' tensors and the model calls
         self.runner, self.cache = self.step_runner.runner, self.step_runner.cache
         self.cache_bytes = self.cache.nbytes
         self.ids = itertools.count()
@@ -110,15 +132,19 @@ class ContinuousBatch(Engine):
         """Queue a request; returns its id. Raises ValueError for what this batch cannot serve."""
         criterion = check_request(self.model, prompt, config, self.decode)
         if len(prompt) + config.max_new_tokens > self.settings.max_length:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) "
-                             f"exceeds the context of {self.settings.max_length} tokens")
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) "
+                f"exceeds the context of {self.settings.max_length} tokens"
+            )
         if config.sampler == "parallel":
             check_parallel(self.model, config, len(prompt))
         budget = config.core_slots
         if budget > self.settings.num_slots:
-            raise ValueError(f"num_steps {config.max_steps} needs {budget} core cache slots and this batch "
-                             f"has {self.settings.num_slots}: use the shared cache (a KV-cache budget) of at most "
-                             f"{self.settings.num_slots} slots")
+            raise ValueError(
+                f"num_steps {config.max_steps} needs {budget} core cache slots and this batch "
+                f"has {self.settings.num_slots}: use the shared cache (a KV-cache budget) of at most "
+                f"{self.settings.num_slots} slots"
+            )
         request = Request(next(self.ids), list(prompt), config, criterion, budget)
         self.scheduler.add(request)
         return request.id
@@ -175,7 +201,7 @@ class ContinuousBatch(Engine):
             plan = self.scheduler.schedule()
             out = self.step_runner.execute(plan)
             events = self.scheduler.update(out)
-        if (events or not self.busy) and self.decode_start is None:   # (a prefill alone chooses no token)
+        if (events or not self.busy) and self.decode_start is None:  # (a prefill alone chooses no token)
             sync(self.device)
             self.decode_start = time.perf_counter()
             self.prefill_seconds = self.decode_start - self.first_step

@@ -55,6 +55,7 @@ Strategy = Literal["full", "shared"]
 @dataclass(frozen=True)
 class CacheWrite:
     """Where one model call writes and which rows take part (the module doc says what each field means)."""
+
     start: int | Tensor = 0
     rows: Tensor | slice | None = None
     core_writers: Tensor | None = None
@@ -85,6 +86,7 @@ class Segment:
     """One call's worth of a packed call: `rows` x n tokens at `tokens` of the packed sequence (row-major),
     attending to their own cache rows by `plan`, with `mask` ([rows, 1, n, keys] boolean); `iteration`
     is the core iteration its cache slot stands for."""
+
     tokens: slice
     rows: int
     plan: CacheWrite
@@ -101,8 +103,14 @@ class PackedCall:
     def __init__(self, cache: RecurrentKVCache, segments: list[Segment]) -> None:
         self.cache, self.segments = cache, segments
 
-    def attend(self, key: tuple[str, int, int], q: Tensor, k: Tensor, v: Tensor,
-               attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    def attend(
+        self,
+        key: tuple[str, int, int],
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    ) -> Tensor:
         """q, k, v: [1, heads, T, d] of the packed tokens; returns attention's output, the same shape."""
         group, layer, _ = key
         if group != "core":
@@ -115,15 +123,22 @@ class PackedCall:
         out = []
         for seg in self.segments:
             ks, vs = self.cache.write(seg.plan, (group, layer, seg.iteration), split(k, seg), split(v, seg))
-            y = attention(split(q, seg), ks, vs, seg.mask)                     # [rows, H, n, d]
+            y = attention(split(q, seg), ks, vs, seg.mask)  # [rows, H, n, d]
             out.append(y.transpose(0, 1).reshape(y.shape[1], -1, y.shape[-1]))  # [H, rows * n, d]
         return torch.cat(out, dim=1).unsqueeze(0)
 
 
 class RecurrentKVCache:
-    def __init__(self, config: RDLMConfig, batch_size: int, max_length: int, num_slots: int,
-                 strategy: Strategy = "full", dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: RDLMConfig,
+        batch_size: int,
+        max_length: int,
+        num_slots: int,
+        strategy: Strategy = "full",
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         if strategy not in ("full", "shared"):
             raise ValueError(f"cache strategy must be 'full' or 'shared', got {strategy!r}")
         for name, value in (("batch_size", batch_size), ("max_length", max_length), ("num_slots", num_slots)):
@@ -131,9 +146,20 @@ class RecurrentKVCache:
         if max_length > config.context_length:
             raise ValueError(f"max_length {max_length} exceeds the model's context length {config.context_length}")
         layers = config.prelude_layers + config.core_layers * num_slots + config.coda_layers
-        need = 2 * layers * batch_size * config.kv_heads * config.head_dim * max_length * torch.empty((), dtype=dtype).element_size()
-        check_memory(need, device if device is not None else "cpu",
-                     f"a {strategy} KV cache of {num_slots} core slot(s) for {batch_size} x {max_length} tokens")
+        need = (
+            2
+            * layers
+            * batch_size
+            * config.kv_heads
+            * config.head_dim
+            * max_length
+            * torch.empty((), dtype=dtype).element_size()
+        )
+        check_memory(
+            need,
+            device if device is not None else "cpu",
+            f"a {strategy} KV cache of {num_slots} core slot(s) for {batch_size} x {max_length} tokens",
+        )
         self.strategy, self.num_slots = strategy, num_slots
         self.batch_size, self.max_length = batch_size, max_length
         shape = (batch_size, config.kv_heads, max_length, config.head_dim)
@@ -142,8 +168,16 @@ class RecurrentKVCache:
         self.core_k, self.core_v = new(config.core_layers, num_slots), new(config.core_layers, num_slots)
         self.coda_k, self.coda_v = new(config.coda_layers), new(config.coda_layers)
 
-    def at(self, start: int | Tensor = 0, *, rows: Tensor | slice | None = None, core_writers: Tensor | None = None,
-           slots: Tensor | None = None, budget: int | None = None, end: int | None = None) -> CacheCall:
+    def at(
+        self,
+        start: int | Tensor = 0,
+        *,
+        rows: Tensor | slice | None = None,
+        core_writers: Tensor | None = None,
+        slots: Tensor | None = None,
+        budget: int | None = None,
+        end: int | None = None,
+    ) -> CacheCall:
         """The cache for one model call that writes its tokens at `start` (see the module doc)."""
         return CacheCall(self, self.with_entries(CacheWrite(start, rows, core_writers, slots, budget, end)))
 
@@ -166,8 +200,10 @@ class RecurrentKVCache:
         if self.strategy == "shared":
             return iteration % self.num_slots
         if iteration >= self.num_slots:
-            raise ValueError(f"iteration {iteration} needs a cache slot, but this full cache has "
-                             f"{self.num_slots}; build it with num_slots >= r or use the shared strategy")
+            raise ValueError(
+                f"iteration {iteration} needs a cache slot, but this full cache has "
+                f"{self.num_slots}; build it with num_slots >= r or use the shared strategy"
+            )
         return iteration
 
     def write(self, plan: CacheWrite, key: tuple[str, int, int], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -236,8 +272,9 @@ class RecurrentKVCache:
     def _entries(heads: int, length: int, rows: Tensor, index: Tensor) -> Tensor:
         """Where cache[rows[j], :, index[j]] lie among the flattened entries of a contiguous cache [N, heads,
         length, d]: [len(rows) * heads] (`_put` writes there)."""
-        return ((rows.view(-1, 1) * heads + torch.arange(heads, device=rows.device)) * length
-                + index.view(-1, 1)).view(-1)
+        return ((rows.view(-1, 1) * heads + torch.arange(heads, device=rows.device)) * length + index.view(-1, 1)).view(
+            -1
+        )
 
     @staticmethod
     def _put(cache: Tensor, at: Tensor, new: Tensor) -> None:
@@ -264,10 +301,17 @@ class RecurrentKVCache:
         rows = cache if plan.rows is None else cache[plan.rows]
         if isinstance(plan.start, Tensor):
             return rows.index_select(2, plan.start.view(-1))
-        return rows[:, :, plan.start:plan.start + n]
+        return rows[:, :, plan.start : plan.start + n]
 
-    def fill_missing(self, steps: int | Tensor, start: int | Tensor, end: int | None = None, *,
-                     row: int | None = None, slots: int | None = None) -> None:
+    def fill_missing(
+        self,
+        steps: int | Tensor,
+        start: int | Tensor,
+        end: int | None = None,
+        *,
+        row: int | None = None,
+        slots: int | None = None,
+    ) -> None:
         """The tokens at buffer indices start..end-1 (or the one token at a device-side index `start`)
         ran `steps` core iterations (an int for all rows, or one per row): give their unwritten slots
         (slot >= steps) a copy of the last written slot, so later tokens read the latest entry.
@@ -286,7 +330,7 @@ class RecurrentKVCache:
             rows = slice(None) if row is None else row
             for cache in (self.core_k, self.core_v):
                 filled = window(cache)
-                filled[:, steps:slots, rows] = filled[:, steps - 1:steps, rows]
+                filled[:, steps:slots, rows] = filled[:, steps - 1 : steps, rows]
                 if static:
                     cache.index_copy_(4, start, filled)
             return
@@ -304,8 +348,8 @@ class RecurrentKVCache:
         missing = torch.arange(self.num_slots, device=steps.device).view(-1, 1) >= steps.view(1, -1)
         missing = missing.view(1, self.num_slots, self.batch_size, 1, 1, 1)  # [1, slots, batch, ...]
         for cache in (self.core_k, self.core_v):
-            filled = window(cache)                                   # [l_R, slots, batch, H, n, d]
-            latest = filled[:, last, rows].unsqueeze(1)              # [l_R, 1, batch, H, n, d]
+            filled = window(cache)  # [l_R, slots, batch, H, n, d]
+            latest = filled[:, last, rows].unsqueeze(1)  # [l_R, 1, batch, H, n, d]
             filled.copy_(torch.where(missing, latest, filled))
             if static:
                 cache.index_copy_(4, start, filled)
@@ -323,5 +367,6 @@ class RecurrentKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by all cache tensors."""
-        return sum(t.nbytes for t in (self.prelude_k, self.prelude_v, self.core_k, self.core_v,
-                                      self.coda_k, self.coda_v))
+        return sum(
+            t.nbytes for t in (self.prelude_k, self.prelude_v, self.core_k, self.core_v, self.coda_k, self.coda_v)
+        )

@@ -37,6 +37,7 @@ from rdlm.resources import check_memory, check_time, forward_seconds
 @dataclass
 class DepthSweep:
     """One metric of one task at each r."""
+
     task: str
     metric: str
     num_steps: list[int] = field(default_factory=list)
@@ -51,9 +52,10 @@ class DepthSweep:
 class TargetScores:
     """Per row: the negative log-likelihood of its targets, summed, their number, and whether every
     target was the most likely token."""
-    nll: Tensor        # [rows] float32
-    targets: Tensor    # [rows] long
-    greedy: Tensor     # [rows] bool
+
+    nll: Tensor  # [rows] float32
+    targets: Tensor  # [rows] long
+    greedy: Tensor  # [rows] bool
 
     @property
     def mean_nll(self) -> float:
@@ -65,17 +67,25 @@ class TargetScores:
         return cls(*(torch.cat([getattr(p, name) for p in parts]) for name in ("nll", "targets", "greedy")))
 
 
-def score_targets(model: RecurrentDepthLM, input_ids: Tensor, labels: Tensor, num_steps: int, *,
-                  initial_state: Tensor | None = None, init_scale: float = 1.0,
-                  generator: torch.Generator | None = None, autocast: ContextManager | None = None
-                  ) -> TargetScores:
+def score_targets(
+    model: RecurrentDepthLM,
+    input_ids: Tensor,
+    labels: Tensor,
+    num_steps: int,
+    *,
+    initial_state: Tensor | None = None,
+    init_scale: float = 1.0,
+    generator: torch.Generator | None = None,
+    autocast: ContextManager | None = None,
+) -> TargetScores:
     """One forward pass at r = num_steps over input_ids [B, L]; labels [B, L] holds the token each
     position should predict, IGNORE_INDEX where none. s_0 is `initial_state`, else drawn with
     `init_scale` from `generator`. Log-probabilities are taken in float32 whatever the model's dtype;
     `autocast` wraps the forward pass only."""
     with autocast or nullcontext():
-        logits = model(input_ids, num_steps=num_steps, initial_state=initial_state, init_scale=init_scale,
-                       generator=generator).logits
+        logits = model(
+            input_ids, num_steps=num_steps, initial_state=initial_state, init_scale=init_scale, generator=generator
+        ).logits
     log_probs = F.log_softmax(logits.float(), dim=-1)
     scored = labels != IGNORE_INDEX
     picked = log_probs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
@@ -85,8 +95,12 @@ def score_targets(model: RecurrentDepthLM, input_ids: Tensor, labels: Tensor, nu
 
 
 @torch.no_grad()
-def gate_exit_logits(model: RecurrentDepthLM, input_ids: Tensor, num_steps: int, threshold: float | None = None,
-                     ) -> tuple[Tensor, Tensor]:
+def gate_exit_logits(
+    model: RecurrentDepthLM,
+    input_ids: Tensor,
+    num_steps: int,
+    threshold: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """(logits [B, S, V], exit iteration [B, S], 1-based) of a model with a learned exit gate (Ouro),
     teacher-forced: every token runs `num_steps` iterations and is read out at the first iteration whose
     cumulative exit probability reaches `threshold` (default the checkpoint's), the last if none does.
@@ -101,17 +115,35 @@ def gate_exit_logits(model: RecurrentDepthLM, input_ids: Tensor, num_steps: int,
     embedded = model.embed(input_ids, rope)
     state = model.init_state(embedded)
     track = ExitTrack.start(input_ids.numel(), input_ids.device, gate=True)
-    _, track = iterate_with_exits(lambda s, i, exited: model.step(s, embedded, i, rope), None, state, track,
-                                  criterion, 0, num_steps, num_steps, min_steps=1, freeze=False,
-                                  gate=model.exit_probability)
+    _, track = iterate_with_exits(
+        lambda s, i, exited: model.step(s, embedded, i, rope),
+        None,
+        state,
+        track,
+        criterion,
+        0,
+        num_steps,
+        num_steps,
+        min_steps=1,
+        freeze=False,
+        gate=model.exit_probability,
+    )
     logits = model.readout(track.exit_state.view_as(state), rope)
     return logits, track.steps.view(input_ids.shape)
 
 
-@torch.no_grad()   # scores only: no graph (a caller in training mode would otherwise keep one per batch)
-def nll_vs_steps(model: RecurrentDepthLM, batches: Iterable[tuple[Tensor, Tensor]], num_steps: Sequence[int], *,
-                 seed: int = 0, init_scale: float = 1.0, autocast: ContextManager | None = None,
-                 device: torch.device | None = None, progress: bool = False) -> dict[int, TargetScores]:
+@torch.no_grad()  # scores only: no graph (a caller in training mode would otherwise keep one per batch)
+def nll_vs_steps(
+    model: RecurrentDepthLM,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    num_steps: Sequence[int],
+    *,
+    seed: int = 0,
+    init_scale: float = 1.0,
+    autocast: ContextManager | None = None,
+    device: torch.device | None = None,
+    progress: bool = False,
+) -> dict[int, TargetScores]:
     """`score_targets` of every (input_ids, labels) batch at each r, rows in order. s_0 comes from one
     generator seeded with `seed` afresh at every r, so every r starts from the same draws. `progress`: a
     bar on stderr, weighted by iterations (a batch at r = 32 is 32 times one at r = 1)."""
@@ -120,15 +152,30 @@ def nll_vs_steps(model: RecurrentDepthLM, batches: Iterable[tuple[Tensor, Tensor
     device = next(model.parameters()).device if device is None else device
     batches = list(batches)
     scores = {}
-    with tqdm(total=sum(map(int, num_steps)) * len(batches), disable=not progress, unit="it", leave=False,
-              dynamic_ncols=True, desc="batch iterations") as bar:
+    with tqdm(
+        total=sum(map(int, num_steps)) * len(batches),
+        disable=not progress,
+        unit="it",
+        leave=False,
+        dynamic_ncols=True,
+        desc="batch iterations",
+    ) as bar:
         for r in num_steps:
             generator = torch.Generator(device=device).manual_seed(seed)
             bar.set_postfix_str(f"r={r}")
             parts = []
             for ids, labels in batches:
-                parts.append(score_targets(model, ids.to(device), labels.to(device), int(r), init_scale=init_scale,
-                                           generator=generator, autocast=autocast))
+                parts.append(
+                    score_targets(
+                        model,
+                        ids.to(device),
+                        labels.to(device),
+                        int(r),
+                        init_scale=init_scale,
+                        generator=generator,
+                        autocast=autocast,
+                    )
+                )
                 bar.update(int(r))
             scores[int(r)] = TargetScores.cat(parts)
     return scores
@@ -141,13 +188,17 @@ def check_steps(num_steps: Sequence[int]) -> list[int]:
     return steps
 
 
-def check_sweep_fits(config, device: torch.device, lengths: Sequence[int], steps: Sequence[int], batch_size: int,
-                     seq_len: int) -> None:
+def check_sweep_fits(
+    config, device: torch.device, lengths: Sequence[int], steps: Sequence[int], batch_size: int, seq_len: int
+) -> None:
     """Refuse a sweep whose one batch cannot fit in memory or whose batches cannot end (rdlm.resources:
     lower bounds); warn when long. `lengths`: the predicted tokens of each window (or one per request)."""
     width = min(max(lengths), seq_len)
-    check_memory(batch_size * width * config.vocab_size * 4, device,
-                 f"--batch-size {batch_size}: the logits of {batch_size} x {width} tokens")
+    check_memory(
+        batch_size * width * config.vocab_size * 4,
+        device,
+        f"--batch-size {batch_size}: the logits of {batch_size} x {width} tokens",
+    )
     calls = math.ceil(len(lengths) / batch_size)
     total = sum(forward_seconds(config, device, sum(lengths), calls, r) for r in steps)
     unit = forward_seconds(config, device, batch_size * width, 1, max(steps))
@@ -160,14 +211,23 @@ def windows(documents: Sequence[Sequence[int]], seq_len: int) -> list[list[int]]
     pieces = []
     for doc in documents:
         for start in range(0, max(len(doc) - 1, 0), seq_len):
-            pieces.append(list(doc[start:start + seq_len + 1]))
+            pieces.append(list(doc[start : start + seq_len + 1]))
     return [p for p in pieces if len(p) > 1]
 
 
 @torch.inference_mode()
-def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[int]], num_steps: Sequence[int],
-                        *, seq_len: int | None = None, batch_size: int = 8, init_scale: float = 1.0,
-                        seed: int = 0, task: str = "text", progress: bool = False) -> DepthSweep:
+def perplexity_vs_steps(
+    model: RecurrentDepthLM,
+    documents: Sequence[Sequence[int]],
+    num_steps: Sequence[int],
+    *,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    init_scale: float = 1.0,
+    seed: int = 0,
+    task: str = "text",
+    progress: bool = False,
+) -> DepthSweep:
     """exp(mean next-token negative log-likelihood) over `documents` (token id lists) at each r; `progress`:
     a bar on stderr."""
     steps = check_steps(num_steps)
@@ -184,22 +244,24 @@ def perplexity_vs_steps(model: RecurrentDepthLM, documents: Sequence[Sequence[in
     check_sweep_fits(model.config, device, [len(p) - 1 for p in pieces], steps, batch_size, seq_len)
     batches = []
     for start in range(0, len(pieces), batch_size):
-        batch = pieces[start:start + batch_size]
+        batch = pieces[start : start + batch_size]
         width = max(len(p) for p in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         labels = torch.full((len(batch), width - 1), IGNORE_INDEX, dtype=torch.long)
         for row, piece in enumerate(batch):
-            ids[row, :len(piece)] = torch.tensor(piece)
-            labels[row, :len(piece) - 1] = torch.tensor(piece[1:])
+            ids[row, : len(piece)] = torch.tensor(piece)
+            labels[row, : len(piece) - 1] = torch.tensor(piece[1:])
         batches.append((ids[:, :-1], labels))
     model.eval()
     sweep = DepthSweep(task=task, metric="perplexity", higher_is_better=False)
     for r, scores in nll_vs_steps(model, batches, steps, seed=seed, init_scale=init_scale, progress=progress).items():
         nll = scores.mean_nll
         if not math.isfinite(nll):
-            raise FloatingPointError(f"{task}: the model's logits are not finite at r={r} (an overflow in this "
-                                     "dtype, or weights may be NaN: "
-                                     f"{getattr(model, 'source', None) or 'the model'}); no perplexity")
+            raise FloatingPointError(
+                f"{task}: the model's logits are not finite at r={r} (an overflow in this "
+                "dtype, or weights may be NaN: "
+                f"{getattr(model, 'source', None) or 'the model'}); no perplexity"
+            )
         sweep.num_steps.append(r)
         sweep.values.append(math.exp(nll))
     return sweep

@@ -15,11 +15,12 @@ from rdlm.inference.params import GenerationConfig
 @dataclass(frozen=True)
 class BatchEvent:
     """A token an engine chose for one of its requests."""
-    request: int                 # the id `Engine.add` returned
+
+    request: int  # the id `Engine.add` returned
     token: int
-    steps: int                   # core iterations run at the position whose logits chose this token
-    finish_reason: str | None    # None while the request goes on; "stop_token", "stop_string", "length"
-    logprob: float | None = None                      # with GenerationConfig.logprobs (TokenEvent's)
+    steps: int  # core iterations run at the position whose logits chose this token
+    finish_reason: str | None  # None while the request goes on; "stop_token", "stop_string", "length"
+    logprob: float | None = None  # with GenerationConfig.logprobs (TokenEvent's)
     top: tuple[tuple[int, float], ...] | None = None
 
 
@@ -31,13 +32,14 @@ class Engine(Protocol):
     `ContinuousBatch` (rdlm.inference.batching), the one engine, admits and finishes them one by one and
     ends each with `GenerationConfig.finish_reason`. The numbers below are `GenerationResult`'s,
     zero for an engine that does not do that work."""
+
     device: torch.device
-    cache_bytes: int                      # the KV cache's size
-    prefill_seconds = 0.0                 # prefilling the prompts before the first token's step
-    decode_start: float | None = None     # time.perf_counter() when decoding began; None: at the first step
-    capture_seconds = 0.0                 # capturing CUDA graphs (rdlm.inference.graphs.StaticSteps)
-    drafted = accepted = 0                # self-speculative decoding
-    core_passes = wave_steps = 0          # the parallel sampler
+    cache_bytes: int  # the KV cache's size
+    prefill_seconds = 0.0  # prefilling the prompts before the first token's step
+    decode_start: float | None = None  # time.perf_counter() when decoding began; None: at the first step
+    capture_seconds = 0.0  # capturing CUDA graphs (rdlm.inference.graphs.StaticSteps)
+    drafted = accepted = 0  # self-speculative decoding
+    core_passes = wave_steps = 0  # the parallel sampler
 
     def add(self, prompt: list[int], config: GenerationConfig) -> int: ...
 
@@ -51,38 +53,38 @@ class Engine(Protocol):
     def busy(self) -> bool: ...
 
     @property
-    def queued(self) -> int: ...          # requests waiting for a row
+    def queued(self) -> int: ...  # requests waiting for a row
 
     @property
-    def running(self) -> int: ...         # requests in rows, not finished
+    def running(self) -> int: ...  # requests in rows, not finished
 
-    def take_timings(self) -> dict[str, float]: ...   # seconds per phase since the last call (a profiling engine)
+    def take_timings(self) -> dict[str, float]: ...  # seconds per phase since the last call (a profiling engine)
 
 
 @dataclass(frozen=True)
 class TokenEvent:
-    row: int      # which prompt of the batch
+    row: int  # which prompt of the batch
     token: int
-    steps: int    # core iterations run at the position whose logits chose this token
-    logprob: float | None = None                      # with GenerationConfig.logprobs: log p(token)
+    steps: int  # core iterations run at the position whose logits chose this token
+    logprob: float | None = None  # with GenerationConfig.logprobs: log p(token)
     top: tuple[tuple[int, float], ...] | None = None  # ... and the k most likely (token, log p), best first
 
 
 @dataclass
 class GenerationResult:
-    tokens: list[list[int]]             # new tokens per prompt (stop token included, stop string not cut)
-    steps: list[list[int]]              # iterations per new token
-    finish_reasons: list[str]           # "stop_token", "stop_string" or "length"
-    texts: list[str] | None = None      # decoded new text (cut before a stop string) when decode given
+    tokens: list[list[int]]  # new tokens per prompt (stop token included, stop string not cut)
+    steps: list[list[int]]  # iterations per new token
+    finish_reasons: list[str]  # "stop_token", "stop_string" or "length"
+    texts: list[str] | None = None  # decoded new text (cut before a stop string) when decode given
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    drafted: int = 0                    # speculative decoding: drafted tokens ...
-    accepted: int = 0                   # ... and how many of them verification accepted
+    drafted: int = 0  # speculative decoding: drafted tokens ...
+    accepted: int = 0  # ... and how many of them verification accepted
     cache_bytes: int = 0
     prompt_tokens: int = 0
-    compile_seconds: float = 0.0        # capturing the static decode step (not in decode_seconds)
-    core_passes: int = 0                # parallel sampler: core block calls after the prefill, each
-    wave_steps: int = 0                 # over a whole wave; and its wavefront steps
+    compile_seconds: float = 0.0  # capturing the static decode step (not in decode_seconds)
+    core_passes: int = 0  # parallel sampler: core block calls after the prefill, each
+    wave_steps: int = 0  # over a whole wave; and its wavefront steps
     logprobs: list[list[float]] | None = None  # with GenerationConfig.logprobs: log p of each new token
 
     @property

@@ -32,6 +32,7 @@ def exit_schedule(iteration: int, num_steps: int, every: int) -> tuple[bool, boo
     `iteration` of a token with at most `num_steps`, and whether the next iteration's reading needs
     this iteration's logits too. A reading compares iterations i - 1 and i: never at i = 0 (nothing to
     compare) nor at the last iteration (the token stops there anyway); every `every` iterations."""
+
     def reads(i: int) -> bool:
         return 0 < i < num_steps - 1 and (i + 1) % every == 0
 
@@ -47,11 +48,11 @@ class ExitTrack:
     is the one update; its two readings, `read_gate` and `read_criterion`, also serve the callers that count
     iterations or schedule readings themselves."""
 
-    steps: Tensor | None     # [n] iterations run before the token exited (the cap if it never did); None
-                             # where the caller counts them (the continuous batch's rows)
-    exited: Tensor           # [n] bool: the criterion fired (gate-exact: the exit state is chosen)
-    streak: Tensor           # [n] consecutive passing readings
-    logits: Tensor | None    # [n, V] the latest readout, kept when the criterion reads logits
+    steps: Tensor | None  # [n] iterations run before the token exited (the cap if it never did); None
+    # where the caller counts them (the continuous batch's rows)
+    exited: Tensor  # [n] bool: the criterion fired (gate-exact: the exit state is chosen)
+    streak: Tensor  # [n] consecutive passing readings
+    logits: Tensor | None  # [n, V] the latest readout, kept when the criterion reads logits
     # The learned gate's running sums ([n] float32), when the criterion reads it: the probability of
     # not having exited yet, and the cumulative exit probability.
     remaining: Tensor | None = None
@@ -59,8 +60,9 @@ class ExitTrack:
     exit_state: Tensor | None = None  # [n, h] the state at each token's exit (gate-exact, not frozen)
 
     @classmethod
-    def start(cls, n: int | tuple[int, ...], device: torch.device, vocab_size: int | None = None,
-              gate: bool = False) -> "ExitTrack":
+    def start(
+        cls, n: int | tuple[int, ...], device: torch.device, vocab_size: int | None = None, gate: bool = False
+    ) -> "ExitTrack":
         """No iteration run yet over `n` tokens (a count, or a shape such as [g, n]); `vocab_size` when the
         criterion reads logits, `gate` when it reads a gate."""
         shape = (n,) if isinstance(n, int) else tuple(n)
@@ -71,6 +73,7 @@ class ExitTrack:
 
     def select(self, index: Tensor) -> "ExitTrack":
         """The track of the tokens at `index` (of the first dimension)."""
+
         def pick(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[index]
 
@@ -80,11 +83,23 @@ class ExitTrack:
         """One more iteration run: every token not exited counts it."""
         return replace(self, steps=self.steps + (~self.exited).long())
 
-    def after_iteration(self, criterion: ExitCriterion, i: int, num_steps: int, prev_state: Tensor, state: Tensor,
-                        *, min_steps: int | Tensor, every: int = 1, readout: Callable[[Tensor], Tensor] | None = None,
-                        gate: Callable[[Tensor], Tensor] | None = None, threshold: float | Tensor | None = None,
-                        running: Tensor | None = None, reads: tuple[bool, bool] | None = None,
-                        counted: bool = False) -> ExitTrack:
+    def after_iteration(
+        self,
+        criterion: ExitCriterion,
+        i: int,
+        num_steps: int,
+        prev_state: Tensor,
+        state: Tensor,
+        *,
+        min_steps: int | Tensor,
+        every: int = 1,
+        readout: Callable[[Tensor], Tensor] | None = None,
+        gate: Callable[[Tensor], Tensor] | None = None,
+        threshold: float | Tensor | None = None,
+        running: Tensor | None = None,
+        reads: tuple[bool, bool] | None = None,
+        counted: bool = False,
+    ) -> ExitTrack:
         """The one update after 0-based iteration i of a loop capped at `num_steps`, whose states went from
         `prev_state` to `state` ([..., h], the track's tokens in order): every token still iterating counts
         it (`count_iteration`; `counted`: the caller counted them); a gate criterion then reads `gate(state)`
@@ -97,39 +112,66 @@ class ExitTrack:
         tokens = track.exited.shape
         flat = state.reshape(*tokens, state.shape[-1])
         if criterion.uses_gate:
-            return track.read_gate(gate(state).reshape(tokens), flat, criterion.threshold if threshold is None
-                                   else threshold, min_steps, running)
+            return track.read_gate(
+                gate(state).reshape(tokens),
+                flat,
+                criterion.threshold if threshold is None else threshold,
+                min_steps,
+                running,
+            )
         evaluate, next_evaluates = exit_schedule(i, num_steps, every) if reads is None else reads
         prev_logits = track.logits
         if criterion.uses_logits and (evaluate or next_evaluates):
             logits = readout(state)
             track = replace(track, logits=logits.reshape(*tokens, logits.shape[-1]))
         if evaluate:
-            track = track.read_criterion(criterion, prev_logits, track.logits,
-                                         prev_state.reshape(*tokens, state.shape[-1]), flat, min_steps, running)
+            track = track.read_criterion(
+                criterion,
+                prev_logits,
+                track.logits,
+                prev_state.reshape(*tokens, state.shape[-1]),
+                flat,
+                min_steps,
+                running,
+            )
         return track
 
-    def read_gate(self, lam: Tensor, state: Tensor, threshold: float | Tensor, min_steps: int | Tensor,
-                  running: Tensor | None = None) -> "ExitTrack":
+    def read_gate(
+        self,
+        lam: Tensor,
+        state: Tensor,
+        threshold: float | Tensor,
+        min_steps: int | Tensor,
+        running: Tensor | None = None,
+    ) -> "ExitTrack":
         """The learned gate read after an iteration that gave `lam` and `state` ([..., h]) per token: the gate
         rule (`gate_exits`) for each token not yet exited (and `running`, when given: elsewhere the running
         sums stay). A track with `exit_state` keeps the state of every token not yet exited, so it ends at
         the state of the iteration where the gate fired, or the last one."""
         live = ~self.exited if running is None else running & ~self.exited
-        exits, remaining, cumulative = gate_exits(lam, self.remaining, self.cumulative, threshold, self.steps,
-                                                  min_steps, live)
+        exits, remaining, cumulative = gate_exits(
+            lam, self.remaining, self.cumulative, threshold, self.steps, min_steps, live
+        )
         if running is not None:
             remaining = torch.where(running, remaining, self.remaining)
             cumulative = torch.where(running, cumulative, self.cumulative)
         exit_state = self.exit_state
         if exit_state is not None:
             exit_state = torch.where(live.unsqueeze(-1), state, exit_state)
-        return replace(self, exited=self.exited | exits, remaining=remaining, cumulative=cumulative,
-                       exit_state=exit_state)
+        return replace(
+            self, exited=self.exited | exits, remaining=remaining, cumulative=cumulative, exit_state=exit_state
+        )
 
-    def read_criterion(self, criterion: ExitCriterion, prev_logits: Tensor | None, logits: Tensor | None,
-                       prev_state: Tensor | None, state: Tensor | None, min_steps: int | Tensor,
-                       running: Tensor | None = None) -> "ExitTrack":
+    def read_criterion(
+        self,
+        criterion: ExitCriterion,
+        prev_logits: Tensor | None,
+        logits: Tensor | None,
+        prev_state: Tensor | None,
+        state: Tensor | None,
+        min_steps: int | Tensor,
+        running: Tensor | None = None,
+    ) -> "ExitTrack":
         """One reading of `criterion` comparing two iterations: a token exits once it passed `patience`
         readings in a row and has run at least `min_steps` iterations (`running`, when given: only those
         tokens are read, the others keep their streak)."""
@@ -153,10 +195,21 @@ def done_iterating(exited: Tensor, iterations: Tensor, cap: int | Tensor, runs_o
     return fired | (iterations >= cap)
 
 
-def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: Callable[[Tensor], Tensor],
-                       state: Tensor, track: ExitTrack, criterion: ExitCriterion, first: int, n: int,
-                       num_steps: int, *, min_steps: int = 2, every: int = 1, freeze: bool = True,
-                       gate: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, ExitTrack]:
+def iterate_with_exits(
+    step: Callable[[Tensor, int, Tensor], Tensor],
+    readout: Callable[[Tensor], Tensor],
+    state: Tensor,
+    track: ExitTrack,
+    criterion: ExitCriterion,
+    first: int,
+    n: int,
+    num_steps: int,
+    *,
+    min_steps: int = 2,
+    every: int = 1,
+    freeze: bool = True,
+    gate: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, ExitTrack]:
     """Iterations first .. first + n - 1 (0-based) of a per-token adaptive loop capped at `num_steps`.
 
     step(state, i, exited) -> the state after iteration i; readout(state) -> next-token logits [..., V]
@@ -171,8 +224,9 @@ def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: C
     tokens = state.shape[:-1]
     if criterion.uses_gate:
         if gate is None or track.remaining is None:
-            raise ValueError(f"exit criterion {criterion.name!r} needs the model's gate and a track started "
-                             "with gate=True")
+            raise ValueError(
+                f"exit criterion {criterion.name!r} needs the model's gate and a track started with gate=True"
+            )
         if not freeze and track.exit_state is None:
             track = replace(track, exit_state=state.reshape(-1, state.shape[-1]).clone())
     for i in range(first, first + n):
@@ -180,6 +234,7 @@ def iterate_with_exits(step: Callable[[Tensor, int, Tensor], Tensor], readout: C
         # A token done iterating keeps its state (`done_iterating`: its cap is this loop's bound, so inside the
         # loop that is the tokens whose criterion fired).
         state = torch.where(track.exited.view(*tokens, 1), prev_state, new) if freeze else new
-        track = track.after_iteration(criterion, i, num_steps, prev_state, state, min_steps=min_steps, every=every,
-                                      readout=readout, gate=gate)
+        track = track.after_iteration(
+            criterion, i, num_steps, prev_state, state, min_steps=min_steps, every=every, readout=readout, gate=gate
+        )
     return state, track

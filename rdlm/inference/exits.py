@@ -59,17 +59,18 @@ def entropy_diff_score(prev_logits: Tensor, logits: Tensor, prev_state=None, sta
     return (_entropy(logits) - _entropy(prev_logits)).abs()
 
 
-def latent_diff_score(prev_logits=None, logits=None, prev_state: Tensor | None = None,
-                      state: Tensor | None = None) -> Tensor:
+def latent_diff_score(
+    prev_logits=None, logits=None, prev_state: Tensor | None = None, state: Tensor | None = None
+) -> Tensor:
     """||s_i - s_{i-1}|| / ||s_i||: relative change of the latent state."""
     return ((state - prev_state).norm(dim=-1) / state.norm(dim=-1).clamp_min(1e-12)).float()
 
 
-def minp_kl_score(prev_logits: Tensor, logits: Tensor, prev_state=None, state=None,
-                  min_p: float = 0.1) -> Tensor:
+def minp_kl_score(prev_logits: Tensor, logits: Tensor, prev_state=None, state=None, min_p: float = 0.1) -> Tensor:
     """KL(p_{i-1} || p_i) between min-p filtered distributions: probabilities below min_p times the
     largest are set to 1/vocab, then renormalized, so the tail's noise does not delay exits (the floor
     keeps KL finite)."""
+
     def filtered_log_probs(x: Tensor) -> Tensor:
         p = F.softmax(x.float(), dim=-1)
         p = torch.where(p < min_p * p.amax(dim=-1, keepdim=True), 1.0 / p.shape[-1], p)
@@ -83,11 +84,15 @@ def argmax_change_score(prev_logits: Tensor, logits: Tensor, prev_state=None, st
     return (prev_logits.argmax(dim=-1) != logits.argmax(dim=-1)).float()
 
 
-def cosine_score(prev_logits=None, logits=None, prev_state: Tensor | None = None,
-                 state: Tensor | None = None) -> Tensor:
+def cosine_score(
+    prev_logits=None, logits=None, prev_state: Tensor | None = None, state: Tensor | None = None
+) -> Tensor:
     """1 - cos(s_i, s_{i-1}): cosine distance between successive latent states."""
-    cos = (state * prev_state).sum(dim=-1) / state.norm(dim=-1).clamp_min(1e-12) \
+    cos = (
+        (state * prev_state).sum(dim=-1)
+        / state.norm(dim=-1).clamp_min(1e-12)
         / prev_state.norm(dim=-1).clamp_min(1e-12)
+    )
     return (1 - cos).float()
 
 
@@ -103,10 +108,10 @@ def _entropy(logits: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class CriterionSpec:
     score: ScoreFn
-    threshold: float          # rdlm's default threshold: the paper's where it gives one
-    uses_logits: bool         # needs the coda run after every iteration
+    threshold: float  # rdlm's default threshold: the paper's where it gives one
+    uses_logits: bool  # needs the coda run after every iteration
     uses_state: bool
-    patience: int = 1         # default number of consecutive passing iterations
+    patience: int = 1  # default number of consecutive passing iterations
     help: str = ""
     # The reference code's default threshold (its "auto"), where it differs from `threshold`.
     reference_threshold: float | None = None
@@ -122,37 +127,68 @@ class CriterionSpec:
 # Defaults: kl 5e-4 and latent-diff 0.03 are the paper's (section 6.1); the others are the reference
 # code's. The reference code's kl default is 1e-3.
 CRITERIA: dict[str, CriterionSpec] = {
-    "kl": CriterionSpec(kl_score, 5e-4, True, False, reference_threshold=1e-3,
-                        help="KL(p_{i-1} || p_i) between successive next-token distributions"),
-    "entropy-diff": CriterionSpec(entropy_diff_score, 1e-3, True, False,
-                                  help="absolute change of next-token entropy |H_i - H_{i-1}|"),
-    "latent-diff": CriterionSpec(latent_diff_score, 0.03, False, True,
-                                 help="||s_i - s_{i-1}|| / ||s_i||"),
-    "minp-kl": CriterionSpec(minp_kl_score, 1e-5, True, False,
-                             help="KL(p_{i-1} || p_i) between min-p filtered next-token distributions"),
-    "argmax-stability": CriterionSpec(argmax_change_score, 5, True, False, patience=5, counts_steps=True,
-                                      help="the most likely next token unchanged for n steps (threshold = n)"),
-    "cosine": CriterionSpec(cosine_score, 1e-3, False, True,
-                            help="cosine distance between successive latent states"),
-    "gate": CriterionSpec(lambda *args: None, 0.5, False, False, uses_gate=True,
-                          help="a learned exit gate (Ouro): cumulative exit probability >= threshold; "
-                               "stops iterating the token"),
-    "gate-exact": CriterionSpec(lambda *args: None, 0.5, False, False, uses_gate=True, exact=True,
-                                help="the learned exit gate as the reference uses it: every iteration runs, "
-                                     "the exit selects which one's logits are read"),
+    "kl": CriterionSpec(
+        kl_score,
+        5e-4,
+        True,
+        False,
+        reference_threshold=1e-3,
+        help="KL(p_{i-1} || p_i) between successive next-token distributions",
+    ),
+    "entropy-diff": CriterionSpec(
+        entropy_diff_score, 1e-3, True, False, help="absolute change of next-token entropy |H_i - H_{i-1}|"
+    ),
+    "latent-diff": CriterionSpec(latent_diff_score, 0.03, False, True, help="||s_i - s_{i-1}|| / ||s_i||"),
+    "minp-kl": CriterionSpec(
+        minp_kl_score, 1e-5, True, False, help="KL(p_{i-1} || p_i) between min-p filtered next-token distributions"
+    ),
+    "argmax-stability": CriterionSpec(
+        argmax_change_score,
+        5,
+        True,
+        False,
+        patience=5,
+        counts_steps=True,
+        help="the most likely next token unchanged for n steps (threshold = n)",
+    ),
+    "cosine": CriterionSpec(cosine_score, 1e-3, False, True, help="cosine distance between successive latent states"),
+    "gate": CriterionSpec(
+        lambda *args: None,
+        0.5,
+        False,
+        False,
+        uses_gate=True,
+        help="a learned exit gate (Ouro): cumulative exit probability >= threshold; stops iterating the token",
+    ),
+    "gate-exact": CriterionSpec(
+        lambda *args: None,
+        0.5,
+        False,
+        False,
+        uses_gate=True,
+        exact=True,
+        help="the learned exit gate as the reference uses it: every iteration runs, "
+        "the exit selects which one's logits are read",
+    ),
 }
 
 
-def gate_update(lam: Tensor, remaining: Tensor, cumulative: Tensor, threshold: float
-                ) -> tuple[Tensor, Tensor, Tensor]:
+def gate_update(lam: Tensor, remaining: Tensor, cumulative: Tensor, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
     """(passed, remaining, cumulative) after one iteration whose gate gave `lam`: p_i = lam * remaining is
     added to the cumulative exit probability (the reference's cumsum order), remaining *= 1 - lam."""
     cumulative = cumulative + lam * remaining
     return cumulative >= threshold, remaining * (1 - lam), cumulative
 
 
-def gate_exits(lam: Tensor, remaining: Tensor, cumulative: Tensor, threshold: float | Tensor, steps: int | Tensor,
-               min_steps: int | Tensor, running: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def gate_exits(
+    lam: Tensor,
+    remaining: Tensor,
+    cumulative: Tensor,
+    threshold: float | Tensor,
+    steps: int | Tensor,
+    min_steps: int | Tensor,
+    running: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(exits, remaining, cumulative) after one iteration of the learned gate (`gate_update`): a running token
     exits once its gate passes and it has run at least `min_steps` iterations. The one exit rule of every
     loop that reads a gate (decoding, a batch's rows, a prompt being prefilled)."""
@@ -174,8 +210,10 @@ class ExitCriterion:
 
     def __post_init__(self) -> None:
         if self.spec.counts_steps and self.threshold != self.patience:
-            raise ValueError(f"exit criterion {self.name!r}: the threshold is the number of steps, so it must "
-                             f"equal patience (got threshold={self.threshold}, patience={self.patience})")
+            raise ValueError(
+                f"exit criterion {self.name!r}: the threshold is the number of steps, so it must "
+                f"equal patience (got threshold={self.threshold}, patience={self.patience})"
+            )
 
     @property
     def spec(self) -> CriterionSpec:
@@ -193,23 +231,38 @@ class ExitCriterion:
     def uses_gate(self) -> bool:
         return self.spec.uses_gate
 
-    def score(self, prev_logits: Tensor | None = None, logits: Tensor | None = None,
-              prev_state: Tensor | None = None, state: Tensor | None = None) -> Tensor:
+    def score(
+        self,
+        prev_logits: Tensor | None = None,
+        logits: Tensor | None = None,
+        prev_state: Tensor | None = None,
+        state: Tensor | None = None,
+    ) -> Tensor:
         """The per-token score of this iteration (smaller is more converged)."""
         if self.uses_gate:
             raise ValueError(f"exit criterion {self.name!r} reads a model's exit gate: use gate_exits")
         self._check_inputs(prev_logits, logits, prev_state, state)
         return self.spec.score(prev_logits, logits, prev_state, state, **dict(self.options))
 
-    def __call__(self, prev_logits: Tensor | None = None, logits: Tensor | None = None,
-                 prev_state: Tensor | None = None, state: Tensor | None = None) -> Tensor:
+    def __call__(
+        self,
+        prev_logits: Tensor | None = None,
+        logits: Tensor | None = None,
+        prev_state: Tensor | None = None,
+        state: Tensor | None = None,
+    ) -> Tensor:
         """Bool tensor: which tokens pass this iteration (an exit when patience is 1)."""
         cutoff = 0.5 if self.spec.counts_steps else self.threshold
         return self.score(prev_logits, logits, prev_state, state) < cutoff
 
-    def update(self, streak: Tensor | None, prev_logits: Tensor | None = None,
-               logits: Tensor | None = None, prev_state: Tensor | None = None,
-               state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def update(
+        self,
+        streak: Tensor | None,
+        prev_logits: Tensor | None = None,
+        logits: Tensor | None = None,
+        prev_state: Tensor | None = None,
+        state: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """(exited, streak): count consecutive passing iterations per token; exit at `patience`."""
         passed = self(prev_logits, logits, prev_state, state)
         streak = passed.long() if streak is None else torch.where(passed, streak + 1, 0)
@@ -222,8 +275,9 @@ class ExitCriterion:
             raise ValueError(f"exit criterion {self.name!r} needs prev_state and state")
 
 
-def make_exit_criterion(name: str, threshold: float | None = None, *, patience: int | None = None,
-                        **options) -> ExitCriterion:
+def make_exit_criterion(
+    name: str, threshold: float | None = None, *, patience: int | None = None, **options
+) -> ExitCriterion:
     """An exit criterion by name, with the default threshold/patience unless given.
 
     `argmax-stability`: the threshold is the number of consecutive iterations the argmax must stay
@@ -245,19 +299,23 @@ def make_exit_criterion(name: str, threshold: float | None = None, *, patience: 
     allowed = {"minp-kl": {"min_p"}}.get(name, set())
     for key, value in options.items():
         if key not in allowed:
-            raise ValueError(f"exit criterion {name!r} takes no option {key!r}"
-                             + (f"; it takes {sorted(allowed)}" if allowed else ""))
+            raise ValueError(
+                f"exit criterion {name!r} takes no option {key!r}"
+                + (f"; it takes {sorted(allowed)}" if allowed else "")
+            )
         if key == "min_p" and not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ValueError(f"min_p must be in (0, 1], got {value!r}")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                  or threshold != threshold):
+    if threshold is not None and (
+        isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold != threshold
+    ):
         raise ValueError(f"exit threshold must be a number, got {threshold!r}")
     if spec.uses_gate and threshold is not None and not 0 < threshold <= 1:
         raise ValueError(f"{name!r} threshold is a cumulative exit probability in (0, 1], got {threshold!r}")
     if spec.counts_steps:
         if threshold is not None and patience is not None and threshold != patience:
-            raise ValueError(f"{name!r} counts steps: give the threshold ({threshold}) or n/patience "
-                             f"({patience}), not both")
+            raise ValueError(
+                f"{name!r} counts steps: give the threshold ({threshold}) or n/patience ({patience}), not both"
+            )
         steps = next((v for v in (threshold, patience) if v is not None), spec.patience)
         if isinstance(steps, float) and steps.is_integer():
             steps = int(steps)

@@ -56,6 +56,7 @@ __all__ = ["Decode", "GenerationConfig", "GenerationResult", "TokenEvent", "gene
 # --------------------------------------------------------------------------------------------------
 # Public API
 
+
 def as_prompts(prompts: Sequence[int] | Sequence[Sequence[int]] | Tensor) -> list[list[int]]:
     if isinstance(prompts, Tensor):
         prompts = prompts.tolist()
@@ -65,18 +66,24 @@ def as_prompts(prompts: Sequence[int] | Sequence[Sequence[int]] | Tensor) -> lis
     return [[int(t) for t in p] for p in prompts]
 
 
-def check_generation_time(config, device: torch.device, batch: int, prompt_length: int,
-                          generation: GenerationConfig) -> None:
+def check_generation_time(
+    config, device: torch.device, batch: int, prompt_length: int, generation: GenerationConfig
+) -> None:
     """Refuse a generation whose one token (or whole run) cannot end in any reasonable time; warn when long."""
     r = generation.num_steps
     prefill = forward_seconds(config, device, batch * prompt_length, 1, generation.prefill_steps or r)
     token = forward_seconds(config, device, batch, 1, r)
-    check_time(prefill + generation.max_new_tokens * token, max(token, prefill),
-               f"generating {generation.max_new_tokens} tokens at r = {r}", "token")
+    check_time(
+        prefill + generation.max_new_tokens * token,
+        max(token, prefill),
+        f"generating {generation.max_new_tokens} tokens at r = {r}",
+        "token",
+    )
 
 
-def stream(model: RecurrentDepthLM, prompts, config: GenerationConfig | None = None,
-           decode: Decode | None = None) -> Iterator[TokenEvent]:
+def stream(
+    model: RecurrentDepthLM, prompts, config: GenerationConfig | None = None, decode: Decode | None = None
+) -> Iterator[TokenEvent]:
     """Yield each new token as soon as it is chosen; the generator's return value (StopIteration.value,
     or `yield from`) is the GenerationResult."""
     config = config or GenerationConfig()
@@ -90,9 +97,14 @@ def stream(model: RecurrentDepthLM, prompts, config: GenerationConfig | None = N
         model.train(was_training)
 
 
-def generate(model: RecurrentDepthLM, prompts, config: GenerationConfig | None = None, *,
-             decode: Decode | None = None, on_token: Callable[[TokenEvent], None] | None = None
-             ) -> GenerationResult:
+def generate(
+    model: RecurrentDepthLM,
+    prompts,
+    config: GenerationConfig | None = None,
+    *,
+    decode: Decode | None = None,
+    on_token: Callable[[TokenEvent], None] | None = None,
+) -> GenerationResult:
     """Generate for one prompt (a list of ids) or a batch (a list of lists); `on_token` streams."""
     events = stream(model, prompts, config, decode)
     while True:
@@ -104,8 +116,9 @@ def generate(model: RecurrentDepthLM, prompts, config: GenerationConfig | None =
             on_token(event)
 
 
-def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
-            decode: Decode | None) -> ContinuousBatch:
+def _engine(
+    model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig, decode: Decode | None
+) -> ContinuousBatch:
     """The engine for these prompts: the continuous batch (rdlm.inference.batching), one row per prompt, all
     prefilled together, each token run in lockstep while the rows go together (rdlm.inference.lockstep),
     iteration by iteration under a depth budget, which each row spends at its own pace, and a round per step
@@ -123,14 +136,21 @@ def _engine(model: RecurrentDepthLM, prompts: list[list[int]], config: Generatio
     # Refused before the cache is allocated: a job that would not end in any reasonable time.
     device = next(model.parameters()).device
     check_generation_time(model.config, device, len(prompts), longest, config)
-    return ContinuousBatch(model, max_batch=len(prompts), max_length=longest + room,
-                           num_slots=config.core_slots, decode=decode,
-                           exit_sync_every=resolve_sync_every(config.exit_sync_every, device),
-                           prefill_chunk=longest, compile=config.compile)
+    return ContinuousBatch(
+        model,
+        max_batch=len(prompts),
+        max_length=longest + room,
+        num_slots=config.core_slots,
+        decode=decode,
+        exit_sync_every=resolve_sync_every(config.exit_sync_every, device),
+        prefill_chunk=longest,
+        compile=config.compile,
+    )
 
 
-def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig,
-         decode: Decode | None) -> Iterator[TokenEvent]:
+def _run(
+    model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig, decode: Decode | None
+) -> Iterator[TokenEvent]:
     """Add every prompt to an engine and step it until idle: its tokens as they come, then the result."""
     engine = _engine(model, prompts, config, decode)
     rows = {engine.add(p, config): row for row, p in enumerate(prompts)}
@@ -141,7 +161,7 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
     t0 = time.perf_counter()
     while engine.busy:
         events = engine.step()
-        for _, err in engine.take_failures():   # a prompt that fails fails the call
+        for _, err in engine.take_failures():  # a prompt that fails fails the call
             raise err
         for event in events:
             row = rows[event.request]
@@ -155,7 +175,19 @@ def _run(model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationCo
     sync(engine.device)
     decode_seconds = time.perf_counter() - (t0 if engine.decode_start is None else engine.decode_start)
     texts = None if decode is None else [cut_at_stop(decode(row), config.stop_strings) for row in tokens]
-    return GenerationResult(tokens, steps, reasons, texts, engine.prefill_seconds,
-                            decode_seconds - engine.capture_seconds, engine.drafted, engine.accepted,
-                            engine.cache_bytes, sum(map(len, prompts)), engine.capture_seconds,
-                            engine.core_passes, engine.wave_steps, logprobs)
+    return GenerationResult(
+        tokens,
+        steps,
+        reasons,
+        texts,
+        engine.prefill_seconds,
+        decode_seconds - engine.capture_seconds,
+        engine.drafted,
+        engine.accepted,
+        engine.cache_bytes,
+        sum(map(len, prompts)),
+        engine.capture_seconds,
+        engine.core_passes,
+        engine.wave_steps,
+        logprobs,
+    )

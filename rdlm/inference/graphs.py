@@ -62,8 +62,12 @@ class StaticSteps:
         except RuntimeError as err:  # the capture failed (the warm-up ran): this engine goes on eagerly
             self.graphs = False
             self.capture_seconds += time.perf_counter() - t0
-            warnings.warn(f"capturing a CUDA graph failed, so this engine runs its static steps eagerly "
-                          f"from now on (the same results, without graphs): {err}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"capturing a CUDA graph failed, so this engine runs its static steps eagerly "
+                f"from now on (the same results, without graphs): {err}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return warm
         finally:
             if collecting:
@@ -126,4 +130,3 @@ class PhaseTimes:
             return {}
         taken, self.seconds = self.seconds, {}
         return taken
-

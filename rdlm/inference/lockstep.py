@@ -36,27 +36,42 @@ from rdlm.inference.params import GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner
 
 
-TRACK_FIELDS = tuple(f.name for f in dataclasses.fields(ExitTrack))   # (a compiled step cannot ask the class)
+TRACK_FIELDS = tuple(f.name for f in dataclasses.fields(ExitTrack))  # (a compiled step cannot ask the class)
 
 
 @dataclass
 class Rows:
     """The rows of one token still iterating (all rows, or those left after exits)."""
-    index: Tensor            # [b] their places among the rows the token started with
-    batch_rows: Tensor       # [b] their rows of the batch (and of the cache)
-    state: Tensor            # [b, 1, h]
-    embedded: Tensor         # [b, 1, h]
-    call: Call               # these rows' RoPE, mask and cache rows
-    track: ExitTrack         # where each row's token stands: iterations run, exited, the criterion's carry
+
+    index: Tensor  # [b] their places among the rows the token started with
+    batch_rows: Tensor  # [b] their rows of the batch (and of the cache)
+    state: Tensor  # [b, 1, h]
+    embedded: Tensor  # [b, 1, h]
+    call: Call  # these rows' RoPE, mask and cache rows
+    track: ExitTrack  # where each row's token stands: iterations run, exited, the criterion's carry
 
     @classmethod
-    def start(cls, batch_rows: Tensor, state: Tensor, embedded: Tensor, call: Call, idle: Tensor,
-              criterion: ExitCriterion, vocab_size: int) -> "Rows":
+    def start(
+        cls,
+        batch_rows: Tensor,
+        state: Tensor,
+        embedded: Tensor,
+        call: Call,
+        idle: Tensor,
+        criterion: ExitCriterion,
+        vocab_size: int,
+    ) -> "Rows":
         """No iteration run yet; the `idle` rows (not decoding) count as exited from the start."""
         n, device = batch_rows.shape[0], batch_rows.device
         track = ExitTrack.start(n, device, vocab_size if criterion.uses_logits else None, gate=criterion.uses_gate)
-        return cls(torch.arange(n, device=device), batch_rows, state.clone(), embedded, call,
-                   dataclasses.replace(track, exited=idle.clone()))
+        return cls(
+            torch.arange(n, device=device),
+            batch_rows,
+            state.clone(),
+            embedded,
+            call,
+            dataclasses.replace(track, exited=idle.clone()),
+        )
 
     @property
     def steps(self) -> Tensor:
@@ -70,8 +85,14 @@ class Rows:
         pick = lambda t: None if t is None else t[keep]  # noqa: E731
         batch_rows = self.batch_rows[keep]
         track = ExitTrack(*(pick(getattr(self.track, name)) for name in TRACK_FIELDS))
-        return Rows(self.index[keep], batch_rows, self.state[keep], self.embedded[keep],
-                    self.call.select(keep, batch_rows), track)
+        return Rows(
+            self.index[keep],
+            batch_rows,
+            self.state[keep],
+            self.embedded[keep],
+            self.call.select(keep, batch_rows),
+            track,
+        )
 
 
 class Lockstep:
@@ -91,11 +112,13 @@ class Lockstep:
         """All num_steps iterations of every row of `state` [b, 1, h] (`call()`: their call, built inside the
         static step): the final states."""
         r = config.num_steps
-        return self._run(("lockstep", r, config.core_slots),
-                         lambda: (self.runner.iterate(state, embedded, call(), range(r)),))[0]
+        return self._run(
+            ("lockstep", r, config.core_slots), lambda: (self.runner.iterate(state, embedded, call(), range(r)),)
+        )[0]
 
-    def adaptive(self, config: GenerationConfig, criterion: ExitCriterion, start: Callable[[], Rows],
-                 idle: int) -> tuple[Tensor, Tensor]:
+    def adaptive(
+        self, config: GenerationConfig, criterion: ExitCriterion, start: Callable[[], Rows], idle: int
+    ) -> tuple[Tensor, Tensor]:
         """Each row iterating until its exit criterion fires (between min_steps and num_steps). `start()`
         gives the token's `Rows` (a static step: its tensors are the graph's own), `idle` of them not
         decoding (exited from the start). Returns (final states [b, 1, h], iterations run [b]) of those
@@ -117,8 +140,11 @@ class Lockstep:
             if compact:
                 rows = self.iterate(config, criterion, rows, i, n, idle)
             else:
-                self._run(key + (i, n), lambda: (self.iterate(config, criterion, rows, i, n, idle, in_place=True),),
-                          idempotent=False)
+                self._run(
+                    key + (i, n),
+                    lambda: (self.iterate(config, criterion, rows, i, n, idle, in_place=True),),
+                    idempotent=False,
+                )
             i += n
             if i == r:
                 break
@@ -141,16 +167,34 @@ class Lockstep:
         r = config.num_steps
         _, track = iterate_with_exits(
             lambda state, i, exited: self.runner.iterate_once(state, rows.embedded, i, rows.call),
-            None, rows.state, rows.track, criterion, 0, r, r, min_steps=config.min_steps, freeze=False,
-            gate=self.runner.exit_probability)
+            None,
+            rows.state,
+            rows.track,
+            criterion,
+            0,
+            r,
+            r,
+            min_steps=config.min_steps,
+            freeze=False,
+            gate=self.runner.exit_probability,
+        )
         return track.exit_state.view_as(rows.state), torch.full_like(rows.steps, r)
 
-    def iterate(self, config: GenerationConfig, criterion: ExitCriterion, rows: Rows, first: int, n: int,
-                idle: int, in_place: bool = False) -> Rows:
+    def iterate(
+        self,
+        config: GenerationConfig,
+        criterion: ExitCriterion,
+        rows: Rows,
+        first: int,
+        n: int,
+        idle: int,
+        in_place: bool = False,
+    ) -> Rows:
         """Iterations first .. first + n - 1 for `rows` (`iterate_with_exits`), deciding exits on the
         device. A row that exited keeps its state and stops writing core cache entries (`idle`: how many rows are
         not decoding, exited from the start). `in_place` writes
         the results into `rows`' own tensors (a static step's outputs are its inputs)."""
+
         def step(state: Tensor, i: int, exited: Tensor) -> Tensor:
             # At the first iteration only idle rows can have exited: every row writes when there are none (on
             # the static path the call's own writers, the decoding rows, say the same).
@@ -161,9 +205,19 @@ class Lockstep:
             return self.runner.readout(state, rows.call)[:, -1]
 
         gate = self.runner.exit_probability if criterion.uses_gate else None
-        state, track = iterate_with_exits(step, readout, rows.state, rows.track, criterion, first, n,
-                                          config.num_steps, min_steps=config.min_steps, every=config.exit_every,
-                                          gate=gate)
+        state, track = iterate_with_exits(
+            step,
+            readout,
+            rows.state,
+            rows.track,
+            criterion,
+            first,
+            n,
+            config.num_steps,
+            min_steps=config.min_steps,
+            every=config.exit_every,
+            gate=gate,
+        )
         if in_place:
             rows.state.copy_(state)
             for name in TRACK_FIELDS:

@@ -23,8 +23,9 @@ def block_seed(seed: int, block: int) -> int:
     return (seed * 1_000_003 + block) % 2**64
 
 
-def noise_table(model: RecurrentDepthLM, seed: int, scale: float, length: int, dtype: torch.dtype,
-                device: torch.device) -> Tensor | None:
+def noise_table(
+    model: RecurrentDepthLM, seed: int, scale: float, length: int, dtype: torch.dtype, device: torch.device
+) -> Tensor | None:
     """s_0 for every position 0..length-1, [length, hidden]: a function of (seed, position) only, so a
     row gets the same noise alone or in any batch, and a draft the same as plain decoding. Drawn on the
     CPU (the same numbers on every device). None where s_0 is all zeros."""

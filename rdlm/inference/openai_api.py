@@ -14,26 +14,43 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from rdlm.checks import Integer, InvalidValue, Number
 from rdlm.data.tokenizer import IncrementalDecoder, Tokenizer
 from rdlm.inference.events import BatchEvent
-from rdlm.inference.params import (KV_CACHE_BUDGET, MAX_TOKENS, MAX_TOP_LOGPROBS, GenerationConfig, kv_cache_budget,
-                                   params_for)
+from rdlm.inference.params import (
+    KV_CACHE_BUDGET,
+    MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
+    GenerationConfig,
+    kv_cache_budget,
+    params_for,
+)
 
 
-MAX_STOPS = 4              # stop sequences per request (OpenAI's limit)
-MAX_STOP_CHARS = 256       # characters per stop sequence
-MAX_N = 16                 # completions per request
+MAX_STOPS = 4  # stop sequences per request (OpenAI's limit)
+MAX_STOP_CHARS = 256  # characters per stop sequence
+MAX_N = 16  # completions per request
 # The bounds of OpenAI's own numbers (GenerationConfig's parameters declare theirs with their fields; `bounds`
 # lists both). presence_penalty and frequency_penalty take 0 only: repetition_penalty is rdlm's.
-OPENAI_BOUNDS = {"max_tokens": Integer(1, MAX_TOKENS), "max_completion_tokens": Integer(1, MAX_TOKENS),
-                 "n": Integer(1, MAX_N), "logprobs": Integer(0, MAX_TOP_LOGPROBS),
-                 "top_logprobs": Integer(0, MAX_TOP_LOGPROBS)}
+OPENAI_BOUNDS = {
+    "max_tokens": Integer(1, MAX_TOKENS),
+    "max_completion_tokens": Integer(1, MAX_TOKENS),
+    "n": Integer(1, MAX_N),
+    "logprobs": Integer(0, MAX_TOP_LOGPROBS),
+    "top_logprobs": Integer(0, MAX_TOP_LOGPROBS),
+}
 UNSUPPORTED = ("presence_penalty", "frequency_penalty")
 # A field of GenerationConfig that a request spells its own way: an error about it names the request's.
 REQUEST_NAMES = {"cache_slots": "kv_cache_budget", "stop_strings": "stop", "max_new_tokens": "max_tokens"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers
@@ -60,6 +77,7 @@ class StreamOptions(BaseModel):
 
 class OpenAIOptions(BaseModel):
     """Both endpoints' fields besides the generation parameters (`Options` adds those)."""
+
     model_config = STRICT
 
     model: str
@@ -77,7 +95,7 @@ class OpenAIOptions(BaseModel):
     def _few_short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         # Every stop string is looked for after every token: bound them as OpenAI does (4), and their length.
         stops = [stop] if isinstance(stop, str) else stop or []
-        if not all(stops):   # "" is in every text: every completion would end empty
+        if not all(stops):  # "" is in every text: every completion would end empty
             raise ValueError("a stop sequence may not be empty")
         if len(stops) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
@@ -90,8 +108,12 @@ class OpenAIOptions(BaseModel):
 # top_k, min_p and repetition_penalty, rdlm's test-time compute), typed and described as declared (None: the
 # server's default, `rdlm serve`'s flags); their values are checked by GenerationConfig (`generation_config`).
 REQUEST_PARAMS = params_for("server")
-Options = create_model("Options", __base__=OpenAIOptions, __doc__="A request body's options, both endpoints'.",
-                       **{p.name: (p.kind | None, Field(None, description=p.help)) for p in REQUEST_PARAMS})
+Options = create_model(
+    "Options",
+    __base__=OpenAIOptions,
+    __doc__="A request body's options, both endpoints'.",
+    **{p.name: (p.kind | None, Field(None, description=p.help)) for p in REQUEST_PARAMS},
+)
 
 
 class CompletionRequest(Options):
@@ -116,6 +138,7 @@ class ChatRequest(Options):
 # --------------------------------------------------------------------------------------------------
 # From a request to generation configs and back to OpenAI's responses
 
+
 def requested_logprobs(body: Options) -> int | None:
     """How many alternatives per token the request asks for (0: the chosen token's only), or None."""
     if isinstance(body, ChatRequest):
@@ -130,7 +153,7 @@ def check_bounds(body: Options) -> None:
     end without a response), an unsupported penalty, and options that need others."""
     for name, check in OPENAI_BOUNDS.items():
         value = getattr(body, name, None)
-        if value is not None and not isinstance(value, bool):   # (chat's logprobs is a switch: strictly a bool)
+        if value is not None and not isinstance(value, bool):  # (chat's logprobs is a switch: strictly a bool)
             try:
                 check(name, value)
             except InvalidValue as err:
@@ -138,19 +161,22 @@ def check_bounds(body: Options) -> None:
     for name in UNSUPPORTED:
         if getattr(body, name) != 0:
             raise APIError(400, f"{name} is not supported; use repetition_penalty", param=name)
-    if body.stream_options is not None and not body.stream:   # as OpenAI refuses it
+    if body.stream_options is not None and not body.stream:  # as OpenAI refuses it
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if body.n > 1 and body.stream:
         raise APIError(400, "n > 1 is not supported with stream", param="n")
 
 
-def generation_config(body: Options, defaults: GenerationConfig, stop_tokens: tuple[int, ...],
-                      max_tokens: int | None) -> GenerationConfig:
+def generation_config(
+    body: Options, defaults: GenerationConfig, stop_tokens: tuple[int, ...], max_tokens: int | None
+) -> GenerationConfig:
     """The request's GenerationConfig over the server's defaults; every value out of its declared bounds is
     refused (400) naming the request's field."""
     check_bounds(body)
-    updates: dict[str, Any] = {"stop_tokens": tuple(defaults.stop_tokens) + stop_tokens,
-                               "logprobs": requested_logprobs(body)}
+    updates: dict[str, Any] = {
+        "stop_tokens": tuple(defaults.stop_tokens) + stop_tokens,
+        "logprobs": requested_logprobs(body),
+    }
     if max_tokens is not None:
         updates["max_new_tokens"] = max_tokens
     try:
@@ -167,7 +193,7 @@ def generation_config(body: Options, defaults: GenerationConfig, stop_tokens: tu
         return replace(defaults, **updates)
     except InvalidValue as err:
         raise APIError(400, str(err), param=REQUEST_NAMES.get(err.name, err.name)) from None
-    except (ValueError, TypeError) as err:   # a rule between fields
+    except (ValueError, TypeError) as err:  # a rule between fields
         raise APIError(400, str(err)) from None
 
 
@@ -179,8 +205,10 @@ def numeric_checks() -> dict[str, Integer | Number]:
 def bounds() -> dict[str, tuple[str, str]]:
     """Every number a request may carry: its type and the values it takes, as docs/production.md's table
     gives them (its test compares the two)."""
-    rows = {name: ("integer" if isinstance(check, Integer) else "number", check.bounds)
-            for name, check in numeric_checks().items()}
+    rows = {
+        name: ("integer" if isinstance(check, Integer) else "number", check.bounds)
+        for name, check in numeric_checks().items()
+    }
     rows.update({name: ("number", "0 only") for name in UNSUPPORTED})
     return rows
 
@@ -197,7 +225,7 @@ class Completion:
         self.decoder = IncrementalDecoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self.steps = 0
         self.finish_reason: str | None = None
-        self.end: int | None = None          # once finished: the text's characters (before a stop string)
+        self.end: int | None = None  # once finished: the text's characters (before a stop string)
         self.sent = 0
         self.scored = self.scored_chars = 0  # events whose logprobs were sent (streaming), and their characters
 
@@ -233,18 +261,34 @@ class Completion:
         events = [e for e in self.events[first:] if e.finish_reason != "stop_token"]
         text = self.tokenizer.token_text
         if chat:
-            entry = lambda token, lp: {"token": text(token), "logprob": lp,  # noqa: E731
-                                       "bytes": list(self.tokenizer.token_bytes(token))}
-            out = {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top],
-                                "latent_iterations": e.steps} for e in events], "refusal": None}
+            entry = lambda token, lp: {
+                "token": text(token),
+                "logprob": lp,  # noqa: E731
+                "bytes": list(self.tokenizer.token_bytes(token)),
+            }
+            out = {
+                "content": [
+                    {
+                        **entry(e.token, e.logprob),
+                        "top_logprobs": [entry(t, lp) for t, lp in e.top],
+                        "latent_iterations": e.steps,
+                    }
+                    for e in events
+                ],
+                "refusal": None,
+            }
         else:
             tokens, offsets = [text(e.token) for e in events], []
             for token in tokens:
                 offsets.append(at)
                 at += len(token)
-            out = {"tokens": tokens, "token_logprobs": [e.logprob for e in events],
-                   "top_logprobs": [{text(t): lp for t, lp in e.top} for e in events] if self.config.logprobs
-                   else None, "text_offset": offsets, "latent_iterations": [e.steps for e in events]}
+            out = {
+                "tokens": tokens,
+                "token_logprobs": [e.logprob for e in events],
+                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in events] if self.config.logprobs else None,
+                "text_offset": offsets,
+                "latent_iterations": [e.steps for e in events],
+            }
         if new_only:
             self.scored, self.scored_chars = len(self.events), at
         return out
@@ -253,7 +297,7 @@ class Completion:
     def text(self) -> str:
         """The completion's text: the decode of its tokens (special tokens skipped), cut before a stop string."""
         text = self.decoder.text
-        return text if self.end is None else text[:self.end]
+        return text if self.end is None else text[: self.end]
 
     def delta(self) -> str:
         """The text not streamed yet that is safe to stream. While the completion goes on, the last characters
@@ -268,6 +312,6 @@ class Completion:
             if safe >= 1 and self.decoder.since(safe - 1).startswith("\ufffd"):
                 safe -= 1
             end = min(max(safe, self.sent), length)
-        new = self.decoder.since(self.sent)[:end - self.sent] if end > self.sent else ""
+        new = self.decoder.since(self.sent)[: end - self.sent] if end > self.sent else ""
         self.sent = end
         return new

@@ -72,12 +72,16 @@ from rdlm.model.lm import RecurrentDepthLM
 def check_parallel(model: RecurrentDepthLM, config: GenerationConfig, prompt_length: int) -> None:
     """Refuse a parallel-sampler request this model or prompt cannot run."""
     if not model.config.takes_initial_state:
-        raise ValueError("the parallel sampler refines drafts from a noise state; a model whose s_0 is its "
-                         "embedding (Ouro) has none: use the sequential sampler")
+        raise ValueError(
+            "the parallel sampler refines drafts from a noise state; a model whose s_0 is its "
+            "embedding (Ouro) has none: use the sequential sampler"
+        )
     if not config.full_prefill and config.max_wavefront is not None and prompt_length > config.max_wavefront:
-        raise ValueError(f"without a full prefill the prompt ({prompt_length} tokens) is the first "
-                         f"wave and must fit in max_wavefront ({config.max_wavefront}); prefill it or "
-                         "raise max_wavefront")
+        raise ValueError(
+            f"without a full prefill the prompt ({prompt_length} tokens) is the first "
+            f"wave and must fit in max_wavefront ({config.max_wavefront}); prefill it or "
+            "raise max_wavefront"
+        )
 
 
 def wave_room(model: RecurrentDepthLM, config: GenerationConfig, prompt_length: int) -> int:
@@ -103,18 +107,18 @@ class ParallelSampler:
         self.criterion = c.freezer()
         length, device = runner.cache.max_length, runner.device
         self.tokens = torch.zeros(length + 1, dtype=torch.long, device=device)  # final, then drafts
-        self.tokens[:self.prompt_length] = runner.upload(request.prompt)
+        self.tokens[: self.prompt_length] = runner.upload(request.prompt)
         self.iterations = torch.zeros(length + 1, dtype=torch.long, device=device)  # run at each position
         self.noise = torch.Generator(device=device).manual_seed(c.seed)
-        self.core_passes = 0     # core block calls, each over the whole wave
+        self.core_passes = 0  # core block calls, each over the whole wave
         self.wave_steps = 0
-        self.start = 0           # first position of the wave; positions before it are final in the cache
+        self.start = 0  # first position of the wave; positions before it are final in the cache
         self.final = self.prompt_length  # positions before this hold final tokens
-        if request.first_token is not None:   # the first token, chosen after a full prefill
+        if request.first_token is not None:  # the first token, chosen after a full prefill
             self.tokens[self.prompt_length] = request.first_token
             self.final = self.prompt_length + 1
             self._open(self.prompt_length, 1, exact=True)
-        else:                    # the first wave is the prompt
+        else:  # the first wave is the prompt
             self._open(0, self.prompt_length, exact=True)
 
     # ---- the wave's tensors
@@ -133,7 +137,7 @@ class ParallelSampler:
         """s_0 of new positions: the request's (seed, position) noise, the same as sequential decoding."""
         runner, noise = self.runner, self.request.noise
         zeros = torch.zeros(1, n, self.model.config.hidden_size, dtype=runner.dtype, device=runner.device)
-        return runner.start_state(zeros, None if noise is None else noise[start:start + n].unsqueeze(0))
+        return runner.start_state(zeros, None if noise is None else noise[start : start + n].unsqueeze(0))
 
     @property
     def exhausted(self) -> bool:
@@ -150,43 +154,56 @@ class ParallelSampler:
         runner.rewind(a, row)  # the wave's entries are (re)written from its start
         runner.admit(a, width, row)
         call = runner.block(a, width, row=row).but(budget=self.request.budget)
-        e = runner.embed(self.tokens[a:a + width].view(1, width), call)
+        e = runner.embed(self.tokens[a : a + width].view(1, width), call)
         if self.smoothed is not None:  # EMA of the input embeddings as drafts change
             old = torch.where(self.exact.view(1, -1, 1), e, self.smoothed)
             e = self.smoothed = (1 - c.embedding_ema) * e + c.embedding_ema * old
         prev, state = self.previous, self.state
         if c.state_noise_mixing > 0:  # dampened: positions that iterated more get less noise
-            mix = c.state_noise_mixing / (1 + self.iterations[a:a + width].to(state.dtype))
+            mix = c.state_noise_mixing / (1 + self.iterations[a : a + width].to(state.dtype))
             noise = runner.state_noise(state, c.init_scale, self.noise)
             state = state * (1 - mix.view(1, -1, 1)) + mix.view(1, -1, 1) * noise
         state = runner.iterate(state, e, call, range(c.inner_recurrence))
         self.core_passes += c.inner_recurrence
         self.wave_steps += 1
-        self.iterations[a:a + width] += c.inner_recurrence
+        self.iterations[a : a + width] += c.inner_recurrence
         logits = runner.readout(state, call)[0]  # [W, V]: logits at p draft p + 1
         first_draft = max(self.final, a + 1)  # final tokens are never redrafted
-        self.tokens[first_draft:a + width + 1] = self._draft(logits)[first_draft - a - 1:]
+        self.tokens[first_draft : a + width + 1] = self._draft(logits)[first_draft - a - 1 :]
 
         # Freeze. Criterion between this step's and the previous step's state (or logits) per position.
         # The reading is the exit state's own (`ExitTrack.read_criterion`: patience, streaks); a position's first
         # step has nothing to compare its logits with, so it is not read (its streak is 0).
         crit = self.criterion
         prev_logits = logits if self.prev_logits is None else self.prev_logits
-        track = ExitTrack(self.iterations[a:a + width], torch.zeros_like(self.streak, dtype=torch.bool), self.streak, None)
-        read = track.read_criterion(crit, prev_logits, logits, prev[0], state[0], min_steps=0,
-                                    running=self.has_logits if crit.uses_logits else None)
+        track = ExitTrack(
+            self.iterations[a : a + width], torch.zeros_like(self.streak, dtype=torch.bool), self.streak, None
+        )
+        read = track.read_criterion(
+            crit,
+            prev_logits,
+            logits,
+            prev[0],
+            state[0],
+            min_steps=0,
+            running=self.has_logits if crit.uses_logits else None,
+        )
         self.streak = read.streak
         index = torch.arange(width, device=runner.device)
         settled = torch.where(read.exited, index, -1).max()
-        done = torch.where(self.iterations[a:a + width] >= c.num_steps, index + 1, -1).max()
+        done = torch.where(self.iterations[a : a + width] >= c.num_steps, index + 1, -1).max()
         finite = torch.isfinite(logits).all().long()
         settled, done, finite = torch.stack((settled, done, finite)).tolist()  # the one host sync of a step
         if not finite:
             raise NonFiniteLogitsError(self.model, a + 1 - self.prompt_length)
         new_start = a + max(settled, done, 0)
         new_final = max(self.final, new_start + 1)
-        out = [(int(t), int(n)) for t, n in zip(self.tokens[self.final:new_final].tolist(),
-                                                self.iterations[self.final - 1:new_final - 1].tolist())]
+        out = [
+            (int(t), int(n))
+            for t, n in zip(
+                self.tokens[self.final : new_final].tolist(), self.iterations[self.final - 1 : new_final - 1].tolist()
+            )
+        ]
         self.final = new_final
 
         # The next wave: drop what froze, append `headway` new positions. Like the reference, the
@@ -196,10 +213,10 @@ class ParallelSampler:
             end = min(end, a + c.max_wavefront)
         end = min(max(end, new_start + 1), runner.cache.max_length)
         keep, new = new_start - a, max(0, end - (a + width))
-        fresh = (torch.arange(a + width, a + width + new, device=runner.device) < new_final)
-        self.tokens[a + width + 1:a + width + new] = self.tokens[a + width]  # placeholders: newest draft
+        fresh = torch.arange(a + width, a + width + new, device=runner.device) < new_final
+        self.tokens[a + width + 1 : a + width + new] = self.tokens[a + width]  # placeholders: newest draft
         if c.continuous_cot and width >= c.headway:
-            init = state[:, width - c.headway:][:, :new]
+            init = state[:, width - c.headway :][:, :new]
         else:
             init = self._initial_state(a + width, new)
         self._next_wave(state, keep, init)
@@ -209,8 +226,7 @@ class ParallelSampler:
         self.streak = torch.cat((self.streak[keep:], self.streak.new_zeros(new)))
         if crit.uses_logits:
             self.prev_logits = torch.cat((logits[keep:], logits.new_zeros(new, logits.shape[-1])))
-            self.has_logits = torch.cat((torch.ones_like(self.has_logits[keep:width]),
-                                         self.has_logits.new_zeros(new)))
+            self.has_logits = torch.cat((torch.ones_like(self.has_logits[keep:width]), self.has_logits.new_zeros(new)))
         self.start = new_start
         runner.rewind(new_start, row)
         return out

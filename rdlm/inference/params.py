@@ -33,9 +33,9 @@ Decode = Callable[[list[int]], str]
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
 MAX_INIT_SCALE = 1000.0  # s_0's noise scale at most (the paper's is 1; 1e6 already overflows a float16 core)
 MAX_ITERATIONS = 2**16  # core iterations per token (the paper's deepest is 64 x 2; a counter stays far below 2**63)
-MAX_TOKENS = 2**20      # tokens of one response (beyond any model's context; a row cannot hold more)
-MAX_TOP_K = 2**31 - 1   # tokens to sample among (an int32 index; more than any vocabulary: top_k is then off)
-MAX_FACTOR = 1e6        # temperature and repetition_penalty (a float32 logit divided by it stays finite)
+MAX_TOKENS = 2**20  # tokens of one response (beyond any model's context; a row cannot hold more)
+MAX_TOP_K = 2**31 - 1  # tokens to sample among (an int32 index; more than any vocabulary: top_k is then off)
+MAX_FACTOR = 1e6  # temperature and repetition_penalty (a float32 logit divided by it stays finite)
 MAX_SEED = 2**63 - 1
 THRESHOLD = " (a criterion's score, or argmax-stability's iterations)"
 FRONT_ENDS = ("cli", "server", "transformers")  # where a parameter may be given by its own name
@@ -43,7 +43,7 @@ FRONT_ENDS = ("cli", "server", "transformers")  # where a parameter may be given
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """The text before the first stop string in it (what a response returns of a text that hit one)."""
-    return text[:min((text.find(s) for s in stops if s in text), default=len(text))]
+    return text[: min((text.find(s) for s in stops if s in text), default=len(text))]
 
 
 def kv_cache_budget(slots: int | None) -> dict:
@@ -54,6 +54,7 @@ def kv_cache_budget(slots: int | None) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # A parameter's declaration, and the parts that group them
+
 
 def known_criterion(name: str, value: Any) -> None:
     """An ExitCriterion, or a name of rdlm.inference.exits.CRITERIA (an unknown one is told the nearest)."""
@@ -70,6 +71,7 @@ class Param:
     command line's help shows too), its default, its check (None: any value) and the front ends that
     take it by its name. Its name, the type of a value given from outside Python (`kind`: int, float,
     str, bool, tuple) and whether None is a value (its check then skips None) come from its field."""
+
     part: str
     help: str
     default: Any
@@ -83,11 +85,13 @@ class Param:
 @dataclass(frozen=True)
 class Part:
     """A group of GenerationConfig's fields by what they control; calling it declares one field."""
+
     name: str
     controls: str
 
-    def __call__(self, default: Any, help: str, check: Callable[[str, Any], None] | None = None, *,
-                 front_ends: str = "cli") -> Any:
+    def __call__(
+        self, default: Any, help: str, check: Callable[[str, Any], None] | None = None, *, front_ends: str = "cli"
+    ) -> Any:
         unknown = set(front_ends.split()) - set(FRONT_ENDS)
         if unknown:
             raise TypeError(f"unknown front ends {sorted(unknown)}; they are {FRONT_ENDS}")
@@ -114,94 +118,158 @@ class GenerationConfig:
     # -- sampling
     max_new_tokens: int = SAMPLING(32, "most tokens to generate per prompt", Integer(0, MAX_TOKENS))
     temperature: float = SAMPLING(0.0, "0 = greedy", Number(0, MAX_FACTOR), front_ends="cli server")
-    top_k: int | None = SAMPLING(None, "sample from the k most likely tokens only", Integer(1, MAX_TOP_K),
-                                 front_ends="cli server")
-    top_p: float | None = SAMPLING(None, "sample from the smallest set of tokens with this much probability",
-                                   Number(0, 1, open_low=True), front_ends="cli server")
-    min_p: float | None = SAMPLING(None, "drop tokens less likely than min_p x the most likely one",
-                                   Number(0, 1, open_low=True), front_ends="cli server")
+    top_k: int | None = SAMPLING(
+        None, "sample from the k most likely tokens only", Integer(1, MAX_TOP_K), front_ends="cli server"
+    )
+    top_p: float | None = SAMPLING(
+        None,
+        "sample from the smallest set of tokens with this much probability",
+        Number(0, 1, open_low=True),
+        front_ends="cli server",
+    )
+    min_p: float | None = SAMPLING(
+        None,
+        "drop tokens less likely than min_p x the most likely one",
+        Number(0, 1, open_low=True),
+        front_ends="cli server",
+    )
     repetition_penalty: float = SAMPLING(
-        1.0, "divide positive (multiply negative) logits of tokens already seen by this (1: off)",
-        Number(0, MAX_FACTOR, open_low=True), front_ends="cli server")
+        1.0,
+        "divide positive (multiply negative) logits of tokens already seen by this (1: off)",
+        Number(0, MAX_FACTOR, open_low=True),
+        front_ends="cli server",
+    )
     seed: int = SAMPLING(0, "seed of s_0 and of sampling (per row)", Integer(0, MAX_SEED), front_ends=EVERYWHERE)
     # The raw logits' (before penalty, temperature and filtering): TokenEvent.logprob and .top.
     logprobs: int | None = SAMPLING(
-        None, "each token's log-probability under the model and the k most likely tokens' (k = 0..20)",
-        Integer(0, MAX_TOP_LOGPROBS), front_ends="")
+        None,
+        "each token's log-probability under the model and the k most likely tokens' (k = 0..20)",
+        Integer(0, MAX_TOP_LOGPROBS),
+        front_ends="",
+    )
     stop_tokens: tuple[int, ...] = SAMPLING((), "token ids that end a response", front_ends="")
-    stop_strings: tuple[str, ...] = SAMPLING((), "strings that end a response (they need a decode function)",
-                                             front_ends="")
+    stop_strings: tuple[str, ...] = SAMPLING(
+        (), "strings that end a response (they need a decode function)", front_ends=""
+    )
 
     # -- depth
-    num_steps: int = DEPTH(32, "core iterations r per token (the maximum with an exit criterion)",
-                           Integer(1, MAX_ITERATIONS), front_ends=EVERYWHERE)
-    prefill_steps: int | None = DEPTH(None, "core iterations r for the prompt (default: num_steps)",
-                                      Integer(1, MAX_ITERATIONS), front_ends="")
+    num_steps: int = DEPTH(
+        32,
+        "core iterations r per token (the maximum with an exit criterion)",
+        Integer(1, MAX_ITERATIONS),
+        front_ends=EVERYWHERE,
+    )
+    prefill_steps: int | None = DEPTH(
+        None, "core iterations r for the prompt (default: num_steps)", Integer(1, MAX_ITERATIONS), front_ends=""
+    )
     # A budget for the whole response, honoured by the continuous batch (rdlm serve): a token gets at least
     # one iteration, and the response ends ("length") when the budget cannot give the next one any (depth_cap).
     max_latent_iterations: int | None = DEPTH(
-        None, "depth budget: most core iterations for all of a response's tokens (at least 1 each)",
-        Integer(1, MAX_TOKENS * MAX_ITERATIONS), front_ends=EVERYWHERE)
+        None,
+        "depth budget: most core iterations for all of a response's tokens (at least 1 each)",
+        Integer(1, MAX_TOKENS * MAX_ITERATIONS),
+        front_ends=EVERYWHERE,
+    )
     target_mean_iterations: float | None = DEPTH(
-        None, "depth budget: keep a response's running mean of iterations per token at most this",
-        Number(1, MAX_ITERATIONS), front_ends=EVERYWHERE)
-    init_scale: float = DEPTH(1.0, "s_0 noise scale (0: all-zero state)",
-                              Number(0, MAX_INIT_SCALE, note=" (the scale of s_0's noise; larger overflows inside "
-                                                            "the core)"), front_ends=EVERYWHERE)
-    continuous_cot: bool = DEPTH(False, "warm-start each token's state from the previous token's final state",
-                                 front_ends=EVERYWHERE)
+        None,
+        "depth budget: keep a response's running mean of iterations per token at most this",
+        Number(1, MAX_ITERATIONS),
+        front_ends=EVERYWHERE,
+    )
+    init_scale: float = DEPTH(
+        1.0,
+        "s_0 noise scale (0: all-zero state)",
+        Number(0, MAX_INIT_SCALE, note=" (the scale of s_0's noise; larger overflows inside the core)"),
+        front_ends=EVERYWHERE,
+    )
+    continuous_cot: bool = DEPTH(
+        False, "warm-start each token's state from the previous token's final state", front_ends=EVERYWHERE
+    )
 
     # -- exits
     exit_criterion: str | ExitCriterion | None = EXITS(
-        None, "per-token adaptive compute: a criterion of rdlm.inference.exits.CRITERIA",
-        known_criterion, front_ends=EVERYWHERE)
-    exit_threshold: float | None = EXITS(None, "default: the criterion's (kl: 5e-4; a learned gate: the "
-                                               "checkpoint's)", Number(0, MAX_ITERATIONS, note=THRESHOLD),
-        front_ends=EVERYWHERE)
-    min_steps: int | None = EXITS(None, "fewest iterations per token before an exit (default 2; 1 for a "
-                                        "learned gate)", Integer(1, MAX_ITERATIONS), front_ends=EVERYWHERE)
-    exit_every: int = EXITS(1, "evaluate the exit criterion every n iterations (1: after each, as in the paper)",
-                            Integer(1, MAX_ITERATIONS), front_ends="cli server")
+        None,
+        "per-token adaptive compute: a criterion of rdlm.inference.exits.CRITERIA",
+        known_criterion,
+        front_ends=EVERYWHERE,
+    )
+    exit_threshold: float | None = EXITS(
+        None,
+        "default: the criterion's (kl: 5e-4; a learned gate: the checkpoint's)",
+        Number(0, MAX_ITERATIONS, note=THRESHOLD),
+        front_ends=EVERYWHERE,
+    )
+    min_steps: int | None = EXITS(
+        None,
+        "fewest iterations per token before an exit (default 2; 1 for a learned gate)",
+        Integer(1, MAX_ITERATIONS),
+        front_ends=EVERYWHERE,
+    )
+    exit_every: int = EXITS(
+        1,
+        "evaluate the exit criterion every n iterations (1: after each, as in the paper)",
+        Integer(1, MAX_ITERATIONS),
+        front_ends="cli server",
+    )
     # Exited rows leave the batch when the host looks: exit_sync_every changes cost only, never tokens.
-    exit_sync_every: int | None = EXITS(None, "the host reads exit flags every n iterations (speed only, never "
-                                              "the tokens; default 1 on the CPU, 4 on a GPU)",
-                                     Integer(1, MAX_ITERATIONS))
+    exit_sync_every: int | None = EXITS(
+        None,
+        "the host reads exit flags every n iterations (speed only, never the tokens; default 1 on the CPU, 4 on a GPU)",
+        Integer(1, MAX_ITERATIONS),
+    )
 
     # -- cache
-    cache_strategy: str = CACHE("full", "KV-cache strategy: full (a slot per iteration) or shared (k slots)",
-                                OneOf(("full", "shared")))
-    cache_slots: int | None = CACHE(None, "k for the shared cache (iteration i uses slot i mod k)",
-                                    Integer(1, MAX_ITERATIONS))
+    cache_strategy: str = CACHE(
+        "full", "KV-cache strategy: full (a slot per iteration) or shared (k slots)", OneOf(("full", "shared"))
+    )
+    cache_slots: int | None = CACHE(
+        None, "k for the shared cache (iteration i uses slot i mod k)", Integer(1, MAX_ITERATIONS)
+    )
 
     # -- speculative
-    draft_steps: int | None = SPECULATIVE(None, "self-speculative decoding: draft with N iterations",
-                                          Integer(1, MAX_ITERATIONS), front_ends="cli transformers")
-    draft_length: int = SPECULATIVE(4, "tokens drafted per speculative round", Integer(1, MAX_TOKENS),
-                                    front_ends="cli transformers")
+    draft_steps: int | None = SPECULATIVE(
+        None,
+        "self-speculative decoding: draft with N iterations",
+        Integer(1, MAX_ITERATIONS),
+        front_ends="cli transformers",
+    )
+    draft_length: int = SPECULATIVE(
+        4, "tokens drafted per speculative round", Integer(1, MAX_TOKENS), front_ends="cli transformers"
+    )
 
     # -- parallel
-    sampler: str = PARALLEL("sequential", "parallel: the diffusion-style wavefront sampler (a wave per prompt)",
-                            OneOf(("sequential", "parallel")), front_ends="cli server")
+    sampler: str = PARALLEL(
+        "sequential",
+        "parallel: the diffusion-style wavefront sampler (a wave per prompt)",
+        OneOf(("sequential", "parallel")),
+        front_ends="cli server",
+    )
     inner_recurrence: int = PARALLEL(4, "parallel: core iterations per wavefront step", Integer(1, MAX_ITERATIONS))
     headway: int = PARALLEL(1, "parallel: new positions per step", Integer(1, MAX_TOKENS))
-    freeze_criterion: str | ExitCriterion = PARALLEL("latent-diff", "parallel: when a position's state has "
-                                                                    "settled", known_criterion)
-    freeze_threshold: float | None = PARALLEL(None, "parallel: default the criterion's (latent-diff: 0.03)",
-                                              Number(0, MAX_ITERATIONS, note=THRESHOLD))
-    max_wavefront: int | None = PARALLEL(128, "parallel: most positions in flight",
-                                         Integer(1, MAX_TOKENS))  # None: no limit
+    freeze_criterion: str | ExitCriterion = PARALLEL(
+        "latent-diff", "parallel: when a position's state has settled", known_criterion
+    )
+    freeze_threshold: float | None = PARALLEL(
+        None, "parallel: default the criterion's (latent-diff: 0.03)", Number(0, MAX_ITERATIONS, note=THRESHOLD)
+    )
+    max_wavefront: int | None = PARALLEL(
+        128, "parallel: most positions in flight", Integer(1, MAX_TOKENS)
+    )  # None: no limit
     # m: s <- (1 - m/(1+i)) s + m/(1+i) noise before each step
-    state_noise_mixing: float = PARALLEL(0.0, "parallel: noise mixed into each state per step, damped by 1/(1 + "
-                                              "iterations)", Number(0, 1))
-    embedding_ema: float = PARALLEL(0.1, "parallel: EMA weight of a position's earlier input embeddings",
-                                    Number(0, 1, open_high=True))
+    state_noise_mixing: float = PARALLEL(
+        0.0, "parallel: noise mixed into each state per step, damped by 1/(1 + iterations)", Number(0, 1)
+    )
+    embedding_ema: float = PARALLEL(
+        0.1, "parallel: EMA weight of a position's earlier input embeddings", Number(0, 1, open_high=True)
+    )
     full_prefill: bool = PARALLEL(True, "parallel: prefill the prompt at r (off: the prompt is the first wave)")
 
     # -- engine (rdlm.inference.batching). In fp32 the static step never changes tokens, only speed; in bf16
     # a greedy near-tie can flip (its attention reduces over the preallocated cache; docs/inference.md,
     # "The GPU suite").
-    compile: bool | None = ENGINE(None, "the static decode step captured in a CUDA graph (default: on with "
-                                        "CUDA, off on CPU)")
+    compile: bool | None = ENGINE(
+        None, "the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU)"
+    )
 
     def __post_init__(self) -> None:
         # Stops as tuples (a frozen, hashable config; one stop string given as a str is one string, not its letters).
@@ -224,34 +292,45 @@ class GenerationConfig:
         if self.logprobs is not None and not plain:
             raise ValueError("logprobs come with the sequential sampler without speculative decoding")
         if self.has_depth_budget and not plain:
-            raise ValueError("a depth budget (max_latent_iterations, target_mean_iterations) goes with the "
-                             "sequential sampler without speculative decoding")
+            raise ValueError(
+                "a depth budget (max_latent_iterations, target_mean_iterations) goes with the "
+                "sequential sampler without speculative decoding"
+            )
         if self.cache_strategy == "shared" and self.cache_slots is None:
             raise ValueError("cache_strategy 'shared' needs cache_slots (the budget k)")
         if self.draft_steps is not None:  # verification must reproduce plain decoding at num_steps
             if self.exit_criterion is not None:
                 raise ValueError("speculative decoding runs a fixed number of steps; drop exit_criterion")
             if self.draft_steps >= self.num_steps:
-                raise ValueError(f"draft_steps ({self.draft_steps}) must be smaller than num_steps "
-                                 f"({self.num_steps}), the verification depth")
+                raise ValueError(
+                    f"draft_steps ({self.draft_steps}) must be smaller than num_steps "
+                    f"({self.num_steps}), the verification depth"
+                )
             if self.temperature != 0:
                 raise ValueError("speculative decoding is greedy: use temperature 0")
             if self.cache_strategy != "full" or self.continuous_cot or self.repetition_penalty != 1:
-                raise ValueError("speculative decoding needs the full cache, no continuous_cot and no "
-                                 "repetition_penalty (so that verification reproduces plain decoding)")
+                raise ValueError(
+                    "speculative decoding needs the full cache, no continuous_cot and no "
+                    "repetition_penalty (so that verification reproduces plain decoding)"
+                )
         self.criterion()  # a threshold the criterion cannot take (its name was checked with its field)
         if self.sampler == "parallel":
             if self.exit_criterion is not None or self.draft_steps is not None:
-                raise ValueError("the parallel sampler freezes positions with freeze_criterion; drop "
-                                 "exit_criterion and draft_steps")
+                raise ValueError(
+                    "the parallel sampler freezes positions with freeze_criterion; drop exit_criterion and draft_steps"
+                )
             if self.inner_recurrence > self.num_steps:
-                raise ValueError(f"inner_recurrence ({self.inner_recurrence}) must be at most num_steps "
-                                 f"({self.num_steps}), the iterations after which a position is final")
+                raise ValueError(
+                    f"inner_recurrence ({self.inner_recurrence}) must be at most num_steps "
+                    f"({self.num_steps}), the iterations after which a position is final"
+                )
             if self.repetition_penalty != 1:
                 raise ValueError("the parallel sampler has no repetition_penalty")
             if self.freezer().uses_gate:
-                raise ValueError("the parallel sampler's freeze criterion compares a position's iterations; "
-                                 "a learned exit gate is not one")
+                raise ValueError(
+                    "the parallel sampler's freeze criterion compares a position's iterations; "
+                    "a learned exit gate is not one"
+                )
 
     def criterion(self, model_config=None) -> ExitCriterion | None:
         """The exit criterion; a learned gate's default threshold is `model_config.exit_threshold`."""
@@ -279,7 +358,7 @@ class GenerationConfig:
             later = max(self.max_new_tokens - produced - 1, 0)  # keep one iteration for each later token
             cap = min(cap, max(1, remaining - later))
         if self.target_mean_iterations is not None:
-            allowed = self.target_mean_iterations * (produced + 1) - spent   # inf for a target near float's max
+            allowed = self.target_mean_iterations * (produced + 1) - spent  # inf for a target near float's max
             if allowed < cap:
                 cap = max(1, math.floor(allowed + 1e-9))
         return cap
@@ -321,16 +400,27 @@ def _declared(config: type) -> tuple[Param, ...]:
         union = typing.get_origin(hint) in (types.UnionType, typing.Union)
         args = typing.get_args(hint) if union else (hint,)
         kind = next(a for a in args if a is not type(None))
-        found.append(dataclasses.replace(f.metadata["param"], name=f.name, kind=typing.get_origin(kind) or kind,
-                                         optional=type(None) in args))
+        found.append(
+            dataclasses.replace(
+                f.metadata["param"], name=f.name, kind=typing.get_origin(kind) or kind, optional=type(None) in args
+            )
+        )
     return tuple(found)
 
 
 PARAMS = _declared(GenerationConfig)  # its parameters, in the order declared
 PARTS = (SAMPLING, DEPTH, EXITS, CACHE, SPECULATIVE, PARALLEL, ENGINE)
 # The shared cache as the server, transformers and lm-eval spell it: one number for two fields (kv_cache_budget).
-KV_CACHE_BUDGET = Param("cache", "KV-cache budget: k core cache slots per token (iteration i uses slot i mod k)",
-                        None, Integer(1, MAX_ITERATIONS), ("server", "transformers"), "kv_cache_budget", int, True)
+KV_CACHE_BUDGET = Param(
+    "cache",
+    "KV-cache budget: k core cache slots per token (iteration i uses slot i mod k)",
+    None,
+    Integer(1, MAX_ITERATIONS),
+    ("server", "transformers"),
+    "kv_cache_budget",
+    int,
+    True,
+)
 
 
 def params_for(front_end: str) -> tuple[Param, ...]:
@@ -346,8 +436,11 @@ def check_prompt(model: RecurrentDepthLM, prompt: list[int]) -> None:
     vocab = model.config.vocab_size
     bad = [t for t in prompt if not is_int(t, 0, vocab)]
     if bad or not prompt:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})" if bad else
-                         "every prompt needs at least one token")
+        raise ValueError(
+            f"token id {bad[0]} is outside the vocabulary (size {vocab})"
+            if bad
+            else "every prompt needs at least one token"
+        )
 
 
 def check_prompts(model: RecurrentDepthLM, prompts: list[list[int]]) -> None:
@@ -359,12 +452,15 @@ def check_prompts(model: RecurrentDepthLM, prompts: list[list[int]]) -> None:
 def check_length(model: RecurrentDepthLM, prompt_length: int, new_tokens: int) -> None:
     """Refuse a prompt and new tokens that do not fit the model's context."""
     if prompt_length + new_tokens > model.config.context_length:
-        raise ValueError(f"prompt ({prompt_length}) + new tokens ({new_tokens}) exceeds the context length "
-                         f"{model.config.context_length}")
+        raise ValueError(
+            f"prompt ({prompt_length}) + new tokens ({new_tokens}) exceeds the context length "
+            f"{model.config.context_length}"
+        )
 
 
-def check_request(model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig,
-                  decode: Decode | None = None) -> ExitCriterion | None:
+def check_request(
+    model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig, decode: Decode | None = None
+) -> ExitCriterion | None:
     """Refuse a request no engine can run (`check_prompt`, stop strings without `decode` to read them, an
     exit gate the model lacks); returns its exit criterion."""
     check_prompt(model, prompt)
@@ -383,5 +479,7 @@ def check_criterion(model: RecurrentDepthLM, config: GenerationConfig) -> ExitCr
 def check_gate(model: RecurrentDepthLM, criterion: ExitCriterion | None) -> None:
     """Refuse an exit criterion that reads a learned exit gate on a model without one."""
     if criterion is not None and criterion.uses_gate and model.exit_gate is None:
-        raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
-                         "(an Ouro checkpoint); this one has none")
+        raise ValueError(
+            f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
+            "(an Ouro checkpoint); this one has none"
+        )

@@ -29,6 +29,7 @@ class EngineSettings:
     rows' iterations run as static steps (CUDA graphs on CUDA); `rides_along`: a row done on the device
     since the last look stays in the core's calls, frozen (a static step, or a device where reading the
     flags waits for the queued work)."""
+
     max_batch: int
     max_length: int
     num_slots: int
@@ -42,31 +43,34 @@ class EngineSettings:
 @dataclass(frozen=True)
 class Admission:
     """A request entering row `row`: what the runner keeps of it for its life there (its own copy)."""
+
     request: int
     row: int
     prompt: tuple[int, ...]
     config: GenerationConfig
     criterion: ExitCriterion | None
-    budget: int              # core cache slots the request cycles through
-    positions: int           # buffer entries whose s_0 the request may use (its noise table's length)
+    budget: int  # core cache slots the request cycles through
+    positions: int  # buffer entries whose s_0 the request may use (its noise table's length)
 
 
 @dataclass(frozen=True)
 class ChunkSpec:
     """A chunk of prompts that begins prefilling (rdlm.inference.prefill): the requests' tokens
     start .. start + lengths[j] - 1, right-padded to the longest; `cap` iterations over `budget` slots."""
-    chunk: int               # its id, the key of both sides' views of it
+
+    chunk: int  # its id, the key of both sides' views of it
     requests: tuple[int, ...]
     start: int
     lengths: tuple[int, ...]
     cap: int
     budget: int
-    n: int                   # the tokens of each row: the longest's (padded so still when others left)
+    n: int  # the tokens of each row: the longest's (padded so still when others left)
 
 
 @dataclass(frozen=True)
 class Start:
     """A chosen token fed at buffer index `position` of `row`: its prelude and s_0; it may run `cap` iterations."""
+
     request: int
     row: int
     token: int
@@ -77,6 +81,7 @@ class Start:
 @dataclass(frozen=True)
 class Iterating:
     """A row whose token is in progress: it has run `iteration` iterations (as the host counts them) of `cap`."""
+
     request: int
     row: int
     position: int
@@ -88,6 +93,7 @@ class Iterating:
 class RoundSpec:
     """A request's round (self-speculative decoding, a parallel sampler's wave step) from its pending token
     `token` at `position`."""
+
     request: int
     row: int
     token: int
@@ -104,6 +110,7 @@ class Coda:
     step begins; the runner adds the first tokens that go on and drops the rounds that failed or ran out of
     room (`due`'s `decoding`). A request that a round's tokens, or a first token's stop string, end in this
     step still counts: the coda may then wait one step longer, which changes no token."""
+
     waiting: tuple[tuple[int, int], ...] = ()
     now: bool = False
     decoding: int = 0
@@ -138,6 +145,7 @@ class StepPlan:
        prompt ends there;
     7. the look: the host reads the iterating rows' exit flags when `look_due` (every `exit_sync_every`
        steps) or when a row that computed reached its cap; `coda`: when the done rows run their coda."""
+
     wipe: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()
     admitted: tuple[Admission, ...] = ()
@@ -160,6 +168,7 @@ class StepPlan:
 class Chosen:
     """A token the runner chose for a request after `iterations` iterations (with its scores when asked), or
     the request's failure (`error`: its logits were not finite)."""
+
     request: int
     token: int = -1
     iterations: int = 0
@@ -172,6 +181,7 @@ class RoundOutput:
     """A request's round: the tokens that became final, each with the iterations run at the position that
     chose it; a speculative round's drafts and accepted drafts; whether a parallel sampler's wave ran out of
     room (the request can give no more tokens); or the round's failure."""
+
     request: int
     tokens: list[tuple[int, int]] = field(default_factory=list)
     drafted: int = 0
@@ -188,6 +198,7 @@ class StepOutput:
     (`computed`); what the look found (`found`: request -> iterations run, for the rows whose token is done;
     None when the host did not look); and the tokens the done rows' coda chose (`coda`, empty when it was
     not due)."""
+
     rounds: list[RoundOutput] = field(default_factory=list)
     lockstep: list[Chosen] = field(default_factory=list)
     ended: list[int] = field(default_factory=list)

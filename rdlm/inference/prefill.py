@@ -34,7 +34,7 @@ from rdlm.inference.exit_track import ExitTrack
 from rdlm.inference.runner import Call, ModelRunner, Pack
 
 
-GATE = make_exit_criterion("gate")   # a chunk reads the gate against each row's own threshold (`thresholds`)
+GATE = make_exit_criterion("gate")  # a chunk reads the gate against each row's own threshold (`thresholds`)
 
 
 @dataclass
@@ -42,34 +42,37 @@ class PromptChunk:
     """Prompt tokens start .. start + n - 1 of requests admitted together (right-padded to n). A pad
     writes cache entries past its prompt that the row's own tokens overwrite later; no real token
     attends to it."""
-    requests: list[Any]                # the runner's rows (`RowState`: prompt, row, config, criterion); none: every row
+
+    requests: list[Any]  # the runner's rows (`RowState`: prompt, row, config, criterion); none: every row
     start: int
-    lengths: list[int]                 # each request's tokens in this chunk
-    cap: int                           # prefill iterations
-    budget: int                        # core cache slots the requests cycle through
-    state: Tensor                      # [g, n, h]
+    lengths: list[int]  # each request's tokens in this chunk
+    cap: int  # prefill iterations
+    budget: int  # core cache slots the requests cycle through
+    state: Tensor  # [g, n, h]
     embedded: Tensor
-    call: Call                         # RoPE [1, n, 1, d/2], mask [1, 1, n, start + n], the requests' rows
+    call: Call  # RoPE [1, n, 1, d/2], mask [1, 1, n, start + n], the requests' rows
     iteration: int = 0
-    gate: ExitTrack | None = None      # a learned gate's track over the [g, n] tokens (exit_state: the chosen)
-    thresholds: Tensor | None = None   # [g, 1]: the gate's threshold, or one it never reaches
-    minimum: Tensor | None = None      # [g, 1]: the requests' min_steps, with a gate
+    gate: ExitTrack | None = None  # a learned gate's track over the [g, n] tokens (exit_state: the chosen)
+    thresholds: Tensor | None = None  # [g, 1]: the gate's threshold, or one it never reaches
+    minimum: Tensor | None = None  # [g, 1]: the requests' min_steps, with a gate
 
     @classmethod
-    def begin(cls, runner: ModelRunner, requests: list[Any], start: int, lengths: list[int], cap: int,
-              budget: int) -> "PromptChunk":
+    def begin(
+        cls, runner: ModelRunner, requests: list[Any], start: int, lengths: list[int], cap: int, budget: int
+    ) -> "PromptChunk":
         """The prelude and s_0 of the requests' next chunk of prompt, `lengths[j]` tokens of request j from
         `start` (the scheduler sized them: rdlm.inference.scheduler). Marks the chunk's tokens valid
         (`ModelRunner.admit`)."""
         device = runner.device
         lengths = list(lengths)
         g, n = len(requests), max(lengths)
-        ids = runner.upload([q.prompt[start:start + length] + [0] * (n - length)
-                             for q, length in zip(requests, lengths)])
+        ids = runner.upload(
+            [q.prompt[start : start + length] + [0] * (n - length) for q, length in zip(requests, lengths)]
+        )
         noise = torch.zeros(g, n, runner.model.config.hidden_size, dtype=runner.dtype, device=device)
         for j, (q, length) in enumerate(zip(requests, lengths)):
             if q.noise is not None:
-                noise[j, :length] = q.noise[start:start + length]
+                noise[j, :length] = q.noise[start : start + length]
             runner.admit(start, length, q.row)
         call = runner.prompt(start, n, runner.upload([q.row for q in requests]), budget)
         e = runner.embed(ids, call)
@@ -77,15 +80,23 @@ class PromptChunk:
         gated = [q.criterion is not None and q.criterion.uses_gate for q in requests]
         if any(gated):  # read out at each token's gate exit, as a block prefill (`block`) reads it
             never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
-            chunk.thresholds = runner.upload([q.criterion.threshold if gate else never
-                                              for q, gate in zip(requests, gated)]).view(-1, 1)
+            chunk.thresholds = runner.upload(
+                [q.criterion.threshold if gate else never for q, gate in zip(requests, gated)]
+            ).view(-1, 1)
             chunk.minimum = runner.upload([q.config.min_steps for q in requests]).view(-1, 1)
             chunk.gate = chunk._gate_track()
         return chunk
 
     @classmethod
-    def block(cls, runner: ModelRunner, call: Call, embedded: Tensor, cap: int,
-              criterion: ExitCriterion | None = None, min_steps: int = 0) -> "PromptChunk":
+    def block(
+        cls,
+        runner: ModelRunner,
+        call: Call,
+        embedded: Tensor,
+        cap: int,
+        criterion: ExitCriterion | None = None,
+        min_steps: int = 0,
+    ) -> "PromptChunk":
         """Tokens of every row of the runner's batch at once (a left-padded prompt, or a block appended
         after it: `rdlm.inference.sequences.Sequences`), their prelude run (`embedded`) and `call` from
         `ModelRunner.block`; s_0 from the runner's noise table. A learned gate `criterion` reads each
@@ -131,9 +142,16 @@ class PromptChunk:
         self.iteration += 1
         if self.gate is None:
             return
-        self.gate = self.gate.after_iteration(GATE, self.iteration - 1, self.cap, previous, self.state,
-                                              min_steps=self.minimum, gate=runner.exit_probability,
-                                              threshold=self.thresholds)
+        self.gate = self.gate.after_iteration(
+            GATE,
+            self.iteration - 1,
+            self.cap,
+            previous,
+            self.state,
+            min_steps=self.minimum,
+            gate=runner.exit_probability,
+            threshold=self.thresholds,
+        )
 
     def finish(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
         """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]."""
@@ -149,7 +167,13 @@ class PromptChunk:
         pick = torch.tensor(keep, device=self.state.device)
         gate = None if self.gate is None else self.gate.select(pick)
         return dataclasses.replace(
-            self, requests=[self.requests[j] for j in keep], lengths=[self.lengths[j] for j in keep],
-            state=self.state[pick], embedded=self.embedded[pick], call=self.call.but(rows=self.call.rows[pick]),
-            gate=gate, thresholds=None if self.thresholds is None else self.thresholds[pick],
-            minimum=None if self.minimum is None else self.minimum[pick])
+            self,
+            requests=[self.requests[j] for j in keep],
+            lengths=[self.lengths[j] for j in keep],
+            state=self.state[pick],
+            embedded=self.embedded[pick],
+            call=self.call.but(rows=self.call.rows[pick]),
+            gate=gate,
+            thresholds=None if self.thresholds is None else self.thresholds[pick],
+            minimum=None if self.minimum is None else self.minimum[pick],
+        )

@@ -27,9 +27,16 @@ class RowExits:
         self.runner = runner
         track = ExitTrack.start(max_batch, state.device, vocab_size, gate=True)
         # The runner counts the rows' iterations (`update` takes them); the gate-exact state is one per row.
-        self.track = ExitTrack(None, track.exited, track.streak, track.logits, track.remaining, track.cumulative,
-                               torch.zeros_like(state[:, -1]))
-        self.runs_on = torch.zeros_like(track.exited)   # gate-exact rows: their exit only chooses a state
+        self.track = ExitTrack(
+            None,
+            track.exited,
+            track.streak,
+            track.logits,
+            track.remaining,
+            track.cumulative,
+            torch.zeros_like(state[:, -1]),
+        )
+        self.runs_on = torch.zeros_like(track.exited)  # gate-exact rows: their exit only chooses a state
 
     @property
     def exited(self) -> Tensor:
@@ -48,8 +55,17 @@ class RowExits:
         t.remaining[rows], t.cumulative[rows] = 1.0, 0.0
         self.runs_on[rows] = False if runs_on is None else runs_on
 
-    def update(self, members: list, rows: Tensor, call: Call, prev_state: Tensor, state: Tensor,
-               running: Tensor, iterations: Tensor, min_steps: Tensor) -> None:
+    def update(
+        self,
+        members: list,
+        rows: Tensor,
+        call: Call,
+        prev_state: Tensor,
+        state: Tensor,
+        running: Tensor,
+        iterations: Tensor,
+        min_steps: Tensor,
+    ) -> None:
         """Each running row's exit reading after this iteration (`ExitTrack.after_iteration`, the runner having
         counted it in `iterations`); `min_steps` are the rows' own. `members` (with `.criterion`, `.iteration`:
         iterations run with this one, `.cap`, `.config`) are the call's rows in order, at batch rows `rows`."""
@@ -78,22 +94,40 @@ class RowExits:
             return pick, rows[pick]
 
         # The previous reading's logits, before this iteration's readout replaces them.
-        previous = {crit: self.track.logits[where(group)[1]].clone()
-                    for crit, group in groups.items() if crit.uses_logits}
-        if readout:   # one readout for every row that needs one, whatever its criterion
+        previous = {
+            crit: self.track.logits[where(group)[1]].clone() for crit, group in groups.items() if crit.uses_logits
+        }
+        if readout:  # one readout for every row that needs one, whatever its criterion
             pick, at = where(readout)
             self.track.logits[at] = self.runner.readout(state[pick], call.select(pick, at))[:, -1]
         for crit, group in groups.items():
             pick, at = where(group)
             t = self.track
             track = ExitTrack(iterations[at], t.exited[at], t.streak[at], previous.get(crit))
-            read = track.after_iteration(crit, 0, 0, prev_state[pick, -1], state[pick, -1], min_steps=min_steps[at],
-                                         readout=lambda _, at=at: t.logits[at], running=running[pick], reads=(True, False),
-                                         counted=True)
+            read = track.after_iteration(
+                crit,
+                0,
+                0,
+                prev_state[pick, -1],
+                state[pick, -1],
+                min_steps=min_steps[at],
+                readout=lambda _, at=at: t.logits[at],
+                running=running[pick],
+                reads=(True, False),
+                counted=True,
+            )
             t.streak[at], t.exited[at] = read.streak, read.exited
 
-    def _gate(self, members: list, rows: Tensor, prev_state: Tensor, state: Tensor, running: Tensor,
-              iterations: Tensor, min_steps: Tensor) -> None:
+    def _gate(
+        self,
+        members: list,
+        rows: Tensor,
+        prev_state: Tensor,
+        state: Tensor,
+        running: Tensor,
+        iterations: Tensor,
+        min_steps: Tensor,
+    ) -> None:
         """The learned exit gate after this iteration, for the rows that exit by it: `gate` is done once the gate
         fires; `gate-exact` runs on to its cap (`runs_on`) and reads out the state of the iteration the gate
         chose (`exit_state`: kept while the gate has not fired, so the last one if it never does)."""
@@ -104,10 +138,24 @@ class RowExits:
         at = rows[pick]
         thresholds = self.runner.upload([members[j].criterion.threshold for j in group])
         t = self.track
-        track = ExitTrack(iterations[at], t.exited[at], t.streak[at], None, t.remaining[at], t.cumulative[at],
-                          t.exit_state[at])
-        read = track.after_iteration(members[group[0]].criterion, 0, 0, prev_state[pick, -1], state[pick, -1],
-                                     min_steps=min_steps[at], gate=self.runner.exit_probability,
-                                     threshold=thresholds, running=running[pick], counted=True)
+        track = ExitTrack(
+            iterations[at], t.exited[at], t.streak[at], None, t.remaining[at], t.cumulative[at], t.exit_state[at]
+        )
+        read = track.after_iteration(
+            members[group[0]].criterion,
+            0,
+            0,
+            prev_state[pick, -1],
+            state[pick, -1],
+            min_steps=min_steps[at],
+            gate=self.runner.exit_probability,
+            threshold=thresholds,
+            running=running[pick],
+            counted=True,
+        )
         t.exited[at], t.remaining[at], t.cumulative[at], t.exit_state[at] = (
-            read.exited, read.remaining, read.cumulative, read.exit_state)
+            read.exited,
+            read.remaining,
+            read.cumulative,
+            read.exit_state,
+        )

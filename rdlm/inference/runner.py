@@ -31,10 +31,11 @@ class Call:
     """What model calls over one block of tokens take besides the tokens or states: the RoPE of the
     tokens' positions, the attention mask ([rows | 1, 1, n, keys] boolean) and the cache with its write
     plan (`CacheWrite`: start, rows, slots, ...)."""
+
     rope: Rope
     mask: Tensor
     cache: CacheCall
-    positions: Tensor      # [rows | 1, n]
+    positions: Tensor  # [rows | 1, n]
 
     @property
     def start(self) -> int | Tensor:
@@ -53,8 +54,12 @@ class Call:
         start = self.start
         if isinstance(start, Tensor) and start.ndim:
             start = start[keep]
-        return Call((self.rope[0][keep], self.rope[1][keep]), self.mask[keep],
-                    self.cache.but(start=start, rows=rows), self.positions[keep])
+        return Call(
+            (self.rope[0][keep], self.rope[1][keep]),
+            self.mask[keep],
+            self.cache.but(start=start, rows=rows),
+            self.positions[keep],
+        )
 
 
 class Pack:
@@ -81,9 +86,17 @@ class ModelRunner:
     doc). Buffer index t of row b holds that row's token at position t - pad[b] (`Sequences` left-pads its
     prompts to a common length; without `pad`, every row starts at index 0)."""
 
-    def __init__(self, model: RecurrentDepthLM, batch: int, max_length: int, num_slots: int,
-                 strategy: Strategy = "full", pad: Tensor | None = None, seed: int | None = None,
-                 init_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        model: RecurrentDepthLM,
+        batch: int,
+        max_length: int,
+        num_slots: int,
+        strategy: Strategy = "full",
+        pad: Tensor | None = None,
+        seed: int | None = None,
+        init_scale: float = 1.0,
+    ) -> None:
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
         self.cache = RecurrentKVCache(model.config, batch, max_length, num_slots, strategy, self.dtype, self.device)
@@ -110,7 +123,7 @@ class ModelRunner:
         if isinstance(start, Tensor):
             self.key_valid[rows, start] = True
             return
-        self.key_valid[rows, start:start + n] = True
+        self.key_valid[rows, start : start + n] = True
         if start == 0:
             self.key_valid[rows, :n] &= torch.arange(n, device=self.device) >= self.pad[rows].unsqueeze(-1)
 
@@ -135,7 +148,7 @@ class ModelRunner:
         if isinstance(start, Tensor):
             mask = self.key_valid[rows, None, None, :]
         else:
-            valid = self.key_valid[rows, :start + n]
+            valid = self.key_valid[rows, : start + n]
             mask = padded_causal_mask(valid, n) if n > 1 else valid[:, None, None, :]
         cache = self.cache.at(start) if row is None else self.cache.at(start, rows=rows)
         return Call(self.model.rope(positions, check=False), mask, cache, positions)
@@ -175,8 +188,12 @@ class ModelRunner:
         n, causal over the buffer (no real token attends to a pad); the core cycles through `budget` slots."""
         positions = torch.arange(start, start + n, device=self.device).view(1, -1)
         mask = torch.arange(start + n, device=self.device).view(1, -1) <= positions.view(-1, 1)
-        return Call(self.model.rope(positions, check=False), mask.view(1, 1, n, start + n),
-                    self.cache.at(start, rows=rows, budget=budget), positions)
+        return Call(
+            self.model.rope(positions, check=False),
+            mask.view(1, 1, n, start + n),
+            self.cache.at(start, rows=rows, budget=budget),
+            positions,
+        )
 
     # ---- s_0 (docs/inference.md, "s0 at inference")
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM
 
 
-GREEDY_BELOW = 1e-5   # a temperature under this chooses greedily, as at 0
+GREEDY_BELOW = 1e-5  # a temperature under this chooses greedily, as at 0
 
 
 def token_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
@@ -24,18 +24,22 @@ def token_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[tuple[float, 
     picked = logp.gather(-1, chosen.view(-1, 1).to(logp.device))
     top = logp.topk(k, dim=-1) if k else None
     values = torch.cat([picked] + ([top.values, top.indices.to(logp.dtype)] if k else []), dim=-1).tolist()
-    return [(row[0], tuple((int(i), v) for v, i in zip(row[1:1 + k], row[1 + k:]))) for row in values]
+    return [(row[0], tuple((int(i), v) for v, i in zip(row[1 : 1 + k], row[1 + k :]))) for row in values]
 
 
-def sample(logits: Tensor, config: GenerationConfig, generators: Sequence[torch.Generator] | None = None,
-           seen: Tensor | None = None) -> Tensor:
+def sample(
+    logits: Tensor,
+    config: GenerationConfig,
+    generators: Sequence[torch.Generator] | None = None,
+    seen: Tensor | None = None,
+) -> Tensor:
     """Next tokens [B] from logits [B, V]: repetition penalty, then greedy or temperature with
     top-k / top-p / min-p filtering. Each row draws from its own generator (reproducible per row)."""
     logits = logits.float()
     if seen is not None and config.repetition_penalty != 1:
         p = config.repetition_penalty  # CTRL-style: shrink the logits of tokens already seen
         logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
-    if config.temperature < GREEDY_BELOW:   # the limit of sampling as the temperature falls (and no overflow)
+    if config.temperature < GREEDY_BELOW:  # the limit of sampling as the temperature falls (and no overflow)
         return logits.argmax(dim=-1)
     logits = logits / config.temperature
     # A tiny temperature or penalty can take a logit to +inf, where softmax gives NaN: such a row draws among
@@ -66,8 +70,10 @@ class NonFiniteLogitsError(FloatingPointError):
     """The model's logits hold NaN or infinity: no token can be chosen from them."""
 
     def __init__(self, model: RecurrentDepthLM, token: int) -> None:
-        super().__init__(f"model produced non-finite logits at new token {token}; weights may be NaN: "
-                         f"{getattr(model, 'source', None) or 'the model'}")
+        super().__init__(
+            f"model produced non-finite logits at new token {token}; weights may be NaN: "
+            f"{getattr(model, 'source', None) or 'the model'}"
+        )
 
 
 def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
@@ -77,19 +83,26 @@ def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
     return values[:-1], bool(values[-1])
 
 
-def _choose_group(logits: Tensor, config: GenerationConfig, generators: list[torch.Generator],
-                  seen: Tensor) -> tuple[list[int], list | None, list[bool]]:
+def _choose_group(
+    logits: Tensor, config: GenerationConfig, generators: list[torch.Generator], seen: Tensor
+) -> tuple[list[int], list | None, list[bool]]:
     """Tokens, scores and whether each row's logits were finite, for rows that share a config: sampled from
     finite numbers (a NaN would fail inside the sampler), read in the one host copy the tokens need."""
     chosen = sample(torch.nan_to_num(logits), config, generators, seen)
     scored = None if config.logprobs is None else token_logprobs(logits, chosen, config.logprobs)
     finite = torch.isfinite(logits).all(dim=-1)
     values = torch.cat([chosen.reshape(-1), finite.to(chosen.dtype)]).tolist()
-    return values[:len(finite)], scored, [bool(v) for v in values[len(finite):]]
+    return values[: len(finite)], scored, [bool(v) for v in values[len(finite) :]]
 
 
-def choose(model: RecurrentDepthLM, logits: Tensor, config: GenerationConfig, generators: list[torch.Generator],
-           seen: Tensor, produced: int) -> tuple[list[int], list | None]:
+def choose(
+    model: RecurrentDepthLM,
+    logits: Tensor,
+    config: GenerationConfig,
+    generators: list[torch.Generator],
+    seen: Tensor,
+    produced: int,
+) -> tuple[list[int], list | None]:
     """The next token of each row of `logits` [rows, V] (`sample`) and, with `config.logprobs`, its log p
     and the top k (`token_logprobs`), after `produced` new tokens; NonFiniteLogitsError when a row's logits
     are not finite."""
@@ -99,8 +112,14 @@ def choose(model: RecurrentDepthLM, logits: Tensor, config: GenerationConfig, ge
     return tokens, scored
 
 
-def choose_rows(logits: Tensor, configs: list[GenerationConfig], generators: list[torch.Generator], seen: Tensor,
-                rows: Tensor, upload: Callable[[list], Tensor]) -> list[tuple[int, tuple | None] | None]:
+def choose_rows(
+    logits: Tensor,
+    configs: list[GenerationConfig],
+    generators: list[torch.Generator],
+    seen: Tensor,
+    rows: Tensor,
+    upload: Callable[[list], Tensor],
+) -> list[tuple[int, tuple | None] | None]:
     """The next token (and its scores, or None) of each row j of `logits` [n, V], sampled by `configs[j]`
     with `generators[j]` from the tokens seen at `seen[rows[j]]`: one host read per distinct config. A row
     whose logits are not finite gets None; the others get the tokens they would get alone (each row draws

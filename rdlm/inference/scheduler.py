@@ -31,8 +31,18 @@ from dataclasses import dataclass
 from rdlm.checks import is_int
 from rdlm.inference.events import BatchEvent
 from rdlm.inference.params import Decode, GenerationConfig
-from rdlm.inference.plan import (Admission, ChunkSpec, Chosen, Coda, EngineSettings, Iterating, RoundSpec, Start,
-                                 StepOutput, StepPlan)
+from rdlm.inference.plan import (
+    Admission,
+    ChunkSpec,
+    Chosen,
+    Coda,
+    EngineSettings,
+    Iterating,
+    RoundSpec,
+    Start,
+    StepOutput,
+    StepPlan,
+)
 from rdlm.inference.request import Request, Status
 
 
@@ -44,6 +54,7 @@ def in_rounds(config: GenerationConfig) -> bool:
 @dataclass
 class Chunk:
     """A prompt chunk in flight as the scheduler counts it (its tensors are the runner's)."""
+
     spec: ChunkSpec
     requests: list[Request]
     iteration: int = 0
@@ -61,16 +72,16 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = [None] * settings.max_batch
         self.cancelled: set[int] = set()
-        self.chunks: list[Chunk] = []        # prompts being prefilled, in the order their iterations run
+        self.chunks: list[Chunk] = []  # prompts being prefilled, in the order their iterations run
         self.chunk_ids = itertools.count()
-        self.steps_run = 0                    # steps run: the clock of the waits for a coda
-        self.since_look = 0                   # steps since the host last read the exit flags
-        self.failures: list[tuple[int, Exception]] = []   # requests that failed alone, for the engine's caller
-        self.drafted = self.accepted = 0      # self-speculative decoding's drafts, in all
-        self._wipe: list[int] = []            # rows freed by a failure since the last plan
-        self._gone: list[int] = []            # requests that left since the last plan
-        self._next_chunks: list[ChunkSpec] = []   # chunks begun after others ended, for the next plan
-        self._plan: StepPlan | None = None    # the plan being carried out
+        self.steps_run = 0  # steps run: the clock of the waits for a coda
+        self.since_look = 0  # steps since the host last read the exit flags
+        self.failures: list[tuple[int, Exception]] = []  # requests that failed alone, for the engine's caller
+        self.drafted = self.accepted = 0  # self-speculative decoding's drafts, in all
+        self._wipe: list[int] = []  # rows freed by a failure since the last plan
+        self._gone: list[int] = []  # requests that left since the last plan
+        self._next_chunks: list[ChunkSpec] = []  # chunks begun after others ended, for the next plan
+        self._plan: StepPlan | None = None  # the plan being carried out
 
     # ---- requests
 
@@ -129,8 +140,7 @@ class Scheduler:
         round_specs = tuple(RoundSpec(q.id, q.row, q.next_token, q.length) for q in rounds)
         common = dict(wipe=wipe, dropped=gone, admitted=admitted, chunks=chunks, starts=starts, rounds=round_specs)
         if starting and not rounds and self.in_lockstep(starting, bool(self.chunks)):
-            plan = StepPlan(**common, iterating=self._iterating(starting), lockstep=True,
-                            iterations=starting[0].cap)
+            plan = StepPlan(**common, iterating=self._iterating(starting), lockstep=True, iterations=starting[0].cap)
         else:
             plan = self._plan_iterations(common)
         self._plan = plan
@@ -140,8 +150,11 @@ class Scheduler:
         """A step that runs the iterating rows' next iteration(s) and the prompts' share of iterations."""
         s = self.settings
         iterating = self.with_status(Status.ITERATING)
-        peek = self.since_look > 0 and not s.rides_along and any(
-            q.criterion is not None and not q.criterion.spec.exact for q in iterating)
+        peek = (
+            self.since_look > 0
+            and not s.rides_along
+            and any(q.criterion is not None and not q.criterion.spec.exact for q in iterating)
+        )
         n = self.fusable(iterating, bool(self.chunks)) if iterating and not peek else 1
         share = alone = 0
         if self.chunks:
@@ -149,11 +162,18 @@ class Scheduler:
             fewest_left = min(c.left for c in self.chunks)
             share = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=True)
             alone = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=False)
-        return StepPlan(**common, iterating=self._iterating(iterating), iterations=n, peek=peek,
-                        since_look=self.since_look > 0, prompts=tuple(c.spec.chunk for c in self.chunks),
-                        prompt_iterations=share if iterating else alone, prompt_iterations_alone=alone,
-                        look_due=bool(iterating) and self.since_look + 1 >= s.exit_sync_every,
-                        coda=self._coda_rule(iterating, n))
+        return StepPlan(
+            **common,
+            iterating=self._iterating(iterating),
+            iterations=n,
+            peek=peek,
+            since_look=self.since_look > 0,
+            prompts=tuple(c.spec.chunk for c in self.chunks),
+            prompt_iterations=share if iterating else alone,
+            prompt_iterations_alone=alone,
+            look_due=bool(iterating) and self.since_look + 1 >= s.exit_sync_every,
+            coda=self._coda_rule(iterating, n),
+        )
 
     def _iterating(self, requests: list[Request]) -> tuple[Iterating, ...]:
         return tuple(Iterating(q.id, q.row, q.length, q.iteration, q.cap) for q in requests)
@@ -163,7 +183,7 @@ class Scheduler:
         `coda_every` - 1 steps, or half the decoding rows wait, or no other row can be done before then (a
         row with an exit criterion may exit any time; one without ends at its cap)."""
         waiting = self.with_status(Status.AWAITING_CODA)
-        now = self.steps_run + 1                 # the clock once this step ran
+        now = self.steps_run + 1  # the clock once this step ran
         first = min((q.stopped_at for q in waiting), default=now)
         wait = self.settings.coda_every - 1 - (now - first)
         decoding = sum(q.status is not Status.PREFILLING for q in self.active)
@@ -187,15 +207,22 @@ class Scheduler:
                 self.free(q)
         for chunk in list(self.chunks):
             keep = [j for j, q in enumerate(chunk.requests) if q.id not in dropped]
-            if len(keep) < len(chunk.requests):   # the runner drops them from its chunk, which goes last
+            if len(keep) < len(chunk.requests):  # the runner drops them from its chunk, which goes last
                 self.chunks.remove(chunk)
                 if keep:
                     spec = chunk.spec
-                    chunk.spec = ChunkSpec(spec.chunk, tuple(spec.requests[j] for j in keep), spec.start,
-                                           tuple(spec.lengths[j] for j in keep), spec.cap, spec.budget, spec.n)
+                    chunk.spec = ChunkSpec(
+                        spec.chunk,
+                        tuple(spec.requests[j] for j in keep),
+                        spec.start,
+                        tuple(spec.lengths[j] for j in keep),
+                        spec.cap,
+                        spec.budget,
+                        spec.n,
+                    )
                     chunk.requests = [chunk.requests[j] for j in keep]
                     self.chunks.append(chunk)
-        pending = {spec.chunk for spec in self._next_chunks}   # not begun by the runner yet: begun as they are now
+        pending = {spec.chunk for spec in self._next_chunks}  # not begun by the runner yet: begun as they are now
         self._next_chunks = [c.spec for c in self.chunks if c.spec.chunk in pending]
 
     def _admit(self) -> tuple[tuple[Admission, ...], tuple[ChunkSpec, ...]]:
@@ -207,27 +234,29 @@ class Scheduler:
             q.row = self.rows.index(None)
             self.rows[q.row] = q
             if q.config.sampler == "parallel" and not q.config.full_prefill and q.config.max_new_tokens == 0:
-                self.rows[q.row] = None      # nothing to prefill, nothing to decode
+                self.rows[q.row] = None  # nothing to prefill, nothing to decode
                 continue
             positions = self.settings.max_length if in_rounds(q.config) else len(q.prompt) + q.config.max_new_tokens
             admitted.append(Admission(q.id, q.row, tuple(q.prompt), q.config, q.criterion, q.budget, positions))
             if q.config.sampler == "parallel" and not q.config.full_prefill:
-                q.status = Status.STARTING   # its first wave is the prompt (rdlm.inference.parallel)
+                q.status = Status.STARTING  # its first wave is the prompt (rdlm.inference.parallel)
                 continue
             q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
             groups.setdefault((q.cap, q.budget), []).append(q)
-        return tuple(admitted), tuple(self._begin_chunk(group, 0, cap, budget)
-                                      for (cap, budget), group in groups.items())
+        return tuple(admitted), tuple(
+            self._begin_chunk(group, 0, cap, budget) for (cap, budget), group in groups.items()
+        )
 
     def _begin_chunk(self, requests: list[Request], start: int, cap: int, budget: int) -> ChunkSpec:
         """The requests' next chunk of prompt: at most `prefill_chunk` tokens each, or the whole rest when they
         cycle through fewer cache slots than the prefill runs iterations (a later chunk reads the earlier
         chunks' keys of the same iteration)."""
         whole = budget < cap
-        lengths = tuple(len(q.prompt) - start if whole else min(len(q.prompt) - start, self.settings.prefill_chunk)
-                        for q in requests)
-        spec = ChunkSpec(next(self.chunk_ids), tuple(q.id for q in requests), start, lengths, cap, budget,
-                         max(lengths))
+        lengths = tuple(
+            len(q.prompt) - start if whole else min(len(q.prompt) - start, self.settings.prefill_chunk)
+            for q in requests
+        )
+        spec = ChunkSpec(next(self.chunk_ids), tuple(q.id for q in requests), start, lengths, cap, budget, max(lengths))
         self.chunks.append(Chunk(spec, list(requests)))
         return spec
 
@@ -240,7 +269,7 @@ class Scheduler:
             q.iteration, q.status = 0, Status.ITERATING
             q.cap = q.config.depth_cap(len(q.tokens), q.spent)
             values = {"cap": q.cap, "min_steps": q.config.min_steps, "budget": q.budget}
-            wrong = [f"{name} = {v}" for name, v in values.items() if not is_int(v, -2**63, 2**63)]
+            wrong = [f"{name} = {v}" for name, v in values.items() if not is_int(v, -(2**63), 2**63)]
             if wrong:
                 self.fail(q, OverflowError(f"{', '.join(wrong)} does not fit the engine's rows (a 64-bit integer)"))
             else:
@@ -258,16 +287,24 @@ class Scheduler:
             return (q.config.num_steps, q.criterion, q.config.min_steps, q.config.exit_every, q.budget, q.cap)
 
         first = starting[0]
-        return (not first.config.has_depth_budget and first.cap == first.config.num_steps
-                and all(depth(q) == depth(first) for q in starting[1:]))
+        return (
+            not first.config.has_depth_budget
+            and first.cap == first.config.num_steps
+            and all(depth(q) == depth(first) for q in starting[1:])
+        )
 
     def fusable(self, requests: list[Request], prompts_in_flight: bool) -> int:
         """How many core iterations the next step may run at once (1: the usual one). With the static step,
         when nothing can change between iterations but the iteration counts (no row with an exit criterion,
         no prompt in flight or able to join, no row waiting for its coda), the largest power of two that
         no row's cap cuts short."""
-        if (not self.settings.static or prompts_in_flight or (self.waiting and None in self.rows)
-                or any(q.criterion is not None for q in requests) or len(requests) < self.running):
+        if (
+            not self.settings.static
+            or prompts_in_flight
+            or (self.waiting and None in self.rows)
+            or any(q.criterion is not None for q in requests)
+            or len(requests) < self.running
+        ):
             return 1
         left = min(q.cap - q.iteration for q in requests)
         return 1 << (left.bit_length() - 1) if left > 1 else 1
@@ -366,7 +403,7 @@ class Scheduler:
             return False
         q.tokens.append(c.token)
         q.spent += c.iterations
-        try:   # the request's own stop strings, decoded with the engine's tokenizer
+        try:  # the request's own stop strings, decoded with the engine's tokenizer
             reason = q.config.finish_reason(q.tokens, q.spent, self.decode)
         except Exception as err:  # noqa: BLE001 (whatever it is, it is this request's alone)
             self.fail(q, err)
@@ -375,6 +412,7 @@ class Scheduler:
             self.free(q)
         else:
             q.next_token, q.status = c.token, Status.STARTING
-        events.append(BatchEvent(q.id, c.token, c.iterations, reason, *((None, None) if c.scored is None
-                                                                        else c.scored)))
+        events.append(
+            BatchEvent(q.id, c.token, c.iterations, reason, *((None, None) if c.scored is None else c.scored))
+        )
         return reason is None

@@ -32,9 +32,18 @@ class Sequences:
     min_steps: a learned exit gate that picks each token's read-out iteration (an Ouro checkpoint), else
     None."""
 
-    def __init__(self, model: RecurrentDepthLM, prompts: list[list[int]], new_tokens: int, num_slots: int,
-                 strategy: str, seed: int, init_scale: float, criterion: ExitCriterion | None = None,
-                 min_steps: int = 0) -> None:
+    def __init__(
+        self,
+        model: RecurrentDepthLM,
+        prompts: list[list[int]],
+        new_tokens: int,
+        num_slots: int,
+        strategy: str,
+        seed: int,
+        init_scale: float,
+        criterion: ExitCriterion | None = None,
+        min_steps: int = 0,
+    ) -> None:
         check_prompts(model, prompts)
         self.model, self.criterion, self.min_steps = model, criterion, min_steps
         param = next(model.parameters())
@@ -48,7 +57,7 @@ class Sequences:
         self.cache = self.runner.cache
         self.ids = torch.zeros(self.batch, self.prompt_length, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
-            self.ids[b, self.prompt_length - len(p):] = torch.tensor(p, device=self.device)
+            self.ids[b, self.prompt_length - len(p) :] = torch.tensor(p, device=self.device)
         self.length = 0  # buffer entries written so far
 
     # ---- block calls (prompt, drafts, verification): eager, over slices of the cache

@@ -41,8 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rdlm.data.tokenizer import Tokenizer, TokenizerError
-from rdlm.inference.openai_api import (APIError, ChatRequest, Completion, CompletionRequest, Options,
-                                       generation_config)
+from rdlm.inference.openai_api import APIError, ChatRequest, Completion, CompletionRequest, Options, generation_config
 from rdlm.inference.serve_http import Guard, install_error_handlers
 from rdlm.inference.serve_worker import Metrics, ServeConfig, Ticket, Worker
 from rdlm.inference.params import GenerationConfig
@@ -55,6 +54,7 @@ UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|function-.*")  
 
 # --------------------------------------------------------------------------------------------------
 # The app
+
 
 class OpenAIServer:
     """OpenAI's endpoints over the worker's batch: a request body becomes a prompt and a `GenerationConfig`
@@ -91,13 +91,19 @@ class OpenAIServer:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "rdlm"}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "rdlm"}],
+        }
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server has {self.config.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server has {self.config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     # ---- the completion endpoints
 
@@ -123,8 +129,11 @@ class OpenAIServer:
         self.check_model(body.model)
         tok = self.tokenizer
         if not tok.has_chat:
-            raise APIError(400, "this model's tokenizer has no chat format (it was not made for chats): "
-                                "use /v1/completions", param="messages")
+            raise APIError(
+                400,
+                "this model's tokenizer has no chat format (it was not made for chats): use /v1/completions",
+                param="messages",
+            )
         ids = await self.encode(tok.apply_chat_template, [m.model_dump() for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         gen = generation_config(body, self.config.defaults, (tok.end_turn_id, tok.eos_id), max_tokens)
@@ -140,8 +149,12 @@ class OpenAIServer:
 
     async def respond(self, request: Request, body: Options, prompt: list[int], gen: GenerationConfig, chat: bool):
         if gen.max_steps > self.config.max_num_steps:
-            raise APIError(400, f"num_steps {gen.max_steps} is above this server's limit of "
-                                f"{self.config.max_num_steps} core iterations per token", param="num_steps")
+            raise APIError(
+                400,
+                f"num_steps {gen.max_steps} is above this server's limit of "
+                f"{self.config.max_num_steps} core iterations per token",
+                param="num_steps",
+            )
         started = await self.start(prompt, gen, body.n)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         name = self.config.model_name
@@ -151,23 +164,46 @@ class OpenAIServer:
 
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self.stream(request.url.path, head, prompt, *started[0], chat, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self.stream(request.url.path, head, prompt, *started[0], chat, include_usage),
+                media_type="text/event-stream",
+            )
         await self.collect(request, started)
         completions = [c for _, c in started]
         if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": c.logprobs(chat), "finish_reason": c.finish_reason}
-                       for i, c in enumerate(completions)]
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": c.logprobs(chat),
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(completions)
+            ]
         else:
-            choices = [{"index": i, "text": c.text, "logprobs": c.logprobs(chat),
-                        "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
+            choices = [
+                {"index": i, "text": c.text, "logprobs": c.logprobs(chat), "finish_reason": c.finish_reason}
+                for i, c in enumerate(completions)
+            ]
         self.metrics.count(request.url.path, 200)
-        return JSONResponse({**head("chat.completion" if chat else "text_completion"), "choices": choices,
-                             "usage": usage(prompt, completions)})
+        return JSONResponse(
+            {
+                **head("chat.completion" if chat else "text_completion"),
+                "choices": choices,
+                "usage": usage(prompt, completions),
+            }
+        )
 
-    async def stream(self, endpoint: str, head: Callable[[str], dict], prompt: list[int], ticket: Ticket,
-                     completion: Completion, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(
+        self,
+        endpoint: str,
+        head: Callable[[str], dict],
+        prompt: list[int],
+        ticket: Ticket,
+        completion: Completion,
+        chat: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         """One completion as server-sent events: a chunk per new piece of text (chat: a first one with the
         role), the usage when asked for, then [DONE]; an error mid-stream as an error event."""
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -251,8 +287,12 @@ class OpenAIServer:
 def error(item: tuple) -> APIError:
     """The APIError of a ticket's ("error", status, message)."""
     _, status, message = item
-    return APIError(status, message, kind="invalid_request_error" if status == 400 else "server_error",
-                    code="shutting_down" if status == 503 else None)
+    return APIError(
+        status,
+        message,
+        kind="invalid_request_error" if status == 400 else "server_error",
+        code="shutting_down" if status == 503 else None,
+    )
 
 
 async def disconnected(request: Request) -> None:
@@ -264,8 +304,13 @@ async def disconnected(request: Request) -> None:
 def usage(prompt: list[int], completions: list[Completion]) -> dict:
     out = sum(len(c.events) for c in completions)
     spent = sum(c.steps for c in completions)
-    return {"prompt_tokens": len(prompt), "completion_tokens": out, "total_tokens": len(prompt) + out,
-            "latent_iterations": spent, "mean_latent_iterations": spent / out if out else 0.0}
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": out,
+        "total_tokens": len(prompt) + out,
+        "latent_iterations": spent,
+        "mean_latent_iterations": spent / out if out else 0.0,
+    }
 
 
 def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig | None = None) -> FastAPI:
@@ -282,8 +327,13 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
 
     app = FastAPI(title="rdlm", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
-    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes,
-                       body_timeout=config.body_timeout, count=metrics.count)
+    app.add_middleware(
+        Guard,
+        api_key=config.api_key,
+        max_bytes=config.max_request_bytes,
+        body_timeout=config.body_timeout,
+        count=metrics.count,
+    )
     app.add_exception_handler(APIError, server.api_error)
     app.add_exception_handler(RequestValidationError, server.invalid)
     install_error_handlers(app, metrics.count)

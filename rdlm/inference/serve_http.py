@@ -31,7 +31,7 @@ log = logging.getLogger("rdlm.serve")
 
 # Answered without the API key: the liveness probe and the Prometheus scrape.
 OPEN_PATHS = ("/health", "/metrics")
-MAX_TARGET_BYTES = 8192   # a request's path and query (longer: 414; the request line is bounded by h11's buffer)
+MAX_TARGET_BYTES = 8192  # a request's path and query (longer: 414; the request line is bounded by h11's buffer)
 
 
 class Guard:
@@ -44,8 +44,14 @@ class Guard:
     that has not arrived `body_timeout` seconds after the headers (408). `count(path, status)` counts each
     refusal on /metrics."""
 
-    def __init__(self, app, api_key: str | None, max_bytes: int, body_timeout: float,
-                 count: Callable[[str, int], None] = lambda path, status: None) -> None:
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_bytes: int,
+        body_timeout: float,
+        count: Callable[[str, int], None] = lambda path, status: None,
+    ) -> None:
         self.app, self.api_key, self.max_bytes, self.body_timeout = app, api_key, max_bytes, body_timeout
         self.count = count
 
@@ -59,27 +65,41 @@ class Guard:
         names = [name for name, _ in scope.get("headers") or ()]
         close = {"Connection": "close"}
         if b"content-length" in names and b"transfer-encoding" in names:
-            return APIError(400, "a request may not have both Content-Length and Transfer-Encoding",
-                            code="ambiguous_body_length", headers=close)
+            return APIError(
+                400,
+                "a request may not have both Content-Length and Transfer-Encoding",
+                code="ambiguous_body_length",
+                headers=close,
+            )
         target = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b""))
         if target > MAX_TARGET_BYTES:
-            return APIError(414, f"the request's path and query exceed {MAX_TARGET_BYTES} bytes",
-                            code="uri_too_long", headers=close)
+            return APIError(
+                414, f"the request's path and query exceed {MAX_TARGET_BYTES} bytes", code="uri_too_long", headers=close
+            )
         if names.count(b"authorization") > 1:
             return APIError(400, "a request may have one Authorization header", code="duplicate_authorization")
         headers = dict(scope.get("headers") or ())
-        if (self.api_key is not None and scope["path"] not in OPEN_PATHS
-                and not self.authorized(headers.get(b"authorization", b""))):
-            return APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
-                            code="invalid_api_key", kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+        if (
+            self.api_key is not None
+            and scope["path"] not in OPEN_PATHS
+            and not self.authorized(headers.get(b"authorization", b""))
+        ):
+            return APIError(
+                401,
+                "a valid API key is required (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+                kind="authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return self.too_large()
         return None
 
     def too_large(self) -> APIError:
-        return APIError(413, f"the request body exceeds the server's limit of {self.max_bytes} bytes",
-                        code="request_too_large")
+        return APIError(
+            413, f"the request body exceeds the server's limit of {self.max_bytes} bytes", code="request_too_large"
+        )
 
     async def refuse(self, error: APIError, scope, receive, send) -> None:
         self.count(scope["path"], error.status)
@@ -100,8 +120,12 @@ class Guard:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
             except asyncio.TimeoutError:
-                late = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
-                                code="request_timeout", headers={"Connection": "close"})
+                late = APIError(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout:g} s",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                )
                 return await self.refuse(late, scope, receive, send)
             if message["type"] != "http.request":  # the client went away
                 return
@@ -127,7 +151,7 @@ class HeaderDeadline(H11Protocol):
     previous response, is closed (uvicorn's own keep-alive timeout covers a connection that sends nothing
     after a response)."""
 
-    timeout = 10.0   # set on a subclass per server (`uvicorn_server`), as is `count`
+    timeout = 10.0  # set on a subclass per server (`uvicorn_server`), as is `count`
     count: Callable[[str, int], None] = staticmethod(lambda path, status: None)
     _due: asyncio.TimerHandle | None = None
 
@@ -156,7 +180,7 @@ class HeaderDeadline(H11Protocol):
         if self._between_requests():
             self._arm()
         super().data_received(data)
-        if not self._between_requests():   # the headers are in: the request is the app's (and the Guard's)
+        if not self._between_requests():  # the headers are in: the request is the app's (and the Guard's)
             self._disarm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -167,18 +191,31 @@ class HeaderDeadline(H11Protocol):
         """What h11 cannot parse (a request line or header that is not HTTP/1.1, a NUL in a header, a bad
         Content-Length or chunk size, a TLS handshake on this plain port), as OpenAI's error object where a
         response can still be sent (uvicorn's own is plain text); the connection then closes."""
-        body = json.dumps(APIError(400, "the request is not valid HTTP/1.1: its request line, a header, its "
-                                        "Content-Length or a chunk size cannot be parsed",
-                                   code="invalid_http").body()).encode()
+        body = json.dumps(
+            APIError(
+                400,
+                "the request is not valid HTTP/1.1: its request line, a header, its "
+                "Content-Length or a chunk size cannot be parsed",
+                code="invalid_http",
+            ).body()
+        ).encode()
         try:
-            for event in (h11.Response(status_code=400, headers=[(b"content-type", b"application/json"),
-                                                                 (b"content-length", str(len(body)).encode()),
-                                                                 (b"connection", b"close")]),
-                          h11.Data(data=body), h11.EndOfMessage()):
+            for event in (
+                h11.Response(
+                    status_code=400,
+                    headers=[
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"connection", b"close"),
+                    ],
+                ),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
                 self.transport.write(self.conn.send(event))
-        except h11.LocalProtocolError:   # a response had begun: nothing more can be said on this connection
+        except h11.LocalProtocolError:  # a response had begun: nothing more can be said on this connection
             pass
-        self.count("", 400)   # under "unmatched": no path was read
+        self.count("", 400)  # under "unmatched": no path was read
         self.transport.close()
 
 
@@ -202,21 +239,23 @@ class Server(uvicorn.Server):
         while self.worker.pending and loop.time() < end and not self.force_exit:
             await asyncio.sleep(0.05)
         if self.worker.pending:
-            log.warning("shutdown: %d request(s) still running at the deadline end with an error",
-                        self.worker.pending)
+            log.warning("shutdown: %d request(s) still running at the deadline end with an error", self.worker.pending)
             self.worker.abort("the server is shutting down")
             if grace is not None:
                 self.config.timeout_graceful_shutdown = 1.0 if grace >= 1 else grace
         await super().shutdown(sockets)
 
 
-def uvicorn_server(app: FastAPI, host: str, port: int, header_timeout: float,
-                   shutdown_timeout: float | None = 10.0, **options) -> Server:
+def uvicorn_server(
+    app: FastAPI, host: str, port: int, header_timeout: float, shutdown_timeout: float | None = 10.0, **options
+) -> Server:
     """The server `rdlm serve` runs `app` with: HeaderDeadline's deadline, Server's shutdown."""
-    protocol = type("HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout,
-                                                          "count": staticmethod(app.state.metrics.count)})
-    config = uvicorn.Config(app, host=host, port=port, http=protocol, timeout_graceful_shutdown=shutdown_timeout,
-                            **options)
+    protocol = type(
+        "HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout, "count": staticmethod(app.state.metrics.count)}
+    )
+    config = uvicorn.Config(
+        app, host=host, port=port, http=protocol, timeout_graceful_shutdown=shutdown_timeout, **options
+    )
     return Server(config, app.state.worker)
 
 
@@ -228,16 +267,19 @@ def install_error_handlers(app: FastAPI, count) -> None:
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
         path, method = request.url.path, request.method
         message = {404: f"there is no endpoint {path}", 405: f"{path} does not take {method}"}.get(
-            err.status_code, f"{err.detail}" if err.status_code != 400 else f"the body cannot be read: {err.detail}")
+            err.status_code, f"{err.detail}" if err.status_code != 400 else f"the body cannot be read: {err.detail}"
+        )
         count(path, str(err.status_code))
-        return APIError(err.status_code, message, kind="invalid_request_error",
-                        headers=getattr(err, "headers", None)).response()
+        return APIError(
+            err.status_code, message, kind="invalid_request_error", headers=getattr(err, "headers", None)
+        ).response()
 
     async def crash(request: Request, err: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=err)
         count(request.url.path, "500")
-        return APIError(500, f"the server failed on this request ({type(err).__name__})",
-                        kind="server_error").response()
+        return APIError(
+            500, f"the server failed on this request ({type(err).__name__})", kind="server_error"
+        ).response()
 
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, crash)

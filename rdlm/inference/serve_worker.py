@@ -26,31 +26,33 @@ log = logging.getLogger("rdlm.serve")
 @dataclass(frozen=True)
 class ServeConfig:
     model_name: str = "rdlm"
-    max_batch: int = 8                  # rows decoded together
-    max_queue: int = 64                 # requests waiting for a row before the server answers 503
-    max_length: int | None = None       # tokens per row (prompt + completion); default: the model's context
-    num_slots: int = 32                 # core cache slots per token: the largest r without a cache budget
-    prefill_chunk: int = 256            # prompt token-iterations per step (and the longest chunk of a prompt)
-    coda_every: int = 8                 # steps a done row may wait for others to run the coda with
-    exit_sync_every: int = 4            # steps between the batch's looks at the exit flags (rows found done
-                                        # then leave its calls: rdlm.inference.batching)
+    max_batch: int = 8  # rows decoded together
+    max_queue: int = 64  # requests waiting for a row before the server answers 503
+    max_length: int | None = None  # tokens per row (prompt + completion); default: the model's context
+    num_slots: int = 32  # core cache slots per token: the largest r without a cache budget
+    prefill_chunk: int = 256  # prompt token-iterations per step (and the longest chunk of a prompt)
+    coda_every: int = 8  # steps a done row may wait for others to run the coda with
+    exit_sync_every: int = 4  # steps between the batch's looks at the exit flags (rows found done
+    # then leave its calls: rdlm.inference.batching)
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
-    retry_after: int = 1                # seconds, in the Retry-After of a 503
-    api_key: str | None = None          # when set, /v1/ requests need "Authorization: Bearer <api_key>"
-    max_request_bytes: int = 1 << 20    # larger request bodies are answered 413 before they are parsed
-    max_num_steps: int = 256            # the most core iterations per token a request may ask for
-    header_timeout: float = 10.0        # seconds a connection may take to send a request's headers
-    body_timeout: float = 30.0          # seconds a request may take to send its body after its headers
-    profile: bool = False               # time each phase of the batch's steps (/metrics: rdlm_batch_phase_seconds)
-    compile: bool | None = None         # the batch's static core step (None: on with CUDA; rdlm.inference.batching)
+    retry_after: int = 1  # seconds, in the Retry-After of a 503
+    api_key: str | None = None  # when set, /v1/ requests need "Authorization: Bearer <api_key>"
+    max_request_bytes: int = 1 << 20  # larger request bodies are answered 413 before they are parsed
+    max_num_steps: int = 256  # the most core iterations per token a request may ask for
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's headers
+    body_timeout: float = 30.0  # seconds a request may take to send its body after its headers
+    profile: bool = False  # time each phase of the batch's steps (/metrics: rdlm_batch_phase_seconds)
+    compile: bool | None = None  # the batch's static core step (None: on with CUDA; rdlm.inference.batching)
 
 
 # --------------------------------------------------------------------------------------------------
 # The worker thread: the only place that touches the model.
 
+
 @dataclass
 class Ticket:
     """One row's worth of a request: where its tokens go."""
+
     prompt: list[int]
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
@@ -65,24 +67,45 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.routes: frozenset[str] = frozenset()   # the app's paths (create_app sets them)
+        self.routes: frozenset[str] = frozenset()  # the app's paths (create_app sets them)
         r = self.registry
-        ProcessCollector(registry=r)   # process_resident_memory_bytes, process_open_fds, ... (Linux)
-        self.requests = Counter("rdlm_requests", "HTTP requests by endpoint (a route's path, or unmatched) and "
-                                "status", ["endpoint", "status"], registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ... (Linux)
+        self.requests = Counter(
+            "rdlm_requests",
+            "HTTP requests by endpoint (a route's path, or unmatched) and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("rdlm_prompt_tokens", "prompt tokens admitted", registry=r)
         self.tokens = Counter("rdlm_generated_tokens", "tokens generated", registry=r)
-        self.exits = Counter("rdlm_early_exits", "tokens whose iterations stopped before r (adaptive exits)", registry=r)
+        self.exits = Counter(
+            "rdlm_early_exits", "tokens whose iterations stopped before r (adaptive exits)", registry=r
+        )
         self.queue = Gauge("rdlm_queue_length", "requests waiting for a row", registry=r)
         self.batch = Gauge("rdlm_batch_size", "rows being decoded", registry=r)
-        self.iterations = Histogram("rdlm_iterations_per_token", "core iterations per generated token",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.step_seconds = Counter("rdlm_batch_step_seconds", "seconds the batch spent in its steps "
-                                    "(the rest of the server's time: idle, or HTTP)", registry=r)
-        self.phase_seconds = Counter("rdlm_batch_phase_seconds", "seconds per phase of the batch's steps "
-                                     "(rdlm serve --profile)", ["phase"], registry=r)
-        self.ttft = Histogram("rdlm_time_to_first_token_seconds", "from submission to the first token",
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.iterations = Histogram(
+            "rdlm_iterations_per_token",
+            "core iterations per generated token",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.step_seconds = Counter(
+            "rdlm_batch_step_seconds",
+            "seconds the batch spent in its steps (the rest of the server's time: idle, or HTTP)",
+            registry=r,
+        )
+        self.phase_seconds = Counter(
+            "rdlm_batch_phase_seconds",
+            "seconds per phase of the batch's steps (rdlm serve --profile)",
+            ["phase"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "rdlm_time_to_first_token_seconds",
+            "from submission to the first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
 
     def count(self, path: str, status: int | str) -> None:
         """One answered request: its endpoint (the route's path, or "unmatched") and status."""
@@ -101,17 +124,26 @@ class Worker:
         self.batch = self._new_batch()
         self.inbox: queue.Queue = queue.Queue()
         self.tickets: dict[int, Ticket] = {}
-        self.pending = 0                       # submitted and not finished (inbox, waiting, running)
+        self.pending = 0  # submitted and not finished (inbox, waiting, running)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
-        self.closing = False                   # shutting down: new requests are refused
+        self.closing = False  # shutting down: new requests are refused
         self.thread = threading.Thread(target=self.run, name="rdlm-batch", daemon=True)
 
     def _new_batch(self) -> ContinuousBatch:
         c = self.config
-        return ContinuousBatch(self.model, c.max_batch, c.max_length, c.num_slots, decode=self.decode,
-                               exit_sync_every=c.exit_sync_every, prefill_chunk=c.prefill_chunk,
-                               coda_every=c.coda_every, profile=c.profile, compile=c.compile)
+        return ContinuousBatch(
+            self.model,
+            c.max_batch,
+            c.max_length,
+            c.num_slots,
+            decode=self.decode,
+            exit_sync_every=c.exit_sync_every,
+            prefill_chunk=c.prefill_chunk,
+            coda_every=c.coda_every,
+            profile=c.profile,
+            compile=c.compile,
+        )
 
     def start(self) -> None:
         self.thread.start()
@@ -126,11 +158,17 @@ class Worker:
         retry = {"Retry-After": str(self.config.retry_after)}
         with self.lock:
             if self.closing:
-                raise APIError(503, "the server is shutting down", code="shutting_down", kind="server_error",
-                               headers=retry)
+                raise APIError(
+                    503, "the server is shutting down", code="shutting_down", kind="server_error", headers=retry
+                )
             if self.pending + len(tickets) > self.config.max_batch + self.config.max_queue:
-                raise APIError(503, f"the server is at capacity ({self.pending} requests in flight); retry later",
-                               code="overloaded", kind="server_error", headers=retry)
+                raise APIError(
+                    503,
+                    f"the server is at capacity ({self.pending} requests in flight); retry later",
+                    code="overloaded",
+                    kind="server_error",
+                    headers=retry,
+                )
             self.pending += len(tickets)
         for ticket in tickets:
             self.inbox.put(("add", ticket))
@@ -160,7 +198,7 @@ class Worker:
                     self._deliver(events)
                     for phase, seconds in self.batch.take_timings().items():
                         self.metrics.phase_seconds.labels(phase).inc(seconds)
-                for request, err in self.batch.take_failures():   # failed alone: the others go on
+                for request, err in self.batch.take_failures():  # failed alone: the others go on
                     log.error("request %d failed", request, exc_info=err)
                     self._end(request, 500, f"generation failed: {err}")
             except Exception as err:  # noqa: BLE001 (the step itself failed: nothing can tell whose fault it is;
@@ -168,7 +206,7 @@ class Worker:
                 log.exception("the batch's step failed: its %d request(s) fail", len(self.tickets))
                 self._end_all(500, f"generation failed: {err}")
                 self.batch = self._new_batch()
-            self._gauges()   # after every step, a failed one included, and every admission or cancel
+            self._gauges()  # after every step, a failed one included, and every admission or cancel
         self._end_all(503, "the server is shutting down")
         self._gauges()
 
@@ -199,7 +237,7 @@ class Worker:
                 return
             command, ticket = item
             if command == "abort":
-                self._end_all(503, item[1])   # ("abort", message)
+                self._end_all(503, item[1])  # ("abort", message)
             elif command == "add":
                 try:
                     ticket.request_id = self.batch.add(ticket.prompt, ticket.config)

@@ -43,8 +43,9 @@ def speculate(runner: ModelRunner, request: RowState) -> tuple[list[int], int, i
     drafts = fed[1:]
     # Verify: iterations N..M-1 for all L drafted positions at once.
     call = runner.block(start, length, row=row)
-    state = runner.iterate(torch.cat(states, dim=1), torch.cat(embedded, dim=1), call,
-                           range(c.draft_steps, c.num_steps))
+    state = runner.iterate(
+        torch.cat(states, dim=1), torch.cat(embedded, dim=1), call, range(c.draft_steps, c.num_steps)
+    )
     logits = runner.readout(state, call)[0]
     verified, finite = read_tokens(logits.argmax(dim=-1), logits)
     if not finite:
@@ -54,4 +55,4 @@ def speculate(runner: ModelRunner, request: RowState) -> tuple[list[int], int, i
         accepted += 1
     processed = min(accepted + 1, length)  # positions whose cache entries are now final
     runner.rewind(start + processed, row)
-    return drafts[:processed - 1] + [verified[processed - 1]], length, accepted
+    return drafts[: processed - 1] + [verified[processed - 1]], length, accepted

@@ -23,6 +23,7 @@ class RowTensors:
     iterations run, cap and min_steps, whether it stopped iterating (exited or at its cap: frozen until the
     host looks), the tokens its request has seen [b, V] (the repetition penalty), its buffer index and core
     cache budget."""
+
     state: Tensor
     embedded: Tensor
     iterations: Tensor
@@ -38,10 +39,17 @@ class RowTensors:
         c, device = runner.model.config, runner.device
         state = torch.zeros(max_batch, 1, c.hidden_size, dtype=runner.dtype, device=device)
         long = dict(dtype=torch.long, device=device)
-        return cls(state, torch.zeros_like(state), torch.zeros(max_batch, **long), torch.zeros(max_batch, **long),
-                   torch.zeros(max_batch, **long), torch.zeros(max_batch, dtype=torch.bool, device=device),
-                   torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=device),
-                   torch.zeros(max_batch, **long), torch.ones(max_batch, **long))
+        return cls(
+            state,
+            torch.zeros_like(state),
+            torch.zeros(max_batch, **long),
+            torch.zeros(max_batch, **long),
+            torch.zeros(max_batch, **long),
+            torch.zeros(max_batch, dtype=torch.bool, device=device),
+            torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=device),
+            torch.zeros(max_batch, **long),
+            torch.ones(max_batch, **long),
+        )
 
 
 class StaticStep:
@@ -52,8 +60,8 @@ class StaticStep:
         self.runner, self.rows, self.exits, self.max_batch = runner, rows, exits, max_batch
         self.steps = StaticSteps(runner.device, on, shared_pool=True)
         self.decoding = torch.zeros_like(rows.stopped)
-        self._decoding_rows: tuple[int, ...] = ()   # the rows `decoding` marks
-        self.fused_iterations = 0                   # core iterations run several to a call
+        self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
+        self.fused_iterations = 0  # core iterations run several to a call
 
     @property
     def on(self) -> bool:

@@ -57,13 +57,13 @@ class StepRunner:
         self.max_batch = max_batch
         self.runner = ModelRunner(model, max_batch, settings.max_length, settings.num_slots, "full")
         self.device, self.dtype, self.cache = self.runner.device, self.runner.dtype, self.runner.cache
-        self.rows: dict[int, RowState] = {}          # the requests in rows, by request id (the runner's own copy)
-        self.chunks: dict[int, PromptChunk] = {}     # prompts being prefilled, by chunk id
-        self.t = RowTensors.zeros(self.runner, max_batch)   # the rows' tensors
+        self.rows: dict[int, RowState] = {}  # the requests in rows, by request id (the runner's own copy)
+        self.chunks: dict[int, PromptChunk] = {}  # prompts being prefilled, by chunk id
+        self.t = RowTensors.zeros(self.runner, max_batch)  # the rows' tensors
         self.exits = RowExits(self.runner, max_batch, c.vocab_size, self.t.state)  # the criteria's per-row carry
         self.static_step = StaticStep(self.runner, self.t, self.exits, max_batch, settings.static)
         self.lockstep = Lockstep(self.runner, settings.static)
-        self.rounds = Rounds(self.runner)      # the parallel sampler's waves
+        self.rounds = Rounds(self.runner)  # the parallel sampler's waves
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
 
     @property
@@ -116,8 +116,9 @@ class StepRunner:
         for a in admitted:
             generator = torch.Generator(device=self.device).manual_seed(a.config.seed)
             noise = self.runner.noise_table(a.config.seed, a.config.init_scale, a.positions)
-            self.rows[a.request] = RowState(a.request, a.row, list(a.prompt), a.config, a.criterion, a.budget,
-                                            generator, noise)
+            self.rows[a.request] = RowState(
+                a.request, a.row, list(a.prompt), a.config, a.criterion, a.budget, generator, noise
+            )
         for spec in chunks:
             for request in spec.requests if spec.start == 0 else ():
                 row = self.rows[request]
@@ -125,8 +126,14 @@ class StepRunner:
                 self.t.seen[row.row] = False
                 self.t.seen[row.row, self.runner.upload(row.prompt)] = True
         for spec in chunks:
-            self.chunks[spec.chunk] = PromptChunk.begin(self.runner, [self.rows[r] for r in spec.requests],
-                                                        spec.start, list(spec.lengths), spec.cap, spec.budget)
+            self.chunks[spec.chunk] = PromptChunk.begin(
+                self.runner,
+                [self.rows[r] for r in spec.requests],
+                spec.start,
+                list(spec.lengths),
+                spec.cap,
+                spec.budget,
+            )
 
     def _forget(self, request: int) -> None:
         """A request left its row (finished, failed or cancelled): its record, its wave and its place in a prompt
@@ -177,15 +184,19 @@ class StepRunner:
         if fresh:
             at = self.runner.upload([row.row for row in fresh])
             drawn = [None if row.noise is None else row.noise[row.length] for row in fresh]
-            noise = None if all(d is None for d in drawn) else torch.stack(
-                [torch.zeros_like(self.t.state[0, 0]) if d is None else d for d in drawn]).unsqueeze(1)
+            noise = (
+                None
+                if all(d is None for d in drawn)
+                else torch.stack([torch.zeros_like(self.t.state[0, 0]) if d is None else d for d in drawn]).unsqueeze(1)
+            )
             self.t.state[at] = self.runner.start_state(self.t.embedded[at], noise)
         t = self.t
         t.cap[select], t.min_steps[select], t.budget[select] = limits.unbind(1)
         t.write_index[select] = lengths
         self.t.iterations[select], self.t.stopped[select] = 0, False
-        self.exits.reset(select, self.runner.upload([row.criterion is not None and row.criterion.spec.exact
-                                                     for row in rows]))
+        self.exits.reset(
+            select, self.runner.upload([row.criterion is not None and row.criterion.spec.exact for row in rows])
+        )
 
     def _coda(self, requests: list[int], iterations: list[int], lockstep: bool = False) -> list[Chosen]:
         """The coda over the final states of the rows whose token is done (of `requests`, `iterations[j]` run),
@@ -203,8 +214,14 @@ class StepRunner:
     def _choose(self, rows: list[RowState], logits: Tensor, iterations: list[int]) -> list[Chosen]:
         """Each row's next token from its row of logits [n, V] (`choose_rows`), or its failure where they are
         not finite."""
-        chosen = choose_rows(logits, [row.config for row in rows], [row.generator for row in rows], self.t.seen,
-                             self.runner.upload([row.row for row in rows]), self.runner.upload)
+        chosen = choose_rows(
+            logits,
+            [row.config for row in rows],
+            [row.generator for row in rows],
+            self.t.seen,
+            self.runner.upload([row.row for row in rows]),
+            self.runner.upload,
+        )
         out = []
         for row, pick, n in zip(rows, chosen, iterations):
             row.produced += 1
@@ -230,8 +247,7 @@ class StepRunner:
                 last.append(j * chunk.n + length - 1)  # the prompt's last token, in the chunk's [g * n]
             if ended:
                 index = self.runner.upload(last)
-                self.t.state[self.runner.upload([row.row for row in ended])] = \
-                    state.flatten(0, 1)[index].unsqueeze(1)
+                self.t.state[self.runner.upload([row.row for row in ended])] = state.flatten(0, 1)[index].unsqueeze(1)
                 choosing = [j for j, row in enumerate(ended) if row.config.max_new_tokens > 0]
                 if choosing:
                     logits = logits.flatten(0, 1)[index]
@@ -250,20 +266,25 @@ class StepRunner:
         """The host reads the iterating rows' exit flags (one read) when the plan says so or a row that computed
         reached its cap; then the done rows' coda, when the plan's rule finds it due."""
         computed = {it.row for it in computing}
-        if plan.iterating and (plan.look_due or any(
-                it.iteration + (plan.iterations if it.row in computed else 0) >= it.cap for it in plan.iterating)):
+        if plan.iterating and (
+            plan.look_due
+            or any(it.iteration + (plan.iterations if it.row in computed else 0) >= it.cap for it in plan.iterating)
+        ):
             select = self._inputs([(it.row, it.position) for it in plan.iterating])[1].rows
             stopped, iterations = torch.stack((self.t.stopped[select].long(), self.t.iterations[select])).tolist()
             out.found = {it.request: n for it, stop, n in zip(plan.iterating, stopped, iterations) if stop}
         found = {it.row: out.found[it.request] for it in plan.iterating if it.request in (out.found or {})}
         # Rows that became decoding or left in this step before the rule is read: first tokens that go on, and
         # rounds that failed or ran out of room.
-        decoding = plan.coda.decoding - sum(r.error is not None or r.exhausted for r in out.rounds) + sum(
-            c.error is None and not _surely_last(self.rows[c.request], c) for c in out.first)
+        decoding = (
+            plan.coda.decoding
+            - sum(r.error is not None or r.exhausted for r in out.rounds)
+            + sum(c.error is None and not _surely_last(self.rows[c.request], c) for c in out.first)
+        )
         if not plan.coda.due(set(found), decoding):
             return
         by_row = {r.row: r.id for r in self.rows.values()}
-        done = sorted([*plan.coda.waiting, *found.items()])   # in the order of the rows
+        done = sorted([*plan.coda.waiting, *found.items()])  # in the order of the rows
         with self.phases.timed("coda and sampling"):
             out.coda = self._coda([by_row[row] for row, _ in done], [n for _, n in done])
 
@@ -273,13 +294,13 @@ class StepRunner:
         """The plan's iterations of the computing rows and the prompt chunks, then the rows' exit decisions;
         the rows that computed."""
         computing = list(plan.iterating)
-        if plan.peek:   # rows done on the device since the last look leave the call (a free read here)
+        if plan.peek:  # rows done on the device since the last look leave the call (a free read here)
             flags = self.t.stopped.tolist()
             computing = [it for it in computing if not flags[it.row]]
         out.computed = tuple(it.request for it in computing)
         share = plan.prompt_iterations if computing else plan.prompt_iterations_alone
         chunks = [self.chunks[k] for k in plan.prompts if k in self.chunks]
-        out.prompt_iterations = max(share, 1) if chunks else 0   # the first runs in any case
+        out.prompt_iterations = max(share, 1) if chunks else 0  # the first runs in any case
         n = plan.iterations
         if computing and n > 1:  # fused (static) iterations: no exit criterion to read
             self._static(computing, n)
@@ -295,7 +316,8 @@ class StepRunner:
                 state = self.t.state[select]
             else:
                 may_be_frozen = plan.since_look and any(
-                    self.rows[it.request].criterion is not None or it.iteration >= it.cap for it in computing)
+                    self.rows[it.request].criterion is not None or it.iteration >= it.cap for it in computing
+                )
                 state = self._eager(computing, may_be_frozen, rows, call, prev_state, chunks)
         elif chunks:
             self._prompts(Pack(), chunks)
@@ -321,8 +343,15 @@ class StepRunner:
         with self.phases.timed("core iteration"):
             self.static_step.run([it.row for it in requests], n)
 
-    def _eager(self, computing: list[Iterating], may_be_frozen: bool, rows: Tensor, call: Call, prev_state: Tensor,
-               chunks: list[PromptChunk]) -> Tensor:
+    def _eager(
+        self,
+        computing: list[Iterating],
+        may_be_frozen: bool,
+        rows: Tensor,
+        call: Call,
+        prev_state: Tensor,
+        chunks: list[PromptChunk],
+    ) -> Tensor:
         """The computing rows' core iteration in a call over them alone, packed with the prompt chunks' when
         there are any: their new states (a frozen row's kept, where a row `may_be_frozen`). Each row runs at
         core slot (its iteration mod its budget)."""
@@ -342,7 +371,7 @@ class StepRunner:
             pack = Pack()
             pack.add(core, prev_state, embedded, iteration)
             out = self._prompts(pack, chunks)
-        state = out.reshape(-1, 1, self.model.config.hidden_size)[:len(computing)]
+        state = out.reshape(-1, 1, self.model.config.hidden_size)[: len(computing)]
         return state if frozen is None else torch.where(frozen.view(-1, 1, 1), prev_state, state)
 
     def _prompts(self, pack: Pack, chunks: list[PromptChunk]) -> Tensor:
@@ -374,9 +403,20 @@ class StepRunner:
             if criterion is None:
                 self.t.state.copy_(self.lockstep.fixed(config, self.t.state, self.t.embedded, every_row))
                 return [config.num_steps] * len(requests)
-            final, per_row = self.lockstep.adaptive(config, criterion, lambda: Rows.start(
-                self.runner.batch_rows, self.t.state, self.t.embedded, every_row(), ~self.static_step.decoding, criterion, vocab),
-                self.max_batch - len(requests))
+            final, per_row = self.lockstep.adaptive(
+                config,
+                criterion,
+                lambda: Rows.start(
+                    self.runner.batch_rows,
+                    self.t.state,
+                    self.t.embedded,
+                    every_row(),
+                    ~self.static_step.decoding,
+                    criterion,
+                    vocab,
+                ),
+                self.max_batch - len(requests),
+            )
             self.t.state.copy_(final)
             return per_row[self._inputs([(it.row, it.position) for it in requests])[0]].tolist()
         span, rows, call, places, idle = self._eager_rows(requests, budget)
@@ -385,13 +425,18 @@ class StepRunner:
             self.t.state[span] = out if idle is None else torch.where(idle.view(-1, 1, 1), self.t.state[span], out)
             return [config.num_steps] * len(requests)
         frozen = torch.zeros(len(rows), dtype=torch.bool, device=self.device) if idle is None else idle
-        final, per_row = self.lockstep.adaptive(config, criterion, lambda: Rows.start(
-            rows, self.t.state[span], self.t.embedded[span], call, frozen, criterion, vocab), len(rows) - len(requests))
+        final, per_row = self.lockstep.adaptive(
+            config,
+            criterion,
+            lambda: Rows.start(rows, self.t.state[span], self.t.embedded[span], call, frozen, criterion, vocab),
+            len(rows) - len(requests),
+        )
         self.t.state[span] = final
         return per_row[places].tolist()
 
-    def _eager_rows(self, requests: tuple[Iterating, ...], budget: int) -> tuple[slice | Tensor, Tensor, Call,
-                                                                         Tensor | slice, Tensor | None]:
+    def _eager_rows(
+        self, requests: tuple[Iterating, ...], budget: int
+    ) -> tuple[slice | Tensor, Tensor, Call, Tensor | slice, Tensor | None]:
         """The rows an eager lockstep token runs over: the requests' rows; or, when a few rows between them are
         not decoding (freed by requests that finished), the slice that spans them, the rows between riding
         along frozen and writing nothing: a slice reads the cache as views, where a gather of the rows copies
@@ -414,6 +459,7 @@ class StepRunner:
 @dataclass(frozen=True)
 class _Member:
     """A computing row as its exit criterion reads it (`RowExits.update`): after `iteration` iterations of `cap`."""
+
     row: RowState
     iteration: int
     cap: int
@@ -431,5 +477,8 @@ def _surely_last(row: RowState, first: Chosen) -> bool:
     """Whether a request's first token surely ends it (a stop token, one new token asked for, or a depth budget
     spent), as `GenerationConfig.finish_reason` would say without its stop strings."""
     c = row.config
-    return (first.token in c.stop_tokens or c.max_new_tokens <= 1
-            or (c.has_depth_budget and c.depth_cap(1, first.iterations) == 0))
+    return (
+        first.token in c.stop_tokens
+        or c.max_new_tokens <= 1
+        or (c.has_depth_budget and c.depth_cap(1, first.iterations) == 0)
+    )
