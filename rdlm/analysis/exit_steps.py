@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from rdlm.analysis.trajectories import Recurrence
-from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.exit_track import ExitTrack, iterate_with_exits
+from rdlm.inference.exits import ExitCriterion
 from rdlm.model.lm import RecurrentDepthLM
 
 
