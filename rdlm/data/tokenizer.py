@@ -14,8 +14,8 @@ import re
 import secrets
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import cast
 from pathlib import Path
+from typing import cast
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
