@@ -60,10 +60,10 @@ import time
 import torch
 
 from rdlm.checks import check_int
-from rdlm.inference.graphs import PhaseTimes, resolve_compile, sync
 from rdlm.inference.events import BatchEvent, Engine
-from rdlm.inference.params import Decode, GenerationConfig, check_request
+from rdlm.inference.graphs import PhaseTimes, resolve_compile, sync
 from rdlm.inference.parallel import check_parallel
+from rdlm.inference.params import Decode, GenerationConfig, check_request
 from rdlm.inference.plan import EngineSettings
 from rdlm.inference.request import Request
 from rdlm.inference.scheduler import Scheduler

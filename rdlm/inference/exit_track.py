@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -48,8 +49,8 @@ class ExitTrack:
     is the one update; its two readings, `read_gate` and `read_criterion`, also serve the callers that count
     iterations or schedule readings themselves."""
 
-    steps: Tensor | None  # [n] iterations run before the token exited (the cap if it never did); None
-    # where the caller counts them (the continuous batch's rows)
+    steps: Tensor  # [n] iterations run before the token exited (the cap if it never did); unused where the
+    # caller counts them (the continuous batch's rows, whose readings take the runner's counts)
     exited: Tensor  # [n] bool: the criterion fired (gate-exact: the exit state is chosen)
     streak: Tensor  # [n] consecutive passing readings
     logits: Tensor | None  # [n, V] the latest readout, kept when the criterion reads logits
@@ -62,7 +63,7 @@ class ExitTrack:
     @classmethod
     def start(
         cls, n: int | tuple[int, ...], device: torch.device, vocab_size: int | None = None, gate: bool = False
-    ) -> "ExitTrack":
+    ) -> ExitTrack:
         """No iteration run yet over `n` tokens (a count, or a shape such as [g, n]); `vocab_size` when the
         criterion reads logits, `gate` when it reads a gate."""
         shape = (n,) if isinstance(n, int) else tuple(n)
@@ -71,15 +72,17 @@ class ExitTrack:
         ones = torch.ones(shape, device=device) if gate else None
         return cls(zeros, zeros.bool(), zeros.clone(), logits, ones, None if ones is None else ones * 0)
 
-    def select(self, index: Tensor) -> "ExitTrack":
+    def select(self, index: Tensor) -> ExitTrack:
         """The track of the tokens at `index` (of the first dimension)."""
 
         def pick(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[index]
 
-        return ExitTrack(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        return ExitTrack(
+            **cast(dict[str, Any], {f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        )
 
-    def count_iteration(self) -> "ExitTrack":
+    def count_iteration(self) -> ExitTrack:
         """One more iteration run: every token not exited counts it."""
         return replace(self, steps=self.steps + (~self.exited).long())
 
@@ -112,6 +115,7 @@ class ExitTrack:
         tokens = track.exited.shape
         flat = state.reshape(*tokens, state.shape[-1])
         if criterion.uses_gate:
+            assert gate is not None, f"exit criterion {criterion.name!r} reads the model's gate: give `gate`"
             return track.read_gate(
                 gate(state).reshape(tokens),
                 flat,
@@ -122,6 +126,7 @@ class ExitTrack:
         evaluate, next_evaluates = exit_schedule(i, num_steps, every) if reads is None else reads
         prev_logits = track.logits
         if criterion.uses_logits and (evaluate or next_evaluates):
+            assert readout is not None, f"exit criterion {criterion.name!r} reads logits: give `readout`"
             logits = readout(state)
             track = replace(track, logits=logits.reshape(*tokens, logits.shape[-1]))
         if evaluate:
@@ -143,11 +148,12 @@ class ExitTrack:
         threshold: float | Tensor,
         min_steps: int | Tensor,
         running: Tensor | None = None,
-    ) -> "ExitTrack":
+    ) -> ExitTrack:
         """The learned gate read after an iteration that gave `lam` and `state` ([..., h]) per token: the gate
         rule (`gate_exits`) for each token not yet exited (and `running`, when given: elsewhere the running
         sums stay). A track with `exit_state` keeps the state of every token not yet exited, so it ends at
         the state of the iteration where the gate fired, or the last one."""
+        assert self.remaining is not None and self.cumulative is not None, "a track started with gate=True"
         live = ~self.exited if running is None else running & ~self.exited
         exits, remaining, cumulative = gate_exits(
             lam, self.remaining, self.cumulative, threshold, self.steps, min_steps, live
@@ -171,7 +177,7 @@ class ExitTrack:
         state: Tensor | None,
         min_steps: int | Tensor,
         running: Tensor | None = None,
-    ) -> "ExitTrack":
+    ) -> ExitTrack:
         """One reading of `criterion` comparing two iterations: a token exits once it passed `patience`
         readings in a row and has run at least `min_steps` iterations (`running`, when given: only those
         tokens are read, the others keep their streak)."""
@@ -182,22 +188,19 @@ class ExitTrack:
         return replace(self, exited=self.exited | exits, streak=streak)
 
 
-def done_iterating(exited: Tensor, iterations: Tensor, cap: int | Tensor, runs_on: bool | Tensor = False) -> Tensor:
+def done_iterating(exited: Tensor, iterations: Tensor, cap: int | Tensor, runs_on: Tensor | None = None) -> Tensor:
     """The one rule of whether a token is done iterating after an iteration: its criterion fired (a reading of
     `ExitTrack.after_iteration`, which holds min_steps), unless the criterion only chooses the state read out
     and the token runs on (`runs_on`: gate-exact), or it ran its `cap` iterations. The continuous batch's rows
     read it after every iteration, eager and static (rdlm.inference.step_runner, static_step); the per-token
     loop (`iterate_with_exits`) runs up to the cap, so inside it a token is done once its criterion fired."""
-    if isinstance(runs_on, bool):
-        fired = torch.zeros_like(exited) if runs_on else exited
-    else:
-        fired = exited & ~runs_on
+    fired = exited if runs_on is None else exited & ~runs_on
     return fired | (iterations >= cap)
 
 
 def iterate_with_exits(
     step: Callable[[Tensor, int, Tensor], Tensor],
-    readout: Callable[[Tensor], Tensor],
+    readout: Callable[[Tensor], Tensor] | None,
     state: Tensor,
     track: ExitTrack,
     criterion: ExitCriterion,
@@ -205,7 +208,7 @@ def iterate_with_exits(
     n: int,
     num_steps: int,
     *,
-    min_steps: int = 2,
+    min_steps: int | Tensor = 2,
     every: int = 1,
     freeze: bool = True,
     gate: Callable[[Tensor], Tensor] | None = None,

@@ -35,8 +35,9 @@ Where each token stands, and the one update after an iteration, is rdlm.inferenc
 from __future__ import annotations
 
 import difflib
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,7 @@ def latent_diff_score(
     prev_logits=None, logits=None, prev_state: Tensor | None = None, state: Tensor | None = None
 ) -> Tensor:
     """||s_i - s_{i-1}|| / ||s_i||: relative change of the latent state."""
+    assert prev_state is not None and state is not None  # (ExitCriterion checks its inputs)
     return ((state - prev_state).norm(dim=-1) / state.norm(dim=-1).clamp_min(1e-12)).float()
 
 
@@ -88,6 +90,7 @@ def cosine_score(
     prev_logits=None, logits=None, prev_state: Tensor | None = None, state: Tensor | None = None
 ) -> Tensor:
     """1 - cos(s_i, s_{i-1}): cosine distance between successive latent states."""
+    assert prev_state is not None and state is not None  # (ExitCriterion checks its inputs)
     cos = (
         (state * prev_state).sum(dim=-1)
         / state.norm(dim=-1).clamp_min(1e-12)
@@ -124,6 +127,11 @@ class CriterionSpec:
     exact: bool = False
 
 
+def _reads_the_gate(*args: object) -> Tensor:
+    """The score of a gate criterion: there is none, the model's gate is read instead (`gate_exits`)."""
+    raise ValueError("a gate criterion has no score: it reads the model's exit gate")
+
+
 # Defaults: kl 5e-4 and latent-diff 0.03 are the paper's (section 6.1); the others are the reference
 # code's. The reference code's kl default is 1e-3.
 CRITERIA: dict[str, CriterionSpec] = {
@@ -153,7 +161,7 @@ CRITERIA: dict[str, CriterionSpec] = {
     ),
     "cosine": CriterionSpec(cosine_score, 1e-3, False, True, help="cosine distance between successive latent states"),
     "gate": CriterionSpec(
-        lambda *args: None,
+        _reads_the_gate,
         0.5,
         False,
         False,
@@ -161,7 +169,7 @@ CRITERIA: dict[str, CriterionSpec] = {
         help="a learned exit gate (Ouro): cumulative exit probability >= threshold; stops iterating the token",
     ),
     "gate-exact": CriterionSpec(
-        lambda *args: None,
+        _reads_the_gate,
         0.5,
         False,
         False,
@@ -173,7 +181,9 @@ CRITERIA: dict[str, CriterionSpec] = {
 }
 
 
-def gate_update(lam: Tensor, remaining: Tensor, cumulative: Tensor, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
+def gate_update(
+    lam: Tensor, remaining: Tensor, cumulative: Tensor, threshold: float | Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """(passed, remaining, cumulative) after one iteration whose gate gave `lam`: p_i = lam * remaining is
     added to the cumulative exit probability (the reference's cumsum order), remaining *= 1 - lam."""
     cumulative = cumulative + lam * remaining
@@ -306,7 +316,7 @@ def make_exit_criterion(
         if key == "min_p" and not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ValueError(f"min_p must be in (0, 1], got {value!r}")
     if threshold is not None and (
-        isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold != threshold
+        isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold)
     ):
         raise ValueError(f"exit threshold must be a number, got {threshold!r}")
     if spec.uses_gate and threshold is not None and not 0 < threshold <= 1:
@@ -316,12 +326,12 @@ def make_exit_criterion(
             raise ValueError(
                 f"{name!r} counts steps: give the threshold ({threshold}) or n/patience ({patience}), not both"
             )
-        steps = next((v for v in (threshold, patience) if v is not None), spec.patience)
+        steps: float = next((v for v in (threshold, patience) if v is not None), spec.patience)
         if isinstance(steps, float) and steps.is_integer():
             steps = int(steps)
         if not is_int(steps, 1):
             raise ValueError(f"{name!r} threshold is a number of steps: an integer >= 1, got {steps!r}")
-        threshold, patience = steps, steps
+        threshold, patience = steps, int(steps)  # (an integer: is_int said so)
     threshold = spec.threshold if threshold is None else threshold
     patience = spec.patience if patience is None else patience
     check_int("patience (n)", patience)

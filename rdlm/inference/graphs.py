@@ -12,8 +12,8 @@ from __future__ import annotations
 import gc
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 

@@ -23,18 +23,17 @@ gives the same tokens whether its token ran in lockstep or one iteration per ste
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.exit_track import ExitTrack, iterate_with_exits
+from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.graphs import StaticSteps, resolve_sync_every
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.runner import Call, ModelRunner
-
 
 TRACK_FIELDS = tuple(f.name for f in dataclasses.fields(ExitTrack))  # (a compiled step cannot ask the class)
 
@@ -60,7 +59,7 @@ class Rows:
         idle: Tensor,
         criterion: ExitCriterion,
         vocab_size: int,
-    ) -> "Rows":
+    ) -> Rows:
         """No iteration run yet; the `idle` rows (not decoding) count as exited from the start."""
         n, device = batch_rows.shape[0], batch_rows.device
         track = ExitTrack.start(n, device, vocab_size if criterion.uses_logits else None, gate=criterion.uses_gate)
@@ -81,10 +80,9 @@ class Rows:
     def exited(self) -> Tensor:
         return self.track.exited
 
-    def select(self, keep: Tensor) -> "Rows":
-        pick = lambda t: None if t is None else t[keep]  # noqa: E731
+    def select(self, keep: Tensor) -> Rows:
         batch_rows = self.batch_rows[keep]
-        track = ExitTrack(*(pick(getattr(self.track, name)) for name in TRACK_FIELDS))
+        track = self.track.select(keep)
         return Rows(
             self.index[keep],
             batch_rows,
@@ -140,11 +138,7 @@ class Lockstep:
             if compact:
                 rows = self.iterate(config, criterion, rows, i, n, idle)
             else:
-                self._run(
-                    key + (i, n),
-                    lambda: (self.iterate(config, criterion, rows, i, n, idle, in_place=True),),
-                    idempotent=False,
-                )
+                self._run(key + (i, n), self._chunk(config, criterion, rows, i, n, idle), idempotent=False)
             i += n
             if i == r:
                 break
@@ -161,6 +155,12 @@ class Lockstep:
         steps[rows.index] = rows.steps
         return final, steps
 
+    def _chunk(
+        self, config: GenerationConfig, criterion: ExitCriterion, rows: Rows, first: int, n: int, idle: int
+    ) -> Callable[[], tuple]:
+        """The static body of iterations first .. first + n - 1 over `rows`, in place (`iterate`)."""
+        return lambda: (self.iterate(config, criterion, rows, first, n, idle, in_place=True),)
+
     def exact(self, config: GenerationConfig, criterion: ExitCriterion, rows: Rows) -> tuple[Tensor, Tensor]:
         """`gate-exact`: all num_steps iterations for every row (every cache entry written, as the reference
         computes), each row's final state the one at its gate exit. Iterations reported: num_steps."""
@@ -174,10 +174,11 @@ class Lockstep:
             0,
             r,
             r,
-            min_steps=config.min_steps,
+            min_steps=_min_steps(config),
             freeze=False,
             gate=self.runner.exit_probability,
         )
+        assert track.exit_state is not None  # (an unfrozen gate loop keeps each token's exit state)
         return track.exit_state.view_as(rows.state), torch.full_like(rows.steps, r)
 
     def iterate(
@@ -214,7 +215,7 @@ class Lockstep:
             first,
             n,
             config.num_steps,
-            min_steps=config.min_steps,
+            min_steps=_min_steps(config),
             every=config.exit_every,
             gate=gate,
         )
@@ -226,3 +227,9 @@ class Lockstep:
                     target.copy_(getattr(track, name))
             return rows
         return dataclasses.replace(rows, state=state, track=track)
+
+
+def _min_steps(config: GenerationConfig) -> int:
+    """The config's min_steps (always set once it is built: `GenerationConfig.__post_init__`)."""
+    assert config.min_steps is not None
+    return config.min_steps

@@ -49,11 +49,11 @@ tests/fixtures/parallel_reference.json):
 In the engine: a request with `sampler="parallel"` decodes in its own row of the continuous batch
 (rdlm.inference.batching), its prompt prefilled as any other's (unless `full_prefill` is off: then the
 first wave is the prompt). The scheduler plans a wave step of it at every batch step
-(rdlm.inference.plan.StepPlan.rounds) and the step runner runs it here (rdlm.inference.rounds), in calls over its row alone;
-`ParallelSampler` holds its wave. Several prompts each run their own wave in their own row, one after the
-other at every step: the waves' calls are not batched together (rows commit different numbers of positions
-per step, so their starts and widths diverge; one call over them would need a per-row start and width in
-its mask and cache writes).
+(rdlm.inference.plan.StepPlan.rounds) and the step runner runs it here (rdlm.inference.rounds), in calls
+over its row alone; `ParallelSampler` holds its wave. Several prompts each run their own wave in their own
+row, one after the other at every step: the waves' calls are not batched together (rows commit different
+numbers of positions per step, so their starts and widths diverge; one call over them would need a per-row
+start and width in its mask and cache writes).
 """
 
 from __future__ import annotations
@@ -201,7 +201,9 @@ class ParallelSampler:
         out = [
             (int(t), int(n))
             for t, n in zip(
-                self.tokens[self.final : new_final].tolist(), self.iterations[self.final - 1 : new_final - 1].tolist()
+                self.tokens[self.final : new_final].tolist(),
+                self.iterations[self.final - 1 : new_final - 1].tolist(),
+                strict=True,
             )
         ]
         self.final = new_final

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 from rdlm.inference.exit_track import ExitTrack
+from rdlm.inference.exits import ExitCriterion, make_exit_criterion
 from rdlm.inference.runner import Call, ModelRunner, Pack
-
 
 GATE = make_exit_criterion("gate")  # a chunk reads the gate against each row's own threshold (`thresholds`)
 
@@ -59,7 +58,7 @@ class PromptChunk:
     @classmethod
     def begin(
         cls, runner: ModelRunner, requests: list[Any], start: int, lengths: list[int], cap: int, budget: int
-    ) -> "PromptChunk":
+    ) -> PromptChunk:
         """The prelude and s_0 of the requests' next chunk of prompt, `lengths[j]` tokens of request j from
         `start` (the scheduler sized them: rdlm.inference.scheduler). Marks the chunk's tokens valid
         (`ModelRunner.admit`)."""
@@ -67,10 +66,10 @@ class PromptChunk:
         lengths = list(lengths)
         g, n = len(requests), max(lengths)
         ids = runner.upload(
-            [q.prompt[start : start + length] + [0] * (n - length) for q, length in zip(requests, lengths)]
+            [q.prompt[start : start + length] + [0] * (n - length) for q, length in zip(requests, lengths, strict=True)]
         )
         noise = torch.zeros(g, n, runner.model.config.hidden_size, dtype=runner.dtype, device=device)
-        for j, (q, length) in enumerate(zip(requests, lengths)):
+        for j, (q, length) in enumerate(zip(requests, lengths, strict=True)):
             if q.noise is not None:
                 noise[j, :length] = q.noise[start : start + length]
             runner.admit(start, length, q.row)
@@ -81,7 +80,7 @@ class PromptChunk:
         if any(gated):  # read out at each token's gate exit, as a block prefill (`block`) reads it
             never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
             chunk.thresholds = runner.upload(
-                [q.criterion.threshold if gate else never for q, gate in zip(requests, gated)]
+                [q.criterion.threshold if gate else never for q, gate in zip(requests, gated, strict=True)]
             ).view(-1, 1)
             chunk.minimum = runner.upload([q.config.min_steps for q in requests]).view(-1, 1)
             chunk.gate = chunk._gate_track()
@@ -96,13 +95,14 @@ class PromptChunk:
         cap: int,
         criterion: ExitCriterion | None = None,
         min_steps: int = 0,
-    ) -> "PromptChunk":
+    ) -> PromptChunk:
         """Tokens of every row of the runner's batch at once (a left-padded prompt, or a block appended
         after it: `rdlm.inference.sequences.Sequences`), their prelude run (`embedded`) and `call` from
         `ModelRunner.block`; s_0 from the runner's noise table. A learned gate `criterion` reads each
         token out at its exit."""
         state = runner.initial_state(embedded, call.positions)
         rows, n = state.shape[0], state.shape[1]
+        assert isinstance(call.start, int)  # (a block starts at one buffer index for every row)
         chunk = cls([], call.start, [n] * rows, cap, runner.cache.num_slots, state, embedded, call)
         if criterion is not None and criterion.uses_gate:
             device = runner.device
@@ -142,6 +142,7 @@ class PromptChunk:
         self.iteration += 1
         if self.gate is None:
             return
+        assert self.minimum is not None  # (set with the gate)
         self.gate = self.gate.after_iteration(
             GATE,
             self.iteration - 1,
@@ -157,14 +158,15 @@ class PromptChunk:
         """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]."""
         if not self.requests:  # a block of every row (`block`)
             runner.cache.fill_missing(self.cap, self.start, self.start + self.n)
-        for q, length in zip(self.requests, self.lengths):
+        for q, length in zip(self.requests, self.lengths, strict=False):  # (a block of every row: no requests)
             runner.cache.fill_missing(self.cap, self.start, self.start + length, row=q.row, slots=self.budget)
-        state = self.state if self.gate is None else self.gate.exit_state
+        state = self.state if self.gate is None or self.gate.exit_state is None else self.gate.exit_state
         return state, runner.readout(state, self.call)
 
-    def select(self, keep: list[int]) -> "PromptChunk":
+    def select(self, keep: list[int]) -> PromptChunk:
         """The chunk of the requests at positions `keep` only."""
         pick = torch.tensor(keep, device=self.state.device)
+        assert isinstance(self.call.rows, Tensor)  # (a chunk of requests names their rows)
         gate = None if self.gate is None else self.gate.select(pick)
         return dataclasses.replace(
             self,

@@ -27,8 +27,8 @@ class Rounds:
         a round whose logits are not finite fails the request alone (its wave goes with it)."""
         try:
             if row.config.draft_steps is not None:
-                tokens, drafted, accepted = speculate(self.runner, row)
-                return RoundOutput(row.id, [(t, row.config.num_steps) for t in tokens], drafted, accepted)
+                drafts, drafted, accepted = speculate(self.runner, row)
+                return RoundOutput(row.id, [(t, row.config.num_steps) for t in drafts], drafted, accepted)
             wave = self.waves.get(row.id)
             if wave is None:
                 wave = self.waves[row.id] = ParallelSampler(self.runner, row)

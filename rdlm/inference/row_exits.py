@@ -12,11 +12,13 @@ decides, with `exit_track.done_iterating`, whether a row is done: `exited` and `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.exit_track import ExitTrack, exit_schedule
+from rdlm.inference.exits import ExitCriterion
 from rdlm.inference.runner import Call, ModelRunner
 
 
@@ -26,33 +28,23 @@ class RowExits:
     def __init__(self, runner: ModelRunner, max_batch: int, vocab_size: int, state: Tensor) -> None:
         self.runner = runner
         track = ExitTrack.start(max_batch, state.device, vocab_size, gate=True)
-        # The runner counts the rows' iterations (`update` takes them); the gate-exact state is one per row.
-        self.track = ExitTrack(
-            None,
-            track.exited,
-            track.streak,
-            track.logits,
-            track.remaining,
-            track.cumulative,
-            torch.zeros_like(state[:, -1]),
-        )
+        assert track.logits is not None and track.remaining is not None and track.cumulative is not None
+        # What the criteria carry per row (an `ExitTrack`'s fields, its iteration counts the runner's): whether
+        # the criterion fired, the streak, the latest logits, the gate's running sums, gate-exact's chosen state.
+        self.exited, self.streak, self.logits = track.exited, track.streak, track.logits
+        self.remaining, self.cumulative = track.remaining, track.cumulative
+        self.chosen = torch.zeros_like(state[:, -1])
         self.runs_on = torch.zeros_like(track.exited)  # gate-exact rows: their exit only chooses a state
-
-    @property
-    def exited(self) -> Tensor:
-        """[max_batch] bool: the row's criterion fired for its token in progress."""
-        return self.track.exited
 
     @property
     def exit_state(self) -> Tensor:
         """[max_batch, 1, h]: gate-exact's chosen state per row (read out when the token is done)."""
-        return self.track.exit_state.unsqueeze(1)
+        return self.chosen.unsqueeze(1)
 
     def reset(self, rows: Tensor | slice, runs_on: Tensor | None = None) -> None:
         """Rows starting a token (`runs_on`: those whose criterion is gate-exact)."""
-        t = self.track
-        t.streak[rows], t.exited[rows] = 0, False
-        t.remaining[rows], t.cumulative[rows] = 1.0, 0.0
+        self.streak[rows], self.exited[rows] = 0, False
+        self.remaining[rows], self.cumulative[rows] = 1.0, 0.0
         self.runs_on[rows] = False if runs_on is None else runs_on
 
     def update(
@@ -89,21 +81,20 @@ class RowExits:
         def where(group: list[int]) -> tuple[Tensor | slice, Tensor | slice]:
             """(positions in this call, rows of the batch) of `group`: views when they are every row."""
             if group == everyone:
+                assert call.rows is not None  # (the call of the batch's rows names them)
                 return slice(None), call.rows
             pick = self.runner.upload(group)
             return pick, rows[pick]
 
         # The previous reading's logits, before this iteration's readout replaces them.
-        previous = {
-            crit: self.track.logits[where(group)[1]].clone() for crit, group in groups.items() if crit.uses_logits
-        }
+        previous = {crit: self.logits[where(group)[1]].clone() for crit, group in groups.items() if crit.uses_logits}
         if readout:  # one readout for every row that needs one, whatever its criterion
             pick, at = where(readout)
-            self.track.logits[at] = self.runner.readout(state[pick], call.select(pick, at))[:, -1]
+            self.logits[at] = self.runner.readout(state[pick], call.select(pick, at))[:, -1]
         for crit, group in groups.items():
             pick, at = where(group)
-            t = self.track
-            track = ExitTrack(iterations[at], t.exited[at], t.streak[at], previous.get(crit))
+            track = ExitTrack(iterations[at], self.exited[at], self.streak[at], previous.get(crit))
+            logits = self.logits[at]
             read = track.after_iteration(
                 crit,
                 0,
@@ -111,12 +102,12 @@ class RowExits:
                 prev_state[pick, -1],
                 state[pick, -1],
                 min_steps=min_steps[at],
-                readout=lambda _, at=at: t.logits[at],
+                readout=_given(logits),
                 running=running[pick],
                 reads=(True, False),
                 counted=True,
             )
-            t.streak[at], t.exited[at] = read.streak, read.exited
+            self.streak[at], self.exited[at] = read.streak, read.exited
 
     def _gate(
         self,
@@ -137,9 +128,14 @@ class RowExits:
         pick = self.runner.upload(group)
         at = rows[pick]
         thresholds = self.runner.upload([members[j].criterion.threshold for j in group])
-        t = self.track
         track = ExitTrack(
-            iterations[at], t.exited[at], t.streak[at], None, t.remaining[at], t.cumulative[at], t.exit_state[at]
+            iterations[at],
+            self.exited[at],
+            self.streak[at],
+            None,
+            self.remaining[at],
+            self.cumulative[at],
+            self.chosen[at],
         )
         read = track.after_iteration(
             members[group[0]].criterion,
@@ -153,9 +149,15 @@ class RowExits:
             running=running[pick],
             counted=True,
         )
-        t.exited[at], t.remaining[at], t.cumulative[at], t.exit_state[at] = (
+        assert read.remaining is not None and read.cumulative is not None and read.exit_state is not None
+        self.exited[at], self.remaining[at], self.cumulative[at], self.chosen[at] = (
             read.exited,
             read.remaining,
             read.cumulative,
             read.exit_state,
         )
+
+
+def _given(logits: Tensor) -> Callable[[Tensor], Tensor]:
+    """A readout that gives logits already read (a batch's rows are read out together, before their readings)."""
+    return lambda _: logits

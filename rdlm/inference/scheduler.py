@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rdlm.checks import is_int
 from rdlm.inference.events import BatchEvent
 from rdlm.inference.params import Decode, GenerationConfig
 from rdlm.inference.plan import (
     Admission,
-    ChunkSpec,
     Chosen,
+    ChunkSpec,
     Coda,
     EngineSettings,
     Iterating,
@@ -138,15 +138,15 @@ class Scheduler:
         gone, self._gone = tuple(self._gone), []
         starts = tuple(Start(q.id, q.row, q.next_token, q.length, q.cap) for q in starting)
         round_specs = tuple(RoundSpec(q.id, q.row, q.next_token, q.length) for q in rounds)
-        common = dict(wipe=wipe, dropped=gone, admitted=admitted, chunks=chunks, starts=starts, rounds=round_specs)
+        base = StepPlan(wipe=wipe, dropped=gone, admitted=admitted, chunks=chunks, starts=starts, rounds=round_specs)
         if starting and not rounds and self.in_lockstep(starting, bool(self.chunks)):
-            plan = StepPlan(**common, iterating=self._iterating(starting), lockstep=True, iterations=starting[0].cap)
+            plan = replace(base, iterating=self._iterating(starting), lockstep=True, iterations=starting[0].cap)
         else:
-            plan = self._plan_iterations(common)
+            plan = self._plan_iterations(base)
         self._plan = plan
         return plan
 
-    def _plan_iterations(self, common: dict) -> StepPlan:
+    def _plan_iterations(self, base: StepPlan) -> StepPlan:
         """A step that runs the iterating rows' next iteration(s) and the prompts' share of iterations."""
         s = self.settings
         iterating = self.with_status(Status.ITERATING)
@@ -162,8 +162,8 @@ class Scheduler:
             fewest_left = min(c.left for c in self.chunks)
             share = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=True)
             alone = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=False)
-        return StepPlan(
-            **common,
+        return replace(
+            base,
             iterating=self._iterating(iterating),
             iterations=n,
             peek=peek,
@@ -228,7 +228,8 @@ class Scheduler:
     def _admit(self) -> tuple[tuple[Admission, ...], tuple[ChunkSpec, ...]]:
         """Waiting requests into free rows, in order; each starts prefilling with the cap of its first token,
         those with the same (cap, cache budget) in one chunk."""
-        admitted, groups = [], {}
+        admitted: list[Admission] = []
+        groups: dict[tuple[int, int], list[Request]] = {}
         while self.waiting and None in self.rows:
             q = self.waiting.popleft()
             q.row = self.rows.index(None)
@@ -323,6 +324,7 @@ class Scheduler:
         """Take the step's outcome: each request's chosen tokens (it goes on or ends), the prompts' progress, the
         iterations run, what the look found. Returns the tokens as events, in the order they were chosen."""
         plan, self._plan = self._plan, None
+        assert plan is not None, "update() takes the outcome of the plan schedule() gave"
         events: list[BatchEvent] = []
         for done in out.rounds:
             self._round(done, events)
@@ -355,9 +357,9 @@ class Scheduler:
     def _coda_ran(self, chosen: list[Chosen], events: list[BatchEvent]) -> None:
         """The coda ran over these requests' done tokens (each now in the cache) and chose their next tokens."""
         requests = [self._by_id(c.request) for c in chosen]
-        for q, c in zip(requests, chosen):
+        for q, c in zip(requests, chosen, strict=True):
             q.length, q.iteration = q.length + 1, c.iterations
-        for q, c in zip(requests, chosen):
+        for q, c in zip(requests, chosen, strict=True):
             self._chosen(q, c, events)
 
     def _by_id(self, request: int) -> Request:
@@ -368,7 +370,7 @@ class Scheduler:
         others go on with their next chunk."""
         self.chunks.remove(chunk)
         spec, going_on = chunk.spec, []
-        for q, length in zip(chunk.requests, spec.lengths):
+        for q, length in zip(chunk.requests, spec.lengths, strict=True):
             if spec.start + length < len(q.prompt):
                 going_on.append(q)
                 continue

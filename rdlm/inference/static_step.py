@@ -38,17 +38,20 @@ class RowTensors:
     def zeros(cls, runner: ModelRunner, max_batch: int) -> RowTensors:
         c, device = runner.model.config, runner.device
         state = torch.zeros(max_batch, 1, c.hidden_size, dtype=runner.dtype, device=device)
-        long = dict(dtype=torch.long, device=device)
+
+        def longs() -> Tensor:
+            return torch.zeros(max_batch, dtype=torch.long, device=device)
+
         return cls(
             state,
             torch.zeros_like(state),
-            torch.zeros(max_batch, **long),
-            torch.zeros(max_batch, **long),
-            torch.zeros(max_batch, **long),
+            longs(),
+            longs(),
+            longs(),
             torch.zeros(max_batch, dtype=torch.bool, device=device),
             torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=device),
-            torch.zeros(max_batch, **long),
-            torch.ones(max_batch, **long),
+            longs(),
+            longs() + 1,
         )
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from rdlm.inference.exit_track import done_iterating
 from rdlm.inference.graphs import PhaseTimes
 from rdlm.inference.lockstep import Lockstep, Rows
-from rdlm.inference.plan import Admission, ChunkSpec, Chosen, EngineSettings, Iterating, Start, StepOutput, StepPlan
+from rdlm.inference.plan import Admission, Chosen, ChunkSpec, EngineSettings, Iterating, Start, StepOutput, StepPlan
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.rounds import Rounds
 from rdlm.inference.row_exits import RowExits
@@ -79,8 +79,8 @@ class StepRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Carry out the plan, in its order (rdlm.inference.plan.StepPlan); what it gave back."""
         out = StepOutput()
-        for row in plan.wipe:
-            self.clear(row)
+        for wiped in plan.wipe:
+            self.clear(wiped)
         with self.phases.timed("admission and prompt prelude"):
             self._admit(plan.admitted, plan.chunks)
         for request in plan.dropped:
@@ -169,14 +169,16 @@ class StepRunner:
         """Feed each chosen token: prelude and s_0 of its position, and its row's count, cap, min_steps and
         budget (the scheduler checked that they fit)."""
         rows = [self.rows[s.request] for s in starts]
-        for row, s in zip(rows, starts):
+        for row, s in zip(rows, starts, strict=True):
             row.length = s.position
-        limits = self.runner.upload([[s.cap, row.config.min_steps, row.budget] for row, s in zip(rows, starts)])
+        limits = self.runner.upload(
+            [[s.cap, row.config.min_steps, row.budget] for row, s in zip(rows, starts, strict=True)]
+        )
         lengths = self.runner.upload([s.position for s in starts])
         self.runner.admit(lengths, rows=self.runner.upload([s.row for s in starts]))
         self._last_inputs = None  # the mask changed
         batch_rows, call = self._inputs([(s.row, s.position) for s in starts])
-        select = call.rows
+        select = _selected(call)
         self.t.seen[batch_rows, self.runner.upload([s.token for s in starts])] = True
         ids = self.runner.upload([[s.token] for s in starts])
         self.t.embedded[select] = self.runner.embed(ids, call)
@@ -203,12 +205,12 @@ class StepRunner:
         together, and the next token of each. A gate-exact row reads the state its gate chose (a lockstep
         token's state is that already)."""
         rows = [self.rows[request] for request in requests]
-        for row, n in zip(rows, iterations):
+        for row, n in zip(rows, iterations, strict=True):
             if not lockstep and row.criterion is not None and row.criterion.spec.exact:
                 self.t.state[row.row] = self.exits.exit_state[row.row]  # what the readout (and continuous CoT) reads
             self.cache.fill_missing(n, row.length, row.length + 1, row=row.row, slots=row.budget)
         call = self._inputs([(row.row, row.length) for row in rows])[1]
-        logits = self.runner.readout(self.t.state[call.rows], call)[:, -1]
+        logits = self.runner.readout(self.t.state[_selected(call)], call)[:, -1]
         return self._choose(rows, logits, iterations)
 
     def _choose(self, rows: list[RowState], logits: Tensor, iterations: list[int]) -> list[Chosen]:
@@ -223,7 +225,7 @@ class StepRunner:
             self.runner.upload,
         )
         out = []
-        for row, pick, n in zip(rows, chosen, iterations):
+        for row, pick, n in zip(rows, chosen, iterations, strict=True):
             row.produced += 1
             if pick is None:
                 out.append(Chosen(row.id, error=NonFiniteLogitsError(self.model, row.produced)))
@@ -240,7 +242,7 @@ class StepRunner:
             out.ended.append(key)
             state, logits = chunk.finish(self.runner)
             ended, last = [], []
-            for j, (row, length) in enumerate(zip(chunk.requests, chunk.lengths)):
+            for j, (row, length) in enumerate(zip(chunk.requests, chunk.lengths, strict=True)):
                 if chunk.start + length < len(row.prompt):
                     continue
                 ended.append(row)
@@ -257,7 +259,7 @@ class StepRunner:
                     for row in rows:
                         row.length = len(row.prompt)
                     first = self._choose(rows, logits, [chunk.cap] * len(rows))
-                    for row, c in zip(rows, first):
+                    for row, c in zip(rows, first, strict=True):
                         row.first_token = c.token if c.error is None else None
                     out.first += first
             self._last_inputs = None
@@ -270,10 +272,11 @@ class StepRunner:
             plan.look_due
             or any(it.iteration + (plan.iterations if it.row in computed else 0) >= it.cap for it in plan.iterating)
         ):
-            select = self._inputs([(it.row, it.position) for it in plan.iterating])[1].rows
+            select = _selected(self._inputs([(it.row, it.position) for it in plan.iterating])[1])
             stopped, iterations = torch.stack((self.t.stopped[select].long(), self.t.iterations[select])).tolist()
-            out.found = {it.request: n for it, stop, n in zip(plan.iterating, stopped, iterations) if stop}
-        found = {it.row: out.found[it.request] for it in plan.iterating if it.request in (out.found or {})}
+            out.found = {it.request: n for it, stop, n in zip(plan.iterating, stopped, iterations, strict=True) if stop}
+        looked = out.found or {}
+        found = {it.row: looked[it.request] for it in plan.iterating if it.request in looked}
         # Rows that became decoding or left in this step before the rule is read: first tokens that go on, and
         # rounds that failed or ran out of room.
         decoding = (
@@ -306,7 +309,7 @@ class StepRunner:
             self._static(computing, n)
         elif computing:
             rows, call = self._inputs([(it.row, it.position) for it in computing])
-            select = call.rows
+            select = _selected(call)
             running = ~self.t.stopped[select]
             prev_state = self.t.state[select].clone()  # `select` may be a view, overwritten below
             if self.static:
@@ -355,7 +358,7 @@ class StepRunner:
         """The computing rows' core iteration in a call over them alone, packed with the prompt chunks' when
         there are any: their new states (a frozen row's kept, where a row `may_be_frozen`). Each row runs at
         core slot (its iteration mod its budget)."""
-        frozen = self.t.stopped[call.rows] if may_be_frozen else None
+        frozen = self.t.stopped[_selected(call)] if may_be_frozen else None
         writers = None if frozen is None else ~frozen
         slots = [it.iteration % self.rows[it.request].budget for it in computing]
         if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
@@ -363,7 +366,7 @@ class StepRunner:
         else:
             core = call.but(rows=rows, slots=self.runner.upload(slots), core_writers=writers)
             iteration = 0
-        embedded = self.t.embedded[call.rows]
+        embedded = self.t.embedded[_selected(call)]
         if not chunks:  # the decoding rows alone: a plain batched call
             with self.phases.timed("core iteration"):
                 out = self.runner.iterate_once(prev_state, embedded, iteration, core)
@@ -386,7 +389,7 @@ class StepRunner:
         tokens = [c.pack(pack) for c in chunks]
         with self.phases.timed("core iteration"):
             out = self.runner.iterate_packed(pack)
-        for c, part in zip(chunks, tokens):
+        for c, part in zip(chunks, tokens, strict=True):
             c.advance(self.runner, out[:, part])
         return out
 
@@ -447,7 +450,7 @@ class StepRunner:
         span = slice(numbers[0], numbers[-1] + 1)
         if len(numbers) == span.stop - span.start or span.stop - span.start > 2 * len(numbers):
             rows, call = self._inputs([(it.row, it.position) for it in requests])
-            return call.rows, rows, call.but(budget=budget), slice(None), None
+            return _selected(call), rows, call.but(budget=budget), slice(None), None
         index = {it.row: it.position for it in requests}
         every = range(span.start, span.stop)
         rows, call = self.runner.tokens(list(every), [index.get(b, 0) for b in every])
@@ -482,3 +485,9 @@ def _surely_last(row: RowState, first: Chosen) -> bool:
         or c.max_new_tokens <= 1
         or (c.has_depth_budget and c.depth_cap(1, first.iterations) == 0)
     )
+
+
+def _selected(call: Call) -> Tensor | slice:
+    """The batch rows a call over the rows covers (a slice where they are consecutive)."""
+    assert call.rows is not None  # (a call of the batch's rows names them)
+    return call.rows
