@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,6 @@ from rdlm.model.layers import ATTENTION_IMPLEMENTATIONS, Attention, Block, KVCac
 from rdlm.model.loss import expected_exit_loss, linear_cross_entropy
 from rdlm.model.recurrence import sample_num_steps
 from rdlm.model.rope import rope_tables
-
-if TYPE_CHECKING:
-    from rdlm.model.quantize import QuantSpec
 
 NumSteps = int | tuple[int, int] | Sequence[int]
 
@@ -50,7 +47,7 @@ class RecurrentDepthLM(nn.Module):
     rope_cos: Tensor
     rope_sin: Tensor
     source: str
-    quantization: QuantSpec | None
+    quantization: Any  # a rdlm.model.quantize.QuantSpec (not imported: that module imports this one)
     quantized_layers: dict[str, str]
 
     def __init__(self, config: RDLMConfig) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rdlm.inference.generate import generate
@@ -16,7 +16,7 @@ from rdlm.inference.params import kv_cache_budget, params_for
 from rdlm.model.config import RDLMConfig
 
 if TYPE_CHECKING:
-    from rdlm.integrations.hf.model import RavenForCausalLM
+    from rdlm.model.lm import RecurrentDepthLM
 
 # The authors' RavenForCausalLM.generate spells some of rdlm's options differently: criterion ("none" =
 # off), exit_threshold "auto" (= the criterion's default), continuous_compute.
@@ -143,7 +143,7 @@ def to_rdlm_config(
 
 
 def generate_with_engine(
-    wrapper: RavenForCausalLM,
+    wrapper: PreTrainedModel,
     inputs: Tensor | None,
     generation_config: GenerationConfig | None,
     streamer: Any,
@@ -153,7 +153,8 @@ def generate_with_engine(
     transformers merges them, mapped onto rdlm's, then decoded by rdlm.inference.generate."""
 
     kwargs = _rdlm_generation_names(kwargs)
-    config, model_kwargs = wrapper._prepare_generation_config(generation_config, **kwargs)  # type: ignore[misc]  # transformers types self as a protocol its models miss
+    # a GenerationMixin method: RavenForCausalLM is one (PreTrainedModel is not)
+    config, model_kwargs = wrapper._prepare_generation_config(generation_config, **kwargs)  # type: ignore[operator]
     input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
     attention_mask = model_kwargs.pop("attention_mask", None)
     tokenizer = model_kwargs.pop("tokenizer", None)
@@ -190,13 +191,14 @@ def generate_with_engine(
     max_new = (
         config.max_new_tokens if config.max_new_tokens is not None else max(config.max_length - input_ids.shape[1], 0)
     )
-    rdlm_config = to_rdlm_config(config, wrapper.model.config.mean_recurrence, stop, max_new)
+    model = cast("RecurrentDepthLM", wrapper.model)  # RavenForCausalLM's rdlm model
+    rdlm_config = to_rdlm_config(config, model.config.mean_recurrence, stop, max_new)
     decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     on_token = None
     if streamer is not None:
         streamer.put(input_ids.cpu())
         on_token = lambda event: streamer.put(torch.tensor([event.token]))  # noqa: E731
-    result = generate(wrapper.model, prompts, rdlm_config, decode=decode, on_token=on_token)
+    result = generate(model, prompts, rdlm_config, decode=decode, on_token=on_token)
     if streamer is not None:
         streamer.end()
     width = max((len(t) for t in result.tokens), default=0)
