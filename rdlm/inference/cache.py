@@ -39,8 +39,9 @@ and which rows take part, as an argument of the call, never as state set on the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -211,13 +212,14 @@ class RecurrentKVCache:
         group, layer, iteration = key
         start, rows, end = plan.start, plan.rows, plan.end
         if group == "core" and plan.slots is not None:  # each row at its own slot and index
+            assert isinstance(start, Tensor) and isinstance(rows, Tensor)  # a per-row slot goes with per-row indices
             index = start.view(-1)
             cache_k, cache_v = self.core_k[layer], self.core_v[layer]
             k, v = k.squeeze(2), v.squeeze(2)
             # (slot, row) pairs as rows of the flattened [slots * batch] axis: one index_copy_ / index_select,
             # faster than the equivalent two-axis advanced indexing
             pairs = plan.slots * self.batch_size + rows
-            at = self._entries(*cache_k.shape[2:4], pairs, index)
+            at = self._entries(cache_k.shape[2], cache_k.shape[3], pairs, index)
             if plan.core_writers is not None:  # the others keep their entries
                 keep = ~plan.core_writers.view(-1, 1, 1)
                 kept = lambda c: c.reshape(-1, c.shape[-1]).index_select(0, at).view_as(k)  # noqa: E731
@@ -248,12 +250,12 @@ class RecurrentKVCache:
                 return cache_k, cache_v
             if isinstance(rows, slice):  # consecutive rows: views, no gather
                 cache_k, cache_v = cache_k[rows], cache_v[rows]
-            at = plan.entries
-            if at is None:
+            entries = plan.entries
+            if entries is None:
                 picked = rows if isinstance(rows, Tensor) else torch.arange(cache_k.shape[0], device=index.device)
-                at = self._entries(*cache_k.shape[1:3], picked, index)
-            self._put(cache_k, at, k)
-            self._put(cache_v, at, v)
+                entries = self._entries(cache_k.shape[1], cache_k.shape[2], picked, index)
+            self._put(cache_k, entries, k)
+            self._put(cache_v, entries, v)
             if isinstance(rows, slice):
                 return cache_k[:, :, :end], cache_v[:, :, :end]
             return cache_k[rows, :, :end], cache_v[rows, :, :end]
@@ -296,7 +298,7 @@ class RecurrentKVCache:
                 picked = torch.arange(rows.shape[0], device=index.device)
             at = plan.entries
             if at is None:
-                at = RecurrentKVCache._entries(*rows.shape[1:3], picked, index)
+                at = RecurrentKVCache._entries(rows.shape[1], rows.shape[2], picked, index)
             return rows.reshape(-1, rows.shape[-1]).index_select(0, at).view(len(picked), rows.shape[1], 1, -1)
         rows = cache if plan.rows is None else cache[plan.rows]
         if isinstance(plan.start, Tensor):
@@ -318,7 +320,7 @@ class RecurrentKVCache:
         With an int `steps`, `row` fills that row only (the others are left alone) and `slots` bounds
         the slots its tokens use (a request's own budget in a shared cache; default all)."""
         static = isinstance(start, Tensor)
-        if static:
+        if isinstance(start, Tensor):
             start = start.view(1)
         elif end is None:
             end = start + 1
@@ -327,11 +329,11 @@ class RecurrentKVCache:
             slots = self.num_slots if slots is None else slots
             if steps >= slots:
                 return
-            rows = slice(None) if row is None else row
+            which = slice(None) if row is None else row
             for cache in (self.core_k, self.core_v):
                 filled = window(cache)
-                filled[:, steps:slots, rows] = filled[:, steps - 1 : steps, rows]
-                if static:
+                filled[:, steps:slots, which] = filled[:, steps - 1 : steps, which]
+                if isinstance(start, Tensor):  # static
                     cache.index_copy_(4, start, filled)
             return
         if row is not None or slots is not None:
@@ -351,7 +353,7 @@ class RecurrentKVCache:
             filled = window(cache)  # [l_R, slots, batch, H, n, d]
             latest = filled[:, last, rows].unsqueeze(1)  # [l_R, 1, batch, H, n, d]
             filled.copy_(torch.where(missing, latest, filled))
-            if static:
+            if isinstance(start, Tensor):  # static
                 cache.index_copy_(4, start, filled)
 
     def clear_rows(self, rows: int | Tensor | slice) -> None:

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from contextlib import nullcontext
-from typing import ContextManager, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,7 @@ class TargetScores:
         return float(self.nll.double().sum()) / max(int(self.targets.sum()), 1) if self.nll.numel() else math.nan
 
     @classmethod
-    def cat(cls, parts: Sequence["TargetScores"]) -> "TargetScores":
+    def cat(cls, parts: Sequence[TargetScores]) -> TargetScores:
         return cls(*(torch.cat([getattr(p, name) for p in parts]) for name in ("nll", "targets", "greedy")))
 
 
@@ -76,7 +76,7 @@ def score_targets(
     initial_state: Tensor | None = None,
     init_scale: float = 1.0,
     generator: torch.Generator | None = None,
-    autocast: ContextManager | None = None,
+    autocast: AbstractContextManager | None = None,
 ) -> TargetScores:
     """One forward pass at r = num_steps over input_ids [B, L]; labels [B, L] holds the token each
     position should predict, IGNORE_INDEX where none. s_0 is `initial_state`, else drawn with
@@ -105,8 +105,8 @@ def gate_exit_logits(
     teacher-forced: every token runs `num_steps` iterations and is read out at the first iteration whose
     cumulative exit probability reaches `threshold` (default the checkpoint's), the last if none does.
     What the reference computes when given an exit threshold (rdlm.inference.exits, "gate-exact")."""
-    from rdlm.inference.exits import make_exit_criterion
     from rdlm.inference.exit_track import ExitTrack, iterate_with_exits
+    from rdlm.inference.exits import make_exit_criterion
 
     threshold = model.config.exit_threshold if threshold is None else threshold
     criterion = make_exit_criterion("gate", threshold)
@@ -128,6 +128,7 @@ def gate_exit_logits(
         freeze=False,
         gate=model.exit_probability,
     )
+    assert track.exit_state is not None  # a gate track, unfrozen: it keeps each token's state at its exit
     logits = model.readout(track.exit_state.view_as(state), rope)
     return logits, track.steps.view(input_ids.shape)
 
@@ -140,7 +141,7 @@ def nll_vs_steps(
     *,
     seed: int = 0,
     init_scale: float = 1.0,
-    autocast: ContextManager | None = None,
+    autocast: AbstractContextManager | None = None,
     device: torch.device | None = None,
     progress: bool = False,
 ) -> dict[int, TargetScores]:
@@ -276,7 +277,7 @@ def plot_sweeps(sweeps: Sequence[DepthSweep], path: str | os.PathLike, title: st
 
     metrics = list(dict.fromkeys(s.metric for s in sweeps))
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.5), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
+    for ax, metric in zip(axes[0], metrics, strict=True):
         for sweep in (s for s in sweeps if s.metric == metric):
             ax.plot(sweep.num_steps, sweep.values, marker="o", label=sweep.task)
         ax.set_xscale("log", base=2)

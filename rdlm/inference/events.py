@@ -35,11 +35,29 @@ class Engine(Protocol):
 
     device: torch.device
     cache_bytes: int  # the KV cache's size
-    prefill_seconds = 0.0  # prefilling the prompts before the first token's step
+    prefill_seconds: float = 0.0  # prefilling the prompts before the first token's step
     decode_start: float | None = None  # time.perf_counter() when decoding began; None: at the first step
-    capture_seconds = 0.0  # capturing CUDA graphs (rdlm.inference.graphs.StaticSteps)
-    drafted = accepted = 0  # self-speculative decoding
-    core_passes = wave_steps = 0  # the parallel sampler
+
+    # read-only: an engine may compute them (ContinuousBatch's properties)
+    @property
+    def capture_seconds(self) -> float:  # capturing CUDA graphs (rdlm.inference.graphs.StaticSteps)
+        return 0.0
+
+    @property
+    def drafted(self) -> int:  # self-speculative decoding
+        return 0
+
+    @property
+    def accepted(self) -> int:
+        return 0
+
+    @property
+    def core_passes(self) -> int:  # the parallel sampler
+        return 0
+
+    @property
+    def wave_steps(self) -> int:
+        return 0
 
     def add(self, prompt: list[int], config: GenerationConfig) -> int: ...
 

@@ -37,15 +37,15 @@ in their rows, and `max_new_tokens=0` prefills alone.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 from torch import Tensor
 
 from rdlm.inference.batching import ContinuousBatch
+from rdlm.inference.events import GenerationResult, TokenEvent
 from rdlm.inference.graphs import resolve_sync_every, sync
 from rdlm.inference.parallel import wave_room
-from rdlm.inference.events import GenerationResult, TokenEvent
 from rdlm.inference.params import Decode, GenerationConfig, check_length, check_prompts, cut_at_stop
 from rdlm.inference.sampling import sample
 from rdlm.model.lm import RecurrentDepthLM
@@ -83,7 +83,7 @@ def check_generation_time(
 
 def stream(
     model: RecurrentDepthLM, prompts, config: GenerationConfig | None = None, decode: Decode | None = None
-) -> Iterator[TokenEvent]:
+) -> Generator[TokenEvent, None, GenerationResult]:
     """Yield each new token as soon as it is chosen; the generator's return value (StopIteration.value,
     or `yield from`) is the GenerationResult."""
     config = config or GenerationConfig()
@@ -150,7 +150,7 @@ def _engine(
 
 def _run(
     model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig, decode: Decode | None
-) -> Iterator[TokenEvent]:
+) -> Generator[TokenEvent, None, GenerationResult]:
     """Add every prompt to an engine and step it until idle: its tokens as they come, then the result."""
     engine = _engine(model, prompts, config, decode)
     rows = {engine.add(p, config): row for row, p in enumerate(prompts)}
@@ -168,6 +168,7 @@ def _run(
             tokens[row].append(event.token)
             steps[row].append(event.steps)
             if logprobs is not None:
+                assert event.logprob is not None  # config.logprobs: every token is scored (sampling.sample)
                 logprobs[row].append(event.logprob)
             if event.finish_reason is not None:
                 reasons[row] = event.finish_reason

@@ -6,7 +6,7 @@ rdlm/inference/serve_http.py."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
@@ -22,7 +22,6 @@ from rdlm.inference.params import (
     kv_cache_budget,
     params_for,
 )
-
 
 MAX_STOPS = 4  # stop sequences per request (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters per stop sequence
@@ -108,12 +107,18 @@ class OpenAIOptions(BaseModel):
 # top_k, min_p and repetition_penalty, rdlm's test-time compute), typed and described as declared (None: the
 # server's default, `rdlm serve`'s flags); their values are checked by GenerationConfig (`generation_config`).
 REQUEST_PARAMS = params_for("server")
-Options = create_model(
-    "Options",
-    __base__=OpenAIOptions,
-    __doc__="A request body's options, both endpoints'.",
-    **{p.name: (p.kind | None, Field(None, description=p.help)) for p in REQUEST_PARAMS},
-)
+if TYPE_CHECKING:  # a class built at run time: type checkers see its base (its own fields are read by name)
+
+    class Options(OpenAIOptions):
+        """A request body's options, both endpoints'."""
+
+else:
+    Options = create_model(
+        "Options",
+        __base__=OpenAIOptions,
+        __doc__="A request body's options, both endpoints'.",
+        **{p.name: (p.kind | None, Field(None, description=p.help)) for p in REQUEST_PARAMS},
+    )
 
 
 class CompletionRequest(Options):
@@ -184,6 +189,7 @@ def generation_config(
             value = getattr(body, param.name)
             if param is KV_CACHE_BUDGET:
                 if value is not None:
+                    assert param.check is not None  # KV_CACHE_BUDGET declares its check
                     param.check(param.name, value)
                 updates.update(kv_cache_budget(value))
             elif value is not None:
@@ -199,7 +205,11 @@ def generation_config(
 
 def numeric_checks() -> dict[str, Integer | Number]:
     """The check of every number a request may carry but the unsupported penalties (0 only), by field."""
-    return {**OPENAI_BOUNDS, **{p.name: p.check for p in REQUEST_PARAMS if p.kind in (int, float)}}
+    # (a number's check is an Integer or a Number: params.py declares them so)
+    return {
+        **OPENAI_BOUNDS,
+        **{p.name: cast(Integer | Number, p.check) for p in REQUEST_PARAMS if p.kind in (int, float)},
+    }
 
 
 def bounds() -> dict[str, tuple[str, str]]:
@@ -260,17 +270,22 @@ class Completion:
         first, at = (self.scored, self.scored_chars) if new_only else (0, 0)
         events = [e for e in self.events[first:] if e.finish_reason != "stop_token"]
         text = self.tokenizer.token_text
+
+        def top(e: BatchEvent) -> tuple[tuple[int, float], ...]:
+            assert e.top is not None  # the request asked for logprobs: each of its tokens is scored
+            return e.top
+
+        out: dict[str, Any]
         if chat:
-            entry = lambda token, lp: {
-                "token": text(token),
-                "logprob": lp,  # noqa: E731
-                "bytes": list(self.tokenizer.token_bytes(token)),
-            }
+
+            def entry(token: int, lp: float | None) -> dict[str, Any]:
+                return {"token": text(token), "logprob": lp, "bytes": list(self.tokenizer.token_bytes(token))}
+
             out = {
                 "content": [
                     {
                         **entry(e.token, e.logprob),
-                        "top_logprobs": [entry(t, lp) for t, lp in e.top],
+                        "top_logprobs": [entry(t, lp) for t, lp in top(e)],
                         "latent_iterations": e.steps,
                     }
                     for e in events
@@ -285,7 +300,7 @@ class Completion:
             out = {
                 "tokens": tokens,
                 "token_logprobs": [e.logprob for e in events],
-                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in events] if self.config.logprobs else None,
+                "top_logprobs": [{text(t): lp for t, lp in top(e)} for e in events] if self.config.logprobs else None,
                 "text_offset": offsets,
                 "latent_iterations": [e.steps for e in events],
             }

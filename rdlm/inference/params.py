@@ -18,8 +18,9 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rdlm.checks import Integer, InvalidValue, Number, OneOf, is_int
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
@@ -187,7 +188,7 @@ class GenerationConfig:
     )
 
     # -- exits
-    exit_criterion: str | ExitCriterion | None = EXITS(
+    exit_criterion: str | ExitCriterion | None = EXITS(  # noqa: RUF009 (declares the field: Part returns field())
         None,
         "per-token adaptive compute: a criterion of rdlm.inference.exits.CRITERIA",
         known_criterion,
@@ -246,7 +247,7 @@ class GenerationConfig:
     )
     inner_recurrence: int = PARALLEL(4, "parallel: core iterations per wavefront step", Integer(1, MAX_ITERATIONS))
     headway: int = PARALLEL(1, "parallel: new positions per step", Integer(1, MAX_TOKENS))
-    freeze_criterion: str | ExitCriterion = PARALLEL(
+    freeze_criterion: str | ExitCriterion = PARALLEL(  # noqa: RUF009 (declares the field: Part returns field())
         "latent-diff", "parallel: when a position's state has settled", known_criterion
     )
     freeze_threshold: float | None = PARALLEL(
@@ -374,9 +375,12 @@ class GenerationConfig:
     @property
     def core_slots(self) -> int:
         """The core cache slots a request cycles through: `cache_slots` when shared, else one per iteration."""
-        return self.cache_slots if self.cache_strategy == "shared" else self.max_steps
+        if self.cache_strategy == "shared":
+            assert self.cache_slots is not None  # __post_init__: a shared cache needs cache_slots
+            return self.cache_slots
+        return self.max_steps
 
-    def finish_reason(self, tokens: Sequence[int], spent: int = 0, decode: Decode | None = None) -> str | None:
+    def finish_reason(self, tokens: list[int], spent: int = 0, decode: Decode | None = None) -> str | None:
         """Why a response ends with its latest token (`tokens`: all its new tokens so far; `spent`: their
         core iterations): "stop_token", "stop_string" (in the text of its last tokens, through `decode`),
         "length" (max_new_tokens, or a depth budget with nothing left for another token); None while it
@@ -384,6 +388,7 @@ class GenerationConfig:
         if tokens[-1] in self.stop_tokens:
             return "stop_token"
         if self.stop_strings:
+            assert decode is not None  # check_request: stop strings need a decode function
             window = max(map(len, self.stop_strings)) + 8  # tokens decoded per check
             if any(s in decode(tokens[-window:]) for s in self.stop_strings):
                 return "stop_string"

@@ -72,11 +72,11 @@ class Pack:
 
     def add(self, call: Call, state: Tensor, embedded: Tensor, iteration: int) -> slice:
         """Append g rows x n tokens (`state` [g, n, h]) at `iteration`; returns their tokens in the pack."""
-        g, n, h = state.shape
+        g, n, _h = state.shape
         at = self.segments[-1].tokens.stop if self.segments else 0
         tokens = slice(at, at + g * n)
         self.segments.append(Segment(tokens, g, call.cache.plan, call.mask, iteration))
-        for part, value in zip(self.parts, (state, embedded, *call.rope)):
+        for part, value in zip(self.parts, (state, embedded, *call.rope), strict=True):
             part.append(value.expand(g, n, *value.shape[2:]).reshape(1, g * n, *value.shape[2:]))
         return tokens
 
@@ -157,14 +157,14 @@ class ModelRunner:
         """One token per row, row rows[j] at its own buffer index index[j] (the continuous batch): (the rows
         as a tensor, the call). The call's cache rows are a slice where they are consecutive (views, no
         gather); it reads the cache up to the longest row's end."""
-        numbers, rows = rows, self.upload(rows)
+        numbers, uploaded = rows, self.upload(rows)
         consecutive = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
-        select = slice(numbers[0], numbers[-1] + 1) if consecutive else rows
+        select = slice(numbers[0], numbers[-1] + 1) if consecutive else uploaded
         positions = self.upload(index).view(-1, 1)
         end = max(index) + 1
         mask = self.key_valid[select, :end][:, None, None, :]
         cache = self.cache.at(positions.view(-1), rows=select, end=end)
-        return rows, Call(self.model.rope(positions, check=False), mask, cache, positions)
+        return uploaded, Call(self.model.rope(positions, check=False), mask, cache, positions)
 
     def every_row(self, index: Tensor, slots: Tensor, writers: Tensor) -> Call:
         """One token per row of the whole batch, row b at buffer index index[b] and core slot slots[b]
@@ -232,7 +232,8 @@ class ModelRunner:
     def iterate_packed(self, pack: Pack) -> Tensor:
         """One core iteration of every call in `pack` in one model call: the new states, [1, T, h]."""
         states, embedded, cos, sin = (torch.cat(part, dim=1) for part in pack.parts)
-        return self.model.step(states, embedded, 0, (cos, sin), None, PackedCall(self.cache, pack.segments))
+        packed = PackedCall(self.cache, pack.segments)  # read through its `attend` (Attention.forward), not `update`
+        return self.model.step(states, embedded, 0, (cos, sin), None, packed)  # type: ignore[arg-type]
 
     def readout(self, state: Tensor, call: Call) -> Tensor:
         """The coda and the head: float32 logits of the call's tokens."""

@@ -3,7 +3,8 @@ min-p, each row drawing from its own generator."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,8 +24,10 @@ def token_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[tuple[float, 
     logp = torch.log_softmax(logits.float(), dim=-1)
     picked = logp.gather(-1, chosen.view(-1, 1).to(logp.device))
     top = logp.topk(k, dim=-1) if k else None
-    values = torch.cat([picked] + ([top.values, top.indices.to(logp.dtype)] if k else []), dim=-1).tolist()
-    return [(row[0], tuple((int(i), v) for v, i in zip(row[1 : 1 + k], row[1 + k :]))) for row in values]
+    values = torch.cat(
+        [picked] + ([top.values, top.indices.to(logp.dtype)] if top is not None else []), dim=-1
+    ).tolist()
+    return [(row[0], tuple((int(i), v) for v, i in zip(row[1 : 1 + k], row[1 + k :], strict=True))) for row in values]
 
 
 def sample(

@@ -11,11 +11,14 @@ decoding, the parallel sampler, a prefill alone), decodes on the continuous batc
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
+from rdlm.inference.cache import Strategy
 from rdlm.inference.exits import ExitCriterion
-from rdlm.inference.params import GenerationConfig, check_length, check_prompts
+from rdlm.inference.params import check_length, check_prompts
 from rdlm.inference.prefill import PromptChunk
 from rdlm.inference.runner import Call, ModelRunner
 from rdlm.model.lm import RecurrentDepthLM
@@ -53,7 +56,10 @@ class Sequences:
         check_length(model, self.prompt_length, new_tokens)
         max_length = self.prompt_length + new_tokens
         pad = torch.tensor([self.prompt_length - len(p) for p in prompts], device=self.device)
-        self.runner = ModelRunner(model, self.batch, max_length, num_slots, strategy, pad, seed, init_scale)
+        # (a str from the caller: RecurrentKVCache refuses one other than "full" or "shared")
+        self.runner = ModelRunner(
+            model, self.batch, max_length, num_slots, cast(Strategy, strategy), pad, seed, init_scale
+        )
         self.cache = self.runner.cache
         self.ids = torch.zeros(self.batch, self.prompt_length, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):

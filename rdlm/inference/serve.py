@@ -31,9 +31,10 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import AsyncIterator, Callable
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,11 +43,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rdlm.data.tokenizer import Tokenizer, TokenizerError
 from rdlm.inference.openai_api import APIError, ChatRequest, Completion, CompletionRequest, Options, generation_config
+from rdlm.inference.params import GenerationConfig
 from rdlm.inference.serve_http import Guard, install_error_handlers
 from rdlm.inference.serve_worker import Metrics, ServeConfig, Ticket, Worker
-from rdlm.inference.params import GenerationConfig
 from rdlm.model.lm import RecurrentDepthLM
-
 
 log = logging.getLogger("rdlm.serve")
 UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|function-.*")  # pydantic's names in a loc
@@ -119,7 +119,7 @@ class OpenAIServer:
         if isinstance(prompt, str):
             ids = await self.encode(self.tokenizer.encode, prompt, add_bos=True)
         else:
-            ids = list(prompt)
+            ids = list(cast(list[int], prompt))  # (a list of strings was taken above)
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         gen = generation_config(body, self.config.defaults, (self.tokenizer.eos_id,), body.max_tokens)
@@ -134,6 +134,7 @@ class OpenAIServer:
                 "this model's tokenizer has no chat format (it was not made for chats): use /v1/completions",
                 param="messages",
             )
+        assert tok.end_turn_id is not None  # has_chat
         ids = await self.encode(tok.apply_chat_template, [m.model_dump() for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         gen = generation_config(body, self.config.defaults, (tok.end_turn_id, tok.eos_id), max_tokens)
@@ -233,7 +234,7 @@ class OpenAIServer:
         except APIError as err:
             self.metrics.count(endpoint, err.status)
             yield f"data: {json.dumps(err.body())}\n\n"
-        except Exception as err:  # noqa: BLE001 (the response has begun: an error event is all that can be sent)
+        except Exception as err:  # any error (the response has begun: an error event is all that can be sent)
             log.error("a stream failed", exc_info=err)
             self.metrics.count(endpoint, 500)
             failed = APIError(500, "the server failed", kind="server_error", code="internal_error")
@@ -334,8 +335,9 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
         body_timeout=config.body_timeout,
         count=metrics.count,
     )
-    app.add_exception_handler(APIError, server.api_error)
-    app.add_exception_handler(RequestValidationError, server.invalid)
+    # Starlette types a handler as taking any Exception; it calls one with the class it was registered for
+    app.add_exception_handler(APIError, server.api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, server.invalid)  # type: ignore[arg-type]
     install_error_handlers(app, metrics.count)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["HEAD"], include_in_schema=False)  # balancers' probe
@@ -343,5 +345,6 @@ def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfi
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
-    metrics.routes = frozenset(route.path for route in app.routes)
+    # (Starlette types the routes as BaseRoute, which declares no path; every route of this app has one)
+    metrics.routes = frozenset(route.path for route in app.routes)  # type: ignore[attr-defined]
     return app

@@ -16,7 +16,7 @@ import hmac
 import json
 import logging
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import h11
 import uvicorn
@@ -57,6 +57,7 @@ class Guard:
 
     def authorized(self, value: bytes) -> bool:
         """Whether an Authorization header carries the key: scheme "Bearer" in any case (RFC 7235)."""
+        assert self.api_key is not None  # asked only when the server has a key (`refusal`)
         scheme, _, token = value.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key.encode())
 
@@ -119,7 +120,7 @@ class Guard:
         while more:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # noqa: UP041 (on Python 3.10, which we admit, TimeoutError is another class)
                 late = APIError(
                     408,
                     f"the request body did not arrive within {self.body_timeout:g} s",
@@ -242,7 +243,8 @@ class Server(uvicorn.Server):
             log.warning("shutdown: %d request(s) still running at the deadline end with an error", self.worker.pending)
             self.worker.abort("the server is shutting down")
             if grace is not None:
-                self.config.timeout_graceful_shutdown = 1.0 if grace >= 1 else grace
+                # uvicorn annotates an int; it is asyncio.wait_for's timeout, where a float works
+                self.config.timeout_graceful_shutdown = 1.0 if grace >= 1 else grace  # type: ignore[assignment]
         await super().shutdown(sockets)
 
 
@@ -253,8 +255,13 @@ def uvicorn_server(
     protocol = type(
         "HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout, "count": staticmethod(app.state.metrics.count)}
     )
-    config = uvicorn.Config(
-        app, host=host, port=port, http=protocol, timeout_graceful_shutdown=shutdown_timeout, **options
+    config = uvicorn.Config(  # (timeout_graceful_shutdown: uvicorn annotates an int; a float works, as in `Server`)
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        timeout_graceful_shutdown=shutdown_timeout,  # type: ignore[arg-type]
+        **options,
     )
     return Server(config, app.state.worker)
 
@@ -281,5 +288,6 @@ def install_error_handlers(app: FastAPI, count) -> None:
             500, f"the server failed on this request ({type(err).__name__})", kind="server_error"
         ).response()
 
-    app.add_exception_handler(HTTPException, http_error)
+    # Starlette types a handler as taking any Exception; it calls one with the class it was registered for
+    app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, crash)

@@ -201,7 +201,7 @@ class Worker:
                 for request, err in self.batch.take_failures():  # failed alone: the others go on
                     log.error("request %d failed", request, exc_info=err)
                     self._end(request, 500, f"generation failed: {err}")
-            except Exception as err:  # noqa: BLE001 (the step itself failed: nothing can tell whose fault it is;
+            except Exception as err:  # any error (the step itself failed: nothing can tell whose fault it is;
                 # a value of one request's fails that one alone, in the batch, and its values are bounded first)
                 log.exception("the batch's step failed: its %d request(s) fail", len(self.tickets))
                 self._end_all(500, f"generation failed: {err}")
@@ -241,7 +241,7 @@ class Worker:
             elif command == "add":
                 try:
                     ticket.request_id = self.batch.add(ticket.prompt, ticket.config)
-                except Exception as err:  # noqa: BLE001 (what this one request asked for)
+                except Exception as err:  # any error (what this one request asked for)
                     if not isinstance(err, ValueError):
                         log.error("a request could not join the batch", exc_info=err)
                     self._send(ticket, ("error", 400 if isinstance(err, ValueError) else 500, str(err)))

@@ -28,6 +28,7 @@ def speculate(runner: ModelRunner, request: RowState) -> tuple[list[int], int, i
     apart) may go the other way (see rdlm.inference.generate).
     Returns (new tokens: accepted drafts then the next pending token, drafted, accepted)."""
     c, row, start = request.config, request.row, request.length
+    assert c.draft_steps is not None  # a speculative request: only those run rounds
     length = min(c.draft_length, runner.cache.max_length - start)
     fed, embedded, states = [request.next_token], [], []
     for k in range(length):
