@@ -33,8 +33,9 @@ waits to join (`generate`'s batch, or a server's rows that happen to go together
 lockstep: all its core iterations in this step, then the coda (rdlm.inference.lockstep).
 
 With `compile=True` (the default on CUDA) step 3 is the static step: one fixed-shape call over every row
-(per-row index, slot and writers on the device) that CUDA captures once as a graph (`StepRunner._static`;
-docs/inference.md); the prompt chunks in flight then run their iteration in a call of their own.
+(per-row index, slot and writers on the device) that CUDA captures once as a graph (`StaticStep.run`,
+rdlm.inference.static_step; docs/inference.md); the prompt chunks in flight then run their iteration in a call
+of their own.
 
 A request in a busy batch gets the tokens of its prompt alone with the same `GenerationConfig`, however
 its tokens are scheduled: the same s_0 table (seed, position), cache slots, exit decisions and sampler.
