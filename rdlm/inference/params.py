@@ -392,9 +392,12 @@ class GenerationConfig:
             window = max(map(len, self.stop_strings)) + 8  # tokens decoded per check
             if any(s in decode(tokens[-window:]) for s in self.stop_strings):
                 return "stop_string"
-        if len(tokens) >= self.max_new_tokens or (self.has_depth_budget and self.depth_cap(len(tokens), spent) == 0):
-            return "length"
-        return None
+        return "length" if self.at_length(len(tokens), spent) else None
+
+    def at_length(self, produced: int, spent: int) -> bool:
+        """Whether `produced` new tokens that ran `spent` core iterations in all end the response by length:
+        max_new_tokens, or a depth budget with nothing left for another token (`finish_reason`'s "length")."""
+        return produced >= self.max_new_tokens or (self.has_depth_budget and self.depth_cap(produced, spent) == 0)
 
 
 def _declared(config: type) -> tuple[Param, ...]:

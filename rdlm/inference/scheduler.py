@@ -356,10 +356,9 @@ class Scheduler:
 
     def _coda_ran(self, chosen: list[Chosen], events: list[BatchEvent]) -> None:
         """The coda ran over these requests' done tokens (each now in the cache) and chose their next tokens."""
-        requests = [self._by_id(c.request) for c in chosen]
-        for q, c in zip(requests, chosen, strict=True):
+        for c in chosen:
+            q = self._by_id(c.request)
             q.length, q.iteration = q.length + 1, c.iterations
-        for q, c in zip(requests, chosen, strict=True):
             self._chosen(q, c, events)
 
     def _by_id(self, request: int) -> Request:

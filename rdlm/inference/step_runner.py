@@ -477,14 +477,9 @@ class _Member:
 
 
 def _surely_last(row: RowState, first: Chosen) -> bool:
-    """Whether a request's first token surely ends it (a stop token, one new token asked for, or a depth budget
-    spent), as `GenerationConfig.finish_reason` would say without its stop strings."""
-    c = row.config
-    return (
-        first.token in c.stop_tokens
-        or c.max_new_tokens <= 1
-        or (c.has_depth_budget and c.depth_cap(1, first.iterations) == 0)
-    )
+    """Whether a request's first token surely ends it (a stop token, or its length), as
+    `GenerationConfig.finish_reason` would say without its stop strings."""
+    return first.token in row.config.stop_tokens or row.config.at_length(1, first.iterations)
 
 
 def _selected(call: Call) -> Tensor | slice:
