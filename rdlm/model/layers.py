@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rdlm.model.config import RDLMConfig
 from rdlm.model.rope import apply_rope
@@ -97,12 +98,27 @@ class Attention(nn.Module):
         """softmax(q k^T / sqrt(d) + mask) v over [batch, heads, n, d]; no mask: causal (as many keys as queries)."""
         gqa: dict[str, Any] = {"enable_gqa": True} if self.kv_heads != self.num_heads else {}
         if mask is None and self.implementation == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+            return sdpa(q, k, v, None, **gqa)
         if mask is None:
             mask = causal_mask(q.shape[2], k.shape[2], q.device)
         if self.implementation == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+            return sdpa(q, k, v, mask, **gqa)
         return eager_attention(q, k, v, attn_mask=mask)
+
+
+# cuDNN's attention builds an execution plan for every new shape (~5 ms a call on an H200 with torch 2.11,
+# measured by the GPU suite), and decoding meets a new key length at every token: inference on CUDA takes
+# the flash and memory-efficient kernels instead. Training (fixed shapes, plans reused) keeps torch's choice.
+INFERENCE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, **gqa: Any) -> Tensor:
+    """F.scaled_dot_product_attention, causal when `mask` is None; without cuDNN's kernel when it runs on
+    CUDA without autograd (see INFERENCE_BACKENDS)."""
+    if q.is_cuda and not torch.is_grad_enabled():
+        with sdpa_kernel(INFERENCE_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **gqa)
 
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
