@@ -6,6 +6,11 @@ import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
 
+# The suite checks the eager engine, the reference: the CPU's compiled decode step (rdlm.inference.cpu_compile)
+# would spend seconds compiling in every server and long generation. tests/test_cpu_compile.py turns it on.
+# Set before any test starts a process, which inherits it.
+os.environ.setdefault("RDLM_COMPILE", "0")
+
 FIXTURES = Path(__file__).parent / "fixtures"
 HUGINN_TINY = FIXTURES / "huginn-tiny"
 HUGINN_TINY_BF16 = FIXTURES / "huginn-tiny-bf16"

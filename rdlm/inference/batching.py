@@ -61,6 +61,7 @@ import time
 import torch
 
 from rdlm.checks import check_int
+from rdlm.inference.cpu_compile import cpu_compiled, step_threads
 from rdlm.inference.events import BatchEvent, Engine
 from rdlm.inference.graphs import PhaseTimes, resolve_compile, sync
 from rdlm.inference.parallel import check_parallel
@@ -118,11 +119,13 @@ class ContinuousBatch(Engine):
             prefill_chunk,
             static,
             rides_along=self.device.type != "cpu" or static,
+            lockstep=not cpu_compiled(static, self.device),  # the compiled step runs every token
         )
         self.scheduler = Scheduler(self.settings, decode)  # who does what, when: no tensor
         self.phases = PhaseTimes(self.device, profile)  # with `profile`: seconds per phase of the steps
         self.step_runner = StepRunner(model, self.settings, self.phases)  # the rows' tensors and the model calls
         self.runner, self.cache = self.step_runner.runner, self.step_runner.cache
+        self._compiled = self.step_runner.static_step.compiled is not None  # the CPU's compiled step
         self.cache_bytes = self.cache.nbytes
         self.ids = itertools.count()
         self.first_step: float | None = None  # time.perf_counter() at the first step
@@ -198,7 +201,7 @@ class ContinuousBatch(Engine):
         batch idle) ends the prefill of `generate`'s batch (`prefill_seconds`, `decode_start`)."""
         if self.first_step is None:
             self.first_step = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), step_threads(self.settings.max_batch, self._compiled):
             plan = self.scheduler.schedule()
             out = self.step_runner.execute(plan)
             events = self.scheduler.update(out)
@@ -207,6 +210,12 @@ class ContinuousBatch(Engine):
             self.decode_start = time.perf_counter()
             self.prefill_seconds = self.decode_start - self.first_step
         return events
+
+    def warm_up(self) -> float:
+        """Compile the decode step now rather than at the first request (the CPU's compiled step; a no-op
+        elsewhere); the seconds it took."""
+        with torch.inference_mode(), step_threads(self.settings.max_batch, self._compiled):
+            return self.step_runner.static_step.warm_up()
 
     def take_failures(self) -> list[tuple[int, Exception]]:
         """The requests that failed since the last call, each with its error (their rows are free)."""

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.batching import ContinuousBatch
+from rdlm.inference.cpu_compile import LENGTH_BUCKET, compile_pays
 from rdlm.inference.events import GenerationResult, TokenEvent
 from rdlm.inference.graphs import resolve_sync_every, sync
 from rdlm.inference.parallel import wave_room
@@ -136,15 +137,22 @@ def _engine(
     # Refused before the cache is allocated: a job that would not end in any reasonable time.
     device = next(model.parameters()).device
     check_generation_time(model.config, device, len(prompts), longest, config)
+    compile, max_length = config.compile, longest + room
+    if device.type == "cpu":
+        rounds = config.draft_steps is not None or config.sampler == "parallel"
+        if compile is None:  # compiled where it pays (rdlm.inference.cpu_compile)
+            compile = compile_pays(len(prompts), config.max_new_tokens * config.num_steps, rounds)
+        if compile:  # a length compiled code can be reused at
+            max_length = min(model.config.context_length, -(-max_length // LENGTH_BUCKET) * LENGTH_BUCKET)
     return ContinuousBatch(
         model,
         max_batch=len(prompts),
-        max_length=longest + room,
+        max_length=max_length,
         num_slots=config.core_slots,
         decode=decode,
         exit_sync_every=resolve_sync_every(config.exit_sync_every, device),
         prefill_chunk=longest,
-        compile=config.compile,
+        compile=compile,
     )
 
 

@@ -81,10 +81,9 @@ class StaticSteps:
 
 
 def resolve_compile(compile: bool | None, device: torch.device) -> bool:
-    """The static, captured decode step: on by default on CUDA (CUDA graphs). Off on the CPU, which
-    has no graphs to capture: there the static step measured the same speed as the eager one
-    (benchmarks/bench_generate.py --compile both), and the eager one reads only the written part of
-    the cache."""
+    """The static decode step: on by default on CUDA (captured in CUDA graphs). On the CPU only when asked
+    for (`generate` and `rdlm serve` ask where it pays), where its core iteration is compiled by inductor
+    unless RDLM_COMPILE=0 (rdlm.inference.cpu_compile.cpu_compiled)."""
     if compile is None:
         return device.type == "cuda"
     return bool(compile)

@@ -28,7 +28,9 @@ class EngineSettings:
     wait for others to run the coda with; `prefill_chunk`: prompt token-iterations per step; `static`: the
     rows' iterations run as static steps (CUDA graphs on CUDA); `rides_along`: a row done on the device
     since the last look stays in the core's calls, frozen (a static step, or a device where reading the
-    flags waits for the queued work)."""
+    flags waits for the queued work); `lockstep`: a token every row starts together may run all its iterations
+    in one call (rdlm.inference.lockstep; off where the static step is compiled for the CPU, which runs every
+    token through it)."""
 
     max_batch: int
     max_length: int
@@ -38,6 +40,7 @@ class EngineSettings:
     prefill_chunk: int = 256
     static: bool = False
     rides_along: bool = False
+    lockstep: bool = True
 
 
 @dataclass(frozen=True)

@@ -281,7 +281,9 @@ class Scheduler:
         """Whether the token the `starting` requests just started runs in lockstep, all its iterations in this
         step (rdlm.inference.lockstep): every request in a row starts it, with the same depth settings and
         no depth budget, and no prompt is being prefilled or waits for a free row (`generate`'s batch)."""
-        if prompts_in_flight or (self.waiting and None in self.rows) or len(starting) != self.running:
+        if not self.settings.lockstep or prompts_in_flight or (self.waiting and None in self.rows):
+            return False
+        if len(starting) != self.running:
             return False
 
         def depth(q: Request) -> tuple:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from rdlm.data.tokenizer import Tokenizer
 from rdlm.inference.batching import ContinuousBatch
+from rdlm.inference.cpu_compile import SINGLE_THREAD_ROWS, compile_allowed
 from rdlm.inference.events import BatchEvent
 from rdlm.inference.openai_api import APIError
 from rdlm.inference.params import GenerationConfig
@@ -121,6 +122,7 @@ class Worker:
     def __init__(self, model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig, metrics: Metrics) -> None:
         self.config, self.metrics = config, metrics
         self.model, self.decode = model, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        self.model_device = next(model.parameters()).device
         self.batch = self._new_batch()
         self.inbox: queue.Queue = queue.Queue()
         self.tickets: dict[int, Ticket] = {}
@@ -132,7 +134,10 @@ class Worker:
 
     def _new_batch(self) -> ContinuousBatch:
         c = self.config
-        return ContinuousBatch(
+        compile = c.compile
+        if compile is None and self.model_device.type == "cpu":  # a server lives long: compiled where it is faster
+            compile = compile_allowed() and c.max_batch <= SINGLE_THREAD_ROWS
+        batch = ContinuousBatch(
             self.model,
             c.max_batch,
             c.max_length,
@@ -142,8 +147,12 @@ class Worker:
             prefill_chunk=c.prefill_chunk,
             coda_every=c.coda_every,
             profile=c.profile,
-            compile=c.compile,
+            compile=compile,
         )
+        seconds = batch.warm_up()  # the CPU's compiled step: compiled before the first request, not during it
+        if seconds:
+            log.info("compiled the decode step in %.1f s", seconds)
+        return batch
 
     def start(self) -> None:
         self.thread.start()

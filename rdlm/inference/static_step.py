@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rdlm.inference.cpu_compile import CompiledIteration, cpu_compiled
 from rdlm.inference.exit_track import done_iterating
 from rdlm.inference.graphs import StaticSteps
 from rdlm.inference.row_exits import RowExits
@@ -65,6 +66,8 @@ class StaticStep:
         self.decoding = torch.zeros_like(rows.stopped)
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0  # core iterations run several to a call
+        # on the CPU the static step's iteration is compiled (rdlm.inference.cpu_compile); on CUDA it is captured
+        self.compiled = CompiledIteration(self, runner.model) if cpu_compiled(on, runner.device) else None
 
     @property
     def on(self) -> bool:
@@ -83,9 +86,21 @@ class StaticStep:
         coda) or has stopped keeps its state and writes nothing; each iteration updates the rows' counts and
         stopped flags on the device (`done_iterating`)."""
         self.mark_decoding(rows)
+        if self.compiled is not None:
+            self.compiled.refresh()
         self.steps.run(("core iterations", n), lambda: self.iterations(n), idempotent=False)
         if n > 1:
             self.fused_iterations += n
+
+    def warm_up(self) -> float:
+        """Compile the CPU's compiled iteration now (a call with no row decoding changes nothing: every row
+        keeps its state and its cache entries); the seconds it took."""
+        if self.compiled is None:
+            return 0.0
+        self.mark_decoding([])
+        before = self.compiled.seconds
+        self.compiled()
+        return self.compiled.seconds - before
 
     def iteration(self) -> tuple[Tensor, Tensor]:
         """The static body of one iteration: (every row's new state, the rows that iterated: decoding, not
@@ -98,8 +113,9 @@ class StaticStep:
 
     def iterations(self, n: int) -> tuple:
         t = self.rows
+        iteration = self.iteration if self.compiled is None else self.compiled
         for _ in range(n):
-            state, writers = self.iteration()
+            state, writers = iteration()
             t.state.copy_(state)
             t.iterations += writers.long()
             t.stopped |= self.decoding & done_iterating(self.exits.exited, t.iterations, t.cap, self.exits.runs_on)

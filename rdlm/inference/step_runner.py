@@ -72,7 +72,12 @@ class StepRunner:
 
     @property
     def capture_seconds(self) -> float:
-        return self.static_step.steps.capture_seconds + self.lockstep.static_steps.capture_seconds
+        compiled = self.static_step.compiled
+        return (
+            self.static_step.steps.capture_seconds
+            + self.lockstep.static_steps.capture_seconds
+            + (0.0 if compiled is None else compiled.seconds)
+        )
 
     # ---- the step
 

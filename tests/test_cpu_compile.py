@@ -1,0 +1,98 @@
+"""The CPU's compiled decode step (rdlm.inference.cpu_compile): the same tokens as the eager engine in float32,
+never code frozen with other weights, the switches, and the thread count left as it was."""
+
+import pytest
+import torch
+
+from rdlm import RDLMConfig, RecurrentDepthLM
+from rdlm.inference import cpu_compile
+from rdlm.inference.batching import ContinuousBatch
+from rdlm.inference.generate import GenerationConfig, generate
+
+PROMPTS = [[5, 9, 2, 7, 1, 3], [11, 4], [8, 8, 6, 2, 9]]
+
+
+@pytest.fixture
+def compiling(monkeypatch):
+    monkeypatch.setenv(cpu_compile.COMPILE_ENV, "1")  # (the suite's conftest keeps it off elsewhere)
+
+
+def tiny(seed: int = 0) -> RecurrentDepthLM:
+    torch.manual_seed(seed)
+    return RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
+
+
+def run(model, config: GenerationConfig, compile: bool):
+    return generate(model, PROMPTS, GenerationConfig(**{**vars(config), "compile": compile}))
+
+
+def test_the_compiled_step_gives_the_eager_tokens_and_iterations(compiling):
+    """A batch of three prompts of different lengths at a fixed r and with a KL exit (one compiled shape for
+    both: the exits are read outside the compiled iteration), against the eager engine."""
+    model = tiny()
+    threads = torch.get_num_threads()
+    for config in (
+        GenerationConfig(num_steps=8, max_new_tokens=10, seed=3),
+        GenerationConfig(num_steps=8, max_new_tokens=10, exit_criterion="kl", exit_threshold=1e-3, seed=3),
+    ):
+        eager, compiled = run(model, config, False), run(model, config, True)
+        assert compiled.tokens == eager.tokens
+        assert compiled.steps == eager.steps
+        assert compiled.finish_reasons == eager.finish_reasons
+    assert compiled.compile_seconds < 1.0  # the second config (the same shapes) reused the first one's code
+    assert torch.get_num_threads() == threads  # the step's one thread was given back
+
+
+def test_the_compiled_step_runs_only_where_asked_and_allowed(compiling, monkeypatch):
+    model = tiny()
+    batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, compile=True)
+    assert batch.step_runner.static_step.compiled is not None
+    assert not batch.settings.lockstep  # every token goes through the compiled step
+    assert ContinuousBatch(model, 2, 32, 4, compile=False).step_runner.static_step.compiled is None
+    monkeypatch.setenv(cpu_compile.COMPILE_ENV, "0")  # the switch: the static step stays, uncompiled
+    off = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, compile=True)
+    assert off.step_runner.static and off.step_runner.static_step.compiled is None and off.settings.lockstep
+
+
+def test_where_compiling_pays_by_default(compiling, monkeypatch):
+    pays = cpu_compile.compile_pays
+    assert pays(1, cpu_compile.COMPILE_MIN_ITERATIONS, rounds=False)
+    assert not pays(1, cpu_compile.COMPILE_MIN_ITERATIONS - 1, rounds=False)  # too short to pay its compile
+    assert not pays(cpu_compile.SINGLE_THREAD_ROWS + 1, 10**6, rounds=False)  # large batches: eager is faster
+    assert not pays(1, 10**6, rounds=True)  # speculative rounds do not run the static step
+    monkeypatch.setenv(cpu_compile.COMPILE_ENV, "0")
+    assert not pays(1, 10**6, rounds=False)
+
+
+def test_weights_changed_in_place_are_compiled_again(compiling):
+    """Compiled code holds the weights it was frozen with: after an in-place update (what an optimizer step
+    or load_state_dict does) the compiled step must give the new weights' tokens, not the old ones'."""
+    model = tiny(1)
+    config = GenerationConfig(num_steps=4, max_new_tokens=8, seed=0)
+    before = run(model, config, True).tokens
+    assert before == run(model, config, False).tokens
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    eager = run(model, config, False).tokens
+    assert eager != before  # (the update changes the tokens, so the check below can fail)
+    assert run(model, config, True).tokens == eager
+    stamp = cpu_compile.weights_stamp(model)
+    assert stamp == cpu_compile.weights_stamp(model) != cpu_compile.weights_stamp(tiny(1))  # another object
+
+
+def test_warm_up_compiles_without_changing_the_batch(compiling):
+    model = tiny()
+    batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, compile=True)
+    rid = batch.add([3, 1, 4, 1, 5], GenerationConfig(num_steps=4, max_new_tokens=6))
+    tokens = [e.token for e in batch.step()]  # a row mid-request: its state and cache must survive the warm-up
+    t, cache = batch.step_runner.t, batch.cache
+    saved = [x.clone() for x in (t.state, t.iterations, t.stopped, cache.core_k, cache.core_v)]
+    seconds = batch.warm_up()
+    assert seconds > 0 and batch.warm_up() == 0.0  # compiled once
+    for old, new in zip(saved, (t.state, t.iterations, t.stopped, cache.core_k, cache.core_v), strict=True):
+        assert torch.equal(old, new)
+    while batch.busy:
+        tokens += [e.token for e in batch.step() if e.request == rid]
+    alone = generate(model, [3, 1, 4, 1, 5], GenerationConfig(num_steps=4, max_new_tokens=6, compile=False))
+    assert tokens == alone.tokens[0]
