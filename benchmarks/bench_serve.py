@@ -198,10 +198,11 @@ def generation_config(args, tok, exit_criterion: str | None, num_steps: int | No
     """The benchmark's request; `num_steps` (no exit criterion) decodes at that depth, the prompt still at r."""
     from rdlm.inference.generate import GenerationConfig
 
+    compile = {"auto": None, "on": True, "off": False}[args.offline_compile]
     return GenerationConfig(num_steps=num_steps or args.num_steps, prefill_steps=args.num_steps,
                             max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,), exit_criterion=exit_criterion,
                             exit_threshold=args.exit_threshold if exit_criterion else None,
-                            exit_sync_every=args.sync_every)
+                            exit_sync_every=args.sync_every, compile=compile)
 
 
 def offline(args, prompts: list[str], exit_criterion: str | None, batch: int, num_steps: int | None = None) -> dict:
@@ -422,6 +423,9 @@ def main() -> None:
                    help="concurrent clients; comma-separated for one measurement per count")
     p.add_argument("--max-batch", type=int,
                    help="rows of the server's batch and of offline generate (default: the client count)")
+    p.add_argument("--offline-compile", choices=("auto", "on", "off"), default="auto",
+                   help="offline generate's static step (auto: its default; on: compiled on the CPU, as a server "
+                        "with --static on runs it)")
     p.add_argument("--static", choices=("off", "on", "both"), default="off",
                    help="the server's static core step (rdlm serve --compile); both: each count with and without")
     p.add_argument("--num-steps", "-r", type=int, default=32)

@@ -55,7 +55,10 @@ FLAGS: dict[str, dict] = {
     "cache_strategy": {"flags": ("--cache",)},
     "freeze_criterion": {"choices": sorted(n for n, s in CRITERIA.items() if not s.uses_gate)},
     "max_wavefront": {"help": "{help} (0: no limit)"},
-    "compile": {"help": "{help}; rdlm serve: the batch's static core iteration, the same default"},
+    "compile": {
+        "help": "{help}; rdlm serve: the batch's static core iteration (on the CPU compiled by default for "
+        "at most 16 rows)"
+    },
 }
 
 

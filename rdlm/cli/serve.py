@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(model, tokenizer, config)
     batch = app.state.worker.batch
     static = "on" if batch.step_runner.static else "off"
+    if batch.step_runner.static_step.compiled is not None:  # the CPU's compiled step (rdlm.inference.cpu_compile)
+        static = "compiled"
     print(
         f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
         f"per row, {num_slots} core slots, KV cache {batch.cache_bytes / 2**30:.2f} GiB, default r "

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 
 import torch
 
+from rdlm.inference.cpu_compile import compile_forced
+
 
 class StaticSteps:
     """Runs static bodies: eagerly on the CPU, on CUDA through a CUDA graph captured on a body's first
@@ -83,9 +85,10 @@ class StaticSteps:
 def resolve_compile(compile: bool | None, device: torch.device) -> bool:
     """The static decode step: on by default on CUDA (captured in CUDA graphs). On the CPU only when asked
     for (`generate` and `rdlm serve` ask where it pays), where its core iteration is compiled by inductor
-    unless RDLM_COMPILE=0 (rdlm.inference.cpu_compile.cpu_compiled)."""
+    unless RDLM_COMPILE=0 (rdlm.inference.cpu_compile.cpu_compiled); RDLM_COMPILE=force turns it on there by
+    default."""
     if compile is None:
-        return device.type == "cuda"
+        return device.type == "cuda" or (device.type == "cpu" and compile_forced())
     return bool(compile)
 
 

@@ -265,11 +265,14 @@ class GenerationConfig:
     )
     full_prefill: bool = PARALLEL(True, "parallel: prefill the prompt at r (off: the prompt is the first wave)")
 
-    # -- engine (rdlm.inference.batching). In fp32 the static step never changes tokens, only speed; in bf16
-    # a greedy near-tie can flip (its attention reduces over the preallocated cache; docs/inference.md,
-    # "The GPU suite").
+    # -- engine (rdlm.inference.batching). On CUDA in fp32 the static step never changes tokens, only speed; in
+    # bf16 a greedy near-tie can flip (its attention reduces over the preallocated cache; docs/inference.md,
+    # "The GPU suite"). The CPU's compiled step rounds its matmuls differently (log-probabilities within ~2e-6
+    # in fp32), so a near-tie can flip there too (docs/generation.md, "Compiled decoding on the CPU").
     compile: bool | None = ENGINE(
-        None, "the static decode step captured in a CUDA graph (default: on with CUDA, off on CPU)"
+        None,
+        "the static decode step: captured in a CUDA graph (default on with CUDA), or compiled on the CPU (default "
+        "on for long jobs of at most 16 rows; RDLM_COMPILE=0 keeps it eager)",
     )
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.cpu_compile import CompiledIteration, cpu_compiled
+from rdlm.inference.cpu_compile import compiled_iteration, cpu_compiled
 from rdlm.inference.exit_track import done_iterating
 from rdlm.inference.graphs import StaticSteps
 from rdlm.inference.row_exits import RowExits
@@ -67,7 +67,7 @@ class StaticStep:
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0  # core iterations run several to a call
         # on the CPU the static step's iteration is compiled (rdlm.inference.cpu_compile); on CUDA it is captured
-        self.compiled = CompiledIteration(self, runner.model) if cpu_compiled(on, runner.device) else None
+        self.compiled = compiled_iteration(self, runner.model) if cpu_compiled(on, runner.device) else None
 
     @property
     def on(self) -> bool:
