@@ -60,6 +60,8 @@ def test_where_compiling_pays_by_default(compiling, monkeypatch):
     assert not pays(1, cpu_compile.COMPILE_MIN_ITERATIONS - 1, rounds=False)  # too short to pay its compile
     assert not pays(cpu_compile.SINGLE_THREAD_ROWS + 1, 10**6, rounds=False)  # large batches: eager is faster
     assert not pays(1, 10**6, rounds=True)  # speculative rounds do not run the static step
+    monkeypatch.setenv(cpu_compile.COMPILE_ENV, "force")  # always, where the static step runs
+    assert pays(64, 1, rounds=False) and not pays(1, 10**6, rounds=True)
     monkeypatch.setenv(cpu_compile.COMPILE_ENV, "0")
     assert not pays(1, 10**6, rounds=False)
 
