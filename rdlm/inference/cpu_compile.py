@@ -39,7 +39,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM
 
-COMPILE_ENV = "RDLM_COMPILE"  # "0": never compile on the CPU (the eager path), whatever a caller asks
+COMPILE_ENV = "RDLM_COMPILE"  # "0": never compile on the CPU, whatever a caller asks; "force": compile every engine
 
 # The inductor settings the iteration is compiled under (read when it compiles).
 # cpp_wrapper: the compiled call's kernel launches in C++, not Python (b1 r32 on the `small` preset: +11%
@@ -51,8 +51,8 @@ INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends"
 # cores: the `small` preset at batch 1, r = 32, 58 tokens/s on one thread against 24 on two).
 SINGLE_THREAD_ROWS = 16
 
-# `compile=None` on the CPU compiles where it pays back its compile time (~25 s for a new shape, ~8 s when
-# inductor's cache on disk has it, against ~2x faster decoding): a job of at most SINGLE_THREAD_ROWS rows and at
+# `compile=None` on the CPU compiles where it pays back its compile time (~15-30 s for a new shape, ~12 s when
+# inductor's caches on disk have it, against ~2x faster decoding): a job of at most SINGLE_THREAD_ROWS rows and at
 # least this many core iterations per row (512 tokens at r = 32).
 COMPILE_MIN_ITERATIONS = 16384
 LENGTH_BUCKET = 128  # a compiled engine's cache length is rounded up to this, so calls of other lengths reuse it
