@@ -203,6 +203,8 @@ def print_stats(result: GenerationResult) -> None:
         )
     if result.acceptance_rate is not None:
         line += f" | speculative acceptance {result.acceptance_rate:.2f} ({result.accepted}/{result.drafted})"
+    if result.compile_seconds:  # building the static step (a CUDA graph, or the CPU's compiled iteration)
+        line += f" | compile {result.compile_seconds:.1f} s (not in decode)"
     print(line, file=sys.stderr)
     for row, steps in enumerate(result.steps):
         print(f"iterations per token [{row}]: {' '.join(map(str, steps))}", file=sys.stderr)
