@@ -44,7 +44,18 @@ COMPILE_ENV = "RDLM_COMPILE"  # "0": never compile on the CPU, whatever a caller
 # The inductor settings the iteration is compiled under (read when it compiles).
 # cpp_wrapper: the compiled call's kernel launches in C++, not Python (b1 r32 on the `small` preset: +11%
 # tokens/s, the compile 6 s longer).
-INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "cpp_wrapper": True}
+# The last two keep the autotuner's tables of timings off stderr (the CLI's output).
+INDUCTOR = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "cpp_wrapper": True,
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
+
+# Warnings torch 2.13's compiler raises from its own code while it compiles (nothing a user can act on).
+QUIET = (r".*TypedStorage is deprecated.*", r".*torch\.jit\.script_method.* is deprecated.*")
 
 # Up to this many rows, a compiled CPU step runs on one intra-op thread: its matrix-vector products are bound by
 # memory, and a second thread costs a wake-up per op (OMP_WAIT_POLICY=PASSIVE) for no gain (measured on two
@@ -165,7 +176,9 @@ class Compiled:
             return self._compiled(self.owner, *args)
         t0 = time.perf_counter()
         try:
-            with torch._inductor.config.patch(INDUCTOR):
+            with torch._inductor.config.patch(INDUCTOR), warnings.catch_warnings():
+                for message in QUIET:  # torch's own deprecations from inside the compiler, not the user's code
+                    warnings.filterwarnings("ignore", message=message)
                 out = self._compiled(self.owner, *args)
         except Exception as err:  # noqa: BLE001  (any compiler failure: the eager code gives the same results)
             self.failed = True
