@@ -260,16 +260,6 @@ def check_authors_load(args: argparse.Namespace, weights: str) -> int:
     return int(done.stdout.split()[-1])
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def measure_setting(args: argparse.Namespace, setting: dict, weights: str) -> dict:
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {"rdlm": [], "authors": []}
@@ -314,6 +304,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
+    from rdlm.demo.run import cpu_model  # (the parent runs in rdlm's environment; the children import no rdlm)
+
     check_authors_setup(args)
     settings = [parse_setting(name) for name in args.settings.split(",") if name]
     with tempfile.TemporaryDirectory(prefix="bench-authors-") as tmp:

@@ -85,6 +85,13 @@ def compile_pays(rows: int, iterations_per_row: int, rounds: bool) -> bool:
     return compile_forced() or (rows <= SINGLE_THREAD_ROWS and iterations_per_row >= COMPILE_MIN_ITERATIONS)
 
 
+def server_compiles(rows: int) -> bool:
+    """Whether `rdlm serve` compiles a CPU batch of `rows` rows by default: a server lives long enough to pay
+    back its compile wherever the compiled step is faster (at most SINGLE_THREAD_ROWS rows), or always with
+    RDLM_COMPILE=force."""
+    return compile_allowed() and (rows <= SINGLE_THREAD_ROWS or compile_forced())
+
+
 @contextmanager
 def step_threads(rows: int, compiled: bool) -> Iterator[None]:
     """Run a CPU step of a batch of `rows` rows on one thread where that is faster (`SINGLE_THREAD_ROWS`, the

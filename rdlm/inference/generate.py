@@ -49,6 +49,7 @@ from rdlm.inference.graphs import resolve_sync_every, sync
 from rdlm.inference.parallel import wave_room
 from rdlm.inference.params import Decode, GenerationConfig, check_length, check_prompts, cut_at_stop
 from rdlm.inference.sampling import sample
+from rdlm.inference.scheduler import in_rounds
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_time, forward_seconds
 
@@ -139,9 +140,8 @@ def _engine(
     check_generation_time(model.config, device, len(prompts), longest, config)
     compile, max_length = config.compile, longest + room
     if device.type == "cpu":
-        rounds = config.draft_steps is not None or config.sampler == "parallel"
         if compile is None:  # compiled where it pays (rdlm.inference.cpu_compile)
-            compile = compile_pays(len(prompts), config.max_new_tokens * config.num_steps, rounds)
+            compile = compile_pays(len(prompts), config.max_new_tokens * config.num_steps, in_rounds(config))
         if compile:  # a length compiled code can be reused at
             max_length = min(model.config.context_length, -(-max_length // LENGTH_BUCKET) * LENGTH_BUCKET)
     return ContinuousBatch(

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from rdlm.data.tokenizer import Tokenizer
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.cpu_compile import SINGLE_THREAD_ROWS, compile_allowed, compile_forced
+from rdlm.inference.cpu_compile import server_compiles
 from rdlm.inference.events import BatchEvent
 from rdlm.inference.openai_api import APIError
 from rdlm.inference.params import GenerationConfig
@@ -135,8 +135,8 @@ class Worker:
     def _new_batch(self) -> ContinuousBatch:
         c = self.config
         compile = c.compile
-        if compile is None and self.model_device.type == "cpu":  # a server lives long: compiled where it is faster
-            compile = compile_allowed() and (c.max_batch <= SINGLE_THREAD_ROWS or compile_forced())
+        if compile is None and self.model_device.type == "cpu":
+            compile = server_compiles(c.max_batch)
         batch = ContinuousBatch(
             self.model,
             c.max_batch,
