@@ -49,6 +49,7 @@ class RecurrentDepthLM(nn.Module):
     source: str
     quantization: Any  # a rdlm.model.quantize.QuantSpec (not imported: that module imports this one)
     quantized_layers: dict[str, str]
+    lora_specs: dict[str, Any]  # name -> rdlm.model.lora.LoraSpec of each LoRA adapter added (none: absent)
 
     def __init__(self, config: RDLMConfig) -> None:
         super().__init__()

@@ -341,6 +341,16 @@ class QuantizedLinear(nn.Module):
                 "quantize the model on the device it runs on (load_model(..., device=..., "
                 "quantize=...))"
             )
+        # With a gradient wanted for the input, a LoRA adapter above trains (QLoRA, rdlm.model.lora).
+        y = _MatmulWithInputGrad.apply(x2, self) if torch.is_grad_enabled() and x2.requires_grad else self.matmul(x2)
+        y = y.to(dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def matmul(self, x2: Tensor) -> Tensor:
+        """x2 [N, in] times the weight, on this device's kernel for the scheme (the output in the kernel's
+        dtype)."""
         if self.packed is not None:
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True)
         elif self.scheme in ("int8", "w8a8") and self.on_cpu:
@@ -352,10 +362,7 @@ class QuantizedLinear(nn.Module):
             )
         else:
             y = self.dequantized_matmul(x2)
-        y = y.to(dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y
 
     def dequantized_matmul(self, x2: Tensor) -> Tensor:
         """x2 W^T off the CPU (the portable layout): the weight dequantized inside the matmul, in x2's dtype."""
@@ -370,6 +377,23 @@ class QuantizedLinear(nn.Module):
     def nbytes(self) -> int:
         held = sum(b.numel() * b.element_size() for b in self.buffers())
         return held + (self.out_features * self.in_features if self.packed is not None else 0)
+
+
+class _MatmulWithInputGrad(torch.autograd.Function):
+    """The quantized matmul with a gradient for its input (the weights stay frozen): what a LoRA adapter
+    above a quantized layer needs to train (QLoRA, rdlm.model.lora). PyTorch's integer kernels have no
+    derivative; the backward pass dequantizes the weight for the one product, grad_x = grad_y W, and lets
+    it go (only one layer's float weight is alive at a time)."""
+
+    @staticmethod
+    def forward(ctx: Any, x2: Tensor, layer: QuantizedLinear) -> Tensor:
+        ctx.layer, ctx.input_dtype = layer, x2.dtype
+        return layer.matmul(x2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        weight = ctx.layer.weight.to(grad.device, torch.float32)
+        return (grad.float() @ weight).to(ctx.input_dtype), None
 
 
 def _aligned(tensor: Tensor) -> Tensor:

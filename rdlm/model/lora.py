@@ -1,0 +1,653 @@
+"""LoRA adapters on a recurrent-depth model, built by the `peft` library (docs/fine-tuning.md).
+
+A LoRA adapter adds a trainable low-rank update to a frozen linear layer, `y = W x + (alpha / rank) B A x`
+(Hu et al. 2021). Which layers get one is chosen per part of the loop, as quantization is:
+
+    prelude   the prelude blocks' projections (attention q/k/v and output, the MLP's two)
+    core      the core blocks' projections: one adapter, applied at every iteration
+    adapter   the core's input map A(concat[s, e]) (Huginn's concatenating injection)
+    coda      the coda blocks' projections
+    head      the un-embedding, where it is a layer of its own (an untied head)
+
+The layers are PEFT's own (`inject_adapter_in_model`): a model here is the plain `RecurrentDepthLM`, and an
+adapter saved by `save_adapter` is in PEFT's format (adapter_config.json + adapter_model.safetensors), its
+tensors named as on rdlm's transformers model (`RavenForCausalLM`, whose `model` is the RecurrentDepthLM), so
+`PeftModel.from_pretrained(RavenForCausalLM.from_pretrained(base), adapter_dir)` loads it. Beside them
+`rdlm_adapter.json` records what the adapter was trained on: the base's shapes and a fingerprint of its
+weights, the parts and the base's quantization, so an adapter is refused by name on another base.
+
+A quantized base (rdlm.model.quantize, QLoRA) takes adapters too: `quantized_lora_class()` is PEFT's LoRA
+layer over a `QuantizedLinear`, registered with PEFT's custom-module dispatch; its adapter weights stay in
+float32, and the quantized layer passes gradients to its input (rdlm.model.quantize).
+
+Several adapters can sit in one model under different names (`load_adapter(..., name=...)`), for serving: a
+batch then routes each token to its own adapter (`routed`), every other token's update multiplied by zero.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from rdlm.checks import check_int
+from rdlm.fileio import read_utf8, staging_dir, write_json
+from rdlm.model.quantize import QuantizedLinear
+
+if TYPE_CHECKING:
+    from rdlm.model.lm import RecurrentDepthLM
+
+PARTS = ("prelude", "core", "adapter", "coda", "head")
+# Every block projection of the loop, head excluded: adapters on all linear layers is what matched a full
+# fine-tune in the QLoRA study (Dettmers et al. 2023), and the head is vocabulary-wide (tied in Huginn).
+DEFAULT_PARTS = ("prelude", "core", "adapter", "coda")
+DEFAULT_RANK, DEFAULT_ALPHA = 16, 32.0
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+RDLM_ADAPTER = "rdlm_adapter.json"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, RDLM_ADAPTER)
+DEFAULT_NAME = "default"
+# PEFT names a saved tensor "base_model.model.<module>.lora_A.weight"; on RavenForCausalLM the module is
+# "model.<rdlm name>".
+FILE_PREFIX = "base_model.model."
+HF_PREFIX = "model."
+FORMAT_VERSION = 1
+
+
+class LoraError(ValueError):
+    """An adapter spec, file or base that cannot be used (one line naming it)."""
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise LoraError("LoRA adapters need the peft library: pip install 'rdlm[lora]' (or pip install peft)") from None
+    return peft
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """An adapter's shape: rank, alpha (the update is scaled by alpha / rank), dropout on its input during
+    training, and the parts of the loop whose layers get one (PARTS)."""
+
+    rank: int = DEFAULT_RANK
+    alpha: float = DEFAULT_ALPHA
+    dropout: float = 0.0
+    parts: tuple[str, ...] = DEFAULT_PARTS
+
+    def __post_init__(self) -> None:
+        check_int("lora rank", self.rank, error=LoraError)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
+            raise LoraError(f"lora alpha must be a finite number, got {self.alpha!r}")
+        if self.alpha <= 0:
+            raise LoraError(f"lora alpha must be > 0, got {self.alpha}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise LoraError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.parts:
+            raise LoraError(f"lora parts: give at least one of {', '.join(PARTS)}")
+        for part in self.parts:
+            if part not in PARTS:
+                raise LoraError(f"lora parts: unknown part {part!r} (expected some of {', '.join(PARTS)})")
+        if len(set(self.parts)) != len(self.parts):
+            raise LoraError(f"lora parts: a part is named twice in {','.join(self.parts)}")
+
+    @staticmethod
+    def parse_parts(text: str) -> tuple[str, ...]:
+        """ "core,coda" -> ("core", "coda"); "all" -> every part; "default" -> DEFAULT_PARTS."""
+        if text.strip() == "all":
+            return PARTS
+        if text.strip() == "default":
+            return DEFAULT_PARTS
+        return tuple(item.strip() for item in text.split(","))
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "parts": list(self.parts)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Which layers
+
+
+def _part_prefixes(part: str) -> tuple[str, ...]:
+    return {"prelude": ("prelude.",), "core": ("core.",), "coda": ("coda.",)}.get(part, ())
+
+
+def target_modules(model: RecurrentDepthLM, parts: Sequence[str]) -> list[str]:
+    """The rdlm names of the linear layers `parts` adapt, in model order. A part this model does not have (a
+    tied head, no adapter layer, no coda layers) is refused by name."""
+    names: list[str] = []
+    for part in parts:
+        if part == "head":
+            if model.lm_head is None:
+                raise LoraError(
+                    "lora part 'head': this model ties its head to the embedding (no head layer of its "
+                    "own to adapt); leave 'head' out"
+                )
+            found = ["lm_head"]
+        elif part == "adapter":
+            if model.adapter is None:
+                raise LoraError(
+                    f"lora part 'adapter': this model injects the embedding by {model.config.injection!r}, "
+                    "with no adapter layer; leave 'adapter' out"
+                )
+            found = ["adapter"]
+        else:
+            found = [
+                name
+                for name, module in model.named_modules()
+                if name.startswith(_part_prefixes(part)) and _is_linear(module) and ".lora_" not in name
+            ]
+            if not found:
+                raise LoraError(f"lora part {part!r}: this model has no {part} layers")
+        names += found
+    return names
+
+
+def _is_linear(module: nn.Module) -> bool:
+    peft = _peft()
+    base = module.get_base_layer() if isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer) else module
+    return isinstance(base, (nn.Linear, QuantizedLinear)) and not isinstance(module, (nn.ModuleDict, nn.ParameterDict))
+
+
+def _pattern(names: Sequence[str]) -> str:
+    """A regular expression PEFT matches (re.fullmatch) against module names: exactly `names`, on the bare
+    RecurrentDepthLM and under RavenForCausalLM's `model.` (and PeftModel's wrappers)."""
+    return r"(?:.*\.)?(?:" + "|".join(re.escape(n) for n in names) + ")"
+
+
+def _lora_config(spec: LoraSpec, names: Sequence[str], base_source: str | None = None):
+    peft = _peft()
+    config = peft.LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=_pattern(names),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_source,
+    )
+    config._register_custom_module({QuantizedLinear: quantized_lora_class()})
+    return config
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(rdlm module name, PEFT LoRA layer) of every adapted layer."""
+    peft = _peft()
+    for name, module in model.named_modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            yield name, module
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The adapters loaded in `model`, in the order they were added."""
+    names: list[str] = []
+    for _, layer in lora_layers(model):
+        names += [n for n in layer.lora_A if n not in names]
+    return names
+
+
+# ------------------------------------------------------------------------------------------------
+# The LoRA layer over a quantized base (QLoRA)
+
+
+@functools.cache
+def quantized_lora_class() -> type:
+    peft = _peft()
+    base_class = peft.tuners.lora.layer.Linear
+
+    class QuantizedLoraLinear(base_class):  # type: ignore[valid-type,misc]  # PEFT's class, imported lazily
+        """PEFT's LoRA linear layer over rdlm's QuantizedLinear (int8/int4/w8a8 weights): the frozen base
+        computes with its integer kernels, the adapter in float32. Merging is refused: rounding the update
+        into the integer weights would lose it silently (merge into the unquantized base instead)."""
+
+        def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+            assert isinstance(module, QuantizedLinear)  # what this class is dispatched for
+            return module.in_features, module.out_features
+
+        def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+            raise LoraError(
+                f"cannot merge a LoRA adapter into a {self.base_layer.scheme}-quantized layer: the update would be "
+                "rounded into the integer weights; merge into the unquantized base (rdlm lora merge BASE ADAPTER)"
+            )
+
+    return QuantizedLoraLinear
+
+
+# ------------------------------------------------------------------------------------------------
+# Adding, training and fingerprints
+
+
+def add_lora(model: RecurrentDepthLM, spec: LoraSpec, name: str = DEFAULT_NAME) -> RecurrentDepthLM:
+    """Add a fresh adapter `name` (A random, B zero: the model's outputs are unchanged until trained) to the
+    layers `spec.parts` names, in float32, and freeze every other parameter. Returns the model."""
+    peft = _peft()
+    if name in adapter_names(model):
+        raise LoraError(f"the model already has an adapter named {name!r}")
+    names = target_modules(model, spec.parts)
+    with _no_peft_warnings():
+        peft.inject_adapter_in_model(_lora_config(spec, names), model, adapter_name=name)
+    for param_name, param in model.named_parameters():
+        param.requires_grad = f".lora_A.{name}." in param_name or f".lora_B.{name}." in param_name
+        if param.requires_grad:
+            param.data = param.data.float()
+    model.lora_specs = {**getattr(model, "lora_specs", {}), name: spec}
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, all) parameter counts (quantized weights are buffers: not counted in `all`)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def base_fingerprint(model: RecurrentDepthLM) -> str:
+    """A digest of the base model that quantization and a bf16/fp32 cast leave alone: its shapes and every
+    norm weight and a strided sample of the embedding rows, rounded to bfloat16 (these stay in the model's
+    dtype under every quantization scheme). Two bases with the same fingerprint are the same weights for
+    an adapter's purposes; training moves norms, so a fine-tuned base gets another one."""
+    c = model.config
+    digest = hashlib.sha256()
+    shape = [c.vocab_size, c.hidden_size, c.num_heads, c.kv_heads, c.head_dim, c.intermediate_size]
+    shape += [c.prelude_layers, c.core_layers, c.coda_layers]
+    digest.update(json.dumps(shape).encode())
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        if param.ndim == 1 or name.endswith("qk_bias"):
+            tensor = param.detach()
+        elif name == "embedding.weight":
+            tensor = param.detach()[:: max(1, param.shape[0] // 64)]
+        else:
+            continue
+        digest.update(name.replace(".base_layer", "").encode())
+        digest.update(tensor.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def base_shapes(model: RecurrentDepthLM) -> dict[str, int]:
+    c = model.config
+    return {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_heads": c.num_heads,
+        "kv_heads": c.kv_heads,
+        "intermediate_size": c.intermediate_size,
+        "prelude_layers": c.prelude_layers,
+        "core_layers": c.core_layers,
+        "coda_layers": c.coda_layers,
+    }
+
+
+@dataclass
+class AdapterInfo:
+    """What rdlm_adapter.json records of an adapter: its spec and the base it was trained on."""
+
+    spec: LoraSpec
+    base_source: str | None
+    fingerprint: str | None
+    shapes: dict[str, int] | None
+    quantization: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "lora": self.spec.to_json(),
+            "base": {"source": self.base_source, "fingerprint": self.fingerprint, "shapes": self.shapes},
+            "quantization": self.quantization,
+            **self.extra,
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# Files
+
+
+def adapter_state(model: nn.Module, name: str = DEFAULT_NAME) -> dict[str, Tensor]:
+    """The adapter's tensors as PEFT saves them: "base_model.model.model.<rdlm module>.lora_{A,B}.weight"."""
+    state: dict[str, Tensor] = {}
+    for module_name, layer in lora_layers(model):
+        if name not in layer.lora_A:
+            continue
+        for which in ("lora_A", "lora_B"):
+            weight = getattr(layer, which)[name].weight
+            state[f"{FILE_PREFIX}{HF_PREFIX}{module_name}.{which}.weight"] = weight.detach().to("cpu").contiguous()
+    if not state:
+        raise LoraError(f"the model has no adapter named {name!r}")
+    return state
+
+
+def save_adapter(
+    model: RecurrentDepthLM,
+    directory: str | os.PathLike,
+    name: str = DEFAULT_NAME,
+    *,
+    base_source: str | None = None,
+    extra: dict[str, Any] | None = None,
+    state: dict[str, Tensor] | None = None,
+) -> Path:
+    """Write adapter `name` of `model` to `directory` in PEFT's format, plus rdlm_adapter.json, atomically
+    (the directory is built beside and swapped in whole). `state`: tensors to write instead of the model's
+    own (an EMA of them), named as `adapter_state` names them."""
+    spec = _spec_of(model, name)
+    tensors = adapter_state(model, name) if state is None else state
+    names = sorted({_module_of(key) for key in tensors})
+    config = _lora_config(spec, names, base_source).to_dict()
+    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+    config["peft_type"], config["task_type"] = "LORA", "CAUSAL_LM"
+    info = AdapterInfo(
+        spec,
+        base_source,
+        base_fingerprint(model),
+        base_shapes(model),
+        str(model.quantization) if getattr(model, "quantization", None) is not None else None,
+        dict(extra or {}),
+    )
+    with staging_dir(directory) as tmp:
+        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        write_json(tmp / ADAPTER_CONFIG, config)
+        write_json(tmp / RDLM_ADAPTER, info.to_json())
+    return Path(directory)
+
+
+def _spec_of(model: nn.Module, name: str) -> LoraSpec:
+    specs = getattr(model, "lora_specs", {})
+    if name not in specs:
+        raise LoraError(f"the model has no adapter named {name!r}")
+    return specs[name]
+
+
+def _module_of(key: str) -> str:
+    """The rdlm module name of a saved tensor's key (PEFT's prefix and RavenForCausalLM's `model.` removed)."""
+    name = key.removeprefix(FILE_PREFIX)
+    name = name.removeprefix(HF_PREFIX)
+    for suffix in (".lora_A.weight", ".lora_B.weight"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    raise LoraError(f"tensor {key!r} is not a LoRA weight (expected <module>.lora_A.weight or .lora_B.weight)")
+
+
+@dataclass
+class AdapterFiles:
+    """An adapter directory, read and checked: its spec, tensors by rdlm module and what it records."""
+
+    directory: Path
+    spec: LoraSpec
+    tensors: dict[str, tuple[Tensor, Tensor]]  # module -> (lora_A [r, in], lora_B [out, r])
+    info: dict[str, Any]  # rdlm_adapter.json ({} for an adapter made elsewhere)
+    config: dict[str, Any]  # adapter_config.json
+
+    @property
+    def base_source(self) -> str | None:
+        base = self.info.get("base") or {}
+        return base.get("source") or self.config.get("base_model_name_or_path")
+
+
+def read_adapter(directory: str | os.PathLike) -> AdapterFiles:
+    """Read an adapter directory (PEFT's format), refusing in one line what does not make a LoRA adapter."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such adapter directory (expected {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (path / file).is_file():
+            raise LoraError(f"{path}: not an adapter directory: {file} is missing")
+    config = _read_json(path / ADAPTER_CONFIG)
+    if config.get("peft_type") != "LORA":
+        raise LoraError(f"{path / ADAPTER_CONFIG}: peft_type is {config.get('peft_type')!r}; rdlm reads LoRA adapters")
+    for key, allowed in (("use_dora", (False, None)), ("bias", ("none", None)), ("fan_in_fan_out", (False, None))):
+        if config.get(key) not in allowed:
+            raise LoraError(f"{path / ADAPTER_CONFIG}: {key}={config.get(key)!r} is not supported (plain LoRA only)")
+    if config.get("use_rslora"):
+        raise LoraError(f"{path / ADAPTER_CONFIG}: use_rslora is not supported (plain LoRA scaling alpha / rank)")
+    info = _read_json(path / RDLM_ADAPTER) if (path / RDLM_ADAPTER).is_file() else {}
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise LoraError(
+            f"{path / ADAPTER_CONFIG}: r must be an integer and lora_alpha a number, got {rank!r}, {alpha!r}"
+        )
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise LoraError(f"{path / ADAPTER_CONFIG}: per-layer ranks (rank_pattern, alpha_pattern) are not supported")
+    try:
+        with safe_open(path / ADAPTER_WEIGHTS, framework="pt") as handle:
+            raw = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise LoraError(f"{path / ADAPTER_WEIGHTS}: not a readable safetensors file ({err})") from None
+    pairs: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in raw.items():
+        module = _module_of(key)
+        pairs.setdefault(module, {})["A" if ".lora_A." in key else "B"] = tensor
+    if not pairs:
+        raise LoraError(f"{path / ADAPTER_WEIGHTS}: holds no LoRA tensors")
+    tensors: dict[str, tuple[Tensor, Tensor]] = {}
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise LoraError(f"{path / ADAPTER_WEIGHTS}: {module} has no {missing} weight")
+        a, b = pair["A"], pair["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise LoraError(
+                f"{path / ADAPTER_WEIGHTS}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, "
+                f"which do not make a rank-{rank} update (adapter_config.json's r)"
+            )
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise LoraError(f"{path / ADAPTER_WEIGHTS}: {module} holds non-float weights")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoraError(f"{path / ADAPTER_WEIGHTS}: {module} holds non-finite values")
+        tensors[module] = (a, b)
+    recorded = info.get("lora") or {}
+    parts = tuple(recorded.get("parts") or _parts_of(tensors))
+    try:
+        spec = LoraSpec(rank, alpha, float(config.get("lora_dropout") or 0.0), parts)
+    except LoraError as err:
+        raise LoraError(f"{path / ADAPTER_CONFIG}: {err}") from None
+    return AdapterFiles(path, spec, tensors, info, config)
+
+
+def _parts_of(tensors: dict[str, Any]) -> list[str]:
+    parts: list[str] = []
+    for module in tensors:
+        part = {"lm_head": "head", "adapter": "adapter"}.get(module, module.split(".", 1)[0])
+        if part in PARTS and part not in parts:
+            parts.append(part)
+    return parts
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(read_utf8(path, LoraError))
+    except json.JSONDecodeError as err:
+        raise LoraError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise LoraError(f"{path}: expected a JSON object")
+    return data
+
+
+def check_base(files: AdapterFiles, model: RecurrentDepthLM) -> None:
+    """Refuse, naming the difference, an adapter whose recorded base is not `model`: other shapes, another
+    fingerprint, or a layer the model lacks or holds in another shape."""
+    where = files.directory
+    base = files.info.get("base") or {}
+    shapes = base.get("shapes")
+    if shapes:
+        own = base_shapes(model)
+        differ = [f"{k} {v} (this model: {own.get(k)})" for k, v in shapes.items() if own.get(k) != v]
+        if differ:
+            raise LoraError(f"{where}: the adapter was made for a base of other shapes: {', '.join(differ)}")
+    modules = dict(model.named_modules())
+    for module, (a, b) in files.tensors.items():
+        layer = modules.get(module)
+        if layer is None or not _is_linear(layer):
+            raise LoraError(f"{where}: the adapter adapts {module}, which this model does not have as a linear layer")
+        base_layer = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+        if a.shape[1] != base_layer.in_features or b.shape[0] != base_layer.out_features:
+            raise LoraError(
+                f"{where}: {module} is [{base_layer.out_features}, {base_layer.in_features}] in this model, the "
+                f"adapter's update is [{b.shape[0]}, {a.shape[1]}]: it was made for another base"
+            )
+    recorded = base.get("fingerprint")
+    if recorded and recorded != base_fingerprint(model):
+        raise LoraError(
+            f"{where}: the adapter was trained on another base (fingerprint {recorded}, this model's "
+            f"{base_fingerprint(model)}; trained on {base.get('source')}): load it on that base, or pass "
+            "--lora-any-base to apply it anyway"
+        )
+
+
+def load_adapter(
+    model: RecurrentDepthLM,
+    directory: str | os.PathLike | AdapterFiles,
+    name: str = DEFAULT_NAME,
+    *,
+    any_base: bool = False,
+    dtype: torch.dtype | None = None,
+) -> RecurrentDepthLM:
+    """Add the adapter in `directory` to `model` under `name` (frozen, for inference), after `check_base`
+    (`any_base` skips the fingerprint, never the shapes). dtype: of the adapter weights (None: float32 over
+    a quantized base, else the base's). The adapter becomes the active one. Returns the model."""
+    files = directory if isinstance(directory, AdapterFiles) else read_adapter(directory)
+    if name in adapter_names(model):
+        raise LoraError(f"the model already has an adapter named {name!r}")
+    if any_base:
+        info = dict(files.info)
+        info["base"] = {k: v for k, v in (info.get("base") or {}).items() if k != "fingerprint"}
+        check_base(AdapterFiles(files.directory, files.spec, files.tensors, info, files.config), model)
+    else:
+        check_base(files, model)
+    peft = _peft()
+    modules = list(files.tensors)
+    with _no_peft_warnings():
+        peft.inject_adapter_in_model(_lora_config(files.spec, modules), model, adapter_name=name)
+    layers = dict(lora_layers(model))
+    with torch.no_grad():
+        for module, (a, b) in files.tensors.items():
+            layer = layers[module]
+            base = layer.get_base_layer()
+            target = dtype or (torch.float32 if isinstance(base, QuantizedLinear) else base.weight.dtype)
+            for which, tensor in (("lora_A", a), ("lora_B", b)):
+                weight = getattr(layer, which)[name].weight
+                weight.data = tensor.to(device=_device_of(base), dtype=target)
+    for param_name, param in model.named_parameters():
+        if ".lora_" in param_name:
+            param.requires_grad = False
+    model.lora_specs = {**getattr(model, "lora_specs", {}), name: files.spec}
+    set_adapter(model, name)
+    return model
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def set_adapter(model: nn.Module, name: str | None) -> None:
+    """Make `name` the adapter every adapted layer applies (None: none, the base alone)."""
+    for _, layer in lora_layers(model):
+        if name is None:
+            layer.enable_adapters(False)
+        elif name in layer.lora_A:
+            layer.enable_adapters(True)
+            layer.set_adapter(name)
+        else:  # this adapter leaves the layer alone
+            layer.enable_adapters(False)
+
+
+@contextmanager
+def _no_peft_warnings() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        # PEFT warns that a custom module mapping is experimental, and that a model is not a transformers one.
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+# ------------------------------------------------------------------------------------------------
+# Merging
+
+
+def merge_adapter(model: RecurrentDepthLM, name: str = DEFAULT_NAME) -> RecurrentDepthLM:
+    """Fold adapter `name` into the base weights (W += alpha/rank B A, in the weights' dtype) and remove every
+    LoRA layer: the result is a plain model with the base's layout. A quantized layer is refused (the
+    update would be rounded into its integer weights)."""
+    layers = list(lora_layers(model))
+    if not any(name in layer.lora_A for _, layer in layers):
+        raise LoraError(f"the model has no adapter named {name!r}")
+    for module, layer in layers:
+        if name in layer.lora_A and isinstance(layer.get_base_layer(), QuantizedLinear):
+            raise LoraError(
+                f"cannot merge into {module}: it is quantized ({layer.get_base_layer().scheme}), and the update would "
+                "be rounded into its integer weights; merge into the unquantized base"
+            )
+    with torch.no_grad():
+        for module, layer in layers:
+            base = layer.get_base_layer()
+            if name in layer.lora_A:
+                delta = layer.get_delta_weight(name)
+                base.weight.data = (base.weight.data.float() + delta.float()).to(base.weight.dtype)
+            parent_name, _, leaf = module.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, base)
+    if hasattr(model, "lora_specs"):
+        del model.lora_specs
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# Several adapters in one batch
+
+
+class Routing:
+    """Which adapter each token of a call applies: `index` [tokens] (flattened over the call's leading
+    dimensions), 0 for none and i for `names[i - 1]`. Set on a model with `routed`."""
+
+    def __init__(self, names: Sequence[str], index: Tensor) -> None:
+        self.names, self.index = list(names), index
+
+
+def _routed_forward(layer: Any, routing: Routing, x: Tensor) -> Tensor:
+    """The layer's output with each token's own adapter: the base for every token, plus each adapter's update
+    times the mask of its tokens (the same arithmetic as the adapter alone: B(A(x)) * scaling, then + )."""
+    result = layer.base_layer(x)
+    dtype = result.dtype
+    flat = routing.index.view(*routing.index.shape, *([1] * (x.ndim - routing.index.ndim)))
+    for number, name in enumerate(routing.names, start=1):
+        if name not in layer.lora_A:
+            continue
+        lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+        update = lora_b(lora_a(x.to(lora_a.weight.dtype))) * layer.scaling[name]
+        result = result + update * (flat == number).to(update.dtype)
+    return result.to(dtype)
+
+
+@contextmanager
+def routed(model: nn.Module, names: Sequence[str], index: Tensor) -> Iterator[None]:
+    """Within the block, every adapted layer of `model` applies to each token the adapter `index` names
+    (see Routing; `index` shaped as the calls' leading dimensions, e.g. [batch, seq])."""
+    routing = Routing(names, index)
+    layers = [layer for _, layer in lora_layers(model)]
+    saved = [layer.forward for layer in layers]
+    try:
+        for layer in layers:
+            layer.forward = lambda x, *a, _layer=layer, **k: _routed_forward(_layer, routing, x)
+        yield
+    finally:
+        for layer, forward in zip(layers, saved, strict=True):
+            layer.forward = forward
