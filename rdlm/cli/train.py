@@ -138,15 +138,21 @@ def register(subparsers) -> None:
 
 
 # Flags that set a detail of another setting, and do nothing without it: (field, the values it needs, in words).
-SETTING_OF = {
+SETTING_OF: dict[str, tuple[str, Any, str]] = {
     "curriculum_start": ("curriculum", None, "--curriculum linear or 1-sqrt"),
     "curriculum_fraction": ("curriculum", None, "--curriculum linear or 1-sqrt"),
     "muon_lr": ("optimizer", "muon", "--optimizer muon"),
     "muon_weight_decay": ("optimizer", "muon", "--optimizer muon"),
+    "lora_rank": ("lora", True, "--lora"),
+    "lora_alpha": ("lora", True, "--lora"),
+    "lora_dropout": ("lora", True, "--lora"),
+    "lora_parts": ("lora", True, "--lora"),
+    "lora_base_dtype": ("lora", True, "--lora"),
+    "quantize_group_size": ("quantize", None, "--quantize with int4"),
 }
 
 
-def _needs_setting(field: str, value: str | None, words: str):
+def _needs_setting(field: str, value: Any, words: str):
     def why_not(args: argparse.Namespace) -> str | None:
         setting = _setting(args, field)
         if setting is None or (value is not None and setting != value):

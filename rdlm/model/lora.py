@@ -368,6 +368,35 @@ def save_adapter(
     return Path(directory)
 
 
+def parameter_of(key: str, name: str = DEFAULT_NAME) -> str:
+    """The parameter of adapter `name` that a saved tensor `key` fills: "<module>.lora_A.<name>.weight"."""
+    which = "lora_A" if key.endswith(".lora_A.weight") else "lora_B"
+    return f"{_module_of(key)}.{which}.{name}.weight"
+
+
+@torch.no_grad()
+def copy_adapter(model: nn.Module, files: AdapterFiles, name: str = DEFAULT_NAME) -> None:
+    """Copy a saved adapter's tensors into adapter `name` that `model` has already (a resumed run's), after
+    `check_base`; an adapter of other layers or another rank is refused by name."""
+    check_base(files, model)  # type: ignore[arg-type]  # a RecurrentDepthLM with adapters
+    params = dict(model.named_parameters())
+    expected = {n for n in params if f".lora_A.{name}." in n or f".lora_B.{name}." in n}
+    filled = set()
+    for module, pair in files.tensors.items():
+        for which, tensor in zip(("lora_A", "lora_B"), pair, strict=True):
+            target = f"{module}.{which}.{name}.weight"
+            if target not in params or params[target].shape != tensor.shape:
+                shape = list(params[target].shape) if target in params else None
+                raise LoraError(
+                    f"{files.directory}: {module}.{which} is {list(tensor.shape)}, the model's adapter has "
+                    f"{shape or 'no such layer'}"
+                )
+            params[target].copy_(tensor)
+            filled.add(target)
+    if expected - filled:
+        raise LoraError(f"{files.directory}: holds no weights for {min(expected - filled)}")
+
+
 def _spec_of(model: nn.Module, name: str) -> LoraSpec:
     specs = getattr(model, "lora_specs", {})
     if name not in specs:

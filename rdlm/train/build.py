@@ -20,18 +20,22 @@ from rdlm.train.distributed import apply_fsdp
 from rdlm.train.optim import AdamW, MuonAdamW, parameter_groups
 
 
-def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple[RecurrentDepthLM, Path | None]:
-    """The model to train (float32) and the directory of its tokenizer.json, if any. `source` is read
-    by rdlm.model.resolve, as every command's --model; from a checkpoint or run directory the raw
-    weights (not the EMA) are trained on."""
+def resolve_model(
+    source: str, overrides: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32, frozen: bool = False
+) -> tuple[RecurrentDepthLM, Path | None]:
+    """The model to train (in `dtype`, float32 unless a frozen LoRA base asks for bf16) and the directory of
+    its tokenizer.json, if any. `source` is read by rdlm.model.resolve, as every command's --model; from a
+    checkpoint or run directory the raw weights (not the EMA) are trained on. A model saved quantized is
+    refused unless it stays `frozen` (the base of LoRA adapters)."""
     from rdlm.model.resolve import resolve_model_source
 
     found = resolve_model_source(source, weights="model")
     if found.kind == "preset":
         assert found.preset is not None  # a preset's name, by its kind
-        return RecurrentDepthLM(RDLMConfig.from_preset(found.preset, **(overrides or {}))), None
-    model = found.load(dtype=torch.float32)
-    if getattr(model, "quantization", None) is not None:
+        model = RecurrentDepthLM(RDLMConfig.from_preset(found.preset, **(overrides or {})))
+        return model.to(dtype), None
+    model = found.load(dtype=dtype)
+    if getattr(model, "quantization", None) is not None and not frozen:
         raise ConfigError(
             f"{source} is quantized ({model.quantization}): its integer weights cannot be trained; "
             "train the unquantized model and quantize it afterwards"
@@ -52,6 +56,23 @@ def resolve_model(source: str, overrides: dict[str, Any] | None = None) -> tuple
         fresh.load_state_dict(model.state_dict())
         model = fresh
     return model.train(), found.tokenizer_dir
+
+
+def prepare_lora(model: RecurrentDepthLM, config: TrainConfig) -> RecurrentDepthLM:
+    """A lora run's model, on its device: the base quantized as `config.quantize` asks (QLoRA; a base saved
+    quantized stays as saved), then fresh adapters (rdlm.model.lora.add_lora) on the parts asked, every
+    other weight frozen."""
+    from rdlm.model import lora
+    from rdlm.model import quantize as quantization
+
+    try:
+        quantization.apply(model, config.quantize, config.quantize_group_size)
+    except quantization.QuantizationError as err:
+        raise ConfigError(f"--quantize: {err}") from None
+    try:
+        return lora.add_lora(model, config.lora_spec())
+    except lora.LoraError as err:
+        raise ConfigError(f"--lora: {err}") from None
 
 
 def resolve_tokenizer(config: TrainConfig, model_dir: Path | None):

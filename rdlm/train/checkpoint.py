@@ -75,6 +75,8 @@ from rdlm.model.checkpoints import (
 from rdlm.model.huginn import load_pretrained, save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
 
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter (rdlm.model.lora, PEFT's format) in place of model/
+EMA_ADAPTER_DIR = "ema-adapter"  # and its EMA
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 
@@ -128,17 +130,34 @@ def save_checkpoint(
     trainer: dict[str, Any],
     tokenizer=None,
     keep: int = 3,
+    *,
+    ema_adapter: dict[str, torch.Tensor] | None = None,
+    base_source: str | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically, then delete all but the newest `keep`."""
+    """Write checkpoint `step` atomically, then delete all but the newest `keep`. A model with LoRA adapters
+    (a lora run) writes its adapter (adapter/, and ema-adapter/ from `ema_adapter`, the EMA's tensors named
+    as rdlm.model.lora.adapter_state names them) instead of the weights; `base_source` is the base it
+    records."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     with staging_dir(final) as tmp:  # re-saving a step replaces the old copy only once complete
-        save_pretrained(model, tmp / "model")
-        if ema_model is not None:
-            save_pretrained(ema_model, tmp / "ema")
+        if getattr(model, "lora_specs", None):
+            from rdlm.model.lora import save_adapter
+
+            subs = [ADAPTER_DIR]
+            save_adapter(model, tmp / ADAPTER_DIR, base_source=base_source)
+            if ema_adapter is not None:
+                save_adapter(model, tmp / EMA_ADAPTER_DIR, base_source=base_source, state=ema_adapter)
+                subs.append(EMA_ADAPTER_DIR)
+        else:
+            subs = ["model"]
+            save_pretrained(model, tmp / "model")
+            if ema_model is not None:
+                save_pretrained(ema_model, tmp / "ema")
+                subs.append("ema")
         if tokenizer is not None:
-            for sub in ("model", "ema") if ema_model is not None else ("model",):
+            for sub in subs:
                 tokenizer.save(tmp / sub / "tokenizer.json")
         tensors, groups = optimizer_tensors(optimizer_state, parameter_names)
         save_file(tensors, tmp / OPTIMIZER_FILE)
@@ -174,6 +193,32 @@ def load_checkpoint(
         optimizer_state = optimizer_state_dict(tensors, trainer["optimizer_groups"], parameter_names)
     _load_rng(path)
     return Checkpoint(path, trainer), optimizer_state
+
+
+def load_adapter_checkpoint(
+    path: str | os.PathLike, model: nn.Module, parameter_names: list[str]
+) -> tuple[Checkpoint, dict | None, dict[str, torch.Tensor] | None]:
+    """Resume a lora run: its adapter into `model` (whose base must be the one the adapter records), and
+    the optimizer state_dict and the EMA's tensors by parameter name (None where the run kept none)."""
+    from rdlm.model.lora import copy_adapter, parameter_of, read_adapter
+
+    path = Path(path)
+    trainer = read_trainer(path)
+    copy_adapter(model, read_adapter(path / ADAPTER_DIR))
+    ema = None
+    if (path / EMA_ADAPTER_DIR).is_dir():
+        files = read_adapter(path / EMA_ADAPTER_DIR)
+        ema = {}
+        for module, (a, b) in files.tensors.items():
+            ema[parameter_of(f"{module}.lora_A.weight")] = a
+            ema[parameter_of(f"{module}.lora_B.weight")] = b
+    optimizer_state = None
+    if (path / OPTIMIZER_FILE).is_file():
+        with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (not a dict: no iteration)
+        optimizer_state = optimizer_state_dict(tensors, trainer["optimizer_groups"], parameter_names)
+    _load_rng(path)
+    return Checkpoint(path, trainer), optimizer_state, ema
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from typing import Any
 from rdlm.checks import check_int
 from rdlm.model.config import ConfigError, check_keys
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model.lora import DEFAULT_PARTS, PARTS
 from rdlm.model.recurrence import SAMPLERS
 from rdlm.train.distributed import STRATEGIES
 from rdlm.train.schedule import CURRICULA
@@ -110,6 +111,26 @@ class TrainConfig:
         "loss over exit iterations minus beta x the exit distribution's "
         "entropy; every iteration with gradient (None: rdlm's loss at r)",
     )
+    # LoRA and QLoRA (rdlm.model.lora, docs/fine-tuning.md): adapters on a frozen base.
+    lora: bool = option(
+        False,
+        "train LoRA adapters on a frozen base instead of every weight (only the adapters get gradients and "
+        "optimizer state; checkpoints hold the adapter in PEFT's format)",
+    )
+    lora_rank: int = option(16, "LoRA rank")
+    lora_alpha: float = option(32.0, "LoRA alpha: the update is scaled by alpha / rank")
+    lora_dropout: float = option(0.0, "dropout on each adapter's input in training")
+    lora_parts: str = option(
+        ",".join(DEFAULT_PARTS),
+        f"the parts whose linear layers get adapters, comma-separated: some of {', '.join(PARTS)}, or all",
+    )
+    lora_base_dtype: str = option("fp32", "the frozen base's weights: fp32 or bf16 (the adapters stay float32)")
+    quantize: str | None = option(
+        None,
+        "QLoRA: quantize the frozen base (int8, int4, w8a8, or per part: core=int4,prelude=int8; "
+        "docs/quantization.md); needs lora",
+    )
+    quantize_group_size: int = option(128, "int4 group size of --quantize")
     # Optimization (docs/architecture.md#optimizer).
     lr: float = option(1e-3, "peak learning rate")
     optimizer: str = option(
@@ -237,11 +258,48 @@ class TrainConfig:
             raise ConfigError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
         _check_number("muon_lr", self.muon_lr, 0.0, None)
         _check_number("muon_weight_decay", self.muon_weight_decay, 0.0, None)
+        if self.lora:
+            self.lora_spec()  # refuses a bad rank, alpha, dropout or part by name
+        if self.lora_base_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"lora_base_dtype must be fp32 or bf16, got {self.lora_base_dtype!r}")
+        if self.quantize is not None:
+            if not self.lora:
+                raise ConfigError(
+                    f"quantize={self.quantize!r}: a quantized base trains only through adapters; add lora "
+                    "(QLoRA), or train unquantized and quantize afterwards"
+                )
+            from rdlm.model.quantize import QuantizationError, QuantSpec
+
+            try:
+                QuantSpec.parse(self.quantize, self.quantize_group_size)
+            except QuantizationError as err:
+                raise ConfigError(f"quantize: {err}") from None
+        if self.lora and self.optimizer == "muon":
+            raise ConfigError(
+                "lora trains low-rank factors, which Muon's orthogonalized updates do not suit: use adamw"
+            )
+        if self.lora and self.cpu_offload:
+            raise ConfigError("cpu_offload offloads FSDP's shards; lora runs with ddp (and its base is frozen)")
+        if self.lora and self.strategy == "fsdp":
+            raise ConfigError(
+                "lora runs data-parallel with ddp, not fsdp: the frozen base is replicated (a quantized base's "
+                "integer weights are buffers, which FSDP does not shard) and only the small adapter gradients "
+                "are all-reduced; give --strategy ddp (or auto)"
+            )
         if self.curriculum is not None and self.curriculum not in CURRICULA:
             raise ConfigError(f"curriculum must be one of {CURRICULA}, got {self.curriculum!r}")
         _check_number("curriculum_fraction", self.curriculum_fraction, 0.0, 1.0)
         if self.curriculum_fraction <= 0:
             raise ConfigError(f"curriculum_fraction must be in (0, 1], got {self.curriculum_fraction}")
+
+    def lora_spec(self):
+        """The adapters' LoraSpec (rdlm.model.lora) of a lora run."""
+        from rdlm.model.lora import LoraError, LoraSpec
+
+        try:
+            return LoraSpec(self.lora_rank, self.lora_alpha, self.lora_dropout, LoraSpec.parse_parts(self.lora_parts))
+        except LoraError as err:
+            raise ConfigError(str(err)) from None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:

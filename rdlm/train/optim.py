@@ -218,17 +218,18 @@ def parameter_groups(model: nn.Module) -> list[dict]:
 
 
 class EMA:
-    """Exponential moving average of the weights: the paper's cheap stand-in for a cooldown.
+    """Exponential moving average of the trained weights: the paper's cheap stand-in for a cooldown.
 
     Kept in float32 next to each worker's own shard when the model is sharded (FSDP): `shadow[i]` is
-    the local part of parameter i.
+    the local part of the i-th parameter that trains (requires_grad: every one in a full run, the
+    adapters' in a LoRA run, whose frozen base has no average to keep).
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"ema decay must be in (0, 1), got {decay}")
         self.decay = decay
-        self.params = [p for p in model.parameters()]
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.shadow = [_local(p).detach().float().clone() for p in self.params]
 
     @torch.no_grad()
@@ -246,7 +247,8 @@ class EMA:
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
-        for target, value in zip(model.parameters(), self.shadow, strict=True):
+        targets = [p for p in model.parameters() if p.requires_grad]
+        for target, value in zip(targets, self.shadow, strict=True):
             target.copy_(value.to(target.dtype))
 
     @torch.no_grad()

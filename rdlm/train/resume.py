@@ -51,6 +51,7 @@ class RunCheckpoints:
     world: World
     strategy: str
     model: RecurrentDepthLM
+    lora: bool  # the model trains LoRA adapters (rdlm.model.lora): checkpoints hold the adapter
     names: list[str]
     tokenizer: Any
     optimizer: torch.optim.Optimizer
@@ -124,6 +125,13 @@ class RunCheckpoints:
             return ckpt.load_sharded_checkpoint(
                 path, self.model, self.optimizer, self.ema.shadow if self.ema else None, self.names
             )
+        if self.lora:
+            point, optimizer_state, ema = ckpt.load_adapter_checkpoint(path, self.model, self.names)
+            if self.ema is not None and ema is not None:
+                self.ema.load([ema[name].float() for name in self.names])
+            if optimizer_state is not None:
+                self.optimizer.load_state_dict(optimizer_state)
+            return point
         ema_model = self._ema_model() if self.ema else None
         point, optimizer_state = ckpt.load_checkpoint(path, self.model, ema_model, self.names)
         if self.ema is not None and ema_model is not None:
@@ -137,10 +145,20 @@ class RunCheckpoints:
         ema_model = RecurrentDepthLM(self.model.config)
         if self.ema is None:
             return ema_model
-        with torch.no_grad():  # EMA.shadow follows model.parameters()
-            for (name, param), shadow in zip(self.model.named_parameters(), self.ema.shadow, strict=True):
+        with torch.no_grad():  # EMA.shadow follows the parameters that train (self.names)
+            trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            for (name, param), shadow in zip(trained, self.ema.shadow, strict=True):
                 ema_model.get_parameter(name).copy_(full(ckpt.shaped_like(shadow, param)).cpu())
         return ema_model
+
+    def _ema_adapter(self) -> dict[str, torch.Tensor] | None:
+        """A lora run's EMA as adapter tensors, named as saved (rdlm.model.lora.adapter_state)."""
+        if self.ema is None:
+            return None
+        from rdlm.model.lora import adapter_state, parameter_of
+
+        shadow = dict(zip(self.names, self.ema.shadow, strict=True))
+        return {key: shadow[parameter_of(key)].cpu() for key in adapter_state(self.model)}
 
     def _batch_hint(self, saved: Any) -> str:
         """How to keep a checkpoint's global batch of `saved` rows with this run's workers."""
@@ -206,12 +224,14 @@ class RunCheckpoints:
                 self.config.out_dir,
                 self.step,
                 self.model,
-                self._ema_model() if self.ema else None,
+                self._ema_model() if self.ema and not self.lora else None,
                 optimizer.state_dict(),
                 self.names,
                 trainer_state,
                 self.tokenizer,
                 self.config.keep_checkpoints,
+                ema_adapter=self._ema_adapter() if self.lora else None,
+                base_source=self.config.model,
             )
         barrier(self.world)
         self.last_checkpoint = ckpt.checkpoint_dir(self.config.out_dir) / f"step-{self.step:06d}"

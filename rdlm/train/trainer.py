@@ -45,6 +45,7 @@ from rdlm.train.build import (
     check_step_fits,
     data_sources,
     parallelize,
+    prepare_lora,
     resolve_model,
     resolve_tokenizer,
 )
@@ -108,7 +109,8 @@ class Trainer(RunCheckpoints):
         torch.manual_seed(config.seed)
         model_dir = None
         if model is None:
-            model, model_dir = resolve_model(config.model, config.model_overrides)
+            base_dtype = torch.bfloat16 if config.lora and config.lora_base_dtype == "bf16" else torch.float32
+            model, model_dir = resolve_model(config.model, config.model_overrides, base_dtype, frozen=config.lora)
         elif config.model_overrides:
             raise ConfigError("model_overrides apply to TrainConfig.model; pass a model built as you want it")
         self.tokenizer = tokenizer if tokenizer is not None else resolve_tokenizer(config, model_dir)
@@ -121,6 +123,8 @@ class Trainer(RunCheckpoints):
         check_compatible(model, sources, self.tokenizer)
 
         strategy = "fsdp" if config.cpu_offload and config.strategy == "auto" else config.strategy
+        if config.lora and strategy == "auto" and self.world.distributed:
+            strategy = "ddp"  # adapters are small; the frozen base is replicated (TrainConfig says why)
         try:
             self.strategy = resolve_strategy(strategy, self.world)
         except ValueError as err:
@@ -128,6 +132,12 @@ class Trainer(RunCheckpoints):
         self.own_group = self.strategy == "fsdp" and init_single_process_group(self.device)
         # With CPU offload FSDP moves each shard to the host itself; the whole model never sits on the GPU.
         self.model = model.to("cpu" if config.cpu_offload else self.device).train()
+        if config.lora:  # quantized on the device it trains on (rdlm.model.quantize's kernels are per device)
+            if getattr(self.model, "lora_specs", None):
+                raise ConfigError("lora adds fresh adapters: the model given has adapters already (lora_specs)")
+            self.model = prepare_lora(self.model, config)
+        # A run trains adapters when its model has them (lora, or a model given with adapters added)
+        self.lora = bool(getattr(self.model, "lora_specs", None))
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         c = self.model.config
         self._set_recurrence(config)
@@ -481,7 +491,8 @@ class Trainer(RunCheckpoints):
                 signal.signal(number, handler)
             monitor.close()
             torch.set_num_threads(threads)
-        ema_model = self._ema_model() if self.ema else None
+        # (a lora run's EMA is its checkpoints' ema-adapter/; the model holds no second copy of the base)
+        ema_model = self._ema_model() if self.ema and not self.lora else None
         return TrainResult(
             model=self.model,
             losses=self.losses,
