@@ -25,6 +25,7 @@ COMMANDS = [
     "rdlm.cli.serve",
     "rdlm.cli.analyze",
     "rdlm.cli.tokenizer",
+    "rdlm.cli.lora",
     "rdlm.cli.data",
     "rdlm.cli.train",
     "rdlm.cli.demo",

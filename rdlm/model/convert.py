@@ -26,7 +26,7 @@ from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from rdlm.fileio import claim_output_dir
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, is_model_file, save_pretrained
-from rdlm.model.resolve import ModelSource, resolve_model_source
+from rdlm.model.resolve import ModelSource, cast_parameters, resolve_model_source
 
 # Files a model directory may carry besides weights and config; copied along unchanged.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -139,3 +139,58 @@ def convert(
     model = found.load(dtype=dtype if quantize else None, quantize=quantize, group_size=group_size)
     save_pretrained(model, destination, dtype=dtype, max_shard_bytes=max_bytes, extra_files=side)
     return destination
+
+
+def merge_lora(
+    adapter: str | os.PathLike,
+    destination: str | os.PathLike,
+    base: str | os.PathLike | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int | str = DEFAULT_SHARD_BYTES,
+    any_base: bool = False,
+    overwrite: bool = False,
+) -> tuple[Path, list[str]]:
+    """Write `base` with LoRA `adapter` merged into its weights (W + alpha/rank B A, computed in float32) to
+    `destination`, in the base's layout with its tokenizer and generation files. base None: the base the
+    adapter records. dtype: of the written weights (None: the base's own). Refused before anything is
+    written: a missing base, a base the adapter was not made for (rdlm.model.lora.check_base), a base saved
+    quantized (the update would be rounded into its integer weights), a destination that would lose files.
+    Returns the directory and notes for the user (an adapter trained over a quantized base)."""
+    from rdlm.model.lora import load_adapter, merge_adapter, read_adapter
+
+    files = read_adapter(adapter)
+    if base is None:
+        base = files.base_source
+        if base is None:
+            raise ValueError(f"{files.directory} does not record its base model: give the base")
+        if not Path(base).exists() and resolve_model_source(base).kind != "preset":
+            raise FileNotFoundError(f"{base}: the base that {files.directory} records is missing; give the base")
+    found = resolve_source(base, "model")
+    src = found.checkpoint if found.sharded else found.directory
+    assert src is not None
+    destination = check_destination(destination, src, overwrite=overwrite, in_place_flag=None, flag="--out")
+    side = check_side_files(src)
+    model = found.load()  # in the file's own dtype, the merged model's default
+    stored = model.embedding.weight.dtype
+    if getattr(model, "quantization", None) is not None:
+        raise ValueError(
+            f"{base} is saved quantized ({model.quantization}): merging would round the adapter's update into its "
+            "integer weights; merge into the unquantized model (and quantize the merged one if you want)"
+        )
+    cast_parameters(model, torch.float32)
+    load_adapter(model, files, any_base=any_base, dtype=torch.float32)
+    merge_adapter(model)
+    notes = []
+    trained_over = files.info.get("quantization")
+    if trained_over:
+        notes.append(
+            f"the adapter was trained over a quantized base ({trained_over}: QLoRA); the merged model holds the "
+            "unquantized weights, so its outputs differ from the quantized base + adapter by the quantization "
+            "error (quantize the merged model to serve it as trained)"
+        )
+    max_bytes = parse_size(max_shard_bytes)
+    save_pretrained(
+        model, destination, dtype=resolve_dtype(dtype) or stored, max_shard_bytes=max_bytes, extra_files=side
+    )
+    return destination, notes

@@ -430,11 +430,35 @@ class AdapterFiles:
         return base.get("source") or self.config.get("base_model_name_or_path")
 
 
+def resolve_adapter_dir(source: str | os.PathLike) -> Path:
+    """The adapter directory `source` names: an adapter directory itself, a lora run's training checkpoint
+    (its adapter/) or its run directory (the newest complete checkpoint's adapter/)."""
+    from rdlm.model import checkpoints as ckpt
+
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such adapter directory")
+    if (path / ADAPTER_CONFIG).is_file() or not path.is_dir():
+        return path
+    if (path / ckpt.TRAINER_FILE).is_file():
+        step = path
+    elif ckpt.checkpoint_dir(path).is_dir():
+        latest = ckpt.latest_checkpoint(path)
+        if latest is None:
+            raise LoraError(f"{ckpt.checkpoint_dir(path)}: no complete checkpoint (step-*/{ckpt.TRAINER_FILE})")
+        step = latest
+    else:
+        return path  # read_adapter names what is missing
+    if not (step / "adapter" / ADAPTER_CONFIG).is_file():
+        raise LoraError(f"{step}: a checkpoint of a full run, without an adapter (it holds the model itself)")
+    return step / "adapter"
+
+
 def read_adapter(directory: str | os.PathLike) -> AdapterFiles:
     """Read an adapter directory (PEFT's format), refusing in one line what does not make a LoRA adapter."""
-    path = Path(directory)
+    path = resolve_adapter_dir(directory)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such adapter directory (expected {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+        raise LoraError(f"{path} is a file; expected an adapter directory ({ADAPTER_CONFIG}, {ADAPTER_WEIGHTS})")
     for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (path / file).is_file():
             raise LoraError(f"{path}: not an adapter directory: {file} is missing")
