@@ -164,8 +164,12 @@ def merge_lora(
         base = files.base_source
         if base is None:
             raise ValueError(f"{files.directory} does not record its base model: give the base")
-        if not Path(base).exists() and resolve_model_source(base).kind != "preset":
-            raise FileNotFoundError(f"{base}: the base that {files.directory} records is missing; give the base")
+        try:
+            resolve_model_source(base)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{base}: the base that {files.directory} records is missing; give the base with --base"
+            ) from None
     found = resolve_source(base, "model")
     src = found.checkpoint if found.sharded else found.directory
     assert src is not None

@@ -26,6 +26,7 @@ batch then routes each token to its own adapter (`routed`), every other token's 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -87,7 +88,7 @@ class LoraSpec:
     rank: int = DEFAULT_RANK
     alpha: float = DEFAULT_ALPHA
     dropout: float = 0.0
-    parts: tuple[str, ...] = DEFAULT_PARTS
+    parts: tuple[str, ...] | None = None  # None: the DEFAULT_PARTS the model has (`default_parts`)
 
     def __post_init__(self) -> None:
         check_int("lora rank", self.rank, error=LoraError)
@@ -97,6 +98,8 @@ class LoraSpec:
             raise LoraError(f"lora alpha must be > 0, got {self.alpha}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise LoraError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+        if self.parts is None:
+            return
         if not self.parts:
             raise LoraError(f"lora parts: give at least one of {', '.join(PARTS)}")
         for part in self.parts:
@@ -119,7 +122,8 @@ class LoraSpec:
         return self.alpha / self.rank
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "parts": list(self.parts)}
+        parts = None if self.parts is None else list(self.parts)
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "parts": parts}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,6 +132,17 @@ class LoraSpec:
 
 def _part_prefixes(part: str) -> tuple[str, ...]:
     return {"prelude": ("prelude.",), "core": ("core.",), "coda": ("coda.",)}.get(part, ())
+
+
+def default_parts(model: RecurrentDepthLM) -> tuple[str, ...]:
+    """The DEFAULT_PARTS `model` has (Ouro has neither prelude, coda nor adapter layer: its core alone)."""
+    has = {
+        "prelude": len(model.prelude) > 0,
+        "core": len(model.core) > 0,
+        "adapter": model.adapter is not None,
+        "coda": len(model.coda) > 0,
+    }
+    return tuple(part for part in DEFAULT_PARTS if has[part])
 
 
 def target_modules(model: RecurrentDepthLM, parts: Sequence[str]) -> list[str]:
@@ -241,6 +256,9 @@ def add_lora(model: RecurrentDepthLM, spec: LoraSpec, name: str = DEFAULT_NAME) 
     peft = _peft()
     if name in adapter_names(model):
         raise LoraError(f"the model already has an adapter named {name!r}")
+    if spec.parts is None:
+        spec = dataclasses.replace(spec, parts=default_parts(model))
+    assert spec.parts is not None
     names = target_modules(model, spec.parts)
     with _no_peft_warnings():
         peft.inject_adapter_in_model(_lora_config(spec, names), model, adapter_name=name)

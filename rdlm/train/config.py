@@ -121,8 +121,9 @@ class TrainConfig:
     lora_alpha: float = option(32.0, "LoRA alpha: the update is scaled by alpha / rank")
     lora_dropout: float = option(0.0, "dropout on each adapter's input in training")
     lora_parts: str = option(
-        ",".join(DEFAULT_PARTS),
-        f"the parts whose linear layers get adapters, comma-separated: some of {', '.join(PARTS)}, or all",
+        "default",
+        f"the parts whose linear layers get adapters, comma-separated: some of {', '.join(PARTS)}; all; or "
+        f"default: those of {','.join(DEFAULT_PARTS)} the model has (every block projection, head excluded)",
     )
     lora_base_dtype: str = option("fp32", "the frozen base's weights: fp32 or bf16 (the adapters stay float32)")
     quantize: str | None = option(
@@ -275,9 +276,7 @@ class TrainConfig:
             except QuantizationError as err:
                 raise ConfigError(f"quantize: {err}") from None
         if self.lora and self.optimizer == "muon":
-            raise ConfigError(
-                "lora trains low-rank factors, which Muon's orthogonalized updates do not suit: use adamw"
-            )
+            raise ConfigError("lora trains its adapters with adamw; the muon optimizer is for full runs")
         if self.lora and self.cpu_offload:
             raise ConfigError("cpu_offload offloads FSDP's shards; lora runs with ddp (and its base is frozen)")
         if self.lora and self.strategy == "fsdp":

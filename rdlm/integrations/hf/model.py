@@ -34,7 +34,12 @@ from rdlm.model.layers import ATTENTION_IMPLEMENTATIONS
 from rdlm.model.lm import RecurrentDepthLM
 
 # forward() keywords transformers' machinery may pass that change nothing at these values.
-_INERT_FORWARD_KWARGS = {"output_attentions": (None, False), "output_hidden_states": (None, False)}
+# (PEFT's PeftModelForCausalLM passes inputs_embeds=None with every call.)
+_INERT_FORWARD_KWARGS = {
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "inputs_embeds": (None,),
+}
 
 
 class RavenForCausalLM(PreTrainedModel, GenerationMixin):
