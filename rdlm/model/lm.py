@@ -238,6 +238,13 @@ class RecurrentDepthLM(nn.Module):
         return x if placement == "loop" else self.final_norm(x)
 
     @property
+    def head_is_a_matrix(self) -> bool:
+        """Whether the un-embedding is a plain weight matrix (the tied embedding, or an untied nn.Linear), which
+        the chunked loss multiplies by itself. A quantized head (rdlm.model.quantize) or one with a LoRA adapter
+        (rdlm.model.lora) reads out through its own module instead: the whole logits, then the loss."""
+        return self.lm_head is None or type(self.lm_head) is nn.Linear
+
+    @property
     def unembedding_weight(self) -> Tensor:
         return self.embedding.weight if self.lm_head is None else self.lm_head.weight
 
@@ -274,7 +281,9 @@ class RecurrentDepthLM(nn.Module):
         cache: a KV cache (see KVCacheHook) for incremental decoding.
         labels: next-token targets aligned with the logits (-100 is ignored) for `loss`.
         return_logits: False (with labels) computes the loss chunk by chunk without ever holding the
-            [batch, seq, vocab] logits (rdlm.model.loss; what training uses); `logits` is then None.
+            [batch, seq, vocab] logits (rdlm.model.loss; what training uses); `logits` is then None. (A head
+            that is not a plain matrix, quantized or with an adapter, computes the logits whole: see
+            `head_is_a_matrix`.)
         loss_reduction: "mean" over the counted targets, or "sum".
         exit_loss_beta: with labels, on a model with a learned exit gate (Ouro): the loss is the expected
             loss over the exit distribution minus beta times its entropy (rdlm.model.loss.expected_exit_loss),
@@ -332,7 +341,7 @@ class RecurrentDepthLM(nn.Module):
                 trajectory[1:], rope, attention_mask, cache, labels, exit_loss_beta, loss_reduction
             )
             trajectory = trajectory if return_trajectory else None
-        elif labels is not None and not return_logits:
+        elif labels is not None and not return_logits and self.head_is_a_matrix:
             logits = None
             loss = linear_cross_entropy(
                 self.coda_output(state, rope, attention_mask, cache), self.unembedding_weight, labels, loss_reduction

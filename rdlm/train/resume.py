@@ -52,6 +52,7 @@ class RunCheckpoints:
     strategy: str
     model: RecurrentDepthLM
     lora: bool  # the model trains LoRA adapters (rdlm.model.lora): checkpoints hold the adapter
+    base_source: str  # the base a lora run's adapter records
     names: list[str]
     tokenizer: Any
     optimizer: torch.optim.Optimizer
@@ -231,7 +232,7 @@ class RunCheckpoints:
                 self.tokenizer,
                 self.config.keep_checkpoints,
                 ema_adapter=self._ema_adapter() if self.lora else None,
-                base_source=self.config.model,
+                base_source=self.base_source,
             )
         barrier(self.world)
         self.last_checkpoint = ckpt.checkpoint_dir(self.config.out_dir) / f"step-{self.step:06d}"

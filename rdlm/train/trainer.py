@@ -108,9 +108,13 @@ class Trainer(RunCheckpoints):
     def _build(self, config, model, train_data, val_data, tokenizer, eval_hooks, step_hooks) -> None:
         torch.manual_seed(config.seed)
         model_dir = None
+        # What a lora run's adapter records as its base: the weights' own directory where there is one (a run
+        # or checkpoint trains its raw weights, not the EMA that `--model RUN` would load), else the name.
+        self.base_source = config.model
         if model is None:
             base_dtype = torch.bfloat16 if config.lora and config.lora_base_dtype == "bf16" else torch.float32
             model, model_dir = resolve_model(config.model, config.model_overrides, base_dtype, frozen=config.lora)
+            self.base_source = str(getattr(model, "source", None) or config.model)
         elif config.model_overrides:
             raise ConfigError("model_overrides apply to TrainConfig.model; pass a model built as you want it")
         self.tokenizer = tokenizer if tokenizer is not None else resolve_tokenizer(config, model_dir)

@@ -112,6 +112,15 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
                 f"{len(args)} more positional argument(s)"
             )
         hub = {k: kwargs.pop(k) for k in HUB_KEYWORDS if k in kwargs}
+        # With PEFT installed, the Auto classes pass their hub options for an adapter as adapter_kwargs; they
+        # load one only through _adapter_model_path (the directory held adapter_config.json).
+        if "_adapter_model_path" not in kwargs and isinstance(kwargs.get("adapter_kwargs"), dict):
+            kwargs.pop("adapter_kwargs")
+        if "_adapter_model_path" in kwargs:
+            raise TypeError(
+                f"{cls.__name__}.from_pretrained: {pretrained_model_name_or_path} is a LoRA adapter; load its base "
+                "and then the adapter with peft.PeftModel.from_pretrained(model, adapter_dir) (docs/fine-tuning.md)"
+            )
         for name, allowed in INERT_LOAD_KEYWORDS.items():
             if name in kwargs and allowed is not None and kwargs[name] not in allowed:
                 raise ValueError(

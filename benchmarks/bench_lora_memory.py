@@ -1,0 +1,246 @@
+"""Peak memory of one training step: a full fine-tune against LoRA over a bf16, int8 or int4 base (QLoRA), at
+Huginn-0125's shape scaled in width (docs/fine-tuning.md#memory).
+
+Every measurement runs in a fresh process: the model is built (in bfloat16 for a LoRA base, so building never
+holds a float32 copy), one optimizer step is taken so that the optimizer state exists, the process's peak
+resident memory is reset (Linux: /proc/self/clear_refs), a second step runs, and its peak is read (VmHWM).
+That peak holds the weights, the trained parameters with their gradients and AdamW state, and the step's
+activations.
+
+The formula (docs/fine-tuning.md) predicts the peak from what the model holds and the step's tokens:
+
+    peak = weights held (bytes of parameters and quantized buffers)
+         + 16 x trainable parameters (float32 value, gradient, AdamW's two moments)
+         + tokens x layers with gradient x c x h (activations; c fitted on the design widths)
+         + (QLoRA) one dequantized float32 weight, the largest, in the backward pass
+         + the process's base (torch and Python, measured before anything is built)
+
+    python benchmarks/bench_lora_memory.py                       # design widths, held-out width, the table
+    python benchmarks/bench_lora_memory.py --huginn lora-int4    # one mode at Huginn-0125's full shape
+
+CPU, float32 activations (the trainer's default there), micro-batch 1. Set OMP_WAIT_POLICY=PASSIVE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = ("full", "lora-bf16", "lora-int8", "lora-int4")
+DESIGN_WIDTHS = (384, 768)  # the activation coefficient is fitted here
+HELD_OUT_WIDTH = 1152  # and the formula is checked here, chosen before any run
+HELD_OUT_BOUND = 0.15  # |predicted / measured - 1| at the held-out width, fixed before the first run
+HUGINN = dict(hidden_size=5280, intermediate_size=17920, num_heads=55)
+
+
+def shape(width: int) -> dict[str, int]:
+    """Huginn-0125's shape at another width: 96-wide heads, the MLP 17920/5280 as wide (a multiple of 128,
+    so int4's groups fit), its layers (2, 4, 2) and vocabulary."""
+    if width == HUGINN["hidden_size"]:
+        return dict(HUGINN)
+    return dict(
+        hidden_size=width,
+        num_heads=width // 96,
+        intermediate_size=round(width * 17920 / 5280 / 128) * 128,
+    )
+
+
+def status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def one(mode: str, width: int, tokens: int, depth: int) -> dict:
+    """Build the model for `mode`, take two steps, and return the second's peak (this process only)."""
+    import torch
+
+    from rdlm import RDLMConfig, RecurrentDepthLM
+    from rdlm.model import lora
+    from rdlm.model.quantize import QuantizedLinear, quantize, weight_bytes
+    from rdlm.train.optim import AdamW
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    base_rss = status("VmRSS")
+    config = RDLMConfig.from_preset("huginn-0125", **shape(width), context_length=max(tokens, 64))
+    torch.manual_seed(0)
+    if mode == "full":
+        model = RecurrentDepthLM(config)
+    else:
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = RecurrentDepthLM(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        scheme = mode.removeprefix("lora-")
+        if scheme != "bf16":
+            quantize(model, scheme)
+        lora.add_lora(model, lora.LoraSpec(rank=16))
+    model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = AdamW(trained, lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+
+    def step() -> float:
+        start = time.perf_counter()
+        loss = model(ids, num_steps=(0, depth), labels=ids, return_logits=False, init_scale=0).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    step()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status("VmRSS")
+    seconds = step()
+    peak = status("VmHWM")
+    largest = max((m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear)), default=0)
+    layers = config.prelude_layers + config.coda_layers + depth * config.core_layers
+    return {
+        "mode": mode,
+        "width": width,
+        "tokens": tokens,
+        "depth": depth,
+        "process_base": base_rss,
+        "before_step": before,
+        "peak": peak,
+        "weights": weight_bytes(model) - sum(p.numel() * p.element_size() for p in trained),
+        "trainable": sum(p.numel() for p in trained),
+        "dequantized": 4 * largest,
+        "grad_layers": layers,
+        "seconds": round(seconds, 2),
+    }
+
+
+def measure(mode: str, width: int, tokens: int, depth: int) -> dict:
+    """`one` in a fresh process."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", mode, "--width", str(width), "--tokens", str(tokens), "--depth", str(depth)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} at width {width} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def static(m: dict) -> int:
+    """What the formula counts besides activations."""
+    return m["process_base"] + m["weights"] + 16 * m["trainable"] + m["dequantized"]
+
+
+def activation_coefficient(design: list[dict]) -> float:
+    """c in tokens x layers x c x h, the mean over the design measurements (bytes per token, layer and width)."""
+    values = [(m["peak"] - static(m)) / (m["tokens"] * m["grad_layers"] * m["width"]) for m in design]
+    return sum(values) / len(values)
+
+
+def predict(m: dict, c: float) -> float:
+    return static(m) + m["tokens"] * m["grad_layers"] * c * m["width"]
+
+
+def huginn_prediction(mode: str, tokens: int, depth: int, c: float, process_base: int) -> dict:
+    """The formula at Huginn-0125's shape, from its exact parameter counts (no model is built: meta tensors)."""
+    import torch
+
+    from rdlm import RDLMConfig, RecurrentDepthLM
+
+    config = RDLMConfig.from_preset("huginn-0125")
+    with torch.device("meta"):
+        model = RecurrentDepthLM(config)
+    weights, trainable, dequantized = 0, model.num_parameters(), 0
+    if mode != "full":
+        model = model.to(torch.bfloat16)
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        frozen = sum(p.numel() * 2 for p in model.parameters())
+        if mode == "lora-bf16":
+            weights = frozen
+        else:  # integer weights (int4: half a byte) with their scales, the rest in bf16
+            per = {"lora-int8": 1.0, "lora-int4": 0.5}[mode]
+            linear_elems = sum(m.weight.numel() for m in linears)
+            if mode == "lora-int8":  # a bf16 scale per output (the CPU kernel's)
+                scales = sum(m.out_features * 2 for m in linears)
+            else:  # a bf16 scale and zero point per 128 inputs
+                scales = sum(m.out_features * m.in_features // 128 * 4 for m in linears)
+            weights = frozen - 2 * linear_elems + int(per * linear_elems) + scales
+            dequantized = 4 * max(m.in_features * m.out_features for m in linears)
+        trainable = sum(16 * (m.in_features + m.out_features) for m in linears)  # rank 16 on every block layer
+    else:
+        weights = 0  # every weight trains: counted in 16 x trainable
+    m = {
+        "mode": mode,
+        "width": config.hidden_size,
+        "tokens": tokens,
+        "depth": depth,
+        "process_base": process_base,
+        "weights": weights,
+        "trainable": trainable,
+        "dequantized": dequantized,
+        "grad_layers": config.prelude_layers + config.coda_layers + depth * config.core_layers,
+    }
+    m["predicted"] = predict(m, c)
+    return m
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, default=DESIGN_WIDTHS[0], help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=128, help="tokens in the step (micro-batch 1)")
+    parser.add_argument("--depth", type=int, default=8, help="iterations with gradient (Huginn's backprop depth)")
+    parser.add_argument("--huginn", choices=MODES, help="measure one mode at Huginn-0125's full shape")
+    parser.add_argument("--json", help="write the measurements here")
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.width, args.tokens, args.depth)))
+        return
+    if args.huginn:
+        m = measure(args.huginn, HUGINN["hidden_size"], args.tokens, args.depth)
+        print(json.dumps(m, indent=1))
+        return
+    print(f"load average {os.getloadavg()}, {os.cpu_count()} cores")
+    design = [measure(mode, w, args.tokens, args.depth) for w in DESIGN_WIDTHS for mode in MODES]
+    c = activation_coefficient(design)
+    held = [measure(mode, HELD_OUT_WIDTH, args.tokens, args.depth) for mode in MODES]
+    print(f"activation coefficient c = {c:.1f} bytes per token, layer with gradient and unit of width")
+    print("| width | mode | weights held GiB | trainable | measured peak GiB | predicted GiB | error |")
+    print("|---|---|---|---|---|---|---|")
+    errors = []
+    for m in design + held:
+        p = predict(m, c)
+        error = p / m["peak"] - 1
+        if m["width"] == HELD_OUT_WIDTH:
+            errors.append(abs(error))
+        role = "design" if m["width"] in DESIGN_WIDTHS else "held out"
+        print(
+            f"| {m['width']} ({role}) | {m['mode']} | {gib(m['weights'])} | {m['trainable']:,} | {gib(m['peak'])} | "
+            f"{gib(p)} | {error:+.1%} |"
+        )
+    held_ok = max(errors) <= HELD_OUT_BOUND
+    print(f"held-out width {HELD_OUT_WIDTH}: largest error {max(errors):.1%} (bound {HELD_OUT_BOUND:.0%}): "
+          f"{'holds' if held_ok else 'FAILS'}")
+    base = min(m["process_base"] for m in design)
+    print(f"\nHuginn-0125 ({args.tokens} tokens, backprop depth {args.depth}, micro-batch 1), by the formula:")
+    print("| mode | weights held GiB | trainable | predicted peak GiB |")
+    print("|---|---|---|---|")
+    huginn = [huginn_prediction(mode, args.tokens, args.depth, c, base) for mode in MODES]
+    for m in huginn:
+        print(f"| {m['mode']} | {gib(m['weights'])} | {m['trainable']:,} | {gib(m['predicted'])} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"c": c, "design": design, "held_out": held, "huginn": huginn}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
