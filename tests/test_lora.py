@@ -187,7 +187,6 @@ def _shards(tmp_path: Path) -> Path:
         (dict(lora_parts="head"), "ties its head to the embedding"),
         (dict(lora_dropout=1.0), "lora dropout must be in [0, 1)"),
         (dict(strategy="fsdp"), "lora runs data-parallel with ddp"),
-        (dict(optimizer="muon"), "muon"),
     ],
 )
 def test_bad_lora_settings_are_refused_by_name(tiny_model, changes, message):

@@ -275,8 +275,6 @@ class TrainConfig:
                 QuantSpec.parse(self.quantize, self.quantize_group_size)
             except QuantizationError as err:
                 raise ConfigError(f"quantize: {err}") from None
-        if self.lora and self.optimizer == "muon":
-            raise ConfigError("lora trains its adapters with adamw; the muon optimizer is for full runs")
         if self.lora and self.cpu_offload:
             raise ConfigError("cpu_offload offloads FSDP's shards; lora runs with ddp (and its base is frozen)")
         if self.lora and self.strategy == "fsdp":

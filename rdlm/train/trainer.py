@@ -126,13 +126,16 @@ class Trainer(RunCheckpoints):
             sources["validation"] = self.val_source
         check_compatible(model, sources, self.tokenizer)
 
+        adapters = config.lora or bool(getattr(model, "lora_specs", None))
         strategy = "fsdp" if config.cpu_offload and config.strategy == "auto" else config.strategy
-        if config.lora and strategy == "auto" and self.world.distributed:
+        if adapters and strategy == "auto" and self.world.distributed:
             strategy = "ddp"  # adapters are small; the frozen base is replicated (TrainConfig says why)
         try:
             self.strategy = resolve_strategy(strategy, self.world)
         except ValueError as err:
             raise ConfigError(str(err)) from err
+        if adapters and self.strategy == "fsdp":
+            raise ConfigError("a model with LoRA adapters trains with ddp, not fsdp (TrainConfig.lora says why)")
         self.own_group = self.strategy == "fsdp" and init_single_process_group(self.device)
         # With CPU offload FSDP moves each shard to the host itself; the whole model never sits on the GPU.
         self.model = model.to("cpu" if config.cpu_offload else self.device).train()
