@@ -126,6 +126,19 @@ def test_qlora_trains_adapters_over_a_quantized_base_and_lowers_the_loss(scheme)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
+def test_a_quantized_layers_rows_dequantize_as_its_whole_weight(scheme):
+    """The backward pass reads the weight a block of rows at a time (rdlm.model.quantize.BACKWARD_ROWS);
+    with a last block shorter than the others, the blocks are exactly the whole weight's rows."""
+    from rdlm.model.quantize import BACKWARD_ROWS
+
+    torch.manual_seed(0)
+    out = BACKWARD_ROWS + 64
+    layer = QuantizedLinear.from_linear(torch.nn.Linear(128, out, bias=False), scheme, 64)
+    rows = [layer.weight_rows(s, min(s + BACKWARD_ROWS, out)) for s in range(0, out, BACKWARD_ROWS)]
+    assert torch.equal(torch.cat(rows), layer.weight)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
 def test_a_quantized_layer_passes_the_dequantized_weights_gradient_to_its_input(scheme):
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 64, bias=False)
