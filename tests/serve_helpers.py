@@ -52,7 +52,7 @@ class LiveServer:
 
         self.model, self.tokenizer = load_pretrained(model_dir).eval(), Tokenizer.from_dir(model_dir)
         if adapters:  # LoRA adapters served by name (rdlm serve --lora NAME=DIR)
-            from rdlm.model.lora import load_adapters, read_adapters
+            from rdlm.model.lora_serving import load_adapters, read_adapters
 
             load_adapters(self.model, read_adapters(adapters))
         self.config = ServeConfig(model_name="tiny", defaults=DEFAULTS, max_length=96, num_slots=16, **config)

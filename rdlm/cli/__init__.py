@@ -126,7 +126,8 @@ def _named_adapter(text: str) -> tuple[str, str]:
 def model_and_adapters(args: argparse.Namespace) -> tuple[str, dict[str, AdapterFiles]]:
     """The model a command runs and the adapters it loads on it (`--lora`, read and checked; none without
     it): `--model`, or where it is not given, the base the first adapter records (rdlm.model.lora)."""
-    from rdlm.model.lora import DEFAULT_NAME, adapter_base, read_adapters
+    from rdlm.model.lora import DEFAULT_NAME
+    from rdlm.model.lora_serving import adapters_base, read_adapters
 
     given = getattr(args, "lora", None) or []
     if isinstance(given, str):  # one DIR
@@ -140,7 +141,7 @@ def model_and_adapters(args: argparse.Namespace) -> tuple[str, dict[str, Adapter
         return args.model, adapters
     if not adapters:
         raise CLIError("give the model (--model)")
-    return adapter_base(adapters), adapters
+    return adapters_base(adapters), adapters
 
 
 class CLIError(Exception):

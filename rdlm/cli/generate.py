@@ -160,7 +160,7 @@ def load_model_and_tokenizer(
 
         print(f"rdlm: quantized {describe(model)}", file=sys.stderr)
     if adapters:
-        from rdlm.model.lora import load_adapters
+        from rdlm.model.lora_serving import load_adapters
 
         load_adapters(model, adapters, any_base=any_base)
         for name, files in adapters.items():

@@ -26,7 +26,7 @@ from rdlm.inference.cache import CacheCall, PackedCall, RecurrentKVCache, Segmen
 from rdlm.inference.noise import noise_table
 from rdlm.model.layers import Rope, padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
-from rdlm.model.lora import active_adapter, loaded_adapters, routed
+from rdlm.model.lora_serving import active_adapter, loaded_adapters, routed
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Model arguments:
     pretrained       a model directory, training checkpoint step-N/ or run directory with tokenizer.json
                      (rdlm.model.resolve; required without lora)
     lora             a LoRA adapter on the model: an adapter directory, a LoRA run's checkpoint or run
-                     directory (rdlm.model.lora.find_adapter); without pretrained, the base it records.
+                     directory (rdlm.model.lora.resolve_adapter_dir); without pretrained, the base it records.
                      lora_any_base=true skips the check of its base's fingerprint
     num_steps        core iterations r (default: the config's mean recurrence)
     init_scale       scale of the random initial state s_0 (default 1, as in training; 0 = zero state)
@@ -60,7 +60,8 @@ from rdlm.inference.params import GenerationConfig, kv_cache_budget
 from rdlm.integrations.vllm import alias_cpu_build
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import read_config
-from rdlm.model.lora import DEFAULT_NAME, adapter_base, load_adapters, read_adapters
+from rdlm.model.lora import DEFAULT_NAME
+from rdlm.model.lora_serving import adapters_base, load_adapters, read_adapters
 from rdlm.model.resolve import resolve_model_source
 from rdlm.resources import use_threads
 
@@ -131,7 +132,7 @@ class RDLMEvalModel(TemplateLM):
         if pretrained is None:
             if not adapters:
                 raise ValueError("rdlm model: give pretrained (a model), or lora (an adapter that records its base)")
-            pretrained = adapter_base(adapters)
+            pretrained = adapters_base(adapters)
         found = resolve_model_source(pretrained)
         if found.tokenizer_dir is None:
             raise ValueError(f"rdlm model: {pretrained} has no tokenizer.json")

@@ -21,7 +21,7 @@ layer over a `QuantizedLinear`, registered with PEFT's custom-module dispatch; i
 float32, and the quantized layer passes gradients to its input (rdlm.model.quantize).
 
 Several adapters can sit in one model under different names (`load_adapter(..., name=...)`), for serving: a
-batch then routes each token to its own adapter (`routed`), every other token's update multiplied by zero.
+batch then routes each token to its own adapter (rdlm.model.lora_serving).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from torch import Tensor, nn
 
 from rdlm.checks import check_int
 from rdlm.fileio import read_utf8, staging_dir, write_json
-from rdlm.model.checkpoints import checkpoint_dir, latest_checkpoint
 from rdlm.model.quantize import QuantizedLinear
 from rdlm.model.resolve import resolve_model_source
 
@@ -474,6 +473,21 @@ def resolve_adapter_dir(source: str | os.PathLike) -> Path:
     return step / "adapter"
 
 
+def recorded_base(files: AdapterFiles, flag: str = "--model") -> str:
+    """The base model `files` records (what a command runs, or merges into, when given no base), refused by name
+    when it records none or that base is not here (`flag`: how the user gives one instead)."""
+    base = files.base_source
+    if base is None:
+        raise LoraError(f"{files.directory} does not record its base model: give the base ({flag})")
+    try:
+        resolve_model_source(base)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{base}: the base that {files.directory} records is missing; give the base with {flag}"
+        ) from None
+    return base
+
+
 def read_adapter(directory: str | os.PathLike) -> AdapterFiles:
     """Read an adapter directory (PEFT's format), refusing in one line what does not make a LoRA adapter."""
     path = resolve_adapter_dir(directory)
@@ -681,143 +695,3 @@ def merge_adapter(model: RecurrentDepthLM, name: str = DEFAULT_NAME) -> Recurren
     if hasattr(model, "lora_specs"):
         del model.lora_specs
     return model
-
-
-# ------------------------------------------------------------------------------------------------
-# Several adapters in one batch
-
-
-def loaded_adapters(model: nn.Module) -> list[str]:
-    """The adapters `add_lora` and `load_adapter` gave `model`, in the order they came (none: []). Reads the
-    model's own record, so a model without adapters never needs peft."""
-    return list(getattr(model, "lora_specs", {}))
-
-
-def active_adapter(model: nn.Module) -> str | None:
-    """The adapter `set_adapter` (or the latest `load_adapter`) made active: what the model's own forward
-    applies. None: the base alone."""
-    if not loaded_adapters(model):
-        return None
-    for _, layer in lora_layers(model):
-        if not layer.disable_adapters:
-            return layer.active_adapters[0]
-    return None
-
-
-class Routing:
-    """Which adapter each token of a call applies: `index` shaped as the call's leading dimensions ([batch,
-    seq], or [rows, 1] for one per row), 0 for none and i for `names[i - 1]`. Each adapter's mask of its
-    tokens is computed once per call, not once per layer."""
-
-    def __init__(self, names: Sequence[str], index: Tensor) -> None:
-        self.names, self.index = list(names), index
-        self._masks: dict[tuple[int, torch.dtype], Tensor] = {}
-
-    def mask(self, number: int, dtype: torch.dtype) -> Tensor:
-        """1 for the tokens of adapter `number`, 0 for the others, shaped to broadcast over the features."""
-        key = (number, dtype)
-        if key not in self._masks:
-            self._masks[key] = (self.index == number).unsqueeze(-1).to(dtype)
-        return self._masks[key]
-
-
-def _routed_forward(layer: Any, routing: Routing, x: Tensor) -> Tensor:
-    """The layer's output with each token's own adapter: the base for every token, plus each adapter's update
-    times the mask of its tokens (the same arithmetic as the adapter alone: B(A(x)) * scaling, then +; a
-    token's other adapters add exact zeros)."""
-    result = layer.base_layer(x)
-    dtype = result.dtype
-    for number, name in enumerate(routing.names, start=1):
-        if name not in layer.lora_A:
-            continue
-        lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-        update = lora_b(lora_a(x.to(lora_a.weight.dtype))) * layer.scaling[name]
-        result = result + update * routing.mask(number, update.dtype)
-    return result.to(dtype)
-
-
-@contextmanager
-def routed(model: nn.Module, names: Sequence[str], index: Tensor) -> Iterator[None]:
-    """Within the block, every adapted layer of `model` applies to each token the adapter `index` names
-    (see Routing; `index` shaped as the calls' leading dimensions, e.g. [batch, seq]). The layers' own
-    forward returns when the block ends."""
-    routing = Routing(names, index)
-    layers = [layer for _, layer in lora_layers(model)]
-    saved = [layer.__dict__.get("forward") for layer in layers]  # an outer block's routing, or none
-    try:
-        for layer in layers:
-            layer.forward = functools.partial(_routed_call, layer, routing)
-        yield
-    finally:
-        for layer, forward in zip(layers, saved, strict=True):
-            if forward is None:
-                del layer.forward  # the class's forward again
-            else:
-                layer.forward = forward
-
-
-def _routed_call(layer: Any, routing: Routing, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    return _routed_forward(layer, routing, x)
-
-
-# ------------------------------------------------------------------------------------------------
-# A model with adapters, from the command line's arguments
-
-CHECKPOINT_ADAPTER = "adapter"  # a LoRA run's checkpoint step-N/ keeps its adapter here (rdlm train --lora)
-
-
-def find_adapter(path: str | os.PathLike) -> Path:
-    """The adapter directory `path` names: an adapter directory itself ({ADAPTER_CONFIG}), a training
-    checkpoint step-N/ holding adapter/, or a LoRA run's directory (its newest complete checkpoint's
-    adapter/). Refused by name when it is none of these."""
-    where = Path(path)
-    if not where.is_dir():
-        raise FileNotFoundError(f"{where}: no such adapter directory")
-    if (where / ADAPTER_CONFIG).is_file():
-        return where
-    if (where / CHECKPOINT_ADAPTER / ADAPTER_CONFIG).is_file():
-        return where / CHECKPOINT_ADAPTER
-    if checkpoint_dir(where).is_dir():
-        latest = latest_checkpoint(where)
-        if latest is None:
-            raise LoraError(f"{checkpoint_dir(where)}: no complete checkpoint to take an adapter from")
-        if not (latest / CHECKPOINT_ADAPTER / ADAPTER_CONFIG).is_file():
-            raise LoraError(f"{latest}: the run's newest checkpoint holds no {CHECKPOINT_ADAPTER}/ (not a LoRA run?)")
-        return latest / CHECKPOINT_ADAPTER
-    raise LoraError(
-        f"{where}: not an adapter directory ({ADAPTER_CONFIG}), a checkpoint step-N/ with "
-        f"{CHECKPOINT_ADAPTER}/, nor a run directory (checkpoints/)"
-    )
-
-
-def read_adapters(directories: dict[str, str | os.PathLike]) -> dict[str, AdapterFiles]:
-    """Each named adapter read (`find_adapter`, then `read_adapter`), in the order given."""
-    return {name: read_adapter(find_adapter(path)) for name, path in directories.items()}
-
-
-def adapter_base(adapters: dict[str, AdapterFiles]) -> str:
-    """The model the adapters were trained on, as the first one records it: what a command runs when it is
-    given adapters and no model. Refused by name when the adapter records none, or its base is not here."""
-    files = next(iter(adapters.values()))
-    source = files.base_source
-    if not source:
-        raise LoraError(f"{files.directory}: the adapter records no base model; give the model (--model)")
-    try:
-        resolve_model_source(source)
-    except (FileNotFoundError, ValueError) as err:
-        raise LoraError(
-            f"{files.directory}: the adapter's base {source!r} cannot be loaded here ({err}); give the model it "
-            "was trained on (--model)"
-        ) from None
-    return source
-
-
-def load_adapters(model: RecurrentDepthLM, adapters: dict[str, AdapterFiles], *, any_base: bool = False) -> list[str]:
-    """Load each adapter into `model` under its name (`load_adapter`, which checks its base; `any_base` skips
-    the fingerprint). One adapter becomes the active one; with several, none is (the base alone, until a
-    request or `set_adapter` names one). Returns their names."""
-    for name, files in adapters.items():
-        load_adapter(model, files, name, any_base=any_base)
-    if len(adapters) > 1:
-        set_adapter(model, None)
-    return list(adapters)
