@@ -87,7 +87,7 @@ def add_lora_arguments(parser, named: bool = False) -> None:
     NAME=DIR, repeatable, each served under its NAME; else one DIR."""
     where = "an adapter directory, a LoRA run's checkpoint step-N/ (its adapter/) or its run directory (the newest"
     if named:
-        parser.add_argument(
+        action = parser.add_argument(
             "--lora",
             action="append",
             type=_named_adapter,
@@ -96,9 +96,10 @@ def add_lora_arguments(parser, named: bool = False) -> None:
             "`model` picks the base or an adapter",
         )
     else:
-        parser.add_argument(
+        action = parser.add_argument(
             "--lora", metavar="DIR", help=f"a LoRA adapter on the model: {where} checkpoint's); docs/generation.md"
         )
+    action.records_model = True  # type: ignore[attr-defined]  # `main`: --lora stands in for --model
     takes_effect(
         parser.add_argument(
             "--lora-any-base",
@@ -237,14 +238,26 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
     return cast("argparse._SubParsersAction[argparse.ArgumentParser]", parser._subparsers._group_actions[0]).choices
 
 
-def _merge_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _takes_adapters(parser: Parser, args: argparse.Namespace) -> bool:
+    """Whether the command takes --lora for adapters (`add_lora_arguments`), whose recorded base may stand in
+    for a missing --model."""
+    return any(getattr(a, "records_model", False) for p in parser.command_parsers(args) for a in p._actions)
+
+
+def _require_model(parser: Parser, args: argparse.Namespace) -> None:
+    """generate and chat (an optional --model): --model, or an adapter's --lora."""
+    if _takes_adapters(parser, args) and args.model is None and not args.lora:
+        parser.command_parsers(args)[-1].error("the following arguments are required: --model")
+
+
+def _merge_model(args: argparse.Namespace, parser: Parser) -> None:
     if not hasattr(args, "model_option"):
         return
     given, option = args.model, args.model_option
     command = _subcommands(parser)[args.command]  # its usage line, in the error
     if given is not None and option is not None and given != option:
         command.error(f"the model is given twice ({given!r} and --model {option!r})")
-    if given is None and option is None and not getattr(args, "lora", None):  # an adapter records its base
+    if given is None and option is None and not (_takes_adapters(parser, args) and args.lora):  # its recorded base
         command.error("the following arguments are required: --model MODEL")
     args.model = option if option is not None else given
     del args.model_option
@@ -366,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _merge_model(args, parser)
-    if hasattr(args, "lora") and args.model is None and not args.lora:  # generate, chat: --model or --lora
-        _subcommands(parser)[args.command].error("the following arguments are required: --model")
+    _require_model(parser, args)
     name = " ".join(filter(None, (args.command, getattr(args, "action", None))))  # `data prepare`, as typed
     try:
         refuse_flags_without_effect(parser.command_parsers(args), args)
