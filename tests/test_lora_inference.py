@@ -155,6 +155,16 @@ def test_the_static_step_routes_each_row_and_the_cpu_does_not_compile_adapters(s
         assert result == expected(alone, prompt, config)
 
 
+def test_rounds_route_their_rows_too(served, alone):
+    """A parallel sampler's wave and a speculative round run in calls of their own row: each its adapter's."""
+    wave = replace(GREEDY, adapter="a", num_steps=8, sampler="parallel", inner_recurrence=4)
+    requests = [(PROMPTS[0], wave), (PROMPTS[1], replace(GREEDY, adapter="b"))]
+    for (prompt, config), (tokens, _) in zip(requests, run_batch(served, requests), strict=True):
+        assert tokens == expected(alone, prompt, config)[0]
+    drafted = replace(GREEDY, adapter="b", num_steps=6, draft_steps=2)
+    assert generate(served, [PROMPTS[2]], drafted).tokens[0] == expected(alone, PROMPTS[2], drafted)[0]
+
+
 def test_generate_takes_an_adapter_by_name_and_the_active_one_by_default(served, alone, base_dir, adapters):
     config = replace(GREEDY, adapter="b")
     assert generate(served, [PROMPTS[0]], config).tokens[0] == expected(alone, PROMPTS[0], config)[0]
