@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if batch.step_runner.static_step.compiled is not None:  # the CPU's compiled step (rdlm.inference.cpu_compile)
         static = "compiled"
     elif adapters and batch.device.type == "cpu":
-        static += ", not compiled: LoRA adapters"
+        static += " (not compiled with LoRA adapters)"
     served = f", LoRA adapters {', '.join(adapters)}" if adapters else ""
     print(
         f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
