@@ -134,6 +134,32 @@ def test_rows_of_different_adapters_with_exits_and_budgets_each_get_their_adapte
     assert any(min(steps) < 12 for _, steps in got[3:4]), "the kl row never exited early: the test reads no exit"
 
 
+def test_a_request_cancelled_in_a_prompt_chunk_leaves_the_others_their_adapters(served, alone):
+    """A chunk of prompts prefills beside a decoding row, an iteration a step, and loses a request on the way:
+    the rows that stay keep their own adapters."""
+    prompts = [list(range(10 + i, 30 + i)) for i in range(3)]
+    requests = [(PROMPTS[0], replace(GREEDY, adapter="b", max_new_tokens=12))]
+    requests += [(prompt, replace(GREEDY, adapter=name)) for prompt, name in zip(prompts, ("a", "b", None), strict=True)]
+    batch = ContinuousBatch(served, max_batch=4, max_length=64, num_slots=16, prefill_chunk=60)  # 3 x 20 tokens
+    out: dict[int, list[int]] = {}
+
+    def step() -> None:
+        for event in batch.step():
+            out.setdefault(event.request, []).append(event.token)
+
+    ids = [batch.add(*requests[0])]
+    while not out:  # the first request decodes
+        step()
+    ids += [batch.add(prompt, config) for prompt, config in requests[1:]]
+    step()  # the chunk's first iteration
+    assert set(out) == {ids[0]}, "the chunk ended in one step: the test cancels no request inside it"
+    batch.cancel(ids[2])
+    while batch.busy:
+        step()
+    for j in (0, 1, 3):
+        assert out[ids[j]] == expected(alone, *requests[j])[0]
+
+
 def test_a_token_in_lockstep_routes_each_row(served, alone):
     """Rows with the same depth settings run each token's iterations in one call (rdlm.inference.lockstep):
     its calls cover rows of different adapters."""

@@ -85,19 +85,19 @@ def _without_int4(args: argparse.Namespace) -> str | None:
 def add_lora_arguments(parser, named: bool = False) -> None:
     """--lora / --lora-any-base: LoRA adapters loaded on the model (rdlm.model.lora). `named` (the server's):
     NAME=DIR, repeatable, each served under its NAME; else one DIR."""
-    where = "an adapter directory, a LoRA run's checkpoint step-N/ (its adapter/) or its run directory (the newest"
+    where = "an adapter directory, or a LoRA run's checkpoint step-N/ or run directory (its newest adapter/)"
     if named:
         action = parser.add_argument(
             "--lora",
             action="append",
             type=_named_adapter,
             metavar="NAME=DIR",
-            help=f"serve a LoRA adapter under NAME (repeatable): DIR is {where} checkpoint's); a request's "
-            "`model` picks the base or an adapter",
+            help=f"serve a LoRA adapter under NAME (repeatable; DIR: {where}); a request's `model` picks the "
+            "base or an adapter",
         )
     else:
         action = parser.add_argument(
-            "--lora", metavar="DIR", help=f"a LoRA adapter on the model: {where} checkpoint's); docs/generation.md"
+            "--lora", metavar="DIR", help=f"run the model with a LoRA adapter on it: {where}; docs/generation.md"
         )
     action.records_model = True  # type: ignore[attr-defined]  # `main`: --lora stands in for --model
     takes_effect(

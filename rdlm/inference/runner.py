@@ -15,8 +15,7 @@ model call of their own.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +51,12 @@ class Call:
     def but(self, **changes) -> Call:
         """The same call with some fields of its cache plan changed (`CacheCall.but`)."""
         return dataclasses.replace(self, cache=self.cache.but(**changes))
+
+    def keep_rows(self, keep: Tensor, rows: Tensor) -> Call:
+        """The call of its rows at `keep` only, rows `rows` of the cache, where every row shares its RoPE and
+        mask (a prompt chunk's: `select` for calls with a row's own)."""
+        adapters = None if self.adapters is None else self.adapters[keep]
+        return dataclasses.replace(self, cache=self.cache.but(rows=rows), adapters=adapters)
 
     def select(self, keep: Tensor | slice, rows: Tensor | slice) -> Call:
         """The call of its rows at `keep` only, rows `rows` of the cache (a per-row start goes with them)."""
@@ -116,9 +121,9 @@ class ModelRunner:
         # LoRA adapters: their names (adapter i is names[i - 1]) and each row's, in place on the device (the static
         # step's graphs read it); a row runs the model as set (its active adapter, or the base) until routed
         self.adapter_names = loaded_adapters(model)
+        self.default_adapter = self.adapter_number(active_adapter(model))
         self.row_adapters: Tensor | None = None
         if self.adapter_names:
-            self.default_adapter = self.adapter_number(active_adapter(model))
             self.row_adapters = torch.full((batch, 1), self.default_adapter, dtype=torch.long, device=self.device)
 
     def upload(self, values: list) -> Tensor:
@@ -149,12 +154,10 @@ class ModelRunner:
             return None
         return self.row_adapters if rows is None else self.row_adapters[rows]
 
-    @contextmanager
-    def _routed(self, adapters: Tensor | None) -> Iterator[None]:
-        """A model call with each token through its adapter (`adapters` shaped as the call's leading
-        dimensions), or as the model is set where there are none."""
-        with nullcontext() if adapters is None else routed(self.model, self.adapter_names, adapters):
-            yield
+    def _routed(self, adapters: Tensor | None) -> AbstractContextManager:
+        """Where a model call runs each token through its adapter (`adapters` shaped as the call's leading
+        dimensions), or the model as it is set where there are none."""
+        return nullcontext() if adapters is None else routed(self.model, self.adapter_names, adapters)
 
     # ---- which entries hold a token
 
