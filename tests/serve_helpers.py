@@ -46,10 +46,15 @@ def model_dir(tmp_path_factory) -> Path:
 class LiveServer:
     """uvicorn in a thread of this process, on a real socket."""
 
-    def __init__(self, model_dir: Path, shutdown_timeout: float = 10.0, **config) -> None:
+    def __init__(self, model_dir: Path, shutdown_timeout: float = 10.0, adapters: dict | None = None,
+                 **config) -> None:
         from rdlm import load_pretrained
 
         self.model, self.tokenizer = load_pretrained(model_dir).eval(), Tokenizer.from_dir(model_dir)
+        if adapters:  # LoRA adapters served by name (rdlm serve --lora NAME=DIR)
+            from rdlm.model.lora_serving import load_adapters, read_adapters
+
+            load_adapters(self.model, read_adapters(adapters))
         self.config = ServeConfig(model_name="tiny", defaults=DEFAULTS, max_length=96, num_slots=16, **config)
         self.app = create_app(self.model, self.tokenizer, self.config)
         self.port = free_port()

@@ -13,10 +13,13 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from rdlm.checks import check_int
 from rdlm.resources import LongRunWarning
+
+if TYPE_CHECKING:
+    from rdlm.model.lora import AdapterFiles
 
 COMMANDS = [
     "rdlm.cli.info",
@@ -77,6 +80,69 @@ def _without_int4(args: argparse.Namespace) -> str | None:
     if all(getattr(spec, part) != "int4" for part in PARTS):
         return f"it is the group size of int4, and --quantize {args.quantize} quantizes no part to int4"
     return None
+
+
+def add_lora_arguments(parser, named: bool = False) -> None:
+    """--lora / --lora-any-base: LoRA adapters loaded on the model (rdlm.model.lora). `named` (the server's):
+    NAME=DIR, repeatable, each served under its NAME; else one DIR."""
+    where = "an adapter directory, or a LoRA run's checkpoint step-N/ or run directory (its newest adapter/)"
+    if named:
+        action = parser.add_argument(
+            "--lora",
+            action="append",
+            type=_named_adapter,
+            metavar="NAME=DIR",
+            help=f"serve a LoRA adapter under NAME (repeatable; DIR: {where}); a request's `model` picks the "
+            "base or an adapter",
+        )
+    else:
+        action = parser.add_argument(
+            "--lora", metavar="DIR", help=f"run the model with a LoRA adapter on it: {where}; docs/generation.md"
+        )
+    action.records_model = True  # type: ignore[attr-defined]  # `main`: --lora stands in for --model
+    takes_effect(
+        parser.add_argument(
+            "--lora-any-base",
+            action="store_true",
+            help="apply the adapter even to a base other than the one it was trained on (its fingerprint "
+            "differs; the shapes must still match)",
+        ),
+        lambda args: None if args.lora else "it relaxes the check of --lora's base, and no --lora is given",
+    )
+
+
+def _named_adapter(text: str) -> tuple[str, str]:
+    from rdlm.inference.params import adapter_name
+
+    name, equals, directory = text.partition("=")
+    if not equals or not directory:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    try:
+        adapter_name("the adapter's NAME", name)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return name, directory
+
+
+def model_and_adapters(args: argparse.Namespace) -> tuple[str, dict[str, AdapterFiles]]:
+    """The model a command runs and the adapters it loads on it (`--lora`, read and checked; none without
+    it): `--model`, or where it is not given, the base the first adapter records (rdlm.model.lora)."""
+    from rdlm.model.lora import DEFAULT_NAME
+    from rdlm.model.lora_serving import adapters_base, read_adapters
+
+    given = getattr(args, "lora", None) or []
+    if isinstance(given, str):  # one DIR
+        given = [(DEFAULT_NAME, given)]
+    names = [name for name, _ in given]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise CLIError(f"--lora: the name {twice[0]!r} is given twice")
+    adapters = read_adapters(dict(given))
+    if args.model is not None:
+        return args.model, adapters
+    if not adapters:
+        raise CLIError("give the model (--model)")
+    return adapters_base(adapters), adapters
 
 
 class CLIError(Exception):
@@ -172,14 +238,26 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
     return cast("argparse._SubParsersAction[argparse.ArgumentParser]", parser._subparsers._group_actions[0]).choices
 
 
-def _merge_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _takes_adapters(parser: Parser, args: argparse.Namespace) -> bool:
+    """Whether the command takes --lora for adapters (`add_lora_arguments`), whose recorded base may stand in
+    for a missing --model."""
+    return any(getattr(a, "records_model", False) for p in parser.command_parsers(args) for a in p._actions)
+
+
+def _require_model(parser: Parser, args: argparse.Namespace) -> None:
+    """generate and chat (an optional --model): --model, or an adapter's --lora."""
+    if _takes_adapters(parser, args) and args.model is None and not args.lora:
+        parser.command_parsers(args)[-1].error("the following arguments are required: --model")
+
+
+def _merge_model(args: argparse.Namespace, parser: Parser) -> None:
     if not hasattr(args, "model_option"):
         return
     given, option = args.model, args.model_option
     command = _subcommands(parser)[args.command]  # its usage line, in the error
     if given is not None and option is not None and given != option:
         command.error(f"the model is given twice ({given!r} and --model {option!r})")
-    if given is None and option is None:
+    if given is None and option is None and not (_takes_adapters(parser, args) and args.lora):  # its recorded base
         command.error("the following arguments are required: --model MODEL")
     args.model = option if option is not None else given
     del args.model_option
@@ -301,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _merge_model(args, parser)
+    _require_model(parser, args)
     name = " ".join(filter(None, (args.command, getattr(args, "action", None))))  # `data prepare`, as typed
     try:
         refuse_flags_without_effect(parser.command_parsers(args), args)

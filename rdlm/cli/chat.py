@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from rdlm.cli import at_least
+from rdlm.cli import at_least, model_and_adapters
 from rdlm.cli.generate import TextStreamer, add_generation_args, config_from_args, load_model_and_tokenizer, print_stats
 from rdlm.inference.generate import generate
 
@@ -34,8 +34,8 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--model",
-        required=True,
-        help="a model directory, training checkpoint step-N/ or run directory with tokenizer.json",
+        help="a model directory, training checkpoint step-N/ or run directory with tokenizer.json (default "
+        "with --lora: the adapter's base)",
     )
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument("--stats", action="store_true", help="print iterations per token and speed after each reply")
@@ -48,14 +48,17 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
+    source, adapters = model_and_adapters(args)
     model, tokenizer = load_model_and_tokenizer(
-        args.model,
+        source,
         args.dtype,
         args.device,
         need_tokenizer=True,
         quantize=args.quantize,
         group_size=args.quantize_group_size,
         threads=args.threads,
+        adapters=adapters,
+        any_base=args.lora_any_base,
         without_tokenizer="chat reads and writes text: give a run directory or model directory with "
         "tokenizer.json, e.g. one trained with `rdlm train --tokenizer ...`, or `rdlm generate "
         "--prompt-ids` for a model without one",

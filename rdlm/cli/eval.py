@@ -6,9 +6,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rdlm.cli import CLIError, add_model_argument, add_quantize_arguments, add_threads_argument
+from rdlm.cli import (
+    CLIError,
+    add_lora_arguments,
+    add_model_argument,
+    add_quantize_arguments,
+    add_threads_argument,
+    model_and_adapters,
+)
 from rdlm.fileio import claim_output_dir, read_jsonl, read_utf8
-from rdlm.resources import use_threads
 
 OUTPUTS = ("results.json", "plot.png")
 
@@ -31,6 +37,7 @@ def register(subparsers) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace results.json and plot.png already in --out")
     add_threads_argument(p)
     add_quantize_arguments(p)
+    add_lora_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -55,16 +62,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CLIError(f"--num-steps must be comma-separated integers, got {args.num_steps!r}") from err
     out = claim_output_dir(args.out, OUTPUTS.__contains__, args.overwrite, "results")  # before minutes of work
+    source, adapters = model_and_adapters(args)
     if args.text:
-        from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
-        from rdlm.model.resolve import resolve_model_source
+        from rdlm.cli.generate import load_model_and_tokenizer
 
-        found = resolve_model_source(args.model)
-        if found.tokenizer_dir is None:
-            raise CLIError(f"{args.model!r} has no {TOKENIZER_FILE}: perplexity on text needs the model's tokenizer")
-        model = found.load(quantize=args.quantize, group_size=args.quantize_group_size)
-        use_threads(model, args.threads)
-        tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
+        model, tokenizer = load_model_and_tokenizer(
+            source,
+            None,  # the weights' own dtype
+            need_tokenizer=True,
+            without_tokenizer="perplexity reads the text with the model's tokenizer",
+            quantize=args.quantize,
+            group_size=args.quantize_group_size,
+            threads=args.threads,
+            adapters=adapters,
+            any_base=args.lora_any_base,
+        )
         docs = [tokenizer.encode(d, add_bos=True) for d in read_documents(Path(args.text))]
         sweeps = [
             perplexity_vs_steps(
@@ -88,9 +100,13 @@ def run(args: argparse.Namespace) -> int:
             f"quantize_group_size={args.quantize_group_size}"
         )
         threads = args.threads and f"threads={args.threads}"
-        extra = ",".join(a for a in (f"init_scale={args.init_scale}", quantize, threads, args.model_args) if a)
+        lora = ",".join(
+            f"lora={files.directory}" + (",lora_any_base=true" if args.lora_any_base else "")
+            for files in adapters.values()
+        )
+        extra = ",".join(a for a in (f"init_scale={args.init_scale}", quantize, threads, lora, args.model_args) if a)
         sweeps = accuracy_vs_steps(
-            args.model,
+            source,
             args.tasks.split(","),
             steps,
             include_path=args.include_path,
@@ -99,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             limit=args.limit,
         )
-    plot_sweeps(sweeps, out / "plot.png", title=Path(args.model).name)
+    plot_sweeps(sweeps, out / "plot.png", title=Path(source).name)
     write_results(sweeps, out / "results.json")  # last: results.json is there once the output is complete
     for sweep in sweeps:
         cells = "  ".join(f"r={r}: {v:.4g}" for r, v in zip(sweep.num_steps, sweep.values, strict=True))

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from rdlm.checks import OneOf
-from rdlm.cli import CLIError, add_quantize_arguments, add_threads_argument, check_exit_threshold
+from rdlm.cli import (
+    CLIError,
+    add_lora_arguments,
+    add_quantize_arguments,
+    add_threads_argument,
+    check_exit_threshold,
+    model_and_adapters,
+)
 from rdlm.inference.exits import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
 from rdlm.inference.params import PARTS, check_prompts, params_for
@@ -22,10 +29,13 @@ from rdlm.model import dtypes
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
 from rdlm.resources import check_device, use_threads
 
+if TYPE_CHECKING:
+    from rdlm.model.lora import AdapterFiles
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text or token ids from a model")
-    p.add_argument("--model", required=True, help=ACCEPTED)
+    p.add_argument("--model", help=f"{ACCEPTED} (default with --lora: the adapter's base)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); needs tokenizer.json")
     src.add_argument(
@@ -62,10 +72,10 @@ FLAGS: dict[str, dict] = {
 }
 
 
-def add_generation_args(p: argparse.ArgumentParser) -> None:
+def add_generation_args(p: argparse.ArgumentParser, named_adapters: bool = False) -> None:
     """Options shared by `generate`, `chat` and `serve`: a flag per generation parameter the command line
     takes (its declared type, default and meaning, with FLAGS' additions) in a group per part, the stops,
-    and how the model runs."""
+    the LoRA adapters (`named_adapters`: the server's NAME=DIR) and how the model runs."""
     groups = {part.name: p.add_argument_group(f"generation: {part.name}", part.controls) for part in PARTS}
     for param in params_for("cli"):
         flag = FLAGS.get(param.name, {})
@@ -85,6 +95,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         "--stop", action="append", default=[], help="stop string (repeatable; needs a tokenizer)"
     )
     groups["sampling"].add_argument("--stop-ids", default="", help="comma-separated stop token ids")
+    add_lora_arguments(groups["adapter"], named=named_adapters)
     g = p.add_argument_group("model", "how the model is loaded and where it runs")
     g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32", help="weights and activations dtype")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -116,17 +127,21 @@ def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ..
 
 def load_model_and_tokenizer(
     source: str,
-    dtype: str = "float32",
+    dtype: str | None = "float32",
     device: str = "cpu",
     need_tokenizer=False,
     without_tokenizer: str = "use --prompt-ids for token ids",
     quantize: str | None = None,
     group_size: int = 128,
     threads: int | None = None,
+    adapters: dict[str, AdapterFiles] | None = None,
+    any_base: bool = False,
 ):
-    """The model (quantized by `quantize`, when given; its work on `threads` CPU threads, by default
-    rdlm.resources.use_threads') and, when it comes with tokenizer.json, its tokenizer (else None).
-    `without_tokenizer` ends the error when one is needed and missing: what the command can do instead."""
+    """The model (quantized by `quantize`, when given; with the LoRA `adapters` loaded on it by name, their
+    base checked unless `any_base` (rdlm.model.lora.load_adapters); its work on `threads` CPU threads, by
+    default rdlm.resources.use_threads') and, when it comes with tokenizer.json, its tokenizer (else None).
+    `without_tokenizer` ends the error when one is needed and missing: what the command can do instead.
+    `rdlm.cli.model_and_adapters` gives `source` and `adapters` from a command's --model and --lora."""
     from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     check_device(device)
@@ -144,6 +159,12 @@ def load_model_and_tokenizer(
         from rdlm.model.quantize import describe
 
         print(f"rdlm: quantized {describe(model)}", file=sys.stderr)
+    if adapters:
+        from rdlm.model.lora_serving import load_adapters
+
+        load_adapters(model, adapters, any_base=any_base)
+        for name, files in adapters.items():
+            print(f"rdlm: LoRA adapter {name} from {files.directory} (rank {files.spec.rank})", file=sys.stderr)
     return model, tokenizer
 
 
@@ -213,14 +234,17 @@ def print_stats(result: GenerationResult) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)  # a preset is a freshly initialized model: make it reproducible
     text_mode = args.prompt is not None
+    source, adapters = model_and_adapters(args)
     model, tokenizer = load_model_and_tokenizer(
-        args.model,
+        source,
         args.dtype,
         args.device,
         need_tokenizer=text_mode or bool(args.stop),
         quantize=args.quantize,
         group_size=args.quantize_group_size,
         threads=args.threads,
+        adapters=adapters,
+        any_base=args.lora_any_base,
     )
     if text_mode:
         prompts = [tokenizer.encode(p, add_bos=not args.no_bos) for p in args.prompt]

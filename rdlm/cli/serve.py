@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from rdlm.cli import add_model_argument
+from rdlm.cli import add_model_argument, model_and_adapters
 from rdlm.cli.generate import add_generation_args, config_from_args, load_model_and_tokenizer
 
 
@@ -22,7 +22,11 @@ def register(subparsers) -> None:
         "the batch between core iterations; the generation options below are the defaults "
         "a request's fields override (--max-new-tokens: max_tokens).",
     )
-    add_model_argument(p, "a model directory, training checkpoint step-N/ or run directory with tokenizer.json")
+    add_model_argument(
+        p,
+        "a model directory, training checkpoint step-N/ or run directory with tokenizer.json (default with --lora: "
+        "the first adapter's base)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--model-name", help="the name clients use (default: the directory's name)")
@@ -94,7 +98,7 @@ def register(subparsers) -> None:
         default=256,
         help="the most core iterations per token (num_steps) a request may ask for (default 256)",
     )
-    add_generation_args(p)
+    add_generation_args(p, named_adapters=True)
     p.set_defaults(func=run)
 
 
@@ -119,14 +123,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.draft_steps is not None:
         raise ValueError("--draft-steps: speculative decoding is not available in the server")
+    source, adapters = model_and_adapters(args)
     model, tokenizer = load_model_and_tokenizer(
-        args.model,
+        source,
         args.dtype,
         args.device,
         need_tokenizer=True,
         quantize=args.quantize,
         group_size=args.quantize_group_size,
         threads=args.threads,
+        adapters=adapters,
+        any_base=args.lora_any_base,
         without_tokenizer="the server takes and returns text: give a run directory or model directory with "
         "tokenizer.json",
     )
@@ -134,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     c = model.config
     max_length = args.max_length if args.max_length is not None else min(c.context_length, 2048)
     num_slots = args.num_slots if args.num_slots is not None else max(defaults.max_steps, 32)
-    name = args.model_name or Path(args.model).resolve().name
+    name = args.model_name or Path(source).resolve().name
     for flag, value in (("--prefill-chunk", args.prefill_chunk), ("--coda-every", args.coda_every)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -184,10 +191,13 @@ def run(args: argparse.Namespace) -> int:
     static = "on" if batch.step_runner.static else "off"
     if batch.step_runner.static_step.compiled is not None:  # the CPU's compiled step (rdlm.inference.cpu_compile)
         static = "compiled"
+    elif adapters and batch.device.type == "cpu":
+        static += " (not compiled with LoRA adapters)"
+    served = f", LoRA adapters {', '.join(adapters)}" if adapters else ""
     print(
         f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
         f"per row, {num_slots} core slots, KV cache {batch.cache_bytes / 2**30:.2f} GiB, default r "
-        f"{defaults.num_steps}, static step {static})",
+        f"{defaults.num_steps}, static step {static}{served})",
         file=sys.stderr,
         flush=True,
     )

@@ -119,7 +119,7 @@ class ContinuousBatch(Engine):
             prefill_chunk,
             static,
             rides_along=self.device.type != "cpu" or static,
-            lockstep=not cpu_compiled(static, self.device),  # the compiled step runs every token
+            lockstep=not cpu_compiled(static, self.device, model),  # the compiled step runs every token
         )
         self.scheduler = Scheduler(self.settings, decode)  # who does what, when: no tensor
         self.phases = PhaseTimes(self.device, profile)  # with `profile`: seconds per phase of the steps

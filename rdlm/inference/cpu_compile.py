@@ -14,6 +14,10 @@ the rows' slots and indices device tensors) is compiled by inductor:
   reused only for the same model object with the same parameter tensors at the same versions (an in-place
   update, a training step, `load_state_dict`, compiles again).
 
+A model with LoRA adapters (rdlm.model.lora) is not compiled: each call routes its tokens to their rows'
+adapters by swapping the adapted layers' forward, which the compiled code would not see; its static step, when
+asked for, runs eagerly, and the defaults (`compile_pays`, `server_compiles`) leave it off.
+
 Compiled code is cached by inductor on disk (`TORCHINDUCTOR_CACHE_DIR`, by default under the system's
 temporary directory), so a second process with the same model shape compiles in a fraction of the first
 one's time. The eager path stays the reference: `compile=False` (the CLI's `--no-compile`) turns the static
@@ -35,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from rdlm.model.lora_serving import loaded_adapters
 
 if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM
@@ -71,25 +77,26 @@ LENGTH_BUCKET = 128  # a compiled engine's cache length is rounded up to this, s
 _serials = itertools.count(1)
 
 
-def cpu_compiled(static: bool, device: torch.device) -> bool:
-    """Whether an engine's static step is compiled: on the CPU, unless RDLM_COMPILE=0 (which leaves the static
-    step eager)."""
-    return static and device.type == "cpu" and compile_allowed()
+def cpu_compiled(static: bool, device: torch.device, model: RecurrentDepthLM) -> bool:
+    """Whether an engine's static step is compiled: on the CPU, unless RDLM_COMPILE=0 or the model holds LoRA
+    adapters (either leaves the static step eager)."""
+    return static and device.type == "cpu" and compile_allowed() and not loaded_adapters(model)
 
 
-def compile_pays(rows: int, iterations_per_row: int, rounds: bool) -> bool:
+def compile_pays(rows: int, iterations_per_row: int, rounds: bool, adapters: bool = False) -> bool:
     """Whether `compile=None` compiles a CPU job of `rows` rows and `iterations_per_row` core iterations each
-    (`rounds`: speculative decoding or the parallel sampler, which do not run the static step)."""
-    if rounds or not compile_allowed():
+    (`rounds`: speculative decoding or the parallel sampler, which do not run the static step; `adapters`: the
+    model holds LoRA adapters, which are not compiled)."""
+    if rounds or adapters or not compile_allowed():
         return False
     return compile_forced() or (rows <= SINGLE_THREAD_ROWS and iterations_per_row >= COMPILE_MIN_ITERATIONS)
 
 
-def server_compiles(rows: int) -> bool:
+def server_compiles(rows: int, adapters: bool = False) -> bool:
     """Whether `rdlm serve` compiles a CPU batch of `rows` rows by default: a server lives long enough to pay
     back its compile wherever the compiled step is faster (at most SINGLE_THREAD_ROWS rows), or always with
-    RDLM_COMPILE=force."""
-    return compile_allowed() and (rows <= SINGLE_THREAD_ROWS or compile_forced())
+    RDLM_COMPILE=force; never a model with LoRA adapters (`adapters`), which are not compiled."""
+    return compile_allowed() and not adapters and (rows <= SINGLE_THREAD_ROWS or compile_forced())
 
 
 @contextmanager

@@ -51,6 +51,7 @@ from rdlm.inference.params import Decode, GenerationConfig, check_length, check_
 from rdlm.inference.sampling import sample
 from rdlm.inference.scheduler import in_rounds
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model.lora_serving import loaded_adapters
 from rdlm.resources import check_time, forward_seconds
 
 __all__ = ["Decode", "GenerationConfig", "GenerationResult", "TokenEvent", "generate", "sample", "stream"]
@@ -141,7 +142,8 @@ def _engine(
     compile, max_length = config.compile, longest + room
     if device.type == "cpu":
         if compile is None:  # compiled where it pays (rdlm.inference.cpu_compile)
-            compile = compile_pays(len(prompts), config.max_new_tokens * config.num_steps, in_rounds(config))
+            iterations = config.max_new_tokens * config.num_steps
+            compile = compile_pays(len(prompts), iterations, in_rounds(config), bool(loaded_adapters(model)))
         if compile:  # a length compiled code can be reused at
             max_length = min(model.config.context_length, -(-max_length // LENGTH_BUCKET) * LENGTH_BUCKET)
     return ContinuousBatch(

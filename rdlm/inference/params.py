@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -55,6 +56,18 @@ def kv_cache_budget(slots: int | None) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # A parameter's declaration, and the parts that group them
+
+
+# An adapter's name: what a server's clients send as `model`, and a key of the model's LoRA layers (no dots).
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+def adapter_name(name: str, value: Any) -> None:
+    """A LoRA adapter's name: letters, digits, - and _, at most 64, beginning with a letter or digit."""
+    if not isinstance(value, str) or not ADAPTER_NAME.fullmatch(value):
+        raise InvalidValue(
+            name, f"{name} must be a name of letters, digits, - and _ (at most 64, no dots), got {value!r}"
+        )
 
 
 def known_criterion(name: str, value: Any) -> None:
@@ -106,6 +119,7 @@ EXITS = Part("exits", "per-token adaptive compute: when a token stops iterating 
 CACHE = Part("cache", "the KV cache of the core's iterations")
 SPECULATIVE = Part("speculative", "self-speculative decoding: drafts at a lower depth, verified at num_steps")
 PARALLEL = Part("parallel", "the parallel (diffusion-style) sampler of rdlm.inference.parallel")
+ADAPTER = Part("adapter", "which LoRA adapter loaded in the model a request runs with (rdlm.model.lora)")
 ENGINE = Part("engine", "how the decode engine runs a request (its speed, never its tokens in fp32)")
 EVERYWHERE = " ".join(FRONT_ENDS)  # the front ends of a parameter every one of them takes by its name
 
@@ -265,6 +279,14 @@ class GenerationConfig:
     )
     full_prefill: bool = PARALLEL(True, "parallel: prefill the prompt at r (off: the prompt is the first wave)")
 
+    # -- adapter: the command line's --lora and the server's `model` field name it their own way
+    adapter: str | None = ADAPTER(
+        None,
+        "a LoRA adapter loaded in the model, by name (default: the model as set, its active adapter or the base)",
+        adapter_name,
+        front_ends="",
+    )
+
     # -- engine (rdlm.inference.batching). On CUDA in fp32 the static step never changes tokens, only speed; in
     # bf16 a greedy near-tie can flip (its attention reduces over the preallocated cache; docs/inference.md,
     # "The GPU suite"). The CPU's compiled step rounds its matmuls differently (log-probabilities within ~2e-6
@@ -420,7 +442,7 @@ def _declared(config: type) -> tuple[Param, ...]:
 
 
 PARAMS = _declared(GenerationConfig)  # its parameters, in the order declared
-PARTS = (SAMPLING, DEPTH, EXITS, CACHE, SPECULATIVE, PARALLEL, ENGINE)
+PARTS = (SAMPLING, DEPTH, EXITS, CACHE, SPECULATIVE, PARALLEL, ADAPTER, ENGINE)
 # The shared cache as the server, transformers and lm-eval spell it: one number for two fields (kv_cache_budget).
 KV_CACHE_BUDGET = Param(
     "cache",
@@ -473,11 +495,20 @@ def check_request(
     model: RecurrentDepthLM, prompt: list[int], config: GenerationConfig, decode: Decode | None = None
 ) -> ExitCriterion | None:
     """Refuse a request no engine can run (`check_prompt`, stop strings without `decode` to read them, an
-    exit gate the model lacks); returns its exit criterion."""
+    exit gate or adapter the model lacks); returns its exit criterion."""
     check_prompt(model, prompt)
     if config.stop_strings and decode is None:
         raise ValueError("stop_strings need a decode function (a tokenizer)")
+    check_adapter(model, config.adapter)
     return check_criterion(model, config)
+
+
+def check_adapter(model: RecurrentDepthLM, adapter: str | None) -> None:
+    """Refuse an adapter name the model has not loaded (rdlm.model.lora keeps their specs on the model)."""
+    loaded = list(getattr(model, "lora_specs", {}))
+    if adapter is not None and adapter not in loaded:
+        have = f"it has {', '.join(map(repr, loaded))}" if loaded else "it has none"
+        raise ValueError(f"the model has no LoRA adapter named {adapter!r} ({have})")
 
 
 def check_criterion(model: RecurrentDepthLM, config: GenerationConfig) -> ExitCriterion | None:

@@ -174,7 +174,7 @@ class PromptChunk:
             lengths=[self.lengths[j] for j in keep],
             state=self.state[pick],
             embedded=self.embedded[pick],
-            call=self.call.but(rows=self.call.rows[pick]),
+            call=self.call.keep_rows(pick, self.call.rows[pick]),
             gate=gate,
             thresholds=None if self.thresholds is None else self.thresholds[pick],
             minimum=None if self.minimum is None else self.minimum[pick],

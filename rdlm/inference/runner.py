@@ -15,6 +15,7 @@ model call of their own.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,18 +25,20 @@ from rdlm.inference.cache import CacheCall, PackedCall, RecurrentKVCache, Segmen
 from rdlm.inference.noise import noise_table
 from rdlm.model.layers import Rope, padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model.lora_serving import active_adapter, loaded_adapters, routed
 
 
 @dataclass(frozen=True)
 class Call:
     """What model calls over one block of tokens take besides the tokens or states: the RoPE of the
-    tokens' positions, the attention mask ([rows | 1, 1, n, keys] boolean) and the cache with its write
-    plan (`CacheWrite`: start, rows, slots, ...)."""
+    tokens' positions, the attention mask ([rows | 1, 1, n, keys] boolean), the cache with its write
+    plan (`CacheWrite`: start, rows, slots, ...) and, on a model with LoRA adapters, each row's adapter."""
 
     rope: Rope
     mask: Tensor
     cache: CacheCall
     positions: Tensor  # [rows | 1, n]
+    adapters: Tensor | None = None  # [rows, 1]: 0 the base, i the runner's adapter i (`ModelRunner.route`)
 
     @property
     def start(self) -> int | Tensor:
@@ -49,6 +52,12 @@ class Call:
         """The same call with some fields of its cache plan changed (`CacheCall.but`)."""
         return dataclasses.replace(self, cache=self.cache.but(**changes))
 
+    def keep_rows(self, keep: Tensor, rows: Tensor) -> Call:
+        """The call of its rows at `keep` only, rows `rows` of the cache, where every row shares its RoPE and
+        mask (a prompt chunk's: `select` for calls with a row's own)."""
+        adapters = None if self.adapters is None else self.adapters[keep]
+        return dataclasses.replace(self, cache=self.cache.but(rows=rows), adapters=adapters)
+
     def select(self, keep: Tensor | slice, rows: Tensor | slice) -> Call:
         """The call of its rows at `keep` only, rows `rows` of the cache (a per-row start goes with them)."""
         start = self.start
@@ -59,6 +68,7 @@ class Call:
             self.mask[keep],
             self.cache.but(start=start, rows=rows),
             self.positions[keep],
+            None if self.adapters is None else self.adapters[keep],
         )
 
 
@@ -69,6 +79,7 @@ class Pack:
     def __init__(self) -> None:
         self.segments: list[Segment] = []
         self.parts: list[list[Tensor]] = [[], [], [], []]  # states, e, cos, sin
+        self.adapters: list[Tensor] = []  # each token's adapter, on a model with adapters
 
     def add(self, call: Call, state: Tensor, embedded: Tensor, iteration: int) -> slice:
         """Append g rows x n tokens (`state` [g, n, h]) at `iteration`; returns their tokens in the pack."""
@@ -78,6 +89,8 @@ class Pack:
         self.segments.append(Segment(tokens, g, call.cache.plan, call.mask, iteration))
         for part, value in zip(self.parts, (state, embedded, *call.rope), strict=True):
             part.append(value.expand(g, n, *value.shape[2:]).reshape(1, g * n, *value.shape[2:]))
+        if call.adapters is not None:
+            self.adapters.append(call.adapters.expand(g, n).reshape(1, g * n))
         return tokens
 
 
@@ -105,6 +118,13 @@ class ModelRunner:
         self.batch_rows = torch.arange(batch, device=self.device)
         # s_0 of every position for `seed` (all rows), or None: a caller passes its own rows of a table
         self.noise = None if seed is None else self.noise_table(seed, init_scale, max_length)
+        # LoRA adapters: their names (adapter i is names[i - 1]) and each row's, in place on the device (the static
+        # step's graphs read it); a row runs the model as set (its active adapter, or the base) until routed
+        self.adapter_names = loaded_adapters(model)
+        self.default_adapter = self.adapter_number(active_adapter(model))
+        self.row_adapters: Tensor | None = None
+        if self.adapter_names:
+            self.row_adapters = torch.full((batch, 1), self.default_adapter, dtype=torch.long, device=self.device)
 
     def upload(self, values: list) -> Tensor:
         """Host values (a list, nested or not) as a tensor on the runner's device. On CUDA through pinned
@@ -114,6 +134,30 @@ class ModelRunner:
         if self.device.type != "cuda":
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    # ---- which adapter each row runs (rdlm.model.lora)
+
+    def adapter_number(self, name: str | None) -> int:
+        """0 for the base (None), i for adapter `name`, the runner's adapter i (a name the model has: the
+        engine checked it)."""
+        return 0 if name is None else self.adapter_names.index(name) + 1
+
+    def route(self, row: int, adapter: str | None) -> None:
+        """Row `row` runs adapter `adapter` from its next call on (None: the model as set, its active
+        adapter or the base). A model without adapters has nothing to route."""
+        if self.row_adapters is not None:
+            self.row_adapters[row] = self.default_adapter if adapter is None else self.adapter_number(adapter)
+
+    def _adapters(self, rows: Tensor | slice | None) -> Tensor | None:
+        """The adapters of a call over `rows` (None: every row), [rows, 1]; None without adapters."""
+        if self.row_adapters is None:
+            return None
+        return self.row_adapters if rows is None else self.row_adapters[rows]
+
+    def _routed(self, adapters: Tensor | None) -> AbstractContextManager:
+        """Where a model call runs each token through its adapter (`adapters` shaped as the call's leading
+        dimensions), or the model as it is set where there are none."""
+        return nullcontext() if adapters is None else routed(self.model, self.adapter_names, adapters)
 
     # ---- which entries hold a token
 
@@ -151,7 +195,7 @@ class ModelRunner:
             valid = self.key_valid[rows, : start + n]
             mask = padded_causal_mask(valid, n) if n > 1 else valid[:, None, None, :]
         cache = self.cache.at(start) if row is None else self.cache.at(start, rows=rows)
-        return Call(self.model.rope(positions, check=False), mask, cache, positions)
+        return Call(self.model.rope(positions, check=False), mask, cache, positions, self._adapters(rows))
 
     def tokens(self, rows: list[int], index: list[int]) -> tuple[Tensor, Call]:
         """One token per row, row rows[j] at its own buffer index index[j] (the continuous batch): (the rows
@@ -164,7 +208,8 @@ class ModelRunner:
         end = max(index) + 1
         mask = self.key_valid[select, :end][:, None, None, :]
         cache = self.cache.at(positions.view(-1), rows=select, end=end)
-        return uploaded, Call(self.model.rope(positions, check=False), mask, cache, positions)
+        rope = self.model.rope(positions, check=False)
+        return uploaded, Call(rope, mask, cache, positions, self._adapters(select))
 
     def every_row(self, index: Tensor, slots: Tensor, writers: Tensor) -> Call:
         """One token per row of the whole batch, row b at buffer index index[b] and core slot slots[b]
@@ -172,7 +217,8 @@ class ModelRunner:
         step): every shape is fixed, the whole buffer is read and the mask hides what is not written."""
         positions = (index - self.pad).clamp_min(0).view(-1, 1)
         cache = self.cache.at(index, rows=self.batch_rows, slots=slots, core_writers=writers)
-        return Call(self.model.rope(positions, check=False), self.key_valid[:, None, None, :], cache, positions)
+        mask = self.key_valid[:, None, None, :]
+        return Call(self.model.rope(positions, check=False), mask, cache, positions, self._adapters(None))
 
     def all_rows(self, index: Tensor, budget: int, writers: Tensor) -> Call:
         """One token per row of the whole batch, row b at buffer index index[b] (a device tensor), core
@@ -181,7 +227,8 @@ class ModelRunner:
         whole buffer (no gather); the mask hides what is not written."""
         positions = (index - self.pad).clamp_min(0).view(-1, 1)
         cache = self.cache.at(index, rows=slice(None), budget=budget, core_writers=writers)
-        return Call(self.model.rope(positions, check=False), self.key_valid[:, None, None, :], cache, positions)
+        mask = self.key_valid[:, None, None, :]
+        return Call(self.model.rope(positions, check=False), mask, cache, positions, self._adapters(None))
 
     def prompt(self, start: int, n: int, rows: Tensor, budget: int) -> Call:
         """Prompt tokens at buffer indices (= positions) start .. start + n - 1 of `rows`, right-padded to
@@ -193,6 +240,7 @@ class ModelRunner:
             mask.view(1, 1, n, start + n),
             self.cache.at(start, rows=rows, budget=budget),
             positions,
+            self._adapters(rows),
         )
 
     # ---- s_0 (docs/inference.md, "s0 at inference")
@@ -217,11 +265,13 @@ class ModelRunner:
 
     def embed(self, ids: Tensor, call: Call) -> Tensor:
         """The prelude: e of the call's tokens."""
-        return self.model.embed(ids, call.rope, call.mask, call.cache)
+        with self._routed(call.adapters):
+            return self.model.embed(ids, call.rope, call.mask, call.cache)
 
     def iterate_once(self, state: Tensor, embedded: Tensor, iteration: int, call: Call) -> Tensor:
         """Core iteration `iteration`."""
-        return self.model.step(state, embedded, iteration, call.rope, call.mask, call.cache)
+        with self._routed(call.adapters):
+            return self.model.step(state, embedded, iteration, call.rope, call.mask, call.cache)
 
     def iterate(self, state: Tensor, embedded: Tensor, call: Call, iterations: range) -> Tensor:
         """Core iterations `iterations`, one after the other."""
@@ -233,11 +283,14 @@ class ModelRunner:
         """One core iteration of every call in `pack` in one model call: the new states, [1, T, h]."""
         states, embedded, cos, sin = (torch.cat(part, dim=1) for part in pack.parts)
         packed = PackedCall(self.cache, pack.segments)  # read through its `attend` (Attention.forward), not `update`
-        return self.model.step(states, embedded, 0, (cos, sin), None, packed)  # type: ignore[arg-type]
+        adapters = torch.cat(pack.adapters, dim=1) if pack.adapters else None  # [1, T]: each token's
+        with self._routed(adapters):
+            return self.model.step(states, embedded, 0, (cos, sin), None, packed)  # type: ignore[arg-type]
 
     def readout(self, state: Tensor, call: Call) -> Tensor:
         """The coda and the head: float32 logits of the call's tokens."""
-        return self.model.readout(state, call.rope, call.mask, call.cache)
+        with self._routed(call.adapters):
+            return self.model.readout(state, call.rope, call.mask, call.cache)
 
     def exit_probability(self, state: Tensor) -> Tensor:
         """A learned exit gate's probability of exiting at `state` (Ouro)."""

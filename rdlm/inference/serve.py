@@ -16,6 +16,10 @@ the number of alternatives, 0-20; chat: `logprobs: true` and `top_logprobs`) eac
 log-probability under the model, the most likely alternatives and `latent_iterations`, the core iterations
 that chose it.
 
+LoRA adapters loaded in the model (rdlm.model.lora; `rdlm serve --lora NAME=DIR`) are served by name: a
+request's `model` is the served model's name (the base alone) or an adapter's, `/v1/models` lists them all,
+and requests for different adapters share the batch, each row's tokens through its own adapter.
+
 The request bodies, their translation and the response objects are in rdlm/inference/openai_api.py, the
 worker thread in rdlm/inference/serve_worker.py.
 One worker thread owns a `ContinuousBatch` (rdlm/inference/batching.py): requests join and leave between core
@@ -47,6 +51,8 @@ from rdlm.inference.params import GenerationConfig
 from rdlm.inference.serve_http import Guard, install_error_handlers
 from rdlm.inference.serve_worker import Metrics, ServeConfig, Ticket, Worker
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model.lora import set_adapter
+from rdlm.model.lora_serving import loaded_adapters
 
 log = logging.getLogger("rdlm.serve")
 UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|function-.*")  # pydantic's names in a loc
@@ -61,8 +67,11 @@ class OpenAIServer:
     (rdlm/inference/openai_api.py), its tickets go to the worker, and their tokens come back as
     completions, whole (JSON) or streamed (server-sent events)."""
 
-    def __init__(self, worker: Worker, tokenizer: Tokenizer, config: ServeConfig, metrics: Metrics) -> None:
+    def __init__(
+        self, worker: Worker, tokenizer: Tokenizer, config: ServeConfig, metrics: Metrics, adapters: list[str]
+    ) -> None:
         self.worker, self.tokenizer, self.config, self.metrics = worker, tokenizer, config, metrics
+        self.adapters = adapters  # the LoRA adapters served, by name (each a `model` a request may ask for)
 
     # ---- errors and the small endpoints
 
@@ -91,24 +100,34 @@ class OpenAIServer:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict:
+        base = self.config.model_name
+        adapters = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "rdlm", "parent": base} for name in self.adapters
+        ]
         return {
             "object": "list",
-            "data": [{"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "rdlm"}],
+            "data": [{"id": base, "object": "model", "created": 0, "owned_by": "rdlm"}, *adapters],
         }
 
-    def check_model(self, name: str) -> None:
-        if name != self.config.model_name:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server has {self.config.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def adapter_of(self, name: str) -> str | None:
+        """The adapter a request's `model` names: None for the served model (the base alone), else the
+        adapter of that name; any other name is refused (404), naming the ones there are."""
+        if name == self.config.model_name:
+            return None
+        if name in self.adapters:
+            return name
+        served = ", ".join(repr(n) for n in (self.config.model_name, *self.adapters))
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server has {served}",
+            param="model",
+            code="model_not_found",
+        )
 
     # ---- the completion endpoints
 
     async def completions(self, request: Request, body: CompletionRequest):
-        self.check_model(body.model)
+        adapter = self.adapter_of(body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
         prompt = body.prompt
@@ -123,10 +142,10 @@ class OpenAIServer:
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         gen = generation_config(body, self.config.defaults, (self.tokenizer.eos_id,), body.max_tokens)
-        return await self.respond(request, body, ids, gen, chat=False)
+        return await self.respond(request, body, ids, replace(gen, adapter=adapter), chat=False)
 
     async def chat_completions(self, request: Request, body: ChatRequest):
-        self.check_model(body.model)
+        adapter = self.adapter_of(body.model)
         tok = self.tokenizer
         if not tok.has_chat:
             raise APIError(
@@ -138,7 +157,7 @@ class OpenAIServer:
         ids = await self.encode(tok.apply_chat_template, [m.model_dump() for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         gen = generation_config(body, self.config.defaults, (tok.end_turn_id, tok.eos_id), max_tokens)
-        return await self.respond(request, body, ids, gen, chat=True)
+        return await self.respond(request, body, ids, replace(gen, adapter=adapter), chat=True)
 
     async def encode(self, encode: Callable, *args, **kwargs) -> list[int]:
         """Text to ids in a thread (a long prompt takes a while: the event loop serves the others meanwhile);
@@ -158,7 +177,7 @@ class OpenAIServer:
             )
         started = await self.start(prompt, gen, body.n)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        name = self.config.model_name
+        name = body.model  # the served model's name, or an adapter's
 
         def head(kind: str) -> dict:  # what every response object and chunk begins with
             return {"id": rid, "object": kind, "created": created, "model": name}
@@ -315,10 +334,17 @@ def usage(prompt: list[int], completions: list[Completion]) -> dict:
 
 
 def create_app(model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig | None = None) -> FastAPI:
+    """The server's app over `model`; every LoRA adapter loaded in it is served under its name, and the
+    model's own name is the base alone (no adapter is left active)."""
     config = config or ServeConfig()
+    adapters = loaded_adapters(model)
+    if config.model_name in adapters:
+        raise ValueError(f"the adapter {config.model_name!r} has the served model's name: give either another name")
+    if adapters:
+        set_adapter(model, None)  # a request for the model's own name runs the base
     metrics = Metrics()
     worker = Worker(model, tokenizer, config, metrics)
-    server = OpenAIServer(worker, tokenizer, config, metrics)
+    server = OpenAIServer(worker, tokenizer, config, metrics, adapters)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -20,6 +20,7 @@ from rdlm.inference.events import BatchEvent
 from rdlm.inference.openai_api import APIError
 from rdlm.inference.params import GenerationConfig
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model.lora_serving import loaded_adapters
 
 log = logging.getLogger("rdlm.serve")
 
@@ -136,7 +137,7 @@ class Worker:
         c = self.config
         compile = c.compile
         if compile is None and self.model_device.type == "cpu":
-            compile = server_compiles(c.max_batch)
+            compile = server_compiles(c.max_batch, adapters=bool(loaded_adapters(self.model)))
         batch = ContinuousBatch(
             self.model,
             c.max_batch,

@@ -67,7 +67,9 @@ class StaticStep:
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0  # core iterations run several to a call
         # on the CPU the static step's iteration is compiled (rdlm.inference.cpu_compile); on CUDA it is captured
-        self.compiled = compiled_iteration(self, runner.model) if cpu_compiled(on, runner.device) else None
+        self.compiled = (
+            compiled_iteration(self, runner.model) if cpu_compiled(on, runner.device, runner.model) else None
+        )
 
     @property
     def on(self) -> bool:

@@ -117,13 +117,17 @@ class StepRunner:
 
     def _admit(self, admitted: tuple[Admission, ...], chunks: tuple[ChunkSpec, ...]) -> None:
         """Requests admitted into their rows: the runner's record of each (its generator and s_0 table made
-        here); the rows of those that prefill forget what they held; then the chunks that begin prefilling."""
+        here, its row routed to its adapter); the rows of those that prefill forget what they held; then the
+        chunks that begin prefilling."""
         for a in admitted:
             generator = torch.Generator(device=self.device).manual_seed(a.config.seed)
             noise = self.runner.noise_table(a.config.seed, a.config.init_scale, a.positions)
             self.rows[a.request] = RowState(
                 a.request, a.row, list(a.prompt), a.config, a.criterion, a.budget, generator, noise
             )
+            self.runner.route(a.row, a.config.adapter)
+        if admitted:
+            self._last_inputs = None  # a call built before holds the rows' adapters of then
         for spec in chunks:
             for request in spec.requests if spec.start == 0 else ():
                 row = self.rows[request]

@@ -7,7 +7,10 @@ type is registered; `import rdlm.integrations.lm_eval` does the same for `lm_eva
 
 Model arguments:
     pretrained       a model directory, training checkpoint step-N/ or run directory with tokenizer.json
-                     (required; rdlm.model.resolve)
+                     (rdlm.model.resolve; required without lora)
+    lora             a LoRA adapter on the model: an adapter directory, a LoRA run's checkpoint or run
+                     directory (rdlm.model.lora.resolve_adapter_dir); without pretrained, the base it records.
+                     lora_any_base=true skips the check of its base's fingerprint
     num_steps        core iterations r (default: the config's mean recurrence)
     init_scale       scale of the random initial state s_0 (default 1, as in training; 0 = zero state)
     seed             seeds the s_0 draws (default 0). A scored request's s_0 comes from a seed derived
@@ -57,6 +60,8 @@ from rdlm.inference.params import GenerationConfig, kv_cache_budget
 from rdlm.integrations.vllm import alias_cpu_build
 from rdlm.model.dtypes import resolve_dtype
 from rdlm.model.huginn import read_config
+from rdlm.model.lora import DEFAULT_NAME
+from rdlm.model.lora_serving import adapters_base, load_adapters, read_adapters
 from rdlm.model.resolve import resolve_model_source
 from rdlm.resources import use_threads
 
@@ -87,7 +92,7 @@ def _optional(value: Any, kind: type) -> Any:
 class RDLMEvalModel(TemplateLM):
     def __init__(
         self,
-        pretrained: str,
+        pretrained: str | None = None,
         num_steps: int | str | None = None,
         init_scale: float | str = 1.0,
         seed: int | str = 0,
@@ -104,6 +109,8 @@ class RDLMEvalModel(TemplateLM):
         quantize: str | None = None,
         quantize_group_size: int | str = 128,
         threads: int | str | None = None,
+        lora: str | None = None,
+        lora_any_base: bool | str = False,
         **unused: Any,
     ) -> None:
         super().__init__()
@@ -120,12 +127,19 @@ class RDLMEvalModel(TemplateLM):
             # lm-eval's command line asks for cuda unless told otherwise.
             eval_logger.warning("rdlm model: device %s requested but CUDA is not available; using cpu", device)
             self._device = torch.device("cpu")
+        lora = _optional(lora, str)
+        adapters = read_adapters({DEFAULT_NAME: lora}) if lora is not None else {}
+        if pretrained is None:
+            if not adapters:
+                raise ValueError("rdlm model: give pretrained (a model), or lora (an adapter that records its base)")
+            pretrained = adapters_base(adapters)
         found = resolve_model_source(pretrained)
         if found.tokenizer_dir is None:
             raise ValueError(f"rdlm model: {pretrained} has no tokenizer.json")
         self.model = found.load(
             dtype=torch_dtype, device=self._device, quantize=quantize or None, group_size=int(quantize_group_size)
         )
+        load_adapters(self.model, adapters, any_base=_flag(lora_any_base))
         use_threads(self.model, _optional(threads, int))
         self.tokenizer = Tokenizer.from_dir(found.tokenizer_dir)
         config = self.model.config

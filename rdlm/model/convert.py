@@ -157,19 +157,11 @@ def merge_lora(
     written: a missing base, a base the adapter was not made for (rdlm.model.lora.check_base), a base saved
     quantized (the update would be rounded into its integer weights), a destination that would lose files.
     Returns the directory and notes for the user (an adapter trained over a quantized base)."""
-    from rdlm.model.lora import load_adapter, merge_adapter, read_adapter
+    from rdlm.model.lora import load_adapter, merge_adapter, read_adapter, recorded_base
 
     files = read_adapter(adapter)
     if base is None:
-        base = files.base_source
-        if base is None:
-            raise ValueError(f"{files.directory} does not record its base model: give the base")
-        try:
-            resolve_model_source(base)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"{base}: the base that {files.directory} records is missing; give the base with --base"
-            ) from None
+        base = recorded_base(files, "--base")
     found = resolve_source(base, "model")
     src = found.checkpoint if found.sharded else found.directory
     assert src is not None

@@ -21,7 +21,7 @@ layer over a `QuantizedLinear`, registered with PEFT's custom-module dispatch; i
 float32, and the quantized layer passes gradients to its input (rdlm.model.quantize).
 
 Several adapters can sit in one model under different names (`load_adapter(..., name=...)`), for serving: a
-batch then routes each token to its own adapter (`routed`), every other token's update multiplied by zero.
+batch then routes each token to its own adapter (rdlm.model.lora_serving).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from rdlm.checks import check_int
 from rdlm.fileio import read_utf8, staging_dir, write_json
 from rdlm.model.quantize import QuantizedLinear
+from rdlm.model.resolve import resolve_model_source
 
 if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM
@@ -472,6 +473,21 @@ def resolve_adapter_dir(source: str | os.PathLike) -> Path:
     return step / "adapter"
 
 
+def recorded_base(files: AdapterFiles, flag: str = "--model") -> str:
+    """The base model `files` records (what a command runs, or merges into, when given no base), refused by name
+    when it records none or that base is not here (`flag`: how the user gives one instead)."""
+    base = files.base_source
+    if base is None:
+        raise LoraError(f"{files.directory} does not record its base model: give the base ({flag})")
+    try:
+        resolve_model_source(base)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{base}: the base that {files.directory} records is missing; give the base with {flag}"
+        ) from None
+    return base
+
+
 def read_adapter(directory: str | os.PathLike) -> AdapterFiles:
     """Read an adapter directory (PEFT's format), refusing in one line what does not make a LoRA adapter."""
     path = resolve_adapter_dir(directory)
@@ -679,46 +695,3 @@ def merge_adapter(model: RecurrentDepthLM, name: str = DEFAULT_NAME) -> Recurren
     if hasattr(model, "lora_specs"):
         del model.lora_specs
     return model
-
-
-# ------------------------------------------------------------------------------------------------
-# Several adapters in one batch
-
-
-class Routing:
-    """Which adapter each token of a call applies: `index` [tokens] (flattened over the call's leading
-    dimensions), 0 for none and i for `names[i - 1]`. Set on a model with `routed`."""
-
-    def __init__(self, names: Sequence[str], index: Tensor) -> None:
-        self.names, self.index = list(names), index
-
-
-def _routed_forward(layer: Any, routing: Routing, x: Tensor) -> Tensor:
-    """The layer's output with each token's own adapter: the base for every token, plus each adapter's update
-    times the mask of its tokens (the same arithmetic as the adapter alone: B(A(x)) * scaling, then + )."""
-    result = layer.base_layer(x)
-    dtype = result.dtype
-    flat = routing.index.view(*routing.index.shape, *([1] * (x.ndim - routing.index.ndim)))
-    for number, name in enumerate(routing.names, start=1):
-        if name not in layer.lora_A:
-            continue
-        lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-        update = lora_b(lora_a(x.to(lora_a.weight.dtype))) * layer.scaling[name]
-        result = result + update * (flat == number).to(update.dtype)
-    return result.to(dtype)
-
-
-@contextmanager
-def routed(model: nn.Module, names: Sequence[str], index: Tensor) -> Iterator[None]:
-    """Within the block, every adapted layer of `model` applies to each token the adapter `index` names
-    (see Routing; `index` shaped as the calls' leading dimensions, e.g. [batch, seq])."""
-    routing = Routing(names, index)
-    layers = [layer for _, layer in lora_layers(model)]
-    saved = [layer.forward for layer in layers]
-    try:
-        for layer in layers:
-            layer.forward = lambda x, *a, _layer=layer, **k: _routed_forward(_layer, routing, x)
-        yield
-    finally:
-        for layer, forward in zip(layers, saved, strict=True):
-            layer.forward = forward

@@ -153,6 +153,12 @@ class RecurrentDepthForCausalLM(nn.Module):
         super().__init__()
         if get_pp_group().world_size > 1:
             raise ValueError("rdlm's vLLM model does not support pipeline parallelism; use tensor parallelism")
+        if getattr(vllm_config, "lora_config", None) is not None:  # vLLM's --enable-lora (docs/vllm.md, "LoRA")
+            raise ValueError(
+                "rdlm's vLLM model does not take vLLM's LoRA adapters (--enable-lora): rdlm's adapters sit in "
+                "rdlm's layers, not vLLM's LoRA-aware ones; merge the adapter into the model (rdlm lora merge) or "
+                "serve it with rdlm serve --lora NAME=DIR"
+            )
         hf_config = vllm_config.model_config.hf_config
         config, self.recurrence = options.read(hf_config.to_dict(), f"{type(hf_config).__name__}")
         model_config = vllm_config.model_config
