@@ -74,7 +74,8 @@ def one(mode: str, width: int, tokens: int, depth: int) -> dict:
 
     from rdlm import RDLMConfig, RecurrentDepthLM
     from rdlm.model import lora
-    from rdlm.model.quantize import BACKWARD_ROWS, QuantizedLinear, quantize, weight_bytes
+    from rdlm.model.quantize import QuantizedLinear, quantize, weight_bytes
+    from rdlm.model.quantize_grad import BACKWARD_ROWS
     from rdlm.train.optim import AdamW
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
@@ -111,7 +112,7 @@ def one(mode: str, width: int, tokens: int, depth: int) -> dict:
     before = status("VmRSS")
     seconds = step()
     peak = status("VmHWM")
-    # the backward pass's float32 rows of the widest quantized layer (rdlm.model.quantize.BACKWARD_ROWS at a time)
+    # the backward pass's float32 rows of the widest quantized layer (rdlm.model.quantize_grad.BACKWARD_ROWS at a time)
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     largest = max((min(BACKWARD_ROWS, m.out_features) * m.in_features for m in quantized), default=0)
     layers = config.prelude_layers + config.coda_layers + depth * config.core_layers
@@ -197,7 +198,7 @@ def huginn_prediction(mode: str, tokens: int, depth: int, c: float, process_base
         if mode == "lora-bf16":
             weights = frozen
         else:  # integer weights (int4: half a byte) with their scales, the rest in bf16
-            from rdlm.model.quantize import BACKWARD_ROWS
+            from rdlm.model.quantize_grad import BACKWARD_ROWS
 
             per = {"lora-int8": 1.0, "lora-int4": 0.5}[mode]
             # (out, in) of every quantized layer: the blocks' and the adapter, and the tied head's copy

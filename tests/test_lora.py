@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from rdlm import RDLMConfig, RecurrentDepthLM, load_pretrained, save_pretrained
 from rdlm.cli import main as cli
-from rdlm.model import lora
+from rdlm.model import lora, lora_files
 from rdlm.model.config import ConfigError
 from rdlm.model.convert import merge_lora
 from rdlm.model.quantize import QuantizedLinear, quantize
@@ -49,7 +49,7 @@ def base_dir(tmp_path) -> Path:
 def adapter_dir(base_dir, tmp_path) -> Path:
     model = lora.add_lora(load_pretrained(base_dir), lora.LoraSpec(rank=4))
     randomize(model)
-    return lora.save_adapter(model, tmp_path / "adapter", base_source=str(base_dir))
+    return lora_files.save_adapter(model, tmp_path / "adapter", base_source=str(base_dir))
 
 
 def ids_for(model: RecurrentDepthLM, n: int = 12, seed: int = 1) -> torch.Tensor:
@@ -127,14 +127,14 @@ def test_qlora_trains_adapters_over_a_quantized_base_and_lowers_the_loss(scheme)
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
 def test_a_quantized_layers_rows_dequantize_as_its_whole_weight(scheme):
-    """The backward pass reads the weight a block of rows at a time (rdlm.model.quantize.BACKWARD_ROWS);
+    """The backward pass reads the weight a block of rows at a time (rdlm.model.quantize_grad.BACKWARD_ROWS);
     with a last block shorter than the others, the blocks are exactly the whole weight's rows."""
-    from rdlm.model.quantize import BACKWARD_ROWS
+    from rdlm.model.quantize_grad import BACKWARD_ROWS, weight_rows
 
     torch.manual_seed(0)
     out = BACKWARD_ROWS + 64
     layer = QuantizedLinear.from_linear(torch.nn.Linear(128, out, bias=False), scheme, 64)
-    rows = [layer.weight_rows(s, min(s + BACKWARD_ROWS, out)) for s in range(0, out, BACKWARD_ROWS)]
+    rows = [weight_rows(layer, s, min(s + BACKWARD_ROWS, out)) for s in range(0, out, BACKWARD_ROWS)]
     assert torch.equal(torch.cat(rows), layer.weight)
 
 
@@ -163,8 +163,8 @@ def test_the_cli_trains_resumes_and_merges_an_adapter(base_dir, tmp_path):
     step = tmp_path / "straight" / "checkpoints" / "step-000004"
     assert sorted(p.name for p in (step / "adapter").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", "rdlm_adapter.json", "tokenizer.json"]
-    straight = load_file(step / "adapter" / lora.ADAPTER_WEIGHTS)
-    split = load_file(tmp_path / "split" / "checkpoints" / "step-000004" / "adapter" / lora.ADAPTER_WEIGHTS)
+    straight = load_file(step / "adapter" / lora_files.ADAPTER_WEIGHTS)
+    split = load_file(tmp_path / "split" / "checkpoints" / "step-000004" / "adapter" / lora_files.ADAPTER_WEIGHTS)
     assert straight.keys() == split.keys()
     for key in straight:
         assert torch.equal(straight[key], split[key]), key
@@ -173,7 +173,7 @@ def test_the_cli_trains_resumes_and_merges_an_adapter(base_dir, tmp_path):
     # merge: the run's adapter, its recorded base; the merged model's logits are base + adapter's
     assert cli(["lora", "merge", str(tmp_path / "straight"), "--out", str(tmp_path / "merged")]) == 0
     merged = load_pretrained(tmp_path / "merged")
-    with_adapter = lora.load_adapter(load_pretrained(base_dir), tmp_path / "straight")
+    with_adapter = lora_files.load_adapter(load_pretrained(base_dir), tmp_path / "straight")
     ids = ids_for(merged)
     torch.testing.assert_close(logits(merged, ids), logits(with_adapter, ids), rtol=0, atol=1e-5)
     assert (logits(merged, ids) - logits(load_pretrained(base_dir), ids)).abs().max() > 1e-4
@@ -223,14 +223,14 @@ def test_peft_loads_the_adapter_on_the_transformers_model(base_dir, adapter_dir)
 
     from rdlm.integrations.hf import RavenForCausalLM
 
-    ours = lora.load_adapter(load_pretrained(base_dir), adapter_dir)
+    ours = lora_files.load_adapter(load_pretrained(base_dir), adapter_dir)
     ids = ids_for(ours)
     peft_model = PeftModel.from_pretrained(RavenForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
     with torch.no_grad():
         theirs = peft_model(input_ids=ids, num_steps=4, init_scale=0).logits
     torch.testing.assert_close(theirs, logits(ours, ids), rtol=0, atol=1e-6)
     assert (theirs - logits(load_pretrained(base_dir), ids)).abs().max() > 1e-3  # the adapter was applied
-    config = json.loads((adapter_dir / lora.ADAPTER_CONFIG).read_text())
+    config = json.loads((adapter_dir / lora_files.ADAPTER_CONFIG).read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["base_model_name_or_path"] == str(base_dir)
 
 
@@ -249,7 +249,7 @@ def test_an_adapter_saved_by_peft_loads_in_rdlm(base_dir, tmp_path):
     ids = ids_for(hf.model)
     with torch.no_grad():
         theirs = peft_model(input_ids=ids, num_steps=4, init_scale=0).logits
-    ours = lora.load_adapter(load_pretrained(base_dir), tmp_path / "theirs")
+    ours = lora_files.load_adapter(load_pretrained(base_dir), tmp_path / "theirs")
     torch.testing.assert_close(logits(ours, ids), theirs, rtol=0, atol=1e-6)
 
 
@@ -263,7 +263,7 @@ def test_merged_logits_equal_base_plus_adapter_on_every_family(family, tmp_path)
     parts = [*lora.default_parts(base), *(["head"] if base.lm_head is not None else [])]
     model = lora.add_lora(base, lora.LoraSpec(rank=3, alpha=6, parts=tuple(parts)))
     randomize(model)
-    adapter = lora.save_adapter(model, tmp_path / "adapter", base_source=str(source))
+    adapter = lora_files.save_adapter(model, tmp_path / "adapter", base_source=str(source))
     out, notes = merge_lora(adapter, tmp_path / "merged", dtype="fp32")
     assert notes == []
     merged = load_pretrained(out)
@@ -284,11 +284,11 @@ def test_an_adapter_for_another_base_is_refused_by_fingerprint_and_by_shape(adap
     torch.manual_seed(1)
     other = RecurrentDepthLM(RDLMConfig.from_preset("tiny"))
     with pytest.raises(lora.LoraError, match="trained on another base"):
-        lora.load_adapter(other, adapter_dir)
-    lora.load_adapter(other, adapter_dir, any_base=True)  # the user's choice: same shapes, other weights
+        lora_files.load_adapter(other, adapter_dir)
+    lora_files.load_adapter(other, adapter_dir, any_base=True)  # the user's choice: same shapes, other weights
     wider = RecurrentDepthLM(RDLMConfig.from_preset("tiny", hidden_size=128, num_heads=4))
     with pytest.raises(lora.LoraError, match="other shapes: hidden_size 64"):
-        lora.load_adapter(wider, adapter_dir, any_base=True)
+        lora_files.load_adapter(wider, adapter_dir, any_base=True)
 
 
 def test_a_merge_into_another_or_quantized_or_missing_base_writes_nothing(base_dir, adapter_dir, tmp_path):
@@ -309,7 +309,7 @@ def test_a_merge_into_another_or_quantized_or_missing_base_writes_nothing(base_d
 
 
 def test_merging_into_quantized_layers_in_memory_is_refused(base_dir, adapter_dir):
-    model = lora.load_adapter(quantize(load_pretrained(base_dir), "int8"), adapter_dir)
+    model = lora_files.load_adapter(quantize(load_pretrained(base_dir), "int8"), adapter_dir)
     with pytest.raises(lora.LoraError, match="it is quantized .* rounded into its integer weights"):
         lora.merge_adapter(model)
 
@@ -317,9 +317,9 @@ def test_merging_into_quantized_layers_in_memory_is_refused(base_dir, adapter_di
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda d: (d / lora.ADAPTER_CONFIG).write_text("{"), "not valid JSON"),
-        (lambda d: (d / lora.ADAPTER_WEIGHTS).write_bytes(b"\x00" * 64), "not a readable safetensors file"),
-        (lambda d: (d / lora.ADAPTER_WEIGHTS).unlink(), "adapter_model.safetensors is missing"),
+        (lambda d: (d / lora_files.ADAPTER_CONFIG).write_text("{"), "not valid JSON"),
+        (lambda d: (d / lora_files.ADAPTER_WEIGHTS).write_bytes(b"\x00" * 64), "not a readable safetensors file"),
+        (lambda d: (d / lora_files.ADAPTER_WEIGHTS).unlink(), "adapter_model.safetensors is missing"),
         (lambda d: _drop_tensor(d, ".lora_B."), "has no lora_B weight"),
         (lambda d: _edit_config(d, r=8), "do not make a rank-8 update"),
         (lambda d: _edit_config(d, peft_type="IA3"), "rdlm reads LoRA adapters"),
@@ -330,26 +330,26 @@ def test_merging_into_quantized_layers_in_memory_is_refused(base_dir, adapter_di
 def test_a_damaged_adapter_is_refused_by_name(base_dir, adapter_dir, damage, message):
     damage(adapter_dir)
     with pytest.raises(lora.LoraError, match=re.escape(message)):
-        lora.load_adapter(load_pretrained(base_dir), adapter_dir)
+        lora_files.load_adapter(load_pretrained(base_dir), adapter_dir)
 
 
 def _edit_config(directory: Path, **changes) -> None:
-    path = directory / lora.ADAPTER_CONFIG
+    path = directory / lora_files.ADAPTER_CONFIG
     path.write_text(json.dumps(json.loads(path.read_text()) | changes))
 
 
 def _drop_tensor(directory: Path, marker: str) -> None:
-    tensors = load_file(directory / lora.ADAPTER_WEIGHTS)
+    tensors = load_file(directory / lora_files.ADAPTER_WEIGHTS)
     victim = next(k for k in tensors if marker in k)
-    save_file({k: v for k, v in tensors.items() if k != victim}, directory / lora.ADAPTER_WEIGHTS)
+    save_file({k: v for k, v in tensors.items() if k != victim}, directory / lora_files.ADAPTER_WEIGHTS)
 
 
 def _rename_tensor(directory: Path, old: str, new: str) -> None:
-    tensors = load_file(directory / lora.ADAPTER_WEIGHTS)
-    save_file({k.replace(old, new): v for k, v in tensors.items()}, directory / lora.ADAPTER_WEIGHTS)
-    info = json.loads((directory / lora.RDLM_ADAPTER).read_text())
+    tensors = load_file(directory / lora_files.ADAPTER_WEIGHTS)
+    save_file({k.replace(old, new): v for k, v in tensors.items()}, directory / lora_files.ADAPTER_WEIGHTS)
+    info = json.loads((directory / lora_files.RDLM_ADAPTER).read_text())
     info["base"]["shapes"] = None  # (a layer the model lacks, not a shape difference)
-    (directory / lora.RDLM_ADAPTER).write_text(json.dumps(info))
+    (directory / lora_files.RDLM_ADAPTER).write_text(json.dumps(info))
 
 
 def test_a_part_the_model_does_not_have_is_refused(tiny_model):

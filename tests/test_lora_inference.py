@@ -23,15 +23,8 @@ from rdlm.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from rdlm.inference import cpu_compile  # noqa: E402
 from rdlm.inference.batching import ContinuousBatch  # noqa: E402
 from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
-from rdlm.model.lora import (  # noqa: E402
-    LoraSpec,
-    add_lora,
-    load_adapter,
-    lora_layers,
-    merge_adapter,
-    resolve_adapter_dir,
-    save_adapter,
-)
+from rdlm.model.lora import LoraSpec, add_lora, lora_layers, merge_adapter  # noqa: E402
+from rdlm.model.lora_files import load_adapter, resolve_adapter_dir, save_adapter  # noqa: E402
 from rdlm.model.lora_serving import load_adapters, read_adapters  # noqa: E402
 
 GREEDY = GenerationConfig(num_steps=4, max_new_tokens=6, init_scale=0.0)

@@ -294,7 +294,7 @@ def test_an_ouro_model_on_its_objective_trains_with_fsdp_as_in_one_process(shard
 def test_two_workers_train_one_lora_adapter_as_one_process_does(shards, tmp_path):
     """LoRA under torchrun: ddp by default (the frozen base replicated, the adapters' gradients all-reduced),
     the same losses and adapter as one process with the same global batch."""
-    from rdlm.model.lora import ADAPTER_WEIGHTS
+    from rdlm.model.lora_files import ADAPTER_WEIGHTS
 
     run_cli(*train_args(shards, tmp_path / "base", "--steps", "2", "--eval-every", "0"))
     lora = ["--model", str(tmp_path / "base"), "--lora", "--lora-rank", "4", "--steps", "4", "--lr", "0.01",

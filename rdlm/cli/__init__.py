@@ -19,7 +19,7 @@ from rdlm.checks import check_int
 from rdlm.resources import LongRunWarning
 
 if TYPE_CHECKING:
-    from rdlm.model.lora import AdapterFiles
+    from rdlm.model.lora_files import AdapterFiles
 
 COMMANDS = [
     "rdlm.cli.info",

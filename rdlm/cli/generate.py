@@ -30,7 +30,7 @@ from rdlm.model.resolve import ACCEPTED, resolve_model_source
 from rdlm.resources import check_device, use_threads
 
 if TYPE_CHECKING:
-    from rdlm.model.lora import AdapterFiles
+    from rdlm.model.lora_files import AdapterFiles
 
 
 def register(subparsers) -> None:

@@ -57,7 +57,7 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from rdlm.model.lora import read_adapter
+    from rdlm.model.lora_files import read_adapter
 
     files = read_adapter(args.adapter)
     parameters = sum(a.numel() + b.numel() for a, b in files.tensors.values())

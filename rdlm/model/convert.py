@@ -157,7 +157,8 @@ def merge_lora(
     written: a missing base, a base the adapter was not made for (rdlm.model.lora.check_base), a base saved
     quantized (the update would be rounded into its integer weights), a destination that would lose files.
     Returns the directory and notes for the user (an adapter trained over a quantized base)."""
-    from rdlm.model.lora import load_adapter, merge_adapter, read_adapter, recorded_base
+    from rdlm.model.lora import merge_adapter
+    from rdlm.model.lora_files import load_adapter, read_adapter, recorded_base
 
     files = read_adapter(adapter)
     if base is None:

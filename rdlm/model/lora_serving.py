@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from rdlm.model.lora import AdapterFiles, load_adapter, lora_layers, read_adapter, recorded_base, set_adapter
+from rdlm.model.lora import lora_layers, set_adapter
+from rdlm.model.lora_files import AdapterFiles, load_adapter, read_adapter, recorded_base
 
 if TYPE_CHECKING:
     import os

@@ -36,13 +36,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rdlm.model.int4 import (
-    _PACK_ROWS,
     _from_cpu_int4_layout,
     _nibbles_to_cpu_int4_layout,
     _pack_nibbles,
     dequantize_int4,
     int4_fits,
 )
+from rdlm.model.quantize_grad import matmul_with_input_grad
 
 if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM
@@ -330,22 +330,6 @@ class QuantizedLinear(nn.Module):
             w = dequantize_int4(parts["qweight"], parts["scales"], parts["zeros"], self.group_size)
         return w.to(self.bias.device if self.bias is not None else self._device())
 
-    def weight_rows(self, start: int, end: int) -> Tensor:
-        """Rows start..end of the dequantized weight, float32 [end - start, in], reading only those rows' integer
-        weights (int4 on the CPU: `start` a multiple of BACKWARD_ROWS, the layout's row blocks)."""
-        if self.packed is not None:  # FBGEMM keeps the weight: unpacked whole, as int8
-            weight, _ = torch.ops.quantized.linear_unpack(self.packed)
-            return weight.int_repr()[start:end].float() * self.scales[start:end, None].float()
-        if self.scheme in ("int8", "w8a8"):
-            return self.qweight[start:end].float() * self.scales[start:end, None].float()
-        if self.on_cpu:
-            rows = self.qweight[start:end]
-            q = _from_cpu_int4_layout(rows, end - start, self.in_features).float()
-            scales, zeros = self.scales_and_zeros[:, start:end].float().transpose(0, 1).unbind(-1)
-            grouped = q.view(end - start, -1, self.group_size)
-            return ((grouped - 8) * scales[..., None] + zeros[..., None]).view(end - start, self.in_features)
-        return dequantize_int4(self.qweight[start:end], self.scales[start:end], self.zeros[start:end], self.group_size)
-
     def _device(self) -> torch.device:
         return next((b.device for b in self.buffers()), torch.device("cpu"))
 
@@ -359,7 +343,7 @@ class QuantizedLinear(nn.Module):
                 "quantize=...))"
             )
         # With a gradient wanted for the input, a LoRA adapter above trains (QLoRA, rdlm.model.lora).
-        y = _MatmulWithInputGrad.apply(x2, self) if torch.is_grad_enabled() and x2.requires_grad else self.matmul(x2)
+        y = matmul_with_input_grad(x2, self) if torch.is_grad_enabled() and x2.requires_grad else self.matmul(x2)
         y = y.to(dtype)
         if self.bias is not None:
             y = y + self.bias.to(dtype)
@@ -394,34 +378,6 @@ class QuantizedLinear(nn.Module):
     def nbytes(self) -> int:
         held = sum(b.numel() * b.element_size() for b in self.buffers())
         return held + (self.out_features * self.in_features if self.packed is not None else 0)
-
-
-# Output rows dequantized at a time in the backward pass: the CPU int4 layout's row blocks, small enough that
-# the float32 rows stay a transient of a few tens of MiB (1024 x 17920 x 4 bytes = 70 MiB for Huginn-0125's
-# widest layer) where the whole weight would be 1.3 GiB (its head).
-BACKWARD_ROWS = _PACK_ROWS
-
-
-class _MatmulWithInputGrad(torch.autograd.Function):
-    """The quantized matmul with a gradient for its input (the weights stay frozen): what a LoRA adapter
-    above a quantized layer needs to train (QLoRA, rdlm.model.lora). PyTorch's integer kernels have no
-    derivative; the backward pass computes grad_x = grad_y W from the weight dequantized BACKWARD_ROWS output
-    rows at a time, so no float copy of a whole layer is ever held."""
-
-    @staticmethod
-    def forward(ctx: Any, x2: Tensor, layer: QuantizedLinear) -> Tensor:
-        ctx.layer, ctx.input_dtype = layer, x2.dtype
-        return layer.matmul(x2)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        layer: QuantizedLinear = ctx.layer
-        grad = grad.float()
-        grad_x = torch.zeros(grad.shape[0], layer.in_features, device=grad.device)
-        for start in range(0, layer.out_features, BACKWARD_ROWS):
-            end = min(start + BACKWARD_ROWS, layer.out_features)
-            grad_x.addmm_(grad[:, start:end], layer.weight_rows(start, end).to(grad.device))
-        return grad_x.to(ctx.input_dtype), None
 
 
 def _aligned(tensor: Tensor) -> Tensor:

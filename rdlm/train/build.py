@@ -16,7 +16,7 @@ from rdlm.model.config import ConfigError, RDLMConfig
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.resources import check_memory, check_time, forward_seconds
 from rdlm.train.config import TrainConfig
-from rdlm.train.distributed import apply_fsdp
+from rdlm.train.distributed import apply_fsdp, resolve_strategy
 from rdlm.train.optim import AdamW, MuonAdamW, parameter_groups
 
 
@@ -65,6 +65,8 @@ def prepare_lora(model: RecurrentDepthLM, config: TrainConfig) -> RecurrentDepth
     from rdlm.model import lora
     from rdlm.model import quantize as quantization
 
+    if getattr(model, "lora_specs", None):
+        raise ConfigError("lora adds fresh adapters: the model given has adapters already (lora_specs)")
     try:
         quantization.apply(model, config.quantize, config.quantize_group_size)
     except quantization.QuantizationError as err:
@@ -73,6 +75,21 @@ def prepare_lora(model: RecurrentDepthLM, config: TrainConfig) -> RecurrentDepth
         return lora.add_lora(model, config.lora_spec())
     except lora.LoraError as err:
         raise ConfigError(f"--lora: {err}") from None
+
+
+def training_strategy(config: TrainConfig, world, adapters: bool) -> str:
+    """How the workers share the model: fsdp, ddp or single (rdlm.train.distributed.resolve_strategy). A model
+    with LoRA adapters trains with ddp under several processes, never fsdp (TrainConfig.lora says why)."""
+    strategy = "fsdp" if config.cpu_offload and config.strategy == "auto" else config.strategy
+    if adapters and strategy == "auto" and world.distributed:
+        strategy = "ddp"
+    try:
+        strategy = resolve_strategy(strategy, world)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if adapters and strategy == "fsdp":
+        raise ConfigError("a model with LoRA adapters trains with ddp, not fsdp (TrainConfig.lora says why)")
+    return strategy
 
 
 def resolve_tokenizer(config: TrainConfig, model_dir: Path | None):

@@ -143,7 +143,7 @@ def save_checkpoint(
     final = root / f"step-{step:06d}"
     with staging_dir(final) as tmp:  # re-saving a step replaces the old copy only once complete
         if getattr(model, "lora_specs", None):
-            from rdlm.model.lora import save_adapter
+            from rdlm.model.lora_files import save_adapter
 
             subs = [ADAPTER_DIR]
             save_adapter(model, tmp / ADAPTER_DIR, base_source=base_source)
@@ -200,7 +200,7 @@ def load_adapter_checkpoint(
 ) -> tuple[Checkpoint, dict | None, dict[str, torch.Tensor] | None]:
     """Resume a lora run: its adapter into `model` (whose base must be the one the adapter records), and
     the optimizer state_dict and the EMA's tensors by parameter name (None where the run kept none)."""
-    from rdlm.model.lora import copy_adapter, parameter_of, read_adapter
+    from rdlm.model.lora_files import copy_adapter, parameter_of, read_adapter
 
     path = Path(path)
     trainer = read_trainer(path)

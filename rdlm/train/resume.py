@@ -156,7 +156,7 @@ class RunCheckpoints:
         """A lora run's EMA as adapter tensors, named as saved (rdlm.model.lora.adapter_state)."""
         if self.ema is None:
             return None
-        from rdlm.model.lora import adapter_state, parameter_of
+        from rdlm.model.lora_files import adapter_state, parameter_of
 
         shadow = dict(zip(self.names, self.ema.shadow, strict=True))
         return {key: shadow[parameter_of(key)].cpu() for key in adapter_state(self.model)}

@@ -48,13 +48,13 @@ from rdlm.train.build import (
     prepare_lora,
     resolve_model,
     resolve_tokenizer,
+    training_strategy,
 )
 from rdlm.train.config import EvalHook, StepHook, TrainConfig, TrainResult
 from rdlm.train.distributed import (
     all_reduce_sum,
     barrier,
     init_single_process_group,
-    resolve_strategy,
     setup,
     teardown_group,
 )
@@ -126,22 +126,11 @@ class Trainer(RunCheckpoints):
             sources["validation"] = self.val_source
         check_compatible(model, sources, self.tokenizer)
 
-        adapters = config.lora or bool(getattr(model, "lora_specs", None))
-        strategy = "fsdp" if config.cpu_offload and config.strategy == "auto" else config.strategy
-        if adapters and strategy == "auto" and self.world.distributed:
-            strategy = "ddp"  # adapters are small; the frozen base is replicated (TrainConfig says why)
-        try:
-            self.strategy = resolve_strategy(strategy, self.world)
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
-        if adapters and self.strategy == "fsdp":
-            raise ConfigError("a model with LoRA adapters trains with ddp, not fsdp (TrainConfig.lora says why)")
+        self.strategy = training_strategy(config, self.world, config.lora or bool(getattr(model, "lora_specs", None)))
         self.own_group = self.strategy == "fsdp" and init_single_process_group(self.device)
         # With CPU offload FSDP moves each shard to the host itself; the whole model never sits on the GPU.
         self.model = model.to("cpu" if config.cpu_offload else self.device).train()
         if config.lora:  # quantized on the device it trains on (rdlm.model.quantize's kernels are per device)
-            if getattr(self.model, "lora_specs", None):
-                raise ConfigError("lora adds fresh adapters: the model given has adapters already (lora_specs)")
             self.model = prepare_lora(self.model, config)
         # A run trains adapters when its model has them (lora, or a model given with adapters added)
         self.lora = bool(getattr(self.model, "lora_specs", None))
