@@ -156,7 +156,8 @@ def test_the_cli_trains_resumes_and_merges_an_adapter(base_dir, tmp_path):
     shards = _shards(tmp_path)
     args = ["train", "--model", str(base_dir), "--lora", "--lora-rank", "4", "--data", str(shards),
             "--micro-batch-size", "4", "--warmup-steps", "0", "--lr", "0.01", "--no-progress", "--no-tensorboard",
-            "--threads", "1", "--eval-num-steps", "1,2", "--eval-rows", "4", "--checkpoint-every", "2"]
+            "--threads", "1", "--eval-num-steps", "1,2", "--eval-rows", "4", "--checkpoint-every", "2",
+            "--curriculum", "linear", "--mean-recurrence", "4"]
     assert cli([*args, "--out-dir", str(tmp_path / "straight"), "--steps", "4"]) == 0
     assert cli([*args, "--out-dir", str(tmp_path / "split"), "--steps", "2"]) == 0
     assert cli(["train", "--out-dir", str(tmp_path / "split"), "--resume", "--steps", "4", "--no-progress"]) == 0
