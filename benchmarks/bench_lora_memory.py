@@ -68,7 +68,7 @@ def status(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def one(mode: str, width: int, tokens: int, depth: int) -> dict:
+def one(mode: str, width: int, tokens: int, depth: int, group_size: int = 128) -> dict:
     """Build the model for `mode`, take two steps, and return the second's peak (this process only)."""
     import torch
 
@@ -92,7 +92,7 @@ def one(mode: str, width: int, tokens: int, depth: int) -> dict:
             torch.set_default_dtype(torch.float32)
         scheme = mode.removeprefix("lora-")
         if scheme != "bf16":
-            quantize(model, scheme)
+            quantize(model, scheme, group_size)
         lora.add_lora(model, lora.LoraSpec(rank=16))
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -132,10 +132,11 @@ def one(mode: str, width: int, tokens: int, depth: int) -> dict:
     }
 
 
-def measure(mode: str, width: int, tokens: int, depth: int) -> dict:
+def measure(mode: str, width: int, tokens: int, depth: int, group_size: int = 128) -> dict:
     """`one` in a fresh process."""
+    sizes = ["--width", str(width), "--tokens", str(tokens), "--depth", str(depth), "--group-size", str(group_size)]
     proc = subprocess.run(
-        [sys.executable, __file__, "--one", mode, "--width", str(width), "--tokens", str(tokens), "--depth", str(depth)],
+        [sys.executable, __file__, "--one", mode, *sizes],
         capture_output=True,
         text=True,
         check=False,
@@ -181,7 +182,7 @@ def predict_2(m: dict, fits: dict[str, tuple[float, float]]) -> float:
     return static(m) + a + b * m["width"]
 
 
-def huginn_prediction(mode: str, tokens: int, depth: int, c: float, process_base: int) -> dict:
+def huginn_prediction(mode: str, tokens: int, depth: int, c: float, process_base: int, group_size: int = 128) -> dict:
     """The formula at Huginn-0125's shape, from its exact parameter counts (no model is built: meta tensors)."""
     import torch
 
@@ -200,16 +201,18 @@ def huginn_prediction(mode: str, tokens: int, depth: int, c: float, process_base
         else:  # integer weights (int4: half a byte) with their scales, the rest in bf16
             from rdlm.model.quantize_grad import BACKWARD_ROWS
 
-            per = {"lora-int8": 1.0, "lora-int4": 0.5}[mode]
+            from rdlm.model.int4 import int4_fits
+
             # (out, in) of every quantized layer: the blocks' and the adapter, and the tied head's copy
             shapes = [(m.out_features, m.in_features) for m in linears] + [tuple(model.embedding.weight.shape)]
-            elements = sum(o * i for o, i in shapes)
-            if mode == "lora-int8":  # a bf16 scale per output (the CPU kernel's)
-                scales = sum(o * 2 for o, _ in shapes)
-            else:  # a bf16 scale and zero point per 128 inputs
-                scales = sum(o * i // 128 * 4 for o, i in shapes)
+            held = 0
+            for o, i in shapes:
+                if mode == "lora-int4" and int4_fits(o, i, group_size):  # half a byte, bf16 scale and zero per group
+                    held += o * i // 2 + o * (i // group_size) * 4
+                else:  # int8 (a layer int4 cannot hold falls back to it): a byte, a bf16 scale per output
+                    held += o * i + o * 2
             blocks = sum(m.weight.numel() for m in linears)  # replaced; the embedding stays beside its copy
-            weights = frozen - 2 * blocks + int(per * elements) + scales
+            weights = frozen - 2 * blocks + held
             dequantized = 4 * max(min(BACKWARD_ROWS, o) * i for o, i in shapes)
         trainable = sum(16 * (m.in_features + m.out_features) for m in linears)  # rank 16 on every block layer
     else:
@@ -270,6 +273,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens in the step (micro-batch 1)")
     parser.add_argument("--depth", type=int, default=8, help="iterations with gradient (Huginn's backprop depth)")
     parser.add_argument("--huginn", choices=MODES, help="measure one mode at Huginn-0125's full shape")
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="int4's group size (Huginn-0125's width 5280 needs 32)"
+    )
     parser.add_argument("--json", help="write the measurements here")
     parser.add_argument("--reuse", help="take the design and first held-out measurements from this --json file")
     parser.add_argument(
@@ -281,10 +287,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.width, args.tokens, args.depth)))
+        print(json.dumps(one(args.one, args.width, args.tokens, args.depth, args.group_size)))
         return
     if args.huginn:
-        m = measure(args.huginn, HUGINN["hidden_size"], args.tokens, args.depth)
+        m = measure(args.huginn, HUGINN["hidden_size"], args.tokens, args.depth, args.group_size)
         print(json.dumps(m, indent=1))
         return
     print(f"load average {os.getloadavg()}, {os.cpu_count()} cores")
