@@ -53,11 +53,22 @@ def commands(model_dir, shards, llama_dir, tmp_path):  # noqa: F811
         ("retrofit", ["retrofit", llama_dir, "DEST", "--prelude", "0", "--core", "1", "--coda", "2"],
          "model.safetensors"),
         ("demo", ["demo", "--out", "DEST", *tiny_demo], "report.md"),
+        ("lora merge", ["lora", "merge", adapter_of(model_dir, tmp_path), "--out", "DEST"], "config.json"),
     ]
 
 
-REFUSE_OTHER_FILES = ("data prepare", "convert", "retrofit")
-NAMES = ["train", "data prepare", "tokenizer train", "eval", "analyze", "convert", "retrofit", "demo"]
+def adapter_of(model_dir, tmp_path):  # noqa: F811
+    """A LoRA adapter made for the model in `model_dir` (what `rdlm lora merge` merges)."""
+    from rdlm import load_pretrained
+    from rdlm.model.lora import LoraSpec, add_lora
+    from rdlm.model.lora_files import save_adapter
+
+    model = add_lora(load_pretrained(model_dir), LoraSpec(rank=2))
+    return save_adapter(model, tmp_path / "adapter", base_source=str(model_dir))
+
+
+REFUSE_OTHER_FILES = ("data prepare", "convert", "retrofit", "lora merge")
+NAMES = ["train", "data prepare", "tokenizer train", "eval", "analyze", "convert", "retrofit", "demo", "lora merge"]
 
 
 @pytest.mark.parametrize("name", NAMES)
