@@ -25,9 +25,11 @@ def test_the_shifted_task_follows_its_own_moves_and_the_base_task_is_unchanged()
         for i, move in enumerate(ex.prompt[2:-1]):
             value = T.SHIFTED_MOVES[move][value]
             assert ex.trace[i] == (i + 2, str(value))
-        assert ex.answer == str(value) and set(ex.prompt[2:-1]) <= set("def")
-    # Its moves are new rules: none of them is one of the base task's permutations.
-    assert not set(T.SHIFTED_MOVES.values()) & set(T.MOVES.values())
+        assert ex.answer == str(value) and set(ex.prompt[2:-1]) <= set("abcde")
+    # Two new rules beside the old ones: neither is one of the base task's permutations.
+    new = {m: p for m, p in T.SHIFTED_MOVES.items() if m not in T.MOVES}
+    assert set(new) == {"d", "e"} and not set(new.values()) & set(T.MOVES.values())
+    assert all(T.SHIFTED_MOVES[m] == p for m, p in T.MOVES.items())
     # The base task's examples are those it always drew (the table is a default argument now).
     assert T.permutations_example(random.Random(3), 6) == T.get_task("permutations").make(random.Random(3), 6)
     # (the example and its answer as the code before the variant drew them)

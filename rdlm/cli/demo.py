@@ -25,7 +25,7 @@ EXPERIMENTS = ("main", "retrofit", "gate", "lora")
 READ_BY = {
     **dict.fromkeys(("pretrain_steps", "retrofit_steps", "source_layers", "split", "adapter_init"), ("retrofit",)),
     **dict.fromkeys(("loops", "loop_layers", "exit_loss_beta", "gate_thresholds", "no_kl"), ("gate",)),
-    **dict.fromkeys(("base_steps", "adapt_steps", "lora_rank", "lora_alpha", "lora_muon_lr", "fixed_r"), ("lora",)),
+    **dict.fromkeys(("base_steps", "adapt_steps", "lora_rank", "lora_alpha", "lora_lr", "fixed_r"), ("lora",)),
     **dict.fromkeys(("no_twin", "no_depth_matched"), ("main",)),
     **dict.fromkeys(
         ("steps", "exit_criterion", "exit_thresholds", "exit_tolerance", "exit_max_steps"), ("main", "gate")
@@ -224,10 +224,10 @@ def register(subparsers) -> None:
     e.add_argument("--lora-rank", type=int, default=lo.rank, help="lora: the adapters' rank")
     e.add_argument("--lora-alpha", type=float, default=lo.alpha, help="lora: the adapters' alpha (scale alpha/rank)")
     e.add_argument(
-        "--lora-muon-lr",
+        "--lora-lr",
         type=float,
-        default=lo.lora_muon_lr,
-        help="lora: Muon's learning rate for the adapters (the full fine-tune keeps --muon-lr)",
+        default=lo.lora_lr,
+        help="lora: AdamW's learning rate for the adapters (the full fine-tune keeps --muon-lr and --lr)",
     )
     e.add_argument("--fixed-r", type=int, default=lo.fixed_r, help="lora: the depth of the fixed-depth LoRA arm")
     for action in p._actions:
@@ -343,7 +343,7 @@ def _run_experiment(args: argparse.Namespace, cfg: DemoConfig) -> int:
             steps=args.adapt_steps,
             rank=args.lora_rank,
             alpha=args.lora_alpha,
-            lora_muon_lr=args.lora_muon_lr,
+            lora_lr=args.lora_lr,
             fixed_r=args.fixed_r,
         )
         if args.num_steps is None and not args.full:

@@ -257,10 +257,10 @@ def write_lora_report(out: Path, res: dict[str, Any]) -> list[str]:
     lines += [
         (
             f"The base: the demo's recurrent model ({res['parameters']['base']:,} parameters) trained on "
-            f"`{task['base']}` for {steps['base']} steps. Adapted to `{task['variant']}` (moves "
-            f"{_moves(task)}: rules the base never saw) on the same rows, in the same order, for "
+            f"`{task['base']}` for {steps['base']} steps. Adapted to `{task['variant']}` (new moves "
+            f"{_moves(task)} among the old: rules the base never saw) on the same rows, in the same order, for "
             f"{steps['adaptation']} steps each: LoRA (rank {exp['rank']}, alpha {exp['alpha']:g}, on "
-            f"{', '.join(exp['parts'])}; Muon lr {exp['lora_muon_lr']:g}) at randomized depth (r drawn as the "
+            f"{', '.join(exp['parts'])}; AdamW lr {exp['lora_lr']:g}) at randomized depth (r drawn as the "
             f"base drew it, the last {res['config']['backprop_depth']} iterations backpropagated) and at a "
             f"fixed r = {exp['fixed_r']} (every iteration backpropagated), and a full fine-tune at randomized "
             "depth with the demo's learning rates."
@@ -313,8 +313,10 @@ def write_lora_report(out: Path, res: dict[str, Any]) -> list[str]:
 
 
 def _moves(task: dict[str, Any]) -> str:
-    moves = task.get("moves", {}).get("variant", {})
-    return ", ".join(f"`{m}` = {tuple(p)}" for m, p in moves.items()) or "other moves"
+    """The variant's moves that the base task does not have, as `name` = (the value each value goes to)."""
+    moves = task.get("moves", {})
+    new = {m: p for m, p in moves.get("variant", {}).items() if m not in moves.get("base", {})}
+    return ", ".join(f"`{m}` = {tuple(p)}" for m, p in new.items()) or "other moves"
 
 
 def _range_of(split: dict[str, Any]) -> str:
