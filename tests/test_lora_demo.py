@@ -122,9 +122,13 @@ def test_bad_lora_options_are_refused_before_any_work(argv, message, tmp_path, c
 
 @pytest.mark.slow
 def test_lora_keeps_the_test_time_scaling_on_a_confirmation_seed(tmp_path):
-    """The defaults on seed 1, a seed that chose nothing (docs/experiments.md#fine-tuning-with-lora)."""
+    """The defaults on seed 1, a seed that chose nothing (docs/experiments.md#fine-tuning-with-lora). Every
+    claim holds but one, as on the design seed (written before the confirmation runs): LoRA at a fixed
+    r = 4 kept a gain above its depth (harder split, seed 0: 17.7% at r = 4 -> 83.0% at r = 32), where its
+    claim said it would lose it; that claim stays in the report, marked failed."""
     cfg = DemoConfig(seed=1, out_dir=str(tmp_path), progress=False, eval_num_steps=(1, 2, 4, 8, 16, 32))
     result = run_lora_experiment(cfg)
     failed = [c["claim"] for c in result.results["checks"] if not c["holds"]]
-    assert not failed, failed
+    assert failed == ["LoRA at fixed r=4: variant harder at r=32 minus r=4 <= 0.05"], failed
+    assert all(arm["base_weights_unchanged"] == kind.startswith("lora") for kind, arm in result.results["arms"].items())
     assert result.results["seconds"] < 900
