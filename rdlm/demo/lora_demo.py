@@ -3,8 +3,8 @@ accuracy it gains by iterating longer? (LoRA: Hu et al. 2021; rdlm's adapters: r
 
 1. Train the main demo's recurrent model on the permutations task with the demo's recipe (Muon, the
    word-length curriculum, log-normal Poisson r with truncated backprop): the base.
-2. Adapt it to `permutations-shifted` (rdlm.demo.tasks: three other moves with other permutations, rules
-   the base never saw), side by side on the same rows, in the same order, for the same steps, three ways:
+2. Adapt it to `permutations-shifted` (rdlm.demo.tasks: two new moves among the old ones, rules the base
+   never saw), side by side on the same rows, in the same order, for the same steps, three ways:
    - LoRA at randomized depth: adapters on every block projection (`add_lora`, the base frozen), r drawn
      as the base drew it (log-normal Poisson, the last k iterations backpropagated);
    - LoRA at a fixed depth: the same adapters, r = `fixed_r` at every step, every iteration backpropagated;
