@@ -115,6 +115,20 @@ def _gate_cells(results: dict[str, Any]) -> list[str]:
     return cells
 
 
+def _lora_cells(results: dict[str, Any]) -> list[str]:
+    c, acc = results["claims"], results["accuracy"]
+    d, f = c["deep_r"], c["fixed_r"]
+
+    def gain(kind: str, split: str) -> str:
+        overall = acc[kind][split]["overall"]
+        return f"{_pct(overall[str(f)])} -> {_pct(overall[str(d)])}"
+
+    base_task = " / ".join(_pct(acc[k]["base_test"]["overall"][str(d)])
+                           for k in ("base", "lora_random", "lora_fixed", "full_random"))
+    return [_pct(c["base_variant_test"]), gain("lora_random", "test"), gain("lora_random", "harder"),
+            gain("lora_fixed", "harder"), _pct(acc["full_random"]["test"]["overall"][str(d)]), base_task]
+
+
 # Per experiment: the table's columns (after the seed), and the cells of one seed.
 COLUMNS = {
     "main": ("best r", "test at best r", "r=1", "r=max", "harder: mean r -> max r", "twin", "depth-matched",
@@ -123,6 +137,9 @@ COLUMNS = {
                  "control harder", "steps retrofitted / control", "FLOPs control / retrofitted"),
     "gate": ("gate threshold", "test: exits / all loops", "loops per answer token (test)",
              "loops: shortest words -> harder", "KL exits (recurrent): test, iterations"),
+    "lora": ("base on the new test (r=32)", "LoRA randomized: test r=4 -> 32", "LoRA randomized: harder r=4 -> 32",
+             "LoRA fixed: harder r=4 -> 32", "full fine-tune: test r=32",
+             "base task test r=32: base / LoRA rand. / LoRA fixed / full"),
 }
 
 
@@ -138,6 +155,8 @@ def seed_row(seed: int, results: dict[str, Any]) -> dict[str, Any]:
         return common | {"cells": _retrofit_cells(results)}
     if experiment == "gate":
         return common | {"cells": _gate_cells(results)}
+    if experiment == "lora":
+        return common | {"cells": _lora_cells(results)}
     c = results["claims"]
     losses = results["training"]["recurrent"]["losses"]
     tail = losses[-max(1, len(losses) // 20):]

@@ -3,28 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 from rdlm.cli import takes_effect
 from rdlm.demo.gate_demo import GateSettings
+from rdlm.demo.lora_demo import EVAL_NUM_STEPS as LORA_NUM_STEPS
+from rdlm.demo.lora_demo import LoraSettings
 from rdlm.demo.retrofit_demo import RetrofitSettings
 from rdlm.demo.run import DemoConfig, run_demo
 from rdlm.demo.tasks import TASKS
 from rdlm.model.retrofit import ADAPTER_INITS, parse_layers
 
-EXPERIMENTS = ("main", "retrofit", "gate")
+EXPERIMENTS = ("main", "retrofit", "gate", "lora")
 # The options that only some experiments read (given to another, they are refused by name); every other
-# option is read by all three. The retrofit experiment trains its own Llama (--source-layers, --pretrain-steps,
-# --retrofit-steps) and scores no adaptive exits.
+# option is read by all of them. The retrofit experiment trains its own Llama (--source-layers, --pretrain-steps,
+# --retrofit-steps) and scores no adaptive exits; the lora experiment trains the demo's recurrent model
+# (--layers) for --base-steps and adapts it for --adapt-steps, with no adaptive exits either.
 READ_BY = {
     **dict.fromkeys(("pretrain_steps", "retrofit_steps", "source_layers", "split", "adapter_init"), ("retrofit",)),
     **dict.fromkeys(("loops", "loop_layers", "exit_loss_beta", "gate_thresholds", "no_kl"), ("gate",)),
+    **dict.fromkeys(("base_steps", "adapt_steps", "lora_rank", "lora_alpha", "lora_lr", "fixed_r"), ("lora",)),
     **dict.fromkeys(("no_twin", "no_depth_matched"), ("main",)),
     **dict.fromkeys(
-        ("steps", "layers", "exit_criterion", "exit_thresholds", "exit_tolerance", "exit_max_steps"), ("main", "gate")
+        ("steps", "exit_criterion", "exit_thresholds", "exit_tolerance", "exit_max_steps"), ("main", "gate")
     ),
+    "layers": ("main", "gate", "lora"),
 }
 
 
@@ -129,7 +135,8 @@ def register(subparsers) -> None:
         type=_ints,
         default=None,
         help=f"r values to evaluate (default {','.join(map(str, d.eval_num_steps))}, "
-        f"{','.join(map(str, FULL_NUM_STEPS))} with --full)",
+        f"{','.join(map(str, FULL_NUM_STEPS))} with --full, {','.join(map(str, LORA_NUM_STEPS))} for the lora "
+        "experiment)",
     )
     p.add_argument("--exit-criterion", default=d.exit_criterion, help="adaptive exit criterion evaluated")
     p.add_argument(
@@ -162,16 +169,17 @@ def register(subparsers) -> None:
         help="processes the models train in side by side (0: one per model; the numbers do not depend on it)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    e = p.add_argument_group("experiments (--experiment retrofit or gate; docs/demo.md)")
+    e = p.add_argument_group("experiments (--experiment retrofit, gate or lora; docs/experiments.md)")
     e.add_argument(
         "--experiment",
         default="main",
         choices=EXPERIMENTS,
         help="main: the recurrent model and its baselines; retrofit: a pretrained Llama retrofitted "
         "with recurrence against the same Llama trained on for the same FLOPs; gate: a looped "
-        "model with Ouro's learned exit gate against the recurrent model's KL exits",
+        "model with Ouro's learned exit gate against the recurrent model's KL exits; lora: the recurrent "
+        "model adapted to new moves with LoRA at randomized and at fixed depth, and fully fine-tuned",
     )
-    r, g = RetrofitSettings(), GateSettings()
+    r, g, lo = RetrofitSettings(), GateSettings(), LoraSettings()
     e.add_argument(
         "--pretrain-steps", type=int, default=r.pretrain_steps, help="retrofit: steps of the Llama's pretraining"
     )
@@ -209,6 +217,19 @@ def register(subparsers) -> None:
     e.add_argument(
         "--no-kl", action="store_true", help="gate: skip training the recurrent model whose KL exits are compared"
     )
+    e.add_argument("--base-steps", type=int, default=lo.base_steps, help="lora: steps of the base's training")
+    e.add_argument(
+        "--adapt-steps", type=int, default=lo.steps, help="lora: steps of each adaptation (LoRA and full fine-tune)"
+    )
+    e.add_argument("--lora-rank", type=int, default=lo.rank, help="lora: the adapters' rank")
+    e.add_argument("--lora-alpha", type=float, default=lo.alpha, help="lora: the adapters' alpha (scale alpha/rank)")
+    e.add_argument(
+        "--lora-lr",
+        type=float,
+        default=lo.lora_lr,
+        help="lora: AdamW's learning rate for the adapters (the full fine-tune keeps --muon-lr and --lr)",
+    )
+    e.add_argument("--fixed-r", type=int, default=lo.fixed_r, help="lora: the depth of the fixed-depth LoRA arm")
     for action in p._actions:
         if action.dest in READ_BY:
             takes_effect(action, _read_by(READ_BY[action.dest]))
@@ -314,6 +335,20 @@ def _run_experiment(args: argparse.Namespace, cfg: DemoConfig) -> int:
             steps=args.retrofit_steps,
         )
         result = run_retrofit_experiment(cfg, exp)
+    elif args.experiment == "lora":
+        from rdlm.demo.lora_demo import run_lora_experiment
+
+        lora = LoraSettings(
+            base_steps=args.base_steps,
+            steps=args.adapt_steps,
+            rank=args.lora_rank,
+            alpha=args.lora_alpha,
+            lora_lr=args.lora_lr,
+            fixed_r=args.fixed_r,
+        )
+        if args.num_steps is None and not args.full:
+            cfg = dataclasses.replace(cfg, eval_num_steps=LORA_NUM_STEPS)
+        result = run_lora_experiment(cfg, lora)
     else:
         from rdlm.demo.gate_demo import run_gate_experiment
 

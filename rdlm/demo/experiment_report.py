@@ -249,3 +249,103 @@ def plot_gate(out: Path, res: dict[str, Any]) -> list[str]:
     right.legend(fontsize=7)
     fig.tight_layout()
     return [_save_figure(fig, out / "gate.png")]
+
+
+def write_lora_report(out: Path, res: dict[str, Any]) -> list[str]:
+    exp, claims, task, steps = res["lora_settings"], res["claims"], res["task"], res["steps"]
+    lines = _header(res, "fine-tuning a looped model with LoRA: is the test-time scaling kept?")
+    lines += [
+        (
+            f"The base: the demo's recurrent model ({res['parameters']['base']:,} parameters) trained on "
+            f"`{task['base']}` for {steps['base']} steps. Adapted to `{task['variant']}` (new moves "
+            f"{_moves(task)} among the old: rules the base never saw) on the same rows, in the same order, for "
+            f"{steps['adaptation']} steps each: LoRA (rank {exp['rank']}, alpha {exp['alpha']:g}, on "
+            f"{', '.join(exp['parts'])}; AdamW lr {exp['lora_lr']:g}) at randomized depth (r drawn as the "
+            f"base drew it, the last {res['config']['backprop_depth']} iterations backpropagated) and at a "
+            f"fixed r = {exp['fixed_r']} (every iteration backpropagated), and a full fine-tune at randomized "
+            "depth with the demo's learning rates."
+        ),
+        "",
+    ]
+    lines += _checks(res)
+    rs = sorted(res["accuracy"]["base"]["test"]["overall"], key=int)
+    titles = {
+        "test": f"Variant, test ({_range_of(res['splits']['test'])} moves)",
+        "harder": f"Variant, harder ({_range_of(res['splits']['harder'])} moves, longer than any trained on)",
+        "base_test": "Base task, test (what the adaptation forgot)",
+    }
+    for split, title in titles.items():
+        lines += [f"## {title}: exact match of the decoded reply (%)", ""]
+        lines += ["| model | " + " | ".join(f"r={r}" for r in rs) + " |", "|---|" + "---|" * len(rs)]
+        for kind, table in res["accuracy"].items():
+            lines.append(
+                f"| {res['labels'][kind]} | " + " | ".join(_pct(table[split]["overall"][r]) for r in rs) + " |"
+            )
+        lines.append("")
+    lines += [
+        "## What each arm trained, and its cost",
+        "",
+        (
+            "| arm | trainable parameters | gradients and optimizer state (MiB) | peak memory above the start "
+            "(MiB) | training wall / CPU (s) | base weights bitwise unchanged | base task drop at "
+            f"r={claims['deep_r']} (points) |"
+        ),
+        "|---" * 7 + "|",
+    ]
+    for kind, arm in res["arms"].items():
+        peak = "-" if arm["peak_memory_mib"] is None else f"{arm['peak_memory_mib']:.1f}"
+        lines.append(
+            f"| {res['labels'][kind]} | {arm['trainable_parameters']:,} | {arm['training_state_bytes'] / 2**20:.2f} | "
+            f"{peak} | {arm['train_seconds']:.0f} / {arm['train_cpu_seconds']:.0f} | "
+            f"{'yes' if arm['base_weights_unchanged'] else 'no'} | {100 * claims['forgetting'][kind]:+.1f} |"
+        )
+    lines += [
+        "",
+        (
+            f"Memory: {res['memory']}; gradients and optimizer state are counted from the trainable parameters "
+            "(float32; Muon keeps one buffer, AdamW two). The arms trained side by side, so their wall times "
+            "share the cores; CPU seconds are each arm's own."
+        ),
+        "",
+    ]
+    write_text(out / "report.md", "\n".join(lines))
+    return [str(out / "report.md"), *plot_lora(out, res)]
+
+
+def _moves(task: dict[str, Any]) -> str:
+    """The variant's moves that the base task does not have, as `name` = (the value each value goes to)."""
+    moves = task.get("moves", {})
+    new = {m: p for m, p in moves.get("variant", {}).items() if m not in moves.get("base", {})}
+    return ", ".join(f"`{m}` = {tuple(p)}" for m, p in new.items()) or "other moves"
+
+
+def _range_of(split: dict[str, Any]) -> str:
+    low, high = split["difficulty_range"]
+    return f"{low}-{high}"
+
+
+def plot_lora(out: Path, res: dict[str, Any]) -> list[str]:
+    """Accuracy against r, one line per model: the variant's test and harder splits, the base task's test."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
+    styles = {"base": ("grey", "--"), "lora_random": ("C3", "-"), "lora_fixed": ("C0", "-"), "full_random": ("C2", ":")}
+    titles = (("test", "variant, test"), ("harder", "variant, harder (longer words)"), ("base_test", "base task, test"))
+    for ax, (split, title) in zip(axes, titles, strict=True):
+        for kind, table in res["accuracy"].items():
+            overall = table[split]["overall"]
+            rs = sorted(overall, key=int)
+            color, style = styles.get(kind, ("k", "-"))
+            ax.plot(
+                [int(r) for r in rs],
+                [100 * overall[r] for r in rs],
+                "o" + style,
+                color=color,
+                label=res["labels"][kind],
+            )
+        _r_axis(ax, [int(r) for r in rs])
+        ax.set_title(title)
+    axes[0].set_ylabel("exact match (%)")
+    axes[0].set_ylim(-2, 102)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return [_save_figure(fig, out / "lora.png")]

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -32,6 +32,9 @@ from rdlm.demo.report import MODEL_LABELS
 from rdlm.demo.scoring import accuracy_table, adaptive_exits
 from rdlm.model.config import RDLMConfig
 from rdlm.model.lm import RecurrentDepthLM
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+, and annotations are not evaluated here (from __future__)
 
 REPORT_EVERY = 10  # training steps between two progress reports of a job
 # The recurrent model's scoring (every r of the sweep on every split, the strict score, the exit sweep) as
@@ -46,12 +49,15 @@ class Job:
     rs: tuple[int, ...]  # the r values it is scored at
     cost: float  # relative work, for the estimate of the time left (see `job_cost`)
     # An experiment's job may start from given weights, train on its own rows for its own number of steps
-    # with further training settings (rdlm.train.TrainConfig fields), and skip the adaptive exits or the
-    # strict score. The defaults are the main demo's: a fresh model on the shared rows.
+    # (0: score the start weights as they are) with further training settings (rdlm.train.TrainConfig
+    # fields, over the demo's own), change the model before training (`prepare`, a module-level function
+    # called as prepare(model): e.g. add LoRA adapters), and skip the adaptive exits or the strict score.
+    # The defaults are the main demo's: a fresh model on the shared rows.
     start: dict[str, torch.Tensor] | None = None
     rows: Any = None
     steps: int | None = None
     train: dict[str, Any] = field(default_factory=dict)
+    prepare: Callable[[RecurrentDepthLM], Any] | None = None
     exits: bool | None = None  # None: the recurrent model's
     strict: bool = True
     # More scoring after the accuracy table, in the job's process: a module-level function (it is pickled
@@ -98,12 +104,15 @@ def train_model(
     on_step: Callable[[int], None] | None = None,
     progress: bool | None = None,
     start: dict[str, torch.Tensor] | None = None,
+    prepare: Callable[[RecurrentDepthLM], Any] | None = None,
     **settings: Any,
 ) -> tuple[RecurrentDepthLM, dict]:
     """Train through rdlm.train (log-normal Poisson r, truncated backprop, Muon and AdamW or AdamW alone,
     clipping), on the rows in their order when they follow a curriculum: a fresh model, or one with the
-    weights `start`. `settings` are further TrainConfig fields (e.g. a curriculum on r).
-    `on_step(step)` is called every `REPORT_EVERY` steps."""
+    weights `start`, changed by `prepare(model)` before training (only the parameters that then require
+    gradients train). `settings` are further TrainConfig fields (e.g. a curriculum on r), over the demo's.
+    `on_step(step)` is called every `REPORT_EVERY` steps. The history records the trainable parameters, the
+    training's CPU seconds and its peak resident memory above the start (`ResidentPeak`)."""
     from rdlm.train import TrainConfig, train
 
     progress = cfg.progress if progress is None else progress
@@ -111,6 +120,8 @@ def train_model(
     model = RecurrentDepthLM(config)
     if start is not None:
         model.load_state_dict(start)
+    if prepare is not None:
+        prepare(model)
     records: list[dict] = []
 
     def keep(record: dict) -> None:
@@ -134,7 +145,7 @@ def train_model(
             flush=True,
         )
     warmup, cooldown = min(cfg.warmup_steps, cfg.steps - 1), round(cfg.cooldown_fraction * cfg.steps)
-    tc = TrainConfig(
+    demo_settings: dict[str, Any] = dict(
         model=config.name,
         seed=cfg.seed,
         steps=cfg.steps,
@@ -153,9 +164,11 @@ def train_model(
         progress=progress,
         tensorboard=False,
         out_dir=None,
-        **settings,
     )
-    result = train(tc, model=model, train_data=rows, step_hooks=[keep])
+    tc = TrainConfig(**(demo_settings | settings))
+    cpu_start = time.process_time()
+    with ResidentPeak() as memory:
+        result = train(tc, model=model, train_data=rows, step_hooks=[keep])
     if result.stopped_by is not None:
         # The trainer took SIGTERM/SIGINT as "save this step, then stop"; the demo saves no checkpoint, and a
         # model stopped early must not be scored and reported as if trained: the demo stops here.
@@ -167,7 +180,42 @@ def train_model(
         "seconds": result.seconds,
         "flops": sum(r["flops"] for r in records),
         "flops_per_step": [r["flops"] for r in records],
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "cpu_seconds": round(time.process_time() - cpu_start, 1),
+        "peak_memory_mib": memory.mib,
     }
+
+
+class ResidentPeak:
+    """The peak resident memory of this process within the block, above what was resident at its start
+    (MiB): Linux's high-water mark (VmHWM) is reset to the current resident set on entry
+    (/proc/self/clear_refs, "5") and read on exit, so an earlier peak of the process does not hide the block's.
+    Where that cannot be done, `mib` is None (getrusage's ru_maxrss keeps the process's lifetime peak)."""
+
+    STATUS, CLEAR = "/proc/self/status", "/proc/self/clear_refs"
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+        self.mib: float | None = None
+
+    @classmethod
+    def _kib(cls, field: str) -> int:
+        with open(cls.STATUS) as f:
+            line = next(line for line in f if line.startswith(field + ":"))
+        return int(line.split()[1])
+
+    def __enter__(self) -> Self:
+        try:
+            with open(self.CLEAR, "w") as f:
+                f.write("5")
+            self.start = self._kib("VmRSS")
+        except (OSError, StopIteration):
+            self.start = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.start is not None:
+            self.mib = round((self._kib("VmHWM") - self.start) / 1024, 1)
 
 
 def stop(number: int) -> NoReturn:
@@ -243,17 +291,26 @@ def run_job(
     label = MODEL_LABELS.get(job.kind, job.kind)
     report = on_step or (lambda kind, step: _reports.put((kind, step)) if _reports is not None else None)
     start = time.perf_counter()
-    job_cfg = cfg if job.steps is None else dataclasses.replace(cfg, steps=job.steps)
-    model, history = train_model(
-        job_cfg,
-        job.config,
-        rows if job.rows is None else job.rows,
-        label,
-        lambda step: report(job.kind, step),
-        progress,
-        job.start,
-        **job.train,
-    )
+    if job.steps == 0:  # scored as it starts
+        model, history = RecurrentDepthLM(job.config), dict[str, Any]()
+        if job.start is not None:
+            model.load_state_dict(job.start)
+        if job.prepare is not None:
+            job.prepare(model)
+        model.eval()
+    else:
+        job_cfg = cfg if job.steps is None else dataclasses.replace(cfg, steps=job.steps)
+        model, history = train_model(
+            job_cfg,
+            job.config,
+            rows if job.rows is None else job.rows,
+            label,
+            lambda step: report(job.kind, step),
+            progress,
+            job.start,
+            job.prepare,
+            **job.train,
+        )
     trained = time.perf_counter()
     report(job.kind, -1)  # scoring
     tokenizer = T.CharTokenizer()
