@@ -37,7 +37,8 @@ from rdlm.fileio import write_json
 from rdlm.model.config import RDLMConfig
 from rdlm.model.huginn import save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
-from rdlm.model.lora import DEFAULT_PARTS, LoraSpec, add_lora, save_adapter
+from rdlm.model.lora import DEFAULT_PARTS, LoraSpec, add_lora
+from rdlm.model.lora_files import save_adapter
 
 # The claims, with bounds fixed before the first run (issue #62): on the variant's splits, 300 examples each,
 # "r=32" and "r=4" (the fixed arm's depth) as the scored depths.
