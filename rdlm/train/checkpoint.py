@@ -186,13 +186,17 @@ def load_checkpoint(
     _copy_weights(load_pretrained(path / "model", dtype=torch.float32), model)
     if ema_model is not None and (path / "ema").is_dir():
         _copy_weights(load_pretrained(path / "ema", dtype=torch.float32), ema_model)
-    optimizer_state = None
-    if (path / OPTIMIZER_FILE).is_file():
-        with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
-            tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (not a dict: no iteration)
-        optimizer_state = optimizer_state_dict(tensors, trainer["optimizer_groups"], parameter_names)
     _load_rng(path)
-    return Checkpoint(path, trainer), optimizer_state
+    return Checkpoint(path, trainer), _read_optimizer(path, trainer, parameter_names)
+
+
+def _read_optimizer(path: Path, trainer: dict[str, Any], parameter_names: list[str]) -> dict | None:
+    """The optimizer state_dict of a single-process checkpoint (None where it has no optimizer file)."""
+    if not (path / OPTIMIZER_FILE).is_file():
+        return None
+    with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (not a dict: no iteration)
+    return optimizer_state_dict(tensors, trainer["optimizer_groups"], parameter_names)
 
 
 def load_adapter_checkpoint(
@@ -212,13 +216,8 @@ def load_adapter_checkpoint(
         for module, (a, b) in files.tensors.items():
             ema[parameter_of(f"{module}.lora_A.weight")] = a
             ema[parameter_of(f"{module}.lora_B.weight")] = b
-    optimizer_state = None
-    if (path / OPTIMIZER_FILE).is_file():
-        with safe_open(path / OPTIMIZER_FILE, framework="pt") as handle:
-            tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (not a dict: no iteration)
-        optimizer_state = optimizer_state_dict(tensors, trainer["optimizer_groups"], parameter_names)
     _load_rng(path)
-    return Checkpoint(path, trainer), optimizer_state, ema
+    return Checkpoint(path, trainer), _read_optimizer(path, trainer, parameter_names), ema
 
 
 @torch.no_grad()
