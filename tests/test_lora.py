@@ -100,6 +100,16 @@ def test_the_default_parts_are_every_block_projection_and_the_adapter(tiny_model
     assert "adapter" in adapted and not any(n.startswith("lm_head") for n in adapted)
 
 
+def test_a_lora_run_on_ouro_adapts_its_core_by_default():
+    """Ouro has no prelude, coda or adapter layer: the default parts are the ones it has, its core."""
+    torch.manual_seed(0)
+    ouro = RecurrentDepthLM(RDLMConfig.from_preset("ouro-tiny"))
+    result = train(small_run(lora=True, lora_rank=2, steps=2), model=ouro, train_data=rows(512))
+    adapted = [name for name, _ in lora.lora_layers(result.model)]
+    assert adapted and all(name.startswith("core.") for name in adapted)
+    assert result.model.lora_specs["default"].parts == ("core",)
+
+
 def test_a_fresh_adapter_changes_nothing_and_a_trained_one_does(tiny_model):
     ids = ids_for(tiny_model)
     reference = logits(tiny_model, ids)

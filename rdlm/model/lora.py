@@ -90,12 +90,13 @@ class LoraSpec:
             raise LoraError(f"lora parts: a part is named twice in {','.join(self.parts)}")
 
     @staticmethod
-    def parse_parts(text: str) -> tuple[str, ...]:
-        """ "core,coda" -> ("core", "coda"); "all" -> every part; "default" -> DEFAULT_PARTS."""
+    def parse_parts(text: str) -> tuple[str, ...] | None:
+        """ "core,coda" -> ("core", "coda"); "all" -> every part; "default" -> None (`default_parts`: those of
+        DEFAULT_PARTS the model has)."""
         if text.strip() == "all":
             return PARTS
         if text.strip() == "default":
-            return DEFAULT_PARTS
+            return None
         return tuple(item.strip() for item in text.split(","))
 
     @property
