@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from rdlm.model.lora_serving import loaded_adapters
+from rdlm.model.lora import loaded_adapters
 
 if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM

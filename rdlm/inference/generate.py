@@ -51,7 +51,7 @@ from rdlm.inference.params import Decode, GenerationConfig, check_length, check_
 from rdlm.inference.sampling import sample
 from rdlm.inference.scheduler import in_rounds
 from rdlm.model.lm import RecurrentDepthLM
-from rdlm.model.lora_serving import loaded_adapters
+from rdlm.model.lora import loaded_adapters
 from rdlm.resources import check_time, forward_seconds
 
 __all__ = ["Decode", "GenerationConfig", "GenerationResult", "TokenEvent", "generate", "sample", "stream"]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from rdlm.checks import Integer, InvalidValue, Number, OneOf, is_int
 from rdlm.inference.exits import ExitCriterion, make_exit_criterion
+from rdlm.model.lora import loaded_adapters
 
 if TYPE_CHECKING:  # annotations only: the module stays a leaf
     from rdlm.model.lm import RecurrentDepthLM
@@ -505,7 +506,7 @@ def check_request(
 
 def check_adapter(model: RecurrentDepthLM, adapter: str | None) -> None:
     """Refuse an adapter name the model has not loaded (rdlm.model.lora keeps their specs on the model)."""
-    loaded = list(getattr(model, "lora_specs", {}))
+    loaded = loaded_adapters(model)
     if adapter is not None and adapter not in loaded:
         have = f"it has {', '.join(map(repr, loaded))}" if loaded else "it has none"
         raise ValueError(f"the model has no LoRA adapter named {adapter!r} ({have})")

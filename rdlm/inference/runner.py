@@ -25,7 +25,8 @@ from rdlm.inference.cache import CacheCall, PackedCall, RecurrentKVCache, Segmen
 from rdlm.inference.noise import noise_table
 from rdlm.model.layers import Rope, padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
-from rdlm.model.lora_serving import active_adapter, loaded_adapters, routed
+from rdlm.model.lora import loaded_adapters
+from rdlm.model.lora_serving import active_adapter, routed
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,7 @@ from rdlm.inference.params import GenerationConfig
 from rdlm.inference.serve_http import Guard, install_error_handlers
 from rdlm.inference.serve_worker import Metrics, ServeConfig, Ticket, Worker
 from rdlm.model.lm import RecurrentDepthLM
-from rdlm.model.lora import set_adapter
-from rdlm.model.lora_serving import loaded_adapters
+from rdlm.model.lora import loaded_adapters, set_adapter
 
 log = logging.getLogger("rdlm.serve")
 UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|function-.*")  # pydantic's names in a loc

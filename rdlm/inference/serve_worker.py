@@ -20,7 +20,7 @@ from rdlm.inference.events import BatchEvent
 from rdlm.inference.openai_api import APIError
 from rdlm.inference.params import GenerationConfig
 from rdlm.model.lm import RecurrentDepthLM
-from rdlm.model.lora_serving import loaded_adapters
+from rdlm.model.lora import loaded_adapters
 
 log = logging.getLogger("rdlm.serve")
 

@@ -193,12 +193,10 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
             yield name, module
 
 
-def adapter_names(model: nn.Module) -> list[str]:
-    """The adapters loaded in `model`, in the order they were added."""
-    names: list[str] = []
-    for _, layer in lora_layers(model):
-        names += [n for n in layer.lora_A if n not in names]
-    return names
+def loaded_adapters(model: nn.Module) -> list[str]:
+    """The adapters `add_lora` and `load_adapter` gave `model`, in the order they came (none: []). Reads the
+    model's own record (`lora_specs`), so a model without adapters never needs peft."""
+    return list(getattr(model, "lora_specs", {}))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,7 +234,7 @@ def add_lora(model: RecurrentDepthLM, spec: LoraSpec, name: str = DEFAULT_NAME) 
     """Add a fresh adapter `name` (A random, B zero: the model's outputs are unchanged until trained) to the
     layers `spec.parts` names, in float32, and freeze every other parameter. Returns the model."""
     peft = peft_module()
-    if name in adapter_names(model):
+    if name in loaded_adapters(model):
         raise LoraError(f"the model already has an adapter named {name!r}")
     if spec.parts is None:
         spec = dataclasses.replace(spec, parts=default_parts(model))

@@ -31,8 +31,8 @@ from rdlm.model.lora import (
     PARTS,
     LoraError,
     LoraSpec,
-    adapter_names,
     is_linear,
+    loaded_adapters,
     lora_config,
     lora_layers,
     peft_module,
@@ -389,7 +389,7 @@ def load_adapter(
     (`any_base` skips the fingerprint, never the shapes). dtype: of the adapter weights (None: float32 over
     a quantized base, else the base's). The adapter becomes the active one. Returns the model."""
     files = directory if isinstance(directory, AdapterFiles) else read_adapter(directory)
-    if name in adapter_names(model):
+    if name in loaded_adapters(model):
         raise LoraError(f"the model already has an adapter named {name!r}")
     if any_base:
         info = dict(files.info)

@@ -24,19 +24,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from rdlm.model.lora import lora_layers, set_adapter
+from rdlm.model.lora import loaded_adapters, lora_layers, set_adapter
 from rdlm.model.lora_files import AdapterFiles, load_adapter, read_adapter, recorded_base
 
 if TYPE_CHECKING:
     import os
 
     from rdlm.model.lm import RecurrentDepthLM
-
-
-def loaded_adapters(model: nn.Module) -> list[str]:
-    """The adapters `add_lora` and `load_adapter` gave `model`, in the order they came (none: []). Reads the
-    model's own record, so a model without adapters never needs peft."""
-    return list(getattr(model, "lora_specs", {}))
 
 
 def active_adapter(model: nn.Module) -> str | None:

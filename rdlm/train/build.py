@@ -65,7 +65,7 @@ def prepare_lora(model: RecurrentDepthLM, config: TrainConfig) -> RecurrentDepth
     from rdlm.model import lora
     from rdlm.model import quantize as quantization
 
-    if getattr(model, "lora_specs", None):
+    if lora.loaded_adapters(model):
         raise ConfigError("lora adds fresh adapters: the model given has adapters already (lora_specs)")
     try:
         quantization.apply(model, config.quantize, config.quantize_group_size)

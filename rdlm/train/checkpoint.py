@@ -74,6 +74,7 @@ from rdlm.model.checkpoints import (
 )
 from rdlm.model.huginn import load_pretrained, save_pretrained
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model.lora import loaded_adapters
 
 ADAPTER_DIR = "adapter"  # a LoRA run's adapter (rdlm.model.lora, PEFT's format) in place of model/
 EMA_ADAPTER_DIR = "ema-adapter"  # and its EMA
@@ -142,7 +143,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     with staging_dir(final) as tmp:  # re-saving a step replaces the old copy only once complete
-        if getattr(model, "lora_specs", None):
+        if loaded_adapters(model):
             from rdlm.model.lora_files import save_adapter
 
             subs = [ADAPTER_DIR]

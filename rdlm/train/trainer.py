@@ -38,6 +38,7 @@ from rdlm.fileio import new_dirs_removed_on_failure
 from rdlm.model.config import ConfigError
 from rdlm.model.flops import flops_per_token
 from rdlm.model.lm import RecurrentDepthLM
+from rdlm.model.lora import loaded_adapters
 from rdlm.model.recurrence import draw_for_microbatch, microbatch_seed
 from rdlm.resources import default_threads
 from rdlm.train.build import (
@@ -126,14 +127,14 @@ class Trainer(RunCheckpoints):
             sources["validation"] = self.val_source
         check_compatible(model, sources, self.tokenizer)
 
-        self.strategy = training_strategy(config, self.world, config.lora or bool(getattr(model, "lora_specs", None)))
+        self.strategy = training_strategy(config, self.world, config.lora or bool(loaded_adapters(model)))
         self.own_group = self.strategy == "fsdp" and init_single_process_group(self.device)
         # With CPU offload FSDP moves each shard to the host itself; the whole model never sits on the GPU.
         self.model = model.to("cpu" if config.cpu_offload else self.device).train()
         if config.lora:  # quantized on the device it trains on (rdlm.model.quantize's kernels are per device)
             self.model = prepare_lora(self.model, config)
         # A run trains adapters when its model has them (lora, or a model given with adapters added)
-        self.lora = bool(getattr(self.model, "lora_specs", None))
+        self.lora = bool(loaded_adapters(self.model))
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         c = self.model.config
         self._set_recurrence(config)
