@@ -61,13 +61,6 @@ def shape(width: int) -> dict[str, int]:
     )
 
 
-def status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def one(mode: str, width: int, tokens: int, depth: int, group_size: int = 128) -> dict:
     """Build the model for `mode`, take two steps, and return the second's peak (this process only)."""
     import torch
@@ -76,10 +69,11 @@ def one(mode: str, width: int, tokens: int, depth: int, group_size: int = 128) -
     from rdlm.model import lora
     from rdlm.model.quantize import QuantizedLinear, quantize, weight_bytes
     from rdlm.model.quantize_grad import BACKWARD_ROWS
+    from rdlm.resources import ResidentPeak, resident_bytes
     from rdlm.train.optim import AdamW
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    base_rss = status("VmRSS")
+    base_rss = resident_bytes()
     config = RDLMConfig.from_preset("huginn-0125", **shape(width), context_length=max(tokens, 64))
     torch.manual_seed(0)
     if mode == "full":
@@ -108,10 +102,10 @@ def one(mode: str, width: int, tokens: int, depth: int, group_size: int = 128) -
         return time.perf_counter() - start
 
     step()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = status("VmRSS")
-    seconds = step()
-    peak = status("VmHWM")
+    with ResidentPeak() as memory:
+        seconds = step()
+    if base_rss is None or memory.peak is None:
+        raise RuntimeError("reading the peak resident memory needs Linux's /proc/self/status and clear_refs")
     # the backward pass's float32 rows of the widest quantized layer (rdlm.model.quantize_grad.BACKWARD_ROWS at a time)
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     largest = max((min(BACKWARD_ROWS, m.out_features) * m.in_features for m in quantized), default=0)
@@ -122,8 +116,8 @@ def one(mode: str, width: int, tokens: int, depth: int, group_size: int = 128) -
         "tokens": tokens,
         "depth": depth,
         "process_base": base_rss,
-        "before_step": before,
-        "peak": peak,
+        "before_step": memory.start,
+        "peak": memory.peak,
         "weights": weight_bytes(model) - sum(p.numel() * p.element_size() for p in trained),
         "trainable": sum(p.numel() for p in trained),
         "dequantized": 4 * largest,

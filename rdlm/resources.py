@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from rdlm.checks import check_int
 from rdlm.model.flops import ConfigSizes, flops_per_token
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+, and annotations are not evaluated here (from __future__)
 
 # FLOP/s no single device of its kind reaches (dense bf16 on the fastest GPUs is about 2.3e15; one CPU
 # core with AVX-512 FMA about 2e11): the time estimates are lower bounds.
@@ -163,3 +167,46 @@ def format_seconds(s: float) -> str:
         if s < limit:
             return f"{s / size:.3g} {unit}"
     return f"{s / (365 * 86400):.3g} years"
+
+
+# ------------------------------------------------------------------------------------------------
+# Measured, not estimated: the process's resident memory
+
+
+def resident_bytes(field: str = "VmRSS") -> int | None:
+    """This process's resident memory in bytes from Linux's /proc/self/status (VmRSS: now; VmHWM: the peak
+    since the process started or the last `ResidentPeak` reset); None where there is no such file."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
+class ResidentPeak:
+    """The peak resident memory of this process within the block: Linux's high-water mark (VmHWM) is reset to
+    the current resident set on entry (/proc/self/clear_refs, "5") and read on exit, so an earlier peak of the
+    process does not hide the block's. `start` and `peak` are bytes, `mib` the peak above the start; all None
+    where that cannot be done (getrusage's ru_maxrss keeps the process's lifetime peak)."""
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+        self.peak: int | None = None
+
+    def __enter__(self) -> Self:
+        try:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")
+        except OSError:
+            return self
+        self.start = resident_bytes()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.start is not None:
+            self.peak = resident_bytes("VmHWM")
+
+    @property
+    def mib(self) -> float | None:
+        return None if self.start is None or self.peak is None else round((self.peak - self.start) / 2**20, 1)

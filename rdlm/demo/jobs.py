@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -32,9 +32,7 @@ from rdlm.demo.report import MODEL_LABELS
 from rdlm.demo.scoring import accuracy_table, adaptive_exits
 from rdlm.model.config import RDLMConfig
 from rdlm.model.lm import RecurrentDepthLM
-
-if TYPE_CHECKING:
-    from typing import Self  # Python 3.11+, and annotations are not evaluated here (from __future__)
+from rdlm.resources import ResidentPeak
 
 REPORT_EVERY = 10  # training steps between two progress reports of a job
 # The recurrent model's scoring (every r of the sweep on every split, the strict score, the exit sweep) as
@@ -184,38 +182,6 @@ def train_model(
         "cpu_seconds": round(time.process_time() - cpu_start, 1),
         "peak_memory_mib": memory.mib,
     }
-
-
-class ResidentPeak:
-    """The peak resident memory of this process within the block, above what was resident at its start
-    (MiB): Linux's high-water mark (VmHWM) is reset to the current resident set on entry
-    (/proc/self/clear_refs, "5") and read on exit, so an earlier peak of the process does not hide the block's.
-    Where that cannot be done, `mib` is None (getrusage's ru_maxrss keeps the process's lifetime peak)."""
-
-    STATUS, CLEAR = "/proc/self/status", "/proc/self/clear_refs"
-
-    def __init__(self) -> None:
-        self.start: int | None = None
-        self.mib: float | None = None
-
-    @classmethod
-    def _kib(cls, field: str) -> int:
-        with open(cls.STATUS) as f:
-            line = next(line for line in f if line.startswith(field + ":"))
-        return int(line.split()[1])
-
-    def __enter__(self) -> Self:
-        try:
-            with open(self.CLEAR, "w") as f:
-                f.write("5")
-            self.start = self._kib("VmRSS")
-        except (OSError, StopIteration):
-            self.start = None
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.start is not None:
-            self.mib = round((self._kib("VmHWM") - self.start) / 1024, 1)
 
 
 def stop(number: int) -> NoReturn:
