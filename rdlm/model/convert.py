@@ -25,7 +25,7 @@ import torch
 from rdlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from rdlm.fileio import claim_output_dir
 from rdlm.model.dtypes import resolve_dtype
-from rdlm.model.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, is_model_file, save_pretrained
+from rdlm.model.huginn import CONFIG_NAME, DEFAULT_SHARD_BYTES, is_model_file, read_quantization, save_pretrained
 from rdlm.model.resolve import ModelSource, cast_parameters, resolve_model_source
 
 # Files a model directory may carry besides weights and config; copied along unchanged.
@@ -168,13 +168,14 @@ def merge_lora(
     assert src is not None
     destination = check_destination(destination, src, overwrite=overwrite, in_place_flag=None, flag="--out")
     side = check_side_files(src)
+    stored_quantization = read_quantization(found.directory) if found.directory is not None else None
+    if stored_quantization is not None:  # (read from its config.json, before the weights are)
+        raise ValueError(
+            f"{base} is saved quantized ({stored_quantization}): merging would round the adapter's update into "
+            "its integer weights; merge into the unquantized model (and quantize the merged one if you want)"
+        )
     model = found.load()  # in the file's own dtype, the merged model's default
     stored = model.embedding.weight.dtype
-    if getattr(model, "quantization", None) is not None:
-        raise ValueError(
-            f"{base} is saved quantized ({model.quantization}): merging would round the adapter's update into its "
-            "integer weights; merge into the unquantized model (and quantize the merged one if you want)"
-        )
     cast_parameters(model, torch.float32)
     load_adapter(model, files, any_base=any_base, dtype=torch.float32)
     merge_adapter(model)
