@@ -32,7 +32,7 @@ from bench_generate import build_random  # noqa: E402  (this folder's: random we
 
 from rdlm.inference.batching import ContinuousBatch  # noqa: E402
 from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
-from rdlm.inference.graphs import sync  # noqa: E402
+from rdlm.inference.execution.graphs import sync  # noqa: E402
 from rdlm.model import dtypes  # noqa: E402
 
 CALLS = ("embed", "step", "step_packed", "readout")

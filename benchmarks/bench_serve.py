@@ -271,7 +271,7 @@ def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, st
     """The server's batch in this process, without HTTP: 2 x `batch` requests run until idle, with the
     seconds of each phase of a step (ContinuousBatch(profile=True)) and what is left (host bookkeeping)."""
     from rdlm.inference.batching import ContinuousBatch
-    from rdlm.inference.serve import ServeConfig
+    from rdlm.inference.server.app import ServeConfig
 
     model, tok = load(args.model, args.dtype, args.device)
     config = generation_config(args, tok, exit_criterion)

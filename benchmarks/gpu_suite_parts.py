@@ -21,9 +21,9 @@ import torch  # noqa: E402
 
 import rdlm  # noqa: E402
 from rdlm.inference.batching import ContinuousBatch  # noqa: E402
-from rdlm.inference.exits import CRITERIA  # noqa: E402
+from rdlm.inference.exits.criteria import CRITERIA  # noqa: E402
 from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
-from rdlm.inference.graphs import sync  # noqa: E402
+from rdlm.inference.execution.graphs import sync  # noqa: E402
 from rdlm.model import quantize  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -18,7 +18,7 @@ the exception's type and message.
 Kinds: `generate` (five models: `tiny`, random and seeded; the huginn-tiny fixture in float32 and
 bfloat16; the retrofitted Llama and Ouro family fixtures; plus `tiny-tok`, the tiny preset over a trained
 tokenizer, for text and real stop strings), `batch` (a `ContinuousBatch` with requests joining at given
-steps, cancelled, or failing), `served` (the FastAPI app of rdlm.inference.serve in this process: its
+steps, cancelled, or failing), `served` (the FastAPI app of rdlm.inference.server.app in this process: its
 lifespan run by hand, requests through httpx's ASGI transport, nothing on a socket), `hf` (transformers'
 `generate` and a hand-written greedy loop over `RecurrentCache`, through rdlm.integrations.hf), `logits`
 (forwards, the learned gate's exit logits, scores), `analysis` (exit steps of the teacher-forced
@@ -547,7 +547,7 @@ class Served:
 
     def __init__(self, models: Models, **config) -> None:
         from rdlm.inference.params import GenerationConfig
-        from rdlm.inference.serve import ServeConfig, create_app
+        from rdlm.inference.server.app import ServeConfig, create_app
 
         self.config = ServeConfig(model_name="tiny", defaults=GenerationConfig(**SERVE_DEFAULTS), max_length=96,
                                   num_slots=16, **config)
@@ -726,7 +726,7 @@ def analysis_case(model: str, name: str, threshold: float | None, max_steps: int
                   init_scale: float = 0.0) -> Case:
     def run(models: Models) -> dict:
         from rdlm.analysis.exit_steps import exit_steps
-        from rdlm.inference.exits import make_exit_criterion
+        from rdlm.inference.exits.criteria import make_exit_criterion
 
         crit = make_exit_criterion(name, threshold)
         return {"exit_steps": exit_steps(models[model], ids, crit, max_steps, seed=2, init_scale=init_scale).tolist()}

@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_serve import free_port, http_client, percentile, wait_until_serving  # noqa: E402
 from rdlm.cli import at_least  # noqa: E402
-from rdlm.inference.openai_api import numeric_checks  # noqa: E402
+from rdlm.inference.server.openai_api import numeric_checks  # noqa: E402
 
 SCENARIOS = {"completion": 6, "chat-stream": 4, "cancel-stream": 3, "disconnect": 2, "invalid": 4, "extreme": 2,
              "oversized": 1, "over-capacity": 1, "injection": 1, "slow-headers": 1, "slow-body": 1, "idle": 1,

@@ -6,7 +6,7 @@ import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
 
-# The suite checks the eager engine, the reference: the CPU's compiled decode step (rdlm.inference.cpu_compile)
+# The suite checks the eager engine, the reference: the CPU's compiled decode step (rdlm.inference.execution.cpu_compile)
 # would spend seconds compiling in every server and long generation. tests/test_cpu_compile.py turns it on.
 # Set before any test starts a process, which inherits it.
 os.environ.setdefault("RDLM_COMPILE", "0")

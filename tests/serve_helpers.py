@@ -19,8 +19,8 @@ except ImportError:
 from rdlm import RDLMConfig, RecurrentDepthLM, save_pretrained  # noqa: E402
 from rdlm.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
-from rdlm.inference.serve import ServeConfig, create_app  # noqa: E402
-from rdlm.inference.serve_http import uvicorn_server  # noqa: E402
+from rdlm.inference.server.app import ServeConfig, create_app  # noqa: E402
+from rdlm.inference.server.http_guard import uvicorn_server  # noqa: E402
 
 DEFAULTS = GenerationConfig(num_steps=4, max_new_tokens=8)
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from rdlm import save_pretrained
 from rdlm.analysis import AnalysisSettings, Prompt, analyze
 from rdlm.analysis.exit_steps import exit_steps
 from rdlm.cli import main
-from rdlm.inference.exits import make_exit_criterion
+from rdlm.inference.exits.criteria import make_exit_criterion
 from rdlm.data.tokenizer import train_tokenizer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -247,7 +247,7 @@ def test_requests_that_cannot_be_served_are_refused_by_name(model):
 
 
 def test_non_finite_logits_fail_the_request_naming_the_weights():
-    from rdlm.inference.sampling import NonFiniteLogitsError
+    from rdlm.inference.runner.sampling import NonFiniteLogitsError
 
     torch.manual_seed(0)
     broken = RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
@@ -437,7 +437,7 @@ def test_a_row_found_done_stops_computing_before_the_look(model, monkeypatch):
 ], ids=["fixed", "kl", "shared", "kl-shared-cot"])
 def test_rows_in_step_run_each_token_in_lockstep(model, monkeypatch, compile, config):
     """Requests added together with one depth setting (`generate`'s batch) start and end every token
-    together, so each token runs all its iterations in one step (rdlm.inference.lockstep, on the static path
+    together, so each token runs all its iterations in one step (rdlm.inference.runner.lockstep, on the static path
     with `compile`); the tokens are those of the iteration-by-iteration schedule. A row that has not been
     used yet rides along (4 rows, 3 requests)."""
     prompts = [[5, 17, 99], [250, 11, 3, 8], [1, 2]]

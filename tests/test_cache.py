@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig
-from rdlm.inference.cache import RecurrentKVCache
+from rdlm.inference.execution.cache import RecurrentKVCache
 
 CONFIG = RDLMConfig.from_preset("tiny")
 

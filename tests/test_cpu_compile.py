@@ -1,11 +1,11 @@
-"""The CPU's compiled decode step (rdlm.inference.cpu_compile): the same tokens as the eager engine in float32,
+"""The CPU's compiled decode step (rdlm.inference.execution.cpu_compile): the same tokens as the eager engine in float32,
 never code frozen with other weights, the switches, and the thread count left as it was."""
 
 import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.inference import cpu_compile
+from rdlm.inference.execution import cpu_compile
 from rdlm.inference.batching import ContinuousBatch
 from rdlm.inference.generate import GenerationConfig, generate
 

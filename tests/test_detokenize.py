@@ -7,7 +7,7 @@ import random
 import pytest
 
 from rdlm.data.tokenizer import IncrementalDecoder, StreamDecoder, train_tokenizer
-from rdlm.inference.openai_api import Completion
+from rdlm.inference.server.openai_api import Completion
 from rdlm.inference.events import BatchEvent
 from rdlm.inference.params import GenerationConfig, cut_at_stop
 

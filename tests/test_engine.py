@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.inference.cache import RecurrentKVCache
-from rdlm.inference.graphs import resolve_compile
-from rdlm.inference.noise import noise_table
-from rdlm.inference.exits import CRITERIA
+from rdlm.inference.execution.cache import RecurrentKVCache
+from rdlm.inference.execution.graphs import resolve_compile
+from rdlm.inference.execution.noise import noise_table
+from rdlm.inference.exits.criteria import CRITERIA
 from rdlm.inference.generate import GenerationConfig, generate
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [250, 11], [1, 2, 3, 4]]
@@ -170,7 +170,7 @@ def test_a_failed_graph_capture_leaves_the_engine_running_eagerly(monkeypatch):
     import contextlib
     import gc
 
-    from rdlm.inference.graphs import StaticSteps
+    from rdlm.inference.execution.graphs import StaticSteps
 
     class Stream:
         def __init__(self, device=None) -> None:

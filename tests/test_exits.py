@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from rdlm.inference.exits import CRITERIA, ExitCriterion, make_exit_criterion
-from rdlm.inference.exit_track import ExitTrack, iterate_with_exits
+from rdlm.inference.exits.criteria import CRITERIA, ExitCriterion, make_exit_criterion
+from rdlm.inference.exits.track import ExitTrack, iterate_with_exits
 from tests.conftest import HUGINN_TINY
 
 # Float comparisons with references computed on other machines (CI reruns them with other CPU kernels).

@@ -210,7 +210,7 @@ def test_gate_selection_matches_the_reference_threshold_selection():
 @pytest.mark.numerics
 def test_analysis_exit_steps_are_the_gates():
     from rdlm.analysis.exit_steps import exit_steps
-    from rdlm.inference.exits import make_exit_criterion
+    from rdlm.inference.exits.criteria import make_exit_criterion
 
     model, ref = ouro()
     for row in range(2):

@@ -332,7 +332,7 @@ def nan_model() -> RecurrentDepthLM:
                                      dict(exit_criterion="kl", min_steps=2), dict(sampler="parallel"),
                                      dict(sampler="parallel", prefill_steps=4)])
 def test_non_finite_logits_are_an_error_naming_the_token_and_the_weights(options):
-    from rdlm.inference.sampling import NonFiniteLogitsError
+    from rdlm.inference.runner.sampling import NonFiniteLogitsError
 
     with pytest.raises(NonFiniteLogitsError, match="non-finite logits at new token 1; weights may be NaN: runs/broken"):
         generate(nan_model(), [1, 2, 3], GenerationConfig(num_steps=4, max_new_tokens=3, **options))

@@ -35,7 +35,7 @@ def only(names: list[str]) -> list[str]:
 
 
 def test_the_corpus_names_at_least_150_cases_once_over_every_model_and_feature(corpus, capsys):
-    from rdlm.inference.exits import CRITERIA
+    from rdlm.inference.exits.criteria import CRITERIA
 
     assert corpus.main(["--list"]) == 0
     names = capsys.readouterr().out.split()

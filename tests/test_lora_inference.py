@@ -20,7 +20,7 @@ pytest.importorskip("peft")
 from rdlm import RDLMConfig, RecurrentDepthLM, load_pretrained, save_pretrained  # noqa: E402
 from rdlm.cli import main  # noqa: E402
 from rdlm.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
-from rdlm.inference import cpu_compile  # noqa: E402
+from rdlm.inference.execution import cpu_compile  # noqa: E402
 from rdlm.inference.batching import ContinuousBatch  # noqa: E402
 from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
 from rdlm.model.lora import LoraSpec, add_lora, lora_layers, merge_adapter  # noqa: E402
@@ -154,7 +154,7 @@ def test_a_request_cancelled_in_a_prompt_chunk_leaves_the_others_their_adapters(
 
 
 def test_a_token_in_lockstep_routes_each_row(served, alone):
-    """Rows with the same depth settings run each token's iterations in one call (rdlm.inference.lockstep):
+    """Rows with the same depth settings run each token's iterations in one call (rdlm.inference.runner.lockstep):
     its calls cover rows of different adapters."""
     requests = [(PROMPTS[i % 3], replace(GREEDY, adapter=name)) for i, name in enumerate((None, "a", "b", "a"))]
     for (prompt, config), result in zip(requests, run_batch(served, requests), strict=True):

@@ -1,4 +1,4 @@
-"""The parallel (diffusion-style) sampler, rdlm/inference/parallel.py."""
+"""The parallel (diffusion-style) sampler, rdlm/inference/runner/parallel.py."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM, load_pretrained
 from rdlm.inference.generate import GenerationConfig, generate, stream
-from rdlm.inference.parallel import ParallelSampler
+from rdlm.inference.runner.parallel import ParallelSampler
 
 from conftest import FIXTURES, HUGINN_TINY
 
@@ -55,7 +55,7 @@ def reference_config(case: dict, **extra) -> GenerationConfig:
 
 def with_reference_bookkeeping(next_wave):
     """`ParallelSampler._next_wave` with the reference's freeze comparison: after a step that froze c
-    positions, position q is compared with the previous state of position q + c (see rdlm.inference.parallel);
+    positions, position q is compared with the previous state of position q + c (see rdlm.inference.runner.parallel);
     the last c positions have nothing to be compared with (zeros: a latent difference of 1, never below the
     threshold)."""
     def shifted_next_wave(self, state, keep, init):

@@ -29,7 +29,7 @@ def test_every_field_is_declared_once_in_a_part_with_its_meaning():
 
 @pytest.mark.parametrize("param", [p for p in PARAMS if p.check is not None], ids=lambda p: p.name)
 def test_each_declared_check_runs_and_names_its_field(param):
-    # A criterion's name is refused by rdlm.inference.exits, which names the nearest ones.
+    # A criterion's name is refused by rdlm.inference.exits.criteria, which names the nearest ones.
     named = "unknown exit criterion" if param.check is known_criterion else param.name
     with pytest.raises(ValueError, match=f"^{named} "):
         GenerationConfig(**{param.name: "not a value"})
@@ -46,7 +46,7 @@ def test_flat_construction_and_access_stay_as_they_were():
 
 def test_the_server_takes_its_parameters_typed_as_declared_and_checks_them_as_generate_does():
     pytest.importorskip("fastapi")
-    from rdlm.inference.openai_api import APIError, CompletionRequest, Options, OpenAIOptions, generation_config
+    from rdlm.inference.server.openai_api import APIError, CompletionRequest, Options, OpenAIOptions, generation_config
 
     served = params_for("server")
     assert set(Options.model_fields) == set(OpenAIOptions.model_fields) | {p.name for p in served}

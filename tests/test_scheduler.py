@@ -4,11 +4,11 @@ found at a look) and checks its decisions, the whole step's plan included."""
 
 from dataclasses import replace
 
-from rdlm.inference.exits import make_exit_criterion
+from rdlm.inference.exits.criteria import make_exit_criterion
 from rdlm.inference.params import GenerationConfig
-from rdlm.inference.plan import Chosen, Coda, EngineSettings, RoundOutput, StepOutput
-from rdlm.inference.request import Request, Status
-from rdlm.inference.scheduler import Scheduler
+from rdlm.inference.scheduling.plan import Chosen, Coda, EngineSettings, RoundOutput, StepOutput
+from rdlm.inference.scheduling.request import Request, Status
+from rdlm.inference.scheduling.scheduler import Scheduler
 
 FIXED = GenerationConfig(num_steps=8, max_new_tokens=3)
 KL = GenerationConfig(num_steps=8, max_new_tokens=3, exit_criterion="kl", exit_threshold=1e-3)

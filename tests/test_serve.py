@@ -302,7 +302,7 @@ def test_serve_compile_turns_the_batch_s_static_step_on(model_dir, capsys, monke
     which step runs."""
     from rdlm.cli import main
 
-    from rdlm.inference.serve_http import Server
+    from rdlm.inference.server.http_guard import Server
 
     monkeypatch.setattr(Server, "run", lambda self: None)
     for flags, static in (([], "off"), (["--compile"], "on"), (["--no-compile"], "off")):
@@ -349,7 +349,7 @@ def test_rdlm_serve_shuts_down_cleanly_on_sigterm(model_dir):
 
 def test_the_documented_bounds_are_the_declared_ones():
     """docs/production.md's table of every number a request may carry is the declaration's (`bounds`)."""
-    from rdlm.inference.openai_api import bounds
+    from rdlm.inference.server.openai_api import bounds
 
     text = (ROOT / "docs" / "production.md").read_text()
     table = text.split("<!-- bounds:", 1)[1].split("\n\n", 1)[0]

@@ -18,8 +18,8 @@ openai = pytest.importorskip("openai")
 from rdlm import RDLMConfig, RecurrentDepthLM, save_pretrained  # noqa: E402
 from rdlm.checks import Integer  # noqa: E402
 from rdlm.data.tokenizer import Tokenizer  # noqa: E402
-from rdlm.inference.noise import block_seed  # noqa: E402
-from rdlm.inference.openai_api import numeric_checks  # noqa: E402
+from rdlm.inference.execution.noise import block_seed  # noqa: E402
+from rdlm.inference.server.openai_api import numeric_checks  # noqa: E402
 from tests.serve_helpers import LiveServer, httpx, model_dir  # noqa: E402,F401
 
 POISON = 7   # a token id whose embedding the poisoned server's model holds as infinity

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rdlm"
 OPTIONAL = {"rdlm.integrations.lm_eval": "lm_eval", "rdlm.integrations.hf": "transformers",
             "rdlm.integrations.vllm.model": "vllm",
             **{f"rdlm.integrations.hf.{m}": "transformers"
-               for m in ("cache", "config", "generation", "loading", "model", "tokenizer")}}
+               for m in ("cache", "config", "generation", "loading", "model", "sequences", "tokenizer")}}
 
 
 def module_names() -> dict[str, Path]:
@@ -113,6 +113,39 @@ def test_every_import_points_to_a_lower_layer():
     assert not upward, "imports that do not point down:\n" + "\n".join(upward)
 
 
+# rdlm.inference's rooms, bottom up (rdlm/inference/__init__.py says what each holds): a module imports from its
+# own room and from rooms below it, never up; a room's `__init__` imports nothing, so importing one module never
+# loads its neighbours.
+INFERENCE_ROOMS = {"exits": 0, "params": 1, "events": 2, "execution": 2, "scheduling": 3, "runner": 4,
+                   "batching": 5, "generate": 6, "evaluate": 6, "server": 7}
+
+
+def room_of(name: str) -> str:
+    return name.split(".")[2]
+
+
+def test_the_inference_rooms_import_downward():
+    modules = module_names()
+    inside = {name: path for name, path in modules.items() if name.startswith("rdlm.inference.")}
+    assert {room_of(name) for name in inside} == set(INFERENCE_ROOMS), "every room (and only these) in its place"
+    upward = [f"{name} imports {target}" for name, path in inside.items()
+              for target in sorted(imported_modules(name, path, modules))
+              if target.startswith("rdlm.inference.") and room_of(target) != room_of(name)
+              and INFERENCE_ROOMS[room_of(target)] >= INFERENCE_ROOMS[room_of(name)]]
+    assert not upward, "imports that run up a room:\n" + "\n".join(upward)
+    rooms = [path for name, path in inside.items() if path.name == "__init__.py"]
+    assert len(rooms) == 5
+    importing = [str(path) for path in rooms
+                 if any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.parse(path.read_text()).body)]
+    assert not importing, f"room __init__ modules that import: {importing}"
+
+
+def test_the_inference_package_has_no_flat_room():
+    """The engine's parts live in rooms: the package's top holds only what callers use and the engine itself."""
+    top = sorted(p.stem for p in (PACKAGE / "inference").glob("*.py") if p.stem != "__init__")
+    assert top == ["batching", "evaluate", "events", "generate", "params"]
+
+
 def test_every_module_imports_on_its_own():
     """Each module imported first, in a process where no other rdlm module has been imported."""
     names = [n for n in module_names() if not n.endswith("__main__")]
@@ -175,14 +208,14 @@ def model_calls(path: Path) -> list[str]:
 
 def test_decoding_calls_the_model_only_through_the_runner():
     """Every core iteration (and prelude and coda) the engine runs goes through `ModelRunner`
-    (rdlm/inference/runner.py): no other module of rdlm/inference calls the model's parts itself, so the
+    (rdlm/inference/execution/model_calls.py): no other module of rdlm/inference calls the model's parts itself, so the
     scheduler, the step runner, lockstep tokens, prompt chunks, speculative rounds and parallel waves all
     run the model one way."""
     names = module_names()
     inference = {n: p for n, p in names.items() if n.startswith("rdlm.inference.")}
     calls = {n: model_calls(p) for n, p in inference.items()}
-    assert calls["rdlm.inference.runner"], "the check sees the runner's own calls"
+    assert calls["rdlm.inference.execution.model_calls"], "the check sees the runner's own calls"
     assert calls["rdlm.inference.evaluate"], "and teacher-forced scoring's"
-    allowed = {"rdlm.inference.runner", *SCORES_WITHOUT_A_RUNNER}
+    allowed = {"rdlm.inference.execution.model_calls", *SCORES_WITHOUT_A_RUNNER}
     outside = {n: c for n, c in calls.items() if c and n not in allowed}
     assert not outside, f"modules that call the model itself instead of through ModelRunner: {outside}"

@@ -2,8 +2,8 @@
 
 Teacher-forced: the whole prompt is iterated together and, after every iteration i, read out through the
 coda as if every token stopped at s_i. A token's exit step is the first i (>= 2, since criteria compare
-iteration i with i-1) at which the criterion (`rdlm.inference.exits`, e.g. KL < 5e-4) has passed `patience` times
-in a row; tokens that never pass are counted at the cap r. This is the exit step a token would get if all
+iteration i with i-1) at which the criterion (`rdlm.inference.exits.criteria`, e.g. KL < 5e-4) has passed `patience`
+times in a row; tokens that never pass are counted at the cap r. This is the exit step a token would get if all
 tokens before it ran to the same depth, a close stand-in for decoding with per-token exits, and much
 cheaper (one pass over the prompt instead of one per token).
 """
@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from rdlm.analysis.trajectories import Recurrence
-from rdlm.inference.exit_track import ExitTrack, iterate_with_exits
-from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.exits.criteria import ExitCriterion
+from rdlm.inference.exits.track import ExitTrack, iterate_with_exits
 from rdlm.model.lm import RecurrentDepthLM
 
 

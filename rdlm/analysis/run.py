@@ -168,7 +168,7 @@ def _exit_criterion(model: RecurrentDepthLM, s: AnalysisSettings):
     """The exit criterion of `s` (None without one); a gate's threshold defaults to the checkpoint's own."""
     if not s.exit_criterion:
         return None
-    from rdlm.inference.exits import make_exit_criterion
+    from rdlm.inference.exits.criteria import make_exit_criterion
     from rdlm.inference.params import check_gate
 
     threshold = s.exit_threshold

@@ -208,7 +208,7 @@ def check_exit_threshold(
     """Refuse a threshold no token can pass: a score criterion's score is never below 0, so a threshold
     <= 0 means "never exit" (the Python API allows it on purpose, to time a criterion; a flag never means
     that). A threshold without a criterion would be ignored."""
-    from rdlm.inference.exits import CRITERIA
+    from rdlm.inference.exits.criteria import CRITERIA
 
     if threshold is None:
         return

@@ -81,7 +81,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--exit-criterion",
         default="kl",
-        help="criterion for the exit-step histogram (rdlm.inference.exits; 'none' to skip)",
+        help="criterion for the exit-step histogram (rdlm.inference.exits.criteria; 'none' to skip)",
     )
     p.add_argument("--exit-threshold", type=float, default=None, help="its threshold (default: its own)")
     p.add_argument("--exit-max-steps", type=int, default=None, help="cap on exit steps (default r)")

@@ -22,7 +22,7 @@ from rdlm.cli import (
     check_exit_threshold,
     model_and_adapters,
 )
-from rdlm.inference.exits import CRITERIA
+from rdlm.inference.exits.criteria import CRITERIA
 from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
 from rdlm.inference.params import PARTS, check_prompts, params_for
 from rdlm.model import dtypes

@@ -1,4 +1,4 @@
-"""`rdlm serve MODEL`: an OpenAI-compatible HTTP server (rdlm/inference/serve.py) with continuous batching."""
+"""`rdlm serve MODEL`: an OpenAI-compatible HTTP server (rdlm/inference/server/app.py) with continuous batching."""
 
 from __future__ import annotations
 
@@ -113,8 +113,8 @@ def _loopback(host: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from rdlm.inference.serve import ServeConfig, create_app
-        from rdlm.inference.serve_http import uvicorn_server
+        from rdlm.inference.server.app import ServeConfig, create_app
+        from rdlm.inference.server.http_guard import uvicorn_server
     except ImportError as err:
         raise ValueError(
             f"rdlm serve needs the serve extra ({err.name} is missing): pip install 'rdlm[serve]'"
@@ -189,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(model, tokenizer, config)
     batch = app.state.worker.batch
     static = "on" if batch.step_runner.static else "off"
-    if batch.step_runner.static_step.compiled is not None:  # the CPU's compiled step (rdlm.inference.cpu_compile)
+    if (
+        batch.step_runner.static_step.compiled is not None
+    ):  # the CPU's compiled step (rdlm.inference.execution.cpu_compile)
         static = "compiled"
     elif adapters and batch.device.type == "cpu":
         static += " (not compiled with LoRA adapters)"

@@ -10,7 +10,7 @@ from typing import Any
 
 from rdlm.checks import check_int, is_int
 from rdlm.demo import tasks as T
-from rdlm.inference.exits import make_exit_criterion
+from rdlm.inference.exits.criteria import make_exit_criterion
 from rdlm.model.config import RDLMConfig
 
 EVAL_NUM_STEPS = (1, 2, 4, 8, 16, 32, 64)

@@ -10,8 +10,8 @@
    r = 1, 2, 4, ..., 64 and at the training mean, on every split, per difficulty. The strict score of
    the old demo (every supervised intermediate value right too, teacher-forced) is a second column.
 4. Choose everything on validation only: the best r, and the threshold of per-token adaptive exits
-   (rdlm.inference.exits, run by rdlm.inference.generate on the decoded answer tokens). Test and harder are reported at
-   those choices.
+   (rdlm.inference.exits.criteria, run by rdlm.inference.generate on the decoded answer tokens). Test and harder are
+   reported at those choices.
 5. Write a report directory: results.json, report.md, PNG plots, and the trained model (Huginn layout).
 
 `--task code` instead trains on the embedded stdlib corpus (rdlm.data.corpus) and reports validation

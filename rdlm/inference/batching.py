@@ -4,7 +4,7 @@
 A fixed number of rows share one `RecurrentKVCache`; each request occupies one row from its prompt to
 its last token. Every `ContinuousBatch.step()`:
 
-1. admits waiting requests into free rows; their prompts start prefilling (rdlm.inference.prefill:
+1. admits waiting requests into free rows; their prompts start prefilling (rdlm.inference.runner.prefill:
    a chunk of each prompt runs its iterations inside the following steps, so the rows already decoding
    go on; a prompt's first new token is chosen when its last chunk is done). A step gives the prompts
    `prefill_chunk` token-iterations: a chunk of that many tokens runs one iteration per step, in the
@@ -14,7 +14,7 @@ its last token. Every `ContinuousBatch.step()`:
 3. runs **one** core iteration for every iterating row and every prompt chunk, in one model call,
    although the rows are at different tokens and iterations, with different r, exit criteria, cache
    budgets and sampling;
-4. evaluates each row's exit criterion on the device (rdlm.inference.row_exits): a row whose token is
+4. evaluates each row's exit criterion on the device (rdlm.inference.runner.row_exits): a row whose token is
    done (exit, or r iterations) is frozen there (state kept, no more core cache writes; eagerly on the CPU
    it leaves the core's calls at the next step). Every `exit_sync_every` steps the host looks at the flags (at
    once when a row reaches its cap); the rows found done run the coda together once one of them has
@@ -30,11 +30,11 @@ measures it; `rdlm serve` looks every 4 steps and lets a row wait up to 8). Neit
 
 When every request in a row starts its token at the same step with the same depth settings and nothing
 waits to join (`generate`'s batch, or a server's rows that happen to go together), the token runs in
-lockstep: all its core iterations in this step, then the coda (rdlm.inference.lockstep).
+lockstep: all its core iterations in this step, then the coda (rdlm.inference.runner.lockstep).
 
 With `compile=True` (the default on CUDA) step 3 is the static step: one fixed-shape call over every row
 (per-row index, slot and writers on the device) that CUDA captures once as a graph (`StaticStep.run`,
-rdlm.inference.static_step; docs/inference.md); the prompt chunks in flight then run their iteration in a call
+rdlm.inference.runner.static_step; docs/inference.md); the prompt chunks in flight then run their iteration in a call
 of their own.
 
 A request in a busy batch gets the tokens of its prompt alone with the same `GenerationConfig`, however
@@ -42,14 +42,14 @@ its tokens are scheduled: the same s_0 table (seed, position), cache slots, exit
 
 The work is split as vLLM v1 splits its engine, and a step is three calls (`ContinuousBatch.step`):
 
-    plan = scheduler.schedule()        # rdlm.inference.scheduler: who does what this step, as host data
-    out = step_runner.execute(plan)    # rdlm.inference.step_runner: every tensor and model call
+    plan = scheduler.schedule()        # rdlm.inference.scheduling.scheduler: who does what this step, as host data
+    out = step_runner.execute(plan)    # rdlm.inference.runner.step_runner: every tensor and model call
     events = scheduler.update(out)     # the chosen tokens and what the look found, into the requests
 
 The `Scheduler` holds the requests, their rows and the prompt chunks in flight as host numbers, and decides
 admission, lockstep, which rows compute, when to look, when a coda is due (a rule over what the look will
 find: `Coda`), fused iterations and the prompts' share; the `StepRunner` keeps its own record of each
-request in its rows and carries the plan out; the seam between them is rdlm.inference.plan, plain data both
+request in its rows and carries the plan out; the seam between them is rdlm.inference.scheduling.plan, plain data both
 ways.
 """
 
@@ -61,15 +61,15 @@ import time
 import torch
 
 from rdlm.checks import check_int
-from rdlm.inference.cpu_compile import cpu_compiled, step_threads
 from rdlm.inference.events import BatchEvent, Engine
-from rdlm.inference.graphs import PhaseTimes, resolve_compile, sync
-from rdlm.inference.parallel import check_parallel
+from rdlm.inference.execution.cpu_compile import cpu_compiled, step_threads
+from rdlm.inference.execution.graphs import PhaseTimes, resolve_compile, sync
 from rdlm.inference.params import Decode, GenerationConfig, check_request
-from rdlm.inference.plan import EngineSettings
-from rdlm.inference.request import Request
-from rdlm.inference.scheduler import Scheduler
-from rdlm.inference.step_runner import StepRunner
+from rdlm.inference.runner.parallel import check_parallel
+from rdlm.inference.runner.step_runner import StepRunner
+from rdlm.inference.scheduling.plan import EngineSettings
+from rdlm.inference.scheduling.request import Request
+from rdlm.inference.scheduling.scheduler import Scheduler
 from rdlm.model.lm import RecurrentDepthLM
 
 

@@ -104,9 +104,9 @@ def gate_exit_logits(
     """(logits [B, S, V], exit iteration [B, S], 1-based) of a model with a learned exit gate (Ouro),
     teacher-forced: every token runs `num_steps` iterations and is read out at the first iteration whose
     cumulative exit probability reaches `threshold` (default the checkpoint's), the last if none does.
-    What the reference computes when given an exit threshold (rdlm.inference.exits, "gate-exact")."""
-    from rdlm.inference.exit_track import ExitTrack, iterate_with_exits
-    from rdlm.inference.exits import make_exit_criterion
+    What the reference computes when given an exit threshold (rdlm.inference.exits.criteria, "gate-exact")."""
+    from rdlm.inference.exits.criteria import make_exit_criterion
+    from rdlm.inference.exits.track import ExitTrack, iterate_with_exits
 
     threshold = model.config.exit_threshold if threshold is None else threshold
     criterion = make_exit_criterion("gate", threshold)

@@ -40,7 +40,7 @@ class Engine(Protocol):
 
     # read-only: an engine may compute them (ContinuousBatch's properties)
     @property
-    def capture_seconds(self) -> float:  # capturing CUDA graphs (rdlm.inference.graphs.StaticSteps)
+    def capture_seconds(self) -> float:  # capturing CUDA graphs (rdlm.inference.execution.graphs.StaticSteps)
         return 0.0
 
     @property

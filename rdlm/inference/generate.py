@@ -5,13 +5,13 @@
 
 Every zero-shot inference feature of the paper is a field of `GenerationConfig`:
 - fixed compute: `num_steps` iterations per token (any r);
-- per-token adaptive compute: `exit_criterion` (rdlm.inference.exits), with `min_steps` and `num_steps` as max;
+- per-token adaptive compute: `exit_criterion` (rdlm.inference.exits.criteria), with `min_steps` and `num_steps` as max;
 - KV-cache sharing: `cache_strategy="shared"`, `cache_slots=k`;
 - continuous chain of thought: `continuous_cot=True` warm-starts s_0 from the previous token's state;
 - self-speculative decoding: `draft_steps=N`, `draft_length=L` drafts with N iterations and verifies
-  with `num_steps` in one forward (rdlm.inference.speculative);
+  with `num_steps` in one forward (rdlm.inference.runner.speculative);
 - the parallel (diffusion-style) sampler: `sampler="parallel"` refines a wavefront of positions at
-  once, `inner_recurrence` iterations per step (see rdlm.inference.parallel).
+  once, `inner_recurrence` iterations per step (see rdlm.inference.runner.parallel).
 
 Batches of prompts with different lengths are left-padded; each row has its own positions, attention
 mask, s_0 noise and sampling generator, so a row gives the same tokens as its prompt alone. The random
@@ -23,7 +23,7 @@ measured on huginn-tiny-bf16, 21 of 24 greedy runs of 24 tokens identical, each 
 gap of at most 0.008).
 
 Per decoded token the work is: prelude, r core iterations and the coda for one position over the
-preallocated cache; while the rows go together each token runs in lockstep (rdlm.inference.lockstep: on
+preallocated cache; while the rows go together each token runs in lockstep (rdlm.inference.runner.lockstep: on
 CUDA as CUDA graphs, exits decided on the device). Nothing is re-stacked, and no Python structure grows
 with the sequence except the list of output tokens.
 
@@ -43,13 +43,13 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.cpu_compile import LENGTH_BUCKET, compile_pays
 from rdlm.inference.events import GenerationResult, TokenEvent
-from rdlm.inference.graphs import resolve_sync_every, sync
-from rdlm.inference.parallel import wave_room
+from rdlm.inference.execution.cpu_compile import LENGTH_BUCKET, compile_pays
+from rdlm.inference.execution.graphs import resolve_sync_every, sync
 from rdlm.inference.params import Decode, GenerationConfig, check_length, check_prompts, cut_at_stop
-from rdlm.inference.sampling import sample
-from rdlm.inference.scheduler import in_rounds
+from rdlm.inference.runner.parallel import wave_room
+from rdlm.inference.runner.sampling import sample
+from rdlm.inference.scheduling.scheduler import in_rounds
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
 from rdlm.resources import check_time, forward_seconds
@@ -123,7 +123,7 @@ def _engine(
     model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig, decode: Decode | None
 ) -> ContinuousBatch:
     """The engine for these prompts: the continuous batch (rdlm.inference.batching), one row per prompt, all
-    prefilled together, each token run in lockstep while the rows go together (rdlm.inference.lockstep),
+    prefilled together, each token run in lockstep while the rows go together (rdlm.inference.runner.lockstep),
     iteration by iteration under a depth budget, which each row spends at its own pace, and a round per step
     for self-speculative decoding and the parallel sampler."""
     check_prompts(model, prompts)
@@ -141,7 +141,7 @@ def _engine(
     check_generation_time(model.config, device, len(prompts), longest, config)
     compile, max_length = config.compile, longest + room
     if device.type == "cpu":
-        if compile is None:  # compiled where it pays (rdlm.inference.cpu_compile)
+        if compile is None:  # compiled where it pays (rdlm.inference.execution.cpu_compile)
             iterations = config.max_new_tokens * config.num_steps
             compile = compile_pays(len(prompts), iterations, in_rounds(config), bool(loaded_adapters(model)))
         if compile:  # a length compiled code can be reused at

@@ -4,7 +4,7 @@ type, default, meaning and check; what it returns (`TokenEvent`, `GenerationResu
 that serves requests offers its driver (`Engine`, `BatchEvent`).
 
 The front ends take the parameters from that declaration (`params_for`): the command line's flags
-(rdlm/cli/generate.py), the server's request fields (rdlm/inference/openai_api.py) and transformers'
+(rdlm/cli/generate.py), the server's request fields (rdlm/inference/server/openai_api.py) and transformers'
 generation options (rdlm/integrations/hf/generation.py). Each builds a GenerationConfig, whose checks are
 the one validator of them all.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rdlm.checks import Integer, InvalidValue, Number, OneOf, is_int
-from rdlm.inference.exits import ExitCriterion, make_exit_criterion
+from rdlm.inference.exits.criteria import ExitCriterion, make_exit_criterion
 from rdlm.model.lora import loaded_adapters
 
 if TYPE_CHECKING:  # annotations only: the module stays a leaf
@@ -72,7 +72,7 @@ def adapter_name(name: str, value: Any) -> None:
 
 
 def known_criterion(name: str, value: Any) -> None:
-    """An ExitCriterion, or a name of rdlm.inference.exits.CRITERIA (an unknown one is told the nearest)."""
+    """An ExitCriterion, or a name of rdlm.inference.exits.criteria.CRITERIA (an unknown one is told the nearest)."""
     if not isinstance(value, ExitCriterion):
         try:
             make_exit_criterion(value)
@@ -119,7 +119,7 @@ DEPTH = Part("depth", "the core iterations each token gets, and the state they s
 EXITS = Part("exits", "per-token adaptive compute: when a token stops iterating (paper section 6)")
 CACHE = Part("cache", "the KV cache of the core's iterations")
 SPECULATIVE = Part("speculative", "self-speculative decoding: drafts at a lower depth, verified at num_steps")
-PARALLEL = Part("parallel", "the parallel (diffusion-style) sampler of rdlm.inference.parallel")
+PARALLEL = Part("parallel", "the parallel (diffusion-style) sampler of rdlm.inference.runner.parallel")
 ADAPTER = Part("adapter", "which LoRA adapter loaded in the model a request runs with (rdlm.model.lora)")
 ENGINE = Part("engine", "how the decode engine runs a request (its speed, never its tokens in fp32)")
 EVERYWHERE = " ".join(FRONT_ENDS)  # the front ends of a parameter every one of them takes by its name
@@ -205,7 +205,7 @@ class GenerationConfig:
     # -- exits
     exit_criterion: str | ExitCriterion | None = EXITS(  # noqa: RUF009 (declares the field: Part returns field())
         None,
-        "per-token adaptive compute: a criterion of rdlm.inference.exits.CRITERIA",
+        "per-token adaptive compute: a criterion of rdlm.inference.exits.criteria.CRITERIA",
         known_criterion,
         front_ends=EVERYWHERE,
     )

@@ -18,7 +18,7 @@ Model arguments:
                      table: scores and texts are a function of the request, whatever the batch size
                      or the order of the calls
     exit_criterion   per-token adaptive compute in generate_until (docs/inference.md#exit-criteria; a name of
-                     rdlm.inference.exits, e.g. kl), with exit_threshold; num_steps is then the maximum
+                     rdlm.inference.exits.criteria, e.g. kl), with exit_threshold; num_steps is then the maximum
     kv_cache_budget  core KV-cache slots per token in generate_until (iteration i uses slot i mod k)
     dtype            float32 (default) or bfloat16 (bf16, fp32: rdlm.model.dtypes); device: cpu (default)
                      or cuda
@@ -53,9 +53,9 @@ from rdlm.checks import check_int
 from rdlm.data.shards import IGNORE_INDEX
 from rdlm.data.tokenizer import CHAT_TEMPLATE, Tokenizer
 from rdlm.inference.evaluate import DepthSweep, check_steps, check_sweep_fits, score_targets
-from rdlm.inference.exits import make_exit_criterion
+from rdlm.inference.execution.noise import noise_table
+from rdlm.inference.exits.criteria import make_exit_criterion
 from rdlm.inference.generate import generate
-from rdlm.inference.noise import noise_table
 from rdlm.inference.params import GenerationConfig, kv_cache_budget
 from rdlm.integrations.vllm import alias_cpu_build
 from rdlm.model.dtypes import resolve_dtype

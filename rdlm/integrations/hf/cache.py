@@ -10,15 +10,15 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from rdlm.checks import is_int
-from rdlm.inference.sequences import Sequences
+from rdlm.integrations.hf.sequences import Sequences
 from rdlm.model.layers import padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
 
 
 class RecurrentCache(Cache):
-    """transformers' `Cache` for recurrence: the engine's `Sequences` (rdlm/inference/sequences.py) over one
-    preallocated `RecurrentKVCache` (rdlm/inference/cache.py: a slot per core iteration, "full", or k slots that
-    iteration i reads and writes as i mod k, "shared"; paper section 6, "Zero-Shot KV-cache Sharing").
+    """transformers' `Cache` for recurrence: the engine's `Sequences` (rdlm/integrations/hf/sequences.py) over one
+    preallocated `RecurrentKVCache` (rdlm/inference/execution/cache.py: a slot per core iteration, "full", or k slots
+    that iteration i reads and writes as i mod k, "shared"; paper section 6, "Zero-Shot KV-cache Sharing").
 
         cache = RecurrentCache(max_length=64)                    # or forward(..., use_cache=True)
         out = model(prompt_ids, attention_mask=mask, past_key_values=cache, num_steps=8)

@@ -17,7 +17,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.hub import convert_file_size_to_int
 
-from rdlm.inference.noise import noise_table
+from rdlm.inference.execution.noise import noise_table
 from rdlm.integrations.hf.cache import RecurrentCache, padding_attention_mask
 from rdlm.integrations.hf.config import (
     GENERATION_CONFIG_NAME,

@@ -49,8 +49,8 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from rdlm.inference.exit_track import ExitTrack
-from rdlm.inference.noise import noise_table
+from rdlm.inference.execution.noise import noise_table
+from rdlm.inference.exits.track import ExitTrack
 from rdlm.integrations.vllm import options
 from rdlm.model.config import RDLMConfig
 from rdlm.model.families import CheckpointError, adapter_of
@@ -229,7 +229,7 @@ class RecurrentDepthForCausalLM(nn.Module):
             for i in range(total)
         )
         self._core_start, self._coda_start = config.prelude_layers, config.prelude_layers + core_caches
-        # s_0 of each position: rdlm's table (rdlm.inference.noise), so a token's s_0 does not depend on the
+        # s_0 of each position: rdlm's table (rdlm.inference.execution.noise), so a token's s_0 does not depend on the
         # batch; drawn once on the CPU (the same numbers on every device), then kept on the model's device.
         table = None
         if config.takes_initial_state:

@@ -10,7 +10,7 @@ vLLM builds a model once per server, so these are per served model, not per requ
 | `rdlm_exit_criterion` | a per-token exit criterion read inside the forward: `"latent-diff"` or `"cosine"` (no readout needed), `"gate"` (a learned exit gate, Ouro); none: fixed r | none |
 | `rdlm_exit_threshold` | the criterion's threshold | the criterion's (latent-diff 0.03; gate: the checkpoint's) |
 | `rdlm_min_steps` | fewest iterations before a token may exit | 2 (1 for a gate), as `rdlm generate` |
-| `rdlm_seed`, `rdlm_init_scale` | s_0 of the token at position p is row p of rdlm's table drawn from the seed (rdlm.inference.noise) | 0 and 1, `rdlm generate`'s defaults |
+| `rdlm_seed`, `rdlm_init_scale` | s_0 of the token at position p is row p of rdlm's table drawn from the seed (rdlm.inference.execution.noise) | 0 and 1, `rdlm generate`'s defaults |
 """  # noqa: E501 (a markdown table: its rows cannot wrap)
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rdlm.checks import is_int
-from rdlm.inference.exits import CRITERIA, ExitCriterion, make_exit_criterion
+from rdlm.inference.exits.criteria import CRITERIA, ExitCriterion, make_exit_criterion
 from rdlm.inference.params import MAX_INIT_SCALE, MAX_SEED
 from rdlm.model.config import RDLMConfig
 from rdlm.model.huginn import config_from_huginn

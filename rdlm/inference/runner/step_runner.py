@@ -1,4 +1,4 @@
-"""The continuous batch's step runner: carries out each step's plan (rdlm.inference.plan.StepPlan) on the
+"""The continuous batch's step runner: carries out each step's plan (rdlm.inference.scheduling.plan.StepPlan) on the
 model and gives back what it found (`StepOutput`); it holds every tensor of the batch's rows
 (rdlm.inference.batching, whose module doc says what a step does) and its own record of each request in them
 (`RowState`, filled from the plan when the request is admitted): it never reads a scheduler's `Request`.
@@ -7,8 +7,8 @@ Per row of the batch, on the device: the latent state and the prelude's output o
 its iterations run, cap and min_steps, whether it stopped iterating (exited or at its cap: frozen until the
 host looks), the tokens it has seen (for the repetition penalty), its buffer index and core cache budget,
 and its exit criterion's carry (`RowExits`). Besides the rows: the prompt chunks being prefilled
-(rdlm.inference.prefill), the rounds' waves (rdlm.inference.rounds) and the static steps
-(rdlm.inference.graphs).
+(rdlm.inference.runner.prefill), the rounds' waves (rdlm.inference.runner.rounds) and the static steps
+(rdlm.inference.execution.graphs).
 
 A plan's core iterations run one of three ways, each one place here:
 
@@ -17,7 +17,7 @@ A plan's core iterations run one of three ways, each one place here:
   once per n);
 - `_eager`: one iteration in a call over the computing rows alone, packed with the prompt chunks'
   iteration when any are in flight (`_prompts`: the chunks' iteration alone, the same packed call);
-- `_lockstep`: a token's r iterations at once (rdlm.inference.lockstep: fixed, adaptive, gate-exact), as
+- `_lockstep`: a token's r iterations at once (rdlm.inference.runner.lockstep: fixed, adaptive, gate-exact), as
   static steps or over the rows' slice.
 
 The exit criteria are evaluated after a plan's single iteration (`RowExits`); a lockstep token decides
@@ -33,17 +33,26 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.exit_track import done_iterating
-from rdlm.inference.graphs import PhaseTimes
-from rdlm.inference.lockstep import Lockstep, Rows
-from rdlm.inference.plan import Admission, Chosen, ChunkSpec, EngineSettings, Iterating, Start, StepOutput, StepPlan
-from rdlm.inference.prefill import PromptChunk
-from rdlm.inference.rounds import Rounds
-from rdlm.inference.row_exits import RowExits
-from rdlm.inference.row_state import RowState
-from rdlm.inference.runner import Call, ModelRunner, Pack
-from rdlm.inference.sampling import NonFiniteLogitsError, choose_rows
-from rdlm.inference.static_step import RowTensors, StaticStep
+from rdlm.inference.execution.graphs import PhaseTimes
+from rdlm.inference.execution.model_calls import Call, ModelRunner, Pack
+from rdlm.inference.exits.track import done_iterating
+from rdlm.inference.runner.lockstep import Lockstep, Rows
+from rdlm.inference.runner.prefill import PromptChunk
+from rdlm.inference.runner.rounds import Rounds
+from rdlm.inference.runner.row_exits import RowExits
+from rdlm.inference.runner.row_state import RowState
+from rdlm.inference.runner.sampling import NonFiniteLogitsError, choose_rows
+from rdlm.inference.runner.static_step import RowTensors, StaticStep
+from rdlm.inference.scheduling.plan import (
+    Admission,
+    Chosen,
+    ChunkSpec,
+    EngineSettings,
+    Iterating,
+    Start,
+    StepOutput,
+    StepPlan,
+)
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -82,7 +91,7 @@ class StepRunner:
     # ---- the step
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Carry out the plan, in its order (rdlm.inference.plan.StepPlan); what it gave back."""
+        """Carry out the plan, in its order (rdlm.inference.scheduling.plan.StepPlan); what it gave back."""
         out = StepOutput()
         for wiped in plan.wipe:
             self.clear(wiped)
@@ -351,7 +360,7 @@ class StepRunner:
         return computing
 
     def _static(self, requests: list[Iterating], n: int) -> None:
-        """n core iterations of the decoding rows as the static step (rdlm.inference.static_step)."""
+        """n core iterations of the decoding rows as the static step (rdlm.inference.runner.static_step)."""
         with self.phases.timed("core iteration"):
             self.static_step.run([it.row for it in requests], n)
 
@@ -403,7 +412,7 @@ class StepRunner:
         return out
 
     def _lockstep(self, requests: tuple[Iterating, ...]) -> list[int]:
-        """The token the requests started together, in lockstep (rdlm.inference.lockstep): all its core
+        """The token the requests started together, in lockstep (rdlm.inference.runner.lockstep): all its core
         iterations; the iterations each request ran. On the static path over every row of the batch, the
         rows not decoding frozen; eagerly over the rows that `_eager_rows` gives."""
         first = self.rows[requests[0].request]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.cache import CacheCall, PackedCall, RecurrentKVCache, Segment, Strategy
-from rdlm.inference.noise import noise_table
+from rdlm.inference.execution.cache import CacheCall, PackedCall, RecurrentKVCache, Segment, Strategy
+from rdlm.inference.execution.noise import noise_table
 from rdlm.model.layers import Rope, padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
@@ -224,7 +224,7 @@ class ModelRunner:
     def all_rows(self, index: Tensor, budget: int, writers: Tensor) -> Call:
         """One token per row of the whole batch, row b at buffer index index[b] (a device tensor), core
         iteration i at slot i mod `budget`, only the `writers` rows writing core entries (a lockstep token on
-        the static path, rdlm.inference.lockstep): every shape is fixed and the cache is read as views of the
+        the static path, rdlm.inference.runner.lockstep): every shape is fixed and the cache is read as views of the
         whole buffer (no gather); the mask hides what is not written."""
         positions = (index - self.pad).clamp_min(0).view(-1, 1)
         cache = self.cache.at(index, rows=slice(None), budget=budget, core_writers=writers)
@@ -247,7 +247,7 @@ class ModelRunner:
     # ---- s_0 (docs/inference.md, "s0 at inference")
 
     def noise_table(self, seed: int, scale: float, length: int) -> Tensor | None:
-        """s_0 of positions 0 .. length - 1 drawn from (seed, position) alone (rdlm.inference.noise)."""
+        """s_0 of positions 0 .. length - 1 drawn from (seed, position) alone (rdlm.inference.execution.noise)."""
         return noise_table(self.model, seed, scale, length, self.dtype, self.device)
 
     def start_state(self, embedded: Tensor, noise: Tensor | None) -> Tensor:

@@ -1,4 +1,4 @@
-"""The HTTP side of `rdlm serve` (rdlm/inference/serve.py) that no client can hold up or confuse: the guard in
+"""The HTTP side of `rdlm serve` (rdlm/inference/server/app.py) that no client can hold up or confuse: the guard in
 front of the app (a body length given twice, the request target's size, the API key, body size, body
 deadline), a header deadline on every connection, a shutdown that answers what is still running, and every
 error in OpenAI's shape (what h11 cannot parse included, while a response can still be sent).
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from rdlm.inference.openai_api import APIError
+from rdlm.inference.server.openai_api import APIError
 
 log = logging.getLogger("rdlm.serve")
 

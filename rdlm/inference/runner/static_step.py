@@ -1,8 +1,8 @@
 """The continuous batch's rows on the device (`RowTensors`) and their static step (`StaticStep`): n core
 iterations of the decoding rows as one fixed-shape call over every row of the batch, whose per-row buffer
 index, core slot and writers are device tensors, so the call is the same at every step and CUDA captures it
-once per n (rdlm.inference.graphs). The step runner (rdlm.inference.step_runner) takes this path where the
-engine's `static` setting is on (by default on CUDA)."""
+once per n (rdlm.inference.execution.graphs). The step runner (rdlm.inference.runner.step_runner) takes this path
+where the engine's `static` setting is on (by default on CUDA)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.cpu_compile import compiled_iteration, cpu_compiled
-from rdlm.inference.exit_track import done_iterating
-from rdlm.inference.graphs import StaticSteps
-from rdlm.inference.row_exits import RowExits
-from rdlm.inference.runner import ModelRunner
+from rdlm.inference.execution.cpu_compile import compiled_iteration, cpu_compiled
+from rdlm.inference.execution.graphs import StaticSteps
+from rdlm.inference.execution.model_calls import ModelRunner
+from rdlm.inference.exits.track import done_iterating
+from rdlm.inference.runner.row_exits import RowExits
 
 
 @dataclass
@@ -66,7 +66,7 @@ class StaticStep:
         self.decoding = torch.zeros_like(rows.stopped)
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0  # core iterations run several to a call
-        # on the CPU the static step's iteration is compiled (rdlm.inference.cpu_compile); on CUDA it is captured
+        # compiled on the CPU (rdlm.inference.execution.cpu_compile); captured on CUDA
         self.compiled = (
             compiled_iteration(self, runner.model) if cpu_compiled(on, runner.device, runner.model) else None
         )

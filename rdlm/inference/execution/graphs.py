@@ -3,7 +3,7 @@ asks nothing inside them and CUDA can capture them once as a graph and replay it
 "the decode engine").
 
 `ContinuousBatch` (rdlm.inference.batching) runs its decoding rows' core iteration this way, and its
-`Lockstep` (rdlm.inference.lockstep) a whole token; each holds one `StaticSteps`, the cache of its captured
+`Lockstep` (rdlm.inference.runner.lockstep) a whole token; each holds one `StaticSteps`, the cache of its captured
 graphs.
 """
 
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rdlm.inference.cpu_compile import compile_forced
+from rdlm.inference.execution.cpu_compile import compile_forced
 
 
 class StaticSteps:
@@ -85,7 +85,7 @@ class StaticSteps:
 def resolve_compile(compile: bool | None, device: torch.device) -> bool:
     """The static decode step: on by default on CUDA (captured in CUDA graphs). On the CPU only when asked
     for (`generate` and `rdlm serve` ask where it pays), where its core iteration is compiled by inductor
-    unless RDLM_COMPILE=0 (rdlm.inference.cpu_compile.cpu_compiled); RDLM_COMPILE=force turns it on there by
+    unless RDLM_COMPILE=0 (rdlm.inference.execution.cpu_compile.cpu_compiled); RDLM_COMPILE=force turns it on there by
     default."""
     if compile is None:
         return device.type == "cuda" or (device.type == "cpu" and compile_forced())

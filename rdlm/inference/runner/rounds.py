@@ -1,16 +1,16 @@
 """The rounds of the requests that decode a round at a time in the continuous batch (`StepPlan.rounds`,
-rdlm.inference.plan): a self-speculative round (rdlm.inference.speculative) or a step of a parallel sampler's
-wave (rdlm.inference.parallel), each in calls over the request's row alone. `Rounds` holds the waves
+rdlm.inference.scheduling.plan): a self-speculative round (rdlm.inference.runner.speculative) or a step of a parallel
+sampler's wave (rdlm.inference.runner.parallel), each in calls over the request's row alone. `Rounds` holds the waves
 in flight, one per parallel request, and counts their work."""
 
 from __future__ import annotations
 
-from rdlm.inference.parallel import ParallelSampler
-from rdlm.inference.plan import RoundOutput
-from rdlm.inference.row_state import RowState
-from rdlm.inference.runner import ModelRunner
-from rdlm.inference.sampling import NonFiniteLogitsError
-from rdlm.inference.speculative import speculate
+from rdlm.inference.execution.model_calls import ModelRunner
+from rdlm.inference.runner.parallel import ParallelSampler
+from rdlm.inference.runner.row_state import RowState
+from rdlm.inference.runner.sampling import NonFiniteLogitsError
+from rdlm.inference.runner.speculative import speculate
+from rdlm.inference.scheduling.plan import RoundOutput
 
 
 class Rounds:

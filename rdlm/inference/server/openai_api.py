@@ -1,7 +1,7 @@
-"""The OpenAI API as rdlm's server speaks it (rdlm/inference/serve.py): request bodies (OpenAI's fields and
+"""The OpenAI API as rdlm's server speaks it (rdlm/inference/server/app.py): request bodies (OpenAI's fields and
 rdlm's, anything else refused by name), their translation into a `GenerationConfig`, errors in OpenAI's
 shape, a completion's text and logprobs. The HTTP side in front of it (API key, sizes, deadlines) is
-rdlm/inference/serve_http.py."""
+rdlm/inference/server/http_guard.py."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ checkpoint's `exit_threshold`), accumulated in the reference's order so decision
 every criterion here); `gate-exact` runs every iteration for every token, as the reference does, and only
 selects the exit iteration's state for the logits.
 
-Where each token stands, and the one update after an iteration, is rdlm.inference.exit_track (`ExitTrack`,
+Where each token stands, and the one update after an iteration, is rdlm.inference.exits.track (`ExitTrack`,
 `done_iterating`, the per-token loop `iterate_with_exits`).
 """
 

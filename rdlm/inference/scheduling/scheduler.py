@@ -1,7 +1,7 @@
 """The continuous batch's scheduler: which request does what at each step (rdlm.inference.batching). It holds
 the requests, their rows and the prompt chunks in flight as host numbers, decides admission, when a token
 runs in lockstep, which rows compute, when the host looks at the exit flags, when a coda is due and how many
-iterations may run at once, and says it all in one `StepPlan` per step (rdlm.inference.plan); `update` takes
+iterations may run at once, and says it all in one `StepPlan` per step (rdlm.inference.scheduling.plan); `update` takes
 what the step runner gives back. It owns no tensor and touches no device, so its tests drive it with made-up
 outcomes and no model.
 
@@ -9,7 +9,7 @@ A request moves through these states (`Status`):
 
     WAITING -> PREFILLING -> STARTING -> ITERATING -> AWAITING_CODA -> STARTING ... -> finished (row freed)
 
-WAITING: queued for a row. PREFILLING: its prompt runs in chunks (rdlm.inference.prefill) until its first
+WAITING: queued for a row. PREFILLING: its prompt runs in chunks (rdlm.inference.runner.prefill) until its first
 token is chosen. STARTING: a token was chosen; the prelude and s_0 of the next position come at the next
 step. ITERATING: the token's core iterations run, one per step (or all at once in lockstep). AWAITING_CODA:
 the token stopped iterating (an exit, or its cap), found so when the host looked; its coda comes when due. A
@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from rdlm.checks import is_int
 from rdlm.inference.events import BatchEvent
 from rdlm.inference.params import Decode, GenerationConfig
-from rdlm.inference.plan import (
+from rdlm.inference.scheduling.plan import (
     Admission,
     Chosen,
     ChunkSpec,
@@ -43,7 +43,7 @@ from rdlm.inference.plan import (
     StepOutput,
     StepPlan,
 )
-from rdlm.inference.request import Request, Status
+from rdlm.inference.scheduling.request import Request, Status
 
 
 def in_rounds(config: GenerationConfig) -> bool:
@@ -240,7 +240,7 @@ class Scheduler:
             positions = self.settings.max_length if in_rounds(q.config) else len(q.prompt) + q.config.max_new_tokens
             admitted.append(Admission(q.id, q.row, tuple(q.prompt), q.config, q.criterion, q.budget, positions))
             if q.config.sampler == "parallel" and not q.config.full_prefill:
-                q.status = Status.STARTING  # its first wave is the prompt (rdlm.inference.parallel)
+                q.status = Status.STARTING  # its first wave is the prompt (rdlm.inference.runner.parallel)
                 continue
             q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
             groups.setdefault((q.cap, q.budget), []).append(q)
@@ -279,7 +279,7 @@ class Scheduler:
 
     def in_lockstep(self, starting: list[Request], prompts_in_flight: bool) -> bool:
         """Whether the token the `starting` requests just started runs in lockstep, all its iterations in this
-        step (rdlm.inference.lockstep): every request in a row starts it, with the same depth settings and
+        step (rdlm.inference.runner.lockstep): every request in a row starts it, with the same depth settings and
         no depth budget, and no prompt is being prefilled or waits for a free row (`generate`'s batch)."""
         if not self.settings.lockstep or prompts_in_flight or (self.waiting and None in self.rows):
             return False

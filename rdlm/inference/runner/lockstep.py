@@ -1,7 +1,7 @@
 """A token that every decoding row starts together, with one `GenerationConfig`: the continuous batch's
-lockstep plan (rdlm.inference.plan.StepPlan), the usual one for the offline batch of `generate`
+lockstep plan (rdlm.inference.scheduling.plan.StepPlan), the usual one for the offline batch of `generate`
 (rdlm.inference.batching), where every row's prompt is prefilled at once and each token starts and ends on
-every row at the same step. The batch's step runner (rdlm.inference.step_runner) runs it here.
+every row at the same step. The batch's step runner (rdlm.inference.runner.step_runner) runs it here.
 
 Such a token runs all its core iterations in one engine step instead of one per step, with no host
 bookkeeping between them:
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.exit_track import ExitTrack, iterate_with_exits
-from rdlm.inference.exits import ExitCriterion
-from rdlm.inference.graphs import StaticSteps, resolve_sync_every
+from rdlm.inference.execution.graphs import StaticSteps, resolve_sync_every
+from rdlm.inference.execution.model_calls import Call, ModelRunner
+from rdlm.inference.exits.criteria import ExitCriterion
+from rdlm.inference.exits.track import ExitTrack, iterate_with_exits
 from rdlm.inference.params import GenerationConfig
-from rdlm.inference.runner import Call, ModelRunner
 
 TRACK_FIELDS = tuple(f.name for f in dataclasses.fields(ExitTrack))  # (a compiled step cannot ask the class)
 

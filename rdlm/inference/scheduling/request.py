@@ -1,17 +1,18 @@
-"""A request of the continuous batch as its scheduler sees it (rdlm.inference.scheduler): what it asked for and
-where it stands, in host numbers only (the step runner keeps its own copy of what it needs, with its tensors)."""
+"""A request of the continuous batch as its scheduler sees it (rdlm.inference.scheduling.scheduler): what it asked
+for and where it stands, in host numbers only (the step runner keeps its own copy of what it needs, with its
+tensors)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.exits.criteria import ExitCriterion
 from rdlm.inference.params import GenerationConfig
 
 
 class Status(enum.Enum):
-    """Where a request stands (rdlm.inference.scheduler: the states and their order)."""
+    """Where a request stands (rdlm.inference.scheduling.scheduler: the states and their order)."""
 
     WAITING = "waiting"  # queued for a row
     PREFILLING = "prefilling"  # its prompt runs in chunks, until its first token is chosen

@@ -9,7 +9,7 @@ the rows' slots and indices device tensors) is compiled by inductor:
 - `freezing`: the weights are constants of the compiled code, so inductor packs them once for its own GEMM
   kernels (`max_autotune` over its C++ GEMM template and ATen's, measured per shape); `cpp_wrapper`: the
   call itself is C++;
-- the cache writes stay in place (the `rdlm::put_entries` op of rdlm.inference.cache);
+- the cache writes stay in place (the `rdlm::put_entries` op of rdlm.inference.execution.cache);
 - the weights' stamp (`weights_stamp`): the compiled code holds the weights it was compiled with, so it is
   reused only for the same model object with the same parameter tensors at the same versions (an in-place
   update, a training step, `load_state_dict`, compiles again).
@@ -210,5 +210,5 @@ class Compiled:
 
 
 def compiled_iteration(step: Any, model: RecurrentDepthLM) -> Compiled:
-    """`step.iteration()` (rdlm.inference.static_step.StaticStep) compiled."""
+    """`step.iteration()` (rdlm.inference.runner.static_step.StaticStep) compiled."""
     return Compiled(_iteration, step, model, step.iteration)

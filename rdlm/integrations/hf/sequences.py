@@ -2,8 +2,8 @@
 transformers forward over `RecurrentCache` (rdlm.integrations.hf), which decodes in transformers' own loop.
 
 `Sequences` runs blocks of several tokens per row at a fixed r through its `ModelRunner`
-(rdlm.inference.runner: the model, the cache, the valid entries the masks read, the s_0 noise table),
-each block a `PromptChunk` (rdlm.inference.prefill). Every generation of rdlm itself, whatever its
+(rdlm.inference.execution.model_calls: the model, the cache, the valid entries the masks read, the s_0 noise table),
+each block a `PromptChunk` (rdlm.inference.runner.prefill). Every generation of rdlm itself, whatever its
 features (fixed r, adaptive exits, continuous chain of thought, KV-cache sharing, self-speculative
 decoding, the parallel sampler, a prefill alone), decodes on the continuous batch
 (rdlm.inference.batching), for `generate` and the server alike.
@@ -16,11 +16,11 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from rdlm.inference.cache import Strategy
-from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.execution.cache import Strategy
+from rdlm.inference.execution.model_calls import Call, ModelRunner
+from rdlm.inference.exits.criteria import ExitCriterion
 from rdlm.inference.params import check_length, check_prompts
-from rdlm.inference.prefill import PromptChunk
-from rdlm.inference.runner import Call, ModelRunner
+from rdlm.inference.runner.prefill import PromptChunk
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -31,7 +31,7 @@ class Sequences:
     position t - pad[b]. `length` buffer entries are written; a block appends at `length`.
 
     new_tokens: the room after the longest prompt (the buffer holds prompt and new tokens); num_slots /
-    strategy: the core cache (rdlm.inference.cache); seed / init_scale: the s_0 noise table; criterion /
+    strategy: the core cache (rdlm.inference.execution.cache); seed / init_scale: the s_0 noise table; criterion /
     min_steps: a learned exit gate that picks each token's read-out iteration (an Ouro checkpoint), else
     None."""
 

@@ -1,5 +1,5 @@
 """The continuous batch's exit readings on the device (rdlm.inference.batching, step 4): after each core
-iteration, every running row's exit criterion (rdlm.inference.exits) is read without a host sync; the host
+iteration, every running row's exit criterion (rdlm.inference.exits.criteria) is read without a host sync; the host
 reads the outcome only when it looks.
 
 `RowExits` keeps what the criteria carry from one iteration to the next in one `ExitTrack` over the batch's
@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rdlm.inference.exit_track import ExitTrack, exit_schedule
-from rdlm.inference.exits import ExitCriterion
-from rdlm.inference.runner import Call, ModelRunner
+from rdlm.inference.execution.model_calls import Call, ModelRunner
+from rdlm.inference.exits.criteria import ExitCriterion
+from rdlm.inference.exits.track import ExitTrack, exit_schedule
 
 
 class RowExits:

@@ -1,4 +1,4 @@
-"""The server's worker thread (rdlm.inference.serve): the only place that touches the model. It owns one
+"""The server's worker thread (rdlm.inference.server.app): the only place that touches the model. It owns one
 `ContinuousBatch` (rdlm.inference.batching) and hands each request's tokens to the event loop that waits for
 them (`Ticket`); `ServeConfig` is the server's settings and `Metrics` its Prometheus metrics."""
 
@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from rdlm.data.tokenizer import Tokenizer
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.cpu_compile import server_compiles
 from rdlm.inference.events import BatchEvent
-from rdlm.inference.openai_api import APIError
+from rdlm.inference.execution.cpu_compile import server_compiles
 from rdlm.inference.params import GenerationConfig
+from rdlm.inference.server.openai_api import APIError
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
 

@@ -1,17 +1,17 @@
 """Where each token of an adaptive loop stands, and the one decision after an iteration (paper section 6.1;
-the criteria themselves are rdlm.inference.exits).
+the criteria themselves are rdlm.inference.exits.criteria).
 
 Where each token stands lives in one place, an `ExitTrack` (iterations run, exited, the streak, the latest
 logits, the gate's running sums, gate-exact's chosen state), and `ExitTrack.after_iteration` is its one
 update after an iteration, reading the gate (`ExitTrack.read_gate`, the rule `gate_exits`) or the criterion
 (`ExitTrack.read_criterion`, at the iterations of `exit_schedule`), min_steps held by both; `done_iterating`
 is the one rule of a token done iterating (its criterion fired, or its cap). `iterate_with_exits` is the one
-per-token exit loop around them: tokens decoded in lockstep (rdlm.inference.lockstep, for the continuous
+per-token exit loop around them: tokens decoded in lockstep (rdlm.inference.runner.lockstep, for the continuous
 batch), gate-exact's teacher-forced logits (rdlm.inference.evaluate) and the exit-step analysis
 (rdlm.analysis.exit_steps) run it. The continuous batch's rows, which sit at different iterations, keep an
-`ExitTrack` over the rows and update it one iteration at a time (rdlm.inference.row_exits); a prompt being
-prefilled keeps one over its tokens for the gate (rdlm.inference.prefill); the parallel sampler reads its
-freeze criterion with one over its wave (rdlm.inference.parallel); the vLLM plugin reads exits with one
+`ExitTrack` over the rows and update it one iteration at a time (rdlm.inference.runner.row_exits); a prompt being
+prefilled keeps one over its tokens for the gate (rdlm.inference.runner.prefill); the parallel sampler reads its
+freeze criterion with one over its wave (rdlm.inference.runner.parallel); the vLLM plugin reads exits with one
 (rdlm.integrations.vllm).
 """
 
@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from rdlm.inference.exits import ExitCriterion, gate_exits
+from rdlm.inference.exits.criteria import ExitCriterion, gate_exits
 
 
 def exit_schedule(iteration: int, num_steps: int, every: int) -> tuple[bool, bool]:
@@ -45,7 +45,7 @@ class ExitTrack:
     """Where each token of an adaptive loop stands, over its tokens ([n] flat, e.g. [batch] for one decoded
     token per row or [seq] for a teacher-forced prompt; [g, n] for a prompt chunk's tokens). The one exit
     state of every caller: the per-token loop (`iterate_with_exits`), a prompt being prefilled
-    (rdlm.inference.prefill) and the continuous batch's rows (rdlm.inference.row_exits). `after_iteration`
+    (rdlm.inference.runner.prefill) and the continuous batch's rows (rdlm.inference.runner.row_exits). `after_iteration`
     is the one update; its two readings, `read_gate` and `read_criterion`, also serve the callers that count
     iterations or schedule readings themselves."""
 
@@ -192,7 +192,7 @@ def done_iterating(exited: Tensor, iterations: Tensor, cap: int | Tensor, runs_o
     """The one rule of whether a token is done iterating after an iteration: its criterion fired (a reading of
     `ExitTrack.after_iteration`, which holds min_steps), unless the criterion only chooses the state read out
     and the token runs on (`runs_on`: gate-exact), or it ran its `cap` iterations. The continuous batch's rows
-    read it after every iteration, eager and static (rdlm.inference.step_runner, static_step); the per-token
+    read it after every iteration, eager and static (rdlm.inference.runner.step_runner, static_step); the per-token
     loop (`iterate_with_exits`) runs up to the cap, so inside it a token is done once its criterion fired."""
     fired = exited if runs_on is None else exited & ~runs_on
     return fired | (iterations >= cap)

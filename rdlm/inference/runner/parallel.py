@@ -49,8 +49,8 @@ tests/fixtures/parallel_reference.json):
 In the engine: a request with `sampler="parallel"` decodes in its own row of the continuous batch
 (rdlm.inference.batching), its prompt prefilled as any other's (unless `full_prefill` is off: then the
 first wave is the prompt). The scheduler plans a wave step of it at every batch step
-(rdlm.inference.plan.StepPlan.rounds) and the step runner runs it here (rdlm.inference.rounds), in calls
-over its row alone; `ParallelSampler` holds its wave. Several prompts each run their own wave in their own
+(rdlm.inference.scheduling.plan.StepPlan.rounds) and the step runner runs it here (rdlm.inference.runner.rounds), in
+calls over its row alone; `ParallelSampler` holds its wave. Several prompts each run their own wave in their own
 row, one after the other at every step: the waves' calls are not batched together (rows commit different
 numbers of positions per step, so their starts and widths diverge; one call over them would need a per-row
 start and width in its mask and cache writes).
@@ -61,11 +61,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rdlm.inference.exit_track import ExitTrack
+from rdlm.inference.execution.model_calls import ModelRunner
+from rdlm.inference.exits.track import ExitTrack
 from rdlm.inference.params import GenerationConfig
-from rdlm.inference.row_state import RowState
-from rdlm.inference.runner import ModelRunner
-from rdlm.inference.sampling import NonFiniteLogitsError, sample
+from rdlm.inference.runner.row_state import RowState
+from rdlm.inference.runner.sampling import NonFiniteLogitsError, sample
 from rdlm.model.lm import RecurrentDepthLM
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.exits.criteria import ExitCriterion
 from rdlm.inference.params import GenerationConfig
 
 
@@ -29,7 +29,7 @@ class EngineSettings:
     rows' iterations run as static steps (CUDA graphs on CUDA); `rides_along`: a row done on the device
     since the last look stays in the core's calls, frozen (a static step, or a device where reading the
     flags waits for the queued work); `lockstep`: a token every row starts together may run all its iterations
-    in one call (rdlm.inference.lockstep; off where the static step is compiled for the CPU, which runs every
+    in one call (rdlm.inference.runner.lockstep; off where the static step is compiled for the CPU, which runs every
     token through it)."""
 
     max_batch: int
@@ -58,7 +58,7 @@ class Admission:
 
 @dataclass(frozen=True)
 class ChunkSpec:
-    """A chunk of prompts that begins prefilling (rdlm.inference.prefill): the requests' tokens
+    """A chunk of prompts that begins prefilling (rdlm.inference.runner.prefill): the requests' tokens
     start .. start + lengths[j] - 1, right-padded to the longest; `cap` iterations over `budget` slots."""
 
     chunk: int  # its id, the key of both sides' views of it

@@ -1,13 +1,13 @@
 """The one prefill: a block of tokens run through prelude, r core iterations (with a learned gate, each
 token read out at its exit) and coda, a `PromptChunk`. A transformers forward over `Sequences`
-(rdlm.inference.sequences) runs the whole left-padded batch as one chunk in one go (`PromptChunk.block`,
+(rdlm.integrations.hf.sequences) runs the whole left-padded batch as one chunk in one go (`PromptChunk.block`,
 `run`); the continuous batch (rdlm.inference.batching) prefills its prompts inside its steps, a chunk at a
 time.
 
 A prompt does not run its r iterations in one call that stalls every decoding row: the prompts admitted
 together form a `PromptChunk` (right-padded to the longest), and each step of the batch runs one core
 iteration of every chunk in flight in the same model call as the decoding rows (a packed call,
-rdlm.inference.cache.PackedCall), each chunk at its own iteration. When a chunk has run its iterations
+rdlm.inference.execution.cache.PackedCall), each chunk at its own iteration. When a chunk has run its iterations
 the coda runs over its tokens; the logits of a prompt's last token choose its first new token. A
 prompt longer than the chunk size goes on with its next chunk, which reads the earlier chunks' keys of
 the same iteration from the cache, so the tokens are those of a prefill in one piece; that needs a
@@ -15,7 +15,7 @@ cache slot per iteration, so a request that cycles through fewer slots than its 
 iterations (a KV-cache budget) is prefilled in one chunk.
 
 With a learned exit gate, where each token of the chunk stands is an `ExitTrack` over its [g, n] tokens
-(`PromptChunk.gate`; rdlm.inference.exits): after each iteration it takes the track's one update
+(`PromptChunk.gate`; rdlm.inference.exits.criteria): after each iteration it takes the track's one update
 (`ExitTrack.after_iteration`: the iteration counted, the gate read against each row's threshold), and its
 `exit_state` is what the coda reads.
 """
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rdlm.inference.exit_track import ExitTrack
-from rdlm.inference.exits import ExitCriterion, make_exit_criterion
-from rdlm.inference.runner import Call, ModelRunner, Pack
+from rdlm.inference.execution.model_calls import Call, ModelRunner, Pack
+from rdlm.inference.exits.criteria import ExitCriterion, make_exit_criterion
+from rdlm.inference.exits.track import ExitTrack
 
 GATE = make_exit_criterion("gate")  # a chunk reads the gate against each row's own threshold (`thresholds`)
 
@@ -60,7 +60,7 @@ class PromptChunk:
         cls, runner: ModelRunner, requests: list[Any], start: int, lengths: list[int], cap: int, budget: int
     ) -> PromptChunk:
         """The prelude and s_0 of the requests' next chunk of prompt, `lengths[j]` tokens of request j from
-        `start` (the scheduler sized them: rdlm.inference.scheduler). Marks the chunk's tokens valid
+        `start` (the scheduler sized them: rdlm.inference.scheduling.scheduler). Marks the chunk's tokens valid
         (`ModelRunner.admit`)."""
         device = runner.device
         lengths = list(lengths)
@@ -97,7 +97,7 @@ class PromptChunk:
         min_steps: int = 0,
     ) -> PromptChunk:
         """Tokens of every row of the runner's batch at once (a left-padded prompt, or a block appended
-        after it: `rdlm.inference.sequences.Sequences`), their prelude run (`embedded`) and `call` from
+        after it: `rdlm.integrations.hf.sequences.Sequences`), their prelude run (`embedded`) and `call` from
         `ModelRunner.block`; s_0 from the runner's noise table. A learned gate `criterion` reads each
         token out at its exit."""
         state = runner.initial_state(embedded, call.positions)

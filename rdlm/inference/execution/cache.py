@@ -384,7 +384,7 @@ def _put_entries(cache: Tensor, at: Tensor, new: Tensor) -> None:
 
 # The cache write as an op the compiler keeps whole and in place. Traced as index_copy_ into a view of
 # the whole cache, inductor's functionalization copies every layer's cache at every call (on the CPU, the
-# `small` preset at r = 32 decoded 3x slower compiled than eager for it; rdlm.inference.cpu_compile).
+# `small` preset at r = 32 decoded 3x slower compiled than eager for it; rdlm.inference.execution.cpu_compile).
 @torch.library.custom_op("rdlm::put_entries", mutates_args=("cache",))
 def put_entries(cache: Tensor, at: Tensor, new: Tensor) -> None:
     """`_put_entries` as a custom op that mutates `cache` in place."""

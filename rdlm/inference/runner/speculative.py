@@ -1,7 +1,7 @@
 """Self-speculative decoding (paper section 6, "Zero-Shot Self-Speculative Decoding"): the model drafts with
 few core iterations and verifies with the full number. A request with `draft_steps` in the continuous batch
 (rdlm.inference.batching) runs one round per step in its own row, after its prompt is prefilled as any
-other's: the scheduler plans the round (rdlm.inference.plan.StepPlan.rounds) and the step runner
+other's: the scheduler plans the round (rdlm.inference.scheduling.plan.StepPlan.rounds) and the step runner
 runs it here.
 
 A draft needs no second model: the prelude's output and the first N iterations of a token do not depend
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from rdlm.inference.row_state import RowState
-from rdlm.inference.runner import ModelRunner
-from rdlm.inference.sampling import NonFiniteLogitsError, read_tokens
+from rdlm.inference.execution.model_calls import ModelRunner
+from rdlm.inference.runner.row_state import RowState
+from rdlm.inference.runner.sampling import NonFiniteLogitsError, read_tokens
 
 
 def speculate(runner: ModelRunner, request: RowState) -> tuple[list[int], int, int]:

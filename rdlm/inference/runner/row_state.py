@@ -1,4 +1,4 @@
-"""The step runner's record of the request in one of its rows (rdlm.inference.step_runner)."""
+"""The step runner's record of the request in one of its rows (rdlm.inference.runner.step_runner)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rdlm.inference.exits import ExitCriterion
+from rdlm.inference.exits.criteria import ExitCriterion
 from rdlm.inference.params import GenerationConfig
 
 

@@ -20,8 +20,8 @@ LoRA adapters loaded in the model (rdlm.model.lora; `rdlm serve --lora NAME=DIR`
 request's `model` is the served model's name (the base alone) or an adapter's, `/v1/models` lists them all,
 and requests for different adapters share the batch, each row's tokens through its own adapter.
 
-The request bodies, their translation and the response objects are in rdlm/inference/openai_api.py, the
-worker thread in rdlm/inference/serve_worker.py.
+The request bodies, their translation and the response objects are in rdlm/inference/server/openai_api.py, the
+worker thread in rdlm/inference/server/worker.py.
 One worker thread owns a `ContinuousBatch` (rdlm/inference/batching.py): requests join and leave between core
 iterations, each row at its own depth, so a request whose tokens exit early makes room for others
 instead of waiting for them. A request's tokens are those of `rdlm.inference.generate` for its prompt alone.
@@ -46,10 +46,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rdlm.data.tokenizer import Tokenizer, TokenizerError
-from rdlm.inference.openai_api import APIError, ChatRequest, Completion, CompletionRequest, Options, generation_config
 from rdlm.inference.params import GenerationConfig
-from rdlm.inference.serve_http import Guard, install_error_handlers
-from rdlm.inference.serve_worker import Metrics, ServeConfig, Ticket, Worker
+from rdlm.inference.server.http_guard import Guard, install_error_handlers
+from rdlm.inference.server.openai_api import (
+    APIError,
+    ChatRequest,
+    Completion,
+    CompletionRequest,
+    Options,
+    generation_config,
+)
+from rdlm.inference.server.worker import Metrics, ServeConfig, Ticket, Worker
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters, set_adapter
 
@@ -63,7 +70,7 @@ UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|function-.*")  
 
 class OpenAIServer:
     """OpenAI's endpoints over the worker's batch: a request body becomes a prompt and a `GenerationConfig`
-    (rdlm/inference/openai_api.py), its tickets go to the worker, and their tokens come back as
+    (rdlm/inference/server/openai_api.py), its tickets go to the worker, and their tokens come back as
     completions, whole (JSON) or streamed (server-sent events)."""
 
     def __init__(
