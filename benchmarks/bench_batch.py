@@ -41,7 +41,7 @@ CALLS = ("embed", "step", "step_packed", "readout")
 def counted(batch: ContinuousBatch, profile: bool) -> tuple[collections.Counter, list[float]]:
     """Count the batch's model calls by kind; with `profile`, time the prompts' own core calls."""
     calls, packed = collections.Counter(), [0.0]
-    runner = batch.runner
+    runner = batch.calls
     for name in CALLS:
         call = getattr(runner, name)
 

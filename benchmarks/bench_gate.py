@@ -110,7 +110,7 @@ def main() -> None:
             prompts = [row[:32].tolist() for row in rows[:4]]
             decoded = generate(model, prompts, GenerationConfig(max_new_tokens=32, num_steps=args.loops,
                                                                 exit_criterion="gate", exit_threshold=threshold))
-            decode_steps = [s for row in decoded.steps for s in row[1:]]  # the first token is the prefill's
+            decode_steps = [s for row in decoded.iterations for s in row[1:]]  # the first token is the prefill's
             result["gate"][threshold] = {
                 "mean_steps_teacher_forced": round(mean_steps, 3), "loss_at_gate_exit": round(loss, 4),
                 "steps_histogram": torch.bincount(steps.flatten(), minlength=args.loops + 1)[1:].tolist(),

@@ -161,7 +161,7 @@ def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -
     result = generate(model, prompts, config)
     new = sum(len(t) for t in result.tokens)
     decoded = new - batch  # the first token of each row comes from the prefill
-    mean_steps = sum(s for row in result.steps for s in row[1:]) / max(decoded, 1)
+    mean_steps = sum(s for row in result.iterations for s in row[1:]) / max(decoded, 1)
     context = args.prompt_length + args.new_tokens / 2
     prompt_tokens = sum(len(p) for p in prompts)
     uses_logits = mode in ("adaptive", "never")

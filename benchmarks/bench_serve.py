@@ -217,8 +217,8 @@ def offline(args, prompts: list[str], exit_criterion: str | None, batch: int, nu
     # a request's first token comes from its prompt's last position, at r whatever the exit: the decode's
     # own depth is the mean over the others
     decoded = sum(max(len(t) - 1, 0) for t in result.tokens)
-    return dict(tps=tps, mean_iterations=sum(map(sum, result.steps)) / tokens,
-                decode_iterations=sum(sum(s[1:]) for s in result.steps) / max(decoded, 1),
+    return dict(tps=tps, mean_iterations=sum(map(sum, result.iterations)) / tokens,
+                decode_iterations=sum(sum(s[1:]) for s in result.iterations) / max(decoded, 1),
                 prompt_per_token=sum(map(len, ids)) / tokens, new_per_request=tokens / batch)
 
 
@@ -286,7 +286,7 @@ def profile(args, prompts: list[str], exit_criterion: str | None, batch: int, st
     t0 = time.perf_counter()
     while engine.busy:
         for event in engine.step():
-            tokens, iterations = tokens + 1, iterations + event.steps
+            tokens, iterations = tokens + 1, iterations + event.iterations
     total = time.perf_counter() - t0
     phases = engine.take_timings()
     phases["host bookkeeping (the rest)"] = total - sum(phases.values())

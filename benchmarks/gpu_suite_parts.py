@@ -61,7 +61,7 @@ def reference(model, prompts, config: GenerationConfig) -> tuple:
 
 
 def first_mismatch(ref, ref_events, fast) -> str:
-    for b, (t_ref, t_fast, s_ref, s_fast) in enumerate(zip(ref.tokens, fast.tokens, ref.steps, fast.steps)):
+    for b, (t_ref, t_fast, s_ref, s_fast) in enumerate(zip(ref.tokens, fast.tokens, ref.iterations, fast.iterations)):
         for t, (a, c, sa, sc) in enumerate(itertools.zip_longest(t_ref, t_fast, s_ref, s_fast)):
             if (a, sa) != (c, sc):
                 top = ref_events[b][t].top if t < len(ref_events[b]) else None
@@ -79,9 +79,9 @@ def compare(rows: list, name: str, dtype: str, model, prompts, eager: Generation
     greedy token or an exit decision where two candidates are within it."""
     ref, ref_events = reference(model, prompts, eager)
     got = generate(model, prompts, fast)
-    flat = [s for row in ref.steps for s in row]
-    rows.append({"case": name, "dtype": dtype, "match": ref.tokens == got.tokens and ref.steps == got.steps,
-                 "tokens_equal": ref.tokens == got.tokens, "steps_equal": ref.steps == got.steps,
+    flat = [s for row in ref.iterations for s in row]
+    rows.append({"case": name, "dtype": dtype, "match": ref.tokens == got.tokens and ref.iterations == got.iterations,
+                 "tokens_equal": ref.tokens == got.tokens, "steps_equal": ref.iterations == got.iterations,
                  "exact_claim": exact, "steps_min_max": f"{min(flat)}-{max(flat)}" if flat else "-",
                  "tokens": sum(map(len, got.tokens)), "first_mismatch": first_mismatch(ref, ref_events, got)})
 
@@ -160,7 +160,7 @@ def decode_case(model, name: str, batch: int, r: int, prompt_length: int, new: i
     generate(model, prompts, GenerationConfig(**{**vars(config), "max_new_tokens": 2}))  # warm-up, captures
     result = generate(model, prompts, config)
     decoded = sum(len(t) for t in result.tokens) - batch   # each row's first token comes from the prefill
-    mean_steps = sum(s for row in result.steps for s in row[1:]) / max(decoded, 1)
+    mean_steps = sum(s for row in result.iterations for s in row[1:]) / max(decoded, 1)
     uses_logits = config.criterion() is not None and config.criterion().spec.uses_logits
     coda_calls = 1 + (mean_steps / config.exit_every if uses_logits else 0)
     per_step = step_bytes(model, batch, mean_steps, coda_calls, prompt_length + new / 2)  # the mean context

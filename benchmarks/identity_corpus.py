@@ -193,11 +193,11 @@ def run_generate(models: Models, model: str, prompts, config: dict, decode: bool
     out["events"] = events
     try:
         result = generate(m, prompts, GenerationConfig(**config), decode=dec,
-                          on_token=lambda e: events.append([e.row, e.token, e.steps, hexf(e.logprob), top_hex(e.top)]))
+                          on_token=lambda e: events.append([e.row, e.token, e.iterations, hexf(e.logprob), top_hex(e.top)]))
     except Exception as err:  # the record of a case that fails keeps the events before the failure
         out["error"] = error_record(err)
         return out
-    out.update(tokens=result.tokens, steps=result.steps, finish_reasons=result.finish_reasons, texts=result.texts,
+    out.update(tokens=result.tokens, steps=result.iterations, finish_reasons=result.finish_reasons, texts=result.texts,
                logprobs=None if result.logprobs is None else [[hexf(x) for x in row] for row in result.logprobs],
                counters={"drafted": result.drafted, "accepted": result.accepted, "core_passes": result.core_passes,
                          "wave_steps": result.wave_steps, "prompt_tokens": result.prompt_tokens})
@@ -420,8 +420,8 @@ def drive_batch(models: Models, model: str, options: dict, requests: list, cance
         if batch.busy:
             for e in batch.step():
                 k = ids[e.request]
-                events[k].append([e.token, e.steps, e.finish_reason, hexf(e.logprob), top_hex(e.top)])
-                timeline.append([step, k, e.token, e.steps, e.finish_reason])
+                events[k].append([e.token, e.iterations, e.finish_reason, hexf(e.logprob), top_hex(e.top)])
+                timeline.append([step, k, e.token, e.iterations, e.finish_reason])
             failures += [[ids[rid], *error_record(err).values()] for rid, err in batch.take_failures()]
         step += 1
         if step > 5000:
@@ -919,7 +919,7 @@ def error_cases() -> list[Case]:
         out: dict[str, Any] = {"events": []}
         try:
             generate(broken_coda(), [[1, 2, 3]], GenerationConfig(**base),
-                     on_token=lambda e: out["events"].append([e.row, e.token, e.steps]))
+                     on_token=lambda e: out["events"].append([e.row, e.token, e.iterations]))
         except Exception as err:
             out["error"] = error_record(err)
         return out
@@ -930,7 +930,7 @@ def error_cases() -> list[Case]:
         out: dict[str, Any] = {"events": []}
         try:
             generate(broken_embedding(), [[1, 2, 3], [1, 7, 7]], GenerationConfig(**base),
-                     on_token=lambda e: out["events"].append([e.row, e.token, e.steps]))
+                     on_token=lambda e: out["events"].append([e.row, e.token, e.iterations]))
         except Exception as err:
             out["error"] = error_record(err)
         return out

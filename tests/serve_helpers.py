@@ -85,4 +85,4 @@ class LiveServer:
         """Text and iterations per token of rdlm.inference.generate for this prompt alone."""
         config = replace(DEFAULTS, **options)
         result = generate(self.model, [ids], config)
-        return self.tokenizer.decode(result.tokens[0], skip_special_tokens=True), result.steps[0]
+        return self.tokenizer.decode(result.tokens[0], skip_special_tokens=True), result.iterations[0]

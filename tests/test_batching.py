@@ -64,7 +64,7 @@ def each_alone(batch: ContinuousBatch, requests: list | None = None) -> Continuo
     for rid, (prompt, config) in zip(ids, requests):
         alone = generate(batch.model, prompt, config)
         assert [e.token for e in events[rid]] == alone.tokens[0]
-        assert [e.steps for e in events[rid]] == alone.steps[0]
+        assert [e.iterations for e in events[rid]] == alone.iterations[0]
         assert [e.finish_reason for e in events[rid]][-1] == alone.finish_reasons[0]
         assert all(e.finish_reason is None for e in events[rid][:-1])
     return batch
@@ -150,10 +150,10 @@ def test_rows_that_exit_early_go_on_to_their_next_token(model, monkeypatch):
     ids = [batch.add(p, config) for p in ([5, 17, 99], [250, 11], [1, 2, 3, 4])]
     monkeypatch.setattr(model, "step", counting_step)
     events = drain(batch)
-    decoded = sum(e.steps for rid in ids for e in events[rid][1:])
+    decoded = sum(e.iterations for rid in ids for e in events[rid][1:])
     prefill = 12 * 3 * 4             # the prompts admitted together: 3 rows padded to 4 tokens, 12 iterations
     assert sum(tokens_run) - prefill == decoded
-    assert len(set(e.steps for rid in ids for e in events[rid][1:])) > 1   # tokens exited at different depths
+    assert len(set(e.iterations for rid in ids for e in events[rid][1:])) > 1   # tokens exited at different depths
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -316,12 +316,12 @@ def test_speculative_and_parallel_requests_decode_in_rounds_beside_token_by_toke
     ids = [batch.add(prompt, config) for prompt, config in requests]
     events = drain(batch)
     for rid, (prompt, config) in zip(ids, requests):
-        got = [(e.token, e.steps) for e in events.get(rid, [])]
+        got = [(e.token, e.iterations) for e in events.get(rid, [])]
         if config.max_new_tokens == 0:
             assert got == []                                   # prefilled, then gone without a token
             continue
         plain = generate(model, prompt, greedy if config is not sampled else sampled)
-        assert got == list(zip(plain.tokens[0], plain.steps[0]))
+        assert got == list(zip(plain.tokens[0], plain.iterations[0]))
         assert events[rid][-1].finish_reason == "length"
     assert batch.drafted >= 2 * 3 and 0 <= batch.accepted <= batch.drafted      # two requests' rounds
     assert batch.wave_steps == 6 and batch.core_passes == 6 * 5                # one wave step per token after the first
@@ -415,7 +415,7 @@ def test_a_row_found_done_stops_computing_before_the_look(model, monkeypatch):
         timeline, n = [], 0
         while batch.busy:
             n += 1
-            timeline += [(n, ids.index(e.request), e.token, e.steps, e.finish_reason) for e in batch.step()]
+            timeline += [(n, ids.index(e.request), e.token, e.iterations, e.finish_reason) for e in batch.step()]
         monkeypatch.setattr(model, "step", step)
         decoded = sum(e[3] for e in timeline) - sum(depths)   # the first tokens come from the prompts
         return timeline, sum(tokens_run), decoded
@@ -451,7 +451,7 @@ def test_rows_in_step_run_each_token_in_lockstep(model, monkeypatch, compile, co
         while batch.busy:
             steps += 1
             for e in batch.step():
-                events.setdefault(e.request, []).append((e.token, e.steps, e.finish_reason))
+                events.setdefault(e.request, []).append((e.token, e.iterations, e.finish_reason))
         return [events[i] for i in ids], steps
 
     (together, steps), (one_by_one, more_steps) = run(True), run(False)
@@ -479,11 +479,11 @@ def test_a_lockstep_token_compiles_whole_on_the_static_path(model, criterion):
         batch = busy_batch(model, compile=True, exit_sync_every=2)
         if compiled:
             lockstep = batch.step_runner.lockstep
-            owner = lockstep if criterion else lockstep.runner   # the chunks; the r iterations
+            owner = lockstep if criterion else lockstep.calls   # the chunks; the r iterations
             owner.iterate = torch.compile(owner.iterate, fullgraph=True, backend=count)
         ids = [batch.add(p, config) for p in ([1, 2, 3], [4, 5], [6])]
         events = drain(batch)
-        return [[(e.token, e.steps) for e in events[i]] for i in ids]
+        return [[(e.token, e.iterations) for e in events[i]] for i in ids]
 
     assert run(True) == run(False) and graphs
 
@@ -514,7 +514,7 @@ def test_lockstep_rows_go_on_over_a_row_freed_between_them(model, monkeypatch, c
             monkeypatch.setattr(batch.scheduler, "in_lockstep", lambda starting, prompts: False)
         ids = [batch.add(p, c) for p, c in requests]
         events = drain(batch)
-        return [[(e.token, e.steps, e.finish_reason) for e in events[i]] for i in ids]
+        return [[(e.token, e.iterations, e.finish_reason) for e in events[i]] for i in ids]
 
     assert run(True) == run(False)
     assert any(spanned) and not all(spanned)

@@ -37,7 +37,7 @@ def test_the_compiled_step_gives_the_eager_tokens_and_iterations(compiling):
     ):
         eager, compiled = run(model, config, False), run(model, config, True)
         assert compiled.tokens == eager.tokens
-        assert compiled.steps == eager.steps
+        assert compiled.iterations == eager.iterations
         assert compiled.finish_reasons == eager.finish_reasons
     assert compiled.compile_seconds < 1.0  # the second config (the same shapes) reused the first one's code
     assert torch.get_num_threads() == threads  # the step's one thread was given back

@@ -29,7 +29,7 @@ def run_all(model, config: GenerationConfig):
 
 
 def assert_same(a, b):
-    assert a.tokens == b.tokens and a.steps == b.steps
+    assert a.tokens == b.tokens and a.iterations == b.iterations
 
 
 @pytest.mark.parametrize("extra", [
@@ -49,7 +49,7 @@ def test_static_step_gives_the_eager_tokens_batched_and_alone(model, extra):
     assert_same(eager, static)
     for row in range(len(PROMPTS)):
         for alone in (eager_alone[row], static_alone[row]):
-            assert alone.tokens[0] == eager.tokens[row] and alone.steps[0] == eager.steps[row]
+            assert alone.tokens[0] == eager.tokens[row] and alone.iterations[0] == eager.iterations[row]
 
 
 def test_every_criterion_is_exercised_with_mixed_exits(model):
@@ -57,7 +57,7 @@ def test_every_criterion_is_exercised_with_mixed_exits(model):
     for name, threshold in THRESHOLDS.items():
         result = generate(model, PROMPTS, GenerationConfig(num_steps=12, max_new_tokens=8, seed=3,
                                                            exit_criterion=name, exit_threshold=threshold))
-        decoded = {s for row in result.steps for s in row[1:]}
+        decoded = {s for row in result.iterations for s in row[1:]}
         assert len(decoded) > 1 and min(decoded) < 12, (name, decoded)
     # every criterion but the learned gate's, which needs a model with a gate (tests/test_families.py)
     assert set(THRESHOLDS) == {name for name, spec in CRITERIA.items() if not spec.uses_gate}
@@ -86,9 +86,9 @@ def test_exited_rows_leave_the_core(model, monkeypatch, sync_every):
     monkeypatch.setattr(model, "step", counting_step)
     base = dict(num_steps=12, max_new_tokens=8, seed=3, exit_criterion="kl", exit_threshold=3e-3, prefill_steps=1)
     result = generate(model, PROMPTS, GenerationConfig(**base, exit_sync_every=sync_every))
-    decoded = sum(s for row in result.steps for s in row[1:])
+    decoded = sum(s for row in result.iterations for s in row[1:])
     assert sum(rows_run) - 1 * len(PROMPTS) == decoded  # the prefill runs one iteration for all rows
-    assert decoded < 12 * sum(len(row) - 1 for row in result.steps)
+    assert decoded < 12 * sum(len(row) - 1 for row in result.iterations)
     rows_run.clear()
     assert_same(generate(model, PROMPTS, GenerationConfig(**base, exit_sync_every=4)), result)
     assert sum(rows_run) - 1 * len(PROMPTS) > decoded
@@ -98,9 +98,9 @@ def test_exit_every_evaluates_the_criterion_less_often(model):
     base = dict(num_steps=12, max_new_tokens=8, seed=3, exit_criterion="latent-diff", exit_threshold=0.1)
     every = generate(model, PROMPTS, GenerationConfig(**base))
     fourth = generate(model, PROMPTS, GenerationConfig(**base, exit_every=4))
-    steps = [s for row in fourth.steps for s in row[1:]]
+    steps = [s for row in fourth.iterations for s in row[1:]]
     assert all(s % 4 == 0 or s == 12 for s in steps)            # exits only where the criterion is read
-    assert sum(steps) >= sum(s for row in every.steps for s in row[1:])
+    assert sum(steps) >= sum(s for row in every.iterations for s in row[1:])
 
 
 def test_noise_depends_on_seed_and_position_only(model):

@@ -248,13 +248,13 @@ def test_exit_loop_freezes_exited_tokens_or_lets_them_iterate():
     for freeze in (True, False):
         state, track = iterate_with_exits(step, None, torch.ones(2, 3), ExitTrack.start(2, torch.device("cpu")),
                                           crit, 0, 6, 6, min_steps=2, freeze=freeze)
-        assert track.steps.tolist() == [2, 6] and track.exited.tolist() == [True, False]
+        assert track.iterations.tolist() == [2, 6] and track.exited.tolist() == [True, False]
         assert state[1].tolist() == [7.0] * 3
     # Split into chunks (as the engine and the analysis run it), the loop gives the same result.
     state, track = torch.ones(2, 3), ExitTrack.start(2, torch.device("cpu"))
     for first in range(0, 6, 4):
         state, track = iterate_with_exits(step, None, state, track, crit, first, min(4, 6 - first), 6)
-    assert track.steps.tolist() == [2, 6]
+    assert track.iterations.tolist() == [2, 6]
 
 
 @pytest.mark.parametrize("name, threshold", [("latent-diff", 0.02), ("latent-diff", 0.2), ("cosine", 2e-3)])
@@ -270,7 +270,7 @@ def test_analysis_and_generation_agree_on_exit_steps(tiny_model, name, threshold
     config = GenerationConfig(max_new_tokens=2, num_steps=16, exit_criterion=crit, init_scale=0.0)
     result = generate(tiny_model, prompts, config)
     decoded, analysed = [], []
-    for prompt, tokens, steps in zip(prompts, result.tokens, result.steps):
+    for prompt, tokens, steps in zip(prompts, result.tokens, result.iterations):
         decoded.append(steps[1])  # iterations at the position of tokens[0], whose logits chose tokens[1]
         analysed.append(int(exit_steps(tiny_model, prompt + tokens[:1], crit, 16, init_scale=0.0)[-1]))
     assert decoded == analysed

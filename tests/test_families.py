@@ -234,11 +234,11 @@ def test_gate_exact_decodes_as_the_reference_selects_and_gate_saves_iterations()
     model, ref = ouro()
     prompts = [ref["input_ids"][0, :6].tolist(), ref["input_ids"][1, :9].tolist()]
     exact = generate(model, prompts, GenerationConfig(max_new_tokens=8, num_steps=4, exit_criterion="gate-exact"))
-    for prompt, tokens, steps in zip(prompts, exact.tokens, exact.steps):
+    for prompt, tokens, steps in zip(prompts, exact.tokens, exact.iterations):
         assert tokens == greedy_by_gate(model, prompt, 8)
         assert steps == [4] * 8  # every iteration runs
     early = generate(model, prompts, GenerationConfig(max_new_tokens=8, num_steps=4, exit_criterion="gate"))
-    later = [s for row in early.steps for s in row[1:]]  # the first token comes from the prefill
+    later = [s for row in early.iterations for s in row[1:]]  # the first token comes from the prefill
     assert min(later) >= 1 and sum(later) < 4 * len(later)  # the gate stopped tokens early
 
 
@@ -258,9 +258,9 @@ def test_gate_exits_in_the_continuous_batch_like_the_engine():
         while batch.busy:
             for event in batch.step():
                 tokens[event.request].append(event.token)
-                steps[event.request].append(event.steps)
+                steps[event.request].append(event.iterations)
         assert [tokens[i] for i in ids] == alone.tokens, (criterion, exit_sync_every)
-        assert [steps[i] for i in ids] == alone.steps, (criterion, exit_sync_every)
+        assert [steps[i] for i in ids] == alone.iterations, (criterion, exit_sync_every)
 
 
 def test_a_gate_criterion_on_a_model_without_a_gate_is_refused():
@@ -332,7 +332,7 @@ def test_the_heuristic_exit_criteria_run_on_every_family(name):
     # reading, after min_steps = 2.
     out = generate(model, [[4, 8, 15, 16]], GenerationConfig(max_new_tokens=5, num_steps=6, exit_criterion="kl",
                                                               exit_threshold=2**16))
-    assert out.steps[0][1:] == [2, 2, 2, 2]
+    assert out.iterations[0][1:] == [2, 2, 2, 2]
 
 
 def test_a_huginn_layout_model_with_the_new_fields_round_trips(tmp_path):

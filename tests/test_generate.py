@@ -51,7 +51,7 @@ def test_cached_decoding_gives_the_logits_of_a_full_recompute(huginn_tiny_dir, s
 def test_generate_matches_greedy_recompute_and_counts_steps(model):
     result = generate(model, PROMPTS[0], GenerationConfig(num_steps=3, max_new_tokens=6, init_scale=0.0))
     assert result.tokens[0] == greedy_by_recompute(model, PROMPTS[0], 3, 6)
-    assert result.steps == [[3] * 6] and result.finish_reasons == ["length"]
+    assert result.iterations == [[3] * 6] and result.finish_reasons == ["length"]
 
 
 @pytest.mark.parametrize("extra", [
@@ -67,7 +67,7 @@ def test_a_batch_gives_the_tokens_of_each_prompt_alone(model, extra):
     for row, prompt in enumerate(PROMPTS):
         alone = generate(model, prompt, config)
         assert batched.tokens[row] == alone.tokens[0], row
-        assert batched.steps[row] == alone.steps[0], row
+        assert batched.iterations[row] == alone.iterations[0], row
 
 
 def test_adaptive_exit_that_never_fires_equals_fixed_r(model):
@@ -77,16 +77,16 @@ def test_adaptive_exit_that_never_fires_equals_fixed_r(model):
     for name, threshold in (("kl", 0.0), ("latent-diff", 0.0), ("argmax-stability", 100)):
         never = generate(model, PROMPTS, GenerationConfig(num_steps=6, max_new_tokens=6, seed=1,
                                                           exit_criterion=name, exit_threshold=threshold))
-        assert never.tokens == fixed.tokens and never.steps == fixed.steps
+        assert never.tokens == fixed.tokens and never.iterations == fixed.iterations
 
 
 def test_adaptive_exits_save_iterations_per_token_within_bounds(model):
     config = GenerationConfig(num_steps=24, min_steps=3, max_new_tokens=10, exit_criterion="kl",
                               exit_threshold=1e-2)
     result = generate(model, PROMPTS, config)
-    flat = [s for row in result.steps for s in row[1:]]     # the first token comes from the prefill
+    flat = [s for row in result.iterations for s in row[1:]]     # the first token comes from the prefill
     assert all(3 <= s <= 24 for s in flat)
-    assert min(flat) < 24 and result.mean_steps < 24
+    assert min(flat) < 24 and result.mean_iterations < 24
 
 
 def test_continuous_cot_warm_starts_from_the_previous_final_state(model):
@@ -192,16 +192,16 @@ def test_a_depth_budget_bounds_the_response_s_iterations(model, extra):
     free = generate(model, PROMPTS, config)
     # a budget that binds nowhere gives every row its tokens and steps unchanged
     loose = generate(model, PROMPTS, replace(config, max_latent_iterations=1000, target_mean_iterations=8))
-    assert loose.tokens == free.tokens and loose.steps == free.steps
+    assert loose.tokens == free.tokens and loose.iterations == free.iterations
     capped = generate(model, PROMPTS, replace(config, max_latent_iterations=20))
-    for steps in capped.steps:
+    for steps in capped.iterations:
         assert sum(steps) <= 20 and min(steps) >= 1 and len(steps) == 6
     paced = generate(model, PROMPTS, replace(config, target_mean_iterations=3.5))
-    for steps in paced.steps:
+    for steps in paced.iterations:
         assert all(sum(steps[:n]) <= 3.5 * n for n in range(1, len(steps) + 1)) and min(steps) >= 1
     # a budget smaller than one iteration per token ends the response when it is spent
     short = generate(model, PROMPTS[0], replace(config, max_latent_iterations=4))
-    assert sum(short.steps[0]) == 4 and short.finish_reasons == ["length"] and len(short.tokens[0]) < 6
+    assert sum(short.iterations[0]) == 4 and short.finish_reasons == ["length"] and len(short.tokens[0]) < 6
 
 
 def test_depth_cap_keeps_an_iteration_for_each_later_token():
@@ -359,7 +359,8 @@ def test_a_finished_generation_leaves_no_session_to_the_garbage_collector(model,
     import gc
     import weakref
 
-    from rdlm.inference import batching, parallel
+    from rdlm.inference import batching
+    from rdlm.inference.runner import parallel
 
     sessions = []
     for kind in (batching.ContinuousBatch, parallel.ParallelSampler):

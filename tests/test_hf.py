@@ -184,7 +184,7 @@ def test_generate_with_adaptive_exits_and_cache_budget_goes_through_rdlm_generat
                             eos_token_id=None)
     within = generate(model.model, [prompt[0].tolist()], GenerationConfig(max_new_tokens=6, num_steps=8,
                                                                           max_latent_iterations=14, init_scale=0.0))
-    assert budget[0, 5:].tolist() == within.tokens[0] and sum(within.steps[0]) <= 14
+    assert budget[0, 5:].tolist() == within.tokens[0] and sum(within.iterations[0]) <= 14
 
 
 def test_forward_uses_a_given_initial_state_under_either_name(huginn_tiny_dir):

@@ -82,7 +82,7 @@ def served(base_dir, adapters):
 def expected(alone, prompt, config) -> tuple[list[int], list[int]]:
     """(tokens, iterations per token) of the prompt alone on its adapter's merged model."""
     result = generate(alone[config.adapter], [prompt], replace(config, adapter=None))
-    return result.tokens[0], result.steps[0]
+    return result.tokens[0], result.iterations[0]
 
 
 def run_batch(model, requests, max_batch=None, **engine) -> list[tuple[list[int], list[int]]]:
@@ -94,7 +94,7 @@ def run_batch(model, requests, max_batch=None, **engine) -> list[tuple[list[int]
     while batch.busy:
         for event in batch.step():
             out[event.request][0].append(event.token)
-            out[event.request][1].append(event.steps)
+            out[event.request][1].append(event.iterations)
         assert not batch.take_failures()
     return [out[i] for i in ids]
 

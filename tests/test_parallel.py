@@ -40,7 +40,7 @@ def test_a_wavefront_of_one_position_at_full_depth_is_sequential_greedy(model, r
     parallel = generate(model, prompt, GenerationConfig(num_steps=r, max_new_tokens=10, seed=3, sampler="parallel",
                                                         inner_recurrence=r, max_wavefront=1, **cache))
     assert parallel.tokens == sequential.tokens
-    assert parallel.steps == sequential.steps
+    assert parallel.iterations == sequential.iterations
     assert parallel.core_passes == 9 * r and parallel.wave_steps == 9  # one step per token after the prefill
 
 
@@ -74,7 +74,7 @@ def test_with_the_references_bookkeeping_it_reproduces_the_reference_exactly(fix
     assert result.wave_steps == case["wave_steps"]
     assert result.core_passes == case["core_passes"]
     # the iterations run at the position that chose each token (the prompt's last ran in the prefill, if any)
-    assert result.steps[0] == case["iterations"]
+    assert result.iterations[0] == case["iterations"]
 
 
 # Where comparing each position with its own previous state (rdlm) instead of the shifted one (the
@@ -103,7 +103,7 @@ def test_fewer_core_passes_than_sequential_and_streams_what_it_returns(fixture_m
             break
     assert [e.token for e in events] == result.tokens[0] and len(result.tokens[0]) == 12
     assert result.core_passes < 11 * 32
-    assert all(1 <= s <= 32 for s in result.steps[0])
+    assert all(1 <= s <= 32 for s in result.iterations[0])
 
 
 def test_stop_tokens_and_zero_new_tokens(model):
@@ -171,5 +171,5 @@ def test_a_batch_of_prompts_runs_a_wave_each_with_the_tokens_of_each_alone(model
     together = generate(model, prompts, config)
     alone = [generate(model, p, config) for p in prompts]
     assert together.tokens == [a.tokens[0] for a in alone]
-    assert together.steps == [a.steps[0] for a in alone]
+    assert together.iterations == [a.iterations[0] for a in alone]
     assert together.wave_steps == sum(a.wave_steps for a in alone) and together.wave_steps > 3 * 7 // 2

@@ -204,7 +204,7 @@ def test_a_saved_quantized_model_reloads_to_the_same_tokens(tiny_model, tmp_path
     assert reloaded.quantization == tiny_model.quantization
     assert reloaded.quantized_layers == tiny_model.quantized_layers
     after = greedy(reloaded, [[1, 2, 3], [4, 5]])
-    assert after.tokens == before.tokens and after.steps == before.steps
+    assert after.tokens == before.tokens and after.iterations == before.iterations
     # the file holds the integer weights, not float copies
     stored = load_file(tmp_path / "q" / "model.safetensors")
     assert stored["transformer.core_block.0.attn.Wqkv.qweight"].dtype in (torch.int8, torch.uint8)
@@ -372,5 +372,5 @@ def test_the_engines_static_step_gives_the_eager_tokens_with_quantized_weights(t
     prompts = [[5, 17, 99, 3, 42, 7], [250, 11]]
     options = dict(r=12, n=8, exit_criterion="kl", exit_threshold=3e-3)
     eager, static = greedy(tiny_model, prompts, compile=False, **options), greedy(tiny_model, prompts, compile=True, **options)
-    assert static.tokens == eager.tokens and static.steps == eager.steps
-    assert len({s for row in eager.steps for s in row[1:]}) > 1
+    assert static.tokens == eager.tokens and static.iterations == eager.iterations
+    assert len({s for row in eager.iterations for s in row[1:]}) > 1

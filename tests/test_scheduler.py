@@ -67,7 +67,7 @@ def test_a_long_prompt_goes_on_in_its_next_chunk_and_its_first_token_starts_it()
     assert [(x.start, x.lengths) for x in plan.chunks] == [(2, (1,))] and q.status is Status.PREFILLING
     events = s.update(StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8,
                                  first=[Chosen(0, 5, 8, (-0.5, ()))]))
-    assert [(e.token, e.steps, e.finish_reason, e.logprob) for e in events] == [(5, 8, None, -0.5)]
+    assert [(e.token, e.iterations, e.finish_reason, e.logprob) for e in events] == [(5, 8, None, -0.5)]
     assert (q.status, q.length, q.tokens, q.spent) == (Status.STARTING, 3, [5], 8)
     plan = s.schedule()
     assert [(x.token, x.position, x.cap) for x in plan.starts] == [(5, 3, 8)] and plan.lockstep
@@ -120,7 +120,7 @@ def test_what_the_look_finds_waits_for_its_coda_and_the_coda_gives_the_next_toke
     assert [it.request for it in plan.iterating] == [1, 2] and plan.coda.waiting == ((0, 1),)
     assert not plan.coda.due(set()) and plan.coda.due({1})   # alone it waits; with b half the rows wait
     events = s.update(StepOutput(computed=(1, 2), found={1: 2}, coda=[Chosen(0, 4, 1), Chosen(1, 5, 2)]))
-    assert [(e.request, e.token, e.steps) for e in events] == [(0, 4, 1), (1, 5, 2)]
+    assert [(e.request, e.token, e.iterations) for e in events] == [(0, 4, 1), (1, 5, 2)]
     assert (a.status, a.length, b.status, b.length) == (Status.STARTING, 4, Status.STARTING, 4)
 
 

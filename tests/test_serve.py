@@ -107,7 +107,7 @@ def test_logprobs_and_iterations_per_token_equal_generate_s(live):
     lp = out.choices[0].logprobs
     kept = [e for e in events if e.token != live.tokenizer.eos_id]
     assert lp.token_logprobs == pytest.approx([e.logprob for e in kept], abs=1e-5)
-    assert lp.model_extra["latent_iterations"] == [e.steps for e in kept]
+    assert lp.model_extra["latent_iterations"] == [e.iterations for e in kept]
     assert [top for top in lp.top_logprobs] == [{live.tokenizer.token_text(t): v for t, v in e.top} for e in kept]
     assert all(len(top) == 3 and max(top.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)  # greedy
                for i, top in enumerate(lp.top_logprobs))
@@ -119,7 +119,7 @@ def test_logprobs_and_iterations_per_token_equal_generate_s(live):
         if c.choices and c.choices[0].logprobs]
     assert sum((c.tokens for c in chunks), []) == lp.tokens                 # streamed pieces make up the whole
     assert sum((c.text_offset for c in chunks), []) == lp.text_offset
-    assert out.usage.model_extra["mean_latent_iterations"] == pytest.approx(sum(offline.steps[0]) / len(offline.steps[0]))
+    assert out.usage.model_extra["mean_latent_iterations"] == pytest.approx(sum(offline.iterations[0]) / len(offline.iterations[0]))
     # chat, whole and streamed: one entry per token with its alternatives and iterations, the same numbers
     messages = [{"role": "user", "content": "the dog"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, logprobs=True,
@@ -227,6 +227,22 @@ def test_metrics_count_tokens_iterations_and_time_to_first_token(live):
     assert float(exits[0].split()[-1]) >= 2            # a threshold of 1.0 exits at min_steps
     if sys.platform.startswith("linux"):               # the process's memory and descriptors, to watch for leaks
         assert "process_resident_memory_bytes" in text and "process_open_fds" in text
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_tokens_cut_by_a_depth_budget_count_apart_from_exits(live):
+    """A token whose cap a depth budget lowered below r stopped at its cap, not by an exit: the exit counter
+    stays, the budget's counter counts it."""
+    before = httpx.get(live.url + "/metrics", timeout=10).text
+    live.client().completions.create(model="tiny", prompt="the", max_tokens=4,
+                                     extra_body={"num_steps": 8, "max_latent_iterations": 12})
+    after = httpx.get(live.url + "/metrics", timeout=10).text
+    assert metric(after, "rdlm_early_exits_total") == metric(before, "rdlm_early_exits_total")
+    cut = metric(after, "rdlm_budget_capped_tokens_total") - metric(before, "rdlm_budget_capped_tokens_total")
+    assert 1 <= cut <= 4     # 12 iterations for 4 tokens at r = 8: the later tokens run fewer than 8
 
 
 def test_a_profiled_server_with_chunked_prompts_exports_its_phases(model_dir):

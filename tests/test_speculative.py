@@ -19,7 +19,7 @@ def test_speculative_greedy_equals_plain_greedy(model, draft_steps, draft_length
     spec = generate(model, prompt, GenerationConfig(num_steps=6, max_new_tokens=15, init_scale=init_scale,
                                                     seed=2, draft_steps=draft_steps,
                                                     draft_length=draft_length))
-    assert spec.tokens == plain.tokens and spec.steps == plain.steps
+    assert spec.tokens == plain.tokens and spec.iterations == plain.iterations
     assert spec.drafted >= draft_length and 0 <= spec.accepted <= spec.drafted
     assert 0.0 <= spec.acceptance_rate <= 1.0
 

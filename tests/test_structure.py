@@ -207,9 +207,9 @@ def model_calls(path: Path) -> list[str]:
 
 
 def test_decoding_calls_the_model_only_through_the_runner():
-    """Every core iteration (and prelude and coda) the engine runs goes through `ModelRunner`
+    """Every core iteration (and prelude and coda) the engine runs goes through `ModelCalls`
     (rdlm/inference/execution/model_calls.py): no other module of rdlm/inference calls the model's parts itself, so the
-    scheduler, the step runner, lockstep tokens, prompt chunks, speculative rounds and parallel waves all
+    scheduler, the step calls, lockstep tokens, prompt chunks, speculative rounds and parallel waves all
     run the model one way."""
     names = module_names()
     inference = {n: p for n, p in names.items() if n.startswith("rdlm.inference.")}
@@ -218,4 +218,4 @@ def test_decoding_calls_the_model_only_through_the_runner():
     assert calls["rdlm.inference.evaluate"], "and teacher-forced scoring's"
     allowed = {"rdlm.inference.execution.model_calls", *SCORES_WITHOUT_A_RUNNER}
     outside = {n: c for n, c in calls.items() if c and n not in allowed}
-    assert not outside, f"modules that call the model itself instead of through ModelRunner: {outside}"
+    assert not outside, f"modules that call the model itself instead of through ModelCalls: {outside}"

@@ -63,5 +63,5 @@ def exit_steps(
         )
         if bool(track.exited.all()):
             break
-    assert track.steps is not None  # ExitTrack.start counts the iterations (only the batch's rows do not)
-    return track.steps.cpu().numpy()
+    assert track.iterations is not None  # ExitTrack.start counts the iterations (only the batch's rows do not)
+    return track.iterations.cpu().numpy()

@@ -213,7 +213,7 @@ def print_stats(result: GenerationResult) -> None:
     new = sum(len(t) for t in result.tokens)
     decode_tps = (new - len(result.tokens)) / result.decode_seconds if result.decode_seconds else 0.0
     line = (
-        f"new tokens {new} | iterations per token mean {result.mean_steps:.2f} | prefill "
+        f"new tokens {new} | iterations per token mean {result.mean_iterations:.2f} | prefill "
         f"{result.prompt_tokens / max(result.prefill_seconds, 1e-9):.1f} tok/s | decode {decode_tps:.1f} "
         f"tok/s | cache {result.cache_bytes / 2**20:.2f} MiB"
     )
@@ -227,7 +227,7 @@ def print_stats(result: GenerationResult) -> None:
     if result.compile_seconds:  # building the static step (a CUDA graph, or the CPU's compiled iteration)
         line += f" | compile {result.compile_seconds:.1f} s (not in decode)"
     print(line, file=sys.stderr)
-    for row, steps in enumerate(result.steps):
+    for row, steps in enumerate(result.iterations):
         print(f"iterations per token [{row}]: {' '.join(map(str, steps))}", file=sys.stderr)
 
 

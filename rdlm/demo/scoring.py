@@ -74,7 +74,7 @@ def decode_answers(
             seed=seed,
         )
         result = generate(model, [tokenizer.encode(ex.prompt) for ex in chunk], config)
-        for ex, tokens, steps in zip(chunk, result.tokens, result.steps, strict=True):
+        for ex, tokens, steps in zip(chunk, result.tokens, result.iterations, strict=True):
             correct.append(T.exact_match(tokenizer.decode(tokens), ex.reply))
             decoded_steps.append(steps[1:])  # steps[0]: the prompt pass (the marker)
             answer_steps.append(steps[1 : 1 + len(ex.answer)])

@@ -124,7 +124,7 @@ class ContinuousBatch(Engine):
         self.scheduler = Scheduler(self.settings, decode)  # who does what, when: no tensor
         self.phases = PhaseTimes(self.device, profile)  # with `profile`: seconds per phase of the steps
         self.step_runner = StepRunner(model, self.settings, self.phases)  # the rows' tensors and the model calls
-        self.runner, self.cache = self.step_runner.runner, self.step_runner.cache
+        self.calls, self.cache = self.step_runner.calls, self.step_runner.cache
         self._compiled = self.step_runner.static_step.compiled is not None  # the CPU's compiled step
         self.cache_bytes = self.cache.nbytes
         self.ids = itertools.count()

@@ -130,7 +130,7 @@ def gate_exit_logits(
     )
     assert track.exit_state is not None  # a gate track, unfrozen: it keeps each token's state at its exit
     logits = model.readout(track.exit_state.view_as(state), rope)
-    return logits, track.steps.view(input_ids.shape)
+    return logits, track.iterations.view(input_ids.shape)
 
 
 @torch.no_grad()  # scores only: no graph (a caller in training mode would otherwise keep one per batch)

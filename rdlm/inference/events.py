@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,10 +19,16 @@ class BatchEvent:
 
     request: int  # the id `Engine.add` returned
     token: int
-    steps: int  # core iterations run at the position whose logits chose this token
+    iterations: int  # core iterations run at the position whose logits chose this token
     finish_reason: str | None  # None while the request goes on; "stop_token", "stop_string", "length"
     logprob: float | None = None  # with GenerationConfig.logprobs (TokenEvent's)
     top: tuple[tuple[int, float], ...] | None = None
+    cap: int | None = None  # the iterations the token could run: num_steps, or fewer under a depth budget
+
+    @property
+    def exited(self) -> bool:
+        """The token stopped iterating before its cap (an exit criterion fired)."""
+        return self.cap is not None and self.iterations < self.cap
 
 
 class Engine(Protocol):
@@ -83,15 +90,21 @@ class Engine(Protocol):
 class TokenEvent:
     row: int  # which prompt of the batch
     token: int
-    steps: int  # core iterations run at the position whose logits chose this token
+    iterations: int  # core iterations run at the position whose logits chose this token
     logprob: float | None = None  # with GenerationConfig.logprobs: log p(token)
     top: tuple[tuple[int, float], ...] | None = None  # ... and the k most likely (token, log p), best first
+
+    @property
+    def steps(self) -> int:
+        """Deprecated name of `iterations`."""
+        _renamed("TokenEvent.steps", "TokenEvent.iterations")
+        return self.iterations
 
 
 @dataclass
 class GenerationResult:
     tokens: list[list[int]]  # new tokens per prompt (stop token included, stop string not cut)
-    steps: list[list[int]]  # iterations per new token
+    iterations: list[list[int]]  # core iterations per new token
     finish_reasons: list[str]  # "stop_token", "stop_string" or "length"
     texts: list[str] | None = None  # decoded new text (cut before a stop string) when decode given
     prefill_seconds: float = 0.0
@@ -110,6 +123,24 @@ class GenerationResult:
         return self.accepted / self.drafted if self.drafted else None
 
     @property
-    def mean_steps(self) -> float:
-        flat = [s for row in self.steps for s in row]
+    def mean_iterations(self) -> float:
+        flat = [s for row in self.iterations for s in row]
         return sum(flat) / len(flat) if flat else 0.0
+
+    @property
+    def steps(self) -> list[list[int]]:
+        """Deprecated name of `iterations`."""
+        _renamed("GenerationResult.steps", "GenerationResult.iterations")
+        return self.iterations
+
+    @property
+    def mean_steps(self) -> float:
+        """Deprecated name of `mean_iterations`."""
+        _renamed("GenerationResult.mean_steps", "GenerationResult.mean_iterations")
+        return self.mean_iterations
+
+
+def _renamed(old: str, new: str) -> None:
+    """A public name renamed in 0.2 (a core iteration is an "iteration" everywhere): the old one still reads
+    the same value, with a DeprecationWarning, until it is removed."""
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=3)

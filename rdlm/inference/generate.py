@@ -1,7 +1,7 @@
 """Generation: prefill, then decode one token at a time over a `RecurrentKVCache` (paper section 6).
 
     result = generate(model, [[1, 2, 3], [4, 5]], GenerationConfig(num_steps=8, max_new_tokens=16))
-    for event in stream(model, prompts, config): ...          # TokenEvent(row, token, steps)
+    for event in stream(model, prompts, config): ...          # TokenEvent(row, token, iterations)
 
 Every zero-shot inference feature of the paper is a field of `GenerationConfig`:
 - fixed compute: `num_steps` iterations per token (any r);
@@ -27,7 +27,7 @@ preallocated cache; while the rows go together each token runs in lockstep (rdlm
 CUDA as CUDA graphs, exits decided on the device). Nothing is re-stacked, and no Python structure grows
 with the sequence except the list of output tokens.
 
-`generate` is one driver over the engine interface (`Engine`, rdlm.inference.params): add every prompt
+`generate` is one driver over the engine interface (`Engine`, rdlm.inference.events): add every prompt
 to an engine, step it until idle, and turn its events into `TokenEvent`s and one `GenerationResult`.
 The engine is the `ContinuousBatch` that `rdlm serve` runs too (rdlm.inference.batching), one row per
 prompt, for every feature above: self-speculative decoding and the parallel sampler run a round per step
@@ -165,7 +165,7 @@ def _run(
     engine = _engine(model, prompts, config, decode)
     rows = {engine.add(p, config): row for row, p in enumerate(prompts)}
     tokens: list[list[int]] = [[] for _ in prompts]
-    steps: list[list[int]] = [[] for _ in prompts]
+    iterations: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] | None = None if config.logprobs is None else [[] for _ in prompts]
     reasons = ["length"] * len(prompts)
     t0 = time.perf_counter()
@@ -176,19 +176,19 @@ def _run(
         for event in events:
             row = rows[event.request]
             tokens[row].append(event.token)
-            steps[row].append(event.steps)
+            iterations[row].append(event.iterations)
             if logprobs is not None:
                 assert event.logprob is not None  # config.logprobs: every token is scored (sampling.sample)
                 logprobs[row].append(event.logprob)
             if event.finish_reason is not None:
                 reasons[row] = event.finish_reason
-            yield TokenEvent(row, event.token, event.steps, event.logprob, event.top)
+            yield TokenEvent(row, event.token, event.iterations, event.logprob, event.top)
     sync(engine.device)
     decode_seconds = time.perf_counter() - (t0 if engine.decode_start is None else engine.decode_start)
     texts = None if decode is None else [cut_at_stop(decode(row), config.stop_strings) for row in tokens]
     return GenerationResult(
         tokens,
-        steps,
+        iterations,
         reasons,
         texts,
         engine.prefill_seconds,

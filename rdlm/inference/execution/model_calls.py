@@ -1,12 +1,12 @@
-"""The model runner: the one place the inference engines call the model (issue #29).
+"""The model's calls: the one place the inference engines call the model (issue #29).
 
 Every engine runs the same three parts of the model (paper section 3, docs/inference.md): the prelude
 over new tokens (`embed`), core iterations on the latent state (`iterate_once`, `iterate`), the coda and the head
 (`readout`), each with the RoPE of the tokens' positions, an attention mask over the cache's valid
-entries, and the cache with a write plan. `ModelRunner` owns the model, the `RecurrentKVCache`, which
+entries, and the cache with a write plan. `ModelCalls` owns the model, the `RecurrentKVCache`, which
 buffer entries hold a token (`key_valid`, the keys of every mask) and the s_0 noise table; a caller
 says which rows and buffer indices a call covers (a `Call`, from `block`, `tokens` or `prompt`) and at
-which iterations, and the runner builds the positions and the mask and calls the model. The engines
+which iterations, and `ModelCalls` builds the positions and the mask and calls the model. The engines
 above it (the continuous batch's `StepRunner` with its lockstep tokens, `PromptChunk`s, speculative rounds
 and `ParallelSampler` waves; `Sequences` for a transformers forward) decide what runs when and hold no
 model call of their own.
@@ -39,7 +39,7 @@ class Call:
     mask: Tensor
     cache: CacheCall
     positions: Tensor  # [rows | 1, n]
-    adapters: Tensor | None = None  # [rows, 1]: 0 the base, i the runner's adapter i (`ModelRunner.route`)
+    adapters: Tensor | None = None  # [rows, 1]: 0 the base, i adapter i of `ModelCalls.route`
 
     @property
     def start(self) -> int | Tensor:
@@ -95,7 +95,7 @@ class Pack:
         return tokens
 
 
-class ModelRunner:
+class ModelCalls:
     """The model, its KV cache, the valid buffer entries of each row and the s_0 table (see the module
     doc). Buffer index t of row b holds that row's token at position t - pad[b] (`Sequences` left-pads its
     prompts to a common length; without `pad`, every row starts at index 0)."""
@@ -128,7 +128,7 @@ class ModelRunner:
             self.row_adapters = torch.full((batch, 1), self.default_adapter, dtype=torch.long, device=self.device)
 
     def upload(self, values: list) -> Tensor:
-        """Host values (a list, nested or not) as a tensor on the runner's device. On CUDA through pinned
+        """Host values (a list, nested or not) as a tensor on the model's device. On CUDA through pinned
         memory and without waiting: a copy from pageable memory would first wait for all queued work, a host
         sync at every step that feeds the device a few indices."""
         host = torch.tensor(values)
@@ -139,7 +139,7 @@ class ModelRunner:
     # ---- which adapter each row runs (rdlm.model.lora)
 
     def adapter_number(self, name: str | None) -> int:
-        """0 for the base (None), i for adapter `name`, the runner's adapter i (a name the model has: the
+        """0 for the base (None), i for adapter `name`, adapter i of these calls (a name the model has: the
         engine checked it)."""
         return 0 if name is None else self.adapter_names.index(name) + 1
 
@@ -255,7 +255,7 @@ class ModelRunner:
         return self.model.start_state(embedded, noise)
 
     def initial_state(self, embedded: Tensor, positions: Tensor) -> Tensor:
-        """s_0 of tokens at `positions`: rows of this runner's table."""
+        """s_0 of tokens at `positions`: rows of this table."""
         return self.start_state(embedded, None if self.noise is None else self.noise[positions])
 
     def state_noise(self, like: Tensor, scale: float, generator: torch.Generator) -> Tensor:

@@ -49,7 +49,7 @@ class ExitTrack:
     is the one update; its two readings, `read_gate` and `read_criterion`, also serve the callers that count
     iterations or schedule readings themselves."""
 
-    steps: Tensor  # [n] iterations run before the token exited (the cap if it never did); unused where the
+    iterations: Tensor  # [n] iterations run before the token exited (the cap if it never did); unused where the
     # caller counts them (the continuous batch's rows, whose readings take the runner's counts)
     exited: Tensor  # [n] bool: the criterion fired (gate-exact: the exit state is chosen)
     streak: Tensor  # [n] consecutive passing readings
@@ -84,7 +84,7 @@ class ExitTrack:
 
     def count_iteration(self) -> ExitTrack:
         """One more iteration run: every token not exited counts it."""
-        return replace(self, steps=self.steps + (~self.exited).long())
+        return replace(self, iterations=self.iterations + (~self.exited).long())
 
     def after_iteration(
         self,
@@ -156,7 +156,7 @@ class ExitTrack:
         assert self.remaining is not None and self.cumulative is not None, "a track started with gate=True"
         live = ~self.exited if running is None else running & ~self.exited
         exits, remaining, cumulative = gate_exits(
-            lam, self.remaining, self.cumulative, threshold, self.steps, min_steps, live
+            lam, self.remaining, self.cumulative, threshold, self.iterations, min_steps, live
         )
         if running is not None:
             remaining = torch.where(running, remaining, self.remaining)
@@ -182,7 +182,7 @@ class ExitTrack:
         readings in a row and has run at least `min_steps` iterations (`running`, when given: only those
         tokens are read, the others keep their streak)."""
         exits, streak = criterion.update(self.streak, prev_logits, logits, prev_state, state)
-        exits = exits & (self.steps >= min_steps)
+        exits = exits & (self.iterations >= min_steps)
         if running is not None:
             exits, streak = exits & running, torch.where(running, streak, self.streak)
         return replace(self, exited=self.exited | exits, streak=streak)

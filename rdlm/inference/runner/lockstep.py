@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.execution.graphs import StaticSteps, resolve_sync_every
-from rdlm.inference.execution.model_calls import Call, ModelRunner
+from rdlm.inference.execution.model_calls import Call, ModelCalls
 from rdlm.inference.exits.criteria import ExitCriterion
 from rdlm.inference.exits.track import ExitTrack, iterate_with_exits
 from rdlm.inference.params import GenerationConfig
@@ -73,8 +73,8 @@ class Rows:
         )
 
     @property
-    def steps(self) -> Tensor:
-        return self.track.steps
+    def iterations(self) -> Tensor:
+        return self.track.iterations
 
     @property
     def exited(self) -> Tensor:
@@ -99,9 +99,9 @@ class Lockstep:
     every `exit_sync_every` iterations of the token's config (`resolve_sync_every`: by default after every
     iteration on the CPU, every 4 on a GPU)."""
 
-    def __init__(self, runner: ModelRunner, static: bool) -> None:
-        self.runner = runner
-        self.static_steps = StaticSteps(runner.device, static)
+    def __init__(self, calls: ModelCalls, static: bool) -> None:
+        self.calls = calls
+        self.static_steps = StaticSteps(calls.device, static)
 
     def _run(self, key: tuple, body: Callable[[], tuple], idempotent: bool = True) -> tuple:
         return self.static_steps.run(key, body, idempotent) if self.static_steps.static else body()
@@ -111,7 +111,7 @@ class Lockstep:
         static step): the final states."""
         r = config.num_steps
         return self._run(
-            ("lockstep", r, config.core_slots), lambda: (self.runner.iterate(state, embedded, call(), range(r)),)
+            ("lockstep", r, config.core_slots), lambda: (self.calls.iterate(state, embedded, call(), range(r)),)
         )[0]
 
     def adaptive(
@@ -130,8 +130,8 @@ class Lockstep:
         rows = self._run(key + ("start",), lambda: (start(),))[0]
         if criterion.spec.exact:  # every row runs every iteration: one chunk, the exit only selects
             return self.exact(config, criterion, rows)
-        final, steps = rows.state.clone(), rows.steps.clone()
-        every = resolve_sync_every(config.exit_sync_every, self.runner.device)
+        final, steps = rows.state.clone(), rows.iterations.clone()
+        every = resolve_sync_every(config.exit_sync_every, self.calls.device)
         i, compact = 0, False
         while i < r:
             n = min(every, r - i)
@@ -146,13 +146,13 @@ class Lockstep:
             done = exited.cpu()  # the host looks: rows that exited leave the batch
             if int(done.sum()) > idle:
                 final[rows.index[exited]] = rows.state[exited]
-                steps[rows.index[exited]] = rows.steps[exited]
+                steps[rows.index[exited]] = rows.iterations[exited]
                 if bool(done.all()):
                     rows = rows.select(~exited)
                     break
                 rows, compact, idle = rows.select(~exited), True, 0
         final[rows.index] = rows.state
-        steps[rows.index] = rows.steps
+        steps[rows.index] = rows.iterations
         return final, steps
 
     def _chunk(
@@ -166,7 +166,7 @@ class Lockstep:
         computes), each row's final state the one at its gate exit. Iterations reported: num_steps."""
         r = config.num_steps
         _, track = iterate_with_exits(
-            lambda state, i, exited: self.runner.iterate_once(state, rows.embedded, i, rows.call),
+            lambda state, i, exited: self.calls.iterate_once(state, rows.embedded, i, rows.call),
             None,
             rows.state,
             rows.track,
@@ -176,10 +176,10 @@ class Lockstep:
             r,
             min_steps=_min_steps(config),
             freeze=False,
-            gate=self.runner.exit_probability,
+            gate=self.calls.exit_probability,
         )
         assert track.exit_state is not None  # (an unfrozen gate loop keeps each token's exit state)
-        return track.exit_state.view_as(rows.state), torch.full_like(rows.steps, r)
+        return track.exit_state.view_as(rows.state), torch.full_like(rows.iterations, r)
 
     def iterate(
         self,
@@ -200,12 +200,12 @@ class Lockstep:
             # At the first iteration only idle rows can have exited: every row writes when there are none (on
             # the static path the call's own writers, the decoding rows, say the same).
             call = rows.call.but(core_writers=~exited) if i or idle else rows.call
-            return self.runner.iterate_once(state, rows.embedded, i, call)
+            return self.calls.iterate_once(state, rows.embedded, i, call)
 
         def readout(state: Tensor) -> Tensor:
-            return self.runner.readout(state, rows.call)[:, -1]
+            return self.calls.readout(state, rows.call)[:, -1]
 
-        gate = self.runner.exit_probability if criterion.uses_gate else None
+        gate = self.calls.exit_probability if criterion.uses_gate else None
         state, track = iterate_with_exits(
             step,
             readout,

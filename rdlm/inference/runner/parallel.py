@@ -61,7 +61,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rdlm.inference.execution.model_calls import ModelRunner
+from rdlm.inference.execution.model_calls import ModelCalls
 from rdlm.inference.exits.track import ExitTrack
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.runner.row_state import RowState
@@ -100,14 +100,14 @@ class ParallelSampler:
     own tensors (states, smoothed embeddings, criterion streaks, previous logits) are [1, W, ...] and shift
     when the wave start moves. Drafts are drawn from the request's generator, which chose its first token."""
 
-    def __init__(self, runner: ModelRunner, request: RowState) -> None:
-        self.runner, self.request, self.model = runner, request, runner.model
+    def __init__(self, calls: ModelCalls, request: RowState) -> None:
+        self.calls, self.request, self.model = calls, request, calls.model
         self.config = c = request.config
         self.row, self.prompt_length = request.row, len(request.prompt)
         self.criterion = c.freezer()
-        length, device = runner.cache.max_length, runner.device
+        length, device = calls.cache.max_length, calls.device
         self.tokens = torch.zeros(length + 1, dtype=torch.long, device=device)  # final, then drafts
-        self.tokens[: self.prompt_length] = runner.upload(request.prompt)
+        self.tokens[: self.prompt_length] = calls.upload(request.prompt)
         self.iterations = torch.zeros(length + 1, dtype=torch.long, device=device)  # run at each position
         self.noise = torch.Generator(device=device).manual_seed(c.seed)
         self.core_passes = 0  # core block calls, each over the whole wave
@@ -127,17 +127,17 @@ class ParallelSampler:
         """The first wave: positions start .. start + n - 1, all with final tokens."""
         self.start = start
         self.state = self.previous = self._initial_state(start, n)
-        self.exact = torch.full((n,), exact, dtype=torch.bool, device=self.runner.device)
+        self.exact = torch.full((n,), exact, dtype=torch.bool, device=self.calls.device)
         self.smoothed = torch.zeros_like(self.state) if self.config.embedding_ema > 0 else None
-        self.streak = torch.zeros(n, dtype=torch.long, device=self.runner.device)
+        self.streak = torch.zeros(n, dtype=torch.long, device=self.calls.device)
         self.prev_logits: Tensor | None = None
-        self.has_logits = torch.zeros(n, dtype=torch.bool, device=self.runner.device)
+        self.has_logits = torch.zeros(n, dtype=torch.bool, device=self.calls.device)
 
     def _initial_state(self, start: int, n: int) -> Tensor:
         """s_0 of new positions: the request's (seed, position) noise, the same as sequential decoding."""
-        runner, noise = self.runner, self.request.noise
-        zeros = torch.zeros(1, n, self.model.config.hidden_size, dtype=runner.dtype, device=runner.device)
-        return runner.start_state(zeros, None if noise is None else noise[start : start + n].unsqueeze(0))
+        calls, noise = self.calls, self.request.noise
+        zeros = torch.zeros(1, n, self.model.config.hidden_size, dtype=calls.dtype, device=calls.device)
+        return calls.start_state(zeros, None if noise is None else noise[start : start + n].unsqueeze(0))
 
     @property
     def exhausted(self) -> bool:
@@ -149,25 +149,25 @@ class ParallelSampler:
     def step(self) -> list[tuple[int, int]]:
         """One wavefront step; returns the tokens that became final, each with the iterations run at the
         position that chose it."""
-        c, runner, row = self.config, self.runner, self.row
+        c, calls, row = self.config, self.calls, self.row
         a, width = self.start, self.state.shape[1]
-        runner.rewind(a, row)  # the wave's entries are (re)written from its start
-        runner.admit(a, width, row)
-        call = runner.block(a, width, row=row).but(budget=self.request.budget)
-        e = runner.embed(self.tokens[a : a + width].view(1, width), call)
+        calls.rewind(a, row)  # the wave's entries are (re)written from its start
+        calls.admit(a, width, row)
+        call = calls.block(a, width, row=row).but(budget=self.request.budget)
+        e = calls.embed(self.tokens[a : a + width].view(1, width), call)
         if self.smoothed is not None:  # EMA of the input embeddings as drafts change
             old = torch.where(self.exact.view(1, -1, 1), e, self.smoothed)
             e = self.smoothed = (1 - c.embedding_ema) * e + c.embedding_ema * old
         prev, state = self.previous, self.state
         if c.state_noise_mixing > 0:  # dampened: positions that iterated more get less noise
             mix = c.state_noise_mixing / (1 + self.iterations[a : a + width].to(state.dtype))
-            noise = runner.state_noise(state, c.init_scale, self.noise)
+            noise = calls.state_noise(state, c.init_scale, self.noise)
             state = state * (1 - mix.view(1, -1, 1)) + mix.view(1, -1, 1) * noise
-        state = runner.iterate(state, e, call, range(c.inner_recurrence))
+        state = calls.iterate(state, e, call, range(c.inner_recurrence))
         self.core_passes += c.inner_recurrence
         self.wave_steps += 1
         self.iterations[a : a + width] += c.inner_recurrence
-        logits = runner.readout(state, call)[0]  # [W, V]: logits at p draft p + 1
+        logits = calls.readout(state, call)[0]  # [W, V]: logits at p draft p + 1
         first_draft = max(self.final, a + 1)  # final tokens are never redrafted
         self.tokens[first_draft : a + width + 1] = self._draft(logits)[first_draft - a - 1 :]
 
@@ -189,7 +189,7 @@ class ParallelSampler:
             running=self.has_logits if crit.uses_logits else None,
         )
         self.streak = read.streak
-        index = torch.arange(width, device=runner.device)
+        index = torch.arange(width, device=calls.device)
         settled = torch.where(read.exited, index, -1).max()
         done = torch.where(self.iterations[a : a + width] >= c.num_steps, index + 1, -1).max()
         finite = torch.isfinite(logits).all().long()
@@ -213,9 +213,9 @@ class ParallelSampler:
         end = a + width + c.headway
         if c.max_wavefront is not None:
             end = min(end, a + c.max_wavefront)
-        end = min(max(end, new_start + 1), runner.cache.max_length)
+        end = min(max(end, new_start + 1), calls.cache.max_length)
         keep, new = new_start - a, max(0, end - (a + width))
-        fresh = torch.arange(a + width, a + width + new, device=runner.device) < new_final
+        fresh = torch.arange(a + width, a + width + new, device=calls.device) < new_final
         self.tokens[a + width + 1 : a + width + new] = self.tokens[a + width]  # placeholders: newest draft
         if c.continuous_cot and width >= c.headway:
             init = state[:, width - c.headway :][:, :new]
@@ -230,7 +230,7 @@ class ParallelSampler:
             self.prev_logits = torch.cat((logits[keep:], logits.new_zeros(new, logits.shape[-1])))
             self.has_logits = torch.cat((torch.ones_like(self.has_logits[keep:width]), self.has_logits.new_zeros(new)))
         self.start = new_start
-        runner.rewind(new_start, row)
+        calls.rewind(new_start, row)
         return out
 
     def _next_wave(self, state: Tensor, keep: int, init: Tensor) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rdlm.inference.execution.model_calls import Call, ModelRunner, Pack
+from rdlm.inference.execution.model_calls import Call, ModelCalls, Pack
 from rdlm.inference.exits.criteria import ExitCriterion, make_exit_criterion
 from rdlm.inference.exits.track import ExitTrack
 
@@ -57,39 +57,39 @@ class PromptChunk:
 
     @classmethod
     def begin(
-        cls, runner: ModelRunner, requests: list[Any], start: int, lengths: list[int], cap: int, budget: int
+        cls, calls: ModelCalls, requests: list[Any], start: int, lengths: list[int], cap: int, budget: int
     ) -> PromptChunk:
         """The prelude and s_0 of the requests' next chunk of prompt, `lengths[j]` tokens of request j from
         `start` (the scheduler sized them: rdlm.inference.scheduling.scheduler). Marks the chunk's tokens valid
-        (`ModelRunner.admit`)."""
-        device = runner.device
+        (`ModelCalls.admit`)."""
+        device = calls.device
         lengths = list(lengths)
         g, n = len(requests), max(lengths)
-        ids = runner.upload(
+        ids = calls.upload(
             [q.prompt[start : start + length] + [0] * (n - length) for q, length in zip(requests, lengths, strict=True)]
         )
-        noise = torch.zeros(g, n, runner.model.config.hidden_size, dtype=runner.dtype, device=device)
+        noise = torch.zeros(g, n, calls.model.config.hidden_size, dtype=calls.dtype, device=device)
         for j, (q, length) in enumerate(zip(requests, lengths, strict=True)):
             if q.noise is not None:
                 noise[j, :length] = q.noise[start : start + length]
-            runner.admit(start, length, q.row)
-        call = runner.prompt(start, n, runner.upload([q.row for q in requests]), budget)
-        e = runner.embed(ids, call)
-        chunk = cls(requests, start, lengths, cap, budget, runner.start_state(e, noise), e, call)
+            calls.admit(start, length, q.row)
+        call = calls.prompt(start, n, calls.upload([q.row for q in requests]), budget)
+        e = calls.embed(ids, call)
+        chunk = cls(requests, start, lengths, cap, budget, calls.start_state(e, noise), e, call)
         gated = [q.criterion is not None and q.criterion.uses_gate for q in requests]
         if any(gated):  # read out at each token's gate exit, as a block prefill (`block`) reads it
             never = 2.0  # a cumulative probability never reaches it: rows without a gate keep their last state
-            chunk.thresholds = runner.upload(
+            chunk.thresholds = calls.upload(
                 [q.criterion.threshold if gate else never for q, gate in zip(requests, gated, strict=True)]
             ).view(-1, 1)
-            chunk.minimum = runner.upload([q.config.min_steps for q in requests]).view(-1, 1)
+            chunk.minimum = calls.upload([q.config.min_steps for q in requests]).view(-1, 1)
             chunk.gate = chunk._gate_track()
         return chunk
 
     @classmethod
     def block(
         cls,
-        runner: ModelRunner,
+        calls: ModelCalls,
         call: Call,
         embedded: Tensor,
         cap: int,
@@ -98,14 +98,14 @@ class PromptChunk:
     ) -> PromptChunk:
         """Tokens of every row of the runner's batch at once (a left-padded prompt, or a block appended
         after it: `rdlm.integrations.hf.sequences.Sequences`), their prelude run (`embedded`) and `call` from
-        `ModelRunner.block`; s_0 from the runner's noise table. A learned gate `criterion` reads each
+        `ModelCalls.block`; s_0 from the runner's noise table. A learned gate `criterion` reads each
         token out at its exit."""
-        state = runner.initial_state(embedded, call.positions)
+        state = calls.initial_state(embedded, call.positions)
         rows, n = state.shape[0], state.shape[1]
         assert isinstance(call.start, int)  # (a block starts at one buffer index for every row)
-        chunk = cls([], call.start, [n] * rows, cap, runner.cache.num_slots, state, embedded, call)
+        chunk = cls([], call.start, [n] * rows, cap, calls.cache.num_slots, state, embedded, call)
         if criterion is not None and criterion.uses_gate:
-            device = runner.device
+            device = calls.device
             chunk.thresholds = torch.full((rows, 1), criterion.threshold, device=device)
             chunk.minimum = torch.full((rows, 1), min_steps, device=device)
             chunk.gate = chunk._gate_track()
@@ -116,11 +116,11 @@ class PromptChunk:
         track = ExitTrack.start(self.state.shape[:2], self.state.device, gate=True)
         return dataclasses.replace(track, exit_state=self.state)
 
-    def run(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
+    def run(self, calls: ModelCalls) -> tuple[Tensor, Tensor]:
         """Every iteration of the chunk, one call each (nothing else in the call), then `finish`."""
         while not self.iterated:
-            self.advance(runner, runner.iterate_once(self.state, self.embedded, self.iteration, self.call))
-        return self.finish(runner)
+            self.advance(calls, calls.iterate_once(self.state, self.embedded, self.iteration, self.call))
+        return self.finish(calls)
 
     @property
     def n(self) -> int:
@@ -135,7 +135,7 @@ class PromptChunk:
         """Add its next core iteration to a packed call; returns its tokens there."""
         return pack.add(self.call, self.state, self.embedded, self.iteration)
 
-    def advance(self, runner: ModelRunner, state: Tensor) -> None:
+    def advance(self, calls: ModelCalls, state: Tensor) -> None:
         """Take the state of the iteration just run ([1, g * n, h]); a learned gate keeps, per token, the
         state where it first fired."""
         previous, self.state = self.state, state.view(self.state.shape)
@@ -150,18 +150,18 @@ class PromptChunk:
             previous,
             self.state,
             min_steps=self.minimum,
-            gate=runner.exit_probability,
+            gate=calls.exit_probability,
             threshold=self.thresholds,
         )
 
-    def finish(self, runner: ModelRunner) -> tuple[Tensor, Tensor]:
+    def finish(self, calls: ModelCalls) -> tuple[Tensor, Tensor]:
         """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]."""
         if not self.requests:  # a block of every row (`block`)
-            runner.cache.fill_missing(self.cap, self.start, self.start + self.n)
+            calls.cache.fill_missing(self.cap, self.start, self.start + self.n)
         for q, length in zip(self.requests, self.lengths, strict=False):  # (a block of every row: no requests)
-            runner.cache.fill_missing(self.cap, self.start, self.start + length, row=q.row, slots=self.budget)
+            calls.cache.fill_missing(self.cap, self.start, self.start + length, row=q.row, slots=self.budget)
         state = self.state if self.gate is None or self.gate.exit_state is None else self.gate.exit_state
-        return state, runner.readout(state, self.call)
+        return state, calls.readout(state, self.call)
 
     def select(self, keep: list[int]) -> PromptChunk:
         """The chunk of the requests at positions `keep` only."""

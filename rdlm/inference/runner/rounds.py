@@ -5,7 +5,7 @@ in flight, one per parallel request, and counts their work."""
 
 from __future__ import annotations
 
-from rdlm.inference.execution.model_calls import ModelRunner
+from rdlm.inference.execution.model_calls import ModelCalls
 from rdlm.inference.runner.parallel import ParallelSampler
 from rdlm.inference.runner.row_state import RowState
 from rdlm.inference.runner.sampling import NonFiniteLogitsError
@@ -17,8 +17,8 @@ class Rounds:
     """The waves of the parallel requests in flight (by request id) and the rounds' work, all requests
     together: the waves' core calls (`core_passes`) and steps (`wave_steps`)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, calls: ModelCalls) -> None:
+        self.calls = calls
         self.waves: dict[int, ParallelSampler] = {}
         self.core_passes = self.wave_steps = 0
 
@@ -27,11 +27,11 @@ class Rounds:
         a round whose logits are not finite fails the request alone (its wave goes with it)."""
         try:
             if row.config.draft_steps is not None:
-                drafts, drafted, accepted = speculate(self.runner, row)
+                drafts, drafted, accepted = speculate(self.calls, row)
                 return RoundOutput(row.id, [(t, row.config.num_steps) for t in drafts], drafted, accepted)
             wave = self.waves.get(row.id)
             if wave is None:
-                wave = self.waves[row.id] = ParallelSampler(self.runner, row)
+                wave = self.waves[row.id] = ParallelSampler(self.calls, row)
             passes, steps = wave.core_passes, wave.wave_steps
             tokens = wave.step()
             self.core_passes += wave.core_passes - passes

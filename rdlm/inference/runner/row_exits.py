@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rdlm.inference.execution.model_calls import Call, ModelRunner
+from rdlm.inference.execution.model_calls import Call, ModelCalls
 from rdlm.inference.exits.criteria import ExitCriterion
 from rdlm.inference.exits.track import ExitTrack, exit_schedule
 
@@ -25,8 +25,8 @@ from rdlm.inference.exits.track import ExitTrack, exit_schedule
 class RowExits:
     """Per-row exit state of a batch of `max_batch` rows whose states are shaped like `state` ([b, 1, h])."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int, vocab_size: int, state: Tensor) -> None:
-        self.runner = runner
+    def __init__(self, calls: ModelCalls, max_batch: int, vocab_size: int, state: Tensor) -> None:
+        self.calls = calls
         track = ExitTrack.start(max_batch, state.device, vocab_size, gate=True)
         assert track.logits is not None and track.remaining is not None and track.cumulative is not None
         # What the criteria carry per row (an `ExitTrack`'s fields, its iteration counts the runner's): whether
@@ -83,14 +83,14 @@ class RowExits:
             if group == everyone:
                 assert call.rows is not None  # (the call of the batch's rows names them)
                 return slice(None), call.rows
-            pick = self.runner.upload(group)
+            pick = self.calls.upload(group)
             return pick, rows[pick]
 
         # The previous reading's logits, before this iteration's readout replaces them.
         previous = {crit: self.logits[where(group)[1]].clone() for crit, group in groups.items() if crit.uses_logits}
         if readout:  # one readout for every row that needs one, whatever its criterion
             pick, at = where(readout)
-            self.logits[at] = self.runner.readout(state[pick], call.select(pick, at))[:, -1]
+            self.logits[at] = self.calls.readout(state[pick], call.select(pick, at))[:, -1]
         for crit, group in groups.items():
             pick, at = where(group)
             track = ExitTrack(iterations[at], self.exited[at], self.streak[at], previous.get(crit))
@@ -125,9 +125,9 @@ class RowExits:
         group = [j for j, q in enumerate(members) if q.criterion is not None and q.criterion.uses_gate]
         if not group:
             return
-        pick = self.runner.upload(group)
+        pick = self.calls.upload(group)
         at = rows[pick]
-        thresholds = self.runner.upload([members[j].criterion.threshold for j in group])
+        thresholds = self.calls.upload([members[j].criterion.threshold for j in group])
         track = ExitTrack(
             iterations[at],
             self.exited[at],
@@ -144,7 +144,7 @@ class RowExits:
             prev_state[pick, -1],
             state[pick, -1],
             min_steps=min_steps[at],
-            gate=self.runner.exit_probability,
+            gate=self.calls.exit_probability,
             threshold=thresholds,
             running=running[pick],
             counted=True,

@@ -1,7 +1,7 @@
 """Self-speculative decoding (paper section 6, "Zero-Shot Self-Speculative Decoding"): the model drafts with
 few core iterations and verifies with the full number. A request with `draft_steps` in the continuous batch
 (rdlm.inference.batching) runs one round per step in its own row, after its prompt is prefilled as any
-other's: the scheduler plans the round (rdlm.inference.scheduling.plan.StepPlan.rounds) and the step runner
+other's: the scheduler plans the round (rdlm.inference.scheduling.plan.StepPlan.rounds) and the step calls
 runs it here.
 
 A draft needs no second model: the prelude's output and the first N iterations of a token do not depend
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from rdlm.inference.execution.model_calls import ModelRunner
+from rdlm.inference.execution.model_calls import ModelCalls
 from rdlm.inference.runner.row_state import RowState
 from rdlm.inference.runner.sampling import NonFiniteLogitsError, read_tokens
 
 
-def speculate(runner: ModelRunner, request: RowState) -> tuple[list[int], int, int]:
+def speculate(calls: ModelCalls, request: RowState) -> tuple[list[int], int, int]:
     """One round for `request` from its pending token (`next_token`, chosen, not yet fed at buffer index
     `length` of its row). Draft `draft_length` (L) tokens greedily with `draft_steps` (N) iterations each;
     then continue those L positions from iteration N to `num_steps` (M) in one forward. Accept drafts while
@@ -29,31 +29,29 @@ def speculate(runner: ModelRunner, request: RowState) -> tuple[list[int], int, i
     Returns (new tokens: accepted drafts then the next pending token, drafted, accepted)."""
     c, row, start = request.config, request.row, request.length
     assert c.draft_steps is not None  # a speculative request: only those run rounds
-    length = min(c.draft_length, runner.cache.max_length - start)
+    length = min(c.draft_length, calls.cache.max_length - start)
     fed, embedded, states = [request.next_token], [], []
     for k in range(length):
-        runner.admit(start + k, 1, row)
-        call = runner.block(start + k, 1, row=row)
-        e = runner.embed(runner.upload([[fed[-1]]]), call)
+        calls.admit(start + k, 1, row)
+        call = calls.block(start + k, 1, row=row)
+        e = calls.embed(calls.upload([[fed[-1]]]), call)
         noise = None if request.noise is None else request.noise[start + k].view(1, 1, -1)
-        state = runner.iterate(runner.start_state(e, noise), e, call, range(c.draft_steps))
-        logits = runner.readout(state, call)
+        state = calls.iterate(calls.start_state(e, noise), e, call, range(c.draft_steps))
+        logits = calls.readout(state, call)
         embedded.append(e)
         states.append(state)
         fed.append(int(logits[0, -1].argmax()))
     drafts = fed[1:]
     # Verify: iterations N..M-1 for all L drafted positions at once.
-    call = runner.block(start, length, row=row)
-    state = runner.iterate(
-        torch.cat(states, dim=1), torch.cat(embedded, dim=1), call, range(c.draft_steps, c.num_steps)
-    )
-    logits = runner.readout(state, call)[0]
+    call = calls.block(start, length, row=row)
+    state = calls.iterate(torch.cat(states, dim=1), torch.cat(embedded, dim=1), call, range(c.draft_steps, c.num_steps))
+    logits = calls.readout(state, call)[0]
     verified, finite = read_tokens(logits.argmax(dim=-1), logits)
     if not finite:
-        raise NonFiniteLogitsError(runner.model, start + 1 - len(request.prompt))
+        raise NonFiniteLogitsError(calls.model, start + 1 - len(request.prompt))
     accepted = 0
     while accepted < length and drafts[accepted] == verified[accepted]:
         accepted += 1
     processed = min(accepted + 1, length)  # positions whose cache entries are now final
-    runner.rewind(start + processed, row)
+    calls.rewind(start + processed, row)
     return drafts[: processed - 1] + [verified[processed - 1]], length, accepted

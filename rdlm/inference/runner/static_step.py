@@ -13,7 +13,7 @@ from torch import Tensor
 
 from rdlm.inference.execution.cpu_compile import compiled_iteration, cpu_compiled
 from rdlm.inference.execution.graphs import StaticSteps
-from rdlm.inference.execution.model_calls import ModelRunner
+from rdlm.inference.execution.model_calls import ModelCalls
 from rdlm.inference.exits.track import done_iterating
 from rdlm.inference.runner.row_exits import RowExits
 
@@ -36,9 +36,9 @@ class RowTensors:
     budget: Tensor
 
     @classmethod
-    def zeros(cls, runner: ModelRunner, max_batch: int) -> RowTensors:
-        c, device = runner.model.config, runner.device
-        state = torch.zeros(max_batch, 1, c.hidden_size, dtype=runner.dtype, device=device)
+    def zeros(cls, calls: ModelCalls, max_batch: int) -> RowTensors:
+        c, device = calls.model.config, calls.device
+        state = torch.zeros(max_batch, 1, c.hidden_size, dtype=calls.dtype, device=device)
 
         def longs() -> Tensor:
             return torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -60,16 +60,14 @@ class StaticStep:
     """The decoding rows' static step over `rows` (see the module doc); `on`: the engine takes it. Holds its
     graph cache (`steps`) and which rows decode in it (`decoding`, a device mask read in place)."""
 
-    def __init__(self, runner: ModelRunner, rows: RowTensors, exits: RowExits, max_batch: int, on: bool) -> None:
-        self.runner, self.rows, self.exits, self.max_batch = runner, rows, exits, max_batch
-        self.steps = StaticSteps(runner.device, on, shared_pool=True)
+    def __init__(self, calls: ModelCalls, rows: RowTensors, exits: RowExits, max_batch: int, on: bool) -> None:
+        self.calls, self.rows, self.exits, self.max_batch = calls, rows, exits, max_batch
+        self.steps = StaticSteps(calls.device, on, shared_pool=True)
         self.decoding = torch.zeros_like(rows.stopped)
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.fused_iterations = 0  # core iterations run several to a call
         # compiled on the CPU (rdlm.inference.execution.cpu_compile); captured on CUDA
-        self.compiled = (
-            compiled_iteration(self, runner.model) if cpu_compiled(on, runner.device, runner.model) else None
-        )
+        self.compiled = compiled_iteration(self, calls.model) if cpu_compiled(on, calls.device, calls.model) else None
 
     @property
     def on(self) -> bool:
@@ -80,7 +78,7 @@ class StaticStep:
         decoding = tuple(rows)
         if decoding != self._decoding_rows:
             self._decoding_rows = decoding
-            self.decoding.copy_(self.runner.upload([b in decoding for b in range(self.max_batch)]))
+            self.decoding.copy_(self.calls.upload([b in decoding for b in range(self.max_batch)]))
 
     def run(self, rows: list[int], n: int) -> None:
         """n core iterations of the decoding `rows` as one fixed-shape call over all `max_batch` rows (CUDA
@@ -109,8 +107,8 @@ class StaticStep:
         stopped)."""
         t = self.rows
         writers = self.decoding & ~t.stopped
-        call = self.runner.every_row(t.write_index, t.iterations % t.budget, writers)
-        out = self.runner.iterate_once(t.state, t.embedded, 0, call)
+        call = self.calls.every_row(t.write_index, t.iterations % t.budget, writers)
+        out = self.calls.iterate_once(t.state, t.embedded, 0, call)
         return torch.where(writers.view(-1, 1, 1), out, t.state), writers
 
     def iterations(self, n: int) -> tuple:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.execution.graphs import PhaseTimes
-from rdlm.inference.execution.model_calls import Call, ModelRunner, Pack
+from rdlm.inference.execution.model_calls import Call, ModelCalls, Pack
 from rdlm.inference.exits.track import done_iterating
 from rdlm.inference.runner.lockstep import Lockstep, Rows
 from rdlm.inference.runner.prefill import PromptChunk
@@ -57,22 +57,22 @@ from rdlm.model.lm import RecurrentDepthLM
 
 
 class StepRunner:
-    """The rows of a batch over one `ModelRunner` and its cache, by `settings` (see the module doc); `phases`:
+    """The rows of a batch over one `ModelCalls` and its cache, by `settings` (see the module doc); `phases`:
     where the step's phases are timed."""
 
     def __init__(self, model: RecurrentDepthLM, settings: EngineSettings, phases: PhaseTimes) -> None:
         c, max_batch = model.config, settings.max_batch
         self.model, self.settings, self.phases = model, settings, phases
         self.max_batch = max_batch
-        self.runner = ModelRunner(model, max_batch, settings.max_length, settings.num_slots, "full")
-        self.device, self.dtype, self.cache = self.runner.device, self.runner.dtype, self.runner.cache
+        self.calls = ModelCalls(model, max_batch, settings.max_length, settings.num_slots, "full")
+        self.device, self.dtype, self.cache = self.calls.device, self.calls.dtype, self.calls.cache
         self.rows: dict[int, RowState] = {}  # the requests in rows, by request id (the runner's own copy)
         self.chunks: dict[int, PromptChunk] = {}  # prompts being prefilled, by chunk id
-        self.t = RowTensors.zeros(self.runner, max_batch)  # the rows' tensors
-        self.exits = RowExits(self.runner, max_batch, c.vocab_size, self.t.state)  # the criteria's per-row carry
-        self.static_step = StaticStep(self.runner, self.t, self.exits, max_batch, settings.static)
-        self.lockstep = Lockstep(self.runner, settings.static)
-        self.rounds = Rounds(self.runner)  # the parallel sampler's waves
+        self.t = RowTensors.zeros(self.calls, max_batch)  # the rows' tensors
+        self.exits = RowExits(self.calls, max_batch, c.vocab_size, self.t.state)  # the criteria's per-row carry
+        self.static_step = StaticStep(self.calls, self.t, self.exits, max_batch, settings.static)
+        self.lockstep = Lockstep(self.calls, settings.static)
+        self.rounds = Rounds(self.calls)  # the parallel sampler's waves
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
 
     @property
@@ -130,22 +130,22 @@ class StepRunner:
         chunks that begin prefilling."""
         for a in admitted:
             generator = torch.Generator(device=self.device).manual_seed(a.config.seed)
-            noise = self.runner.noise_table(a.config.seed, a.config.init_scale, a.positions)
+            noise = self.calls.noise_table(a.config.seed, a.config.init_scale, a.positions)
             self.rows[a.request] = RowState(
                 a.request, a.row, list(a.prompt), a.config, a.criterion, a.budget, generator, noise
             )
-            self.runner.route(a.row, a.config.adapter)
+            self.calls.route(a.row, a.config.adapter)
         if admitted:
             self._last_inputs = None  # a call built before holds the rows' adapters of then
         for spec in chunks:
             for request in spec.requests if spec.start == 0 else ():
                 row = self.rows[request]
-                self.runner.rewind(0, row.row)
+                self.calls.rewind(0, row.row)
                 self.t.seen[row.row] = False
-                self.t.seen[row.row, self.runner.upload(row.prompt)] = True
+                self.t.seen[row.row, self.calls.upload(row.prompt)] = True
         for spec in chunks:
             self.chunks[spec.chunk] = PromptChunk.begin(
-                self.runner,
+                self.calls,
                 [self.rows[r] for r in spec.requests],
                 spec.start,
                 list(spec.lengths),
@@ -172,12 +172,12 @@ class StepRunner:
         self.t.state[row] = 0
 
     def _inputs(self, places: list[tuple[int, int]]) -> tuple[Tensor, Call]:
-        """(rows, call) of the tokens in progress at (row, buffer index) `places` (`ModelRunner.tokens`: the
+        """(rows, call) of the tokens in progress at (row, buffer index) `places` (`ModelCalls.tokens`: the
         call's rows are a slice where they are consecutive, its start their write indices)."""
         key = tuple(places)
         if self._last_inputs is not None and self._last_inputs[0] == key:  # unchanged since the last step
             return self._last_inputs[1]
-        inputs = self.runner.tokens([row for row, _ in places], [length for _, length in places])
+        inputs = self.calls.tokens([row for row, _ in places], [length for _, length in places])
         self._last_inputs = (key, inputs)
         return inputs
 
@@ -189,33 +189,33 @@ class StepRunner:
         rows = [self.rows[s.request] for s in starts]
         for row, s in zip(rows, starts, strict=True):
             row.length = s.position
-        limits = self.runner.upload(
+        limits = self.calls.upload(
             [[s.cap, row.config.min_steps, row.budget] for row, s in zip(rows, starts, strict=True)]
         )
-        lengths = self.runner.upload([s.position for s in starts])
-        self.runner.admit(lengths, rows=self.runner.upload([s.row for s in starts]))
+        lengths = self.calls.upload([s.position for s in starts])
+        self.calls.admit(lengths, rows=self.calls.upload([s.row for s in starts]))
         self._last_inputs = None  # the mask changed
         batch_rows, call = self._inputs([(s.row, s.position) for s in starts])
         select = _selected(call)
-        self.t.seen[batch_rows, self.runner.upload([s.token for s in starts])] = True
-        ids = self.runner.upload([[s.token] for s in starts])
-        self.t.embedded[select] = self.runner.embed(ids, call)
+        self.t.seen[batch_rows, self.calls.upload([s.token for s in starts])] = True
+        ids = self.calls.upload([[s.token] for s in starts])
+        self.t.embedded[select] = self.calls.embed(ids, call)
         fresh = [row for row in rows if not row.config.continuous_cot]  # else s_0 is the last final state, kept
         if fresh:
-            at = self.runner.upload([row.row for row in fresh])
+            at = self.calls.upload([row.row for row in fresh])
             drawn = [None if row.noise is None else row.noise[row.length] for row in fresh]
             noise = (
                 None
                 if all(d is None for d in drawn)
                 else torch.stack([torch.zeros_like(self.t.state[0, 0]) if d is None else d for d in drawn]).unsqueeze(1)
             )
-            self.t.state[at] = self.runner.start_state(self.t.embedded[at], noise)
+            self.t.state[at] = self.calls.start_state(self.t.embedded[at], noise)
         t = self.t
         t.cap[select], t.min_steps[select], t.budget[select] = limits.unbind(1)
         t.write_index[select] = lengths
         self.t.iterations[select], self.t.stopped[select] = 0, False
         self.exits.reset(
-            select, self.runner.upload([row.criterion is not None and row.criterion.spec.exact for row in rows])
+            select, self.calls.upload([row.criterion is not None and row.criterion.spec.exact for row in rows])
         )
 
     def _coda(self, requests: list[int], iterations: list[int], lockstep: bool = False) -> list[Chosen]:
@@ -228,7 +228,7 @@ class StepRunner:
                 self.t.state[row.row] = self.exits.exit_state[row.row]  # what the readout (and continuous CoT) reads
             self.cache.fill_missing(n, row.length, row.length + 1, row=row.row, slots=row.budget)
         call = self._inputs([(row.row, row.length) for row in rows])[1]
-        logits = self.runner.readout(self.t.state[_selected(call)], call)[:, -1]
+        logits = self.calls.readout(self.t.state[_selected(call)], call)[:, -1]
         return self._choose(rows, logits, iterations)
 
     def _choose(self, rows: list[RowState], logits: Tensor, iterations: list[int]) -> list[Chosen]:
@@ -239,8 +239,8 @@ class StepRunner:
             [row.config for row in rows],
             [row.generator for row in rows],
             self.t.seen,
-            self.runner.upload([row.row for row in rows]),
-            self.runner.upload,
+            self.calls.upload([row.row for row in rows]),
+            self.calls.upload,
         )
         out = []
         for row, pick, n in zip(rows, chosen, iterations, strict=True):
@@ -258,7 +258,7 @@ class StepRunner:
         for key in [k for k in plan.prompts if k in self.chunks and self.chunks[k].iterated]:
             chunk = self.chunks.pop(key)
             out.ended.append(key)
-            state, logits = chunk.finish(self.runner)
+            state, logits = chunk.finish(self.calls)
             ended, last = [], []
             for j, (row, length) in enumerate(zip(chunk.requests, chunk.lengths, strict=True)):
                 if chunk.start + length < len(row.prompt):
@@ -266,13 +266,13 @@ class StepRunner:
                 ended.append(row)
                 last.append(j * chunk.n + length - 1)  # the prompt's last token, in the chunk's [g * n]
             if ended:
-                index = self.runner.upload(last)
-                self.t.state[self.runner.upload([row.row for row in ended])] = state.flatten(0, 1)[index].unsqueeze(1)
+                index = self.calls.upload(last)
+                self.t.state[self.calls.upload([row.row for row in ended])] = state.flatten(0, 1)[index].unsqueeze(1)
                 choosing = [j for j, row in enumerate(ended) if row.config.max_new_tokens > 0]
                 if choosing:
                     logits = logits.flatten(0, 1)[index]
                     if len(choosing) < len(ended):
-                        logits = logits[self.runner.upload(choosing)]
+                        logits = logits[self.calls.upload(choosing)]
                     rows = [ended[j] for j in choosing]
                     for row in rows:
                         row.length = len(row.prompt)
@@ -382,12 +382,12 @@ class StepRunner:
         if len(set(slots)) == 1:  # every row at the same slot: a plain call at that iteration
             core, iteration = call.but(core_writers=writers), slots[0]
         else:
-            core = call.but(rows=rows, slots=self.runner.upload(slots), core_writers=writers)
+            core = call.but(rows=rows, slots=self.calls.upload(slots), core_writers=writers)
             iteration = 0
         embedded = self.t.embedded[_selected(call)]
         if not chunks:  # the decoding rows alone: a plain batched call
             with self.phases.timed("core iteration"):
-                out = self.runner.iterate_once(prev_state, embedded, iteration, core)
+                out = self.calls.iterate_once(prev_state, embedded, iteration, core)
         else:
             pack = Pack()
             pack.add(core, prev_state, embedded, iteration)
@@ -401,14 +401,14 @@ class StepRunner:
         if not pack.segments and len(chunks) == 1:
             chunk = chunks[0]
             with self.phases.timed("core iteration"):
-                out = self.runner.iterate_once(chunk.state, chunk.embedded, chunk.iteration, chunk.call)
-            chunk.advance(self.runner, out)
+                out = self.calls.iterate_once(chunk.state, chunk.embedded, chunk.iteration, chunk.call)
+            chunk.advance(self.calls, out)
             return out
         tokens = [c.pack(pack) for c in chunks]
         with self.phases.timed("core iteration"):
-            out = self.runner.iterate_packed(pack)
+            out = self.calls.iterate_packed(pack)
         for c, part in zip(chunks, tokens, strict=True):
-            c.advance(self.runner, out[:, part])
+            c.advance(self.calls, out[:, part])
         return out
 
     def _lockstep(self, requests: tuple[Iterating, ...]) -> list[int]:
@@ -420,7 +420,7 @@ class StepRunner:
         vocab = self.model.config.vocab_size
         if self.static:
             self.static_step.mark_decoding([it.row for it in requests])
-            every_row = lambda: self.runner.all_rows(self.t.write_index, budget, self.static_step.decoding)  # noqa: E731
+            every_row = lambda: self.calls.all_rows(self.t.write_index, budget, self.static_step.decoding)  # noqa: E731
             if criterion is None:
                 self.t.state.copy_(self.lockstep.fixed(config, self.t.state, self.t.embedded, every_row))
                 return [config.num_steps] * len(requests)
@@ -428,7 +428,7 @@ class StepRunner:
                 config,
                 criterion,
                 lambda: Rows.start(
-                    self.runner.batch_rows,
+                    self.calls.batch_rows,
                     self.t.state,
                     self.t.embedded,
                     every_row(),
@@ -471,9 +471,9 @@ class StepRunner:
             return _selected(call), rows, call.but(budget=budget), slice(None), None
         index = {it.row: it.position for it in requests}
         every = range(span.start, span.stop)
-        rows, call = self.runner.tokens(list(every), [index.get(b, 0) for b in every])
-        idle = self.runner.upload([b not in index for b in every])
-        places = self.runner.upload([b - span.start for b in numbers])
+        rows, call = self.calls.tokens(list(every), [index.get(b, 0) for b in every])
+        idle = self.calls.upload([b not in index for b in every])
+        places = self.calls.upload([b - span.start for b in numbers])
         return span, rows, call.but(budget=budget, core_writers=~idle), places, idle
 
 

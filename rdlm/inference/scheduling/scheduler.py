@@ -24,6 +24,7 @@ STARTING: its first wave is its prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass, replace
@@ -396,7 +397,7 @@ class Scheduler:
             self.free(q)
             if done.tokens:
                 last = events[-1]
-                events[-1] = BatchEvent(last.request, last.token, last.steps, "length", last.logprob, last.top)
+                events[-1] = dataclasses.replace(last, finish_reason="length")
 
     def _chosen(self, q: Request, c: Chosen, events: list[BatchEvent]) -> bool:
         """A token chosen for `q` (or its failure): it goes on to start it, or ends (its finish reason,
@@ -415,7 +416,7 @@ class Scheduler:
             self.free(q)
         else:
             q.next_token, q.status = c.token, Status.STARTING
-        events.append(
-            BatchEvent(q.id, c.token, c.iterations, reason, *((None, None) if c.scored is None else c.scored))
-        )
+        logprob, top = (None, None) if c.scored is None else c.scored
+        cap = q.config.num_steps if in_rounds(q.config) else q.cap  # a round's positions run up to r
+        events.append(BatchEvent(q.id, c.token, c.iterations, reason, logprob, top, cap))
         return reason is None

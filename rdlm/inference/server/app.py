@@ -329,7 +329,7 @@ async def disconnected(request: Request) -> None:
 
 def usage(prompt: list[int], completions: list[Completion]) -> dict:
     out = sum(len(c.events) for c in completions)
-    spent = sum(c.steps for c in completions)
+    spent = sum(c.iterations for c in completions)
     return {
         "prompt_tokens": len(prompt),
         "completion_tokens": out,

@@ -233,7 +233,7 @@ class Completion:
         self.tokenizer, self.config = tokenizer, config
         self.events: list[BatchEvent] = []
         self.decoder = IncrementalDecoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        self.steps = 0
+        self.iterations = 0
         self.finish_reason: str | None = None
         self.end: int | None = None  # once finished: the text's characters (before a stop string)
         self.sent = 0
@@ -241,7 +241,7 @@ class Completion:
 
     def add(self, event: BatchEvent) -> None:
         self.events.append(event)
-        self.steps += event.steps
+        self.iterations += event.iterations
         settled = self.decoder.settled
         self.decoder.push(event.token)
         if event.finish_reason is not None:
@@ -286,7 +286,7 @@ class Completion:
                     {
                         **entry(e.token, e.logprob),
                         "top_logprobs": [entry(t, lp) for t, lp in top(e)],
-                        "latent_iterations": e.steps,
+                        "latent_iterations": e.iterations,
                     }
                     for e in events
                 ],
@@ -302,7 +302,7 @@ class Completion:
                 "token_logprobs": [e.logprob for e in events],
                 "top_logprobs": [{text(t): lp for t, lp in top(e)} for e in events] if self.config.logprobs else None,
                 "text_offset": offsets,
-                "latent_iterations": [e.steps for e in events],
+                "latent_iterations": [e.iterations for e in events],
             }
         if new_only:
             self.scored, self.scored_chars = len(self.events), at

@@ -81,7 +81,10 @@ class Metrics:
         self.prompt_tokens = Counter("rdlm_prompt_tokens", "prompt tokens admitted", registry=r)
         self.tokens = Counter("rdlm_generated_tokens", "tokens generated", registry=r)
         self.exits = Counter(
-            "rdlm_early_exits", "tokens whose iterations stopped before r (adaptive exits)", registry=r
+            "rdlm_early_exits", "tokens that stopped iterating before their cap (an exit criterion fired)", registry=r
+        )
+        self.budget_cuts = Counter(
+            "rdlm_budget_capped_tokens", "tokens whose cap a depth budget set below r (num_steps)", registry=r
         )
         self.queue = Gauge("rdlm_queue_length", "requests waiting for a row", registry=r)
         self.batch = Gauge("rdlm_batch_size", "rows being decoded", registry=r)
@@ -274,9 +277,11 @@ class Worker:
             if ticket is None:
                 continue
             m.tokens.inc()
-            m.iterations.observe(event.steps)
-            if event.steps < ticket.config.num_steps:
+            m.iterations.observe(event.iterations)
+            if event.exited:
                 m.exits.inc()
+            if event.cap is not None and event.cap < ticket.config.num_steps:
+                m.budget_cuts.inc()
             by_loop.setdefault(ticket.loop, []).append((ticket, event))
             if event.finish_reason is not None:
                 del self.tickets[event.request]

@@ -1,7 +1,7 @@
 """Blocks of tokens over one preallocated `RecurrentKVCache`: a left-padded batch of sequences, for a
 transformers forward over `RecurrentCache` (rdlm.integrations.hf), which decodes in transformers' own loop.
 
-`Sequences` runs blocks of several tokens per row at a fixed r through its `ModelRunner`
+`Sequences` runs blocks of several tokens per row at a fixed r through its `ModelCalls`
 (rdlm.inference.execution.model_calls: the model, the cache, the valid entries the masks read, the s_0 noise table),
 each block a `PromptChunk` (rdlm.inference.runner.prefill). Every generation of rdlm itself, whatever its
 features (fixed r, adaptive exits, continuous chain of thought, KV-cache sharing, self-speculative
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.execution.cache import Strategy
-from rdlm.inference.execution.model_calls import Call, ModelRunner
+from rdlm.inference.execution.model_calls import Call, ModelCalls
 from rdlm.inference.exits.criteria import ExitCriterion
 from rdlm.inference.params import check_length, check_prompts
 from rdlm.inference.runner.prefill import PromptChunk
@@ -25,7 +25,7 @@ from rdlm.model.lm import RecurrentDepthLM
 
 
 class Sequences:
-    """A batch of sequences over one `ModelRunner` and its cache, run in blocks of tokens at a fixed r (a
+    """A batch of sequences over one `ModelCalls` and its cache, run in blocks of tokens at a fixed r (a
     transformers forward over `RecurrentCache`: the prompt, then a token at a time).
     Prompts are left-padded to a common length: buffer index t of row b holds that row's token at
     position t - pad[b]. `length` buffer entries are written; a block appends at `length`.
@@ -57,10 +57,10 @@ class Sequences:
         max_length = self.prompt_length + new_tokens
         pad = torch.tensor([self.prompt_length - len(p) for p in prompts], device=self.device)
         # (a str from the caller: RecurrentKVCache refuses one other than "full" or "shared")
-        self.runner = ModelRunner(
+        self.calls = ModelCalls(
             model, self.batch, max_length, num_slots, cast(Strategy, strategy), pad, seed, init_scale
         )
-        self.cache = self.runner.cache
+        self.cache = self.calls.cache
         self.ids = torch.zeros(self.batch, self.prompt_length, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             self.ids[b, self.prompt_length - len(p) :] = torch.tensor(p, device=self.device)
@@ -71,9 +71,9 @@ class Sequences:
     def begin(self, ids: Tensor) -> tuple[Tensor, Call]:
         """Mark the new tokens (buffer indices from `self.length` on) valid and run the prelude: (e, the
         call for these tokens)."""
-        self.runner.admit(self.length, ids.shape[1])
-        call = self.runner.block(self.length, ids.shape[1])
-        return self.runner.embed(ids, call), call
+        self.calls.admit(self.length, ids.shape[1])
+        call = self.calls.block(self.length, ids.shape[1])
+        return self.calls.embed(ids, call), call
 
     def forward(self, ids: Tensor, num_steps: int, last_only: bool = True) -> tuple[Tensor, Tensor]:
         """Run tokens through the model at a fixed r (the prefill: `PromptChunk`, a chunk of every row);
@@ -81,7 +81,7 @@ class Sequences:
         [B, n, V] with `last_only=False`. With a learned gate, each token is read out at the iteration its
         gate chose, as the reference selects, so the first new token is the reference's."""
         e, call = self.begin(ids)
-        chunk = PromptChunk.block(self.runner, call, e, num_steps, self.criterion, self.min_steps)
-        state, logits = chunk.run(self.runner)
+        chunk = PromptChunk.block(self.calls, call, e, num_steps, self.criterion, self.min_steps)
+        state, logits = chunk.run(self.calls)
         self.length += ids.shape[1]
         return (logits[:, -1] if last_only else logits), state

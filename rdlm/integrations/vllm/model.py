@@ -354,8 +354,8 @@ class RecurrentDepthForCausalLM(nn.Module):
             new = self.final_norm(x) if self.config.final_norm == "loop" else x
             prev, state = state, torch.where(held, state, new)
             track = track.after_iteration(criterion, i, r, prev, state, min_steps=min_steps, gate=gate)
-        assert track.steps is not None  # ExitTrack.start counts the iterations
-        self.stats.count(run, track.steps[decoding])
+        assert track.iterations is not None  # ExitTrack.start counts the iterations
+        self.stats.count(run, track.iterations[decoding])
         if criterion.uses_gate:
             assert track.exit_state is not None  # set above, kept by every update
             return track.exit_state
