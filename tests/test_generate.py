@@ -54,6 +54,18 @@ def test_generate_matches_greedy_recompute_and_counts_steps(model):
     assert result.iterations == [[3] * 6] and result.finish_reasons == ["length"]
 
 
+def test_the_old_names_of_iterations_still_read_them_with_a_deprecation_warning(model):
+    config = GenerationConfig(num_steps=3, max_new_tokens=2, exit_criterion="latent-diff", exit_threshold=10.0)
+    result = generate(model, PROMPTS[0], config)
+    with pytest.warns(DeprecationWarning, match="GenerationResult.iterations"):
+        assert result.steps == result.iterations
+    with pytest.warns(DeprecationWarning, match="mean_iterations"):
+        assert result.mean_steps == result.mean_iterations
+    event = next(iter(stream(model, PROMPTS[0], config)))
+    with pytest.warns(DeprecationWarning, match="TokenEvent.iterations"):
+        assert event.steps == event.iterations
+
+
 @pytest.mark.parametrize("extra", [
     dict(),                                                       # greedy, random s_0
     dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.3),
