@@ -1,12 +1,12 @@
 """The continuous batch's scheduler alone: no model, no tensors. Each test takes its plans (`schedule`), feeds it
 made-up outcomes as a step runner would give them back (`update`: tokens chosen, prompts ended, exit flags
-found at a look) and checks its decisions, the whole step's plan included."""
+found at a look; `coda_ran`: a coda's tokens) and checks its decisions, the whole step's plan included."""
 
 from dataclasses import replace
 
 from rdlm.inference.exits.criteria import make_exit_criterion
 from rdlm.inference.params import GenerationConfig
-from rdlm.inference.scheduling.plan import Chosen, Coda, EngineSettings, RoundOutput, StepOutput
+from rdlm.inference.scheduling.plan import Chosen, Done, EngineSettings, RoundOutput, StepOutput
 from rdlm.inference.scheduling.request import Request, Status
 from rdlm.inference.scheduling.scheduler import Scheduler
 
@@ -34,10 +34,10 @@ def prefilled(s: Scheduler, *requests: Request, token: int = 7) -> list:
         ended = [spec.chunk for spec in (c.spec for c in s.chunks)
                  if spec.chunk in plan.prompts and next(c for c in s.chunks if c.spec.chunk == spec.chunk).left
                  <= max(plan.prompt_iterations, 1)]
-        first = [Chosen(q.id, token, q.cap) for c in s.chunks if c.spec.chunk in ended for q, n in
-                 zip(c.requests, c.spec.lengths) if c.spec.start + n >= len(q.prompt) and q.config.max_new_tokens]
-        events += s.update(StepOutput(ended=ended, prompt_iterations=max(plan.prompt_iterations, 1), first=first,
-                                      computed=tuple(it.request for it in plan.iterating)))
+        first = [Chosen(q.id, token, q.cap) for c in s.chunks if c.spec.chunk in ended
+                 for q, chooses in zip(c.requests, c.spec.chooses) if chooses]
+        events += s.update(plan, StepOutput(ended=ended, prompt_iterations=max(plan.prompt_iterations, 1),
+                                            first=first, computed=tuple(it.request for it in plan.iterating)))
     return events
 
 
@@ -50,10 +50,11 @@ def test_admission_fills_free_rows_in_order_and_plans_one_chunk_per_depth_and_bu
     assert [(x.request, x.row, x.positions) for x in plan.admitted] == [(0, 0, 6), (1, 1, 6)]
     assert [(x.requests, x.start, x.lengths, x.cap, x.n) for x in plan.chunks] == [((0,), 0, (2,), 8, 2),
                                                                                     ((1,), 0, (2,), 4, 2)]
+    assert [(x.ends, x.chooses) for x in plan.chunks] == [((False,), (False,))] * 2   # 3-token prompts go on
     assert [q.status for q in (a, b, c)] == [Status.PREFILLING, Status.PREFILLING, Status.WAITING]
     assert (s.running, s.queued, s.busy) == (2, 1, True)
     # nothing decodes: the prompts run on until a chunk is done (the fewest left: b's 4)
-    assert plan.prompts == (0, 1) and plan.prompt_iterations == 4 and not plan.iterating and not plan.look_due
+    assert plan.prompts == (0, 1) and plan.prompt_iterations == 4 and not plan.iterating and not plan.look
 
 
 def test_a_long_prompt_goes_on_in_its_next_chunk_and_its_first_token_starts_it():
@@ -61,12 +62,13 @@ def test_a_long_prompt_goes_on_in_its_next_chunk_and_its_first_token_starts_it()
     q = request(0, FIXED, prompt=(1, 2, 3))
     s.add(q)
     plan = s.schedule()
-    assert plan.chunks[0].lengths == (2,)
-    assert s.update(StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8)) == []
+    assert plan.chunks[0].lengths == (2,) and plan.chunks[0].ends == (False,)
+    assert s.update(plan, StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8)) == []
     plan = s.schedule()                          # the rest of the prompt, one token, begins now
-    assert [(x.start, x.lengths) for x in plan.chunks] == [(2, (1,))] and q.status is Status.PREFILLING
-    events = s.update(StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8,
-                                 first=[Chosen(0, 5, 8, (-0.5, ()))]))
+    assert [(x.start, x.lengths, x.ends, x.chooses) for x in plan.chunks] == [(2, (1,), (True,), (True,))]
+    assert q.status is Status.PREFILLING
+    events = s.update(plan, StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8,
+                                       first=[Chosen(0, 5, 8, (-0.5, ()))]))
     assert [(e.token, e.iterations, e.finish_reason, e.logprob) for e in events] == [(5, 8, None, -0.5)]
     assert (q.status, q.length, q.tokens, q.spent) == (Status.STARTING, 3, [5], 8)
     plan = s.schedule()
@@ -81,12 +83,17 @@ def test_cancelled_requests_leave_the_queue_their_rows_and_their_chunk():
         s.add(q)
     plan = s.schedule()
     assert plan.chunks[0].requests == (0, 1)
-    s.update(StepOutput(prompt_iterations=1))
+    s.update(plan, StepOutput(prompt_iterations=1))
     s.cancel(0)
     s.cancel(2)
     plan = s.schedule()
     assert plan.dropped == (0,) and [c.spec.requests for c in s.chunks] == [(1,)] and s.queued == 0
     assert s.chunks[0].iteration == 1 and s.chunks[0].spec.n == 3   # still padded as the runner's chunk is
+    assert [(spec.requests, keep) for spec, keep in plan.narrowed] == [((1,), (1,))]   # the runner's goes on so
+    s.update(plan, StepOutput(prompt_iterations=1))
+    s.cancel(1)
+    plan = s.schedule()
+    assert [(spec.requests, keep) for spec, keep in plan.narrowed] == [((), ())] and not s.chunks   # it goes
 
 
 def test_the_host_looks_every_sync_every_steps_and_a_look_resets_the_count():
@@ -96,14 +103,19 @@ def test_the_host_looks_every_sync_every_steps_and_a_look_resets_the_count():
     looks = []
     for _ in range(6):
         plan = s.schedule()
-        looks.append(plan.look_due)
-        # the runner looks when the plan says so (or when a row that computed reached its cap); none is done
-        s.update(StepOutput(computed=(0, 1, 2), found={} if plan.look_due else None))
+        looks.append(plan.look)
+        assert plan.look_at_cap == ()
+        # the runner looks when the plan says so (or when a request of look_at_cap computed); none is done
+        s.update(plan, StepOutput(computed=(0, 1, 2), found={} if plan.look else None))
     assert looks == [False, False, True, False, False, True] and (a.iteration, c.iteration) == (6, 6)
-    plan = s.schedule()                               # a is one iteration from its cap: the runner looks at once
-    assert not plan.look_due and [(it.iteration, it.cap) for it in plan.iterating][0] == (6, 8)
-    s.update(StepOutput(computed=(0, 1, 2), found={}))
-    assert s.since_look == 0 and not s.schedule().look_due
+    plan = s.schedule()
+    assert not plan.look and [(it.iteration, it.cap) for it in plan.iterating][0] == (6, 8)
+    assert plan.look_at_cap == ()                     # a reaches its cap at the next step's iteration
+    s.update(plan, StepOutput(computed=(0, 1, 2)))
+    plan = s.schedule()
+    assert not plan.look and plan.look_at_cap == (0,)   # a computing would reach its cap: the runner looks
+    s.update(plan, StepOutput(computed=(0, 1, 2), found={}))
+    assert s.since_look == 0 and not s.schedule().look
 
 
 def test_what_the_look_finds_waits_for_its_coda_and_the_coda_gives_the_next_tokens():
@@ -111,25 +123,40 @@ def test_what_the_look_finds_waits_for_its_coda_and_the_coda_gives_the_next_toke
     a, b, c = request(0, KL), request(1, KL), request(2, FIXED)
     prefilled(s, a, b, c)
     plan = s.schedule()                  # different depth settings: one iteration a step, no lockstep
-    assert not plan.lockstep and [it.request for it in plan.iterating] == [0, 1, 2] and plan.look_due
-    assert plan.coda == Coda((), False, 3, (0, 1))   # nobody waits; a and b may exit any time (c: cap 8 > 3)
-    s.update(StepOutput(computed=(0, 1, 2), found={0: 1}))
+    assert not plan.lockstep and [it.request for it in plan.iterating] == [0, 1, 2] and plan.look
+    s.update(plan, StepOutput(computed=(0, 1, 2), found={0: 1}))
     assert (a.status, a.iteration, a.stopped_at) == (Status.AWAITING_CODA, 1, s.steps_run)
     assert (b.status, b.iteration, c.iteration) == (Status.ITERATING, 1, 1)
+    assert s.coda_due() is None          # alone of three it waits: b may exit any time
     plan = s.schedule()
-    assert [it.request for it in plan.iterating] == [1, 2] and plan.coda.waiting == ((0, 1),)
-    assert not plan.coda.due(set()) and plan.coda.due({1})   # alone it waits; with b half the rows wait
-    events = s.update(StepOutput(computed=(1, 2), found={1: 2}, coda=[Chosen(0, 4, 1), Chosen(1, 5, 2)]))
+    assert [it.request for it in plan.iterating] == [1, 2]
+    s.update(plan, StepOutput(computed=(1, 2), found={1: 2}))
+    assert s.coda_due() == (Done(0, 0, 3, 1), Done(1, 1, 3, 2))   # with b, two of three wait: in row order
+    events = s.coda_ran([Chosen(0, 4, 1), Chosen(1, 5, 2)])
     assert [(e.request, e.token, e.iterations) for e in events] == [(0, 4, 1), (1, 5, 2)]
     assert (a.status, a.length, b.status, b.length) == (Status.STARTING, 4, Status.STARTING, 4)
 
 
-def test_a_coda_rule_runs_once_one_waited_or_half_wait_or_nobody_else_can_be_done_in_time():
-    assert not Coda().due(set()) and Coda(decoding=4).due({0, 1})
-    assert not Coda(decoding=4, blockers=(1, 2)).due({0})
-    assert Coda(decoding=4, blockers=(1,)).due({0, 1}) and Coda(((3, 5),), now=True, decoding=9).due(set())
-    assert Coda(decoding=9).due({0}) and not Coda(decoding=9, blockers=(1,)).due({0})
-    assert Coda(decoding=9, blockers=(1,)).due({0}, decoding=2)   # the rows the step left decoding
+def test_a_coda_runs_once_one_waited_or_half_wait_or_nobody_else_can_be_done_in_time():
+    def found(s, requests, done, computed):
+        plan = s.schedule()
+        s.update(plan, StepOutput(computed=computed, found=done))
+        return s.coda_due()
+
+    s = scheduler(max_batch=4, exit_sync_every=1, coda_every=3)
+    qs = [request(0, KL), request(1, KL), request(2, FIXED), request(3, FIXED)]
+    prefilled(s, *qs)
+    assert found(s, qs, {0: 1}, (0, 1, 2, 3)) is None          # 1 of 4 waits, and 1 may still exit
+    assert found(s, qs, {}, (1, 2, 3)) is None                 # waited one step of the two it may
+    assert [d.request for d in found(s, qs, {}, (1, 2, 3))] == [0]   # waited long enough: its coda alone
+    t = scheduler(max_batch=3, exit_sync_every=1, coda_every=4)
+    rs = [request(0, KL), request(1, FIXED), request(2, FIXED)]
+    prefilled(t, *rs)
+    assert [d.request for d in found(t, rs, {0: 1}, (0, 1, 2))] == [0]   # the others end at their caps, 7 steps
+    # away, after its wait of 3: nobody else can be done before then
+    u = scheduler(max_batch=3, exit_sync_every=1, coda_every=8)
+    prefilled(u, *[request(0, KL), request(1, FIXED), request(2, FIXED)])
+    assert found(u, rs, {0: 1}, (0, 1, 2)) is None             # ... but within a wait of 7 they can
 
 
 def test_lockstep_needs_every_row_starting_together_with_one_depth_setting():
@@ -161,15 +188,16 @@ def test_rows_done_on_the_device_leave_the_call_only_where_reading_the_flags_is_
         prefilled(s, a, b, c)
         first = s.schedule()
         assert not first.peek and not first.since_look                 # right after a look nobody is done
-        s.update(StepOutput(computed=(0, 1, 2)))
+        s.update(first, StepOutput(computed=(0, 1, 2)))
         later = s.schedule()
         assert later.peek == peeks and later.since_look
-        s.update(StepOutput(computed=(1, 2)))                           # a left the call: it ran no more
+        s.update(later, StepOutput(computed=(1, 2)))                    # a left the call: it ran no more
         assert (a.iteration, b.iteration, c.iteration) == (1, 2, 2)
     f = scheduler(max_batch=2, exit_sync_every=4)
     x, y = request(0, FIXED), request(1, GenerationConfig(num_steps=6, max_new_tokens=3))
     prefilled(f, x, y)
-    f.update(StepOutput(computed=tuple(it.request for it in f.schedule().iterating)))
+    plan = f.schedule()
+    f.update(plan, StepOutput(computed=tuple(it.request for it in plan.iterating)))
     assert not f.schedule().peek                                       # no criterion: nothing to read
 
 
@@ -197,12 +225,12 @@ def test_a_static_plan_fuses_iterations_and_the_host_looks_when_the_cap_comes():
     a, b = request(0), request(1, GenerationConfig(num_steps=6, max_new_tokens=3))
     prefilled(s, a, b)
     plan = s.schedule()
-    assert not plan.lockstep and plan.iterations == 4 and not plan.look_due   # b's 6 left: 4 at once
-    s.update(StepOutput(computed=(0, 1)))
+    assert not plan.lockstep and plan.iterations == 4 and not plan.look   # b's 6 left: 4 at once
+    s.update(plan, StepOutput(computed=(0, 1)))
     assert (a.iteration, b.iteration) == (4, 4)
     plan = s.schedule()
-    assert plan.iterations == 2                                    # b's 2 left; the runner looks at its cap
-    s.update(StepOutput(computed=(0, 1), found={1: 6}))
+    assert plan.iterations == 2 and plan.look_at_cap == (1,)   # b's 2 left; the runner looks at its cap
+    s.update(plan, StepOutput(computed=(0, 1), found={1: 6}))
     assert (a.status, b.status, b.iteration) == (Status.ITERATING, Status.AWAITING_CODA, 6)
 
 
@@ -213,11 +241,14 @@ def test_a_depth_budget_caps_each_token_and_ends_the_response():
     s.add(q)
     plan = s.schedule()
     assert q.cap == 7 and plan.chunks[0].cap == 7     # 10, less one for each of the three later tokens
-    s.update(StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=7, first=[Chosen(0, 1, 7)]))
+    s.update(plan, StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=7, first=[Chosen(0, 1, 7)]))
     plan = s.schedule()
     assert q.cap == 1 and plan.starts[0].cap == 1      # 3 left for 3 tokens
-    events = s.update(StepOutput(computed=(0,), found={0: 1}, coda=[Chosen(0, 2, 1)]))
-    assert [e.finish_reason for e in events] == [None] and q.spent == 8
+    assert not plan.lockstep                           # a depth budget: a token at a time
+    s.update(plan, StepOutput(computed=(0,), found={0: 1}))
+    assert s.coda_due() == (Done(0, 0, 3, 1),)
+    events = s.coda_ran([Chosen(0, 2, 1)])
+    assert [(e.finish_reason, e.cap) for e in events] == [(None, 1)] and q.spent == 8
 
 
 def test_the_prompts_share_of_a_step():
@@ -239,13 +270,14 @@ def test_requests_that_decode_in_rounds_are_planned_apart_and_a_prefill_alone_en
     assert [c.requests for c in plan.chunks] == [(0, 2)]          # the wave's first wave is its prompt
     assert [a.positions for a in plan.admitted] == [64, 64, 3]   # in rounds: s_0 for the whole context
     assert wave.status is Status.STARTING and s.rows[3] is None   # nothing at all to do for the empty wave
-    s.update(StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8, first=[Chosen(0, 5, 8)]))
+    assert plan.chunks[0].chooses == (True, False)               # a prefill alone chooses no token
+    s.update(plan, StepOutput(ended=[plan.chunks[0].chunk], prompt_iterations=8, first=[Chosen(0, 5, 8)]))
     assert s.rows[2] is None and speculative.status is Status.STARTING
     plan = s.schedule()
     assert [(r.request, r.token, r.position) for r in plan.rounds] == [(0, 5, 3), (1, -1, 0)]
     assert not plan.lockstep and plan.iterating == () and plan.dropped == (2,)   # the prefill alone left
-    events = s.update(StepOutput(rounds=[RoundOutput(0, [(6, 8), (9, 8)], drafted=2, accepted=1),
-                                         RoundOutput(1, [(4, 2)], exhausted=True)]))
+    events = s.update(plan, StepOutput(rounds=[RoundOutput(0, [(6, 8), (9, 8)], drafted=2, accepted=1),
+                                               RoundOutput(1, [(4, 2)], exhausted=True)]))
     assert [(e.request, e.token, e.finish_reason) for e in events] == [(0, 6, None), (0, 9, "length"),
                                                                        (1, 4, "length")]
     assert (s.drafted, s.accepted, speculative.length, s.busy) == (2, 1, 5, False)
@@ -262,6 +294,6 @@ def test_a_failure_frees_its_row_and_the_next_plan_wipes_it():
     assert [x.request for x in plan.starts] == [1] and plan.wipe == (0,) and plan.dropped == (0,)
     assert [(rid, type(err).__name__) for rid, err in s.failures] == [(0, "OverflowError")]
     assert "min_steps = 9223372036854775808" in str(s.failures[0][1])
-    events = s.update(StepOutput(lockstep=[Chosen(1, error=FloatingPointError("nan"))]))
+    events = s.update(plan, StepOutput(lockstep=[Chosen(1, error=FloatingPointError("nan"))]))
     assert events == [] and not s.busy and [rid for rid, _ in s.failures] == [0, 1]
     assert s.schedule().wipe == (1,)

@@ -40,17 +40,19 @@ of their own.
 A request in a busy batch gets the tokens of its prompt alone with the same `GenerationConfig`, however
 its tokens are scheduled: the same s_0 table (seed, position), cache slots, exit decisions and sampler.
 
-The work is split as vLLM v1 splits its engine, and a step is three calls (`ContinuousBatch.step`):
+The work is split as vLLM v1 splits its engine (`ContinuousBatch.step`):
 
-    plan = scheduler.schedule()        # rdlm.inference.scheduling.scheduler: who does what this step, as host data
-    out = step_runner.execute(plan)    # rdlm.inference.runner.step_runner: every tensor and model call
-    events = scheduler.update(out)     # the chosen tokens and what the look found, into the requests
+    plan = scheduler.schedule()            # rdlm.inference.scheduling.scheduler: who does what, as host data
+    out = step_runner.execute(plan)        # rdlm.inference.runner.step_runner: every tensor and model call
+    events = scheduler.update(plan, out)   # the chosen tokens and what the look found, into the requests
+    done = scheduler.coda_due()            # the rows found done whose coda runs now (or None) ...
+    events += scheduler.coda_ran(step_runner.coda(done))   # ... and the tokens it chose
 
-The `Scheduler` holds the requests, their rows and the prompt chunks in flight as host numbers, and decides
-admission, lockstep, which rows compute, when to look, when a coda is due (a rule over what the look will
-find: `Coda`), fused iterations and the prompts' share; the `StepRunner` keeps its own record of each
-request in its rows and carries the plan out; the seam between them is rdlm.inference.scheduling.plan, plain data both
-ways.
+The `Scheduler` holds the requests, their rows and the prompt chunks in flight as host numbers, and makes
+every decision: admission, lockstep, which rows compute, when to look, when a coda is due, fused
+iterations, the prompts' share, where a prompt ends, a request's cap, cancellations. The `StepRunner`
+keeps what it needs to run each request in its rows (its prompt, parameters, generator and s_0 table) and
+carries the plans out; the seam between them is rdlm.inference.scheduling.plan, plain data both ways.
 """
 
 from __future__ import annotations
@@ -204,7 +206,10 @@ class ContinuousBatch(Engine):
         with torch.inference_mode(), step_threads(self.settings.max_batch, self._compiled):
             plan = self.scheduler.schedule()
             out = self.step_runner.execute(plan)
-            events = self.scheduler.update(out)
+            events = self.scheduler.update(plan, out)
+            done = self.scheduler.coda_due()
+            if done:
+                events += self.scheduler.coda_ran(self.step_runner.coda(done))
         if (events or not self.busy) and self.decode_start is None:  # (a prefill alone chooses no token)
             sync(self.device)
             self.decode_start = time.perf_counter()

@@ -188,14 +188,22 @@ class ExitTrack:
         return replace(self, exited=self.exited | exits, streak=streak)
 
 
+def at_cap(iterations, cap):
+    """Whether a token that ran `iterations` iterations reached its `cap` (host numbers or tensors alike): the
+    cap half of `done_iterating`, and the one place the cap is compared, on the device and on the host (the
+    scheduler's looks, fused iterations and codas, a prompt chunk's end, a parallel wave's final positions)."""
+    return iterations >= cap
+
+
 def done_iterating(exited: Tensor, iterations: Tensor, cap: int | Tensor, runs_on: Tensor | None = None) -> Tensor:
     """The one rule of whether a token is done iterating after an iteration: its criterion fired (a reading of
     `ExitTrack.after_iteration`, which holds min_steps), unless the criterion only chooses the state read out
-    and the token runs on (`runs_on`: gate-exact), or it ran its `cap` iterations. The continuous batch's rows
-    read it after every iteration, eager and static (rdlm.inference.runner.step_runner, static_step); the per-token
-    loop (`iterate_with_exits`) runs up to the cap, so inside it a token is done once its criterion fired."""
+    and the token runs on (`runs_on`: gate-exact), or it ran its `cap` iterations (`at_cap`). The continuous
+    batch's rows read it after every iteration, eager and static (rdlm.inference.runner.step_runner,
+    static_step); the per-token loop (`iterate_with_exits`: lockstep tokens, teacher-forced exits) freezes the
+    tokens it says are done; the vLLM forward reads it over its decoded tokens."""
     fired = exited if runs_on is None else exited & ~runs_on
-    return fired | (iterations >= cap)
+    return fired | at_cap(iterations, cap)
 
 
 def iterate_with_exits(
@@ -234,9 +242,11 @@ def iterate_with_exits(
             track = replace(track, exit_state=state.reshape(-1, state.shape[-1]).clone())
     for i in range(first, first + n):
         prev_state, new = state, step(state, i, track.exited)
-        # A token done iterating keeps its state (`done_iterating`: its cap is this loop's bound, so inside the
-        # loop that is the tokens whose criterion fired).
-        state = torch.where(track.exited.view(*tokens, 1), prev_state, new) if freeze else new
+        if freeze:  # a token done iterating keeps its state (its cap is this loop's bound: never reached inside)
+            done = done_iterating(track.exited, track.iterations, num_steps)
+            state = torch.where(done.view(*tokens, 1), prev_state, new)
+        else:
+            state = new
         track = track.after_iteration(
             criterion, i, num_steps, prev_state, state, min_steps=min_steps, every=every, readout=readout, gate=gate
         )

@@ -100,7 +100,7 @@ class ParallelSampler:
     own tensors (states, smoothed embeddings, criterion streaks, previous logits) are [1, W, ...] and shift
     when the wave start moves. Drafts are drawn from the request's generator, which chose its first token."""
 
-    def __init__(self, calls: ModelCalls, request: RowState) -> None:
+    def __init__(self, calls: ModelCalls, request: RowState, first_token: int | None = None) -> None:
         self.calls, self.request, self.model = calls, request, calls.model
         self.config = c = request.config
         self.row, self.prompt_length = request.row, len(request.prompt)
@@ -114,8 +114,8 @@ class ParallelSampler:
         self.wave_steps = 0
         self.start = 0  # first position of the wave; positions before it are final in the cache
         self.final = self.prompt_length  # positions before this hold final tokens
-        if request.first_token is not None:  # the first token, chosen after a full prefill
-            self.tokens[self.prompt_length] = request.first_token
+        if first_token is not None:  # the first token, chosen after a full prefill
+            self.tokens[self.prompt_length] = first_token
             self.final = self.prompt_length + 1
             self._open(self.prompt_length, 1, exact=True)
         else:  # the first wave is the prompt

@@ -22,16 +22,18 @@ class Rounds:
         self.waves: dict[int, ParallelSampler] = {}
         self.core_passes = self.wave_steps = 0
 
-    def run(self, row: RowState) -> RoundOutput:
-        """A request's round: a speculative one, or its wave's next step (the wave opens at its first round);
-        a round whose logits are not finite fails the request alone (its wave goes with it)."""
+    def run(self, row: RowState, position: int, token: int) -> RoundOutput:
+        """A request's round from its pending token `token` (chosen, not yet fed) at buffer index `position`: a
+        speculative one, or its wave's next step (the wave opens at its first round, from the first token when
+        a full prefill chose one); a round whose logits are not finite fails the request alone (its wave goes
+        with it)."""
         try:
             if row.config.draft_steps is not None:
-                drafts, drafted, accepted = speculate(self.calls, row)
+                drafts, drafted, accepted = speculate(self.calls, row, position, token)
                 return RoundOutput(row.id, [(t, row.config.num_steps) for t in drafts], drafted, accepted)
             wave = self.waves.get(row.id)
             if wave is None:
-                wave = self.waves[row.id] = ParallelSampler(self.calls, row)
+                wave = self.waves[row.id] = ParallelSampler(self.calls, row, None if token < 0 else token)
             passes, steps = wave.core_passes, wave.wave_steps
             tokens = wave.step()
             self.core_passes += wave.core_passes - passes

@@ -18,19 +18,19 @@ from rdlm.inference.runner.row_state import RowState
 from rdlm.inference.runner.sampling import NonFiniteLogitsError, read_tokens
 
 
-def speculate(calls: ModelCalls, request: RowState) -> tuple[list[int], int, int]:
-    """One round for `request` from its pending token (`next_token`, chosen, not yet fed at buffer index
-    `length` of its row). Draft `draft_length` (L) tokens greedily with `draft_steps` (N) iterations each;
+def speculate(calls: ModelCalls, request: RowState, start: int, token: int) -> tuple[list[int], int, int]:
+    """One round for `request` from its pending token `token` (chosen, not yet fed at buffer index `start` of
+    its row). Draft `draft_length` (L) tokens greedily with `draft_steps` (N) iterations each;
     then continue those L positions from iteration N to `num_steps` (M) in one forward. Accept drafts while
     they equal the verified greedy choice; the row's entries past the accepted ones are forgotten. The
     tokens are plain greedy decoding's exactly in float32; in bfloat16/float16 the batched verification
     rounds differently from one-token decoding, so a near-tie (top-2 logits a few units in the last place
     apart) may go the other way (see rdlm.inference.generate).
     Returns (new tokens: accepted drafts then the next pending token, drafted, accepted)."""
-    c, row, start = request.config, request.row, request.length
+    c, row = request.config, request.row
     assert c.draft_steps is not None  # a speculative request: only those run rounds
     length = min(c.draft_length, calls.cache.max_length - start)
-    fed, embedded, states = [request.next_token], [], []
+    fed, embedded, states = [token], [], []
     for k in range(length):
         calls.admit(start + k, 1, row)
         call = calls.block(start + k, 1, row=row)

@@ -22,8 +22,10 @@ A plan's core iterations run one of three ways, each one place here:
 
 The exit criteria are evaluated after a plan's single iteration (`RowExits`); a lockstep token decides
 them inside its iterations; fused iterations have none to decide. The codas (a lockstep token's, the
-prompts', the done rows') choose the next tokens here (`choose_rows`): the scheduler learns them, and what
-the look found, from the output alone.
+prompts', and the done rows' that the scheduler finds due after the step: `coda`) choose the next tokens
+here (`choose_rows`): the scheduler learns them, and what the look found, from the output alone. Every
+decision of what runs (looks, codas, prompt ends, caps, cancellations) is the plan's: the runner carries it
+out.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch import Tensor
 
 from rdlm.inference.execution.graphs import PhaseTimes
 from rdlm.inference.execution.model_calls import Call, ModelCalls, Pack
-from rdlm.inference.exits.track import done_iterating
+from rdlm.inference.exits.track import at_cap, done_iterating
 from rdlm.inference.runner.lockstep import Lockstep, Rows
 from rdlm.inference.runner.prefill import PromptChunk
 from rdlm.inference.runner.rounds import Rounds
@@ -47,6 +49,7 @@ from rdlm.inference.scheduling.plan import (
     Admission,
     Chosen,
     ChunkSpec,
+    Done,
     EngineSettings,
     Iterating,
     Start,
@@ -68,6 +71,7 @@ class StepRunner:
         self.device, self.dtype, self.cache = self.calls.device, self.calls.dtype, self.calls.cache
         self.rows: dict[int, RowState] = {}  # the requests in rows, by request id (the runner's own copy)
         self.chunks: dict[int, PromptChunk] = {}  # prompts being prefilled, by chunk id
+        self.specs: dict[int, ChunkSpec] = {}  # ... and as the plan gave them (which prompts end there)
         self.t = RowTensors.zeros(self.calls, max_batch)  # the rows' tensors
         self.exits = RowExits(self.calls, max_batch, c.vocab_size, self.t.state)  # the criteria's per-row carry
         self.static_step = StaticStep(self.calls, self.t, self.exits, max_batch, settings.static)
@@ -99,21 +103,21 @@ class StepRunner:
             self._admit(plan.admitted, plan.chunks)
         for request in plan.dropped:
             self._forget(request)
+        self._narrow(plan.narrowed)
         if plan.starts:
             with self.phases.timed("prelude and s_0"):
                 self._start(plan.starts)
         for spec in plan.rounds:
             with self.phases.timed("rounds"):
-                row = self.rows[spec.request]
-                row.length, row.next_token = spec.position, spec.token
-                done = self.rounds.run(row)
-                row.produced += len(done.tokens)
-                out.rounds.append(done)
+                out.rounds.append(self.rounds.run(self.rows[spec.request], spec.position, spec.token))
         if plan.lockstep:
             with self.phases.timed("core iteration"):
                 iterations = self._lockstep(plan.iterating)
             with self.phases.timed("coda and sampling"):
-                out.lockstep = self._coda([it.request for it in plan.iterating], iterations, lockstep=True)
+                done = [
+                    Done(it.request, it.row, it.position, n) for it, n in zip(plan.iterating, iterations, strict=True)
+                ]
+                out.lockstep = self._coda(done, lockstep=True)
             return out
         computing = self._iterate(plan, out)
         if self.chunks:
@@ -121,6 +125,11 @@ class StepRunner:
                 self._end_prompts(plan, out)
         self._look(plan, computing, out)
         return out
+
+    def coda(self, done: tuple[Done, ...]) -> list[Chosen]:
+        """The coda the scheduler found due over the rows whose token is done: their next tokens."""
+        with self.phases.timed("coda and sampling"):
+            return self._coda(list(done))
 
     # ---- rows in and out
 
@@ -144,6 +153,7 @@ class StepRunner:
                 self.t.seen[row.row] = False
                 self.t.seen[row.row, self.calls.upload(row.prompt)] = True
         for spec in chunks:
+            self.specs[spec.chunk] = spec
             self.chunks[spec.chunk] = PromptChunk.begin(
                 self.calls,
                 [self.rows[r] for r in spec.requests],
@@ -154,16 +164,17 @@ class StepRunner:
             )
 
     def _forget(self, request: int) -> None:
-        """A request left its row (finished, failed or cancelled): its record, its wave and its place in a prompt
-        chunk go."""
+        """A request left its row (finished, failed or cancelled): its record and its wave go."""
         self.rows.pop(request, None)
         self.rounds.forget(request)
-        for key, chunk in list(self.chunks.items()):
-            keep = [j for j, q in enumerate(chunk.requests) if q.id != request]
-            if len(keep) < len(chunk.requests):
-                del self.chunks[key]
-                if keep:
-                    self.chunks[key] = chunk.select(keep)
+
+    def _narrow(self, narrowed: tuple[tuple[ChunkSpec, tuple[int, ...]], ...]) -> None:
+        """Prompt chunks in flight that lost cancelled requests go on with the requests the plan keeps (or go)."""
+        for spec, keep in narrowed:
+            chunk = self.chunks.pop(spec.chunk)
+            del self.specs[spec.chunk]
+            if keep:
+                self.chunks[spec.chunk], self.specs[spec.chunk] = chunk.select(list(keep)), spec
 
     def clear(self, row: int) -> None:
         """Wipe a failed request's row: a NaN left in its cache would reach the row's next request through the
@@ -187,8 +198,6 @@ class StepRunner:
         """Feed each chosen token: prelude and s_0 of its position, and its row's count, cap, min_steps and
         budget (the scheduler checked that they fit)."""
         rows = [self.rows[s.request] for s in starts]
-        for row, s in zip(rows, starts, strict=True):
-            row.length = s.position
         limits = self.calls.upload(
             [[s.cap, row.config.min_steps, row.budget] for row, s in zip(rows, starts, strict=True)]
         )
@@ -200,10 +209,10 @@ class StepRunner:
         self.t.seen[batch_rows, self.calls.upload([s.token for s in starts])] = True
         ids = self.calls.upload([[s.token] for s in starts])
         self.t.embedded[select] = self.calls.embed(ids, call)
-        fresh = [row for row in rows if not row.config.continuous_cot]  # else s_0 is the last final state, kept
-        if fresh:
-            at = self.calls.upload([row.row for row in fresh])
-            drawn = [None if row.noise is None else row.noise[row.length] for row in fresh]
+        fresh = [(row, s) for row, s in zip(rows, starts, strict=True) if not row.config.continuous_cot]
+        if fresh:  # (continuous CoT: s_0 is the last final state, kept)
+            at = self.calls.upload([row.row for row, _ in fresh])
+            drawn = [None if row.noise is None else row.noise[s.position] for row, s in fresh]
             noise = (
                 None
                 if all(d is None for d in drawn)
@@ -218,22 +227,23 @@ class StepRunner:
             select, self.calls.upload([row.criterion is not None and row.criterion.spec.exact for row in rows])
         )
 
-    def _coda(self, requests: list[int], iterations: list[int], lockstep: bool = False) -> list[Chosen]:
-        """The coda over the final states of the rows whose token is done (of `requests`, `iterations[j]` run),
-        together, and the next token of each. A gate-exact row reads the state its gate chose (a lockstep
-        token's state is that already)."""
-        rows = [self.rows[request] for request in requests]
-        for row, n in zip(rows, iterations, strict=True):
+    def _coda(self, done: list[Done], lockstep: bool = False) -> list[Chosen]:
+        """The coda over the final states of the rows whose token is done, together, and the next token of each.
+        A gate-exact row reads the state its gate chose (a lockstep token's state is that already)."""
+        rows = [self.rows[d.request] for d in done]
+        for row, d in zip(rows, done, strict=True):
             if not lockstep and row.criterion is not None and row.criterion.spec.exact:
                 self.t.state[row.row] = self.exits.exit_state[row.row]  # what the readout (and continuous CoT) reads
-            self.cache.fill_missing(n, row.length, row.length + 1, row=row.row, slots=row.budget)
-        call = self._inputs([(row.row, row.length) for row in rows])[1]
+            self.cache.fill_missing(d.iterations, d.position, d.position + 1, row=row.row, slots=row.budget)
+        call = self._inputs([(d.row, d.position) for d in done])[1]
         logits = self.calls.readout(self.t.state[_selected(call)], call)[:, -1]
-        return self._choose(rows, logits, iterations)
+        return self._choose(rows, logits, [d.iterations for d in done], [d.position for d in done])
 
-    def _choose(self, rows: list[RowState], logits: Tensor, iterations: list[int]) -> list[Chosen]:
-        """Each row's next token from its row of logits [n, V] (`choose_rows`), or its failure where they are
-        not finite."""
+    def _choose(
+        self, rows: list[RowState], logits: Tensor, iterations: list[int], positions: list[int]
+    ) -> list[Chosen]:
+        """Each row's next token from its row of logits [n, V] (`choose_rows`), read out at buffer index
+        `positions[j]`, or its failure where they are not finite."""
         chosen = choose_rows(
             logits,
             [row.config for row in rows],
@@ -243,71 +253,47 @@ class StepRunner:
             self.calls.upload,
         )
         out = []
-        for row, pick, n in zip(rows, chosen, iterations, strict=True):
-            row.produced += 1
-            if pick is None:
-                out.append(Chosen(row.id, error=NonFiniteLogitsError(self.model, row.produced)))
+        for row, pick, n, position in zip(rows, chosen, iterations, positions, strict=True):
+            if pick is None:  # read out at `position`, the logits choose new token number position - prompt + 2
+                token = position + 2 - len(row.prompt)
+                out.append(Chosen(row.id, error=NonFiniteLogitsError(self.model, token)))
             else:
                 out.append(Chosen(row.id, pick[0], n, pick[1]))
         return out
 
     def _end_prompts(self, plan: StepPlan, out: StepOutput) -> None:
         """Chunks that ran their iterations, in order: the coda over their tokens, then, for each prompt whose
-        last chunk this was, its row's state set to its last token's and its first new token chosen from that
-        token's logits (a prefill alone chooses none); the other prompts go on in a chunk the scheduler begins."""
+        last chunk this was (`ChunkSpec.ends`), its row's state set to its last token's and, where the plan says
+        so (`chooses`: not for a prefill alone), its first new token chosen from that token's logits; the other
+        prompts go on in a chunk the scheduler begins."""
         for key in [k for k in plan.prompts if k in self.chunks and self.chunks[k].iterated]:
-            chunk = self.chunks.pop(key)
+            chunk, spec = self.chunks.pop(key), self.specs.pop(key)
             out.ended.append(key)
             state, logits = chunk.finish(self.calls)
-            ended, last = [], []
-            for j, (row, length) in enumerate(zip(chunk.requests, chunk.lengths, strict=True)):
-                if chunk.start + length < len(row.prompt):
-                    continue
-                ended.append(row)
-                last.append(j * chunk.n + length - 1)  # the prompt's last token, in the chunk's [g * n]
+            ended = [j for j, ends in enumerate(spec.ends) if ends]
             if ended:
+                last = [j * chunk.n + chunk.lengths[j] - 1 for j in ended]  # the prompts' last tokens, in [g * n]
                 index = self.calls.upload(last)
-                self.t.state[self.calls.upload([row.row for row in ended])] = state.flatten(0, 1)[index].unsqueeze(1)
-                choosing = [j for j, row in enumerate(ended) if row.config.max_new_tokens > 0]
+                rows = self.calls.upload([chunk.requests[j].row for j in ended])
+                self.t.state[rows] = state.flatten(0, 1)[index].unsqueeze(1)
+                choosing = [k for k, j in enumerate(ended) if spec.chooses[j]]
                 if choosing:
                     logits = logits.flatten(0, 1)[index]
                     if len(choosing) < len(ended):
                         logits = logits[self.calls.upload(choosing)]
-                    rows = [ended[j] for j in choosing]
-                    for row in rows:
-                        row.length = len(row.prompt)
-                    first = self._choose(rows, logits, [chunk.cap] * len(rows))
-                    for row, c in zip(rows, first, strict=True):
-                        row.first_token = c.token if c.error is None else None
-                    out.first += first
+                    requests = [chunk.requests[ended[k]] for k in choosing]
+                    positions = [len(q.prompt) - 1 for q in requests]
+                    out.first += self._choose(requests, logits, [chunk.cap] * len(requests), positions)
             self._last_inputs = None
 
     def _look(self, plan: StepPlan, computing: list[Iterating], out: StepOutput) -> None:
-        """The host reads the iterating rows' exit flags (one read) when the plan says so or a row that computed
-        reached its cap; then the done rows' coda, when the plan's rule finds it due."""
-        computed = {it.row for it in computing}
-        if plan.iterating and (
-            plan.look_due
-            or any(it.iteration + (plan.iterations if it.row in computed else 0) >= it.cap for it in plan.iterating)
-        ):
+        """The host reads the iterating rows' exit flags (one read) when the plan says so: at its interval, or
+        when a request it named computed (its token reached its cap)."""
+        computed = {it.request for it in computing}
+        if plan.iterating and (plan.look or any(request in computed for request in plan.look_at_cap)):
             select = _selected(self._inputs([(it.row, it.position) for it in plan.iterating])[1])
             stopped, iterations = torch.stack((self.t.stopped[select].long(), self.t.iterations[select])).tolist()
             out.found = {it.request: n for it, stop, n in zip(plan.iterating, stopped, iterations, strict=True) if stop}
-        looked = out.found or {}
-        found = {it.row: looked[it.request] for it in plan.iterating if it.request in looked}
-        # Rows that became decoding or left in this step before the rule is read: first tokens that go on, and
-        # rounds that failed or ran out of room.
-        decoding = (
-            plan.coda.decoding
-            - sum(r.error is not None or r.exhausted for r in out.rounds)
-            + sum(c.error is None and not _surely_last(self.rows[c.request], c) for c in out.first)
-        )
-        if not plan.coda.due(set(found), decoding):
-            return
-        by_row = {r.row: r.id for r in self.rows.values()}
-        done = sorted([*plan.coda.waiting, *found.items()])  # in the order of the rows
-        with self.phases.timed("coda and sampling"):
-            out.coda = self._coda([by_row[row] for row, _ in done], [n for _, n in done])
 
     # ---- the plan's core iterations
 
@@ -337,7 +323,7 @@ class StepRunner:
                 state = self.t.state[select]
             else:
                 may_be_frozen = plan.since_look and any(
-                    self.rows[it.request].criterion is not None or it.iteration >= it.cap for it in computing
+                    self.rows[it.request].criterion is not None or at_cap(it.iteration, it.cap) for it in computing
                 )
                 state = self._eager(computing, may_be_frozen, rows, call, prev_state, chunks)
         elif chunks:
@@ -492,12 +478,6 @@ class _Member:
     @property
     def config(self):
         return self.row.config
-
-
-def _surely_last(row: RowState, first: Chosen) -> bool:
-    """Whether a request's first token surely ends it (a stop token, or its length), as
-    `GenerationConfig.finish_reason` would say without its stop strings."""
-    return first.token in row.config.stop_tokens or row.config.at_length(1, first.iterations)
 
 
 def _selected(call: Call) -> Tensor | slice:

@@ -1,10 +1,12 @@
 """The seam between the continuous batch's scheduler and its step runner (rdlm.inference.batching): what the
-scheduler decides a step does (`StepPlan`), what carrying it out gives back (`StepOutput`), and the engine's
-settings both read (`EngineSettings`). A step is three calls:
+scheduler decides a step does (`StepPlan`), what carrying it out gives back (`StepOutput`), the coda the
+scheduler then finds due (`Done` rows), and the engine's settings both read (`EngineSettings`). A step is:
 
-    plan = scheduler.schedule()       # admissions, prompt chunks, starts, iterations, rounds, the look, codas
-    out = step_runner.execute(plan)   # every model call and tensor of the step
-    events = scheduler.update(out)    # tokens chosen -> finish reasons, the look's findings -> codas due
+    plan = scheduler.schedule()            # admissions, prompt chunks, starts, iterations, rounds, the look
+    out = step_runner.execute(plan)        # every model call and tensor of the step
+    events = scheduler.update(plan, out)   # tokens chosen -> finish reasons, the look's findings -> done rows
+    done = scheduler.coda_due()            # the done rows whose coda runs now, or None
+    events += scheduler.coda_ran(step_runner.coda(done))   # (when due) their next tokens
 
 Everything here is plain host data: request ids, rows, numbers, configs. The runner copies what it needs
 into its own per-row state when a request is admitted (`Admission`), and never sees a scheduler's
@@ -59,7 +61,9 @@ class Admission:
 @dataclass(frozen=True)
 class ChunkSpec:
     """A chunk of prompts that begins prefilling (rdlm.inference.runner.prefill): the requests' tokens
-    start .. start + lengths[j] - 1, right-padded to the longest; `cap` iterations over `budget` slots."""
+    start .. start + lengths[j] - 1, right-padded to the longest; `cap` iterations over `budget` slots.
+    `ends[j]`: request j's prompt ends in this chunk (its row then holds the prompt's last state); `chooses[j]`:
+    its first new token is chosen there (not for a prefill alone)."""
 
     chunk: int  # its id, the key of both sides' views of it
     requests: tuple[int, ...]
@@ -68,6 +72,22 @@ class ChunkSpec:
     cap: int
     budget: int
     n: int  # the tokens of each row: the longest's (padded so still when others left)
+    ends: tuple[bool, ...] = ()
+    chooses: tuple[bool, ...] = ()
+
+    def keep(self, positions: tuple[int, ...]) -> ChunkSpec:
+        """The chunk of the requests at `positions` only (the others cancelled): still `n` tokens wide."""
+        return ChunkSpec(
+            self.chunk,
+            tuple(self.requests[j] for j in positions),
+            self.start,
+            tuple(self.lengths[j] for j in positions),
+            self.cap,
+            self.budget,
+            self.n,
+            tuple(self.ends[j] for j in positions),
+            tuple(self.chooses[j] for j in positions),
+        )
 
 
 @dataclass(frozen=True)
@@ -104,29 +124,14 @@ class RoundSpec:
 
 
 @dataclass(frozen=True)
-class Coda:
-    """When the rows whose token is done run their coda at the end of the step, decided by the scheduler
-    before the step as a rule over what the look finds (`due`). `waiting`: (row, iterations run) of the rows
-    that were found done before; the look adds the rows it finds. It runs when some row is done and one of:
-    `now` (a row waited long enough), half the rows `decoding` wait, or none of `blockers` (the rows that
-    could still be done before the wait ends) is still iterating. `decoding` counts the rows decoding as the
-    step begins; the runner adds the first tokens that go on and drops the rounds that failed or ran out of
-    room (`due`'s `decoding`). A request that a round's tokens, or a first token's stop string, end in this
-    step still counts: the coda may then wait one step longer, which changes no token."""
+class Done:
+    """A row whose token is done iterating, found so by a look: its coda reads its final state at buffer index
+    `position` after `iterations` iterations and chooses its next token."""
 
-    waiting: tuple[tuple[int, int], ...] = ()
-    now: bool = False
-    decoding: int = 0
-    blockers: tuple[int, ...] = ()
-
-    def due(self, found: set[int], decoding: int | None = None) -> bool:
-        """Whether the coda runs, once the look found the rows `found` done (`decoding`: the rows decoding
-        then, where the step changed `self.decoding`)."""
-        done = len(self.waiting) + len(found)
-        if not done:
-            return False
-        decoding = self.decoding if decoding is None else decoding
-        return self.now or 2 * done >= decoding or all(row in found for row in self.blockers)
+    request: int
+    row: int
+    position: int
+    iterations: int
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,9 @@ class StepPlan:
 
     1. `wipe`: rows freed by a failure (their cache and state zeroed before anyone reuses them);
     2. `admitted`: requests entering rows, and `chunks`: the prompt chunks that begin prefilling; `dropped`:
-       requests gone (cancelled, failed or finished) whose runner state goes;
+       requests gone (cancelled, failed or finished) whose runner state goes; `narrowed`: chunks in flight that
+       lost cancelled requests, each as it goes on (its spec) with the positions of the requests it keeps
+       (none: the chunk goes);
     3. `starts`: the tokens fed now (prelude, s_0);
     4. `rounds`: requests that decode a round at a time, each in calls of their own;
     5. the core: a `lockstep` token (the `iterating` rows started it together: all its `iterations` in this
@@ -145,12 +152,13 @@ class StepPlan:
        `peek`: a row done on the device since the last look leaves the call (its flag is read for free);
        `since_look`: a row may be done on the device;
     6. the prompt chunks that ran their iterations: their coda, and the first token of each request whose
-       prompt ends there;
-    7. the look: the host reads the iterating rows' exit flags when `look_due` (every `exit_sync_every`
-       steps) or when a row that computed reached its cap; `coda`: when the done rows run their coda."""
+       prompt ends there (`ChunkSpec.ends`, `chooses`);
+    7. the look: the host reads the iterating rows' exit flags when `look` (every `exit_sync_every` steps),
+       or when a request of `look_at_cap` computed (its token reaches its cap in this step)."""
 
     wipe: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()
+    narrowed: tuple[tuple[ChunkSpec, tuple[int, ...]], ...] = ()
     admitted: tuple[Admission, ...] = ()
     chunks: tuple[ChunkSpec, ...] = ()
     starts: tuple[Start, ...] = ()
@@ -163,8 +171,8 @@ class StepPlan:
     prompts: tuple[int, ...] = ()
     prompt_iterations: int = 0
     prompt_iterations_alone: int = 0
-    look_due: bool = False
-    coda: Coda = field(default_factory=Coda)
+    look: bool = False
+    look_at_cap: tuple[int, ...] = ()
 
 
 @dataclass
@@ -198,9 +206,8 @@ class StepOutput:
     """What carrying out a plan gives back, in the order the scheduler takes it: the rounds; a lockstep
     token's next tokens (`lockstep`); the prompt chunks that ended (`ended`, in order) after the prompts ran
     `prompt_iterations`, and the first tokens chosen there (`first`); the requests whose rows iterated
-    (`computed`); what the look found (`found`: request -> iterations run, for the rows whose token is done;
-    None when the host did not look); and the tokens the done rows' coda chose (`coda`, empty when it was
-    not due)."""
+    (`computed`); and what the look found (`found`: request -> iterations run, for the rows whose token is
+    done; None when the host did not look)."""
 
     rounds: list[RoundOutput] = field(default_factory=list)
     lockstep: list[Chosen] = field(default_factory=list)
@@ -209,4 +216,3 @@ class StepOutput:
     first: list[Chosen] = field(default_factory=list)
     computed: tuple[int, ...] = ()
     found: dict[int, int] | None = None
-    coda: list[Chosen] = field(default_factory=list)

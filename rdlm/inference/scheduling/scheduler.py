@@ -31,12 +31,13 @@ from dataclasses import dataclass, replace
 
 from rdlm.checks import is_int
 from rdlm.inference.events import BatchEvent
+from rdlm.inference.exits.track import at_cap
 from rdlm.inference.params import Decode, GenerationConfig
 from rdlm.inference.scheduling.plan import (
     Admission,
     Chosen,
     ChunkSpec,
-    Coda,
+    Done,
     EngineSettings,
     Iterating,
     RoundSpec,
@@ -82,7 +83,7 @@ class Scheduler:
         self._wipe: list[int] = []  # rows freed by a failure since the last plan
         self._gone: list[int] = []  # requests that left since the last plan
         self._next_chunks: list[ChunkSpec] = []  # chunks begun after others ended, for the next plan
-        self._plan: StepPlan | None = None  # the plan being carried out
+        self._narrowed: list[tuple[ChunkSpec, tuple[int, ...]]] = []  # chunks in flight that lost requests
 
     # ---- requests
 
@@ -137,15 +138,21 @@ class Scheduler:
         starting = self.start(starting)
         wipe, self._wipe = tuple(self._wipe), []
         gone, self._gone = tuple(self._gone), []
+        narrowed, self._narrowed = tuple(self._narrowed), []
         starts = tuple(Start(q.id, q.row, q.next_token, q.length, q.cap) for q in starting)
         round_specs = tuple(RoundSpec(q.id, q.row, q.next_token, q.length) for q in rounds)
-        base = StepPlan(wipe=wipe, dropped=gone, admitted=admitted, chunks=chunks, starts=starts, rounds=round_specs)
+        base = StepPlan(
+            wipe=wipe,
+            dropped=gone,
+            narrowed=narrowed,
+            admitted=admitted,
+            chunks=chunks,
+            starts=starts,
+            rounds=round_specs,
+        )
         if starting and not rounds and self.in_lockstep(starting, bool(self.chunks)):
-            plan = replace(base, iterating=self._iterating(starting), lockstep=True, iterations=starting[0].cap)
-        else:
-            plan = self._plan_iterations(base)
-        self._plan = plan
-        return plan
+            return replace(base, iterating=self._iterating(starting), lockstep=True, iterations=starting[0].cap)
+        return self._plan_iterations(base)
 
     def _plan_iterations(self, base: StepPlan) -> StepPlan:
         """A step that runs the iterating rows' next iteration(s) and the prompts' share of iterations."""
@@ -172,24 +179,12 @@ class Scheduler:
             prompts=tuple(c.spec.chunk for c in self.chunks),
             prompt_iterations=share if iterating else alone,
             prompt_iterations_alone=alone,
-            look_due=bool(iterating) and self.since_look + 1 >= s.exit_sync_every,
-            coda=self._coda_rule(iterating, n),
+            look=bool(iterating) and self.since_look + 1 >= s.exit_sync_every,
+            look_at_cap=tuple(q.id for q in iterating if at_cap(q.iteration + n, q.cap)),
         )
 
     def _iterating(self, requests: list[Request]) -> tuple[Iterating, ...]:
         return tuple(Iterating(q.id, q.row, q.length, q.iteration, q.cap) for q in requests)
-
-    def _coda_rule(self, iterating: list[Request], n: int) -> Coda:
-        """When the rows found done run their coda at the end of this step (`Coda`): once one has waited
-        `coda_every` - 1 steps, or half the decoding rows wait, or no other row can be done before then (a
-        row with an exit criterion may exit any time; one without ends at its cap)."""
-        waiting = self.with_status(Status.AWAITING_CODA)
-        now = self.steps_run + 1  # the clock once this step ran
-        first = min((q.stopped_at for q in waiting), default=now)
-        wait = self.settings.coda_every - 1 - (now - first)
-        decoding = sum(q.status is not Status.PREFILLING for q in self.active)
-        blockers = tuple(q.row for q in iterating if q.criterion is not None or q.cap - (q.iteration + n) <= wait)
-        return Coda(tuple((q.row, q.iteration) for q in waiting), wait <= 0, decoding, blockers)
 
     def starting(self) -> tuple[list[Request], list[Request]]:
         """The requests whose chosen token is fed now: (those whose token starts its iterations, those that
@@ -206,24 +201,16 @@ class Scheduler:
         for q in self.active:
             if q.id in dropped:
                 self.free(q)
-        for chunk in list(self.chunks):
-            keep = [j for j, q in enumerate(chunk.requests) if q.id not in dropped]
-            if len(keep) < len(chunk.requests):  # the runner drops them from its chunk, which goes last
-                self.chunks.remove(chunk)
-                if keep:
-                    spec = chunk.spec
-                    chunk.spec = ChunkSpec(
-                        spec.chunk,
-                        tuple(spec.requests[j] for j in keep),
-                        spec.start,
-                        tuple(spec.lengths[j] for j in keep),
-                        spec.cap,
-                        spec.budget,
-                        spec.n,
-                    )
-                    chunk.requests = [chunk.requests[j] for j in keep]
-                    self.chunks.append(chunk)
         pending = {spec.chunk for spec in self._next_chunks}  # not begun by the runner yet: begun as they are now
+        for chunk in list(self.chunks):
+            keep = tuple(j for j, q in enumerate(chunk.requests) if q.id not in dropped)
+            if len(keep) < len(chunk.requests):  # it goes on without them, last
+                self.chunks.remove(chunk)
+                chunk.spec, chunk.requests = chunk.spec.keep(keep), [chunk.requests[j] for j in keep]
+                if keep:
+                    self.chunks.append(chunk)
+                if chunk.spec.chunk not in pending:  # the runner's chunk follows
+                    self._narrowed.append((chunk.spec, keep))
         self._next_chunks = [c.spec for c in self.chunks if c.spec.chunk in pending]
 
     def _admit(self) -> tuple[tuple[Admission, ...], tuple[ChunkSpec, ...]]:
@@ -258,7 +245,10 @@ class Scheduler:
             len(q.prompt) - start if whole else min(len(q.prompt) - start, self.settings.prefill_chunk)
             for q in requests
         )
-        spec = ChunkSpec(next(self.chunk_ids), tuple(q.id for q in requests), start, lengths, cap, budget, max(lengths))
+        ends = tuple(start + length == len(q.prompt) for q, length in zip(requests, lengths, strict=True))
+        chooses = tuple(end and q.config.max_new_tokens > 0 for q, end in zip(requests, ends, strict=True))
+        ids = tuple(q.id for q in requests)
+        spec = ChunkSpec(next(self.chunk_ids), ids, start, lengths, cap, budget, max(lengths), ends, chooses)
         self.chunks.append(Chunk(spec, list(requests)))
         return spec
 
@@ -323,18 +313,16 @@ class Scheduler:
 
     # ---- what a step gave back
 
-    def update(self, out: StepOutput) -> list[BatchEvent]:
-        """Take the step's outcome: each request's chosen tokens (it goes on or ends), the prompts' progress, the
-        iterations run, what the look found. Returns the tokens as events, in the order they were chosen."""
-        plan, self._plan = self._plan, None
-        assert plan is not None, "update() takes the outcome of the plan schedule() gave"
+    def update(self, plan: StepPlan, out: StepOutput) -> list[BatchEvent]:
+        """Take the outcome of carrying out `plan` (this scheduler's last): each request's chosen tokens (it goes
+        on or ends), the prompts' progress, the iterations run, what the look found (those rows now await their
+        coda: `coda_due`). Returns the tokens as events, in the order they were chosen."""
         events: list[BatchEvent] = []
         for done in out.rounds:
             self._round(done, events)
         self.steps_run += 1
         if plan.lockstep:
-            self._coda_ran(out.lockstep, events)
-            return events
+            return self.coda_ran(out.lockstep)
         ended = set(out.ended)
         for chunk in list(self.chunks):
             if chunk.spec.chunk in ended:
@@ -354,15 +342,33 @@ class Scheduler:
             for q in self.with_status(Status.ITERATING):
                 if q.id in out.found:
                     q.status, q.stopped_at, q.iteration = Status.AWAITING_CODA, self.steps_run, out.found[q.id]
-        self._coda_ran(out.coda, events)
         return events
 
-    def _coda_ran(self, chosen: list[Chosen], events: list[BatchEvent]) -> None:
-        """The coda ran over these requests' done tokens (each now in the cache) and chose their next tokens."""
+    def coda_due(self) -> tuple[Done, ...] | None:
+        """The rows found done whose coda runs now (in the order of the rows), or None: once one has waited
+        `coda_every` - 1 steps, or half the decoding rows wait, or no row still iterating could be done before
+        the wait ends (a row with an exit criterion may exit any time; one without ends at its cap)."""
+        done = self.with_status(Status.AWAITING_CODA)
+        if not done:
+            return None
+        wait = self.settings.coda_every - 1 - (self.steps_run - min(q.stopped_at for q in done))
+        decoding = sum(q.status is not Status.PREFILLING for q in self.active)
+        blocked = any(
+            q.criterion is not None or q.cap - q.iteration <= wait for q in self.with_status(Status.ITERATING)
+        )
+        if wait > 0 and 2 * len(done) < decoding and blocked:
+            return None
+        return tuple(Done(q.id, q.row, q.length, q.iteration) for q in done)  # (rows hold them in order)
+
+    def coda_ran(self, chosen: list[Chosen]) -> list[BatchEvent]:
+        """A coda ran over these requests' done tokens (each now in the cache) and chose their next tokens; the
+        tokens as events."""
+        events: list[BatchEvent] = []
         for c in chosen:
             q = self._by_id(c.request)
             q.length, q.iteration = q.length + 1, c.iterations
             self._chosen(q, c, events)
+        return events
 
     def _by_id(self, request: int) -> Request:
         return next(q for q in self.rows if q is not None and q.id == request)
@@ -372,12 +378,12 @@ class Scheduler:
         others go on with their next chunk."""
         self.chunks.remove(chunk)
         spec, going_on = chunk.spec, []
-        for q, length in zip(chunk.requests, spec.lengths, strict=True):
-            if spec.start + length < len(q.prompt):
+        for q, ends, chooses in zip(chunk.requests, spec.ends, spec.chooses, strict=True):
+            if not ends:
                 going_on.append(q)
                 continue
             q.length = len(q.prompt)
-            if q.config.max_new_tokens == 0:
+            if not chooses:  # a prefill alone
                 self.free(q)
         if going_on:
             self._next_chunks.append(self._begin_chunk(going_on, spec.start + spec.n, spec.cap, spec.budget))
