@@ -174,13 +174,15 @@ def run_generate(models: Models, model: str, prompts, config: dict, decode: bool
                  stop_from: str | None = None) -> dict:
     """`generate` with `on_token` collecting the events. `stop_from` ("token" or "string"): first run the
     config without stops and stop at its third token (as a stop token, or as the text of that token)."""
-    from rdlm.inference.generate import GenerationConfig, generate
+    from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
 
     m = models[model]
     dec = models.decode(model) if decode or stop_from == "string" else None
     out: dict[str, Any] = {}
+    config = dict(config)  # the engine's settings apart (the cases name both together)
+    engine = EngineArgs(**{name: config.pop(name) for name in ("compile", "exit_sync_every") if name in config})
     if stop_from is not None:
-        plain = generate(m, prompts, GenerationConfig(**config), decode=dec)
+        plain = generate(m, prompts, GenerationConfig(**config), decode=dec, engine=engine)
         third = plain.tokens[0][min(2, len(plain.tokens[0]) - 1)]
         if stop_from == "token":
             config = {**config, "stop_tokens": (third,)}
@@ -192,7 +194,7 @@ def run_generate(models: Models, model: str, prompts, config: dict, decode: bool
     events: list = []
     out["events"] = events
     try:
-        result = generate(m, prompts, GenerationConfig(**config), decode=dec,
+        result = generate(m, prompts, GenerationConfig(**config), decode=dec, engine=engine,
                           on_token=lambda e: events.append([e.row, e.token, e.iterations, hexf(e.logprob), top_hex(e.top)]))
     except Exception as err:  # the record of a case that fails keeps the events before the failure
         out["error"] = error_record(err)

@@ -7,7 +7,7 @@ import torch
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.inference.execution import cpu_compile
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
 
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11, 4], [8, 8, 6, 2, 9]]
 
@@ -23,7 +23,7 @@ def tiny(seed: int = 0) -> RecurrentDepthLM:
 
 
 def run(model, config: GenerationConfig, compile: bool):
-    return generate(model, PROMPTS, GenerationConfig(**{**vars(config), "compile": compile}))
+    return generate(model, PROMPTS, config, engine=EngineArgs(compile=compile))
 
 
 def test_the_compiled_step_gives_the_eager_tokens_and_iterations(compiling):
@@ -96,5 +96,6 @@ def test_warm_up_compiles_without_changing_the_batch(compiling):
         assert torch.equal(old, new)
     while batch.busy:
         tokens += [e.token for e in batch.step() if e.request == rid]
-    alone = generate(model, [3, 1, 4, 1, 5], GenerationConfig(num_steps=4, max_new_tokens=6, compile=False))
+    alone = generate(model, [3, 1, 4, 1, 5], GenerationConfig(num_steps=4, max_new_tokens=6),
+                     engine=EngineArgs(compile=False))
     assert tokens == alone.tokens[0]

@@ -1,6 +1,8 @@
 """The decode engine: the static step gives the eager path's tokens, exits are decided on the device and
 exited rows leave the batch, s_0 is a function of (seed, position)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from rdlm.inference.execution.cache import RecurrentKVCache
 from rdlm.inference.execution.graphs import resolve_compile
 from rdlm.inference.execution.noise import noise_table
 from rdlm.inference.exits.criteria import CRITERIA
-from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [250, 11], [1, 2, 3, 4]]
 # thresholds at which exits fire at different iterations for different rows of the tiny model
@@ -23,9 +25,9 @@ def model() -> RecurrentDepthLM:
     return RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
 
 
-def run_all(model, config: GenerationConfig):
+def run_all(model, config: GenerationConfig, engine: EngineArgs | None = None):
     """(batched, each prompt alone) results."""
-    return generate(model, PROMPTS, config), [generate(model, p, config) for p in PROMPTS]
+    return generate(model, PROMPTS, config, engine=engine), [generate(model, p, config, engine=engine) for p in PROMPTS]
 
 
 def assert_same(a, b):
@@ -44,8 +46,8 @@ def assert_same(a, b):
 ], ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()) or "fixed")
 def test_static_step_gives_the_eager_tokens_batched_and_alone(model, extra):
     config = GenerationConfig(**{"num_steps": 4, "max_new_tokens": 8, "seed": 3, **extra})
-    eager, eager_alone = run_all(model, GenerationConfig(**{**config.__dict__, "compile": False}))
-    static, static_alone = run_all(model, GenerationConfig(**{**config.__dict__, "compile": True}))
+    eager, eager_alone = run_all(model, config, EngineArgs(compile=False))
+    static, static_alone = run_all(model, config, EngineArgs(compile=True))
     assert_same(eager, static)
     for row in range(len(PROMPTS)):
         for alone in (eager_alone[row], static_alone[row]):
@@ -65,8 +67,8 @@ def test_every_criterion_is_exercised_with_mixed_exits(model):
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_when_the_host_looks_changes_no_token(model, compile):
-    base = dict(num_steps=12, max_new_tokens=8, seed=1, exit_criterion="kl", exit_threshold=3e-3, compile=compile)
-    results = [generate(model, PROMPTS, GenerationConfig(**base, exit_sync_every=n)) for n in (1, 3, 100)]
+    config = GenerationConfig(num_steps=12, max_new_tokens=8, seed=1, exit_criterion="kl", exit_threshold=3e-3)
+    results = [generate(model, PROMPTS, config, engine=EngineArgs(compile, n)) for n in (1, 3, 100)]
     for other in results[1:]:
         assert_same(results[0], other)
 
@@ -85,12 +87,12 @@ def test_exited_rows_leave_the_core(model, monkeypatch, sync_every):
 
     monkeypatch.setattr(model, "step", counting_step)
     base = dict(num_steps=12, max_new_tokens=8, seed=3, exit_criterion="kl", exit_threshold=3e-3, prefill_steps=1)
-    result = generate(model, PROMPTS, GenerationConfig(**base, exit_sync_every=sync_every))
+    result = generate(model, PROMPTS, GenerationConfig(**base), engine=EngineArgs(exit_sync_every=sync_every))
     decoded = sum(s for row in result.iterations for s in row[1:])
     assert sum(rows_run) - 1 * len(PROMPTS) == decoded  # the prefill runs one iteration for all rows
     assert decoded < 12 * sum(len(row) - 1 for row in result.iterations)
     rows_run.clear()
-    assert_same(generate(model, PROMPTS, GenerationConfig(**base, exit_sync_every=4)), result)
+    assert_same(generate(model, PROMPTS, GenerationConfig(**base), engine=EngineArgs(exit_sync_every=4)), result)
     assert sum(rows_run) - 1 * len(PROMPTS) > decoded
 
 
@@ -123,6 +125,20 @@ def test_compile_defaults_to_cuda_only():
 def test_bad_engine_options_are_named():
     with pytest.raises(ValueError, match="exit_every"):
         GenerationConfig(exit_every=0)
+    with pytest.raises(ValueError, match="exit_sync_every"):
+        EngineArgs(exit_sync_every=0)
+    with pytest.raises(ValueError, match="compile"):
+        EngineArgs(compile="yes")
+
+
+def test_engine_settings_in_a_request_s_config_still_work_with_a_deprecation_warning(model):
+    """An engine setting given the old way, in the request's config, reaches the engine `generate` builds (the
+    same tokens as through EngineArgs) and changes neither the config's equality nor its sampling group."""
+    base = GenerationConfig(num_steps=6, max_new_tokens=4, exit_criterion="kl", exit_threshold=3e-3)
+    with pytest.warns(DeprecationWarning, match="EngineArgs"):
+        old = replace(base, compile=True, exit_sync_every=3)
+    assert old == base and hash(old) == hash(base)
+    assert_same(generate(model, PROMPTS, old), generate(model, PROMPTS, base, engine=EngineArgs(True, 3)))
     with pytest.raises(ValueError, match="exit_sync_every"):
         GenerationConfig(exit_sync_every=0)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM, load_pretrained
-from rdlm.inference.generate import GenerationConfig, TokenEvent, generate, sample, stream
+from rdlm.inference.generate import EngineArgs, GenerationConfig, TokenEvent, generate, sample, stream
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [250, 11], [1, 2, 3, 4]]
 
@@ -35,9 +35,9 @@ def test_cached_decoding_gives_the_logits_of_a_full_recompute(huginn_tiny_dir, s
     r = 4
     # a shared cache with k >= r is the full cache; k < r changes results by design (paper section 6.3)
     extra = dict(cache_strategy="shared", cache_slots=6) if strategy != "full" else {}
-    config = GenerationConfig(num_steps=r, max_new_tokens=5, init_scale=0.0, logprobs=5, compile=compile, **extra)
+    config = GenerationConfig(num_steps=r, max_new_tokens=5, init_scale=0.0, logprobs=5, **extra)
     prompt = [3, 14, 15, 92, 65, 35]
-    events = list(stream(model, prompt, config))
+    events = list(stream(model, prompt, config, engine=EngineArgs(compile=compile)))
     ids = torch.tensor([prompt + [e.token for e in events]])
     with torch.inference_mode():
         full = torch.log_softmax(model(ids, num_steps=r, init_scale=0.0).logits[0].float(), dim=-1)
@@ -408,3 +408,33 @@ def test_extreme_sampling_values_give_their_limit_not_an_overflow():
     boosted = GenerationConfig(num_steps=4, max_new_tokens=6, temperature=0.7, repetition_penalty=1e-300, seed=1)
     tokens = generate(model, [[1, 2, 3]], boosted).tokens[0]
     assert all(t in (1, 2, 3) or t in tokens[:i] for i, t in enumerate(tokens))   # only seen tokens, none at random
+
+
+def test_rows_that_sample_alike_are_chosen_together_in_one_host_read(monkeypatch):
+    """A batch's coda over rows whose requests differ in what does not change the sampling call (seed, lengths,
+    stop strings, depth) samples them in one call; rows that do differ (logprobs, a temperature) in calls of
+    their own; every row gets the token (and scores) it gets alone, and the host reads once in all."""
+    from rdlm.inference.runner.sampling import choose_rows, sampling_key
+
+    greedy = GenerationConfig(num_steps=4, max_new_tokens=3)
+    configs = [greedy, replace(greedy, seed=5, max_new_tokens=9, stop_strings=("x",), num_steps=8),
+               replace(greedy, logprobs=2), GenerationConfig(temperature=0.9, top_k=5, seed=1),
+               GenerationConfig(temperature=0.9, top_k=5, seed=2, num_steps=6)]
+    assert len({sampling_key(c) for c in configs}) == 3
+    logits = torch.randn(len(configs), 50, generator=torch.Generator().manual_seed(0))
+    logits[1, 3] = float("nan")                                   # one broken row fails alone
+    seen = torch.zeros(8, 50, dtype=torch.bool)
+    rows = torch.tensor([4, 0, 2, 7, 1])
+
+    def generators():
+        return [torch.Generator().manual_seed(c.seed) for c in configs]
+
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real(self))
+    together = choose_rows(logits, configs, generators(), seen, rows, torch.tensor)
+    assert len(reads) == 1
+    alone = [choose_rows(logits[j : j + 1], [c], [g], seen, rows[j : j + 1], torch.tensor)[0]
+             for j, (c, g) in enumerate(zip(configs, generators()))]
+    assert together == alone and together[1] is None and together[0] is not None
+    assert together[2][1] is not None and len(together[2][1][1]) == 2   # the scores of the row that asked

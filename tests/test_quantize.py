@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rdlm import build_model, load_model, load_pretrained
-from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
 from rdlm.model.huginn import CheckpointError, save_pretrained
 from rdlm.model.int4 import _from_cpu_int4_layout, _to_cpu_int4_layout
 from rdlm.model.quantize import QuantizationError, QuantizedLinear, QuantSpec, quantize, weight_bytes
@@ -26,9 +26,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "families"
 ALPHABET = "\x00\n" + "".join(map(chr, range(32, 127))) + "".join(map(chr, range(161, 192)))
 
 
-def greedy(model, prompts, r=6, n=10, **options):
+def greedy(model, prompts, r=6, n=10, engine=None, **options):
     config = GenerationConfig(max_new_tokens=n, num_steps=r, temperature=0.0, seed=0, **options)
-    return generate(model, prompts, config)
+    return generate(model, prompts, config, engine=engine)
 
 
 def logits(model, ids, r=6):
@@ -371,6 +371,7 @@ def test_the_engines_static_step_gives_the_eager_tokens_with_quantized_weights(t
     quantize(tiny_model, spec, group_size=32)
     prompts = [[5, 17, 99, 3, 42, 7], [250, 11]]
     options = dict(r=12, n=8, exit_criterion="kl", exit_threshold=3e-3)
-    eager, static = greedy(tiny_model, prompts, compile=False, **options), greedy(tiny_model, prompts, compile=True, **options)
+    eager = greedy(tiny_model, prompts, engine=EngineArgs(compile=False), **options)
+    static = greedy(tiny_model, prompts, engine=EngineArgs(compile=True), **options)
     assert static.tokens == eager.tokens and static.iterations == eager.iterations
     assert len({s for row in eager.iterations for s in row[1:]}) > 1

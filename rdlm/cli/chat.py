@@ -21,7 +21,14 @@ import sys
 import torch
 
 from rdlm.cli import at_least, model_and_adapters
-from rdlm.cli.generate import TextStreamer, add_generation_args, config_from_args, load_model_and_tokenizer, print_stats
+from rdlm.cli.generate import (
+    TextStreamer,
+    add_generation_args,
+    config_from_args,
+    engine_from_args,
+    load_model_and_tokenizer,
+    print_stats,
+)
 from rdlm.inference.generate import generate
 
 
@@ -64,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         "--prompt-ids` for a model without one",
     )
     stops = tuple(i for i in (tokenizer.end_turn_id, tokenizer.eos_id) if i is not None)
-    config = config_from_args(args, model, stop_tokens=stops)
+    config, engine = config_from_args(args, model, stop_tokens=stops), engine_from_args(args)
     # A tokenizer without the chat tokens (a task model's, e.g. `rdlm demo`'s): each line is a prompt of
     # its own, completed as `rdlm generate` would, with no conversation around it.
     plain = not tokenizer.has_chat
@@ -132,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         # The reply's first token usually carries a word's leading space: "Huginn> " already ends in one.
         streamer = TextStreamer(tokenizer, strip_leading=True)
         try:
-            result = generate(model, [prompt], turn, decode=tokenizer.decode, on_token=streamer)
+            result = generate(model, [prompt], turn, decode=tokenizer.decode, on_token=streamer, engine=engine)
         except BaseException:
             print(flush=True)  # an error starts on a line of its own, after the reply so far
             raise

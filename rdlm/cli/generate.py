@@ -23,7 +23,7 @@ from rdlm.cli import (
     model_and_adapters,
 )
 from rdlm.inference.exits.criteria import CRITERIA
-from rdlm.inference.generate import GenerationConfig, GenerationResult, TokenEvent, generate
+from rdlm.inference.generate import EngineArgs, GenerationConfig, GenerationResult, TokenEvent, generate
 from rdlm.inference.params import PARTS, check_prompts, params_for
 from rdlm.model import dtypes
 from rdlm.model.resolve import ACCEPTED, resolve_model_source
@@ -58,17 +58,9 @@ FLAGS: dict[str, dict] = {
         "help": "{help}; default: the model's mean recurrence",
     },
     "exit_criterion": {"choices": sorted(CRITERIA)},
-    "exit_sync_every": {
-        "help": "{help}; in rdlm serve also every n steps of the batch (rows found done then "
-        "leave its calls; default 4)"
-    },
     "cache_strategy": {"flags": ("--cache",)},
     "freeze_criterion": {"choices": sorted(n for n, s in CRITERIA.items() if not s.uses_gate)},
     "max_wavefront": {"help": "{help} (0: no limit)"},
-    "compile": {
-        "help": "{help}; rdlm serve: the batch's static core iteration (on the CPU compiled by default for "
-        "at most 16 rows)"
-    },
 }
 
 
@@ -96,11 +88,34 @@ def add_generation_args(p: argparse.ArgumentParser, named_adapters: bool = False
     )
     groups["sampling"].add_argument("--stop-ids", default="", help="comma-separated stop token ids")
     add_lora_arguments(groups["adapter"], named=named_adapters)
+    engine = groups["engine"]  # how the engine runs: set once per engine (EngineArgs), not per request
+    engine.add_argument(
+        "--exit-sync-every",
+        type=int,
+        default=None,
+        help="core iterations between the host's looks at the exit flags (speed only, never the tokens; default "
+        "1 on the CPU and 4 on a GPU; rdlm serve: 4)",
+    )
+    engine.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the static decode step: captured in a CUDA graph (default on with CUDA), or compiled on the CPU "
+        "(default on for long jobs of at most 16 rows; rdlm serve: for at most 16 rows; RDLM_COMPILE=0 keeps it "
+        "eager)",
+    )
     g = p.add_argument_group("model", "how the model is loaded and where it runs")
     g.add_argument("--dtype", choices=dtypes.CHOICES, default="float32", help="weights and activations dtype")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     add_threads_argument(g)
     add_quantize_arguments(g)
+
+
+def engine_from_args(args: argparse.Namespace) -> EngineArgs:
+    """How the engine runs, from the command line's engine flags."""
+    if args.exit_sync_every is not None and args.exit_sync_every < 1:
+        raise CLIError(f"--exit-sync-every must be at least 1, got {args.exit_sync_every}")
+    return EngineArgs(compile=args.compile, exit_sync_every=args.exit_sync_every)
 
 
 def config_from_args(args: argparse.Namespace, model, stop_tokens: tuple[int, ...] = ()) -> GenerationConfig:
@@ -252,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = [parse_ids(p) for p in (args.prompt_ids or ["1,2,3"])]
         stop_tokens = ()
-    config = config_from_args(args, model, stop_tokens)
+    config, engine = config_from_args(args, model, stop_tokens), engine_from_args(args)
     check_prompts(model, prompts)
     check_fits(model.config.context_length, max(map(len, prompts)), config.max_new_tokens)
     decode = tokenizer.decode if tokenizer is not None else None
@@ -260,13 +275,13 @@ def run(args: argparse.Namespace) -> int:
         print(args.prompt[0], end="", flush=True)
         streamer = TextStreamer(tokenizer)
         try:
-            result = generate(model, prompts, config, decode=decode, on_token=streamer)
+            result = generate(model, prompts, config, decode=decode, on_token=streamer, engine=engine)
         except BaseException:
             print(flush=True)  # an error starts on a line of its own, after the text so far
             raise
         streamer.finish()
     else:
-        result = generate(model, prompts, config, decode=decode)
+        result = generate(model, prompts, config, decode=decode, engine=engine)
         for row, prompt in enumerate(prompts):
             if text_mode:
                 print(args.prompt[row] + tokenizer.decode(result.tokens[row], skip_special_tokens=True))

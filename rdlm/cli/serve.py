@@ -10,7 +10,7 @@ import signal
 import sys
 
 from rdlm.cli import add_model_argument, model_and_adapters
-from rdlm.cli.generate import add_generation_args, config_from_args, load_model_and_tokenizer
+from rdlm.cli.generate import add_generation_args, config_from_args, engine_from_args, load_model_and_tokenizer
 
 
 def register(subparsers) -> None:
@@ -158,9 +158,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
-    # --exit-sync-every: the batch's steps between looks, and each request's iterations between looks in a
-    # token that runs in lockstep; without it the batch looks every 4 steps, a lockstep token by its device
-    exit_sync_every = ServeConfig.exit_sync_every if defaults.exit_sync_every is None else defaults.exit_sync_every
+    # --exit-sync-every: iterations between the host's looks, the batch's steps and a lockstep token's alike
+    # (by default every 4); --compile: the batch's static step (by default compiled on the CPU for at most 16 rows)
+    engine = engine_from_args(args)
+    exit_sync_every = ServeConfig.exit_sync_every if engine.exit_sync_every is None else engine.exit_sync_every
     config = ServeConfig(
         model_name=name,
         max_batch=args.max_batch,
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         coda_every=args.coda_every,
         profile=args.profile,
-        compile=defaults.compile,
+        compile=engine.compile,
         max_num_steps=args.max_num_steps,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
@@ -188,12 +189,8 @@ def run(args: argparse.Namespace) -> int:
         )
     app = create_app(model, tokenizer, config)
     batch = app.state.worker.batch
-    static = "on" if batch.step_runner.static else "off"
-    if (
-        batch.step_runner.static_step.compiled is not None
-    ):  # the CPU's compiled step (rdlm.inference.execution.cpu_compile)
-        static = "compiled"
-    elif adapters and batch.device.type == "cpu":
+    static = "compiled" if batch.compiled else "on" if batch.static else "off"  # (compiled: the CPU's step)
+    if not batch.compiled and adapters and batch.device.type == "cpu":
         static += " (not compiled with LoRA adapters)"
     served = f", LoRA adapters {', '.join(adapters)}" if adapters else ""
     print(

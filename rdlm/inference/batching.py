@@ -59,13 +59,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 
 from rdlm.checks import check_int
 from rdlm.inference.events import BatchEvent, Engine
 from rdlm.inference.execution.cpu_compile import cpu_compiled, step_threads
-from rdlm.inference.execution.graphs import PhaseTimes, resolve_compile, sync
+from rdlm.inference.execution.graphs import PhaseTimes, resolve_compile, resolve_sync_every, sync
 from rdlm.inference.params import Decode, GenerationConfig, check_request
 from rdlm.inference.runner.parallel import check_parallel
 from rdlm.inference.runner.step_runner import StepRunner
@@ -73,6 +74,27 @@ from rdlm.inference.scheduling.plan import EngineSettings
 from rdlm.inference.scheduling.request import Request
 from rdlm.inference.scheduling.scheduler import Scheduler
 from rdlm.model.lm import RecurrentDepthLM
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """How the decode engine runs, set once per engine and apart from each request's parameters
+    (`GenerationConfig`), as vLLM keeps its EngineArgs apart from SamplingParams. Neither changes a token in
+    float32 (docs/generation.md says where bf16 near-ties can flip); both change speed.
+
+    `compile`: the static decode step, captured as a CUDA graph (None: on with CUDA) or compiled by inductor
+    on the CPU (None: where it pays, rdlm.inference.execution.cpu_compile); `exit_sync_every`: core iterations
+    between the host's looks at the exit flags, the batch's steps and a lockstep token's iterations alike
+    (None: 1 on the CPU, where a look waits for nothing, 4 on a GPU, where it drains the queued work)."""
+
+    compile: bool | None = None
+    exit_sync_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.exit_sync_every is not None:
+            check_int("exit_sync_every", self.exit_sync_every)
+        if not (self.compile is None or isinstance(self.compile, bool)):
+            raise ValueError(f"compile must be True, False or None, got {self.compile!r}")
 
 
 class ContinuousBatch(Engine):
@@ -92,13 +114,16 @@ class ContinuousBatch(Engine):
         max_length: int | None = None,
         num_slots: int = 32,
         decode: Decode | None = None,
-        exit_sync_every: int = 1,
+        exit_sync_every: int | None = None,
         prefill_chunk: int = 256,
         coda_every: int = 1,
         profile: bool = False,
         compile: bool | None = None,
     ) -> None:
         max_length = model.config.context_length if max_length is None else max_length
+        self.model, self.decode = model.eval(), decode
+        self.device = next(model.parameters()).device
+        exit_sync_every = resolve_sync_every(exit_sync_every, self.device)  # (EngineArgs.exit_sync_every)
         for name, value in (
             ("max_batch", max_batch),
             ("max_length", max_length),
@@ -108,8 +133,6 @@ class ContinuousBatch(Engine):
             ("coda_every", coda_every),
         ):
             check_int(name, value)
-        self.model, self.decode = model.eval(), decode
-        self.device = next(model.parameters()).device
         # `compile` None: the static step on with CUDA, off on the CPU
         static = resolve_compile(compile, self.device)
         self.settings = EngineSettings(
@@ -178,6 +201,16 @@ class ContinuousBatch(Engine):
     @property
     def capture_seconds(self) -> float:
         return self.step_runner.capture_seconds
+
+    @property
+    def static(self) -> bool:
+        """Whether the rows' iterations run as the static step (EngineArgs.compile)."""
+        return self.step_runner.static
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the static step is the CPU's compiled one (rdlm.inference.execution.cpu_compile)."""
+        return self._compiled
 
     @property
     def drafted(self) -> int:

@@ -42,10 +42,10 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
-from rdlm.inference.batching import ContinuousBatch
+from rdlm.inference.batching import ContinuousBatch, EngineArgs
 from rdlm.inference.events import GenerationResult, TokenEvent
 from rdlm.inference.execution.cpu_compile import LENGTH_BUCKET, compile_pays
-from rdlm.inference.execution.graphs import resolve_sync_every, sync
+from rdlm.inference.execution.graphs import sync
 from rdlm.inference.params import Decode, GenerationConfig, check_length, check_prompts, cut_at_stop
 from rdlm.inference.runner.parallel import wave_room
 from rdlm.inference.runner.sampling import sample
@@ -85,17 +85,25 @@ def check_generation_time(
 
 
 def stream(
-    model: RecurrentDepthLM, prompts, config: GenerationConfig | None = None, decode: Decode | None = None
+    model: RecurrentDepthLM,
+    prompts,
+    config: GenerationConfig | None = None,
+    decode: Decode | None = None,
+    *,
+    engine: EngineArgs | None = None,
 ) -> Generator[TokenEvent, None, GenerationResult]:
     """Yield each new token as soon as it is chosen; the generator's return value (StopIteration.value,
-    or `yield from`) is the GenerationResult."""
+    or `yield from`) is the GenerationResult. `engine`: how the engine runs (`EngineArgs`; default its
+    defaults)."""
     config = config or GenerationConfig()
+    if engine is None:  # the deprecated engine fields of a request's config, where they are set
+        engine = EngineArgs(config.compile, config.exit_sync_every)
     prompts = as_prompts(prompts)
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            return (yield from _run(model, prompts, config, decode))
+            return (yield from _run(model, prompts, config, decode, engine))
     finally:
         model.train(was_training)
 
@@ -107,9 +115,11 @@ def generate(
     *,
     decode: Decode | None = None,
     on_token: Callable[[TokenEvent], None] | None = None,
+    engine: EngineArgs | None = None,
 ) -> GenerationResult:
-    """Generate for one prompt (a list of ids) or a batch (a list of lists); `on_token` streams."""
-    events = stream(model, prompts, config, decode)
+    """Generate for one prompt (a list of ids) or a batch (a list of lists); `on_token` streams; `engine`: how
+    the engine runs (`EngineArgs`: the static step, how often the host looks at exits)."""
+    events = stream(model, prompts, config, decode, engine=engine)
     while True:
         try:
             event = next(events)
@@ -120,7 +130,11 @@ def generate(
 
 
 def _engine(
-    model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig, decode: Decode | None
+    model: RecurrentDepthLM,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    decode: Decode | None,
+    engine: EngineArgs,
 ) -> ContinuousBatch:
     """The engine for these prompts: the continuous batch (rdlm.inference.batching), one row per prompt, all
     prefilled together, each token run in lockstep while the rows go together (rdlm.inference.runner.lockstep),
@@ -139,7 +153,7 @@ def _engine(
     # Refused before the cache is allocated: a job that would not end in any reasonable time.
     device = next(model.parameters()).device
     check_generation_time(model.config, device, len(prompts), longest, config)
-    compile, max_length = config.compile, longest + room
+    compile, max_length = engine.compile, longest + room
     if device.type == "cpu":
         if compile is None:  # compiled where it pays (rdlm.inference.execution.cpu_compile)
             iterations = config.max_new_tokens * config.num_steps
@@ -152,17 +166,21 @@ def _engine(
         max_length=max_length,
         num_slots=config.core_slots,
         decode=decode,
-        exit_sync_every=resolve_sync_every(config.exit_sync_every, device),
+        exit_sync_every=engine.exit_sync_every,
         prefill_chunk=longest,
         compile=compile,
     )
 
 
 def _run(
-    model: RecurrentDepthLM, prompts: list[list[int]], config: GenerationConfig, decode: Decode | None
+    model: RecurrentDepthLM,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    decode: Decode | None,
+    args: EngineArgs,
 ) -> Generator[TokenEvent, None, GenerationResult]:
     """Add every prompt to an engine and step it until idle: its tokens as they come, then the result."""
-    engine = _engine(model, prompts, config, decode)
+    engine = _engine(model, prompts, config, decode, args)
     rows = {engine.add(p, config): row for row, p in enumerate(prompts)}
     tokens: list[list[int]] = [[] for _ in prompts]
     iterations: list[list[int]] = [[] for _ in prompts]

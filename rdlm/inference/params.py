@@ -19,6 +19,7 @@ import math
 import re
 import types
 import typing
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -105,13 +106,19 @@ class Part:
     controls: str
 
     def __call__(
-        self, default: Any, help: str, check: Callable[[str, Any], None] | None = None, *, front_ends: str = "cli"
+        self,
+        default: Any,
+        help: str,
+        check: Callable[[str, Any], None] | None = None,
+        *,
+        front_ends: str = "cli",
+        compare: bool = True,
     ) -> Any:
         unknown = set(front_ends.split()) - set(FRONT_ENDS)
         if unknown:
             raise TypeError(f"unknown front ends {sorted(unknown)}; they are {FRONT_ENDS}")
         param = Param(self.name, help, default, check, tuple(front_ends.split()))
-        return dataclasses.field(default=default, metadata={"param": param})
+        return dataclasses.field(default=default, compare=compare, metadata={"param": param})
 
 
 SAMPLING = Part("sampling", "how each token is drawn from the logits, and when a response ends")
@@ -121,7 +128,7 @@ CACHE = Part("cache", "the KV cache of the core's iterations")
 SPECULATIVE = Part("speculative", "self-speculative decoding: drafts at a lower depth, verified at num_steps")
 PARALLEL = Part("parallel", "the parallel (diffusion-style) sampler of rdlm.inference.runner.parallel")
 ADAPTER = Part("adapter", "which LoRA adapter loaded in the model a request runs with (rdlm.model.lora)")
-ENGINE = Part("engine", "how the decode engine runs a request (its speed, never its tokens in fp32)")
+ENGINE = Part("engine", "how the decode engine runs: set once per engine (rdlm.inference.batching.EngineArgs)")
 EVERYWHERE = " ".join(FRONT_ENDS)  # the front ends of a parameter every one of them takes by its name
 
 
@@ -227,13 +234,6 @@ class GenerationConfig:
         Integer(1, MAX_ITERATIONS),
         front_ends="cli server",
     )
-    # Exited rows leave the batch when the host looks: exit_sync_every changes cost only, never tokens.
-    exit_sync_every: int | None = EXITS(
-        None,
-        "the host reads exit flags every n iterations (speed only, never the tokens; default 1 on the CPU, 4 on a GPU)",
-        Integer(1, MAX_ITERATIONS),
-    )
-
     # -- cache
     cache_strategy: str = CACHE(
         "full", "KV-cache strategy: full (a slot per iteration) or shared (k slots)", OneOf(("full", "shared"))
@@ -288,15 +288,13 @@ class GenerationConfig:
         front_ends="",
     )
 
-    # -- engine (rdlm.inference.batching). On CUDA in fp32 the static step never changes tokens, only speed; in
-    # bf16 a greedy near-tie can flip (its attention reduces over the preallocated cache; docs/inference.md,
-    # "The GPU suite"). The CPU's compiled step rounds its matmuls differently (log-probabilities within ~2e-6
-    # in fp32), so a near-tie can flip there too (docs/generation.md, "Compiled decoding on the CPU").
-    compile: bool | None = ENGINE(
-        None,
-        "the static decode step: captured in a CUDA graph (default on with CUDA), or compiled on the CPU (default "
-        "on for long jobs of at most 16 rows; RDLM_COMPILE=0 keeps it eager)",
+    # -- engine: deprecated here. How the engine runs is set once per engine, apart from a request's parameters
+    # (`generate(..., engine=EngineArgs(...))`, rdlm.inference.batching); these two still reach the engine
+    # `generate` builds, with a DeprecationWarning, and change no request's equality or sampling group.
+    exit_sync_every: int | None = ENGINE(
+        None, "deprecated: EngineArgs.exit_sync_every", Integer(1, MAX_ITERATIONS), front_ends="", compare=False
     )
+    compile: bool | None = ENGINE(None, "deprecated: EngineArgs.compile", front_ends="", compare=False)
 
     def __post_init__(self) -> None:
         # Stops as tuples (a frozen, hashable config; one stop string given as a str is one string, not its letters).
@@ -311,6 +309,14 @@ class GenerationConfig:
             value = getattr(self, param.name)
             if param.check is not None and not (value is None and param.optional):
                 param.check(param.name, value)
+        for name in ("exit_sync_every", "compile"):
+            if getattr(self, name) is not None:
+                warnings.warn(
+                    f"GenerationConfig.{name} is an engine setting: give generate(..., "
+                    f"engine=EngineArgs({name}=...)) (rdlm.inference.batching)",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
         self._check_parts_together()
 
     def _check_parts_together(self) -> None:

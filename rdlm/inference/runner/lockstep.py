@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.execution.graphs import StaticSteps, resolve_sync_every
+from rdlm.inference.execution.graphs import StaticSteps
 from rdlm.inference.execution.model_calls import Call, ModelCalls
 from rdlm.inference.exits.criteria import ExitCriterion
 from rdlm.inference.exits.track import ExitTrack, iterate_with_exits
@@ -96,11 +96,10 @@ class Rows:
 class Lockstep:
     """Runs the core iterations of lockstep tokens over a runner (see the module doc): as static steps when
     `static` (CUDA graphs on CUDA, kept in `static_steps`), else eagerly. The host looks at the exit flags
-    every `exit_sync_every` iterations of the token's config (`resolve_sync_every`: by default after every
-    iteration on the CPU, every 4 on a GPU)."""
+    every `sync_every` iterations (the engine's `exit_sync_every`, the same setting as the batch's looks)."""
 
-    def __init__(self, calls: ModelCalls, static: bool) -> None:
-        self.calls = calls
+    def __init__(self, calls: ModelCalls, static: bool, sync_every: int) -> None:
+        self.calls, self.sync_every = calls, sync_every
         self.static_steps = StaticSteps(calls.device, static)
 
     def _run(self, key: tuple, body: Callable[[], tuple], idempotent: bool = True) -> tuple:
@@ -131,7 +130,7 @@ class Lockstep:
         if criterion.spec.exact:  # every row runs every iteration: one chunk, the exit only selects
             return self.exact(config, criterion, rows)
         final, steps = rows.state.clone(), rows.iterations.clone()
-        every = resolve_sync_every(config.exit_sync_every, self.calls.device)
+        every = self.sync_every
         i, compact = 0, False
         while i < r:
             n = min(every, r - i)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from rdlm.inference.execution.model_calls import Call, ModelCalls, Pack
 from rdlm.inference.exits.criteria import ExitCriterion, make_exit_criterion
-from rdlm.inference.exits.track import ExitTrack
+from rdlm.inference.exits.track import ExitTrack, at_cap
 
 GATE = make_exit_criterion("gate")  # a chunk reads the gate against each row's own threshold (`thresholds`)
 
@@ -129,7 +129,7 @@ class PromptChunk:
     @property
     def iterated(self) -> bool:
         """Whether the chunk ran all its iterations (its coda comes next)."""
-        return self.iteration >= self.cap
+        return at_cap(self.iteration, self.cap)
 
     def pack(self, pack: Pack) -> slice:
         """Add its next core iteration to a packed call; returns its tokens there."""

@@ -18,16 +18,19 @@ if TYPE_CHECKING:
 GREEDY_BELOW = 1e-5  # a temperature under this chooses greedily, as at 0
 
 
-def token_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-    """Per row of logits [B, V]: (log p of the chosen token [B], the k most likely (token, log p), best
-    first), from the model's distribution (float32 log-softmax of the raw logits), in one host copy."""
+def _logprob_columns(logits: Tensor, chosen: Tensor, k: int) -> Tensor:
+    """Per row of logits [B, V]: log p of the chosen token, then the k most likely tokens' log p and ids
+    ([B, 1 + 2k], float32 log-softmax of the raw logits), on the device."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     picked = logp.gather(-1, chosen.view(-1, 1).to(logp.device))
     top = logp.topk(k, dim=-1) if k else None
-    values = torch.cat(
-        [picked] + ([top.values, top.indices.to(logp.dtype)] if top is not None else []), dim=-1
-    ).tolist()
-    return [(row[0], tuple((int(i), v) for v, i in zip(row[1 : 1 + k], row[1 + k :], strict=True))) for row in values]
+    return torch.cat([picked] + ([top.values, top.indices.to(logp.dtype)] if top is not None else []), dim=-1)
+
+
+def _scores(row: list[float], k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(log p of the chosen token, the k most likely (token, log p), best first) from a row of
+    `_logprob_columns` read to the host."""
+    return row[0], tuple((int(i), v) for v, i in zip(row[1 : 1 + k], row[1 + k :], strict=True))
 
 
 def sample(
@@ -86,33 +89,13 @@ def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
     return values[:-1], bool(values[-1])
 
 
-def _choose_group(
-    logits: Tensor, config: GenerationConfig, generators: list[torch.Generator], seen: Tensor
-) -> tuple[list[int], list | None, list[bool]]:
-    """Tokens, scores and whether each row's logits were finite, for rows that share a config: sampled from
-    finite numbers (a NaN would fail inside the sampler), read in the one host copy the tokens need."""
-    chosen = sample(torch.nan_to_num(logits), config, generators, seen)
-    scored = None if config.logprobs is None else token_logprobs(logits, chosen, config.logprobs)
-    finite = torch.isfinite(logits).all(dim=-1)
-    values = torch.cat([chosen.reshape(-1), finite.to(chosen.dtype)]).tolist()
-    return values[: len(finite)], scored, [bool(v) for v in values[len(finite) :]]
-
-
-def choose(
-    model: RecurrentDepthLM,
-    logits: Tensor,
-    config: GenerationConfig,
-    generators: list[torch.Generator],
-    seen: Tensor,
-    produced: int,
-) -> tuple[list[int], list | None]:
-    """The next token of each row of `logits` [rows, V] (`sample`) and, with `config.logprobs`, its log p
-    and the top k (`token_logprobs`), after `produced` new tokens; NonFiniteLogitsError when a row's logits
-    are not finite."""
-    tokens, scored, finite = _choose_group(logits, config, generators, seen)
-    if not all(finite):
-        raise NonFiniteLogitsError(model, produced + 1)
-    return tokens, scored
+def sampling_key(config: GenerationConfig) -> tuple:
+    """What changes the sampling call of a row (`sample` and its scores): rows with the same key are chosen in
+    one call whatever else their requests differ in (seed, lengths, stop strings, depth); each row still draws
+    from its own generator."""
+    greedy = config.temperature < GREEDY_BELOW
+    drawn = () if greedy else (config.temperature, config.top_k, config.top_p, config.min_p)
+    return greedy, drawn, config.repetition_penalty, config.logprobs
 
 
 def choose_rows(
@@ -124,17 +107,41 @@ def choose_rows(
     upload: Callable[[list], Tensor],
 ) -> list[tuple[int, tuple | None] | None]:
     """The next token (and its scores, or None) of each row j of `logits` [n, V], sampled by `configs[j]`
-    with `generators[j]` from the tokens seen at `seen[rows[j]]`: one host read per distinct config. A row
-    whose logits are not finite gets None; the others get the tokens they would get alone (each row draws
-    from its own generator), so one broken row fails no other."""
-    groups: dict[GenerationConfig, list[int]] = {}
+    with `generators[j]` from the tokens seen at `seen[rows[j]]`: one sampling call per distinct
+    `sampling_key`, and one host read in all (the tokens, whether each row's logits were finite, the scores).
+    A row whose logits are not finite gets None; the others get the tokens they would get alone (each row
+    draws from its own generator, from finite numbers: a NaN would fail inside the sampler), so one broken row
+    fails no other."""
+    groups: dict[tuple, list[int]] = {}
     for j, config in enumerate(configs):
-        groups.setdefault(config, []).append(j)
-    chosen: list[tuple[int, tuple | None] | None] = [None] * len(configs)
-    for config, members in groups.items():
-        pick = upload(members)
-        tokens, scored, finite = _choose_group(logits[pick], config, [generators[j] for j in members], seen[rows[pick]])
-        for k, j in enumerate(members):
-            if finite[k]:
-                chosen[j] = tokens[k], None if scored is None else scored[k]
-    return chosen
+        groups.setdefault(sampling_key(config), []).append(j)
+    # Token ids are exact in float32 below 2**24; the scores are float32 already.
+    exact = torch.float32 if logits.shape[-1] < 2**24 else torch.float64
+    tokens, finite, scores = [], [], []
+    for members in groups.values():
+        config = configs[members[0]]
+        if len(groups) == 1:  # every row: no gather
+            part, part_rows = logits, rows
+        else:
+            pick = upload(members)
+            part, part_rows = logits[pick], rows[pick]
+        chosen = sample(torch.nan_to_num(part), config, [generators[j] for j in members], seen[part_rows])
+        tokens.append(chosen.reshape(-1).to(exact))
+        finite.append(torch.isfinite(part).all(dim=-1).to(exact))
+        if config.logprobs is not None:
+            scores.append(_logprob_columns(part, chosen, config.logprobs).to(exact).flatten())
+    values = torch.cat(tokens + finite + scores).tolist()  # the one host read
+    n = len(configs)
+    chosen_rows: list[tuple[int, tuple | None] | None] = [None] * n
+    at, scored_at = 0, 2 * n  # the rows in the groups' order; their scores after the tokens and flags
+    for members in groups.values():
+        k = configs[members[0]].logprobs
+        for j in members:
+            score = None
+            if k is not None:
+                score = _scores(values[scored_at : scored_at + 1 + 2 * k], k)
+                scored_at += 1 + 2 * k
+            if values[n + at]:
+                chosen_rows[j] = int(values[at]), score
+            at += 1
+    return chosen_rows

@@ -75,7 +75,7 @@ class StepRunner:
         self.t = RowTensors.zeros(self.calls, max_batch)  # the rows' tensors
         self.exits = RowExits(self.calls, max_batch, c.vocab_size, self.t.state)  # the criteria's per-row carry
         self.static_step = StaticStep(self.calls, self.t, self.exits, max_batch, settings.static)
-        self.lockstep = Lockstep(self.calls, settings.static)
+        self.lockstep = Lockstep(self.calls, settings.static, settings.exit_sync_every)
         self.rounds = Rounds(self.calls)  # the parallel sampler's waves
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
 
