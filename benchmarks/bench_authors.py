@@ -114,7 +114,7 @@ def rdlm_child(args: argparse.Namespace) -> dict:
     from bench_generate import matmul_peak, token_flops
 
     import rdlm
-    from rdlm.inference.generate import GenerationConfig, generate
+    from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
 
     torch.set_num_threads(args.threads)
     model = rdlm.load_pretrained(args.weights, dtype=torch.float32).eval()
@@ -124,13 +124,12 @@ def rdlm_child(args: argparse.Namespace) -> dict:
         options.update(exit_criterion="kl", exit_threshold=args.kl_threshold)
     elif args.mode == "shared":
         options.update(cache_strategy="shared", cache_slots=args.cache_slots)
-    if args.rdlm_compile != "auto":
-        options["compile"] = args.rdlm_compile == "on"
+    engine = EngineArgs(compile=None if args.rdlm_compile == "auto" else args.rdlm_compile == "on")
     mean_steps: dict[int, float] = {}  # per new token, by the call's number of new tokens
 
     def call(new_tokens: int) -> None:
         with torch.no_grad():
-            result = generate(model, prompts, GenerationConfig(max_new_tokens=new_tokens, **options))
+            result = generate(model, prompts, GenerationConfig(max_new_tokens=new_tokens, **options), engine=engine)
         if any(len(row) != new_tokens for row in result.tokens):
             raise RuntimeError(f"rdlm generated {[len(r) for r in result.tokens]} tokens, not {new_tokens}")
         mean_steps[new_tokens] = result.mean_steps

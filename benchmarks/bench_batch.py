@@ -106,15 +106,16 @@ def closed_loop(args, model, prompts: list[list[int]], config: GenerationConfig,
               f"the prompts' own core calls {packed[0]:.2f} s of the core iteration")
 
 
-def timed_generate(model, ids: list[list[int]], config: GenerationConfig, seconds: float = 0.0):
+def timed_generate(model, ids: list[list[int]], config: GenerationConfig, seconds: float = 0.0, engine=None):
     """(tokens/s, result) of offline `generate` on `ids`, after one warm-up run (on CUDA the graphs' capture):
-    the same batch generated again until `seconds` have passed (at least once), its tokens over the time."""
+    the same batch generated again until `seconds` have passed (at least once), its tokens over the time.
+    `engine`: the engine's settings (EngineArgs)."""
     device = next(model.parameters()).device
-    generate(model, ids, config)
+    generate(model, ids, config, engine=engine)
     sync(device)
     tokens, t0 = 0, time.perf_counter()
     while True:
-        result = generate(model, ids, config)
+        result = generate(model, ids, config, engine=engine)
         sync(device)
         tokens += sum(len(t) for t in result.tokens)
         if time.perf_counter() - t0 >= seconds:

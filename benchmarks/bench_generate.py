@@ -34,7 +34,7 @@ import torch
 
 import rdlm
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
 from rdlm.model import dtypes
 from rdlm.model.lm import rope_tables
 
@@ -145,8 +145,8 @@ def mode_options(mode: str, r: int, args) -> dict:
 def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -> dict:
     c = model.config
     batch = 1 if mode == "speculative" else batch
-    config = GenerationConfig(num_steps=r, max_new_tokens=args.new_tokens, seed=0, compile=compile,
-                              **mode_options(mode, r, args))
+    config = GenerationConfig(num_steps=r, max_new_tokens=args.new_tokens, seed=0, **mode_options(mode, r, args))
+    engine = EngineArgs(compile=compile)
     if args.model and (Path(args.model) / "tokenizer.json").exists():  # text the model was trained on
         from rdlm.data.tokenizer import Tokenizer
 
@@ -157,8 +157,8 @@ def run_mode(model, mode: str, r: int, batch: int, compile: bool | None, args) -
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, c.vocab_size, (batch, args.prompt_length), generator=gen).tolist()
     if args.warmup:  # a short run first: allocator, kernels, compiled code of this shape
-        generate(model, prompts, dataclasses.replace(config, max_new_tokens=2))
-    result = generate(model, prompts, config)
+        generate(model, prompts, dataclasses.replace(config, max_new_tokens=2), engine=engine)
+    result = generate(model, prompts, config, engine=engine)
     new = sum(len(t) for t in result.tokens)
     decoded = new - batch  # the first token of each row comes from the prefill
     mean_steps = sum(s for row in result.iterations for s in row[1:]) / max(decoded, 1)
@@ -208,7 +208,7 @@ def main() -> None:
     p.add_argument("--exit-sync-every", type=int, help="GenerationConfig.exit_sync_every (default: 1 on the CPU, "
                    "4 on a GPU)")
     p.add_argument("--compile", choices=["auto", "on", "off", "both"], default="auto",
-                   help="the static decode step (GenerationConfig.compile); both: off then on, per row")
+                   help="the static decode step (EngineArgs.compile); both: off then on, per row")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--dtype", choices=dtypes.CHOICES, default="float32")
     p.add_argument("--device", default="cpu")

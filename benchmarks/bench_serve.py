@@ -198,11 +198,17 @@ def generation_config(args, tok, exit_criterion: str | None, num_steps: int | No
     """The benchmark's request; `num_steps` (no exit criterion) decodes at that depth, the prompt still at r."""
     from rdlm.inference.generate import GenerationConfig
 
-    compile = {"auto": None, "on": True, "off": False}[args.offline_compile]
     return GenerationConfig(num_steps=num_steps or args.num_steps, prefill_steps=args.num_steps,
                             max_new_tokens=args.new_tokens, stop_tokens=(tok.eos_id,), exit_criterion=exit_criterion,
-                            exit_threshold=args.exit_threshold if exit_criterion else None,
-                            exit_sync_every=args.sync_every, compile=compile)
+                            exit_threshold=args.exit_threshold if exit_criterion else None)
+
+
+def offline_engine(args):
+    """Offline `generate`'s engine settings (EngineArgs): its looks and its static step as asked."""
+    from rdlm.inference.batching import EngineArgs
+
+    compile = {"auto": None, "on": True, "off": False}[args.offline_compile]
+    return EngineArgs(compile=compile, exit_sync_every=args.sync_every)
 
 
 def offline(args, prompts: list[str], exit_criterion: str | None, batch: int, num_steps: int | None = None) -> dict:
@@ -212,7 +218,7 @@ def offline(args, prompts: list[str], exit_criterion: str | None, batch: int, nu
     ids = [tok.encode(prompts[k % len(prompts)], add_bos=True) for k in range(batch)]
     # repeated for a quarter of the served time: one batch of a few hundred tokens is too short to time alone
     config = generation_config(args, tok, exit_criterion, num_steps)
-    tps, result = timed_generate(model, ids, config, args.seconds / 4)
+    tps, result = timed_generate(model, ids, config, args.seconds / 4, engine=offline_engine(args))
     tokens = sum(len(t) for t in result.tokens)
     # a request's first token comes from its prompt's last position, at r whatever the exit: the decode's
     # own depth is the mean over the others
