@@ -219,3 +219,29 @@ def test_decoding_calls_the_model_only_through_the_runner():
     allowed = {"rdlm.inference.execution.model_calls", *SCORES_WITHOUT_A_RUNNER}
     outside = {n: c for n, c in calls.items() if c and n not in allowed}
     assert not outside, f"modules that call the model itself instead of through ModelCalls: {outside}"
+
+
+def cap_comparisons(path: Path) -> list[str]:
+    """Ordering comparisons of a token's iterations with its cap (`iteration >= cap`, `iterations < num_steps`)."""
+    def ident(node: ast.AST) -> str:
+        return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in node.ops):
+            names = [ident(operand) for operand in (node.left, *node.comparators)]
+            if any(n in ("cap", "num_steps") for n in names) and any("iteration" in n for n in names):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_cap_is_compared_in_one_place():
+    """Whether a token reached its cap is one rule (rdlm.inference.exits.track.at_cap, inside done_iterating):
+    no other module of the engine or the vLLM plugin compares a token's iterations with its cap itself."""
+    names = module_names()
+    track = names["rdlm.inference.exits.track"]
+    assert cap_comparisons(track), "the check sees the rule's own comparison"
+    outside = {n: c for n, p in names.items()
+               if (n.startswith("rdlm.inference.") or n.startswith("rdlm.integrations.vllm")) and p != track
+               for c in [cap_comparisons(p)] if c}
+    assert not outside, f"cap comparisons outside at_cap: {outside}"

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from rdlm.inference.exits.track import at_cap
 from rdlm.inference.params import GenerationConfig
 
 
@@ -28,7 +29,7 @@ class BatchEvent:
     @property
     def exited(self) -> bool:
         """The token stopped iterating before its cap (an exit criterion fired)."""
-        return self.cap is not None and self.iterations < self.cap
+        return self.cap is not None and not at_cap(self.iterations, self.cap)
 
 
 class Engine(Protocol):
