@@ -30,7 +30,13 @@ step (`rdlm serve --compile`: one fixed-shape step over all rows, a CUDA graph o
 Offline `generate` runs with its own default (its static decode step in a CUDA graph on CUDA).
 `--random PRESET` writes a model of that preset with random weights (in --dtype) and --tokenizer to a
 temporary directory, so a large shape can be measured without a checkpoint; exits mean little on random
-weights, so measure fixed r there. This is a script, not a test.
+weights, so measure fixed r there.
+
+`--count-reads` measures instead what a server's mixed batch pays the host per coda: 16 requests of the same
+sampling settings (temperature 0.8, top-p 0.9) that differ in what a server's requests differ in (seed,
+length, stop tokens, r, an exit criterion) run through the server's batch in this process (`--random PRESET`,
+no tokenizer needed), and every device-to-host read (`Tensor.tolist`, `.item`) made inside a coda is counted.
+It runs against any checkout (`PYTHONPATH=<other tree>`), for a before/after. This is a script, not a test.
 """
 
 from __future__ import annotations
@@ -416,6 +422,52 @@ def measure(args, prompts: list[str]) -> None:
                           f"of the depth ceiling {speedup / ceiling:.0%}")
 
 
+def count_reads(preset: str, rows: int = 8) -> None:
+    """Host reads per coda of the server's batch over a mixed set of requests (see the module doc)."""
+    from rdlm import RDLMConfig, RecurrentDepthLM
+    from rdlm.inference.batching import ContinuousBatch
+    from rdlm.inference.generate import GenerationConfig
+
+    torch.manual_seed(0)
+    model = RecurrentDepthLM(RDLMConfig.from_preset(preset)).eval()
+    batch = ContinuousBatch(model, max_batch=rows, max_length=96, num_slots=32, exit_sync_every=4, coda_every=8)
+    gen = torch.Generator().manual_seed(0)
+    for k in range(2 * rows):
+        prompt = torch.randint(0, model.config.vocab_size, (4 + k % 5,), generator=gen).tolist()
+        depth = dict(num_steps=8 + 4 * (k % 3)) | (dict(exit_criterion="kl", exit_threshold=1e-3) if k % 4 == 1 else {})
+        batch.add(prompt, GenerationConfig(max_new_tokens=12 + k % 7, temperature=0.8, top_p=0.9, seed=k,
+                                           stop_tokens=(k % 50,), **depth))
+    reads, codas, in_coda = [0], [0], [False]
+    runner = type(batch.step_runner)
+    real_coda, real_tolist, real_item = runner._coda, torch.Tensor.tolist, torch.Tensor.item
+
+    def coda(self, *args, **kwargs):
+        codas[0] += 1
+        in_coda[0] = True
+        try:
+            return real_coda(self, *args, **kwargs)
+        finally:
+            in_coda[0] = False
+
+    def counted(real):
+        def read(self, *args):
+            reads[0] += in_coda[0]
+            return real(self, *args)
+        return read
+
+    runner._coda = coda
+    torch.Tensor.tolist, torch.Tensor.item = counted(real_tolist), counted(real_item)
+    try:
+        rows_chosen = 0
+        while batch.busy:
+            events = batch.step()
+            rows_chosen += len(events)
+    finally:
+        runner._coda, torch.Tensor.tolist, torch.Tensor.item = real_coda, real_tolist, real_item
+    print(f"{codas[0]} codas over {rows_chosen} tokens of {2 * rows} requests in {rows} rows: "
+          f"{reads[0] / codas[0]:.2f} host reads per coda", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
@@ -455,7 +507,14 @@ def main() -> None:
                    help="print the server's seconds per phase of its steps (rdlm serve --profile), then run the "
                         "batch in this process without HTTP and print the same")
     p.add_argument("--threads", type=int, help="torch threads of the offline run (the server takes torch's default)")
+    p.add_argument("--count-reads", action="store_true",
+                   help="host reads per coda of a mixed batch, in this process (with --random PRESET)")
     args = p.parse_args()
+    if args.count_reads:
+        if not args.random:
+            p.error("--count-reads builds its model from --random PRESET")
+        count_reads(args.random)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = (Path(args.prompt_file).read_text().splitlines() if args.prompt_file else args.prompt_text.split("|"))
