@@ -16,7 +16,8 @@ call as well: FBGEMM's dynamic linear). On the CPU the weight-only matmuls are P
 (`torch._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`, with bfloat16 activations: see
 QuantizedLinear); elsewhere the weights are dequantized inside the matmul (under torch.compile that fuses
 into one kernel, as gpt-fast's int8 does). The norms, the exit gate and the embedding table stay in the
-model dtype.
+model dtype. The spec itself is rdlm.model.quant_spec's; under torch.compile (the CPU's compiled decode step) a
+w8a8 layer computes FBGEMM's product in tensor ops instead (rdlm.model.w8a8, `traceable`).
 
 On disk (safetensors, `save_pretrained`) a quantized linear layer `X.weight` is stored as `X.qweight`
 (int8 and w8a8: int8 [out, in]; int4: uint8 [out, in/2], column 2j in the low nibble and 2j+1 in the
@@ -26,10 +27,8 @@ scales); config.json says which parts are quantized under "rdlm_quantization".
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,106 +41,21 @@ from rdlm.model.int4 import (
     dequantize_int4,
     int4_fits,
 )
+from rdlm.model.quant_spec import (
+    CONFIG_KEY,
+    DEFAULT_GROUP_SIZE,
+    PARTS,
+    SCHEMES,
+    SUFFIXES,
+    QuantizationError,
+    QuantSpec,
+    as_spec,
+)
 from rdlm.model.quantize_grad import matmul_with_input_grad
+from rdlm.model.w8a8 import fbgemm_pack, fbgemm_unpack, w8a8_matmul
 
 if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM
-
-PARTS = ("prelude", "core", "coda", "head")
-SCHEMES = ("none", "int8", "int4", "w8a8")
-GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
-DEFAULT_GROUP_SIZE = 128
-CONFIG_KEY = "rdlm_quantization"
-SUFFIXES = ("qweight", "scales", "zeros")
-
-
-class QuantizationError(ValueError):
-    """A quantization spec or stored quantized tensor that cannot be used (one line naming it)."""
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """Which parts are quantized and how. `QuantSpec.parse("int8")`, `parse("core=int4,prelude=int8")`,
-    `parse("int4,head=int8")` (a bare scheme sets every part; `part=scheme` items override it; "+" and ":"
-    may stand for "," and "=", e.g. in lm-eval's model_args: `quantize=int4+head:int8`)."""
-
-    prelude: str = "none"
-    core: str = "none"
-    coda: str = "none"
-    head: str = "none"
-    group_size: int = DEFAULT_GROUP_SIZE
-
-    def __post_init__(self) -> None:
-        for part in PARTS:
-            if getattr(self, part) not in SCHEMES:
-                raise QuantizationError(
-                    f"quantization of {part}: unknown scheme {getattr(self, part)!r} "
-                    f"(expected one of {', '.join(SCHEMES)})"
-                )
-        if self.group_size not in GROUP_SIZES:
-            raise QuantizationError(
-                f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}"
-            )
-
-    @classmethod
-    def parse(cls, text: str, group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec:
-        values: dict[str, str] = {}
-        named: set[str] = set()
-        # "," and "=" as written; "+" and ":" also, for places where commas separate arguments (lm-eval)
-        items = [item.strip() for item in str(text).replace("+", ",").replace(":", "=").split(",")]
-        if not text or not all(items):
-            raise QuantizationError(
-                f"empty item in quantization spec {text!r} (e.g. 'int8' or 'core=int4,prelude=int8,coda=none')"
-            )
-        for number, item in enumerate(items):
-            if "=" not in item:
-                if number > 0:  # it would set every part again, undoing what the items before it said
-                    raise QuantizationError(
-                        f"quantization spec {text!r}: the scheme for every part ({item!r}) "
-                        "comes first, e.g. 'int4,core=int8'"
-                    )
-                values.update(dict.fromkeys(PARTS, item))
-                continue
-            part, scheme = (s.strip() for s in item.split("=", 1))
-            if part not in PARTS:
-                raise QuantizationError(
-                    f"quantization spec {text!r}: unknown part {part!r} (expected {', '.join(PARTS)})"
-                )
-            if part in named:  # the last would win, silently
-                raise QuantizationError(f"quantization spec {text!r}: part {part!r} is named twice")
-            named.add(part)
-            values[part] = scheme
-        return cls(**values, group_size=group_size)
-
-    @property
-    def active(self) -> bool:
-        return any(getattr(self, part) != "none" for part in PARTS)
-
-    def __str__(self) -> str:
-        schemes = [getattr(self, part) for part in PARTS]
-        text = (
-            schemes[0] if len(set(schemes)) == 1 else ",".join(f"{p}={s}" for p, s in zip(PARTS, schemes, strict=True))
-        )
-        return text + (f" (group {self.group_size})" if "int4" in schemes else "")
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_json(cls, raw: Any, source: str = "config.json") -> QuantSpec:
-        if not isinstance(raw, dict) or set(raw) - {f.name for f in fields(cls)}:
-            raise QuantizationError(
-                f"{source}: {CONFIG_KEY} must be an object with keys "
-                f"{', '.join(f.name for f in fields(cls))}, got {raw!r}"
-            )
-        return cls(**raw)
-
-
-def as_spec(value: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec | None:
-    """A spec from a spec, its text or None (None and all-"none" mean no quantization)."""
-    spec = QuantSpec.parse(value, group_size) if isinstance(value, str) else value
-    return spec if spec is not None and spec.active else None
-
 
 # ------------------------------------------------------------------------------------------------
 # The quantized linear layer
@@ -191,14 +105,9 @@ class QuantizedLinear(nn.Module):
         kernel_dtype = torch.bfloat16 if self.on_cpu else torch.float32
         self.packed = None
         if scheme == "w8a8" and self.on_cpu:
-            # FBGEMM's prepacked weight (it keeps its own copy; qweight is not held twice)
+            # FBGEMM's prepacked weight (it keeps its own copy; qweight is held only for compiled code, `traceable`)
             try:
-                with warnings.catch_warnings():  # PyTorch marks its quantized tensors deprecated (docs/quantization.md)
-                    warnings.simplefilter("ignore", UserWarning)
-                    weight = torch._make_per_channel_quantized_tensor(
-                        qweight, scales.double(), torch.zeros(out_features, dtype=torch.long), 0
-                    )
-                    self.packed = torch.ops.quantized.linear_prepack(weight, None)
+                self.packed = fbgemm_pack(qweight, scales)
             except (AttributeError, RuntimeError) as err:
                 raise QuantizationError(
                     f"w8a8 needs PyTorch's FBGEMM quantized linear, which this PyTorch lacks ({err}); use int8"
@@ -307,8 +216,7 @@ class QuantizedLinear(nn.Module):
     def canonical(self) -> dict[str, Tensor]:
         """The stored form: qweight, scales (and zeros for int4) on the CPU, scales in float32."""
         if self.packed is not None:
-            weight, _ = torch.ops.quantized.linear_unpack(self.packed)
-            return {"qweight": weight.int_repr().contiguous(), "scales": self.scales.float().cpu()}
+            return {"qweight": fbgemm_unpack(self.packed), "scales": self.scales.float().cpu()}
         if self.scheme in ("int8", "w8a8"):
             return {"qweight": self.qweight.cpu(), "scales": self.scales.float().cpu()}
         if self.on_cpu:
@@ -352,8 +260,12 @@ class QuantizedLinear(nn.Module):
     def matmul(self, x2: Tensor) -> Tensor:
         """x2 [N, in] times the weight, on this device's kernel for the scheme (the output in the kernel's
         dtype)."""
-        if self.packed is not None:
+        if self.packed is not None and not torch.compiler.is_compiling():
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True)
+        elif self.packed is not None:  # compiled code cannot trace FBGEMM's packed weight: the same in tensor ops
+            if self.qweight is None:
+                raise QuantizationError("a w8a8 layer is compiled without its int8 weight: call traceable() first")
+            y = w8a8_matmul(x2, self.qweight, self.scales)
         elif self.scheme in ("int8", "w8a8") and self.on_cpu:
             y = torch._weight_int8pack_mm(x2.to(self.scales.dtype).contiguous(), self.qweight, self.scales)
         elif self.on_cpu and self.scheme == "int4":
@@ -370,6 +282,13 @@ class QuantizedLinear(nn.Module):
         if self.scheme in ("int8", "w8a8"):
             return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
         return F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size).to(x2.dtype))
+
+    def traceable(self) -> None:
+        """Hold what torch.compile can trace: a w8a8 layer on the CPU keeps its int8 weight as a tensor beside
+        FBGEMM's opaque packed copy (a byte per weight more), for `w8a8_matmul`; other layers hold it already."""
+        if self.packed is not None and self.qweight is None:
+            with torch.inference_mode(False):  # a buffer, not an inference tensor (it has a version counter)
+                self.register_buffer("qweight", fbgemm_unpack(self.packed), persistent=False)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.scheme == "int4" else ""
@@ -457,6 +376,13 @@ def apply(
     return quantize(model, spec)
 
 
+def traceable(model: nn.Module) -> None:
+    """Make every quantized layer of `model` traceable by torch.compile (QuantizedLinear.traceable)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.traceable()
+
+
 def is_quantized(model: nn.Module) -> bool:
     return getattr(model, "quantization", None) is not None
 
@@ -523,8 +449,10 @@ def describe(model: RecurrentDepthLM) -> str:
 
 __all__ = [
     "CONFIG_KEY",
+    "DEFAULT_GROUP_SIZE",
     "PARTS",
     "SCHEMES",
+    "SUFFIXES",
     "QuantSpec",
     "QuantizationError",
     "QuantizedLinear",
@@ -534,5 +462,6 @@ __all__ = [
     "is_quantized",
     "quantize",
     "quantized_tensors",
+    "traceable",
     "weight_bytes",
 ]
