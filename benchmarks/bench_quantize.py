@@ -27,7 +27,8 @@ ratio is taken within a round), the bytes of weights read per core iteration and
 resident memory of a process that loads the saved quantized model and decodes (peak and after decoding).
 compiled: decode tokens/s of the compiled static step (`compile=True`) at batch 1 on a preset's random
 weights, each setting alternated with compiled float32 in rounds (the ratio taken within a round), after a
-warm-up call that compiles each; with the load average and the CPU beside it.
+warm-up call that compiles each; and the compiled core iteration alone, the settings alternated in short
+blocks (steadier on a shared CPU); with the load average and the CPU beside it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -263,6 +265,36 @@ def cpu_name() -> str:
     return "unknown"
 
 
+def iteration_times(models: dict, prompt: list[list[int]], args) -> dict[str, list[float]]:
+    """Microseconds per call of each model's compiled core iteration alone (one decoding row, its prompt in
+    the cache, one thread as the engine runs it), the settings alternated in short blocks, so that another
+    process's load falls on each alike: a steadier ratio than whole generations under a shared CPU."""
+    from rdlm.inference.batching import ContinuousBatch
+
+    steps = {}
+    for s, model in models.items():
+        batch = ContinuousBatch(model, max_batch=1, max_length=256, compile=True)
+        batch.add(prompt[0], GenerationConfig(max_new_tokens=64, num_steps=args.r, temperature=0.0))
+        for _ in range(2):
+            batch.step()  # the prompt prefilled, a token decoding
+        steps[s] = batch.step_runner.static_step.compiled
+    times: dict[str, list[float]] = {s: [] for s in models}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():  # as the engine calls it
+            for block in range(args.blocks):
+                for s in (list(models) if block % 2 == 0 else list(models)[::-1]):
+                    t0 = time.perf_counter()
+                    for _ in range(50):
+                        steps[s]()
+                    times[s].append((time.perf_counter() - t0) / 50 * 1e6)
+    finally:
+        torch.set_num_threads(before)
+    print("iteration us: " + ", ".join(f"{s} {statistics.median(t):.0f}" for s, t in times.items()) + f" (load {load()})")
+    return times
+
+
 def compiled(args) -> dict:
     """Compiled quantized decoding against compiled float32 (the `small` preset, batch 1, r = `-r`)."""
     from rdlm import build_model
@@ -295,8 +327,12 @@ def compiled(args) -> dict:
             ratios[s].append(times[s] / times["none"])
         print(f"round {round_}: " + ", ".join(f"{s} {times[s]:.1f} tok/s" for s in settings) + f" (load {load()})",
               flush=True)
+    iteration_us = iteration_times(models, prompt, args)
     for s in settings:
         result["settings"][s] = {
+            "iteration_us_median": statistics.median(iteration_us[s]),
+            "iteration_speedup_median": statistics.median(
+                b / a for a, b in zip(iteration_us[s], iteration_us["none"], strict=True)),
             "describe": describe(models[s]) if s != "none" else "float32", "compile_seconds": compile_seconds[s],
             "decode_tok_s_median": statistics.median(tps[s]), "decode_tok_s": tps[s],
             "speedup_median": statistics.median(ratios[s]), "speedups": ratios[s],
@@ -316,11 +352,13 @@ def table(paths: list[str]) -> str:
             lines.append(f"`{result['preset']}`, r = {result['r']}, batch 1, compiled, {result['cpu']} "
                          f"({result['capability']}), {result['new_tokens']} new tokens, medians of alternated rounds")
             lines.append("")
-            lines.append("| setting | decode tok/s | × compiled float32 (each round) | weights | compile |")
-            lines.append("|---|---|---|---|---|")
+            lines.append("| setting | decode tok/s | × compiled float32 (each round) | core iteration | × float32 | "
+                         "weights | compile |")
+            lines.append("|---|---|---|---|---|---|---|")
             for name, row in result["settings"].items():
                 rounds = " / ".join(f"{x:.2f}" for x in row["speedups"])
                 lines.append(f"| `{name}` | {row['decode_tok_s_median']:.1f} | {row['speedup_median']:.2f} ({rounds}) | "
+                             f"{row['iteration_us_median']:.0f} µs | {row['iteration_speedup_median']:.2f} | "
                              f"{row['weight_bytes'] / 2**20:.1f} MiB | {row['compile_seconds']:.0f} s |")
         elif "mean_recurrence" in result:  # quality
             key = "test_accuracy" if "test_accuracy" in result["none"] else "perplexity"
@@ -375,7 +413,8 @@ def main() -> None:
     parser.add_argument("--layers", default="2,4,2", help="speed: prelude,core,coda layers")
     parser.add_argument("--vocab", type=int, default=32768, help="speed: vocabulary")
     parser.add_argument("-r", type=int, default=None, help="speed (default 4), compiled (32): core iterations per token")
-    parser.add_argument("--rounds", type=int, default=3, help="speed: alternated rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="speed, compiled: alternated rounds")
+    parser.add_argument("--blocks", type=int, default=40, help="compiled: alternated blocks of 50 iteration calls")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", help="write the results here (JSON)")
     args = parser.parse_args()
