@@ -267,14 +267,17 @@ def cpu_name() -> str:
 
 def iteration_times(models: dict, prompt: list[list[int]], args) -> dict[str, list[float]]:
     """Microseconds per call of each model's compiled core iteration alone (one decoding row, its prompt in
-    the cache, one thread as the engine runs it), the settings alternated in short blocks, so that another
+    a cache of the length `generate` gives it, one thread as the engine runs it), the settings alternated in short blocks, so that another
     process's load falls on each alike: a steadier ratio than whole generations under a shared CPU."""
     from rdlm.inference.batching import ContinuousBatch
 
+    from rdlm.inference.cpu_compile import LENGTH_BUCKET
+
+    length = -(-(args.prompt_length + args.new_tokens) // LENGTH_BUCKET) * LENGTH_BUCKET  # as `generate` rounds it
     steps = {}
     for s, model in models.items():
-        batch = ContinuousBatch(model, max_batch=1, max_length=256, compile=True)
-        batch.add(prompt[0], GenerationConfig(max_new_tokens=64, num_steps=args.r, temperature=0.0))
+        batch = ContinuousBatch(model, max_batch=1, max_length=length, compile=True)
+        batch.add(prompt[0], GenerationConfig(max_new_tokens=args.new_tokens, num_steps=args.r, temperature=0.0))
         for _ in range(2):
             batch.step()  # the prompt prefilled, a token decoding
         steps[s] = batch.step_runner.static_step.compiled
