@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rdlm.model.cuda_quant import agrees, int4_matmul, int8_matmul, pack_int4, tinygemm_fits, unpack_int4
 from rdlm.model.int4 import (
     _from_cpu_int4_layout,
     _nibbles_to_cpu_int4_layout,
@@ -72,7 +73,10 @@ class QuantizedLinear(nn.Module):
     `aten._weight_int4pack_mm_for_cpu` (in its layout, which depends on the CPU's kernels). "w8a8" holds
     int8 weights like "int8" but on the CPU also quantizes the activations per call (FBGEMM's dynamic int8
     linear, 7-bit activations): several times faster there, at the cost of activation rounding.
-    `canonical()` gives the portable form that is saved, and `from_canonical` reads it back."""
+    On CUDA a layer reads its integer weights inside PyTorch's kernels (tinygemm for int4, `_weight_int8pack_mm`
+    for int8: rdlm.model.cuda_quant, `cuda_kernel`) where they reproduce its dequantized weight on the device,
+    and dequantizes in the matmul otherwise. `canonical()` gives the portable form that is saved, and
+    `from_canonical` reads it back."""
 
     # The buffers __init__ registers, declared for the type checker. Each is read only by the scheme and device
     # that hold it: qweight is None under w8a8 on the CPU (`packed` holds the weight), zeros is int4's off the
@@ -104,6 +108,7 @@ class QuantizedLinear(nn.Module):
         self.on_cpu = qweight.device.type == "cpu"
         kernel_dtype = torch.bfloat16 if self.on_cpu else torch.float32
         self.packed = None
+        self.cuda_kernel: str | None = None  # "tinygemm" or "int8pack": PyTorch's CUDA kernel this layer runs
         if scheme == "w8a8" and self.on_cpu:
             # FBGEMM's prepacked weight (it keeps its own copy; qweight is held only for compiled code, `traceable`)
             try:
@@ -127,6 +132,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", _aligned(qweight), persistent=False)
             self.register_buffer("scales", _aligned(scales.to(kernel_dtype)), persistent=False)
             self.register_buffer("zeros", None if zeros is None else zeros.to(kernel_dtype), persistent=False)
+            if qweight.is_cuda:
+                self._choose_cuda_kernel()
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
 
     # -- construction ------------------------------------------------------------------------
@@ -141,7 +148,7 @@ class QuantizedLinear(nn.Module):
         w = weight.detach().float()
         out_features, in_features = w.shape
         # the scales as the kernel will hold them (bfloat16 on the CPU, except FBGEMM's float ones)
-        held = torch.bfloat16 if weight.device.type == "cpu" and scheme != "w8a8" else torch.float32
+        held = torch.bfloat16 if weight.device.type in ("cpu", "cuda") and scheme != "w8a8" else torch.float32
         tiny = torch.finfo(torch.bfloat16).tiny
         if scheme in ("int8", "w8a8"):
             scales = (w.abs().amax(dim=1) / 127).clamp(min=tiny).to(held).float()
@@ -219,9 +226,10 @@ class QuantizedLinear(nn.Module):
             return {"qweight": fbgemm_unpack(self.packed), "scales": self.scales.float().cpu()}
         if self.scheme in ("int8", "w8a8"):
             return {"qweight": self.qweight.cpu(), "scales": self.scales.float().cpu()}
-        if self.on_cpu:
-            q = _from_cpu_int4_layout(self.qweight, self.out_features, self.in_features)
-            scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+        if self.on_cpu or self.cuda_kernel == "tinygemm":
+            shape = (self.out_features, self.in_features)
+            q = _from_cpu_int4_layout(self.qweight, *shape) if self.on_cpu else unpack_int4(self.qweight, *shape).cpu()
+            scales, zeros = self.scales_and_zeros.float().cpu().transpose(0, 1).unbind(-1)
             return {"qweight": _pack_nibbles(q), "scales": scales.contiguous(), "zeros": zeros.contiguous()}
         return {"qweight": self.qweight.cpu(), "scales": self.scales.float().cpu(), "zeros": self.zeros.float().cpu()}
 
@@ -273,6 +281,10 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(kernel).contiguous(), self.qweight, self.group_size, self.scales_and_zeros
             )
+        elif self.cuda_kernel == "tinygemm":
+            y = int4_matmul(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        elif self.cuda_kernel == "int8pack":
+            y = int8_matmul(x2, self.qweight, self.scales)
         else:
             y = self.dequantized_matmul(x2)
         return y
@@ -282,6 +294,29 @@ class QuantizedLinear(nn.Module):
         if self.scheme in ("int8", "w8a8"):
             return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
         return F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size).to(x2.dtype))
+
+    def _choose_cuda_kernel(self, rows: int = 256) -> None:
+        """Take PyTorch's CUDA kernel for the scheme where it computes this layer's dequantized weight (its first
+        `rows` output rows, rdlm.model.cuda_quant.agrees); else keep the dequantizing matmul."""
+        n, bf16 = min(rows, self.out_features), torch.bfloat16
+        if self.scheme == "int4" and tinygemm_fits(self.out_features, self.in_features, self.group_size):
+            reference = dequantize_int4(self.qweight[:n], self.scales[:n], self.zeros[:n], self.group_size)
+            try:
+                packed = pack_int4(self.qweight)
+            except (RuntimeError, NotImplementedError):  # no tinygemm in this build or on this device
+                return
+            both = torch.stack((self.scales, self.zeros), -1).transpose(0, 1).contiguous().to(bf16)
+            if agrees(lambda x: int4_matmul(x, packed, self.group_size, both), reference):
+                self.register_buffer("qweight", packed, persistent=False)
+                self.register_buffer("scales_and_zeros", both, persistent=False)
+                self.register_buffer("scales", None, persistent=False)
+                self.register_buffer("zeros", None, persistent=False)
+                self.cuda_kernel = "tinygemm"
+        elif self.scheme in ("int8", "w8a8"):
+            reference, scales = self.qweight[:n].float() * self.scales[:n, None].float(), self.scales.to(bf16)
+            if agrees(lambda x: int8_matmul(x, self.qweight, scales), reference):
+                self.register_buffer("scales", scales, persistent=False)
+                self.cuda_kernel = "int8pack"
 
     def traceable(self) -> None:
         """Hold what torch.compile can trace: a w8a8 layer on the CPU keeps its int8 weight as a tensor beside
