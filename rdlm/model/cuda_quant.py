@@ -56,7 +56,8 @@ def agrees(kernel: Callable[[Tensor], Tensor], weight: Tensor, rows: int = 4) ->
     (no such kernel on this device or build). Bound: the kernels take bfloat16 activations and dequantize to
     bfloat16 (a relative error of 2^-9 each in a product) and sum in float32, so each output is within 2^-7 of
     the sum of its terms' magnitudes."""
-    x = torch.randn(rows, weight.shape[1], device=weight.device).to(torch.bfloat16).float()
+    generator = torch.Generator(weight.device).manual_seed(0)  # its own: the caller's random stream is untouched
+    x = torch.randn(rows, weight.shape[1], device=weight.device, generator=generator).to(torch.bfloat16).float()
     try:
         y = kernel(x)
     except (RuntimeError, NotImplementedError):
