@@ -306,7 +306,7 @@ def compiled(args) -> dict:
     settings = ["none", *args.settings]
     models = {}
     for setting in settings:
-        model = build_model(args.preset, seed=0).eval()
+        model = speed_model(args) if args.preset == "speed" else build_model(args.preset, seed=0).eval()
         models[setting] = quantize(model, setting, group_size=args.group_size) if setting != "none" else model
     prompt = [[(7 * i) % 1000 + 1 for i in range(args.prompt_length)]]
     config = GenerationConfig(max_new_tokens=args.new_tokens, num_steps=args.r, temperature=0.0, compile=True)
@@ -406,7 +406,8 @@ def main() -> None:
                         help="';'-separated quantization specs")
     parser.add_argument("--group-size", type=int, default=None,
                         help="int4 group size (default 128; compiled: 64, which holds `small`'s 704-wide layers)")
-    parser.add_argument("--preset", default="small", help="compiled: the preset (random weights)")
+    parser.add_argument("--preset", default="small",
+                        help="compiled: the preset (random weights), or `speed`: speed's model (--hidden etc.)")
     parser.add_argument("--prompt-length", type=int, default=64, help="compiled: prompt tokens")
     parser.add_argument("--rows", type=int, default=32, help="quality: validation rows")
     parser.add_argument("--examples", type=int, default=300, help="quality --demo: test examples")

@@ -16,7 +16,7 @@ the rows' slots and indices device tensors) is compiled by inductor:
 
 Quantized layers (rdlm.model.quantize) compile with the rest: inductor lowers PyTorch's weight-only int8 and
 int4 kernels to its own C++ templates or keeps ATen's, whichever it measures faster per shape; a w8a8 layer
-computes FBGEMM's product in tensor ops (rdlm.model.w8a8), the same numbers as its eager FBGEMM call.
+computes FBGEMM's product in tensor ops (rdlm.model.w8a8: its quantization of the input and its int32 sums).
 
 A model with LoRA adapters (rdlm.model.lora) is not compiled: each call routes its tokens to their rows'
 adapters by swapping the adapted layers' forward, which the compiled code would not see; its static step, when
