@@ -80,7 +80,7 @@ class QuantizedLinear(nn.Module):
 
     # The buffers __init__ registers, declared for the type checker. Each is read only by the scheme and device
     # that hold it: qweight is None under w8a8 on the CPU (`packed` holds the weight), zeros is int4's off the
-    # CPU, scales_and_zeros int4's on it.
+    # CPU, scales_and_zeros int4's on it and under tinygemm (whose layers hold neither scales nor zeros).
     qweight: Tensor
     scales: Tensor
     zeros: Tensor
