@@ -8,6 +8,8 @@ model, measured where the recurrence could amplify the error, and what they buy 
         --demo --out bench-quantize/demo.json
     # speed and memory at batch 1, a ~130M-parameter model with random weights (bandwidth-bound)
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_quantize.py speed --out bench-quantize/speed.json
+    # the compiled decode step (rdlm.inference.execution.cpu_compile) quantized against compiled float32, `small`, b1 r32
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_quantize.py compiled --out bench-quantize/compiled.json
     # the tables of docs/quantization.md
     .venv/bin/python benchmarks/bench_quantize.py table bench-quantize/*.json
 
@@ -23,6 +25,10 @@ quality, for each setting against the unquantized model (same s_0 for both):
 speed: decode tokens/s at batch 1 for each setting, alternated with the unquantized model in rounds (the
 ratio is taken within a round), the bytes of weights read per core iteration and per token, and the
 resident memory of a process that loads the saved quantized model and decodes (peak and after decoding).
+compiled: decode tokens/s of the compiled static step (`compile=True`) at batch 1 on a preset's random
+weights, each setting alternated with compiled float32 in rounds (the ratio taken within a round), after a
+warm-up call that compiles each; and the compiled core iteration alone, the settings alternated in short
+blocks (steadier on a shared CPU); with the load average and the CPU beside it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -41,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rdlm import load_model  # noqa: E402
-from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
+from rdlm.inference.generate import EngineArgs, GenerationConfig, generate  # noqa: E402
 from rdlm.model.quantize import QuantizedLinear, describe, layers, quantize, weight_bytes  # noqa: E402
 
 SETTINGS = ("int8", "int4", "int4,core=int8", "int8,core=int4", "core=int8", "core=int4", "int4,head=int8")
@@ -153,9 +160,9 @@ def quality(args) -> dict:
     base_scores = scores(model)
     base_greedy = decode(model, prompts, r_train, args.new_tokens, stop=stop)
     base_exit = decode(model, prompts, 64, args.new_tokens, exit_criterion="kl", stop=stop)
-    result["none"] = {scores_name: base_scores, "exit_mean_steps": base_exit.mean_steps,
+    result["none"] = {scores_name: base_scores, "exit_mean_steps": base_exit.mean_iterations,
                       "weight_bytes": weight_bytes(model)}
-    print(f"none: {scores_name} {base_scores}; kl exits {base_exit.mean_steps:.2f}", flush=True)
+    print(f"none: {scores_name} {base_scores}; kl exits {base_exit.mean_iterations:.2f}", flush=True)
     for setting in args.settings:
         quantized = load_model(args.model, quantize=setting, group_size=args.group_size)
         greedy = decode(quantized, prompts, r_train, args.new_tokens, stop=stop)
@@ -165,7 +172,7 @@ def quality(args) -> dict:
                scores_name: scores(quantized),
                "argmax_agreement": argmax_agreement(model, quantized, ids, r_train),
                "greedy_token_agreement": token_agreement(base_greedy, greedy),
-               "exit_mean_steps": exits.mean_steps, "exit_shift": exits.mean_steps - base_exit.mean_steps}
+               "exit_mean_steps": exits.mean_iterations, "exit_shift": exits.mean_iterations - base_exit.mean_iterations}
         result["settings"][setting] = row
         print(f"{setting}: {json.dumps(row)}", flush=True)
     result["load_avg_end"] = load()
@@ -251,6 +258,93 @@ def speed(args) -> dict:
     return result
 
 
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def iteration_times(models: dict, prompt: list[list[int]], args) -> dict[str, list[float]]:
+    """Microseconds per call of each model's compiled core iteration alone (one decoding row, its prompt in
+    a cache of the length `generate` gives it, one thread as the engine runs it), the settings alternated in short blocks, so that another
+    process's load falls on each alike: a steadier ratio than whole generations under a shared CPU."""
+    from rdlm.inference.batching import ContinuousBatch
+
+    from rdlm.inference.execution.cpu_compile import LENGTH_BUCKET
+
+    length = -(-(args.prompt_length + args.new_tokens) // LENGTH_BUCKET) * LENGTH_BUCKET  # as `generate` rounds it
+    steps = {}
+    for s, model in models.items():
+        batch = ContinuousBatch(model, max_batch=1, max_length=length, compile=True)
+        batch.add(prompt[0], GenerationConfig(max_new_tokens=args.new_tokens, num_steps=args.r, temperature=0.0))
+        for _ in range(2):
+            batch.step()  # the prompt prefilled, a token decoding
+        steps[s] = batch.step_runner.static_step.compiled
+    times: dict[str, list[float]] = {s: [] for s in models}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():  # as the engine calls it
+            for block in range(args.blocks):
+                for s in (list(models) if block % 2 == 0 else list(models)[::-1]):
+                    t0 = time.perf_counter()
+                    for _ in range(50):
+                        steps[s]()
+                    times[s].append((time.perf_counter() - t0) / 50 * 1e6)
+    finally:
+        torch.set_num_threads(before)
+    print("iteration us: " + ", ".join(f"{s} {statistics.median(t):.0f}" for s, t in times.items()) + f" (load {load()})")
+    return times
+
+
+def compiled(args) -> dict:
+    """Compiled quantized decoding against compiled float32 (the `small` preset, batch 1, r = `-r`)."""
+    from rdlm import build_model
+
+    torch.set_num_threads(args.threads)
+    settings = ["none", *args.settings]
+    models = {}
+    for setting in settings:
+        model = speed_model(args) if args.preset == "speed" else build_model(args.preset, seed=0).eval()
+        models[setting] = quantize(model, setting, group_size=args.group_size) if setting != "none" else model
+    prompt = [[(7 * i) % 1000 + 1 for i in range(args.prompt_length)]]
+    config = GenerationConfig(max_new_tokens=args.new_tokens, num_steps=args.r, temperature=0.0)
+    engine = EngineArgs(compile=True)
+    result = {"preset": args.preset, "r": args.r, "threads": args.threads, "new_tokens": args.new_tokens,
+              "group_size": args.group_size, "cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
+              "load_avg_start": load(), "settings": {}}
+    compile_seconds = {}
+    for s in settings:  # warm up: compile each
+        compile_seconds[s] = generate(models[s], prompt, config, engine=engine).compile_seconds
+        print(f"{s}: compiled in {compile_seconds[s]:.1f} s", flush=True)
+    tps: dict[str, list[float]] = {s: [] for s in settings}
+    ratios: dict[str, list[float]] = {s: [] for s in settings}
+    for round_ in range(args.rounds):
+        order = settings if round_ % 2 == 0 else settings[::-1]
+        times = {}
+        for s in order:
+            out = generate(models[s], prompt, config, engine=engine)
+            times[s] = (args.new_tokens - 1) / out.decode_seconds
+            tps[s].append(times[s])
+        for s in settings:
+            ratios[s].append(times[s] / times["none"])
+        print(f"round {round_}: " + ", ".join(f"{s} {times[s]:.1f} tok/s" for s in settings) + f" (load {load()})",
+              flush=True)
+    iteration_us = iteration_times(models, prompt, args)
+    for s in settings:
+        result["settings"][s] = {
+            "iteration_us_median": statistics.median(iteration_us[s]),
+            "iteration_speedup_median": statistics.median(
+                b / a for a, b in zip(iteration_us[s], iteration_us["none"], strict=True)),
+            "describe": describe(models[s]) if s != "none" else "float32", "compile_seconds": compile_seconds[s],
+            "decode_tok_s_median": statistics.median(tps[s]), "decode_tok_s": tps[s],
+            "speedup_median": statistics.median(ratios[s]), "speedups": ratios[s],
+            "weight_bytes": weight_bytes(models[s])}
+    result["load_avg_end"] = load()
+    return result
+
+
 def table(paths: list[str]) -> str:
     """Markdown tables of result files (quality or speed)."""
     lines = []
@@ -258,7 +352,19 @@ def table(paths: list[str]) -> str:
         result = json.loads(Path(path).read_text())
         lines.append(f"`{path}`: load {result['load_avg_start']} → {result['load_avg_end']}")
         lines.append("")
-        if "mean_recurrence" in result:  # quality
+        if "preset" in result:  # compiled
+            lines.append(f"`{result['preset']}`, r = {result['r']}, batch 1, compiled, {result['cpu']} "
+                         f"({result['capability']}), {result['new_tokens']} new tokens, medians of alternated rounds")
+            lines.append("")
+            lines.append("| setting | decode tok/s | × compiled float32 (each round) | core iteration | × float32 | "
+                         "weights | compile |")
+            lines.append("|---|---|---|---|---|---|---|")
+            for name, row in result["settings"].items():
+                rounds = " / ".join(f"{x:.2f}" for x in row["speedups"])
+                lines.append(f"| `{name}` | {row['decode_tok_s_median']:.1f} | {row['speedup_median']:.2f} ({rounds}) | "
+                             f"{row['iteration_us_median']:.0f} µs | {row['iteration_speedup_median']:.2f} | "
+                             f"{row['weight_bytes'] / 2**20:.1f} MiB | {row['compile_seconds']:.0f} s |")
+        elif "mean_recurrence" in result:  # quality
             key = "test_accuracy" if "test_accuracy" in result["none"] else "perplexity"
             base = result["none"]
             r_train = result["mean_recurrence"]
@@ -292,14 +398,18 @@ def table(paths: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("quality", "speed", "rss", "table"))
+    parser.add_argument("mode", choices=("quality", "speed", "compiled", "rss", "table"))
     parser.add_argument("files", nargs="*", help="table: result files to print as markdown")
     parser.add_argument("--model", help="quality: the trained model (a model, checkpoint or run directory)")
     parser.add_argument("--data", help="quality: token shards with a val split (not with --demo)")
     parser.add_argument("--demo", action="store_true", help="quality: the model is `rdlm demo`'s (task accuracy)")
     parser.add_argument("--settings", type=lambda s: s.split(";"), default=list(SETTINGS),
                         help="';'-separated quantization specs")
-    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="int4 group size (default 128; compiled: 64, which holds `small`'s 704-wide layers)")
+    parser.add_argument("--preset", default="small",
+                        help="compiled: the preset (random weights), or `speed`: speed's model (--hidden etc.)")
+    parser.add_argument("--prompt-length", type=int, default=64, help="compiled: prompt tokens")
     parser.add_argument("--rows", type=int, default=32, help="quality: validation rows")
     parser.add_argument("--examples", type=int, default=300, help="quality --demo: test examples")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -307,16 +417,23 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=2816, help="speed: MLP width")
     parser.add_argument("--layers", default="2,4,2", help="speed: prelude,core,coda layers")
     parser.add_argument("--vocab", type=int, default=32768, help="speed: vocabulary")
-    parser.add_argument("-r", type=int, default=4, help="speed: core iterations per token")
-    parser.add_argument("--rounds", type=int, default=3, help="speed: alternated rounds")
+    parser.add_argument("-r", type=int, default=None, help="speed (default 4), compiled (32): core iterations per token")
+    parser.add_argument("--rounds", type=int, default=3, help="speed, compiled: alternated rounds")
+    parser.add_argument("--blocks", type=int, default=40, help="compiled: alternated blocks of 50 iteration calls")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", help="write the results here (JSON)")
     args = parser.parse_args()
+    if args.r is None:
+        args.r = 32 if args.mode == "compiled" else 4
+    if args.group_size is None:
+        args.group_size = 64 if args.mode == "compiled" else 128
+    if args.mode == "compiled" and "--settings" not in sys.argv:
+        args.settings = ["int8", "int4", "w8a8"]
     if args.mode == "rss":
         return rss_child(args)
     if args.mode == "table":
         return print(table(args.files))
-    result = quality(args) if args.mode == "quality" else speed(args)
+    result = {"quality": quality, "speed": speed, "compiled": compiled}[args.mode](args)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -184,6 +184,28 @@ def int4_group(config) -> int:
                 32)
 
 
+def kernel_check(model) -> dict:
+    """Which kernel each quantized layer runs (rdlm.model.cuda_quant: tinygemm, int8pack, or dequantized: the
+    dequantizing matmul; cpu: the CPU's kernels, in the smoke run) and, for every layer, its output on 4 random rows against the dequantized reference
+    x W^T in float32: the largest error over the sum of the terms' magnitudes, and whether every layer is
+    within bfloat16's 2^-7 of it (the bound cuda_quant.agrees checks on a layer's first rows, here on all)."""
+    from rdlm.model.quantize import QuantizedLinear
+
+    kernels, worst = {}, 0.0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):
+                kernel = module.cuda_kernel or ("cpu" if module.on_cpu else "dequantized")
+                kernels[kernel] = kernels.get(kernel, 0) + 1
+                weight = module.weight.float()
+                x = torch.randn(4, module.in_features, device=weight.device).to(torch.bfloat16).float()
+                scale = x.abs() @ weight.abs().T + 1e-6
+                worst = max(worst, float(((module.matmul(x).float() - x @ weight.T).abs() / scale).max()))
+                del weight
+    return {"kernels": ", ".join(f"{n} {k}" for k, n in sorted(kernels.items())),
+            "max_error_vs_dequantized": f"{worst:.2e}", "matches_dequantized": worst <= 2**-7}
+
+
 def decode_speed(ctx, figures: dict) -> None:
     """Decode tokens/s at the Huginn-0125 shape (random bf16 weights; smoke: `tiny`, fp32) against the
     bandwidth roofline: the bytes a decode step must read over a measured device-to-device copy bandwidth."""
@@ -220,6 +242,7 @@ def decode_speed(ctx, figures: dict) -> None:
         row = decode_case(quantized, f"{scheme} weights (group {group})" if scheme == "int4" else f"{scheme} weights",
                           1, deep, prompt, max(2, new // 2), bandwidth)
         row["layers"] = "/".join(schemes)
+        row.update(kernel_check(quantized))
         rows.append(row)
         del quantized
         release(ctx.device)

@@ -16,7 +16,8 @@ call as well: FBGEMM's dynamic linear). On the CPU the weight-only matmuls are P
 (`torch._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`, with bfloat16 activations: see
 QuantizedLinear); elsewhere the weights are dequantized inside the matmul (under torch.compile that fuses
 into one kernel, as gpt-fast's int8 does). The norms, the exit gate and the embedding table stay in the
-model dtype.
+model dtype. The spec itself is rdlm.model.quant_spec's; under torch.compile (the CPU's compiled decode step) a
+w8a8 layer computes FBGEMM's product in tensor ops instead (rdlm.model.w8a8, `traceable`).
 
 On disk (safetensors, `save_pretrained`) a quantized linear layer `X.weight` is stored as `X.qweight`
 (int8 and w8a8: int8 [out, in]; int4: uint8 [out, in/2], column 2j in the low nibble and 2j+1 in the
@@ -26,15 +27,14 @@ scales); config.json says which parts are quantized under "rdlm_quantization".
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rdlm.model.cuda_quant import agrees, int4_matmul, int8_matmul, pack_int4, tinygemm_fits, unpack_int4
 from rdlm.model.int4 import (
     _from_cpu_int4_layout,
     _nibbles_to_cpu_int4_layout,
@@ -42,106 +42,21 @@ from rdlm.model.int4 import (
     dequantize_int4,
     int4_fits,
 )
+from rdlm.model.quant_spec import (
+    CONFIG_KEY,
+    DEFAULT_GROUP_SIZE,
+    PARTS,
+    SCHEMES,
+    SUFFIXES,
+    QuantizationError,
+    QuantSpec,
+    as_spec,
+)
 from rdlm.model.quantize_grad import matmul_with_input_grad
+from rdlm.model.w8a8 import fbgemm_pack, fbgemm_unpack, w8a8_matmul
 
 if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM
-
-PARTS = ("prelude", "core", "coda", "head")
-SCHEMES = ("none", "int8", "int4", "w8a8")
-GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
-DEFAULT_GROUP_SIZE = 128
-CONFIG_KEY = "rdlm_quantization"
-SUFFIXES = ("qweight", "scales", "zeros")
-
-
-class QuantizationError(ValueError):
-    """A quantization spec or stored quantized tensor that cannot be used (one line naming it)."""
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """Which parts are quantized and how. `QuantSpec.parse("int8")`, `parse("core=int4,prelude=int8")`,
-    `parse("int4,head=int8")` (a bare scheme sets every part; `part=scheme` items override it; "+" and ":"
-    may stand for "," and "=", e.g. in lm-eval's model_args: `quantize=int4+head:int8`)."""
-
-    prelude: str = "none"
-    core: str = "none"
-    coda: str = "none"
-    head: str = "none"
-    group_size: int = DEFAULT_GROUP_SIZE
-
-    def __post_init__(self) -> None:
-        for part in PARTS:
-            if getattr(self, part) not in SCHEMES:
-                raise QuantizationError(
-                    f"quantization of {part}: unknown scheme {getattr(self, part)!r} "
-                    f"(expected one of {', '.join(SCHEMES)})"
-                )
-        if self.group_size not in GROUP_SIZES:
-            raise QuantizationError(
-                f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}"
-            )
-
-    @classmethod
-    def parse(cls, text: str, group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec:
-        values: dict[str, str] = {}
-        named: set[str] = set()
-        # "," and "=" as written; "+" and ":" also, for places where commas separate arguments (lm-eval)
-        items = [item.strip() for item in str(text).replace("+", ",").replace(":", "=").split(",")]
-        if not text or not all(items):
-            raise QuantizationError(
-                f"empty item in quantization spec {text!r} (e.g. 'int8' or 'core=int4,prelude=int8,coda=none')"
-            )
-        for number, item in enumerate(items):
-            if "=" not in item:
-                if number > 0:  # it would set every part again, undoing what the items before it said
-                    raise QuantizationError(
-                        f"quantization spec {text!r}: the scheme for every part ({item!r}) "
-                        "comes first, e.g. 'int4,core=int8'"
-                    )
-                values.update(dict.fromkeys(PARTS, item))
-                continue
-            part, scheme = (s.strip() for s in item.split("=", 1))
-            if part not in PARTS:
-                raise QuantizationError(
-                    f"quantization spec {text!r}: unknown part {part!r} (expected {', '.join(PARTS)})"
-                )
-            if part in named:  # the last would win, silently
-                raise QuantizationError(f"quantization spec {text!r}: part {part!r} is named twice")
-            named.add(part)
-            values[part] = scheme
-        return cls(**values, group_size=group_size)
-
-    @property
-    def active(self) -> bool:
-        return any(getattr(self, part) != "none" for part in PARTS)
-
-    def __str__(self) -> str:
-        schemes = [getattr(self, part) for part in PARTS]
-        text = (
-            schemes[0] if len(set(schemes)) == 1 else ",".join(f"{p}={s}" for p, s in zip(PARTS, schemes, strict=True))
-        )
-        return text + (f" (group {self.group_size})" if "int4" in schemes else "")
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_json(cls, raw: Any, source: str = "config.json") -> QuantSpec:
-        if not isinstance(raw, dict) or set(raw) - {f.name for f in fields(cls)}:
-            raise QuantizationError(
-                f"{source}: {CONFIG_KEY} must be an object with keys "
-                f"{', '.join(f.name for f in fields(cls))}, got {raw!r}"
-            )
-        return cls(**raw)
-
-
-def as_spec(value: QuantSpec | str | None, group_size: int = DEFAULT_GROUP_SIZE) -> QuantSpec | None:
-    """A spec from a spec, its text or None (None and all-"none" mean no quantization)."""
-    spec = QuantSpec.parse(value, group_size) if isinstance(value, str) else value
-    return spec if spec is not None and spec.active else None
-
 
 # ------------------------------------------------------------------------------------------------
 # The quantized linear layer
@@ -158,11 +73,14 @@ class QuantizedLinear(nn.Module):
     `aten._weight_int4pack_mm_for_cpu` (in its layout, which depends on the CPU's kernels). "w8a8" holds
     int8 weights like "int8" but on the CPU also quantizes the activations per call (FBGEMM's dynamic int8
     linear, 7-bit activations): several times faster there, at the cost of activation rounding.
-    `canonical()` gives the portable form that is saved, and `from_canonical` reads it back."""
+    On CUDA a layer reads its integer weights inside PyTorch's kernels (tinygemm for int4, `_weight_int8pack_mm`
+    for int8: rdlm.model.cuda_quant, `cuda_kernel`) where they reproduce its dequantized weight on the device,
+    and dequantizes in the matmul otherwise. `canonical()` gives the portable form that is saved, and
+    `from_canonical` reads it back."""
 
     # The buffers __init__ registers, declared for the type checker. Each is read only by the scheme and device
     # that hold it: qweight is None under w8a8 on the CPU (`packed` holds the weight), zeros is int4's off the
-    # CPU, scales_and_zeros int4's on it.
+    # CPU, scales_and_zeros int4's on it and under tinygemm (whose layers hold neither scales nor zeros).
     qweight: Tensor
     scales: Tensor
     zeros: Tensor
@@ -190,15 +108,11 @@ class QuantizedLinear(nn.Module):
         self.on_cpu = qweight.device.type == "cpu"
         kernel_dtype = torch.bfloat16 if self.on_cpu else torch.float32
         self.packed = None
+        self.cuda_kernel: str | None = None  # "tinygemm" or "int8pack": PyTorch's CUDA kernel this layer runs
         if scheme == "w8a8" and self.on_cpu:
-            # FBGEMM's prepacked weight (it keeps its own copy; qweight is not held twice)
+            # FBGEMM's prepacked weight (it keeps its own copy; qweight is held only for compiled code, `traceable`)
             try:
-                with warnings.catch_warnings():  # PyTorch marks its quantized tensors deprecated (docs/quantization.md)
-                    warnings.simplefilter("ignore", UserWarning)
-                    weight = torch._make_per_channel_quantized_tensor(
-                        qweight, scales.double(), torch.zeros(out_features, dtype=torch.long), 0
-                    )
-                    self.packed = torch.ops.quantized.linear_prepack(weight, None)
+                self.packed = fbgemm_pack(qweight, scales)
             except (AttributeError, RuntimeError) as err:
                 raise QuantizationError(
                     f"w8a8 needs PyTorch's FBGEMM quantized linear, which this PyTorch lacks ({err}); use int8"
@@ -218,6 +132,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", _aligned(qweight), persistent=False)
             self.register_buffer("scales", _aligned(scales.to(kernel_dtype)), persistent=False)
             self.register_buffer("zeros", None if zeros is None else zeros.to(kernel_dtype), persistent=False)
+            if qweight.is_cuda:
+                self._choose_cuda_kernel()
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
 
     # -- construction ------------------------------------------------------------------------
@@ -232,7 +148,7 @@ class QuantizedLinear(nn.Module):
         w = weight.detach().float()
         out_features, in_features = w.shape
         # the scales as the kernel will hold them (bfloat16 on the CPU, except FBGEMM's float ones)
-        held = torch.bfloat16 if weight.device.type == "cpu" and scheme != "w8a8" else torch.float32
+        held = torch.bfloat16 if weight.device.type in ("cpu", "cuda") and scheme != "w8a8" else torch.float32
         tiny = torch.finfo(torch.bfloat16).tiny
         if scheme in ("int8", "w8a8"):
             scales = (w.abs().amax(dim=1) / 127).clamp(min=tiny).to(held).float()
@@ -307,13 +223,13 @@ class QuantizedLinear(nn.Module):
     def canonical(self) -> dict[str, Tensor]:
         """The stored form: qweight, scales (and zeros for int4) on the CPU, scales in float32."""
         if self.packed is not None:
-            weight, _ = torch.ops.quantized.linear_unpack(self.packed)
-            return {"qweight": weight.int_repr().contiguous(), "scales": self.scales.float().cpu()}
+            return {"qweight": fbgemm_unpack(self.packed), "scales": self.scales.float().cpu()}
         if self.scheme in ("int8", "w8a8"):
             return {"qweight": self.qweight.cpu(), "scales": self.scales.float().cpu()}
-        if self.on_cpu:
-            q = _from_cpu_int4_layout(self.qweight, self.out_features, self.in_features)
-            scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+        if self.on_cpu or self.cuda_kernel == "tinygemm":
+            shape = (self.out_features, self.in_features)
+            q = _from_cpu_int4_layout(self.qweight, *shape) if self.on_cpu else unpack_int4(self.qweight, *shape).cpu()
+            scales, zeros = self.scales_and_zeros.float().cpu().transpose(0, 1).unbind(-1)
             return {"qweight": _pack_nibbles(q), "scales": scales.contiguous(), "zeros": zeros.contiguous()}
         return {"qweight": self.qweight.cpu(), "scales": self.scales.float().cpu(), "zeros": self.zeros.float().cpu()}
 
@@ -352,8 +268,12 @@ class QuantizedLinear(nn.Module):
     def matmul(self, x2: Tensor) -> Tensor:
         """x2 [N, in] times the weight, on this device's kernel for the scheme (the output in the kernel's
         dtype)."""
-        if self.packed is not None:
+        if self.packed is not None and not torch.compiler.is_compiling():
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True)
+        elif self.packed is not None:  # compiled code cannot trace FBGEMM's packed weight: the same in tensor ops
+            if self.qweight is None:
+                raise QuantizationError("a w8a8 layer is compiled without its int8 weight: call traceable() first")
+            y = w8a8_matmul(x2, self.qweight, self.scales)
         elif self.scheme in ("int8", "w8a8") and self.on_cpu:
             y = torch._weight_int8pack_mm(x2.to(self.scales.dtype).contiguous(), self.qweight, self.scales)
         elif self.on_cpu and self.scheme == "int4":
@@ -361,6 +281,10 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(kernel).contiguous(), self.qweight, self.group_size, self.scales_and_zeros
             )
+        elif self.cuda_kernel == "tinygemm":
+            y = int4_matmul(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        elif self.cuda_kernel == "int8pack":
+            y = int8_matmul(x2, self.qweight, self.scales)
         else:
             y = self.dequantized_matmul(x2)
         return y
@@ -370,6 +294,36 @@ class QuantizedLinear(nn.Module):
         if self.scheme in ("int8", "w8a8"):
             return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales.to(x2.dtype)
         return F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size).to(x2.dtype))
+
+    def _choose_cuda_kernel(self, rows: int = 256) -> None:
+        """Take PyTorch's CUDA kernel for the scheme where it computes this layer's dequantized weight (its first
+        `rows` output rows, rdlm.model.cuda_quant.agrees); else keep the dequantizing matmul."""
+        n, bf16 = min(rows, self.out_features), torch.bfloat16
+        if self.scheme == "int4" and tinygemm_fits(self.out_features, self.in_features, self.group_size):
+            reference = dequantize_int4(self.qweight[:n], self.scales[:n], self.zeros[:n], self.group_size)
+            try:
+                packed = pack_int4(self.qweight)
+            except (RuntimeError, NotImplementedError):  # no tinygemm in this build or on this device
+                return
+            both = torch.stack((self.scales, self.zeros), -1).transpose(0, 1).contiguous().to(bf16)
+            if agrees(lambda x: int4_matmul(x, packed, self.group_size, both), reference):
+                self.register_buffer("qweight", packed, persistent=False)
+                self.register_buffer("scales_and_zeros", both, persistent=False)
+                self.register_buffer("scales", None, persistent=False)
+                self.register_buffer("zeros", None, persistent=False)
+                self.cuda_kernel = "tinygemm"
+        elif self.scheme in ("int8", "w8a8"):
+            reference, scales = self.qweight[:n].float() * self.scales[:n, None].float(), self.scales.to(bf16)
+            if agrees(lambda x: int8_matmul(x, self.qweight, scales), reference):
+                self.register_buffer("scales", scales, persistent=False)
+                self.cuda_kernel = "int8pack"
+
+    def traceable(self) -> None:
+        """Hold what torch.compile can trace: a w8a8 layer on the CPU keeps its int8 weight as a tensor beside
+        FBGEMM's opaque packed copy (a byte per weight more), for `w8a8_matmul`; other layers hold it already."""
+        if self.packed is not None and self.qweight is None:
+            with torch.inference_mode(False):  # a buffer, not an inference tensor (it has a version counter)
+                self.register_buffer("qweight", fbgemm_unpack(self.packed), persistent=False)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.scheme == "int4" else ""
@@ -457,6 +411,13 @@ def apply(
     return quantize(model, spec)
 
 
+def traceable(model: nn.Module) -> None:
+    """Make every quantized layer of `model` traceable by torch.compile (QuantizedLinear.traceable)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.traceable()
+
+
 def is_quantized(model: nn.Module) -> bool:
     return getattr(model, "quantization", None) is not None
 
@@ -523,8 +484,10 @@ def describe(model: RecurrentDepthLM) -> str:
 
 __all__ = [
     "CONFIG_KEY",
+    "DEFAULT_GROUP_SIZE",
     "PARTS",
     "SCHEMES",
+    "SUFFIXES",
     "QuantSpec",
     "QuantizationError",
     "QuantizedLinear",
@@ -534,5 +497,6 @@ __all__ = [
     "is_quantized",
     "quantize",
     "quantized_tensors",
+    "traceable",
     "weight_bytes",
 ]

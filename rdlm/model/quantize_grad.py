@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rdlm.model.cuda_quant import unpack_int4
 from rdlm.model.int4 import _PACK_ROWS, _from_cpu_int4_layout, dequantize_int4
 
 # The layers here are rdlm.model.quantize.QuantizedLinear, which imports this module: typed Any, not imported.
@@ -25,14 +26,18 @@ BACKWARD_ROWS = _PACK_ROWS
 
 def weight_rows(layer: QuantizedLinear, start: int, end: int) -> Tensor:
     """Rows start..end of `layer`'s dequantized weight, float32 [end - start, in], reading only those rows'
-    integer weights (int4 on the CPU: `start` a multiple of BACKWARD_ROWS, the layout's row blocks)."""
+    integer weights (int4 on the CPU or tinygemm's: `start` a multiple of BACKWARD_ROWS, the layouts' row blocks)."""
     if layer.packed is not None:  # FBGEMM keeps the weight: unpacked whole, as int8
         weight, _ = torch.ops.quantized.linear_unpack(layer.packed)
         return weight.int_repr()[start:end].float() * layer.scales[start:end, None].float()
     if layer.scheme in ("int8", "w8a8"):
         return layer.qweight[start:end].float() * layer.scales[start:end, None].float()
-    if layer.on_cpu:
-        q = _from_cpu_int4_layout(layer.qweight[start:end], end - start, layer.in_features).float()
+    if layer.on_cpu or layer.cuda_kernel == "tinygemm":  # the kernel's layout, rows start..end unpacked
+        rows, packed = end - start, layer.qweight
+        per_entry = layer.out_features // packed.shape[0]  # output rows per entry of the layout's first dimension
+        chunk = packed[start // per_entry : end // per_entry]
+        unpack = _from_cpu_int4_layout if layer.on_cpu else unpack_int4
+        q = unpack(chunk, rows, layer.in_features).float()
         scales, zeros = layer.scales_and_zeros[:, start:end].float().transpose(0, 1).unbind(-1)
         grouped = q.view(end - start, -1, layer.group_size)
         return ((grouped - 8) * scales[..., None] + zeros[..., None]).view(end - start, layer.in_features)

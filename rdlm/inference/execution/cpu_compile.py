@@ -14,6 +14,10 @@ the rows' slots and indices device tensors) is compiled by inductor:
   reused only for the same model object with the same parameter tensors at the same versions (an in-place
   update, a training step, `load_state_dict`, compiles again).
 
+Quantized layers (rdlm.model.quantize) compile with the rest: inductor lowers PyTorch's weight-only int8 and
+int4 kernels to its own C++ templates or keeps ATen's, whichever it measures faster per shape; a w8a8 layer
+computes FBGEMM's product in tensor ops (rdlm.model.w8a8: its quantization of the input and its int32 sums).
+
 A model with LoRA adapters (rdlm.model.lora) is not compiled: each call routes its tokens to their rows'
 adapters by swapping the adapted layers' forward, which the compiled code would not see; its static step, when
 asked for, runs eagerly, and the defaults (`compile_pays`, `server_compiles`) leave it off.
@@ -41,6 +45,7 @@ import torch
 from torch import Tensor
 
 from rdlm.model.lora import loaded_adapters
+from rdlm.model.quantize import traceable
 
 if TYPE_CHECKING:
     from rdlm.model.lm import RecurrentDepthLM
@@ -210,5 +215,7 @@ class Compiled:
 
 
 def compiled_iteration(step: Any, model: RecurrentDepthLM) -> Compiled:
-    """`step.iteration()` (rdlm.inference.runner.static_step.StaticStep) compiled."""
+    """`step.iteration()` (rdlm.inference.runner.static_step.StaticStep) compiled; a quantized model's layers are
+    made traceable first (a w8a8 layer's FBGEMM weight is opaque to the compiler: rdlm.model.quantize.traceable)."""
+    traceable(model)
     return Compiled(_iteration, step, model, step.iteration)
