@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import itertools
 import math
@@ -22,7 +23,7 @@ import torch  # noqa: E402
 import rdlm  # noqa: E402
 from rdlm.inference.batching import ContinuousBatch  # noqa: E402
 from rdlm.inference.exits.criteria import CRITERIA  # noqa: E402
-from rdlm.inference.generate import GenerationConfig, generate  # noqa: E402
+from rdlm.inference.generate import EngineArgs, GenerationConfig, generate  # noqa: E402
 from rdlm.inference.execution.graphs import sync  # noqa: E402
 from rdlm.model import quantize  # noqa: E402
 
@@ -50,12 +51,14 @@ def tiny_model(preset: str, dtype: torch.dtype, device: torch.device) -> torch.n
     return rdlm.build_model(preset, seed=0).to(device=device, dtype=dtype).eval()
 
 
-def reference(model, prompts, config: GenerationConfig) -> tuple:
+EAGER, STATIC = EngineArgs(compile=False), EngineArgs(compile=True)  # the static step: CUDA graphs on CUDA
+
+
+def reference(model, prompts, config: GenerationConfig, engine: EngineArgs = EAGER) -> tuple:
     """(result, each row's events): the eager run, with the top-2 log-probabilities of each token (to tell
     a near-tie at a mismatch)."""
     events: list = []
-    result = generate(model, prompts, GenerationConfig(**{**vars(config), "logprobs": 2}),
-                      on_token=events.append)
+    result = generate(model, prompts, dataclasses.replace(config, logprobs=2), on_token=events.append, engine=engine)
     rows = [[e for e in events if e.row == b] for b in range(len(prompts))]
     return result, rows
 
@@ -71,24 +74,20 @@ def first_mismatch(ref, ref_events, fast) -> str:
 
 
 def compare(rows: list, name: str, dtype: str, model, prompts, eager: GenerationConfig, fast: GenerationConfig,
-            exact: bool = True) -> None:
+            exact: bool = True, fast_engine: EngineArgs = EAGER, eager_engine: EngineArgs = EAGER) -> None:
     """One row: the fast run's tokens and steps against the eager reference's, exactly. `exact` False marks a
     comparison claimed only up to near-ties: in bf16 the two paths reduce over different shapes (the static
     step attends over the whole preallocated cache with a mask, the eager one over its written part;
     speculative verification scores several positions in one forward), and bf16 round-off then flips a
-    greedy token or an exit decision where two candidates are within it."""
-    ref, ref_events = reference(model, prompts, eager)
-    got = generate(model, prompts, fast)
+    greedy token or an exit decision where two candidates are within it. `fast_engine`: the fast run's engine
+    settings (STATIC: the static decode step)."""
+    ref, ref_events = reference(model, prompts, eager, eager_engine)
+    got = generate(model, prompts, fast, engine=fast_engine)
     flat = [s for row in ref.iterations for s in row]
     rows.append({"case": name, "dtype": dtype, "match": ref.tokens == got.tokens and ref.iterations == got.iterations,
                  "tokens_equal": ref.tokens == got.tokens, "steps_equal": ref.iterations == got.iterations,
                  "exact_claim": exact, "steps_min_max": f"{min(flat)}-{max(flat)}" if flat else "-",
                  "tokens": sum(map(len, got.tokens)), "first_mismatch": first_mismatch(ref, ref_events, got)})
-
-
-def static(config: GenerationConfig) -> GenerationConfig:
-    """`config` with the static decode step on (CUDA graphs on CUDA; on the CPU the same fixed-shape calls)."""
-    return GenerationConfig(**{**vars(config), "compile": True})
 
 
 def correctness(ctx, figures: dict) -> None:
@@ -102,16 +101,17 @@ def correctness(ctx, figures: dict) -> None:
         model = tiny_model("tiny", dtype, ctx.device)
         base = dict(num_steps=r, max_new_tokens=new, seed=0)
 
-        def pair(name: str, **extra) -> None:
+        def pair(name: str, sync_every: int | None = None, **extra) -> None:
             ctx.check()
-            config = GenerationConfig(**base, **extra, compile=False)
-            compare(rows, name, dtype_name, model, prompts, config, static(config), exact)
+            config = GenerationConfig(**base, **extra)
+            compare(rows, name, dtype_name, model, prompts, config, config, exact,
+                    EngineArgs(True, sync_every), EngineArgs(False, sync_every))
 
         pair(f"fixed r = {r}")
         for criterion in (c for c, spec in CRITERIA.items() if not spec.uses_gate):
             pair(f"exit {criterion} ({LOOSE[criterion]})", exit_criterion=criterion, exit_threshold=LOOSE[criterion])
         pair("exit kl (0.2), exit_every 2, sync every 3", exit_criterion="kl", exit_threshold=0.2, exit_every=2,
-             exit_sync_every=3)
+             sync_every=3)
         pair("shared cache k = 3", cache_strategy="shared", cache_slots=3)
         pair("continuous CoT", continuous_cot=True)
         pair("continuous CoT + exit latent-diff + shared k = 2", continuous_cot=True, exit_criterion="latent-diff",
@@ -119,7 +119,7 @@ def correctness(ctx, figures: dict) -> None:
         # Self-speculative decoding and the parallel sampler (batch 1) against plain greedy decoding: exact in
         # fp32; in bf16 up to near-ties (docs/generation.md#the-options).
         ctx.check()
-        plain = GenerationConfig(**base, compile=False)
+        plain = GenerationConfig(**base)
         compare(rows, "speculative (draft 2 x 3)", dtype_name, model, prompts[:1], plain,
                 GenerationConfig(**base, draft_steps=2, draft_length=3), exact)
         ctx.check()
@@ -128,16 +128,16 @@ def correctness(ctx, figures: dict) -> None:
         for scheme in ("int8", "int4"):
             ctx.check()
             quantized = quantize.quantize(copy.deepcopy(model), scheme, group_size=32)
-            config = GenerationConfig(**base, compile=False)
-            compare(rows, f"{scheme} weights", dtype_name, quantized, prompts, config, static(config), exact)
+            config = GenerationConfig(**base)
+            compare(rows, f"{scheme} weights", dtype_name, quantized, prompts, config, config, exact, STATIC)
             del quantized
         ouro = tiny_model("ouro-tiny", dtype, ctx.device)
         for criterion in (None, "gate", "gate-exact"):
             ctx.check()
             extra = {} if criterion is None else dict(exit_criterion=criterion, exit_threshold=LOOSE[criterion])
-            config = GenerationConfig(**base, **extra, compile=False)
-            compare(rows, f"ouro-tiny {criterion or 'fixed r'}", dtype_name, ouro, prompts, config, static(config),
-                    exact)
+            config = GenerationConfig(**base, **extra)
+            compare(rows, f"ouro-tiny {criterion or 'fixed r'}", dtype_name, ouro, prompts, config, config, exact,
+                    STATIC)
         del model, ouro
     bad = [row["case"] + " " + row["dtype"] for row in rows if row["exact_claim"] and not row["match"]]
     figures["mismatches"] = ", ".join(bad) if bad else "none"

@@ -125,8 +125,8 @@ def test_the_comparison_names_the_first_mismatch(suite):
 
     model = parts.tiny_model("tiny", torch.float32, torch.device("cpu"))
     rows = []
-    eager = GenerationConfig(num_steps=4, max_new_tokens=4, compile=False)
-    parts.compare(rows, "same", "fp32", model, [[5, 6, 7]], eager, parts.static(eager))
+    eager = GenerationConfig(num_steps=4, max_new_tokens=4)
+    parts.compare(rows, "same", "fp32", model, [[5, 6, 7]], eager, eager, fast_engine=parts.STATIC)
     parts.compare(rows, "other r", "fp32", model, [[5, 6, 7]], eager, GenerationConfig(num_steps=3, max_new_tokens=4))
     assert rows[0]["match"] and rows[0]["first_mismatch"] == ""
     assert not rows[1]["match"] and not rows[1]["steps_equal"]
