@@ -22,50 +22,20 @@ vllm = pytest.importorskip("vllm", reason="the vLLM plugin's tests run where vLL
 
 import torch  # noqa: E402
 
-from rdlm.inference.generate import generate  # noqa: E402
-from rdlm.inference.params import GenerationConfig  # noqa: E402
 from rdlm.model.huginn import load_pretrained  # noqa: E402
-from tests.vllm_models import FAMILIES, make_model  # noqa: E402
+from tests.vllm_models import (  # noqa: E402
+    ENGINE,
+    FAMILIES,
+    NEW_TOKENS,
+    make_model,
+    models,  # noqa: F401  (a fixture)
+    prompts_for,
+    rdlm_tokens,
+    served,
+)
 
-NEW_TOKENS = 8
 ROOT = Path(__file__).resolve().parents[1]
 FACTS = ROOT / "examples" / "lm_eval_task" / "facts.jsonl"
-ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=96 << 20,
-              skip_tokenizer_init=True, seed=0)
-
-
-def prompts_for(vocab: int, lengths=(3, 37, 150), seed: int = 7) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-models")
-    return {family: make_model(family, root / family, seed=1) for family in FAMILIES}
-
-
-def served(path, prompts, **overrides) -> tuple[list[list[int]], object]:
-    """Greedy tokens vLLM gives for `prompts` (one batch), and the model's exit statistics (with the KV caches
-    it holds, `caches`, and each token's log-probability, `logprobs`)."""
-    llm = vllm.LLM(str(path), hf_overrides=overrides, **ENGINE)
-    try:
-        params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False,
-                                     logprobs=0)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        stats = llm.apply_model(lambda model: model.stats)[0]
-        stats.caches = llm.apply_model(lambda model: len(model.kv))[0]
-        stats.logprobs = [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
-        return [list(o.outputs[0].token_ids) for o in outputs], stats
-    finally:
-        del llm
-        gc.collect()
-
-
-def rdlm_tokens(path, prompts, **config) -> list[list[int]]:
-    """`rdlm generate`'s greedy tokens, one prompt at a time (batch 1)."""
-    model = load_pretrained(path)
-    return [generate(model, p, GenerationConfig(max_new_tokens=NEW_TOKENS, **config)).tokens[0] for p in prompts]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
