@@ -233,14 +233,19 @@ def engine_report(args, modes: list) -> None:
 
 
 def cache_bytes_per_token(args) -> dict:
-    """KV-cache bytes one token holds in each mode (fp32): its prelude and coda layers, and the core's r or 1."""
+    """KV-cache bytes one token holds in each mode (fp32): its prelude and coda layers, and the core's r
+    (per-iteration), k (rdlm_cache_slots = k) or 1 (shared) copies."""
     from rdlm.model.huginn import read_config
 
     c = read_config(args.model)
     layer = 2 * c.kv_heads * c.head_dim * 4
     outside = c.prelude_layers + c.coda_layers
-    return {"per-iteration (vLLM) / full (rdlm)": (outside + args.num_steps * c.core_layers) * layer,
-            "shared (vLLM: one per core layer; rdlm: cache_slots=1)": (outside + c.core_layers) * layer}
+    modes = {"per-iteration (vLLM) / full (rdlm)": args.num_steps}
+    for k in (8, 4):
+        if k < args.num_steps:
+            modes[f"rdlm_cache_slots={k} (rdlm: cache_slots={k})"] = k
+    modes["shared, one slot (vLLM: rdlm_cache=shared; rdlm: cache_slots=1)"] = 1
+    return {mode: (outside + copies * c.core_layers) * layer for mode, copies in modes.items()}
 
 
 def main() -> None:

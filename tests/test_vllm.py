@@ -30,6 +30,7 @@ from tests.vllm_models import (  # noqa: E402
     make_model,
     models,  # noqa: F401  (a fixture)
     prompts_for,
+    rdlm_logprobs,
     rdlm_tokens,
     served,
 )
@@ -64,6 +65,36 @@ def test_shared_cache_is_rdlm_shared_cache_of_one_slot(models, family):
     gap = max(abs(a - b) for s, e in zip(shared.logprobs, exact.logprobs, strict=True)
               for a, b in zip(s[1:], e[1:], strict=True))
     assert gap > 1e-4  # far above fp32 round-off: the second token on reads a cache the iterations overwrote
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+def test_k_slot_caches_are_rdlm_shared_cache_of_k_slots(models, slots):
+    """rdlm_cache_slots=k: k caches per core layer, iteration i in slot i mod k, as rdlm's
+    cache_strategy="shared", cache_slots=k; its tokens at fixed r, with k core caches per core layer."""
+    config = load_pretrained(models["huginn"]).config
+    prompts = prompts_for(config.vocab_size, lengths=(9, 60), seed=11)
+    got, stats = served(models["huginn"], prompts, rdlm_num_steps=6, rdlm_cache_slots=slots)
+    assert got == rdlm_tokens(models["huginn"], prompts, num_steps=6, cache_strategy="shared", cache_slots=slots)
+    assert stats.caches - config.prelude_layers - config.coda_layers == slots * config.core_layers
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_shared_caches_with_exits_give_rdlm_generate_tokens(models, slots):
+    """k-slot caches with an exit criterion: an exited token writes into each later slot what it holds there
+    (its last keys and values for a slot it has not written, else the slot's own: rdlm's fill rule), and a
+    batch whose tokens all exit fills the unwritten slots and stops; the tokens equal `rdlm generate`'s with
+    the same criterion and cache at batch 1."""
+    prompts = prompts_for(512, lengths=(4, 7, 10), seed=9)
+    exits = dict(exit_criterion="latent-diff", exit_threshold=0.5)
+    got, stats = served(models["huginn"], prompts, rdlm_num_steps=16, rdlm_cache_slots=slots,
+                        **{f"rdlm_{k}": v for k, v in exits.items()})
+    rdlm = dict(num_steps=16, cache_strategy="shared", cache_slots=slots, **exits)
+    assert got == rdlm_tokens(models["huginn"], prompts, **rdlm)
+    want = rdlm_logprobs(models["huginn"], prompts, **rdlm)
+    # fp32 round-off of the same sums through other kernels; a held entry in the wrong slot moves a later
+    # token's log-probability by far more
+    assert max(abs(a - b) for g, w in zip(stats.logprobs, want, strict=True) for a, b in zip(g, w, strict=True)) < 1e-4
+    assert stats.token_iterations < 16 * stats.decoded_tokens
 
 
 def test_the_authors_depth_key_sets_r(models):
