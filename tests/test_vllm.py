@@ -97,6 +97,21 @@ def test_shared_caches_with_exits_give_rdlm_generate_tokens(models, slots):
     assert stats.token_iterations < 16 * stats.decoded_tokens
 
 
+def test_the_fixed_depth_forward_compiles_with_eagers_tokens(models):
+    """Without an exit criterion vLLM compiles the forward (vLLM's defaults: torch.compile, inductor on the
+    CPU): the compiled forward runs no Python (the eager forward's counters stay at zero) and gives the eager
+    forward's greedy tokens, which are `rdlm generate`'s."""
+    prompts = prompts_for(512, lengths=(5, 40), seed=15)
+    compiled_engine = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}
+    got, stats = served(models["huginn"], prompts, engine=compiled_engine, rdlm_num_steps=5)
+    config = stats.vllm_config.compilation_config
+    assert config.mode != vllm.config.CompilationMode.NONE and config.backend == "inductor"
+    assert stats.steps == 0  # every step ran the compiled graph
+    eager, eager_stats = served(models["huginn"], prompts, rdlm_num_steps=5)
+    assert eager_stats.steps > 0
+    assert got == eager == rdlm_tokens(models["huginn"], prompts, num_steps=5)
+
+
 def test_the_authors_depth_key_sets_r(models):
     """hf_overrides={"mean_recurrence": r}, the authors' way, sets the served depth as rdlm_num_steps does."""
     prompts = prompts_for(512, lengths=(12,), seed=3)

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
@@ -45,6 +46,16 @@ from rdlm.model.families import CheckpointError, adapter_of
 from rdlm.model.lm import RecurrentDepthLM
 
 
+def fixed_depth(vllm_config: VllmConfig) -> bool:
+    """Whether the served recurrence runs r iterations for every token (no exit criterion): then the forward is
+    one fixed-shape computation, which vLLM compiles (and on a GPU captures as graphs); the exit loop's host
+    decisions keep the adaptive forward eager (rdlm.integrations.vllm.engine_config)."""
+    hf_config = vllm_config.model_config.hf_config
+    return options.read(hf_config.to_dict(), type(hf_config).__name__)[1].criterion is None
+
+
+# The forward's token-count dimension varies per step (annotations are strings here: vLLM cannot infer it).
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0}, enable_if=fixed_depth)
 class RecurrentDepthForCausalLM(nn.Module):
     """Any checkpoint rdlm reads, served by vLLM (registered as RdlmForCausalLM, and as RavenForCausalLM and
     OuroForCausalLM where vLLM has no model of that name: rdlm.integrations.vllm.register)."""
