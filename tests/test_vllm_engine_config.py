@@ -69,7 +69,7 @@ def test_rdlm_s_own_architecture_name_serves_any_checkpoint(models):
 
 def test_exits_under_vllms_defaults_give_rdlm_tokens_in_a_two_turn_chat(models):
     """vLLM's defaults left on (prefix caching, chunked prefill, compilation): with an exit criterion the
-    config hook turns off what would change the answers, and a two-turn chat gives `rdlm generate`'s tokens
+    config hook turns off what would change the answers (on an accelerator CUDA graphs too), and a two-turn chat gives `rdlm generate`'s tokens
     and log-probabilities for every prompt. The lengths fill vLLM's CPU blocks (128 tokens): the first turn's
     121-token prompt and its first 7 replies make a full block, which prefix caching would hand the second
     turn with the replies' exited cache entries (seen without the hook: a log-probability 4e-4 off); the
@@ -82,7 +82,6 @@ def test_exits_under_vllms_defaults_give_rdlm_tokens_in_a_two_turn_chat(models):
     config = stats.vllm_config
     assert not config.cache_config.enable_prefix_caching
     assert not config.scheduler_config.enable_chunked_prefill
-    assert config.model_config.enforce_eager
     settings = dict(num_steps=12, exit_criterion="latent-diff", exit_threshold=0.3)
     assert got == rdlm_tokens(models["huginn"], first + second, **settings)
     want = rdlm_logprobs(models["huginn"], first + second, **settings)
@@ -128,11 +127,13 @@ def test_decoded_tokens_are_read_from_the_attention_metadata(monkeypatch):
         adaptive.decoding_tokens(positions, "kv.1")
 
 
-def test_a_model_served_without_the_hook_is_refused_by_name():
+def test_a_model_served_without_the_hook_is_refused_by_name(monkeypatch):
     """The model checks what the hook sets: served under a name without rdlm's hook, with vLLM's defaults and
-    an exit criterion, it names each setting to turn off."""
+    an exit criterion, it names each setting to turn off (CUDA graphs on an accelerator: the CPU has none)."""
+    from rdlm.integrations.vllm import model
     from rdlm.integrations.vllm.model import check_exit_settings
 
+    monkeypatch.setattr(model.current_platform, "is_cpu", lambda: False)
     config = SimpleNamespace(
         speculative_config=None,
         cache_config=SimpleNamespace(enable_prefix_caching=True),
@@ -147,6 +148,9 @@ def test_a_model_served_without_the_hook_is_refused_by_name():
     config.speculative_config = object()
     with pytest.raises(RecurrenceOptionError, match="speculative decoding"):
         check_exit_settings(config)
+    monkeypatch.setattr(model.current_platform, "is_cpu", lambda: True)
+    config.speculative_config, config.model_config.enforce_eager = None, False
+    check_exit_settings(config)  # the CPU captures no graphs
 
 
 def test_the_hook_makes_room_for_a_whole_prompt(models):

@@ -130,8 +130,7 @@ class ExitLoop:
                     run = i
                     break
                 held = None if seen == "none" else exited.unsqueeze(-1)
-            new = self.iteration(state, embedded, i, held)
-            prev, state = state, new if held is None else torch.where(held, state, new)
+            prev, state = state, self.iteration(state, embedded, i, held)
             track = track.after_iteration(criterion, i, self.r, prev, state, min_steps=min_steps, gate=gate)
             if i >= first_exit:  # from here a token may have exited: until the next look, every exit holds
                 held = (track.exited & self.decoding).unsqueeze(-1)
@@ -156,7 +155,8 @@ class ExitLoop:
         return "none" if total == 0 else "some"
 
     def iteration(self, state: Tensor, embedded: Tensor, i: int, held: Tensor | None) -> Tensor:
-        """s_{i+1} = R(e, s_i) for every token, the `held` ones writing the keys and values they hold."""
+        """s_{i+1} = R(e, s_i) for every token, the `held` ones writing the keys and values they hold (and
+        keeping their state)."""
         model = self.model
         x = model.core_input(state, embedded)
         for layer, weights in enumerate(self.core):
@@ -165,7 +165,8 @@ class ExitLoop:
                 fused = self.hold(fused, self.held_projection(layer, i), held)
             self.remember(layer, i, fused)
             x = weights.attend(x, *weights.heads_of(self.positions, fused), model.core_cache(layer, i))
-        return model.final_norm(x) if model.config.final_norm == "loop" else x
+        new = model.final_norm(x) if model.config.final_norm == "loop" else x
+        return new if held is None else torch.where(held, state, new)
 
     def hold(self, fused: Tensor, kept: Tensor, held: Tensor) -> Tensor:
         if self.rows is None:

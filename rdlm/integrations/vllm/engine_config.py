@@ -10,8 +10,9 @@ off for such a model, each logged:
 - prefix caching: a prompt cached whole has its last token recomputed alone (it would read as decoded and
   may exit), and a follow-up turn would reuse the blocks of generated tokens;
 - chunked prefill: a prompt whose last chunk is one token would read as decoded;
-- CUDA graphs and vLLM's compilation (`enforce_eager`): the adaptive loop stops when every token has exited,
-  a decision the host takes between iterations, which a captured graph cannot hold.
+- CUDA graphs and vLLM's compilation on an accelerator (`enforce_eager`): the adaptive loop stops when every
+  token has exited, a decision the host takes between iterations, which a captured graph cannot hold. The
+  CPU captures no graphs: there `enforce_eager` is left as asked.
 
 Speculative decoding is refused by name with an exit criterion: its verify tokens are several new tokens of a
 decoding request, which read as prompt tokens, so they would run every iteration.
@@ -23,6 +24,7 @@ import logging
 
 from vllm.config import VllmConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
+from vllm.platforms import current_platform
 
 from rdlm.integrations.vllm import options
 
@@ -51,7 +53,7 @@ class RecurrenceEngineConfig(VerifyAndUpdateConfig):
             scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, longest)
             scheduler.verify_max_model_len(longest)
             log.info("rdlm: chunked prefill off: with rdlm_exit_criterion a prompt's one-token chunk would exit")
-        if not vllm_config.model_config.enforce_eager:
+        if not vllm_config.model_config.enforce_eager and not current_platform.is_cpu():
             vllm_config.model_config.enforce_eager = True
             log.info("rdlm: enforce_eager on: the exit loop's host decisions cannot sit in a captured graph")
 

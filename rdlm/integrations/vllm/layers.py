@@ -103,7 +103,11 @@ class LayerWeights(nn.Module):
     def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, cache: Attention) -> Tensor:
         """The rest of the layer after its queries, keys and values: attention with `cache`, the MLP, the
         norms of the config's scheme (rdlm.model.layers.Block)."""
-        branch = self.attn.out(cache(q, k, v))[0]
+        return self.after_attention(x, cache(q, k, v))
+
+    def after_attention(self, x: Tensor, attended: Tensor) -> Tensor:
+        """The layer's output from its input x and the attention's output."""
+        branch = self.attn.out(attended)[0]
         x = x + (self.norm_2(branch) if self.post else branch)
         if self.sandwich:
             x = self.norm_2(x)

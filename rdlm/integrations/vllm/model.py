@@ -35,6 +35,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.platforms import current_platform
 
 from rdlm.inference.noise import noise_table
 from rdlm.integrations.vllm import options
@@ -277,7 +278,10 @@ def check_exit_settings(vllm_config: VllmConfig) -> None:
         for name, on in (
             ("prefix caching (--no-enable-prefix-caching)", vllm_config.cache_config.enable_prefix_caching),
             ("chunked prefill (--no-enable-chunked-prefill)", vllm_config.scheduler_config.enable_chunked_prefill),
-            ("CUDA graphs (--enforce-eager)", not vllm_config.model_config.enforce_eager),
+            (
+                "CUDA graphs (--enforce-eager)",
+                not vllm_config.model_config.enforce_eager and not current_platform.is_cpu(),
+            ),
         )
         if on
     ]
