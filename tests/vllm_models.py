@@ -90,11 +90,11 @@ def rdlm_tokens(path, prompts, dtype=None, **config) -> list[list[int]]:
     return [generate(model, p, GenerationConfig(max_new_tokens=NEW_TOKENS, **config)).tokens[0] for p in prompts]
 
 
-def rdlm_logprobs(path, prompts, **config) -> list[list[float]]:
+def rdlm_logprobs(path, prompts, dtype=None, **config) -> list[list[float]]:
     """`rdlm generate`'s log-probability of each greedy token, one prompt at a time (batch 1)."""
     from rdlm.inference.generate import generate
     from rdlm.inference.params import GenerationConfig
 
-    model = load_pretrained(path)
+    model = load_pretrained(path) if dtype is None else load_pretrained(path, dtype=dtype)
     results = [generate(model, p, GenerationConfig(max_new_tokens=NEW_TOKENS, logprobs=0, **config)) for p in prompts]
     return [r.logprobs[0] for r in results]
