@@ -87,11 +87,26 @@ def decoding_tokens(positions: Tensor, layer_name: str) -> Tensor | None:
     return decoding
 
 
-class ExitLoop:
-    """One forward's core iterations with an exit criterion (the module doc says what it keeps exact)."""
+@torch.library.custom_op("rdlm::vllm_decoding_tokens", mutates_args=())
+def decoding_tokens_op(positions: Tensor, layer_name: str) -> Tensor:
+    """`decoding_tokens` as an operator a compiled forward calls at run time (what it reads is the step's
+    forward context, which a graph traced once must not bake in); False everywhere without metadata."""
+    decoding = decoding_tokens(positions, layer_name)
+    return torch.zeros_like(positions, dtype=torch.bool) if decoding is None else decoding
 
-    def __init__(self, model: RecurrentDepthForCausalLM, positions: Tensor, decoding: Tensor) -> None:
-        self.model, self.positions, self.decoding = model, positions, decoding
+
+@decoding_tokens_op.register_fake
+def _(positions: Tensor, layer_name: str) -> Tensor:
+    return torch.empty_like(positions, dtype=torch.bool)
+
+
+class ExitLoop:
+    """One forward's core iterations with an exit criterion (the module doc says what it keeps exact). With
+    `looks` False (a forward vLLM compiles) the host never looks: every iteration runs, exited tokens held, a
+    fixed-shape computation a graph can hold, whose tokens are the same."""
+
+    def __init__(self, model: RecurrentDepthForCausalLM, positions: Tensor, decoding: Tensor, looks: bool) -> None:
+        self.model, self.positions, self.decoding, self.looks = model, positions, decoding, looks
         recurrence = model.recurrence
         self.r, self.slots = recurrence.num_steps, recurrence.core_caches
         # An exited token's held projection at iteration i: the one it wrote at i - k once its k slots have all
@@ -99,9 +114,9 @@ class ExitLoop:
         self.ring = self.slots if self.slots < self.r else 1
         self.core = cast("list[LayerWeights]", list(model.core))
         self.written: list[list[Tensor]] = [[] for _ in self.core]
-        self.all_decoding = bool(decoding.all())
-        # The held projections are kept for the decoded tokens only (a prompt's tokens never exit).
-        self.rows = None if self.all_decoding else decoding.nonzero().squeeze(-1)
+        # The held projections are kept for the decoded tokens only (a prompt's tokens never exit); without
+        # looks (no host reads), for every token.
+        self.rows = None if not looks or bool(decoding.all()) else decoding.nonzero().squeeze(-1)
         self.sync_every = resolve_sync_every(recurrence.sync_every, positions.device)
         self.tp = get_tensor_model_parallel_world_size()
 
@@ -122,7 +137,7 @@ class ExitLoop:
         held: Tensor | None = None  # [T, 1] bool: decoded tokens that exited; None: none has (known at a look)
         run = self.r
         for i in range(self.r):
-            if i > first_exit and (i - first_exit - 1) % self.sync_every == 0:  # a look
+            if self.looks and i > first_exit and (i - first_exit - 1) % self.sync_every == 0:  # a look
                 exited = track.exited & self.decoding
                 seen = self.look(exited)
                 if seen == "all":
@@ -135,7 +150,8 @@ class ExitLoop:
             if i >= first_exit:  # from here a token may have exited: until the next look, every exit holds
                 held = (track.exited & self.decoding).unsqueeze(-1)
         assert track.steps is not None  # ExitTrack.start counts the iterations
-        model.stats.count(run, track.steps[self.decoding])
+        if self.looks:  # (a compiled forward runs no Python: nothing counts)
+            model.stats.count(run, track.steps[self.decoding])
         if criterion.uses_gate:
             assert track.exit_state is not None  # set above, kept by every update
             return track.exit_state

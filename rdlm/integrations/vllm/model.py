@@ -47,16 +47,10 @@ from rdlm.model.families import CheckpointError, adapter_of
 from rdlm.model.lm import RecurrentDepthLM
 
 
-def fixed_depth(vllm_config: VllmConfig) -> bool:
-    """Whether the served recurrence runs r iterations for every token (no exit criterion): then the forward is
-    one fixed-shape computation, which vLLM compiles (and on a GPU captures as graphs); the exit loop's host
-    decisions keep the adaptive forward eager (rdlm.integrations.vllm.engine_config)."""
-    hf_config = vllm_config.model_config.hf_config
-    return options.read(hf_config.to_dict(), type(hf_config).__name__)[1].criterion is None
-
-
 # The forward's token-count dimension varies per step (annotations are strings here: vLLM cannot infer it).
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0}, enable_if=fixed_depth)
+# vLLM compiles the forward unless enforce_eager: at fixed r, and with an exit criterion (every iteration run,
+# exited tokens held: the adaptive loop's stops are the host's, which a graph cannot hold).
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
 class RecurrentDepthForCausalLM(nn.Module):
     """Any checkpoint rdlm reads, served by vLLM (registered as RdlmForCausalLM, and as RavenForCausalLM and
     OuroForCausalLM where vLLM has no model of that name: rdlm.integrations.vllm.register)."""
@@ -202,19 +196,21 @@ class RecurrentDepthForCausalLM(nn.Module):
         return self.final_norm(x) if self.config.final_norm == "loop" else x
 
     def iterate(self, state: Tensor, embedded: Tensor, positions: Tensor) -> Tensor:
-        """The r core iterations; with an exit criterion and decoded tokens in the step, per token
-        (rdlm.integrations.vllm.adaptive). Returns the state the coda reads."""
-        criterion = self.recurrence.criterion
-        decoding = None
-        if criterion is not None:
-            decoding = decoding_tokens(positions, self.core_cache(0, 0).layer_name)
+        """The r core iterations; with an exit criterion, per token (rdlm.integrations.vllm.adaptive): eagerly
+        with the host's looks, which stop the loop once every token has exited, or, in a forward vLLM
+        compiles, every iteration with exited tokens held. Returns the state the coda reads."""
+        criterion, layer_name = self.recurrence.criterion, self.core_cache(0, 0).layer_name
+        if criterion is not None and torch.compiler.is_compiling():
+            decoding = torch.ops.rdlm.vllm_decoding_tokens(positions, layer_name)
+            return ExitLoop(self, positions, decoding, looks=False).run(state, embedded)
+        decoding = None if criterion is None else decoding_tokens(positions, layer_name)
         if decoding is None or not (criterion is not None and criterion.uses_gate or bool(decoding.any())):
             for i in range(self.recurrence.num_steps):
                 state = self.core_iteration(state, embedded, positions, i)
             if not torch.compiler.is_compiling():  # a compiled forward runs no Python: nothing counts
                 self.stats.count(self.recurrence.num_steps)
             return state
-        return ExitLoop(self, positions, decoding).run(state, embedded)
+        return ExitLoop(self, positions, decoding, looks=True).run(state, embedded)
 
     def coda_output(self, state: Tensor, positions: Tensor) -> Tensor:
         placement = self.config.final_norm
