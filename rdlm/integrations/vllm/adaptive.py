@@ -11,7 +11,9 @@ iterations with an exit criterion read after each, as `rdlm generate` reads it (
   every token of the step has exited, the loop stops there and the remaining slots are filled with a cache
   write (no attention, no MLP); when none has, the next iteration holds nothing. Between looks nothing waits
   for the device. With tensor parallelism the ranks agree on each look's answer with one all-reduce, so no
-  rank leaves the loop (and its collectives) alone.
+  rank leaves the loop (and its collectives) alone. A forward vLLM compiles has no looks: every iteration
+  runs, exited tokens held (the same tokens; a fixed-shape computation a graph can hold), and the decoded
+  tokens are read at run time by the `rdlm::vllm_decoding_tokens` operator.
 - Prompt tokens run every iteration (with a learned gate the coda reads each one's state at the iteration
   where its gate fired, rdlm's gated prefill).
 """
