@@ -178,13 +178,15 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
     gc.collect()
     tokens = [list(o.outputs[0].token_ids) for o in out]
     decoded = after["decoded_tokens"] - before["decoded_tokens"]
-    per_token = (after["token_iterations"] - before["token_iterations"]) / decoded if decoded else args.num_steps
     steps = after["steps"] - before["steps"]  # (counts over every repeat: the ratios are per token and step)
-    loop = (after["step_iterations"] - before["step_iterations"]) / steps if steps else args.num_steps  # compiled:
-    return {"tok_s": sum(map(len, tokens)) / seconds, "iterations_per_token": per_token, "caches": caches,  # r
+    # A compiled forward counts nothing (NaN here); an eager one at fixed r counts no decoded tokens (r each).
+    per_token = (after["token_iterations"] - before["token_iterations"]) / decoded if decoded else \
+        (args.num_steps if steps else float("nan"))
+    loop = (after["step_iterations"] - before["step_iterations"]) / steps if steps else float("nan")
+    return {"tok_s": sum(map(len, tokens)) / seconds, "iterations_per_token": per_token, "caches": caches,
             "cpu_ms_per_token": 1e3 * cpu / sum(map(len, tokens)),
             "loop_iterations_per_step": loop, "tokens": tokens,
-            "looks_per_step": (after["looks"] - before["looks"]) / steps if steps else 0.0}
+            "looks_per_step": (after["looks"] - before["looks"]) / steps if steps else float("nan")}
 
 
 def rdlm_tokens(args, criterion: str | None, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

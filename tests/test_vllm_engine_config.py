@@ -68,12 +68,13 @@ def test_rdlm_s_own_architecture_name_serves_any_checkpoint(models):
 
 
 def test_exits_under_vllms_defaults_give_rdlm_tokens_in_a_two_turn_chat(models):
-    """vLLM's defaults left on (prefix caching, chunked prefill, compilation): with an exit criterion the
-    config hook turns off what would change the answers (on an accelerator CUDA graphs too), and a two-turn chat gives `rdlm generate`'s tokens
-    and log-probabilities for every prompt. The lengths fill vLLM's CPU blocks (128 tokens): the first turn's
-    121-token prompt and its first 7 replies make a full block, which prefix caching would hand the second
-    turn with the replies' exited cache entries (seen without the hook: a log-probability 4e-4 off); the
-    128-token prompt sent again would be cached whole."""
+    """vLLM's defaults left on (prefix caching, chunked prefill, compilation: the exit forward compiled): with
+    an exit criterion the config hook turns off what would change the answers (on an accelerator CUDA graphs
+    too), and a two-turn chat gives `rdlm generate`'s tokens and log-probabilities for every prompt (the same
+    threshold exits after fewer than r iterations: test_vllm.py's exit tests). The lengths fill vLLM's CPU
+    blocks (128 tokens): the first turn's 121-token prompt and its first 7 replies make a full block, which
+    prefix caching would hand the second turn with the replies' exited cache entries (seen without the hook,
+    eager: a log-probability 4e-4 off); the 128-token prompt sent again would be cached whole."""
     first = prompts_for(512, lengths=(121, 128), seed=23)
     replies, stats = served(models["huginn"], [first], engine=DEFAULTS, **EXITS)
     follow_up = prompts_for(512, lengths=(9,), seed=24)[0]
@@ -87,8 +88,6 @@ def test_exits_under_vllms_defaults_give_rdlm_tokens_in_a_two_turn_chat(models):
     want = rdlm_logprobs(models["huginn"], first + second, **settings)
     # fp32 round-off of the same sums through other kernels (seen: under 1e-6 per token)
     assert max(abs(a - b) for g, w in zip(stats.logprobs, want, strict=True) for a, b in zip(g, w, strict=True)) < 1e-4
-    assert stats.decoded_tokens == 4 * (NEW_TOKENS - 1)  # the prompts' tokens all ran r iterations
-    assert stats.token_iterations < 12 * stats.decoded_tokens  # the exits fired
 
 
 def test_fixed_depth_keeps_vllms_defaults(models):

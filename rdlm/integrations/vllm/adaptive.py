@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -33,9 +33,6 @@ from rdlm.inference.exit_track import ExitTrack
 from rdlm.inference.graphs import resolve_sync_every
 from rdlm.integrations.vllm.layers import LayerWeights, write_cache
 from rdlm.integrations.vllm.options import RecurrenceOptionError
-
-if TYPE_CHECKING:
-    from rdlm.integrations.vllm.model import RecurrentDepthForCausalLM
 
 
 @dataclasses.dataclass
@@ -107,7 +104,8 @@ class ExitLoop:
     `looks` False (a forward vLLM compiles) the host never looks: every iteration runs, exited tokens held, a
     fixed-shape computation a graph can hold, whose tokens are the same."""
 
-    def __init__(self, model: RecurrentDepthForCausalLM, positions: Tensor, decoding: Tensor, looks: bool) -> None:
+    def __init__(self, model: Any, positions: Tensor, decoding: Tensor, looks: bool) -> None:
+        # `model`: the served RecurrentDepthForCausalLM (rdlm.integrations.vllm.model, which imports this module)
         self.model, self.positions, self.decoding, self.looks = model, positions, decoding, looks
         recurrence = model.recurrence
         self.r, self.slots = recurrence.num_steps, recurrence.core_caches
