@@ -134,7 +134,7 @@ def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str],
     return {"tok_s": tokens[0] / elapsed, "ttft": percentile(ttft, 0.5), "tpot": percentile(tpot, 0.5)}
 
 
-def task_prompts(args) -> tuple[list[list[int]], list[str], list[str]] | None:
+def task_prompts(args, count: int | None = None) -> tuple[list[list[int]], list[str], list[str]] | None:
     """Unseen test examples of a demo model's task (seed 1234, not the demo's 0): token ids, replies, prompts."""
     path = Path(args.model) / "task_tokenizer.json"
     if not path.is_file():
@@ -143,12 +143,14 @@ def task_prompts(args) -> tuple[list[list[int]], list[str], list[str]] | None:
 
     spec = json.loads(path.read_text())
     tok = CharTokenizer(spec["alphabet"])
-    examples = generate(spec["task"], args.task_prompts, seed=1234, split="test")
+    examples = generate(spec["task"], args.task_prompts if count is None else count, seed=1234, split="test")
     return [tok.encode(e.prompt) for e in examples], [e.reply for e in examples], [e.prompt for e in examples]
 
 
-def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_tokens: int):
-    """vLLM's engine in this process on `prompts` (one batch): tokens/s, iterations per decoded token, tokens."""
+def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_tokens: int, compiled: bool = False):
+    """vLLM's engine in this process on `prompts` (one batch): tokens/s, iterations per decoded token, tokens.
+    `compiled`: vLLM's default compilation left on (the fixed-r forward compiles; an exit criterion's forward
+    stays eager whatever is asked: rdlm's config hook)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import gc
 
@@ -157,7 +159,7 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
     overrides = {"rdlm_num_steps": args.num_steps}
     if criterion:
         overrides.update(rdlm_exit_criterion=criterion, rdlm_exit_threshold=args.exit_threshold)
-    llm = vllm.LLM(args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
+    llm = vllm.LLM(args.model, dtype="float32", enforce_eager=not compiled, max_model_len=args.max_model_len,
                    kv_cache_memory_bytes=1 << 30, skip_tokenizer_init=True, hf_overrides=overrides,
                    enable_prefix_caching=False)  # repeated prompts: each is computed, as in rdlm serve
     params = vllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
@@ -166,21 +168,25 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
     llm.generate(batch, params, use_tqdm=False)  # warm-up: the same batch once
     repeats = max(1, round(2.0 / (time.perf_counter() - t0)))  # about 2 s timed: a batch alone is too short
     before = llm.apply_model(lambda model: dict(vars(model.stats)))[0]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(repeats):
         out = llm.generate(batch, params, use_tqdm=False)
-    seconds = (time.perf_counter() - t0) / repeats
+    seconds, cpu = (time.perf_counter() - t0) / repeats, (time.process_time() - cpu0) / repeats
     after = llm.apply_model(lambda model: dict(vars(model.stats)))[0]
     caches = llm.apply_model(lambda model: len(model.kv))[0]
     del llm
     gc.collect()
     tokens = [list(o.outputs[0].token_ids) for o in out]
     decoded = after["decoded_tokens"] - before["decoded_tokens"]
-    per_token = (after["token_iterations"] - before["token_iterations"]) / decoded if decoded else args.num_steps
     steps = after["steps"] - before["steps"]  # (counts over every repeat: the ratios are per token and step)
+    # A compiled forward counts nothing (NaN here); an eager one at fixed r counts no decoded tokens (r each).
+    per_token = (after["token_iterations"] - before["token_iterations"]) / decoded if decoded else \
+        (args.num_steps if steps else float("nan"))
+    loop = (after["step_iterations"] - before["step_iterations"]) / steps if steps else float("nan")
     return {"tok_s": sum(map(len, tokens)) / seconds, "iterations_per_token": per_token, "caches": caches,
-            "loop_iterations_per_step": (after["step_iterations"] - before["step_iterations"]) / steps,
-            "tokens": tokens}
+            "cpu_ms_per_token": 1e3 * cpu / sum(map(len, tokens)),
+            "loop_iterations_per_step": loop, "tokens": tokens,
+            "looks_per_step": (after["looks"] - before["looks"]) / steps if steps else float("nan")}
 
 
 def rdlm_tokens(args, criterion: str | None, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -197,13 +203,23 @@ def rdlm_tokens(args, criterion: str | None, prompts: list[list[int]], new_token
     return [generate(model, p, config).tokens[0] for p in prompts]
 
 
-def engine_report(args, modes: list) -> None:
-    task = task_prompts(args)
+def engine_report(args, criteria: list) -> None:
+    """vLLM's engine alone at each batch size of --batches: fixed r eager, fixed r compiled (vLLM's default)
+    and each exit criterion, alternated in --rounds rounds (the best round of each kept), with the ratios of the
+    exits to fixed r in the same run."""
+    modes = [(None, False), (None, True)] + [(c, compiled) for c in criteria if c is not None
+                                             for compiled in (False, True)]
+    for batch in args.batches:
+        engine_batch(args, modes, batch)
+
+
+def engine_batch(args, modes: list, batch: int) -> None:
+    task = task_prompts(args, batch)
     if task is None:
         from rdlm.data.tokenizer import Tokenizer
 
         tok = Tokenizer.load(args.model)
-        prompts, replies, new_tokens = [tok.encode(PROMPTS[j % len(PROMPTS)]) for j in range(args.clients)], None, \
+        prompts, replies, new_tokens = [tok.encode(PROMPTS[j % len(PROMPTS)]) for j in range(batch)], None, \
             args.new_tokens
     else:
         (prompts, replies, _), new_tokens = task, args.new_tokens  # the reply, then what the model goes on with
@@ -213,34 +229,50 @@ def engine_report(args, modes: list) -> None:
         decode = CharTokenizer(alphabet).decode
     best: dict = {}
     for k in range(args.rounds):  # the modes alternate, each in an engine of its own; the best round is kept
-        for criterion in modes if k % 2 == 0 else modes[::-1]:
-            e = engine_alone(args, criterion, prompts, new_tokens)
-            print(f"vLLM engine alone, round {k + 1}, {criterion or 'fixed r'}: {e['tok_s']:.1f} tok/s "
-                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
-            if criterion not in best or e["tok_s"] > best[criterion]["tok_s"]:
-                best[criterion] = e
-    for criterion in modes:
-        e = best[criterion]
-        label = "fixed r" if criterion is None else f"{criterion} < {args.exit_threshold:g}"
-        line = (f"vLLM engine alone, {label:22} {len(prompts)} prompts: {e['tok_s']:8.1f} tok/s, "
+        for mode in modes if k % 2 == 0 else modes[::-1]:
+            e = engine_alone(args, mode[0], prompts, new_tokens, compiled=mode[1])
+            print(f"vLLM engine alone, {batch} prompts, round {k + 1}, {label_of(args, mode)}: {e['tok_s']:.1f} "
+                  f"tok/s, {e['cpu_ms_per_token']:.3f} CPU ms per token (load {os.getloadavg()[0]:.2f})", flush=True)
+            if mode not in best or e["tok_s"] > best[mode]["tok_s"]:
+                best[mode] = e
+    for mode in modes:
+        e = best[mode]
+        line = (f"vLLM engine alone, {label_of(args, mode):28} {len(prompts)} prompts: {e['tok_s']:8.1f} tok/s "
+                f"({e['cpu_ms_per_token']:.3f} CPU ms per token), "
                 f"{e['iterations_per_token']:.2f} iterations per decoded token, {e['loop_iterations_per_step']:.2f} "
-                f"loop iterations per step, {e['caches']} KV caches")
+                f"loop iterations per step, {e['looks_per_step']:.2f} looks per step, {e['caches']} KV caches")
+        if mode[0] is not None:
+            fixed = best[(None, mode[1])]  # the same compilation setting
+            line += "; vs fixed r ({}) {:.2f}x tokens/s, {:.2f}x CPU time per token".format(
+                "compiled" if mode[1] else "eager", e["tok_s"] / fixed["tok_s"],
+                fixed["cpu_ms_per_token"] / e["cpu_ms_per_token"])
         if replies is not None:
             correct = sum(decode(t).startswith(r) for t, r in zip(e["tokens"], replies, strict=True))
-            same = e["tokens"] == rdlm_tokens(args, criterion, prompts, new_tokens)
+            same = e["tokens"] == rdlm_tokens(args, mode[0], prompts, new_tokens)
             line += f"; accuracy {correct}/{len(replies)}; tokens equal rdlm generate's at batch 1: {same}"
         print(f"{line} (load {os.getloadavg()[0]:.2f})", flush=True)
 
 
+def label_of(args, mode: tuple) -> str:
+    criterion, compiled = mode
+    name = "fixed r" if criterion is None else f"{criterion} < {args.exit_threshold:g}"
+    return f"{name}, {'compiled' if compiled else 'eager'}"
+
+
 def cache_bytes_per_token(args) -> dict:
-    """KV-cache bytes one token holds in each mode (fp32): its prelude and coda layers, and the core's r or 1."""
+    """KV-cache bytes one token holds in each mode (fp32): its prelude and coda layers, and the core's r
+    (per-iteration), k (rdlm_cache_slots = k) or 1 (shared) copies."""
     from rdlm.model.huginn import read_config
 
     c = read_config(args.model)
     layer = 2 * c.kv_heads * c.head_dim * 4
     outside = c.prelude_layers + c.coda_layers
-    return {"per-iteration (vLLM) / full (rdlm)": (outside + args.num_steps * c.core_layers) * layer,
-            "shared (vLLM: one per core layer; rdlm: cache_slots=1)": (outside + c.core_layers) * layer}
+    modes = {"per-iteration (vLLM) / full (rdlm)": args.num_steps}
+    for k in (8, 4):
+        if k < args.num_steps:
+            modes[f"rdlm_cache_slots={k} (rdlm: cache_slots={k})"] = k
+    modes["shared, one slot (vLLM: rdlm_cache=shared; rdlm: cache_slots=1)"] = 1
+    return {mode: (outside + copies * c.core_layers) * layer for mode, copies in modes.items()}
 
 
 def main() -> None:
@@ -254,9 +286,18 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--exit-criterion", default="latent-diff", help="the adaptive mode's ('none': fixed r only)")
     parser.add_argument("--exit-threshold", type=float, default=0.03)
-    parser.add_argument("--task-prompts", type=int, default=64, help="test examples for a demo model's engine run")
+    parser.add_argument("--task-prompts", type=int, default=64, help="test examples for a demo model's servers")
+    parser.add_argument("--batches", default="1,8,64",
+                        help="prompts per batch of the engine-alone runs, comma-separated (a demo model: its test "
+                             "examples; otherwise the fixed prompts, repeated)")
     parser.add_argument("--no-servers", action="store_true", help="the engine alone only (no HTTP servers)")
     args = parser.parse_args()
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        parser.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+    if any(b < 1 for b in args.batches):
+        parser.error("--batches must be at least 1 each")
     for name in ("num_steps", "clients", "rounds", "new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

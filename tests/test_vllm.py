@@ -22,50 +22,21 @@ vllm = pytest.importorskip("vllm", reason="the vLLM plugin's tests run where vLL
 
 import torch  # noqa: E402
 
-from rdlm.inference.generate import generate  # noqa: E402
-from rdlm.inference.params import GenerationConfig  # noqa: E402
 from rdlm.model.huginn import load_pretrained  # noqa: E402
-from tests.vllm_models import FAMILIES, make_model  # noqa: E402
+from tests.vllm_models import (  # noqa: E402
+    ENGINE,
+    FAMILIES,
+    NEW_TOKENS,
+    make_model,
+    models,  # noqa: F401  (a fixture)
+    prompts_for,
+    rdlm_logprobs,
+    rdlm_tokens,
+    served,
+)
 
-NEW_TOKENS = 8
 ROOT = Path(__file__).resolve().parents[1]
 FACTS = ROOT / "examples" / "lm_eval_task" / "facts.jsonl"
-ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=96 << 20,
-              skip_tokenizer_init=True, seed=0)
-
-
-def prompts_for(vocab: int, lengths=(3, 37, 150), seed: int = 7) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-models")
-    return {family: make_model(family, root / family, seed=1) for family in FAMILIES}
-
-
-def served(path, prompts, **overrides) -> tuple[list[list[int]], object]:
-    """Greedy tokens vLLM gives for `prompts` (one batch), and the model's exit statistics (with the KV caches
-    it holds, `caches`, and each token's log-probability, `logprobs`)."""
-    llm = vllm.LLM(str(path), hf_overrides=overrides, **ENGINE)
-    try:
-        params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False,
-                                     logprobs=0)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        stats = llm.apply_model(lambda model: model.stats)[0]
-        stats.caches = llm.apply_model(lambda model: len(model.kv))[0]
-        stats.logprobs = [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
-        return [list(o.outputs[0].token_ids) for o in outputs], stats
-    finally:
-        del llm
-        gc.collect()
-
-
-def rdlm_tokens(path, prompts, **config) -> list[list[int]]:
-    """`rdlm generate`'s greedy tokens, one prompt at a time (batch 1)."""
-    model = load_pretrained(path)
-    return [generate(model, p, GenerationConfig(max_new_tokens=NEW_TOKENS, **config)).tokens[0] for p in prompts]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -94,6 +65,70 @@ def test_shared_cache_is_rdlm_shared_cache_of_one_slot(models, family):
     gap = max(abs(a - b) for s, e in zip(shared.logprobs, exact.logprobs, strict=True)
               for a, b in zip(s[1:], e[1:], strict=True))
     assert gap > 1e-4  # far above fp32 round-off: the second token on reads a cache the iterations overwrote
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+def test_k_slot_caches_are_rdlm_shared_cache_of_k_slots(models, slots):
+    """rdlm_cache_slots=k: k caches per core layer, iteration i in slot i mod k, as rdlm's
+    cache_strategy="shared", cache_slots=k; its tokens at fixed r, with k core caches per core layer."""
+    config = load_pretrained(models["huginn"]).config
+    prompts = prompts_for(config.vocab_size, lengths=(9, 60), seed=11)
+    got, stats = served(models["huginn"], prompts, rdlm_num_steps=6, rdlm_cache_slots=slots)
+    assert got == rdlm_tokens(models["huginn"], prompts, num_steps=6, cache_strategy="shared", cache_slots=slots)
+    assert stats.caches - config.prelude_layers - config.coda_layers == slots * config.core_layers
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_shared_caches_with_exits_give_rdlm_generate_tokens(models, slots):
+    """k-slot caches with an exit criterion: an exited token writes into each later slot what it holds there
+    (its last keys and values for a slot it has not written, else the slot's own: rdlm's fill rule), and a
+    batch whose tokens all exit fills the unwritten slots and stops; the tokens equal `rdlm generate`'s with
+    the same criterion and cache at batch 1."""
+    prompts = prompts_for(512, lengths=(4, 7, 10), seed=9)
+    exits = dict(exit_criterion="latent-diff", exit_threshold=0.5)
+    got, stats = served(models["huginn"], prompts, rdlm_num_steps=16, rdlm_cache_slots=slots,
+                        **{f"rdlm_{k}": v for k, v in exits.items()})
+    rdlm = dict(num_steps=16, cache_strategy="shared", cache_slots=slots, **exits)
+    assert got == rdlm_tokens(models["huginn"], prompts, **rdlm)
+    want = rdlm_logprobs(models["huginn"], prompts, **rdlm)
+    # fp32 round-off of the same sums through other kernels; a held entry in the wrong slot moves a later
+    # token's log-probability by far more
+    assert max(abs(a - b) for g, w in zip(stats.logprobs, want, strict=True) for a, b in zip(g, w, strict=True)) < 1e-4
+    assert stats.token_iterations < 16 * stats.decoded_tokens
+
+
+COMPILED = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}  # vLLM's default: compiled
+
+
+def test_the_fixed_depth_forward_compiles_with_eagers_tokens(models):
+    """Without an exit criterion vLLM compiles the forward (vLLM's defaults: torch.compile, inductor on the
+    CPU): the compiled forward runs no Python (the eager forward's counters stay at zero) and gives the eager
+    forward's greedy tokens, which are `rdlm generate`'s."""
+    prompts = prompts_for(512, lengths=(5, 40), seed=15)
+    got, stats = served(models["huginn"], prompts, engine=COMPILED, rdlm_num_steps=5)
+    config = stats.vllm_config.compilation_config
+    assert config.mode != vllm.config.CompilationMode.NONE and config.backend == "inductor"
+    assert stats.steps == 0  # every step ran the compiled graph
+    eager, eager_stats = served(models["huginn"], prompts, rdlm_num_steps=5)
+    assert eager_stats.steps > 0
+    assert got == eager == rdlm_tokens(models["huginn"], prompts, num_steps=5)
+
+
+def test_the_exit_forward_compiles_with_rdlm_generates_tokens(models):
+    """With an exit criterion the compiled forward runs every iteration with exited tokens held (no host look):
+    on a k-slot cache (an exited token's held entries in both kinds of slot) its tokens and log-probabilities
+    are `rdlm generate`'s with the same criterion, as the eager loop's are (the eager loop:
+    test_shared_caches_with_exits_give_rdlm_generate_tokens)."""
+    prompts = prompts_for(512, lengths=(4, 7, 10), seed=9)
+    exits = dict(exit_criterion="latent-diff", exit_threshold=0.5)
+    got, stats = served(models["huginn"], prompts, engine=COMPILED, rdlm_num_steps=8, rdlm_cache_slots=3,
+                        **{f"rdlm_{k}": v for k, v in exits.items()})
+    assert stats.steps == 0  # the compiled graph ran every step (r = 8: a shorter graph compiles sooner)
+    rdlm = dict(num_steps=8, cache_strategy="shared", cache_slots=3, **exits)
+    assert got == rdlm_tokens(models["huginn"], prompts, **rdlm)
+    want = rdlm_logprobs(models["huginn"], prompts, **rdlm)
+    # fp32 round-off of the same sums through other kernels (seen: 7e-7)
+    assert max(abs(a - b) for g, w in zip(stats.logprobs, want, strict=True) for a, b in zip(g, w, strict=True)) < 1e-4
 
 
 def test_the_authors_depth_key_sets_r(models):
@@ -145,30 +180,47 @@ def test_a_bad_recurrence_option_is_refused_by_name(models):
 TP_SCRIPT = """
 import json
 import sys
+from operator import attrgetter
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
-    llm = LLM(sys.argv[1], tensor_parallel_size=int(sys.argv[2]), hf_overrides={"rdlm_num_steps": 4}, **ENGINE)
+    llm = LLM(sys.argv[1], tensor_parallel_size=int(sys.argv[2]), hf_overrides=json.loads(sys.argv[3]), **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
+    print("STATS", json.dumps([vars(s) for s in llm.apply_model(attrgetter("stats"))]))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["huginn", "retrofit-olmo"])
-def test_two_tensor_parallel_ranks_give_the_tokens_of_one(models, family, tmp_path):
+@pytest.mark.parametrize("family,exits", [("huginn", False), ("retrofit-olmo", False), ("huginn", True)])
+def test_two_tensor_parallel_ranks_give_the_tokens_of_one(models, family, exits, tmp_path):
     """vLLM's CPU backend runs 2 tensor-parallel ranks (one core each): heads split over the ranks (Huginn's
     q/k biases with them), OLMo-2's QK-norm over all heads across ranks, a key/value head replicated; the
-    greedy tokens equal one rank's (and rdlm generate's). Slow: two worker processes start (about a minute)."""
+    greedy tokens equal one rank's (and rdlm generate's). With an exit criterion the ranks agree on every exit
+    (the same iterations per decoded token and loop iterations on both; a disagreement would hang the
+    collectives) and give rdlm generate's tokens with the criterion. Slow: two worker processes start (about a
+    minute)."""
     prompts = prompts_for(load_pretrained(models[family]).config.vocab_size, lengths=(5, 57), seed=13)
+    overrides = {"rdlm_num_steps": 4}
+    settings: dict = {"num_steps": 4}
+    if exits:
+        overrides = {"rdlm_num_steps": 12, "rdlm_exit_criterion": "latent-diff", "rdlm_exit_threshold": 0.3}
+        settings = {"num_steps": 12, "exit_criterion": "latent-diff", "exit_threshold": 0.3}
     script = tmp_path / "tp.py"
     script.write_text(f"ENGINE = {ENGINE!r}\nPROMPTS = {prompts!r}\n" + TP_SCRIPT)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    run = subprocess.run([sys.executable, str(script), str(models[family]), "2"], env=env, capture_output=True,
-                         text=True, timeout=400)
-    line = next((line for line in run.stdout.splitlines() if line.startswith("TOKENS ")), None)
-    assert line is not None, run.stdout[-3000:] + run.stderr[-3000:]
-    assert json.loads(line[len("TOKENS "):]) == rdlm_tokens(models[family], prompts, num_steps=4)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function to the workers
+    run = subprocess.run([sys.executable, str(script), str(models[family]), "2", json.dumps(overrides)], env=env,
+                         capture_output=True, text=True, timeout=400)
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines()
+             if line.startswith(("TOKENS ", "STATS "))}
+    assert "TOKENS" in lines, run.stdout[-3000:] + run.stderr[-3000:]
+    assert lines["TOKENS"] == rdlm_tokens(models[family], prompts, **settings)
+    assert "STATS" in lines, run.stdout[-2000:] + run.stderr[-4000:]
+    ranks = lines["STATS"]
+    assert len(ranks) == 2 and ranks[0] == ranks[1]  # every count equal: the same exits, looks and breaks
+    if exits:
+        assert ranks[0]["token_iterations"] < 12 * ranks[0]["decoded_tokens"]
 
 
 def test_the_plugin_is_found_through_the_entry_point():

@@ -6,10 +6,12 @@ vLLM builds a model once per server, so these are per served model, not per requ
 | key | meaning | default |
 |---|---|---|
 | `rdlm_num_steps` | core iterations r per token (the cap with an exit criterion) | the checkpoint's mean recurrence (`mean_recurrence`; Ouro's `total_ut_steps`), which `hf_overrides` may also set |
-| `rdlm_cache` | `"per-iteration"`: a KV cache per core layer and iteration (exact); `"shared"`: one per core layer, every iteration overwriting it (the authors' vLLM port; rdlm's `cache_strategy="shared", cache_slots=1`) | `"per-iteration"` |
+| `rdlm_cache` | `"per-iteration"`: a KV cache per core layer and iteration (exact); `"shared"`: `rdlm_cache_slots` k per core layer, iteration i reading and writing slot i mod k (rdlm's `cache_strategy="shared", cache_slots=k`; k = 1 is the authors' vLLM port) | `"per-iteration"` |
+| `rdlm_cache_slots` | k, the shared cache's slots per core layer, 1..r (given alone it means `rdlm_cache: "shared"`) | 1 |
 | `rdlm_exit_criterion` | a per-token exit criterion read inside the forward: `"latent-diff"` or `"cosine"` (no readout needed), `"gate"` (a learned exit gate, Ouro); none: fixed r | none |
 | `rdlm_exit_threshold` | the criterion's threshold | the criterion's (latent-diff 0.03; gate: the checkpoint's) |
 | `rdlm_min_steps` | fewest iterations before a token may exit | 2 (1 for a gate), as `rdlm generate` |
+| `rdlm_exit_sync_every` | iterations between the host's looks at the exit flags (when every token of a step has exited, the loop stops at the next look); speed only, never the tokens, as `rdlm generate`'s `exit_sync_every` | 1 on the CPU, 4 on an accelerator |
 | `rdlm_seed`, `rdlm_init_scale` | s_0 of the token at position p is row p of rdlm's table drawn from the seed (rdlm.inference.execution.noise) | 0 and 1, `rdlm generate`'s defaults |
 """  # noqa: E501 (a markdown table: its rows cannot wrap)
 
@@ -27,7 +29,17 @@ from rdlm.model.huginn import config_from_huginn
 
 CACHE_MODES = ("per-iteration", "shared")
 PREFIX = "rdlm_"
-KEYS = ("num_steps", "cache", "exit_criterion", "exit_threshold", "min_steps", "seed", "init_scale")
+KEYS = (
+    "num_steps",
+    "cache",
+    "cache_slots",
+    "exit_criterion",
+    "exit_threshold",
+    "min_steps",
+    "exit_sync_every",
+    "seed",
+    "init_scale",
+)
 # Criteria read from the state or a gate alone: reading logits would run the coda (and its attention, which
 # writes the coda's cache) after every iteration, which costs more than the iterations an exit saves.
 SERVED_CRITERIA = tuple(name for name, spec in CRITERIA.items() if not spec.uses_logits and not spec.exact)
@@ -41,7 +53,8 @@ class RecurrenceOptionError(ValueError):
 @dataclass(frozen=True)
 class Recurrence:
     """What the plugin's forward does per token: `num_steps` iterations (fewer once `criterion` says a decoded
-    token has converged, never before `min_steps`), with `cache` mode, from s_0 drawn by `seed` and `init_scale`."""
+    token has converged, never before `min_steps`; the host looks every `sync_every` iterations, None: the
+    device's default), with `cache` mode (`cache_slots` when shared), from s_0 drawn by `seed` and `init_scale`."""
 
     num_steps: int
     cache: str = "per-iteration"
@@ -49,11 +62,17 @@ class Recurrence:
     min_steps: int = 2
     seed: int = 0
     init_scale: float = 1.0
+    cache_slots: int = 1
+    sync_every: int | None = None
 
     @property
     def core_caches(self) -> int:
-        """KV caches per core layer: one per iteration, or the one all iterations share."""
-        return self.num_steps if self.cache == "per-iteration" else 1
+        """KV caches per core layer: one per iteration, or the k slots the iterations share."""
+        return self.num_steps if self.cache == "per-iteration" else self.cache_slots
+
+    def slot(self, iteration: int) -> int:
+        """The core cache that 0-based `iteration` reads and writes: its own, or slot iteration mod k."""
+        return iteration % self.core_caches
 
 
 def split_options(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -84,15 +103,29 @@ def read(raw: Mapping[str, Any], source: str = "config") -> tuple[RDLMConfig, Re
         raise RecurrenceOptionError(
             f"{source}: {PREFIX}num_steps must be an integer in 1..{MAX_SERVED_STEPS}, got {steps!r}"
         )
-    cache = options.get("cache", "per-iteration")
+    slots = options.get("cache_slots")
+    cache = options.get("cache", "per-iteration" if slots is None else "shared")
     if cache not in CACHE_MODES:
         raise RecurrenceOptionError(f"{source}: {PREFIX}cache must be one of {CACHE_MODES}, got {cache!r}")
+    if slots is not None and cache != "shared":
+        raise RecurrenceOptionError(f'{source}: {PREFIX}cache_slots goes with {PREFIX}cache "shared", not {cache!r}')
+    slots = 1 if slots is None else slots
+    if not is_int(slots, 1) or slots > steps:
+        raise RecurrenceOptionError(
+            f"{source}: {PREFIX}cache_slots must be an integer in 1..{PREFIX}num_steps ({steps}), got {slots!r}"
+        )
     criterion = _criterion(config, options, source)
     gate = criterion is not None and criterion.uses_gate
     min_steps = options.get("min_steps", 1 if gate else 2)
     if not is_int(min_steps, 1) or min_steps > steps:
         raise RecurrenceOptionError(
             f"{source}: {PREFIX}min_steps must be an integer in 1..{PREFIX}num_steps ({steps}), got {min_steps!r}"
+        )
+    sync_every = options.get("exit_sync_every")
+    if sync_every is not None and (criterion is None or not is_int(sync_every, 1) or sync_every > steps):
+        raise RecurrenceOptionError(
+            f"{source}: {PREFIX}exit_sync_every must be an integer in 1..{PREFIX}num_steps ({steps}) and goes with "
+            f"{PREFIX}exit_criterion, got {sync_every!r}"
         )
     seed = options.get("seed", 0)
     if not is_int(seed, 0) or seed > MAX_SEED:  # rdlm generate's bounds (rdlm.inference.params)
@@ -102,7 +135,7 @@ def read(raw: Mapping[str, Any], source: str = "config") -> tuple[RDLMConfig, Re
         raise RecurrenceOptionError(
             f"{source}: {PREFIX}init_scale must be a number in [0, {MAX_INIT_SCALE:g}], got {scale!r}"
         )
-    return config, Recurrence(steps, cache, criterion, min_steps, seed, float(scale))
+    return config, Recurrence(steps, cache, criterion, min_steps, seed, float(scale), slots, sync_every)
 
 
 def _criterion(config: RDLMConfig, options: Mapping[str, Any], source: str) -> ExitCriterion | None:
