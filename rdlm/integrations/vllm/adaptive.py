@@ -161,10 +161,11 @@ class ExitLoop:
         """The host's look at the exit flags: "all" tokens of the step have exited (the loop stops), "none"
         has (the next iteration holds nothing) or "some". Tensor-parallel ranks take the same answer: "all"
         and "none" only where every rank's flags say so (their counts are summed by one all-reduce)."""
-        count = exited.sum()
+        # (a float32 count: vLLM's shared-memory all-reduce on the CPU sums no integer tensors; exact below 2**24)
+        count = exited.sum(dtype=torch.float32)
         if self.tp > 1:
             count = tensor_model_parallel_all_reduce(count)
-        total = int(count)
+        total = round(float(count))
         self.model.stats.looks += 1
         if total == self.tp * exited.shape[0]:
             return "all"
