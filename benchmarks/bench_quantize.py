@@ -227,19 +227,8 @@ def speed(args) -> dict:
               "load_avg_start": load(), "settings": {}}
     for m in models.values():  # warm up
         decode(m, prompts, args.r, 4)
-    tps: dict[str, list[float]] = {s: [] for s in settings}
-    ratios: dict[str, list[float]] = {s: [] for s in settings}
-    for round_ in range(args.rounds):
-        order = settings if round_ % 2 == 0 else settings[::-1]
-        times = {}
-        for s in order:
-            out = decode(models[s], prompts, args.r, args.new_tokens)
-            times[s] = (args.new_tokens - 1) / out.decode_seconds
-            tps[s].append(times[s])
-        for s in settings:
-            ratios[s].append(times[s] / times["none"])
-        print(f"round {round_}: " + ", ".join(f"{s} {times[s]:.2f} tok/s" for s in settings) + f" (load {load()})",
-              flush=True)
+    tps, ratios = alternated(settings, args.rounds, args.new_tokens,
+                             lambda s: decode(models[s], prompts, args.r, args.new_tokens), digits=2)
     with tempfile.TemporaryDirectory() as tmp:
         for s in settings:
             save_pretrained(models[s], Path(tmp) / "m")
@@ -298,6 +287,25 @@ def iteration_times(models: dict, prompt: list[list[int]], args) -> dict[str, li
     return times
 
 
+def alternated(settings: list[str], rounds: int, new_tokens: int, run, digits: int):
+    """Decode tokens/s of each setting (`run(setting)`: a GenerationResult) and its ratio to "none", per round,
+    the settings taken in turn and in reverse order every other round, so that a change of the machine's load
+    falls on all of them alike; each round printed with the load."""
+    tps: dict[str, list[float]] = {s: [] for s in settings}
+    ratios: dict[str, list[float]] = {s: [] for s in settings}
+    for round_ in range(rounds):
+        order = settings if round_ % 2 == 0 else settings[::-1]
+        times = {}
+        for s in order:
+            times[s] = (new_tokens - 1) / run(s).decode_seconds
+            tps[s].append(times[s])
+        for s in settings:
+            ratios[s].append(times[s] / times["none"])
+        print(f"round {round_}: " + ", ".join(f"{s} {times[s]:.{digits}f} tok/s" for s in settings)
+              + f" (load {load()})", flush=True)
+    return tps, ratios
+
+
 def compiled(args) -> dict:
     """Compiled quantized decoding against compiled float32 (the `small` preset, batch 1, r = `-r`)."""
     from rdlm import build_model
@@ -318,19 +326,8 @@ def compiled(args) -> dict:
     for s in settings:  # warm up: compile each
         compile_seconds[s] = generate(models[s], prompt, config, engine=engine).compile_seconds
         print(f"{s}: compiled in {compile_seconds[s]:.1f} s", flush=True)
-    tps: dict[str, list[float]] = {s: [] for s in settings}
-    ratios: dict[str, list[float]] = {s: [] for s in settings}
-    for round_ in range(args.rounds):
-        order = settings if round_ % 2 == 0 else settings[::-1]
-        times = {}
-        for s in order:
-            out = generate(models[s], prompt, config, engine=engine)
-            times[s] = (args.new_tokens - 1) / out.decode_seconds
-            tps[s].append(times[s])
-        for s in settings:
-            ratios[s].append(times[s] / times["none"])
-        print(f"round {round_}: " + ", ".join(f"{s} {times[s]:.1f} tok/s" for s in settings) + f" (load {load()})",
-              flush=True)
+    tps, ratios = alternated(settings, args.rounds, args.new_tokens,
+                             lambda s: generate(models[s], prompt, config, engine=engine), digits=1)
     iteration_us = iteration_times(models, prompt, args)
     for s in settings:
         result["settings"][s] = {
