@@ -383,7 +383,7 @@ def test_the_fused_iterations_compile_to_one_graph_per_count(model, monkeypatch)
     batch = busy_batch(model, exit_sync_every=4, coda_every=6, compile=True)
     compiled = torch.compile(batch.step_runner.static_step.iterations, fullgraph=True, backend=count)
     counts = []
-    monkeypatch.setattr(batch.step_runner.static_step, "iterations", lambda n: (counts.append(n), compiled(n))[1])
+    monkeypatch.setattr(batch.step_runner.static_step, "iterations", lambda n, *args: (counts.append(n), compiled(n, *args))[1])
     configs = [GenerationConfig(num_steps=8, max_new_tokens=5), GenerationConfig(num_steps=6, max_new_tokens=5)]
     for k, prompt in enumerate(([1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11, 12])):
         batch.add(prompt, configs[k % 2])   # two depths: the rows never go in lockstep

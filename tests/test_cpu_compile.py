@@ -134,3 +134,25 @@ def test_the_compiled_step_gives_the_eager_tokens_with_quantized_weights(compili
     assert compiled.tokens == eager.tokens and compiled.iterations == eager.iterations
     if config.exit_criterion is not None:
         assert len({s for row in eager.iterations for s in row[1:]}) > 1  # the exits decide at different iterations
+
+
+def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_length(compiling, monkeypatch):
+    """The compiled step attends to the buffer up to the decoding rows' end (rounded up to KEYS_STEP), not to
+    the whole buffer, a length the compiler takes as dynamic: rows that grow past several multiples of it run
+    one compiled graph, with the eager engine's tokens."""
+    from torch._dynamo.utils import counters
+
+    from rdlm.inference.runner.static_step import KEYS_STEP, StaticStep
+
+    model = tiny()
+    prompts = [list(range(1, 30)), [4, 2], list(range(3, 20))]
+    config = GenerationConfig(num_steps=4, max_new_tokens=50, seed=1)
+    lengths, keys = [], StaticStep.keys
+    monkeypatch.setattr(StaticStep, "keys", lambda self, end: (lengths.append(end), keys(self, end))[1])
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = generate(model, prompts, config, engine=EngineArgs(compile=True))
+    assert compiled.tokens == generate(model, prompts, config, engine=EngineArgs(compile=False)).tokens
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    ends = sorted(set(lengths) - {1})  # (1: the warm-up's)
+    assert min(ends) <= 32 and max(ends) > 64 and len({-(-e // KEYS_STEP) for e in ends}) >= 3

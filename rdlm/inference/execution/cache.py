@@ -227,7 +227,7 @@ class RecurrentKVCache:
                 v = torch.where(keep, kept(cache_v), v)
             self._put(cache_k.flatten(0, 1), at, k)
             self._put(cache_v.flatten(0, 1), at, v)
-            flat = lambda c: c.flatten(0, 1)[:, :, :end].index_select(0, pairs)  # noqa: E731
+            flat = lambda c: first_entries(c.flatten(0, 1), end, pairs)  # noqa: E731
             return flat(cache_k), flat(cache_v)
         if group == "core":
             slot = self.slot(iteration, plan.budget)
@@ -394,3 +394,20 @@ def put_entries(cache: Tensor, at: Tensor, new: Tensor) -> None:
 @put_entries.register_fake
 def _put_entries_fake(cache: Tensor, at: Tensor, new: Tensor) -> None:
     return None
+
+
+def first_entries(buffer: Tensor, end: int | None, rows: Tensor | None = None) -> Tensor:
+    """The first `end` entries (None: all) along the length axis of `rows` of `buffer` ([batch, length] or
+    [batch, heads, length, d]; rows None: all of them), as a new tensor. One gather of flat indices, not a slice:
+    compiled with `end` a dynamic size (the CPU's static step), a view's layout would tell whether `end` is the
+    full length, and the code compiled for one case would not take the other."""
+    if end is None:
+        return buffer if rows is None else buffer.index_select(0, rows)
+    rows = torch.arange(buffer.shape[0], device=buffer.device) if rows is None else rows
+    inner = buffer.shape[1:-1] if buffer.dim() == 4 else ()  # (heads,)
+    length, last = (buffer.shape[-2], buffer.shape[-1]) if buffer.dim() == 4 else (buffer.shape[-1], 1)
+    heads = inner[0] if inner else 1
+    index = (rows.view(-1, 1, 1) * heads + torch.arange(heads, device=buffer.device).view(1, -1, 1)) * length
+    index = (index + torch.arange(end, device=buffer.device).view(1, 1, -1)).flatten()
+    out = buffer.reshape(-1, last).index_select(0, index)
+    return out.view(rows.shape[0], heads, end, last) if inner else out.view(rows.shape[0], end)

@@ -140,8 +140,8 @@ def weights_stamp(model: RecurrentDepthLM) -> int:
     return hash((serial, tuple(p.data_ptr() for p in params), tuple(p._version for p in params)))
 
 
-def _iteration(step: Any) -> tuple[Tensor, Tensor]:
-    return step.iteration()
+def _iteration(step: Any, *args: Tensor) -> tuple[Tensor, Tensor]:
+    return step.iteration(*args)
 
 
 # Compiled functions by (function, weights stamp), the latest few. Each is a copy of its function with a code

@@ -17,6 +17,14 @@ from rdlm.inference.execution.model_calls import ModelCalls
 from rdlm.inference.exits.track import done_iterating
 from rdlm.inference.runner.row_exits import RowExits
 
+# The compiled step (the CPU's) computes the batch's first rows up to the last decoding one (a power of two) and
+# reads their keys up to the last one's end (rounded up to a multiple of KEYS_STEP), two sizes it takes as the
+# lengths of views of a tensor (`span`, `keys`), compiled as dynamic sizes: one compile for every count and length
+# (and one for a lone row, which the compiler specializes, where the engine compiles it ahead: `warm_up`). On the
+# `small` preset at max_batch 8 with one request decoding, reading the whole buffer (512 entries) over every row ran
+# 8x slower than a batch of one (measured on two cores; docs/generation.md).
+KEYS_STEP = 32
+
 
 @dataclass
 class RowTensors:
@@ -68,6 +76,9 @@ class StaticStep:
         self.fused_iterations = 0  # core iterations run several to a call
         # compiled on the CPU (rdlm.inference.execution.cpu_compile); captured on CUDA
         self.compiled = compiled_iteration(self, calls.model) if cpu_compiled(on, calls.device, calls.model) else None
+        self._keys = torch.empty(calls.key_valid.shape[1], dtype=torch.bool, device=calls.device)  # (`keys`)
+        self._span = torch.empty(max_batch, dtype=torch.bool, device=calls.device)  # (`span`)
+        self._lone_row = max_batch == 1  # whether a lone row runs its own (specialized) compiled code
 
     @property
     def on(self) -> bool:
@@ -80,43 +91,73 @@ class StaticStep:
             self._decoding_rows = decoding
             self.decoding.copy_(self.calls.upload([b in decoding for b in range(self.max_batch)]))
 
-    def run(self, rows: list[int], n: int) -> None:
+    def run(self, rows: list[int], n: int, end: int | None = None) -> None:
         """n core iterations of the decoding `rows` as one fixed-shape call over all `max_batch` rows (CUDA
-        captures it once per n). A row that is not decoding (free, prefilling its prompt or waiting for its
-        coda) or has stopped keeps its state and writes nothing; each iteration updates the rows' counts and
-        stopped flags on the device (`done_iterating`)."""
+        captures it once per n; compiled on the CPU, the call computes the rows up to the last decoding one and
+        reads their keys up to `end`, their largest buffer index + 1). A row that is not decoding (free,
+        prefilling its prompt or waiting for its coda) or has stopped keeps its state and writes nothing; each
+        iteration updates the rows' counts and stopped flags on the device (`done_iterating`)."""
         self.mark_decoding(rows)
         if self.compiled is not None:
             self.compiled.refresh()
-        self.steps.run(("core iterations", n), lambda: self.iterations(n), idempotent=False)
+        keys = None if self.compiled is None or end is None else self.keys(end)
+        span = None if keys is None else self.span(max(rows) + 1)  # (`iteration`)
+        self.steps.run(("core iterations", n), lambda: self.iterations(n, keys, span), idempotent=False)
         if n > 1:
             self.fused_iterations += n
 
     def warm_up(self) -> float:
         """Compile the CPU's compiled iteration now (a call with no row decoding changes nothing: every row
-        keeps its state and its cache entries); the seconds it took."""
+        keeps its state and its cache entries), for several rows and for a lone one; the seconds it took."""
         if self.compiled is None:
             return 0.0
         self.mark_decoding([])
         before = self.compiled.seconds
-        self.compiled()
+        self.compiled(self.keys(1), self.span(self.max_batch))
+        self._lone_row = True
+        self.compiled(self.keys(1), self.span(1))
         return self.compiled.seconds - before
 
-    def iteration(self) -> tuple[Tensor, Tensor]:
-        """The static body of one iteration: (every row's new state, the rows that iterated: decoding, not
-        stopped)."""
-        t = self.rows
-        writers = self.decoding & ~t.stopped
-        call = self.calls.every_row(t.write_index, t.iterations % t.budget, writers)
-        out = self.calls.iterate_once(t.state, t.embedded, 0, call)
-        return torch.where(writers.view(-1, 1, 1), out, t.state), writers
+    def span(self, rows: int) -> Tensor:
+        """A view whose length is the rows the compiled step computes for `rows` rows: a power of two, at most
+        the batch, at least two unless a lone row has its own compiled code (a size of 1 is specialized by the
+        compiler: running it first would compile again for the next count)."""
+        length = min(1 << (rows - 1).bit_length(), self.max_batch)
+        return _dynamic(self._span[: length if self._lone_row else max(length, min(2, self.max_batch))])
 
-    def iterations(self, n: int) -> tuple:
+    def keys(self, end: int) -> Tensor:
+        """A view whose length is the buffer entries the compiled step reads for rows that end at `end`: rounded
+        up to KEYS_STEP, at most the buffer."""
+        return _dynamic(self._keys[: -(-end // KEYS_STEP) * KEYS_STEP])
+
+    def iteration(self, keys: Tensor | None = None, span: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The static body of one iteration: (the new state of the batch's first rows, those of them that
+        iterated: decoding, not stopped). `keys`: a tensor whose length is the buffer entries read (every
+        decoding row's index below it; None: the whole buffer); `span`: one whose length is the rows computed
+        (every decoding row below it; None: all of them)."""
+        t = self.rows
+        k = t.state.shape[0] if span is None else span.shape[0]
+        first = lambda x: x.narrow(0, 0, k)  # noqa: E731  (narrow, not a slice: k may be every row)
+        writers = first(self.decoding) & ~first(t.stopped)
+        end = None if keys is None else keys.shape[0]
+        call = self.calls.every_row(first(t.write_index), first(t.iterations) % first(t.budget), writers, end)
+        out = self.calls.iterate_once(first(t.state), first(t.embedded), 0, call)
+        return torch.where(writers.view(-1, 1, 1), out, first(t.state)), writers
+
+    def iterations(self, n: int, keys: Tensor | None = None, span: Tensor | None = None) -> tuple:
         t = self.rows
         iteration = self.iteration if self.compiled is None else self.compiled
         for _ in range(n):
-            state, writers = iteration()
-            t.state.copy_(state)
-            t.iterations += writers.long()
+            state, writers = iteration() if keys is None else iteration(keys, span)
+            k = writers.shape[0]
+            t.state[:k].copy_(state)
+            t.iterations[:k] += writers.long()
             t.stopped |= self.decoding & done_iterating(self.exits.exited, t.iterations, t.cap, self.exits.runs_on)
         return ()
+
+
+def _dynamic(view: Tensor) -> Tensor:
+    """`view`, its length marked dynamic to the compiler where it can be (a length of 1 is specialized)."""
+    if view.shape[0] > 1:
+        torch._dynamo.mark_dynamic(view, 0)
+    return view

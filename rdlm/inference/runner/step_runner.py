@@ -348,7 +348,7 @@ class StepRunner:
     def _static(self, requests: list[Iterating], n: int) -> None:
         """n core iterations of the decoding rows as the static step (rdlm.inference.runner.static_step)."""
         with self.phases.timed("core iteration"):
-            self.static_step.run([it.row for it in requests], n)
+            self.static_step.run([it.row for it in requests], n, max(it.position for it in requests) + 1)
 
     def _eager(
         self,
