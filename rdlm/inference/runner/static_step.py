@@ -148,7 +148,7 @@ class StaticStep:
         t = self.rows
         iteration = self.iteration if self.compiled is None else self.compiled
         for _ in range(n):
-            state, writers = iteration() if keys is None else iteration(keys, span)
+            state, writers = iteration() if keys is None or span is None else iteration(keys, span)
             k = writers.shape[0]
             t.state[:k].copy_(state)
             t.iterations[:k] += writers.long()
