@@ -222,7 +222,10 @@ class RecurrentDepthLM(nn.Module):
     ) -> Tensor:
         """Coda C (final norm, coda layers, final norm: see `coda_output`), then the un-embedding.
         Returns float32 logits."""
-        x = self.coda_output(state, rope, mask, cache)
+        return self.head(self.coda_output(state, rope, mask, cache))
+
+    def head(self, x: Tensor) -> Tensor:
+        """The un-embedding of coda outputs (`coda_output`): float32 logits."""
         # lm_head is a module when untied, or a quantized copy of a tied head (rdlm.model.quantize)
         return (F.linear(x, self.embedding.weight) if self.lm_head is None else self.lm_head(x)).float()
 

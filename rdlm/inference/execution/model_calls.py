@@ -298,6 +298,17 @@ class ModelCalls:
         with self._routed(call.adapters):
             return self.model.readout(state, call.rope, call.mask, call.cache)
 
+    def coda_output(self, state: Tensor, call: Call) -> Tensor:
+        """The coda up to the head (its keys and values written): the head's input for the call's tokens."""
+        with self._routed(call.adapters):
+            return self.model.coda_output(state, call.rope, call.mask, call.cache)
+
+    def head(self, x: Tensor, adapters: Tensor | None) -> Tensor:
+        """Float32 logits of coda outputs x [m, 1, h] (`coda_output`), each row through its adapter (`adapters`
+        [m, 1], None: the model as it is set)."""
+        with self._routed(adapters):
+            return self.model.head(x)
+
     def exit_probability(self, state: Tensor) -> Tensor:
         """A learned exit gate's probability of exiting at `state` (Ouro)."""
         return self.model.exit_probability(state)

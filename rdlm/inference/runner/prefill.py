@@ -154,14 +154,15 @@ class PromptChunk:
             threshold=self.thresholds,
         )
 
-    def finish(self, calls: ModelCalls) -> tuple[Tensor, Tensor]:
-        """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]."""
+    def finish(self, calls: ModelCalls, head: bool = True) -> tuple[Tensor, Tensor]:
+        """The coda over the chunk's tokens once it ran its iterations: (final states, logits), [g, n, .]; with
+        `head` False, the coda's outputs instead of the logits (the caller reads out the tokens it needs)."""
         if not self.requests:  # a block of every row (`block`)
             calls.cache.fill_missing(self.cap, self.start, self.start + self.n)
         for q, length in zip(self.requests, self.lengths, strict=False):  # (a block of every row: no requests)
             calls.cache.fill_missing(self.cap, self.start, self.start + length, row=q.row, slots=self.budget)
         state = self.state if self.gate is None or self.gate.exit_state is None else self.gate.exit_state
-        return state, calls.readout(state, self.call)
+        return state, calls.readout(state, self.call) if head else calls.coda_output(state, self.call)
 
     def select(self, keep: list[int]) -> PromptChunk:
         """The chunk of the requests at positions `keep` only."""

@@ -269,19 +269,21 @@ class StepRunner:
         for key in [k for k in plan.prompts if k in self.chunks and self.chunks[k].iterated]:
             chunk, spec = self.chunks.pop(key), self.specs.pop(key)
             out.ended.append(key)
-            state, logits = chunk.finish(self.calls)
+            state, coda = chunk.finish(self.calls, head=False)  # the head reads out the prompts' last tokens only
             ended = [j for j, ends in enumerate(spec.ends) if ends]
             if ended:
                 last = [j * chunk.n + chunk.lengths[j] - 1 for j in ended]  # the prompts' last tokens, in [g * n]
                 index = self.calls.upload(last)
                 rows = self.calls.upload([chunk.requests[j].row for j in ended])
                 self.t.state[rows] = state.flatten(0, 1)[index].unsqueeze(1)
-                choosing = [k for k, j in enumerate(ended) if spec.chooses[j]]
+                choosing = [j for j in ended if spec.chooses[j]]
                 if choosing:
-                    logits = logits.flatten(0, 1)[index]
-                    if len(choosing) < len(ended):
-                        logits = logits[self.calls.upload(choosing)]
-                    requests = [chunk.requests[ended[k]] for k in choosing]
+                    picked = self.calls.upload([j * chunk.n + chunk.lengths[j] - 1 for j in choosing])
+                    adapters = chunk.call.adapters
+                    if adapters is not None:  # [g, 1], a chunk's row each
+                        adapters = adapters[self.calls.upload(choosing)]
+                    logits = self.calls.head(coda.flatten(0, 1)[picked].unsqueeze(1), adapters)[:, -1]
+                    requests = [chunk.requests[j] for j in choosing]
                     positions = [len(q.prompt) - 1 for q in requests]
                     out.first += self._choose(requests, logits, [chunk.cap] * len(requests), positions)
             self._last_inputs = None
