@@ -291,6 +291,7 @@ def main() -> None:
                         help="prompts per batch of the engine-alone runs, comma-separated (a demo model: its test "
                              "examples; otherwise the fixed prompts, repeated)")
     parser.add_argument("--no-servers", action="store_true", help="the engine alone only (no HTTP servers)")
+    parser.add_argument("--no-engine", action="store_true", help="the HTTP servers only (no engine-alone runs)")
     args = parser.parse_args()
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
@@ -326,6 +327,8 @@ def main() -> None:
                     print(f"{label:24} round {k + 1} {kind:5} {m['tok_s']:8.1f} tok/s  TTFT p50 {m['ttft'] * 1e3:7.1f} ms"
                           f"  TPOT p50 {m['tpot'] * 1e3:6.1f} ms  (load {os.getloadavg()[0]:.2f})", flush=True)
             print(f"{label:24} vLLM / rdlm serve tokens/s: " + ", ".join(f"{r:.2f}" for r in ratios), flush=True)
+        if args.no_engine:
+            return
         engine_report(args, modes)
         for mode, size in cache_bytes_per_token(args).items():
             print(f"KV cache per token, {mode}: {size} bytes")
