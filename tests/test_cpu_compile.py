@@ -96,6 +96,7 @@ def test_warm_up_compiles_without_changing_the_batch(compiling):
     saved = [x.clone() for x in (t.state, t.iterations, t.stopped, cache.core_k, cache.core_v)]
     seconds = batch.warm_up()
     assert seconds > 0 and batch.warm_up() == 0.0  # compiled once
+    assert not batch.step_runner.static_step.compiled.failed  # (not eager after a compiler error: 2 rows)
     for old, new in zip(saved, (t.state, t.iterations, t.stopped, cache.core_k, cache.core_v), strict=True):
         assert torch.equal(old, new)
     while batch.busy:

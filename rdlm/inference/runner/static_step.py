@@ -123,12 +123,12 @@ class StaticStep:
         the batch, at least two unless a lone row has its own compiled code (a size of 1 is specialized by the
         compiler: running it first would compile again for the next count)."""
         length = min(1 << (rows - 1).bit_length(), self.max_batch)
-        return _dynamic(self._span[: length if self._lone_row else max(length, min(2, self.max_batch))])
+        return _dynamic(self._span, length if self._lone_row else max(length, min(2, self.max_batch)))
 
     def keys(self, end: int) -> Tensor:
         """A view whose length is the buffer entries the compiled step reads for rows that end at `end`: rounded
         up to KEYS_STEP, at most the buffer."""
-        return _dynamic(self._keys[: -(-end // KEYS_STEP) * KEYS_STEP])
+        return _dynamic(self._keys, -(-end // KEYS_STEP) * KEYS_STEP)
 
     def iteration(self, keys: Tensor | None = None, span: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The static body of one iteration: (the new state of the batch's first rows, those of them that
@@ -156,8 +156,11 @@ class StaticStep:
         return ()
 
 
-def _dynamic(view: Tensor) -> Tensor:
-    """`view`, its length marked dynamic to the compiler where it can be (a length of 1 is specialized)."""
-    if view.shape[0] > 1:
+def _dynamic(whole: Tensor, length: int) -> Tensor:
+    """The first `length` entries of `whole` (at most all), their length marked dynamic to the compiler where it
+    can vary: the compiler specializes a length of 1, and a dynamic length lies in [2, whole's length], a single
+    value when that is 2."""
+    view = whole[:length]
+    if view.shape[0] > 1 and whole.shape[0] > 2:
         torch._dynamo.mark_dynamic(view, 0)
     return view

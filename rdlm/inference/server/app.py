@@ -230,8 +230,8 @@ class OpenAIServer:
         chat: bool,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        """One completion as server-sent events: a chunk per arrival of new tokens (chat: a first one with the
-        role), the usage when asked for, then [DONE]; an error mid-stream as an error event."""
+        """One completion as server-sent events: a chunk per token (chat: a first one with the role), the usage
+        when asked for, then [DONE]; an error mid-stream as an error event."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
@@ -247,12 +247,9 @@ class OpenAIServer:
             if chat:
                 yield chunk(None, None, role=True)
             while completion.finish_reason is None:
-                # a chunk per arrival of tokens (those queued meanwhile together), its text possibly empty (held
-                # back: half a character, or what may begin a stop string), as vLLM and OpenAI stream: a client
-                # sees each token arrive, its first one included
+                # a chunk per token, its text possibly empty (held back: half a character, or what may begin a
+                # stop string), as vLLM and OpenAI stream: a client sees each token arrive, its first one included
                 self.take(ticket, completion, await ticket.events.get())
-                while completion.finish_reason is None and not ticket.events.empty():
-                    self.take(ticket, completion, ticket.events.get_nowait())
                 yield chunk(completion.delta(), completion.finish_reason)
             if include_usage:
                 data = {**head(kind), "choices": [], "usage": usage(prompt, [completion])}
