@@ -272,13 +272,13 @@ class StepRunner:
             state, coda = chunk.finish(self.calls, head=False)  # the head reads out the prompts' last tokens only
             ended = [j for j, ends in enumerate(spec.ends) if ends]
             if ended:
-                last = [j * chunk.n + chunk.lengths[j] - 1 for j in ended]  # the prompts' last tokens, in [g * n]
-                index = self.calls.upload(last)
+                last = {j: j * chunk.n + chunk.lengths[j] - 1 for j in ended}  # the prompts' last tokens, in [g * n]
+                index = self.calls.upload(list(last.values()))
                 rows = self.calls.upload([chunk.requests[j].row for j in ended])
                 self.t.state[rows] = state.flatten(0, 1)[index].unsqueeze(1)
                 choosing = [j for j in ended if spec.chooses[j]]
                 if choosing:
-                    picked = self.calls.upload([j * chunk.n + chunk.lengths[j] - 1 for j in choosing])
+                    picked = index if len(choosing) == len(ended) else self.calls.upload([last[j] for j in choosing])
                     adapters = chunk.call.adapters
                     if adapters is not None:  # [g, 1], a chunk's row each
                         adapters = adapters[self.calls.upload(choosing)]
