@@ -2,13 +2,15 @@
 made-up outcomes as a step runner would give them back (`update`: tokens chosen, prompts ended, exit flags
 found at a look; `coda_ran`: a coda's tokens) and checks its decisions, the whole step's plan included."""
 
+import itertools
+import random
 from dataclasses import replace
 
 from rdlm.inference.exits.criteria import make_exit_criterion
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.scheduling.plan import Chosen, Done, EngineSettings, RoundOutput, StepOutput
 from rdlm.inference.scheduling.request import Request, Status
-from rdlm.inference.scheduling.scheduler import Scheduler
+from rdlm.inference.scheduling.scheduler import CHUNK_COST, Scheduler, length_groups
 
 FIXED = GenerationConfig(num_steps=8, max_new_tokens=3)
 KL = GenerationConfig(num_steps=8, max_new_tokens=3, exit_criterion="kl", exit_threshold=1e-3)
@@ -55,6 +57,48 @@ def test_admission_fills_free_rows_in_order_and_plans_one_chunk_per_depth_and_bu
     assert (s.running, s.queued, s.busy) == (2, 1, True)
     # nothing decodes: the prompts run on until a chunk is done (the fewest left: b's 4)
     assert plan.prompts == (0, 1) and plan.prompt_iterations == 4 and not plan.iterating and not plan.look
+
+
+def test_prompts_admitted_together_are_chunked_by_length_not_padded_to_the_longest():
+    s = scheduler(max_batch=4, prefill_chunk=64)
+    lengths = (5, 40, 4, 6)
+    for i, n in enumerate(lengths):
+        s.add(request(i, prompt=tuple(range(1, n + 1))))
+    plan = s.schedule()
+    # one chunk of 3 x 6 tokens and one of 40, not 4 x 40: 58 tokens and two chunks' cost instead of 160
+    assert [(x.requests, x.lengths, x.n) for x in plan.chunks] == [((0, 2, 3), (5, 4, 6), 6), ((1,), (40,), 40)]
+    assert all(x.ends == (True,) * len(x.requests) for x in plan.chunks)
+    # without a decoding row, both run on until the first is done; the short prompts choose their tokens together
+    assert plan.prompts == (0, 1) and plan.prompt_iterations == 8
+
+
+def _partitions(items: list[int]):
+    """Every set partition of `items`."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        for k in range(len(part)):
+            yield part[:k] + [[first, *part[k]]] + part[k + 1:]
+        yield [[first], *part]
+
+
+def test_length_groups_is_the_cheapest_split_of_all():
+    def cost(lengths, groups, per_chunk):
+        return sum(len(g) * max(lengths[j] for j in g) + per_chunk for g in groups)
+
+    rng = random.Random(3)
+    for _ in range(150):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 7))]
+        per_chunk = rng.choice([0, 1, CHUNK_COST, 30, 1000])
+        groups = length_groups(lengths, per_chunk)
+        assert sorted(itertools.chain(*groups)) == list(range(len(lengths)))   # each prompt in one chunk
+        assert groups == sorted(groups) and all(g == sorted(g) for g in groups)  # in admission order
+        best = min(cost(lengths, p, per_chunk) for p in _partitions(list(range(len(lengths)))))
+        assert cost(lengths, groups, per_chunk) == best
+    assert length_groups([7, 7, 7], CHUNK_COST) == [[0, 1, 2]] and length_groups([], CHUNK_COST) == []
+    assert length_groups([5, 4, 30, 5], 1000) == [[0, 1, 2, 3]]
 
 
 def test_a_long_prompt_goes_on_in_its_next_chunk_and_its_first_token_starts_it():

@@ -5,7 +5,8 @@ token read out at its exit) and coda, a `PromptChunk`. A transformers forward ov
 time.
 
 A prompt does not run its r iterations in one call that stalls every decoding row: the prompts admitted
-together form a `PromptChunk` (right-padded to the longest), and each step of the batch runs one core
+together form `PromptChunk`s of similar lengths (each right-padded to its longest; the scheduler groups them,
+rdlm.inference.scheduling.scheduler.length_groups), and each step of the batch runs one core
 iteration of every chunk in flight in the same model call as the decoding rows (a packed call,
 rdlm.inference.execution.cache.PackedCall), each chunk at its own iteration. When a chunk has run its iterations
 the coda runs over its tokens; the logits of a prompt's last token choose its first new token. A

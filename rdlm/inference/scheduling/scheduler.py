@@ -47,6 +47,37 @@ from rdlm.inference.scheduling.plan import (
 )
 from rdlm.inference.scheduling.request import Request, Status
 
+# What a prompt chunk costs beyond its tokens, in prompt tokens: each chunk runs its own prelude and coda calls
+# and its own attention in every packed core iteration. Prompts admitted together are split into chunks of
+# similar lengths where that saves more padding than this (`length_groups`). Chosen among 0, 8, 32 and one chunk
+# on two cores with the `small` preset (8 short prompts of 4-30 tokens: 8 was fastest, one chunk 1.6x slower);
+# benchmarks/bench_admission.py measures it against one chunk.
+CHUNK_COST = 8
+
+
+def length_groups(lengths: list[int], cost: float) -> list[list[int]]:
+    """The indices of prompts of `lengths` tokens split into chunks, each padded to its longest prompt, that
+    cost the fewest tokens in all (padding included) when each chunk costs `cost` tokens more: the optimum
+    over groups of neighbours in length order (a dynamic programme, quadratic in the number of prompts). Each
+    group lists its indices in order, and the groups come in the order of their first indices.
+
+        length_groups([5, 4, 30, 5], 8) == [[0, 1, 3], [2]]    (one chunk of 3 x 5 tokens, one of 30)
+        length_groups([5, 4, 30, 5], 100) == [[0, 1, 2, 3]]    (one chunk of 4 x 30)
+    """
+    order = sorted(range(len(lengths)), key=lambda j: -lengths[j])
+    best = [0.0] + [float("inf")] * len(order)  # best[i]: the cost of the i longest prompts
+    cut = [0] * (len(order) + 1)  # where the last group of best[i] begins
+    for i in range(1, len(order) + 1):
+        for j in range(i):  # a group of order[j:i], padded to order[j]'s length
+            total = best[j] + (i - j) * lengths[order[j]] + cost
+            if total < best[i]:
+                best[i], cut[i] = total, j
+    groups, i = [], len(order)
+    while i:
+        groups.append(sorted(order[cut[i] : i]))
+        i = cut[i]
+    return sorted(groups)
+
 
 def in_rounds(config: GenerationConfig) -> bool:
     """Whether a request decodes a round at a time (`StepPlan.rounds`) rather than a token's iterations."""
@@ -215,7 +246,7 @@ class Scheduler:
 
     def _admit(self) -> tuple[tuple[Admission, ...], tuple[ChunkSpec, ...]]:
         """Waiting requests into free rows, in order; each starts prefilling with the cap of its first token,
-        those with the same (cap, cache budget) in one chunk."""
+        those with the same (cap, cache budget) together, in chunks of similar lengths (`_begin_chunks`)."""
         admitted: list[Admission] = []
         groups: dict[tuple[int, int], list[Request]] = {}
         while self.waiting and None in self.rows:
@@ -232,19 +263,28 @@ class Scheduler:
                 continue
             q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
             groups.setdefault((q.cap, q.budget), []).append(q)
-        return tuple(admitted), tuple(
-            self._begin_chunk(group, 0, cap, budget) for (cap, budget), group in groups.items()
-        )
+        chunks = [self._begin_chunks(group, 0, cap, budget) for (cap, budget), group in groups.items()]
+        return tuple(admitted), tuple(spec for specs in chunks for spec in specs)
 
-    def _begin_chunk(self, requests: list[Request], start: int, cap: int, budget: int) -> ChunkSpec:
-        """The requests' next chunk of prompt: at most `prefill_chunk` tokens each, or the whole rest when they
+    def _begin_chunks(self, requests: list[Request], start: int, cap: int, budget: int) -> list[ChunkSpec]:
+        """The requests' next chunks of prompt: at most `prefill_chunk` tokens each, or the whole rest when they
         cycle through fewer cache slots than the prefill runs iterations (a later chunk reads the earlier
-        chunks' keys of the same iteration)."""
+        chunks' keys of the same iteration); grouped by length (`length_groups`), so that a short prompt is not
+        padded to a long one's length."""
         whole = budget < cap
-        lengths = tuple(
+        lengths = [
             len(q.prompt) - start if whole else min(len(q.prompt) - start, self.settings.prefill_chunk)
             for q in requests
-        )
+        ]
+        return [
+            self._begin_chunk([requests[j] for j in group], start, tuple(lengths[j] for j in group), cap, budget)
+            for group in length_groups(lengths, CHUNK_COST)
+        ]
+
+    def _begin_chunk(
+        self, requests: list[Request], start: int, lengths: tuple[int, ...], cap: int, budget: int
+    ) -> ChunkSpec:
+        """One chunk of `lengths[j]` prompt tokens of request j from `start`."""
         ends = tuple(start + length == len(q.prompt) for q, length in zip(requests, lengths, strict=True))
         chooses = tuple(end and q.config.max_new_tokens > 0 for q, end in zip(requests, ends, strict=True))
         ids = tuple(q.id for q in requests)
@@ -386,7 +426,7 @@ class Scheduler:
             if not chooses:  # a prefill alone
                 self.free(q)
         if going_on:
-            self._next_chunks.append(self._begin_chunk(going_on, spec.start + spec.n, spec.cap, spec.budget))
+            self._next_chunks += self._begin_chunks(going_on, spec.start + spec.n, spec.cap, spec.budget)
 
     def _round(self, done, events: list[BatchEvent]) -> None:
         """A round's tokens, the request's until it finishes (a round may overshoot). A speculative round's
