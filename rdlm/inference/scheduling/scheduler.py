@@ -249,6 +249,7 @@ class Scheduler:
         those with the same (cap, cache budget) together, in chunks of similar lengths (`_begin_chunks`)."""
         admitted: list[Admission] = []
         groups: dict[tuple[int, int], list[Request]] = {}
+        idle = self.running == 0
         while self.waiting and None in self.rows:
             q = self.waiting.popleft()
             q.row = self.rows.index(None)
@@ -263,10 +264,12 @@ class Scheduler:
                 continue
             q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
             groups.setdefault((q.cap, q.budget), []).append(q)
-        chunks = [self._begin_chunks(group, 0, cap, budget) for (cap, budget), group in groups.items()]
+        chunks = [self._begin_chunks(group, 0, cap, budget, idle) for (cap, budget), group in groups.items()]
         return tuple(admitted), tuple(spec for specs in chunks for spec in specs)
 
-    def _begin_chunks(self, requests: list[Request], start: int, cap: int, budget: int) -> list[ChunkSpec]:
+    def _begin_chunks(
+        self, requests: list[Request], start: int, cap: int, budget: int, split: bool = False
+    ) -> list[ChunkSpec]:
         """The requests' next chunks of prompt: at most `prefill_chunk` tokens each, or the whole rest when they
         cycle through fewer cache slots than the prefill runs iterations (a later chunk reads the earlier
         chunks' keys of the same iteration); grouped by length (`length_groups`), so that a short prompt is not
@@ -278,7 +281,7 @@ class Scheduler:
         ]
         return [
             self._begin_chunk([requests[j] for j in group], start, tuple(lengths[j] for j in group), cap, budget)
-            for group in length_groups(lengths, CHUNK_COST)
+            for group in (length_groups(lengths, CHUNK_COST) if split else [list(range(len(requests)))])
         ]
 
     def _begin_chunk(
