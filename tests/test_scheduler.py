@@ -278,6 +278,40 @@ def test_a_static_plan_fuses_iterations_and_the_host_looks_when_the_cap_comes():
     assert (a.status, b.status, b.iteration) == (Status.ITERATING, Status.AWAITING_CODA, 6)
 
 
+def test_a_token_starts_in_phase_with_the_rows_iterating_so_they_keep_fusing():
+    s = scheduler(max_batch=2, static=True, exit_sync_every=8)
+    a, b = request(0), request(1)
+    prefilled(s, a, b)
+    s.start([a])
+    a.iteration = 3                                      # a is 3 iterations into its token when b's comes
+    plan = s.schedule()
+    assert plan.starts == () and s.holding == 1 and b.status is Status.STARTING   # b waits for a's token to end
+    assert plan.iterations == 4                          # and a fuses its 5 left as if it were alone: 4, then 1
+    s.update(plan, StepOutput(computed=(0,)))
+    plan = s.schedule()
+    assert plan.starts == () and plan.iterations == 1 and plan.look_at_cap == (0,)
+    s.update(plan, StepOutput(computed=(0,), found={0: 8}))
+    plan = s.schedule()                                  # nobody iterates: b starts, a's coda comes when due
+    assert [x.request for x in plan.starts] == [1] and s.holding == 0 and b.status is Status.ITERATING
+
+
+def test_a_token_starts_at_once_where_phases_cannot_fuse():
+    for static, config_a, config_b in [(False, FIXED, FIXED), (True, KL, FIXED), (True, FIXED, KL)]:
+        s = scheduler(max_batch=2, static=static)
+        a, b = request(0, config_a), request(1, config_b)
+        prefilled(s, a, b)
+        s.start([a])
+        a.iteration = 3
+        plan = s.schedule()
+        assert [x.request for x in plan.starts] == [1] and s.holding == 0, (static, config_a, config_b)
+    s = scheduler(max_batch=3, static=True)              # rows at two phases: nothing to keep together
+    a, b, c = request(0), request(1), request(2)
+    prefilled(s, a, b, c)
+    s.start([a, b])
+    a.iteration, b.iteration = 3, 5
+    assert [x.request for x in s.schedule().starts] == [2]
+
+
 def test_a_depth_budget_caps_each_token_and_ends_the_response():
     budget = GenerationConfig(num_steps=8, max_new_tokens=4, max_latent_iterations=10)
     s = scheduler(max_batch=1)

@@ -11,7 +11,8 @@ A request moves through these states (`Status`):
 
 WAITING: queued for a row. PREFILLING: its prompt runs in chunks (rdlm.inference.runner.prefill) until its first
 token is chosen. STARTING: a token was chosen; the prelude and s_0 of the next position come at the next
-step. ITERATING: the token's core iterations run, one per step (or all at once in lockstep). AWAITING_CODA:
+step (with the static step, a fixed-depth token waits until the rows iterating, all at one iteration of
+their tokens, end theirs, so that the batch stays in one phase: `_hold_for_phase`). ITERATING: the token's core iterations run, one per step (or all at once in lockstep). AWAITING_CODA:
 the token stopped iterating (an exit, or its cap), found so when the host looked; its coda comes when due. A
 request leaves its row when its last token is chosen, when it fails or when it is cancelled; a request for no
 new tokens (a prefill alone) when its prompt is in the cache.
@@ -113,6 +114,7 @@ class Scheduler:
         self.drafted = self.accepted = 0  # self-speculative decoding's drafts, in all
         self._wipe: list[int] = []  # rows freed by a failure since the last plan
         self._gone: list[int] = []  # requests that left since the last plan
+        self.holding = 0  # tokens held back this step to start in phase with the iterating rows (`starting`)
         self._next_chunks: list[ChunkSpec] = []  # chunks begun after others ended, for the next plan
         self._narrowed: list[tuple[ChunkSpec, tuple[int, ...]]] = []  # chunks in flight that lost requests
 
@@ -221,7 +223,24 @@ class Scheduler:
         """The requests whose chosen token is fed now: (those whose token starts its iterations, those that
         decode a round at a time: `StepPlan.rounds`)."""
         fed = self.with_status(Status.STARTING)
-        return [q for q in fed if not in_rounds(q.config)], [q for q in fed if in_rounds(q.config)]
+        tokens = [q for q in fed if not in_rounds(q.config)]
+        self.holding = len(tokens) if self._hold_for_phase(tokens) else 0
+        return ([] if self.holding else tokens), [q for q in fed if in_rounds(q.config)]
+
+    def _hold_for_phase(self, starting: list[Request]) -> bool:
+        """Whether the tokens `starting` wait for the rows iterating now to end theirs, so that all start
+        together: with the static step, a fixed-depth batch whose rows stand at the same iteration of their
+        tokens runs their remaining iterations in fused calls (`fusable`) and their codas and preludes in
+        one call each; a token started between would split the rows into two phases for the rest of their
+        requests (each token a few fused iterations and two codas). It waits at most the iterations those
+        rows have left, fewer than a token's."""
+        if not (starting and self.settings.static) or any(q.criterion is not None for q in starting):
+            return False
+        iterating = self.with_status(Status.ITERATING)
+        if not iterating or any(q.criterion is not None for q in iterating):
+            return False
+        left = {q.cap - q.iteration for q in iterating}
+        return len(left) == 1 and min(left) > 0
 
     def _drop_cancelled(self) -> None:
         """Remove the cancelled requests, waiting, prefilling or in rows."""
@@ -249,7 +268,6 @@ class Scheduler:
         those with the same (cap, cache budget) together, in chunks of similar lengths (`_begin_chunks`)."""
         admitted: list[Admission] = []
         groups: dict[tuple[int, int], list[Request]] = {}
-        idle = self.running == 0
         while self.waiting and None in self.rows:
             q = self.waiting.popleft()
             q.row = self.rows.index(None)
@@ -264,12 +282,10 @@ class Scheduler:
                 continue
             q.cap, q.status = q.config.depth_cap(0, 0), Status.PREFILLING
             groups.setdefault((q.cap, q.budget), []).append(q)
-        chunks = [self._begin_chunks(group, 0, cap, budget, idle) for (cap, budget), group in groups.items()]
+        chunks = [self._begin_chunks(group, 0, cap, budget) for (cap, budget), group in groups.items()]
         return tuple(admitted), tuple(spec for specs in chunks for spec in specs)
 
-    def _begin_chunks(
-        self, requests: list[Request], start: int, cap: int, budget: int, split: bool = False
-    ) -> list[ChunkSpec]:
+    def _begin_chunks(self, requests: list[Request], start: int, cap: int, budget: int) -> list[ChunkSpec]:
         """The requests' next chunks of prompt: at most `prefill_chunk` tokens each, or the whole rest when they
         cycle through fewer cache slots than the prefill runs iterations (a later chunk reads the earlier
         chunks' keys of the same iteration); grouped by length (`length_groups`), so that a short prompt is not
@@ -281,7 +297,7 @@ class Scheduler:
         ]
         return [
             self._begin_chunk([requests[j] for j in group], start, tuple(lengths[j] for j in group), cap, budget)
-            for group in (length_groups(lengths, CHUNK_COST) if split else [list(range(len(requests)))])
+            for group in length_groups(lengths, CHUNK_COST)
         ]
 
     def _begin_chunk(
@@ -340,7 +356,7 @@ class Scheduler:
             or prompts_in_flight
             or (self.waiting and None in self.rows)
             or any(q.criterion is not None for q in requests)
-            or len(requests) < self.running
+            or len(requests) + self.holding < self.running
         ):
             return 1
         left = min(q.cap - q.iteration for q in requests)
