@@ -13,9 +13,10 @@ WAITING: queued for a row. PREFILLING: its prompt runs in chunks (rdlm.inference
 token is chosen. STARTING: a token was chosen; the prelude and s_0 of the next position come at the next
 step (with the static step, a fixed-depth token waits until the rows iterating, all at one iteration of
 their tokens, end theirs, so that the batch stays in one phase: `_hold_for_phase`). ITERATING: the token's
-core iterations run, one per step (or all at once in lockstep). AWAITING_CODA: the token stopped iterating (an exit, or its cap), found so when the host looked; its coda comes when due. A
-request leaves its row when its last token is chosen, when it fails or when it is cancelled; a request for no
-new tokens (a prefill alone) when its prompt is in the cache.
+core iterations run, one per step (or all at once in lockstep). AWAITING_CODA: the token stopped iterating
+(an exit, or its cap), found so when the host looked; its coda comes when due. A request leaves its row when
+its last token is chosen, when it fails or when it is cancelled; a request for no new tokens (a prefill
+alone) when its prompt is in the cache.
 
 A request that decodes in rounds (self-speculative decoding, the parallel sampler: `in_rounds`) goes
 WAITING -> PREFILLING -> STARTING -> STARTING ...: each step runs one round from its pending token
