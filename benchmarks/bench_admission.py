@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import statistics
 import sys
@@ -26,16 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ONE_CHUNK = 10**9  # a chunk cost no split can pay back: every prompt in one chunk
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import rdlm
+    from rdlm.demo.run import cpu_model
     from rdlm.inference.batching import ContinuousBatch
     from rdlm.inference.params import GenerationConfig
     from rdlm.inference.scheduling import scheduler
@@ -97,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         f"# {args.preset}, float32, {args.prompts} prompts of {lo}-{hi} tokens, r = {args.num_steps}, seed "
         f"{args.seed}, compiled {args.compile} (warm-up {compile_seconds:.1f} s), {torch.get_num_threads()} threads"
     )
-    print(f"# {cpu_name()}; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    print(f"# {cpu_model()}; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     for name in policies:
         print(
             f"{name:16} admission step median {statistics.median(times[name]) * 1e3:7.1f} ms "
