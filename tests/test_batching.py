@@ -10,6 +10,7 @@ import torch
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.inference.batching import ContinuousBatch
 from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.inference.scheduling import scheduler as scheduling
 
 CONFIGS = [
     GenerationConfig(num_steps=4, max_new_tokens=6, seed=3),
@@ -180,6 +181,26 @@ def test_a_long_prompt_prefills_while_the_other_rows_go_on_decoding(model, compi
     for rid, prompt in ((late, long_prompt), (short, [7, 8])):
         tokens = [e.token for e in events if e.request == rid]
         assert tokens == generate(model, prompt, config).tokens[0][-len(tokens):]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_prompts_of_different_lengths_admitted_together_prefill_in_chunks_by_length(model, compile, monkeypatch):
+    """Four prompts of 3-30 tokens admitted together go in chunks by length (each padded to its own longest), two
+    more join while those rows decode; with the static step a token chosen mid-way through the others' waits
+    to start in phase with them. Every request gets its tokens alone."""
+    rng = random.Random(4)
+    lengths = [3, 30, 4, 26, 2, 17]
+    configs = [GenerationConfig(num_steps=4, max_new_tokens=n) for n in (2, 6, 6, 6, 6, 6)]  # the first ends early
+    requests = [([rng.randrange(512) for _ in range(n)], c) for n, c in zip(lengths, configs, strict=True)]
+    groups, length_groups = [], scheduling.length_groups
+    monkeypatch.setattr(scheduling, "length_groups", lambda n, cost: groups.append(length_groups(n, cost)) or groups[-1])
+    held = []
+    batch = ContinuousBatch(model, max_batch=4, max_length=64, num_slots=8, compile=compile)
+    hold = batch.scheduler._hold_for_phase
+    monkeypatch.setattr(batch.scheduler, "_hold_for_phase", lambda starting: held.append(hold(starting)) or held[-1])
+    each_alone(batch, requests)
+    assert groups[0] == [[0, 2], [1, 3]]                     # 3 and 4 tokens apart from 30 and 26
+    assert any(held) == compile                              # the static step keeps its rows in phase
 
 
 def test_cancel_frees_the_row_and_others_are_undisturbed(model):
