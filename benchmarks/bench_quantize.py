@@ -247,13 +247,6 @@ def speed(args) -> dict:
     return result
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def iteration_times(models: dict, prompt: list[list[int]], args) -> dict[str, list[float]]:
     """Microseconds per call of each model's compiled core iteration alone (one decoding row, its prompt in
     a cache of the length `generate` gives it, one thread as the engine runs it), the settings alternated in short blocks, so that another
@@ -309,6 +302,7 @@ def alternated(settings: list[str], rounds: int, new_tokens: int, run, digits: i
 def compiled(args) -> dict:
     """Compiled quantized decoding against compiled float32 (the `small` preset, batch 1, r = `-r`)."""
     from rdlm import build_model
+    from rdlm.demo.run import cpu_model
 
     torch.set_num_threads(args.threads)
     settings = ["none", *args.settings]
@@ -320,7 +314,7 @@ def compiled(args) -> dict:
     config = GenerationConfig(max_new_tokens=args.new_tokens, num_steps=args.r, temperature=0.0)
     engine = EngineArgs(compile=True)
     result = {"preset": args.preset, "r": args.r, "threads": args.threads, "new_tokens": args.new_tokens,
-              "group_size": args.group_size, "cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
+              "group_size": args.group_size, "cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(),
               "load_avg_start": load(), "settings": {}}
     compile_seconds = {}
     for s in settings:  # warm up: compile each
