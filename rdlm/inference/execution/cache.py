@@ -29,6 +29,8 @@ and which rows take part, as an argument of the call, never as state set on the 
   a gather), or None for all of them.
 - `core_writers`: bool over this call's rows; rows that exited early stop writing core entries, so
   nobody reads states computed only for others (with `slots` too: continuous batching's frozen rows).
+- `writers`: bool over this call's rows, the rows that write prelude and coda entries (a static call over
+  every row of a continuous batch, where only the rows whose token starts or ends write).
 - `slots`: one core slot per row of this call, instead of the slot of the key's iteration (rows at
   different iterations in one call: continuous batching). Needs `rows` and a device-side `start`
   with one index per row. `end` then bounds the keys returned (the longest row's length), so a call
@@ -64,6 +66,7 @@ class CacheWrite:
     budget: int | None = None
     end: int | None = None
     entries: Tensor | None = None  # one token per row at its own index: where they lie (`with_entries`)
+    writers: Tensor | None = None
 
 
 class CacheCall:
@@ -178,9 +181,11 @@ class RecurrentKVCache:
         slots: Tensor | None = None,
         budget: int | None = None,
         end: int | None = None,
+        writers: Tensor | None = None,
     ) -> CacheCall:
         """The cache for one model call that writes its tokens at `start` (see the module doc)."""
-        return CacheCall(self, self.with_entries(CacheWrite(start, rows, core_writers, slots, budget, end)))
+        plan = CacheWrite(start, rows, core_writers, slots, budget, end, writers=writers)
+        return CacheCall(self, self.with_entries(plan))
 
     def with_entries(self, plan: CacheWrite) -> CacheWrite:
         """`plan` with its `entries`: for one token per row of `rows` at its own buffer index (the continuous
@@ -238,8 +243,9 @@ class RecurrentKVCache:
             cache_k, cache_v = self.coda_k[layer], self.coda_v[layer]
         else:
             raise ValueError(f"unknown layer group {group!r} in cache key {key!r}")
-        if group == "core" and plan.core_writers is not None:
-            keep = ~plan.core_writers.view(-1, 1, 1, 1)
+        writers = plan.core_writers if group == "core" else plan.writers
+        if writers is not None:  # the others keep their entries
+            keep = ~writers.view(-1, 1, 1, 1)
             k = torch.where(keep, self._read(plan, cache_k, k.shape[2]), k)
             v = torch.where(keep, self._read(plan, cache_v, v.shape[2]), v)
         if isinstance(start, Tensor):  # static: one token per row at a device-side index

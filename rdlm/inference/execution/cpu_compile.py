@@ -4,7 +4,8 @@ CPU").
 On the CPU a decode step is dozens of small eager ops per core iteration, and at batch 1 its matmuls are
 matrix-vector products that MKL runs far below the machine's bandwidth. With the static step on
 (`ContinuousBatch(compile=True)`), the step's one core iteration (`StaticStep.iteration`: every shape fixed,
-the rows' slots and indices device tensors) is compiled by inductor:
+the rows' slots and indices device tensors) is compiled by inductor, and so are a token's prelude and its coda
+with the head, each over the batch's first rows (`compiled_parts`):
 
 - `freezing`: the weights are constants of the compiled code, so inductor packs them once for its own GEMM
   kernels (`max_autotune` over its C++ GEMM template and ATen's, measured per shape); `cpp_wrapper`: the
@@ -144,6 +145,14 @@ def _iteration(step: Any, *args: Tensor) -> tuple[Tensor, Tensor]:
     return step.iteration(*args)
 
 
+def _prelude(step: Any, *args: Tensor) -> Tensor:
+    return step.prelude_body(*args)
+
+
+def _readout(step: Any, *args: Tensor) -> Tensor:
+    return step.readout_body(*args)
+
+
 # Compiled functions by (function, weights stamp), the latest few. Each is a copy of its function with a code
 # object of its own, since dynamo keeps compiled code per code object and its guards do not see the values of
 # frozen weights: code compiled for other weights is never even looked at. Dropping one frees its code and its
@@ -219,3 +228,10 @@ def compiled_iteration(step: Any, model: RecurrentDepthLM) -> Compiled:
     made traceable first (a w8a8 layer's FBGEMM weight is opaque to the compiler: rdlm.model.quantize.traceable)."""
     traceable(model)
     return Compiled(_iteration, step, model, step.iteration)
+
+
+def compiled_parts(step: Any) -> tuple[Compiled, Compiled]:
+    """The rest of a token beside `compiled_iteration`: `step.prelude_body()` and `step.readout_body()` compiled
+    for the weights of the model the step calls (made traceable by `compiled_iteration` first)."""
+    model = step.calls.model
+    return Compiled(_prelude, step, model, step.prelude_body), Compiled(_readout, step, model, step.readout_body)

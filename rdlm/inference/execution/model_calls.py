@@ -212,16 +212,16 @@ class ModelCalls:
         rope = self.model.rope(positions, check=False)
         return uploaded, Call(rope, mask, cache, positions, self._adapters(select))
 
-    def every_row(self, index: Tensor, slots: Tensor, writers: Tensor, end: int | None = None) -> Call:
+    def every_row(self, index: Tensor, slots: Tensor | None, writers: Tensor, end: int | None = None) -> Call:
         """One token per row of the batch's first index.shape[0] rows, row b at buffer index index[b] and core
-        slot slots[b] (device tensors), only the `writers` rows writing core entries (the continuous batch's
-        static step): every shape is fixed but the keys read, the buffer up to `end` (None: all of it; every
-        row's index below it), and the mask hides what is not written."""
+        slot slots[b] (device tensors; None for a call of the prelude or the coda), only the `writers` rows
+        writing cache entries (the continuous batch's static step): every shape is fixed but the keys read, the
+        buffer up to `end` (None: all of it; every row's index below it), and the mask hides what is not
+        written."""
         rows = index.shape[0]  # (narrow, not a slice: a compiled step's dynamic sizes reach the full size too)
         positions = (index - self.pad.narrow(0, 0, rows)).clamp_min(0).view(-1, 1)
-        cache = self.cache.at(
-            index, rows=self.batch_rows.narrow(0, 0, rows), slots=slots, core_writers=writers, end=end
-        )
+        batch_rows = self.batch_rows.narrow(0, 0, rows)
+        cache = self.cache.at(index, rows=batch_rows, slots=slots, core_writers=writers, end=end, writers=writers)
         valid = self.key_valid.narrow(0, 0, rows)
         mask = (valid if end is None else first_entries(valid, end))[:, None, None, :]
         return Call(self.model.rope(positions, check=False), mask, cache, positions, self._adapters(None))

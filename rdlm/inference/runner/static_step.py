@@ -2,7 +2,13 @@
 iterations of the decoding rows as one fixed-shape call over every row of the batch, whose per-row buffer
 index, core slot and writers are device tensors, so the call is the same at every step and CUDA captures it
 once per n (rdlm.inference.execution.graphs). The step runner (rdlm.inference.runner.step_runner) takes this path
-where the engine's `static` setting is on (by default on CUDA)."""
+where the engine's `static` setting is on (by default on CUDA).
+
+Compiled on the CPU (rdlm.inference.execution.cpu_compile), the rest of a token runs the same way: its prelude
+(`prelude`: the rows whose token starts write their entries) and its coda and head (`readout`: the rows whose
+token ends), each one compiled call over the batch's first rows. Eager, at batch 1 on the `small` preset, the
+prelude and the coda with the head took 2.5 of a token's 5.3 ms at r = 4, against 2.3 ms for its four
+compiled core iterations (docs/generation.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.execution.cpu_compile import compiled_iteration, cpu_compiled
+from rdlm.inference.execution.cpu_compile import (
+    Compiled,
+    compiled_iteration,
+    compiled_parts,
+    cpu_compiled,
+    weights_stamp,
+)
 from rdlm.inference.execution.graphs import StaticSteps
 from rdlm.inference.execution.model_calls import ModelCalls
 from rdlm.inference.exits.track import done_iterating
@@ -31,7 +43,7 @@ class RowTensors:
     """Each row's token in progress, on the device: its latent state and prelude output [b, 1, h], its
     iterations run, cap and min_steps, whether it stopped iterating (exited or at its cap: frozen until the
     host looks), the tokens its request has seen [b, V] (the repetition penalty), its buffer index and core
-    cache budget."""
+    cache budget, and the token itself [b, 1] (the compiled prelude reads it)."""
 
     state: Tensor
     embedded: Tensor
@@ -42,6 +54,7 @@ class RowTensors:
     seen: Tensor
     write_index: Tensor
     budget: Tensor
+    token: Tensor
 
     @classmethod
     def zeros(cls, calls: ModelCalls, max_batch: int) -> RowTensors:
@@ -61,6 +74,7 @@ class RowTensors:
             torch.zeros(max_batch, c.vocab_size, dtype=torch.bool, device=device),
             longs(),
             longs() + 1,
+            longs().view(-1, 1),
         )
 
 
@@ -73,9 +87,13 @@ class StaticStep:
         self.steps = StaticSteps(calls.device, on, shared_pool=True)
         self.decoding = torch.zeros_like(rows.stopped)
         self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
+        self.starting, self.ending = torch.zeros_like(rows.stopped), torch.zeros_like(rows.stopped)  # (`prelude`, ...)
+        self._marked: dict[int, tuple[int, ...]] = {}  # the rows each mask marks, by id(mask)
         self.fused_iterations = 0  # core iterations run several to a call
         # compiled on the CPU (rdlm.inference.execution.cpu_compile); captured on CUDA
         self.compiled = compiled_iteration(self, calls.model) if cpu_compiled(on, calls.device, calls.model) else None
+        # the prelude and the coda with the head, compiled beside the core iteration (None: eager, by the caller)
+        self.ends: tuple[Compiled, Compiled] | None = None if self.compiled is None else compiled_parts(self)
         self._keys = torch.empty(calls.key_valid.shape[1], dtype=torch.bool, device=calls.device)  # (`keys`)
         self._span = torch.empty(max_batch, dtype=torch.bool, device=calls.device)  # (`span`)
         self._lone_row = max_batch == 1  # whether a lone row runs its own (specialized) compiled code
@@ -86,10 +104,37 @@ class StaticStep:
 
     def mark_decoding(self, rows: list[int]) -> None:
         """`decoding`: these rows of the batch (copied to the device when they changed)."""
-        decoding = tuple(rows)
-        if decoding != self._decoding_rows:
-            self._decoding_rows = decoding
-            self.decoding.copy_(self.calls.upload([b in decoding for b in range(self.max_batch)]))
+        self._mark(self.decoding, rows)
+
+    def _mark(self, mask: Tensor, rows: list[int]) -> None:
+        """`mask`: these rows of the batch, copied to the device when they changed."""
+        marked = tuple(rows)
+        if self._marked.get(id(mask)) != marked:
+            self._marked[id(mask)] = marked
+            mask.copy_(self.calls.upload([b in marked for b in range(self.max_batch)]))
+
+    def refresh(self) -> None:
+        """Compiled on the CPU: the compiled calls take the model's weights as they are now (a step's first act:
+        weights change between steps; `Compiled.refresh`)."""
+        if self.compiled is not None and self.ends is not None:
+            stamp = weights_stamp(self.calls.model)
+            for part in (self.compiled, *self.ends):
+                part.refresh(stamp)
+
+    def prelude(self, rows: list[int], end: int) -> None:
+        """Compiled on the CPU: the prelude of the tokens in `rows.token` of `rows` (at their buffer index, the
+        last of them `end` - 1), its output into `rows.embedded`; the other rows keep theirs and write nothing."""
+        assert self.ends is not None
+        self._mark(self.starting, rows)
+        span = self.span(max(rows) + 1)
+        self.rows.embedded[: span.shape[0]].copy_(self.ends[0](self.keys(end), span))
+
+    def readout(self, rows: list[int], end: int) -> Tensor:
+        """Compiled on the CPU: the coda and the head over the final states of `rows` (their buffer indices below
+        `end`), the other rows writing nothing: float32 logits of the batch's first rows [k, V] (k > max(rows))."""
+        assert self.ends is not None
+        self._mark(self.ending, rows)
+        return self.ends[1](self.keys(end), self.span(max(rows) + 1))
 
     def run(self, rows: list[int], n: int, end: int | None = None) -> None:
         """n core iterations of the decoding `rows` as one fixed-shape call over all `max_batch` rows (CUDA
@@ -98,8 +143,6 @@ class StaticStep:
         prefilling its prompt or waiting for its coda) or has stopped keeps its state and writes nothing; each
         iteration updates the rows' counts and stopped flags on the device (`done_iterating`)."""
         self.mark_decoding(rows)
-        if self.compiled is not None:
-            self.compiled.refresh()
         keys = None if self.compiled is None or end is None else self.keys(end)
         span = None if keys is None else self.span(max(rows) + 1)  # (`iteration`)
         self.steps.run(("core iterations", n), lambda: self.iterations(n, keys, span), idempotent=False)
@@ -109,14 +152,24 @@ class StaticStep:
     def warm_up(self) -> float:
         """Compile the CPU's compiled iteration now (a call with no row decoding changes nothing: every row
         keeps its state and its cache entries), for several rows and for a lone one; the seconds it took."""
-        if self.compiled is None:
+        if self.compiled is None or self.ends is None:
             return 0.0
-        self.mark_decoding([])
-        before = self.compiled.seconds
-        self.compiled(self.keys(1), self.span(self.max_batch))
-        self._lone_row = True
-        self.compiled(self.keys(1), self.span(1))
-        return self.compiled.seconds - before
+        for mask in (self.decoding, self.starting, self.ending):
+            self._mark(mask, [])
+        before = self.compile_seconds
+        for rows in (self.max_batch, 1):
+            if rows == 1:
+                self._lone_row = True
+            self.compiled(self.keys(1), self.span(rows))
+            self.rows.embedded[:rows].copy_(self.ends[0](self.keys(1), self.span(rows)))
+            self.ends[1](self.keys(1), self.span(rows))
+        return self.compile_seconds - before
+
+    @property
+    def compile_seconds(self) -> float:
+        """The time spent compiling (CPU), 0.0 where nothing is compiled."""
+        parts = () if self.compiled is None or self.ends is None else (self.compiled, *self.ends)
+        return sum(part.seconds for part in parts)
 
     def span(self, rows: int) -> Tensor:
         """A view whose length is the rows the compiled step computes for `rows` rows: a power of two, at most
@@ -143,6 +196,23 @@ class StaticStep:
         call = self.calls.every_row(first(t.write_index), first(t.iterations) % first(t.budget), writers, end)
         out = self.calls.iterate_once(first(t.state), first(t.embedded), 0, call)
         return torch.where(writers.view(-1, 1, 1), out, first(t.state)), writers
+
+    def prelude_body(self, keys: Tensor, span: Tensor) -> Tensor:
+        """The static body of the prelude (compiled: `prelude`): the new `embedded` of the batch's first rows
+        (`iteration` says what `keys` and `span` are), the rows marked `starting` computed from their token."""
+        t, k = self.rows, span.shape[0]
+        writers = self.starting.narrow(0, 0, k)
+        call = self.calls.every_row(t.write_index.narrow(0, 0, k), None, writers, keys.shape[0])
+        embedded = self.calls.embed(t.token.narrow(0, 0, k), call)
+        return torch.where(writers.view(-1, 1, 1), embedded, t.embedded.narrow(0, 0, k))
+
+    def readout_body(self, keys: Tensor, span: Tensor) -> Tensor:
+        """The static body of the coda and the head (compiled: `readout`): the logits [k, V] of the batch's first
+        rows, the rows marked `ending` writing their coda entries."""
+        t, k = self.rows, span.shape[0]
+        writers = self.ending.narrow(0, 0, k)
+        call = self.calls.every_row(t.write_index.narrow(0, 0, k), None, writers, keys.shape[0])
+        return self.calls.readout(t.state.narrow(0, 0, k), call)[:, -1]
 
     def iterations(self, n: int, keys: Tensor | None = None, span: Tensor | None = None) -> tuple:
         t = self.rows

@@ -85,11 +85,10 @@ class StepRunner:
 
     @property
     def capture_seconds(self) -> float:
-        compiled = self.static_step.compiled
         return (
             self.static_step.steps.capture_seconds
             + self.lockstep.static_steps.capture_seconds
-            + (0.0 if compiled is None else compiled.seconds)
+            + self.static_step.compile_seconds
         )
 
     # ---- the step
@@ -97,6 +96,7 @@ class StepRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Carry out the plan, in its order (rdlm.inference.scheduling.plan.StepPlan); what it gave back."""
         out = StepOutput()
+        self.static_step.refresh()  # (compiled: the weights as they are now)
         for wiped in plan.wipe:
             self.clear(wiped)
         with self.phases.timed("admission and prompt prelude"):
@@ -208,7 +208,11 @@ class StepRunner:
         select = _selected(call)
         self.t.seen[batch_rows, self.calls.upload([s.token for s in starts])] = True
         ids = self.calls.upload([[s.token] for s in starts])
-        self.t.embedded[select] = self.calls.embed(ids, call)
+        if self.static_step.ends is not None:  # compiled over the batch's first rows (only these write)
+            self.t.token[select], self.t.write_index[select] = ids, lengths
+            self.static_step.prelude([s.row for s in starts], max(s.position for s in starts) + 1)
+        else:
+            self.t.embedded[select] = self.calls.embed(ids, call)
         fresh = [(row, s) for row, s in zip(rows, starts, strict=True) if not row.config.continuous_cot]
         if fresh:  # (continuous CoT: s_0 is the last final state, kept)
             at = self.calls.upload([row.row for row, _ in fresh])
@@ -235,8 +239,12 @@ class StepRunner:
             if not lockstep and row.criterion is not None and row.criterion.spec.exact:
                 self.t.state[row.row] = self.exits.exit_state[row.row]  # what the readout (and continuous CoT) reads
             self.cache.fill_missing(d.iterations, d.position, d.position + 1, row=row.row, slots=row.budget)
-        call = self._inputs([(d.row, d.position) for d in done])[1]
-        logits = self.calls.readout(self.t.state[_selected(call)], call)[:, -1]
+        batch_rows, call = self._inputs([(d.row, d.position) for d in done])
+        if self.static_step.ends is not None:  # compiled over the batch's first rows (only these write)
+            every = self.static_step.readout([d.row for d in done], max(d.position for d in done) + 1)
+            logits = every if [d.row for d in done] == list(range(every.shape[0])) else every[batch_rows]
+        else:
+            logits = self.calls.readout(self.t.state[_selected(call)], call)[:, -1]
         return self._choose(rows, logits, [d.iterations for d in done], [d.position for d in done])
 
     def _choose(
