@@ -56,6 +56,24 @@ def test_rows_that_do_not_write_keep_their_entries():
     assert k_all[0].eq(5).all() and k_all[1].eq(1).all()
 
 
+def test_prelude_and_coda_rows_that_do_not_write_keep_their_entries_at_their_own_index():
+    """A static call over every row (one token per row at its own device index, the continuous batch's compiled
+    prelude and coda) where only some rows' tokens start or end: the others' entries stay as they were."""
+    cache = RecurrentKVCache(CONFIG, 3, 4, num_slots=2)
+    for group in ("prelude", "coda"):
+        cache.at(0, rows=slice(None)).update((group, 0, -1), *kv(batch=3, n=4, value=1.0))
+        index = torch.tensor([2, 0, 3])
+        plan = cache.at(index, rows=torch.arange(3), writers=torch.tensor([False, True, False]), end=4)
+        k_all, v_all = plan.update((group, 0, -1), *kv(batch=3, value=7.0))
+        stored = cache.prelude_k[0] if group == "prelude" else cache.coda_k[0]
+        assert stored[1, :, 0].eq(7).all() and stored[1, :, 1:].eq(1).all()  # the writer's token, at its index
+        assert stored[0].eq(1).all() and stored[2].eq(1).all()  # the others' entries, at theirs too
+        assert torch.equal(k_all, stored) and torch.equal(v_all, -stored)
+        # the core's writers are its own: a core call's `writers` does not mask the core
+        cache.at(index, rows=torch.arange(3), writers=torch.tensor([False] * 3)).update(("core", 0, 0), *kv(3, 1, 3.0))
+        assert cache.core_k[0, 0, torch.arange(3), :, index].eq(3).all()
+
+
 def test_fill_missing_gives_empty_slots_the_latest_entry():
     cache = RecurrentKVCache(CONFIG, 2, 4, num_slots=4)
     for i in range(4):

@@ -92,12 +92,17 @@ def test_warm_up_compiles_without_changing_the_batch(compiling):
     batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, compile=True)
     rid = batch.add([3, 1, 4, 1, 5], GenerationConfig(num_steps=4, max_new_tokens=6))
     tokens = [e.token for e in batch.step()]  # a row mid-request: its state and cache must survive the warm-up
-    t, cache = batch.step_runner.t, batch.cache
-    saved = [x.clone() for x in (t.state, t.iterations, t.stopped, cache.core_k, cache.core_v)]
+    t, cache, step = batch.step_runner.t, batch.cache, batch.step_runner.static_step
+
+    def kept():  # what a warm-up must leave as it was: the rows' tensors and every cache entry
+        caches = [getattr(cache, f"{group}_{x}") for group in ("prelude", "core", "coda") for x in "kv"]
+        return [t.state, t.embedded, t.iterations, t.stopped, *caches]
+
+    saved = [x.clone() for x in kept()]
     seconds = batch.warm_up()
     assert seconds > 0 and batch.warm_up() == 0.0  # compiled once
-    assert not batch.step_runner.static_step.compiled.failed  # (not eager after a compiler error: 2 rows)
-    for old, new in zip(saved, (t.state, t.iterations, t.stopped, cache.core_k, cache.core_v), strict=True):
+    assert not any(part.failed for part in (step.compiled, *step.ends))  # (not eager after a compiler error: 2 rows)
+    for old, new in zip(saved, kept(), strict=True):
         assert torch.equal(old, new)
     while batch.busy:
         tokens += [e.token for e in batch.step() if e.request == rid]
@@ -122,9 +127,13 @@ KL_EXIT = GenerationConfig(num_steps=12, max_new_tokens=8, exit_criterion="kl", 
     ],
 )
 def test_the_compiled_step_gives_the_eager_tokens_with_quantized_weights(compiling, spec, config):
-    """The core quantized by each scheme and compiled (inductor's lowering of PyTorch's int8/int4 kernels;
-    w8a8's FBGEMM product in tensor ops), against the eager quantized engine."""
-    model = quantize(tiny(2), spec, group_size=32)
+    """The prelude, core and coda quantized by each scheme and compiled (inductor's lowering of PyTorch's
+    int8/int4 kernels; w8a8's FBGEMM product in tensor ops), against the eager quantized engine. The head stays
+    in float32: PyTorch's weight-only kernels give bfloat16 outputs on the CPU, so a quantized head's logits
+    come rounded to bfloat16, with exact ties between tokens on this tiny model, and its compiled lowering
+    rounds elsewhere (logits 5e-3 apart at a scale of 2.3, under a bfloat16 step): the greedy choice between
+    tied tokens is then a coin toss, not a test of the wiring."""
+    model = quantize(tiny(2), f"{spec},head=none", group_size=32)
     assert {s for name, s in model.quantized_layers.items() if name.startswith("core.")} == {spec}
     eager = run(model, config, False)
     with warnings.catch_warnings(record=True) as caught:
@@ -140,7 +149,8 @@ def test_the_compiled_step_gives_the_eager_tokens_with_quantized_weights(compili
 def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_length(compiling, monkeypatch):
     """The compiled step attends to the buffer up to the decoding rows' end (rounded up to KEYS_STEP), not to
     the whole buffer, a length the compiler takes as dynamic: rows that grow past several multiples of it run
-    one compiled graph, with the eager engine's tokens."""
+    one compiled graph per part (the core iteration, the prelude, the coda with the head), with the eager
+    engine's tokens."""
     from torch._dynamo.utils import counters
 
     from rdlm.inference.runner.static_step import KEYS_STEP, StaticStep
@@ -154,6 +164,6 @@ def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_
     graphs = counters["stats"]["unique_graphs"]
     compiled = generate(model, prompts, config, engine=EngineArgs(compile=True))
     assert compiled.tokens == generate(model, prompts, config, engine=EngineArgs(compile=False)).tokens
-    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert counters["stats"]["unique_graphs"] - graphs == 3
     ends = sorted(set(lengths) - {1})  # (1: the warm-up's)
     assert min(ends) <= 32 and max(ends) > 64 and len({-(-e // KEYS_STEP) for e in ends}) >= 3

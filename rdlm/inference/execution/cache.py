@@ -264,7 +264,7 @@ class RecurrentKVCache:
             self._put(cache_v, entries, v)
             if isinstance(rows, slice):
                 return cache_k[:, :, :end], cache_v[:, :, :end]
-            return cache_k[rows, :, :end], cache_v[rows, :, :end]
+            return first_entries(cache_k, end, rows), first_entries(cache_v, end, rows)
         stop = start + k.shape[2]
         if stop > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} tokens; writing up to {stop} does not fit")
