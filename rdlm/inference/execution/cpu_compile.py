@@ -105,13 +105,6 @@ def server_compiles(rows: int, adapters: bool = False) -> bool:
     return compile_allowed() and not adapters and (rows <= SINGLE_THREAD_ROWS or compile_forced())
 
 
-# A step on one thread (`step_threads`) gives its prompt work (the eager prelude, core iterations and coda of prompt
-# chunks: products of many rows, not matrix-vector ones) back the threads the step was given when it holds at least
-# this many prompt tokens (`prompt_threads`).
-WIDE_TOKENS = 16
-_given: list[int] = []  # the thread counts of the steps in progress (`step_threads`), innermost last
-
-
 @contextmanager
 def step_threads(rows: int, compiled: bool) -> Iterator[None]:
     """Run a CPU step of a batch of `rows` rows on one thread where that is faster (`SINGLE_THREAD_ROWS`, the
@@ -121,26 +114,10 @@ def step_threads(rows: int, compiled: bool) -> Iterator[None]:
         yield
         return
     torch.set_num_threads(1)
-    _given.append(before)
     try:
         yield
     finally:
-        _given.pop()
         torch.set_num_threads(before)
-
-
-@contextmanager
-def prompt_threads(tokens: int) -> Iterator[None]:
-    """Inside a step that `step_threads` put on one thread: prompt work over `tokens` tokens on the threads the
-    step was given, where there are at least WIDE_TOKENS (elsewhere, as it is)."""
-    if not _given or tokens < WIDE_TOKENS:
-        yield
-        return
-    torch.set_num_threads(_given[-1])
-    try:
-        yield
-    finally:
-        torch.set_num_threads(1)
 
 
 def compile_allowed() -> bool:

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rdlm.inference.execution.cpu_compile import prompt_threads
 from rdlm.inference.execution.graphs import PhaseTimes
 from rdlm.inference.execution.model_calls import Call, ModelCalls, Pack
 from rdlm.inference.exits.track import at_cap, done_iterating
@@ -122,7 +121,7 @@ class StepRunner:
             return out
         computing = self._iterate(plan, out)
         if self.chunks:
-            with self.phases.timed("prompt coda and first token"), prompt_threads(_tokens(self.chunks.values())):
+            with self.phases.timed("prompt coda and first token"):
                 self._end_prompts(plan, out)
         self._look(plan, computing, out)
         return out
@@ -153,17 +152,16 @@ class StepRunner:
                 self.calls.rewind(0, row.row)
                 self.t.seen[row.row] = False
                 self.t.seen[row.row, self.calls.upload(row.prompt)] = True
-        with prompt_threads(sum(len(spec.lengths) * max(spec.lengths) for spec in chunks)):
-            for spec in chunks:
-                self.specs[spec.chunk] = spec
-                self.chunks[spec.chunk] = PromptChunk.begin(
-                    self.calls,
-                    [self.rows[r] for r in spec.requests],
-                    spec.start,
-                    list(spec.lengths),
-                    spec.cap,
-                    spec.budget,
-                )
+        for spec in chunks:
+            self.specs[spec.chunk] = spec
+            self.chunks[spec.chunk] = PromptChunk.begin(
+                self.calls,
+                [self.rows[r] for r in spec.requests],
+                spec.start,
+                list(spec.lengths),
+                spec.cap,
+                spec.budget,
+            )
 
     def _forget(self, request: int) -> None:
         """A request left its row (finished, failed or cancelled): its record and its wave go."""
@@ -398,12 +396,12 @@ class StepRunner:
         call (a plain one for a chunk alone, as a prefill of the whole batch runs: `PromptChunk.run`)."""
         if not pack.segments and len(chunks) == 1:
             chunk = chunks[0]
-            with self.phases.timed("core iteration"), prompt_threads(_tokens(chunks)):
+            with self.phases.timed("core iteration"):
                 out = self.calls.iterate_once(chunk.state, chunk.embedded, chunk.iteration, chunk.call)
             chunk.advance(self.calls, out)
             return out
         tokens = [c.pack(pack) for c in chunks]
-        with self.phases.timed("core iteration"), prompt_threads(_tokens(chunks)):
+        with self.phases.timed("core iteration"):
             out = self.calls.iterate_packed(pack)
         for c, part in zip(chunks, tokens, strict=True):
             c.advance(self.calls, out[:, part])
@@ -490,11 +488,6 @@ class _Member:
     @property
     def config(self):
         return self.row.config
-
-
-def _tokens(chunks) -> int:
-    """The tokens of prompt chunks, padding included."""
-    return sum(c.state.shape[0] * c.state.shape[1] for c in chunks)
 
 
 def _selected(call: Call) -> Tensor | slice:
