@@ -86,9 +86,8 @@ class StaticStep:
         self.calls, self.rows, self.exits, self.max_batch = calls, rows, exits, max_batch
         self.steps = StaticSteps(calls.device, on, shared_pool=True)
         self.decoding = torch.zeros_like(rows.stopped)
-        self._decoding_rows: tuple[int, ...] = ()  # the rows `decoding` marks
         self.starting, self.ending = torch.zeros_like(rows.stopped), torch.zeros_like(rows.stopped)  # (`prelude`, ...)
-        self._marked: dict[int, tuple[int, ...]] = {}  # the rows each mask marks, by id(mask)
+        self._marked: dict[int, tuple[int, ...]] = {}  # the rows each of these masks marks, by id(mask)
         self.fused_iterations = 0  # core iterations run several to a call
         # compiled on the CPU (rdlm.inference.execution.cpu_compile); captured on CUDA
         self.compiled = compiled_iteration(self, calls.model) if cpu_compiled(on, calls.device, calls.model) else None
