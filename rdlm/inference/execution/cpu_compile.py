@@ -75,8 +75,9 @@ QUIET = (r".*TypedStorage is deprecated.*", r".*torch\.jit\.script_method.* is d
 SINGLE_THREAD_ROWS = 16
 
 # `compile=None` on the CPU compiles where it pays back its compile time (~15-30 s for a new shape, ~12 s when
-# inductor's caches on disk have it, against ~2x faster decoding): a job of at most SINGLE_THREAD_ROWS rows and at
-# least this many core iterations per row (512 tokens at r = 32).
+# inductor's caches on disk have it, against ~2x faster decoding, measured when only the core iteration compiled;
+# with the prelude and coda too, the compile takes about twice as long and decoding gains more): a job of at most
+# SINGLE_THREAD_ROWS rows and at least this many core iterations per row (512 tokens at r = 32).
 COMPILE_MIN_ITERATIONS = 16384
 LENGTH_BUCKET = 128  # a compiled engine's cache length is rounded up to this, so calls of other lengths reuse it
 
