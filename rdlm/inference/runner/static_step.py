@@ -25,7 +25,7 @@ from rdlm.inference.execution.cpu_compile import (
     weights_stamp,
 )
 from rdlm.inference.execution.graphs import StaticSteps
-from rdlm.inference.execution.model_calls import ModelCalls
+from rdlm.inference.execution.model_calls import Call, ModelCalls
 from rdlm.inference.exits.track import done_iterating
 from rdlm.inference.runner.row_exits import RowExits
 
@@ -199,19 +199,23 @@ class StaticStep:
     def prelude_body(self, keys: Tensor, span: Tensor) -> Tensor:
         """The static body of the prelude (compiled: `prelude`): the new `embedded` of the batch's first rows
         (`iteration` says what `keys` and `span` are), the rows marked `starting` computed from their token."""
-        t, k = self.rows, span.shape[0]
-        writers = self.starting.narrow(0, 0, k)
-        call = self.calls.every_row(t.write_index.narrow(0, 0, k), None, writers, keys.shape[0])
-        embedded = self.calls.embed(t.token.narrow(0, 0, k), call)
-        return torch.where(writers.view(-1, 1, 1), embedded, t.embedded.narrow(0, 0, k))
+        writers, call = self._writing(self.starting, keys, span)
+        first = lambda x: x.narrow(0, 0, writers.shape[0])  # noqa: E731
+        embedded = self.calls.embed(first(self.rows.token), call)
+        return torch.where(writers.view(-1, 1, 1), embedded, first(self.rows.embedded))
 
     def readout_body(self, keys: Tensor, span: Tensor) -> Tensor:
         """The static body of the coda and the head (compiled: `readout`): the logits [k, V] of the batch's first
         rows, the rows marked `ending` writing their coda entries."""
-        t, k = self.rows, span.shape[0]
-        writers = self.ending.narrow(0, 0, k)
-        call = self.calls.every_row(t.write_index.narrow(0, 0, k), None, writers, keys.shape[0])
-        return self.calls.readout(t.state.narrow(0, 0, k), call)[:, -1]
+        writers, call = self._writing(self.ending, keys, span)
+        return self.calls.readout(self.rows.state.narrow(0, 0, writers.shape[0]), call)[:, -1]
+
+    def _writing(self, mask: Tensor, keys: Tensor, span: Tensor) -> tuple[Tensor, Call]:
+        """(the rows of `mask` among the batch's first rows, a call of those rows at their buffer indices in which
+        only they write cache entries) for the prelude or the coda."""
+        k = span.shape[0]
+        writers = mask.narrow(0, 0, k)
+        return writers, self.calls.every_row(self.rows.write_index.narrow(0, 0, k), None, writers, keys.shape[0])
 
     def iterations(self, n: int, keys: Tensor | None = None, span: Tensor | None = None) -> tuple:
         t = self.rows

@@ -208,8 +208,9 @@ class StepRunner:
         select = _selected(call)
         self.t.seen[batch_rows, self.calls.upload([s.token for s in starts])] = True
         ids = self.calls.upload([[s.token] for s in starts])
+        self.t.write_index[select] = lengths
         if self.static_step.ends is not None:  # compiled over the batch's first rows (only these write)
-            self.t.token[select], self.t.write_index[select] = ids, lengths
+            self.t.token[select] = ids
             self.static_step.prelude([s.row for s in starts], max(s.position for s in starts) + 1)
         else:
             self.t.embedded[select] = self.calls.embed(ids, call)
@@ -225,7 +226,6 @@ class StepRunner:
             self.t.state[at] = self.calls.start_state(self.t.embedded[at], noise)
         t = self.t
         t.cap[select], t.min_steps[select], t.budget[select] = limits.unbind(1)
-        t.write_index[select] = lengths
         self.t.iterations[select], self.t.stopped[select] = 0, False
         self.exits.reset(
             select, self.calls.upload([row.criterion is not None and row.criterion.spec.exact for row in rows])
