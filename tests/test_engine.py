@@ -9,7 +9,7 @@ import torch
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.inference.execution.cache import RecurrentKVCache
 from rdlm.inference.execution.graphs import resolve_compile
-from rdlm.inference.execution.noise import noise_table
+from rdlm.inference.execution.noise import NoiseBlocks, noise_table
 from rdlm.inference.exits.criteria import CRITERIA
 from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
 
@@ -114,6 +114,25 @@ def test_noise_depends_on_seed_and_position_only(model):
     # std sqrt(2/5) overall: sqrt(2/(5h)) times the embedding scale sqrt(h)
     assert abs(long.std().item() - (2 / 5) ** 0.5) < 0.02
     assert noise_table(model, 5, 0.0, 10, torch.float32, torch.device("cpu")) is None
+
+
+def test_noise_blocks_kept_for_the_next_request_give_the_same_table(model):
+    """An engine keeps the s_0 blocks it drew (requests mostly share a seed): a table taken from them equals one
+    drawn afresh, a caller that changes its table leaves the kept blocks as they were, and the blocks kept stay
+    within their byte bound (least recently used out first)."""
+    cpu = torch.device("cpu")
+    block = 256 * model.config.hidden_size * 4  # bytes of one float32 block
+    kept = NoiseBlocks(max_bytes=2 * block)
+    fresh = noise_table(model, 5, 1.0, 300, torch.float32, cpu)
+    first = noise_table(model, 5, 1.0, 300, torch.float32, cpu, kept)
+    assert torch.equal(first, fresh) and len(kept.blocks) == 2
+    first.add_(1.0)  # the table handed out is the caller's own
+    again = noise_table(model, 5, 1.0, 300, torch.float32, cpu, kept)
+    assert torch.equal(again, fresh)
+    assert torch.equal(noise_table(model, 5, 0.5, 10, torch.float32, cpu, kept), noise_table(model, 5, 0.5, 10,
+                                                                                              torch.float32, cpu))
+    assert list(kept.blocks) == [(5, 1.0, 1), (5, 0.5, 0)]  # the bound: two blocks, the oldest gone
+    assert noise_table(model, 5, 0.0, 10, torch.float32, cpu, kept) is None
 
 
 def test_compile_defaults_to_cuda_only():

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.execution.cache import CacheCall, PackedCall, RecurrentKVCache, Segment, Strategy, first_entries
-from rdlm.inference.execution.noise import noise_table
+from rdlm.inference.execution.noise import NoiseBlocks, noise_table
 from rdlm.model.layers import Rope, padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
@@ -117,6 +117,7 @@ class ModelCalls:
         self.key_valid = torch.zeros(batch, max_length, dtype=torch.bool, device=self.device)
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device) if pad is None else pad
         self.batch_rows = torch.arange(batch, device=self.device)
+        self.noise_blocks = NoiseBlocks()  # the s_0 blocks drawn last (requests mostly share a seed)
         # s_0 of every position for `seed` (all rows), or None: a caller passes its own rows of a table
         self.noise = None if seed is None else self.noise_table(seed, init_scale, max_length)
         # LoRA adapters: their names (adapter i is names[i - 1]) and each row's, in place on the device (the static
@@ -253,7 +254,7 @@ class ModelCalls:
 
     def noise_table(self, seed: int, scale: float, length: int) -> Tensor | None:
         """s_0 of positions 0 .. length - 1 drawn from (seed, position) alone (rdlm.inference.execution.noise)."""
-        return noise_table(self.model, seed, scale, length, self.dtype, self.device)
+        return noise_table(self.model, seed, scale, length, self.dtype, self.device, self.noise_blocks)
 
     def start_state(self, embedded: Tensor, noise: Tensor | None) -> Tensor:
         """s_0 from rows of a noise table (None: zeros), or e itself for a model whose s_0 is its embedding."""
