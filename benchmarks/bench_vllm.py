@@ -83,7 +83,7 @@ def start(kind: str, args, port: int, criterion: str | None, log: Path) -> subpr
 
 
 def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str], eos: int) -> dict:
-    """Completion tokens/s, TTFT and TPOT (p50) of `--clients` streaming clients for `--seconds`."""
+    """Completion tokens/s, TTFT (p50 and p90) and TPOT (p50) of `--clients` streaming clients for `--seconds`."""
     httpx = http_client()
     port = free_port()
     proc = start(kind, args, port, criterion, log)
@@ -131,7 +131,8 @@ def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str],
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return {"tok_s": tokens[0] / elapsed, "ttft": percentile(ttft, 0.5), "tpot": percentile(tpot, 0.5)}
+    return {"tok_s": tokens[0] / elapsed, "ttft": percentile(ttft, 0.5), "ttft90": percentile(ttft, 0.9),
+            "tpot": percentile(tpot, 0.5)}
 
 
 def task_prompts(args, count: int | None = None) -> tuple[list[list[int]], list[str], list[str]] | None:
@@ -324,7 +325,8 @@ def main() -> None:
                 ratios.append(got["vllm"]["tok_s"] / got["rdlm"]["tok_s"])
                 for kind in order:
                     m = got[kind]
-                    print(f"{label:24} round {k + 1} {kind:5} {m['tok_s']:8.1f} tok/s  TTFT p50 {m['ttft'] * 1e3:7.1f} ms"
+                    print(f"{label:24} round {k + 1} {kind:5} {m['tok_s']:8.1f} tok/s  TTFT p50 {m['ttft'] * 1e3:7.1f}"
+                          f" p90 {m['ttft90'] * 1e3:7.1f} ms"
                           f"  TPOT p50 {m['tpot'] * 1e3:6.1f} ms  (load {os.getloadavg()[0]:.2f})", flush=True)
             print(f"{label:24} vLLM / rdlm serve tokens/s: " + ", ".join(f"{r:.2f}" for r in ratios), flush=True)
         if args.no_engine:
