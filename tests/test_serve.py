@@ -251,6 +251,21 @@ def metric(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
+def test_the_first_token_s_time_splits_into_the_wait_for_the_step_and_the_prefill(live):
+    """Each request's time to its first token counts once in each part; the parts happen inside the TTFT (the
+    same clock: submission, taken into the batch, first token, then its hand-over to the stream)."""
+    names = ("rdlm_step_wait_seconds", "rdlm_prefill_seconds", "rdlm_time_to_first_token_seconds")
+    before = httpx.get(live.url + "/metrics", timeout=10).text
+    for prompt in ("the", "a b c d e f"):
+        live.client().completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"num_steps": 4})
+    after = httpx.get(live.url + "/metrics", timeout=10).text
+    count = {n: metric(after, n + "_count") - metric(before, n + "_count") for n in names}
+    total = {n: metric(after, n + "_sum") - metric(before, n + "_sum") for n in names}
+    assert count == dict.fromkeys(names, 2.0)
+    wait, prefill, ttft = (total[n] for n in names)
+    assert wait >= 0 and prefill > 0 and wait + prefill <= ttft
+
+
 def test_tokens_cut_by_a_depth_budget_count_apart_from_exits(live):
     """A token whose cap a depth budget lowered below r stopped at its cap, not by an exit: the exit counter
     stays, the budget's counter counts it."""

@@ -61,6 +61,7 @@ class Ticket:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_id: int | None = None
     submitted: float = field(default_factory=time.perf_counter)
+    taken: float | None = None  # when the worker took it into the batch; None again once its first token came
 
 
 class Metrics:
@@ -105,10 +106,21 @@ class Metrics:
             ["phase"],
             registry=r,
         )
+        latency = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
         self.ttft = Histogram(
-            "rdlm_time_to_first_token_seconds",
-            "from submission to the first token",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            "rdlm_time_to_first_token_seconds", "from submission to the first token", buckets=latency, registry=r
+        )
+        # the first token's time in two parts (their sum is the TTFT less its hand-over to the HTTP stream)
+        self.step_wait = Histogram(
+            "rdlm_step_wait_seconds",
+            "from submission until the worker takes the request into the batch (it does so between steps)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "rdlm_prefill_seconds",
+            "from joining the batch to the first token: waiting for a row, then the prompt's iterations",
+            buckets=latency,
             registry=r,
         )
 
@@ -261,6 +273,8 @@ class Worker:
                     self._done()
                     continue
                 self.tickets[ticket.request_id] = ticket
+                ticket.taken = time.perf_counter()
+                self.metrics.step_wait.observe(ticket.taken - ticket.submitted)
                 self.metrics.prompt_tokens.inc(len(ticket.prompt))
                 self._send(ticket, ("accepted",))
             elif command == "cancel" and ticket.request_id in self.tickets:
@@ -271,11 +285,15 @@ class Worker:
     def _deliver(self, events: list[BatchEvent]) -> None:
         """A step's tokens to their tickets: one wake-up of each event loop per step, not per token."""
         m = self.metrics
+        now = time.perf_counter()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Ticket, BatchEvent]]] = {}
         for event in events:
             ticket = self.tickets.get(event.request)
             if ticket is None:
                 continue
+            if ticket.taken is not None:  # its first token
+                m.prefill.observe(now - ticket.taken)
+                ticket.taken = None
             m.tokens.inc()
             m.iterations.observe(event.iterations)
             if event.exited:
