@@ -150,8 +150,8 @@ def task_prompts(args, count: int | None = None) -> tuple[list[list[int]], list[
 
 def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_tokens: int, compiled: bool = False):
     """vLLM's engine in this process on `prompts` (one batch): tokens/s, iterations per decoded token, tokens.
-    `compiled`: vLLM's default compilation left on (the fixed-r forward compiles; an exit criterion's forward
-    stays eager whatever is asked: rdlm's config hook)."""
+    `compiled`: vLLM's default compilation left on (the forward compiles; with an exit criterion every iteration
+    runs, exited tokens held, and decode steps of at most --exit-eager-tokens tokens run the eager loop)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import gc
 
@@ -160,6 +160,8 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
     overrides = {"rdlm_num_steps": args.num_steps}
     if criterion:
         overrides.update(rdlm_exit_criterion=criterion, rdlm_exit_threshold=args.exit_threshold)
+        if args.exit_eager_tokens:
+            overrides.update(rdlm_exit_eager_tokens=args.exit_eager_tokens)
     llm = vllm.LLM(args.model, dtype="float32", enforce_eager=not compiled, max_model_len=args.max_model_len,
                    kv_cache_memory_bytes=1 << 30, skip_tokenizer_init=True, hf_overrides=overrides,
                    enable_prefix_caching=False)  # repeated prompts: each is computed, as in rdlm serve
@@ -287,6 +289,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--exit-criterion", default="latent-diff", help="the adaptive mode's ('none': fixed r only)")
     parser.add_argument("--exit-threshold", type=float, default=0.03)
+    parser.add_argument("--exit-eager-tokens", type=int, default=0,
+                        help="rdlm_exit_eager_tokens of the compiled engine-alone runs with exits: decode steps of at "
+                             "most this many tokens run the eager loop (default 0: every step compiled)")
     parser.add_argument("--task-prompts", type=int, default=64, help="test examples for a demo model's servers")
     parser.add_argument("--batches", default="1,8,64",
                         help="prompts per batch of the engine-alone runs, comma-separated (a demo model: its test "

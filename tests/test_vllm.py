@@ -115,15 +115,20 @@ def test_the_fixed_depth_forward_compiles_with_eagers_tokens(models):
 
 
 def test_the_exit_forward_compiles_with_rdlm_generates_tokens(models):
-    """With an exit criterion the compiled forward runs every iteration with exited tokens held (no host look):
-    on a k-slot cache (an exited token's held entries in both kinds of slot) its tokens and log-probabilities
-    are `rdlm generate`'s with the same criterion, as the eager loop's are (the eager loop:
+    """With an exit criterion the compiled forward runs every iteration with exited tokens held (no host look),
+    and a decode step of at most rdlm_exit_eager_tokens tokens runs the eager loop instead: here the first
+    batch's decode steps (3 tokens) run compiled and the second batch's (1 token) eagerly, in one engine. On a
+    k-slot cache (an exited token's held entries in both kinds of slot) the tokens and log-probabilities of both
+    are `rdlm generate`'s with the same criterion (the eager loop alone:
     test_shared_caches_with_exits_give_rdlm_generate_tokens)."""
-    prompts = prompts_for(512, lengths=(4, 7, 10), seed=9)
+    prompts = prompts_for(512, lengths=(4, 7, 10, 6), seed=9)
     exits = dict(exit_criterion="latent-diff", exit_threshold=0.5)
-    got, stats = served(models["huginn"], prompts, engine=COMPILED, rdlm_num_steps=8, rdlm_cache_slots=3,
-                        **{f"rdlm_{k}": v for k, v in exits.items()})
-    assert stats.steps == 0  # the compiled graph ran every step (r = 8: a shorter graph compiles sooner)
+    got, stats = served(models["huginn"], [prompts[:3], prompts[3:]], engine=COMPILED, rdlm_num_steps=8,
+                        rdlm_cache_slots=3, rdlm_exit_eager_tokens=2, **{f"rdlm_{k}": v for k, v in exits.items()})
+    # the eager forward counts its steps: the second batch's decode steps only (r = 8: a shorter graph compiles
+    # sooner); their tokens exited early
+    assert stats.steps == NEW_TOKENS - 1 and stats.decoded_tokens == NEW_TOKENS - 1
+    assert stats.token_iterations < 8 * stats.decoded_tokens
     rdlm = dict(num_steps=8, cache_strategy="shared", cache_slots=3, **exits)
     assert got == rdlm_tokens(models["huginn"], prompts, **rdlm)
     want = rdlm_logprobs(models["huginn"], prompts, **rdlm)

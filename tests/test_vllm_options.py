@@ -28,6 +28,9 @@ def test_options_override_and_the_gate_takes_the_checkpoints_threshold():
     assert read({**raw("huginn"), "mean_recurrence": 3})[1].num_steps == 3
     _, gated = read({**raw("ouro"), "rdlm_exit_criterion": "gate"})
     assert gated.criterion.threshold == raw("ouro")["early_exit_threshold"] and gated.min_steps == 1
+    assert gated.eager_tokens == 0  # every step of a compiled engine runs the compiled forward
+    _, exits = read({**raw("huginn"), "rdlm_exit_criterion": "latent-diff", "rdlm_exit_eager_tokens": 4})
+    assert exits.eager_tokens == 4
 
 
 @pytest.mark.parametrize("options,named", [
@@ -40,6 +43,9 @@ def test_options_override_and_the_gate_takes_the_checkpoints_threshold():
     ({"rdlm_exit_threshold": 0.1}, "rdlm_exit_threshold needs rdlm_exit_criterion"),
     ({"rdlm_exit_criterion": "latent-diff", "rdlm_exit_threshold": "low"}, "exit threshold must be a number"),
     ({"rdlm_min_steps": 99}, "rdlm_min_steps must be an integer in 1..rdlm_num_steps"),
+    ({"rdlm_exit_eager_tokens": 4}, "rdlm_exit_eager_tokens must be .* goes with rdlm_exit_criterion"),
+    ({"rdlm_exit_criterion": "latent-diff", "rdlm_exit_eager_tokens": -1}, "rdlm_exit_eager_tokens must be an int"),
+    ({"rdlm_exit_criterion": "latent-diff", "rdlm_exit_eager_tokens": 2.5}, "rdlm_exit_eager_tokens must be an int"),
     ({"rdlm_seed": -1}, "rdlm_seed must be an integer"),
     ({"rdlm_init_scale": "1"}, "rdlm_init_scale must be a number"),
     ({"rdlm_nmu_steps": 4}, "unknown option.*rdlm_nmu_steps"),

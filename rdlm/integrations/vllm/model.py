@@ -22,12 +22,14 @@ rdlm.integrations.vllm.engine_config.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.forward_context import is_forward_context_available
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -51,9 +53,9 @@ from rdlm.model.lm import RecurrentDepthLM
 # vLLM compiles the forward unless enforce_eager: at fixed r, and with an exit criterion (every iteration run,
 # exited tokens held: the adaptive loop's stops are the host's, which a graph cannot hold).
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
-class RecurrentDepthForCausalLM(nn.Module):
-    """Any checkpoint rdlm reads, served by vLLM (registered as RdlmForCausalLM, and as RavenForCausalLM and
-    OuroForCausalLM where vLLM has no model of that name: rdlm.integrations.vllm.register)."""
+class CompiledRecurrentDepth(nn.Module):
+    """The served model's layers and forward, which vLLM compiles (RecurrentDepthForCausalLM chooses per step
+    between this compiled forward and the eager one)."""
 
     s0_table: Tensor | None  # a buffer (register_buffer): s_0's rows by position, None where s_0 is zero
 
@@ -139,6 +141,9 @@ class RecurrentDepthForCausalLM(nn.Module):
         self.register_buffer("s0_table", table, persistent=False)
         self.embed_scale = config.embedding_scale
         self.stats = ExitStats()
+        # With an exit criterion, decode steps of at most `eager_tokens` tokens run the eager loop in a compiled
+        # engine (RecurrentDepthForCausalLM.__call__); 0: every step runs the engine's one forward.
+        self.eager_tokens = self.recurrence.eager_tokens
 
     # ---------------------------------------------------------------------------------------------
     # vLLM's model interface
@@ -262,6 +267,30 @@ class RecurrentDepthForCausalLM(nn.Module):
                 loader(param, tensor)
             loaded.add(name)
         return loaded
+
+
+class RecurrentDepthForCausalLM(CompiledRecurrentDepth):
+    """Any checkpoint rdlm reads, served by vLLM (registered as RdlmForCausalLM, and as RavenForCausalLM and
+    OuroForCausalLM where vLLM has no model of that name: rdlm.integrations.vllm.register).
+
+    With an exit criterion in a compiled engine, a decode step of at most `rdlm_exit_eager_tokens` tokens runs
+    the eager loop, whose host looks stop it once every token has exited, instead of the compiled forward,
+    which runs every iteration with exited tokens held: the same tokens, faster where the tokens exit early
+    enough to pay for the eager iterations (docs/vllm.md, "Compiled")."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]  # vLLM's forward arguments
+        if positions.shape[0] <= self.eager_tokens and self.decode_step(positions):
+            return self.forward(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def decode_step(self, positions: Tensor) -> bool:
+        """Whether every token of the step is decoded (a step with a prompt token runs every iteration for it
+        either way); False for vLLM's warm-up and profiling runs, which have no attention metadata."""
+        if not is_forward_context_available():
+            return False
+        decoding = decoding_tokens(positions, self.core_cache(0, 0).layer_name)
+        return decoding is not None and bool(decoding.all())
 
 
 def check_exit_settings(vllm_config: VllmConfig) -> None:

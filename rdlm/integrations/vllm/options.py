@@ -12,6 +12,7 @@ vLLM builds a model once per server, so these are per served model, not per requ
 | `rdlm_exit_threshold` | the criterion's threshold | the criterion's (latent-diff 0.03; gate: the checkpoint's) |
 | `rdlm_min_steps` | fewest iterations before a token may exit | 2 (1 for a gate), as `rdlm generate` |
 | `rdlm_exit_sync_every` | iterations between the host's looks at the exit flags (when every token of a step has exited, the loop stops at the next look); speed only, never the tokens, as `rdlm generate`'s `exit_sync_every` | 1 on the CPU, 4 on an accelerator |
+| `rdlm_exit_eager_tokens` | in a compiled engine with an exit criterion, decode steps of at most this many tokens run the eager loop (the host's looks stop it once every token has exited) instead of the compiled forward (every iteration, exited tokens held); speed only, never the tokens | 0: every step compiled |
 | `rdlm_seed`, `rdlm_init_scale` | s_0 of the token at position p is row p of rdlm's table drawn from the seed (rdlm.inference.execution.noise) | 0 and 1, `rdlm generate`'s defaults |
 """  # noqa: E501 (a markdown table: its rows cannot wrap)
 
@@ -37,6 +38,7 @@ KEYS = (
     "exit_threshold",
     "min_steps",
     "exit_sync_every",
+    "exit_eager_tokens",
     "seed",
     "init_scale",
 )
@@ -54,7 +56,8 @@ class RecurrenceOptionError(ValueError):
 class Recurrence:
     """What the plugin's forward does per token: `num_steps` iterations (fewer once `criterion` says a decoded
     token has converged, never before `min_steps`; the host looks every `sync_every` iterations, None: the
-    device's default), with `cache` mode (`cache_slots` when shared), from s_0 drawn by `seed` and `init_scale`."""
+    device's default; in a compiled engine, decode steps of at most `eager_tokens` tokens run the eager loop),
+    with `cache` mode (`cache_slots` when shared), from s_0 drawn by `seed` and `init_scale`."""
 
     num_steps: int
     cache: str = "per-iteration"
@@ -64,6 +67,7 @@ class Recurrence:
     init_scale: float = 1.0
     cache_slots: int = 1
     sync_every: int | None = None
+    eager_tokens: int = 0
 
     @property
     def core_caches(self) -> int:
@@ -127,6 +131,12 @@ def read(raw: Mapping[str, Any], source: str = "config") -> tuple[RDLMConfig, Re
             f"{source}: {PREFIX}exit_sync_every must be an integer in 1..{PREFIX}num_steps ({steps}) and goes with "
             f"{PREFIX}exit_criterion, got {sync_every!r}"
         )
+    eager_tokens = options.get("exit_eager_tokens")
+    if eager_tokens is not None and (criterion is None or not is_int(eager_tokens, 0)):
+        raise RecurrenceOptionError(
+            f"{source}: {PREFIX}exit_eager_tokens must be an integer >= 0 and goes with {PREFIX}exit_criterion, "
+            f"got {eager_tokens!r}"
+        )
     seed = options.get("seed", 0)
     if not is_int(seed, 0) or seed > MAX_SEED:  # rdlm generate's bounds (rdlm.inference.params)
         raise RecurrenceOptionError(f"{source}: {PREFIX}seed must be an integer in 0..2**63-1, got {seed!r}")
@@ -135,7 +145,9 @@ def read(raw: Mapping[str, Any], source: str = "config") -> tuple[RDLMConfig, Re
         raise RecurrenceOptionError(
             f"{source}: {PREFIX}init_scale must be a number in [0, {MAX_INIT_SCALE:g}], got {scale!r}"
         )
-    return config, Recurrence(steps, cache, criterion, min_steps, seed, float(scale), slots, sync_every)
+    return config, Recurrence(
+        steps, cache, criterion, min_steps, seed, float(scale), slots, sync_every, eager_tokens or 0
+    )
 
 
 def _criterion(config: RDLMConfig, options: Mapping[str, Any], source: str) -> ExitCriterion | None:
