@@ -67,9 +67,6 @@ def noise_table(
     all zeros."""
     if scale == 0 or model.config.state_init != "random":
         return None
-    count = math.ceil(length / NOISE_BLOCK)
-    if blocks is None:
-        drawn = [draw_block(model, seed, scale, b) for b in range(count)]
-    else:
-        drawn = [blocks.get(model, seed, scale, b) for b in range(count)]
+    block = draw_block if blocks is None else blocks.get
+    drawn = [block(model, seed, scale, b) for b in range(math.ceil(length / NOISE_BLOCK))]
     return torch.cat(drawn)[:length].to(device=device, dtype=dtype)

@@ -141,9 +141,6 @@ class CompiledRecurrentDepth(nn.Module):
         self.register_buffer("s0_table", table, persistent=False)
         self.embed_scale = config.embedding_scale
         self.stats = ExitStats()
-        # With an exit criterion, decode steps of at most `eager_tokens` tokens run the eager loop in a compiled
-        # engine (RecurrentDepthForCausalLM.__call__); 0: every step runs the engine's one forward.
-        self.eager_tokens = self.recurrence.eager_tokens
 
     # ---------------------------------------------------------------------------------------------
     # vLLM's model interface
@@ -280,7 +277,7 @@ class RecurrentDepthForCausalLM(CompiledRecurrentDepth):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         positions = kwargs["positions"] if "positions" in kwargs else args[1]  # vLLM's forward arguments
-        if positions.shape[0] <= self.eager_tokens and self.decode_step(positions):
+        if positions.shape[0] <= self.recurrence.eager_tokens and self.decode_step(positions):
             return self.forward(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
