@@ -3,13 +3,17 @@
 import random
 from contextlib import contextmanager
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.inference.batching import ContinuousBatch
+from rdlm.inference.execution.model_calls import ModelCalls
+from rdlm.inference.exits.criteria import make_exit_criterion
 from rdlm.inference.generate import GenerationConfig, generate
+from rdlm.inference.runner.row_exits import RowExits
 from rdlm.inference.scheduling import scheduler as scheduling
 
 CONFIGS = [
@@ -114,7 +118,7 @@ def test_the_static_step_gives_each_request_its_tokens_alone(model, device, exit
         steps.run = lambda key, *args, **kw: keys.add(key) or run(key, *args, **kw)
         each_alone(batch)
     assert steps.runs > 50                                # the static step ran (most iterations go through it)
-    assert keys and all(name == "core iterations" for name, _ in keys)
+    assert keys and all(key[0] == "core iterations" for key in keys)
     # one graph per number of iterations fused into a call, captured once and replayed at every later step
     assert set(steps.graphed) == (keys if device == "cuda" else set())
 
@@ -539,3 +543,49 @@ def test_lockstep_rows_go_on_over_a_row_freed_between_them(model, monkeypatch, c
 
     assert run(True) == run(False)
     assert any(spanned) and not all(spanned)
+
+
+def test_the_static_steps_reading_of_state_only_criteria_decides_as_the_hosts(model):
+    """`RowExits.read` (the static step's reading of latent-diff and cosine, on the device) against `update`
+    (the host's, by each row's schedule): the same streaks and exits after every iteration, for rows of either
+    criterion with their own thresholds, patience, reading intervals, caps and min_steps, some rows not running
+    at some iterations and one row with a criterion that reads logits, left to the host by both."""
+    criteria = [make_exit_criterion("latent-diff", 0.3), make_exit_criterion("cosine", 0.05),
+                make_exit_criterion("latent-diff", 0.5, patience=2), None,
+                make_exit_criterion("cosine", 0.08, patience=3), make_exit_criterion("kl", 1e-3)]
+    every, caps, min_steps = [1, 1, 1, 1, 2, 1], [12, 10, 12, 12, 11, 12], [2, 3, 2, 2, 4, 2]
+    b, h = len(criteria), model.config.hidden_size
+    calls = ModelCalls(model, b, 16, 12, "full")
+    rows, call = calls.tokens(list(range(b)), [0] * b)
+    g = torch.Generator().manual_seed(0)
+    state = torch.randn(b, 1, h, generator=g)
+    host, device = (RowExits(calls, b, model.config.vocab_size, state) for _ in range(2))
+    for row, criterion in enumerate(criteria):
+        device.admit(row, criterion, every[row])
+    assert device.in_step == ("latent-diff", "cosine")
+    iterations, counts = torch.zeros(b, dtype=torch.long), [0] * b
+    cap, least = torch.tensor(caps), torch.tensor(min_steps)
+    fired = set()
+    for i in range(12):
+        running = torch.rand(b, generator=g) > 0.2
+        running &= ~(device.exited | (iterations >= cap))
+        scale = 0.6 * 0.75 ** i  # the steps shrink: the scores cross their thresholds at different iterations
+        step = scale * torch.randn(b, 1, h, generator=g) * state.norm(dim=-1, keepdim=True) / h ** 0.5
+        new = torch.where(running.view(-1, 1, 1), state + step, state)
+        iterations += running.long()
+        counts = [n + int(run) for n, run in zip(counts, running.tolist(), strict=True)]
+        members = [SimpleNamespace(criterion=c, iteration=counts[j], cap=caps[j],
+                                   config=SimpleNamespace(exit_every=every[j])) for j, c in enumerate(criteria)]
+        host.update(members, rows, call, state, new, running, iterations, least)
+        streak, exited = device.read(device.in_step, state, new, running, iterations, cap, least)
+        device.logits.copy_(host.logits)  # (the kl row: the host's alone)
+        by_state = torch.tensor([c is not None and c.spec.state_only for c in criteria])
+        assert torch.equal(streak[by_state], host.streak[by_state])
+        assert torch.equal(exited[by_state], host.exited[by_state])
+        assert torch.equal(streak[~by_state], device.streak[~by_state])   # left alone
+        fired |= {(j, counts[j]) for j in (exited & ~device.exited).nonzero().flatten().tolist()}
+        device.streak.copy_(streak)
+        device.exited.copy_(exited)
+        state = new
+    assert {j for j, _ in fired} == {0, 1, 2, 4}  # every state-only row exited, at iterations of its own
+    assert len({n for _, n in fired}) > 1

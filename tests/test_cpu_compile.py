@@ -11,6 +11,7 @@ from rdlm import RDLMConfig, RecurrentDepthLM
 from rdlm.inference.execution import cpu_compile
 from rdlm.inference.batching import ContinuousBatch
 from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
+from rdlm.inference.runner.static_step import StaticStep
 from rdlm.model.quantize import quantize
 
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11, 4], [8, 8, 6, 2, 9]]
@@ -45,6 +46,33 @@ def test_the_compiled_step_gives_the_eager_tokens_and_iterations(compiling):
         assert compiled.finish_reasons == eager.finish_reasons
     assert compiled.compile_seconds < 1.0  # the second config (the same shapes) reused the first one's code
     assert torch.get_num_threads() == threads  # the step's one thread was given back
+
+
+def test_state_only_exits_fuse_in_the_compiled_step_with_the_eager_tokens(compiling, monkeypatch):
+    """latent-diff and cosine exits are read inside the compiled iteration (rdlm.inference.runner.row_exits), so
+    their rows run up to `exit_sync_every` iterations a call, each frozen at its exit: every request's tokens,
+    iterations and finish reason are the eager engine's (whose host reads the criteria), and the exits compile
+    nothing beyond the code a fixed r compiled."""
+    model = tiny()
+    fused = []
+    iterations = StaticStep.iterations
+    monkeypatch.setattr(StaticStep, "iterations",
+                        lambda self, n, *args: (fused.append(n), iterations(self, n, *args))[1])
+    engine = EngineArgs(compile=True, exit_sync_every=4)
+    generate(model, PROMPTS, GenerationConfig(num_steps=12, max_new_tokens=10, seed=3), engine=engine)
+    for name, threshold in (("latent-diff", 0.1), ("cosine", 0.01)):
+        config = GenerationConfig(num_steps=12, max_new_tokens=10, exit_criterion=name, exit_threshold=threshold,
+                                  seed=3)
+        fused.clear()
+        eager = generate(model, PROMPTS, config, engine=EngineArgs(compile=False))
+        compiled = generate(model, PROMPTS, config, engine=engine)
+        assert compiled.tokens == eager.tokens
+        assert compiled.iterations == eager.iterations
+        assert compiled.finish_reasons == eager.finish_reasons
+        assert compiled.compile_seconds < 1.0                      # the fixed r's compiled code, reused
+        assert max(fused) == 4 and sum(n > 1 for n in fused) > 10  # fused up to each look
+        decoded = [n for row in compiled.iterations for n in row[1:]]
+        assert min(decoded) < 12 and len(set(decoded)) > 2          # tokens exit, at iterations of their own
 
 
 def test_the_compiled_step_runs_only_where_asked_and_allowed(compiling, monkeypatch):

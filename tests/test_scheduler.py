@@ -14,6 +14,7 @@ from rdlm.inference.scheduling.scheduler import CHUNK_COST, Scheduler, length_gr
 
 FIXED = GenerationConfig(num_steps=8, max_new_tokens=3)
 KL = GenerationConfig(num_steps=8, max_new_tokens=3, exit_criterion="kl", exit_threshold=1e-3)
+LATENT = GenerationConfig(num_steps=16, max_new_tokens=3, exit_criterion="latent-diff", exit_threshold=0.03)
 
 
 def request(i: int, config: GenerationConfig = FIXED, prompt: tuple = (1, 2, 3)) -> Request:
@@ -169,7 +170,7 @@ def test_what_the_look_finds_waits_for_its_coda_and_the_coda_gives_the_next_toke
     plan = s.schedule()                  # different depth settings: one iteration a step, no lockstep
     assert not plan.lockstep and [it.request for it in plan.iterating] == [0, 1, 2] and plan.look
     s.update(plan, StepOutput(computed=(0, 1, 2), found={0: 1}))
-    assert (a.status, a.iteration, a.stopped_at) == (Status.AWAITING_CODA, 1, s.steps_run)
+    assert (a.status, a.iteration, a.stopped_at) == (Status.AWAITING_CODA, 1, s.clock)
     assert (b.status, b.iteration, c.iteration) == (Status.ITERATING, 1, 1)
     assert s.coda_due() is None          # alone of three it waits: b may exit any time
     plan = s.schedule()
@@ -262,6 +263,50 @@ def test_iterations_fuse_only_when_nothing_can_change_but_the_counts():
     (e,) = [request(0, KL)]
     prefilled(k, e)
     assert k.fusable(k.start([e]), prompts_in_flight=False) == 1           # an exit may come any time
+
+
+def test_rows_whose_criterion_reads_the_states_alone_fuse_up_to_the_next_look():
+    """A state-only criterion (latent-diff, cosine) is read inside the static step, so its rows fuse iterations
+    too, up to the host's next look (`exit_sync_every` iterations after the last), which the fused step ends
+    with; a criterion that reads logits still runs one iteration a step."""
+    s = scheduler(max_batch=2, static=True, exit_sync_every=4, coda_every=8)
+    a, b = request(0, LATENT), request(1)
+    prefilled(s, a, b)
+    plan = s.schedule()
+    assert not plan.lockstep and plan.iterations == 4 and plan.look          # b's 8 left, the look after 4
+    s.update(plan, StepOutput(computed=(0, 1), found={}))
+    assert (a.iteration, b.iteration, s.since_look) == (4, 4, 0)
+    plan = s.schedule()
+    assert plan.iterations == 4 and plan.look and plan.look_at_cap == (1,)    # b reaches its cap too
+    s.update(plan, StepOutput(computed=(0, 1), found={0: 6, 1: 8}))         # a exited after 6 iterations
+    assert (a.status, a.iteration, a.stopped_at) == (Status.AWAITING_CODA, 6, s.clock)
+    k = scheduler(max_batch=2, static=True, exit_sync_every=4)
+    c, d = request(0, LATENT), request(1, KL)
+    prefilled(k, c, d)
+    assert k.schedule().iterations == 1                                       # d's KL needs the host each iteration
+    e = scheduler(max_batch=2, static=True, exit_sync_every=4, lockstep=False)   # (as the CPU's compiled step)
+    f, g = request(0, LATENT), request(1, LATENT)
+    prefilled(e, f, g)
+    e.since_look = 3                                                          # one iteration to the next look
+    assert e.schedule().iterations == 1 and e.fusable([f, g], prompts_in_flight=False) == 1
+
+
+def test_a_fused_step_never_keeps_a_row_found_done_from_its_coda_longer_than_coda_every():
+    s = scheduler(max_batch=3, static=True, exit_sync_every=8, coda_every=4, lockstep=False)
+    a, b, c = request(0, LATENT), request(1, LATENT), request(2, LATENT)
+    prefilled(s, a, b, c)
+    plan = s.schedule()
+    assert plan.iterations == 8 and plan.look
+    s.update(plan, StepOutput(computed=(0, 1, 2), found={0: 5}))
+    assert s.coda_due() is None                                  # one of three waits: the others may exit any time
+    plan = s.schedule()
+    assert [it.request for it in plan.iterating] == [1, 2] and plan.iterations == 2   # a may wait 3 more: 2 fused
+    s.update(plan, StepOutput(computed=(1, 2)))
+    assert (b.iteration, s.since_look) == (10, 2) and s.coda_due() is None
+    plan = s.schedule()
+    assert plan.iterations == 1                                  # one iteration of a's wait left
+    s.update(plan, StepOutput(computed=(1, 2)))
+    assert [d.request for d in s.coda_due()] == [0]              # it waited coda_every - 1 iterations
 
 
 def test_a_static_plan_fuses_iterations_and_the_host_looks_when_the_cap_comes():

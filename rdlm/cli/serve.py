@@ -65,7 +65,8 @@ def register(subparsers) -> None:
         "--coda-every",
         type=int,
         default=8,
-        help="steps a row whose token is done may wait for others, so that their codas (and the head) run in one call",
+        help="core iterations a row whose token is done may wait for others, so that their codas (and the head) run "
+        "in one call",
     )
     p.add_argument(
         "--profile",

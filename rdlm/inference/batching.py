@@ -16,9 +16,9 @@ its last token. Every `ContinuousBatch.step()`:
    budgets and sampling;
 4. evaluates each row's exit criterion on the device (rdlm.inference.runner.row_exits): a row whose token is
    done (exit, or r iterations) is frozen there (state kept, no more core cache writes; eagerly on the CPU
-   it leaves the core's calls at the next step). Every `exit_sync_every` steps the host looks at the flags (at
-   once when a row reaches its cap); the rows found done run the coda together once one of them has
-   waited `coda_every` - 1 steps, or half the rows wait, or no other row can be done before then, and
+   it leaves the core's calls at the next step). Every `exit_sync_every` iterations the host looks at the flags
+   (at once when a row reaches its cap); the rows found done run the coda together once one of them has
+   waited `coda_every` - 1 iterations, or half the rows wait, or no other row can be done before then, and
    choose their next token, which starts at the next step. A row that exits early goes on to its next
    token instead of idling behind the others: adaptive depth (paper section 6.1) turned into throughput.
 
@@ -26,7 +26,10 @@ How often to look and to run the coda is a trade: the coda and the head cost abo
 as for many (on a CPU their weights are read once per call) and on a GPU a look is a host sync; every
 few steps pays them once for many rows, and keeps rows that finish together in step (so their next
 tokens can run in lockstep), at the cost of a done row waiting a few steps (`benchmarks/bench_serve.py`
-measures it; `rdlm serve` looks every 4 steps and lets a row wait up to 8). Neither changes a token.
+measures it; `rdlm serve` looks every 4 iterations and lets a row wait up to 8). Neither changes a token.
+With the static step, several iterations run in one call where nothing but the step itself decides between
+them: rows at a fixed r, and rows whose exit criterion compares the latent states alone (latent-diff, cosine),
+which the step reads itself (rdlm.inference.runner.row_exits), up to the next look.
 
 When every request in a row starts its token at the same step with the same depth settings and nothing
 waits to join (`generate`'s batch, or a server's rows that happen to go together), the token runs in

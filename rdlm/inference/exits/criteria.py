@@ -126,6 +126,12 @@ class CriterionSpec:
     uses_gate: bool = False
     exact: bool = False
 
+    @property
+    def state_only(self) -> bool:
+        """It compares the latent states alone (no logits, no gate): a step can read it on the device between
+        iterations it runs in one call (rdlm.inference.runner.row_exits)."""
+        return self.uses_state and not self.uses_logits and not self.uses_gate
+
 
 def _reads_the_gate(*args: object) -> Tensor:
     """The score of a gate criterion: there is none, the model's gate is read instead (`gate_exits`)."""

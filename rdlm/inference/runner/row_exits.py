@@ -8,6 +8,12 @@ criterion fired, gate-exact's chosen state), and updates it with the track's one
 (`ExitTrack.after_iteration`) for each group of the call's rows that read alike: the rows sit at different
 iterations, so each group's reading schedule is given. The step runner counts each row's iterations and
 decides, with `exit_track.done_iterating`, whether a row is done: `exited` and `runs_on` are what it reads here.
+
+A criterion that compares the latent states alone (latent-diff, cosine: `CriterionSpec.state_only`) needs nothing
+from the host to be read, so the static step reads it itself after each iteration it runs (`read`,
+from each row's criterion, threshold, patience and reading interval, kept on the device when the request is
+admitted): several iterations can then run in one call, a row that exits among them frozen at its exit. The host's
+reading (`update`) leaves those rows to it when the step is static.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.execution.model_calls import Call, ModelCalls
-from rdlm.inference.exits.criteria import ExitCriterion
+from rdlm.inference.exits.criteria import CRITERIA, ExitCriterion
 from rdlm.inference.exits.track import ExitTrack, exit_schedule
+
+STATE_ONLY = tuple(name for name, spec in CRITERIA.items() if spec.state_only)  # read by the static step itself
 
 
 class RowExits:
@@ -35,11 +43,60 @@ class RowExits:
         self.remaining, self.cumulative = track.remaining, track.cumulative
         self.chosen = torch.zeros_like(state[:, -1])
         self.runs_on = torch.zeros_like(track.exited)  # gate-exact rows: their exit only chooses a state
+        # The state-only criteria the static step reads (`read`), per row: which (0: none, else 1 + its
+        # place in STATE_ONLY), its threshold, patience and reading interval (`exit_every`).
+        self.kind = torch.zeros_like(self.streak)
+        self.threshold = torch.zeros(max_batch, dtype=torch.float32, device=state.device)
+        self.patience, self.every = torch.ones_like(self.streak), torch.ones_like(self.streak)
+        self.in_step: tuple[str, ...] = ()  # the names among them of the rows admitted so far, in STATE_ONLY's order
 
     @property
     def exit_state(self) -> Tensor:
         """[max_batch, 1, h]: gate-exact's chosen state per row (read out when the token is done)."""
         return self.chosen.unsqueeze(1)
+
+    def admit(self, row: int, criterion: ExitCriterion | None, every: int) -> None:
+        """A request enters `row` with `criterion` read every `every` iterations: what the static step reads of
+        it (`read`), if it compares the states alone."""
+        if criterion is None or not criterion.spec.state_only:
+            self.kind[row] = 0
+            return
+        self.kind[row] = STATE_ONLY.index(criterion.name) + 1
+        self.threshold[row], self.patience[row], self.every[row] = criterion.threshold, criterion.patience, every
+        if criterion.name not in self.in_step:
+            self.in_step = tuple(name for name in STATE_ONLY if name in self.in_step or name == criterion.name)
+
+    def read(
+        self,
+        names: tuple[str, ...],
+        prev_state: Tensor,
+        state: Tensor,
+        running: Tensor,
+        iterations: Tensor,
+        cap: Tensor,
+        min_steps: Tensor,
+    ) -> tuple[Tensor, Tensor] | None:
+        """The readings of the state-only criteria `names` after an iteration of the batch's first k rows, on the
+        device (no host number: a static step reads them between the iterations it runs): the rows' new streaks
+        and exited flags [k], or None for no names. The states went from `prev_state` to `state` ([k, 1, h]);
+        `running`: the rows that ran it, `iterations` [k] counting it, `cap` and `min_steps` theirs. The rule of
+        `update` (`ExitTrack.read_criterion` at the iterations of `exit_schedule`), row by row; a row whose
+        criterion is not among `names` keeps its streak and flag."""
+        if not names:
+            return None
+        k = state.shape[0]
+        kind, streak, exited = self.kind.narrow(0, 0, k), self.streak.narrow(0, 0, k), self.exited.narrow(0, 0, k)
+        done = iterations - 1  # the 0-based iteration just run
+        reads = running & (done > 0) & (done < cap - 1) & (iterations % self.every.narrow(0, 0, k) == 0)
+        score, known = torch.zeros_like(self.threshold.narrow(0, 0, k)), torch.zeros_like(reads)
+        for name in names:
+            mine = kind == STATE_ONLY.index(name) + 1
+            score = torch.where(mine, CRITERIA[name].score(None, None, prev_state[:, -1], state[:, -1]), score)
+            known = known | mine
+        reads = reads & known
+        passing = torch.where(score < self.threshold.narrow(0, 0, k), streak + 1, 0)  # the streak if read now
+        fired = reads & (passing >= self.patience.narrow(0, 0, k)) & (iterations >= min_steps)
+        return torch.where(reads, passing, streak), exited | fired
 
     def reset(self, rows: Tensor | slice, runs_on: Tensor | None = None) -> None:
         """Rows starting a token (`runs_on`: those whose criterion is gate-exact)."""
@@ -57,14 +114,16 @@ class RowExits:
         running: Tensor,
         iterations: Tensor,
         min_steps: Tensor,
+        static: bool = False,
     ) -> None:
         """Each running row's exit reading after this iteration (`ExitTrack.after_iteration`, the runner having
         counted it in `iterations`); `min_steps` are the rows' own. `members` (with `.criterion`, `.iteration`:
-        iterations run with this one, `.cap`, `.config`) are the call's rows in order, at batch rows `rows`."""
+        iterations run with this one, `.cap`, `.config`) are the call's rows in order, at batch rows `rows`.
+        `static`: the iteration ran as the static step, which read the state-only criteria (`read`)."""
         self._gate(members, rows, prev_state, state, running, iterations, min_steps)
         evaluate, readout = [], []  # rows whose criterion is read now; rows that need this iteration's logits
         for j, q in enumerate(members):
-            if q.criterion is None or q.criterion.uses_gate:
+            if q.criterion is None or q.criterion.uses_gate or (static and q.criterion.spec.state_only):
                 continue
             now, next_reads = exit_schedule(q.iteration - 1, q.cap, q.config.exit_every)
             if now:

@@ -27,7 +27,7 @@ from rdlm.inference.execution.cpu_compile import (
 from rdlm.inference.execution.graphs import StaticSteps
 from rdlm.inference.execution.model_calls import Call, ModelCalls
 from rdlm.inference.exits.track import done_iterating
-from rdlm.inference.runner.row_exits import RowExits
+from rdlm.inference.runner.row_exits import STATE_ONLY, RowExits
 
 # The compiled step (the CPU's) computes the batch's first rows up to the last decoding one (a power of two) and
 # reads their keys up to the last one's end (rounded up to a multiple of KEYS_STEP), two sizes it takes as the
@@ -140,11 +140,14 @@ class StaticStep:
         captures it once per n; compiled on the CPU, the call computes the rows up to the last decoding one and
         reads their keys up to `end`, their largest buffer index + 1). A row that is not decoding (free,
         prefilling its prompt or waiting for its coda) or has stopped keeps its state and writes nothing; each
-        iteration updates the rows' counts and stopped flags on the device (`done_iterating`)."""
+        iteration updates the rows' counts, reads the state-only exit criteria (`RowExits.read`) and
+        updates the stopped flags on the device (`done_iterating`), so a row that exits inside the call is frozen
+        there."""
         self.mark_decoding(rows)
         keys = None if self.compiled is None or end is None else self.keys(end)
         span = None if keys is None else self.span(max(rows) + 1)  # (`iteration`)
-        self.steps.run(("core iterations", n), lambda: self.iterations(n, keys, span), idempotent=False)
+        key = ("core iterations", n, self.exits.in_step)  # (a graph reads the criteria of the rows admitted so far)
+        self.steps.run(key, lambda: self.iterations(n, keys, span), idempotent=False)
         if n > 1:
             self.fused_iterations += n
 
@@ -182,11 +185,16 @@ class StaticStep:
         up to KEYS_STEP, at most the buffer."""
         return _dynamic(self._keys, -(-end // KEYS_STEP) * KEYS_STEP)
 
-    def iteration(self, keys: Tensor | None = None, span: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def iteration(
+        self, keys: Tensor | None = None, span: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
         """The static body of one iteration: (the new state of the batch's first rows, those of them that
-        iterated: decoding, not stopped). `keys`: a tensor whose length is the buffer entries read (every
-        decoding row's index below it; None: the whole buffer); `span`: one whose length is the rows computed
-        (every decoding row below it; None: all of them)."""
+        iterated: decoding, not stopped, and the exit readings of their state-only criteria: the rows' new
+        streaks and exited flags, `RowExits.read`; None where no row has one). `keys`: a tensor whose length is the
+        buffer entries read (every decoding row's index below it; None: the whole buffer); `span`: one whose
+        length is the rows computed (every decoding row below it; None: all of them). Compiled, it reads every
+        state-only criterion whether a row has it or not (a few elementwise ops in the compiled code), so the
+        first request with one compiles nothing new."""
         t = self.rows
         k = t.state.shape[0] if span is None else span.shape[0]
         first = lambda x: x.narrow(0, 0, k)  # noqa: E731  (narrow, not a slice: k may be every row)
@@ -194,7 +202,11 @@ class StaticStep:
         end = None if keys is None else keys.shape[0]
         call = self.calls.every_row(first(t.write_index), first(t.iterations) % first(t.budget), writers, end)
         out = self.calls.iterate_once(first(t.state), first(t.embedded), 0, call)
-        return torch.where(writers.view(-1, 1, 1), out, first(t.state)), writers
+        state = torch.where(writers.view(-1, 1, 1), out, first(t.state))
+        names = STATE_ONLY if self.compiled is not None else self.exits.in_step
+        iterations = first(t.iterations) + writers.long()  # (counted by the caller)
+        read = self.exits.read(names, first(t.state), state, writers, iterations, first(t.cap), first(t.min_steps))
+        return state, writers, read
 
     def prelude_body(self, keys: Tensor, span: Tensor) -> Tensor:
         """The static body of the prelude (compiled: `prelude`): the new `embedded` of the batch's first rows
@@ -221,10 +233,13 @@ class StaticStep:
         t = self.rows
         iteration = self.iteration if self.compiled is None else self.compiled
         for _ in range(n):
-            state, writers = iteration() if keys is None or span is None else iteration(keys, span)
+            state, writers, read = iteration() if keys is None or span is None else iteration(keys, span)
             k = writers.shape[0]
             t.state[:k].copy_(state)
             t.iterations[:k] += writers.long()
+            if read is not None:
+                self.exits.streak[:k].copy_(read[0])
+                self.exits.exited[:k].copy_(read[1])
             t.stopped |= self.decoding & done_iterating(self.exits.exited, t.iterations, t.cap, self.exits.runs_on)
         return ()
 

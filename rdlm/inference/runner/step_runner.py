@@ -21,9 +21,10 @@ A plan's core iterations run one of three ways, each one place here:
   static steps or over the rows' slice.
 
 The exit criteria are evaluated after a plan's single iteration (`RowExits`); a lockstep token decides
-them inside its iterations; fused iterations have none to decide. The codas (a lockstep token's, the
-prompts', and the done rows' that the scheduler finds due after the step: `coda`) choose the next tokens
-here (`choose_rows`): the scheduler learns them, and what the look found, from the output alone. Every
+them inside its iterations; the static step reads the state-only criteria (latent-diff, cosine) itself after
+each iteration it runs, so fused iterations may hold such rows (`RowExits.read`). The codas (a lockstep
+token's, the prompts', and the done rows' that the scheduler finds due after the step: `coda`) choose the
+next tokens here (`choose_rows`): the scheduler learns them, and what the look found, from the output alone. Every
 decision of what runs (looks, codas, prompt ends, caps, cancellations) is the plan's: the runner carries it
 out.
 """
@@ -144,6 +145,7 @@ class StepRunner:
                 a.request, a.row, list(a.prompt), a.config, a.criterion, a.budget, generator, noise
             )
             self.calls.route(a.row, a.config.adapter)
+            self.exits.admit(a.row, a.criterion, a.config.exit_every)
         if admitted:
             self._last_inputs = None  # a call built before holds the rows' adapters of then
         for spec in chunks:
@@ -319,7 +321,7 @@ class StepRunner:
         chunks = [self.chunks[k] for k in plan.prompts if k in self.chunks]
         out.prompt_iterations = max(share, 1) if chunks else 0  # the first runs in any case
         n = plan.iterations
-        if computing and n > 1:  # fused (static) iterations: no exit criterion to read
+        if computing and n > 1:  # fused (static) iterations: only state-only criteria, read inside the call
             self._static(computing, n)
         elif computing:
             rows, call = self._inputs([(it.row, it.position) for it in computing])
@@ -349,7 +351,9 @@ class StepRunner:
             self.t.iterations[select] += running.long()
         with self.phases.timed("exit evaluation"):
             members = [_Member(self.rows[it.request], it.iteration + 1, it.cap) for it in computing]
-            self.exits.update(members, rows, call, prev_state, state, running, self.t.iterations, self.t.min_steps)
+            self.exits.update(
+                members, rows, call, prev_state, state, running, self.t.iterations, self.t.min_steps, self.static
+            )
             # over every row (one op each, no gather): a row that is not computing has stopped already, or does
             # not decode, and its flag is reset when its next token starts
             self.t.stopped |= done_iterating(self.exits.exited, self.t.iterations, self.t.cap, self.exits.runs_on)

@@ -26,13 +26,13 @@ class EngineSettings:
     """The continuous batch's settings, stored once and read by its parts (the scheduler, the step runner).
 
     `max_batch` rows over a cache of `max_length` entries and `num_slots` core slots per row;
-    `exit_sync_every`: steps between the host's looks at the exit flags; `coda_every`: steps a done row may
-    wait for others to run the coda with; `prefill_chunk`: prompt token-iterations per step; `static`: the
-    rows' iterations run as static steps (CUDA graphs on CUDA); `rides_along`: a row done on the device
-    since the last look stays in the core's calls, frozen (a static step, or a device where reading the
-    flags waits for the queued work); `lockstep`: a token every row starts together may run all its iterations
-    in one call (rdlm.inference.runner.lockstep; off where the static step is compiled for the CPU, which runs every
-    token through it)."""
+    `exit_sync_every`: core iterations between the host's looks at the exit flags; `coda_every`: core
+    iterations a done row may wait for others to run the coda with (a step runs one, or several fused);
+    `prefill_chunk`: prompt token-iterations per step; `static`: the rows' iterations run as static steps (CUDA
+    graphs on CUDA); `rides_along`: a row done on the device since the last look stays in the core's calls,
+    frozen (a static step, or a device where reading the flags waits for the queued work); `lockstep`: a token
+    every row starts together may run all its iterations in one call (rdlm.inference.runner.lockstep; off where
+    the static step is compiled for the CPU, which runs every token through it)."""
 
     max_batch: int
     max_length: int
@@ -147,14 +147,16 @@ class StepPlan:
     4. `rounds`: requests that decode a round at a time, each in calls of their own;
     5. the core: a `lockstep` token (the `iterating` rows started it together: all its `iterations` in this
        step, exits decided on the device, then the coda), or `iterations` core iterations (1, or a power of
-       two fused into one static call) of the `iterating` rows, with `prompt_iterations` iterations of the
+       two fused into one static call, which reads the rows' state-only exit criteria itself) of the
+       `iterating` rows, with `prompt_iterations` iterations of the
        prompt chunks in flight (`prompts`, in order; `prompt_iterations_alone` when no row computes);
        `peek`: a row done on the device since the last look leaves the call (its flag is read for free);
        `since_look`: a row may be done on the device;
     6. the prompt chunks that ran their iterations: their coda, and the first token of each request whose
        prompt ends there (`ChunkSpec.ends`, `chooses`);
-    7. the look: the host reads the iterating rows' exit flags when `look` (every `exit_sync_every` steps),
-       or when a request of `look_at_cap` computed (its token reaches its cap in this step)."""
+    7. the look: the host reads the iterating rows' exit flags when `look` (every `exit_sync_every` core
+       iterations, where a row has an exit criterion), or when a request of `look_at_cap` computed (its token
+       reaches its cap in this step)."""
 
     wipe: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()

@@ -13,8 +13,9 @@ WAITING: queued for a row. PREFILLING: its prompt runs in chunks (rdlm.inference
 token is chosen. STARTING: a token was chosen; the prelude and s_0 of the next position come at the next
 step (with the static step, a fixed-depth token waits until the rows iterating, all at one iteration of
 their tokens, end theirs, so that the batch stays in one phase: `_hold_for_phase`). ITERATING: the token's
-core iterations run, one per step (or all at once in lockstep). AWAITING_CODA: the token stopped iterating
-(an exit, or its cap), found so when the host looked; its coda comes when due. A request leaves its row when
+core iterations run, one per step (several fused into a static step's call: `fusable`; or all at once in
+lockstep). AWAITING_CODA: the token stopped iterating (an exit, or its cap), found so when the host looked;
+its coda comes when due. A request leaves its row when
 its last token is chosen, when it fails or when it is cancelled; a request for no new tokens (a prefill
 alone) when its prompt is in the cache.
 
@@ -109,8 +110,8 @@ class Scheduler:
         self.cancelled: set[int] = set()
         self.chunks: list[Chunk] = []  # prompts being prefilled, in the order their iterations run
         self.chunk_ids = itertools.count()
-        self.steps_run = 0  # steps run: the clock of the waits for a coda
-        self.since_look = 0  # steps since the host last read the exit flags
+        self.clock = 0  # core iterations run by the steps (one a step, or those fused): the waits for a coda
+        self.since_look = 0  # core iterations run since the host last read the exit flags
         self.failures: list[tuple[int, Exception]] = []  # requests that failed alone, for the engine's caller
         self.drafted = self.accepted = 0  # self-speculative decoding's drafts, in all
         self._wipe: list[int] = []  # rows freed by a failure since the last plan
@@ -213,7 +214,7 @@ class Scheduler:
             prompts=tuple(c.spec.chunk for c in self.chunks),
             prompt_iterations=share if iterating else alone,
             prompt_iterations_alone=alone,
-            look=bool(iterating) and self.since_look + 1 >= s.exit_sync_every,
+            look=any(q.criterion is not None for q in iterating) and self.since_look + n >= s.exit_sync_every,
             look_at_cap=tuple(q.id for q in iterating if at_cap(q.iteration + n, q.cap)),
         )
 
@@ -348,19 +349,29 @@ class Scheduler:
         )
 
     def fusable(self, requests: list[Request], prompts_in_flight: bool) -> int:
-        """How many core iterations the next step may run at once (1: the usual one). With the static step,
-        when nothing can change between iterations but the iteration counts (no row with an exit criterion,
-        no prompt in flight or able to join, no row waiting for its coda), the largest power of two that
-        no row's cap cuts short."""
+        """How many core iterations the next step may run at once (1: the usual one). With the static step, when
+        nothing can change between iterations but what the step decides on the device (the counts, and the
+        exits of state-only criteria, which it reads itself: rdlm.inference.runner.row_exits) and no prompt is in
+        flight or able to join: the largest power of two that no row's cap cuts short, nor the wait of a row
+        found done for its coda, nor, with an exit criterion, the host's next look (`exit_sync_every`
+        iterations after the last)."""
+        s = self.settings
+        criteria = [q.criterion for q in requests if q.criterion is not None]
         if (
-            not self.settings.static
+            not s.static
             or prompts_in_flight
             or (self.waiting and None in self.rows)
-            or any(q.criterion is not None for q in requests)
-            or len(requests) + self.holding < self.running
+            or any(not c.spec.state_only for c in criteria)
         ):
             return 1
         left = min(q.cap - q.iteration for q in requests)
+        if criteria:
+            left = min(left, s.exit_sync_every - self.since_look)
+        if len(requests) + self.holding < self.running:  # rows wait for their coda (or decode in rounds)
+            done = self.with_status(Status.AWAITING_CODA)
+            if len(requests) + self.holding + len(done) < self.running:
+                return 1
+            left = min(left, self._coda_wait(done))
         return 1 << (left.bit_length() - 1) if left > 1 else 1
 
     def extra_prompt_iterations(self, chunk_tokens: int, iterations_left: int, decoding: bool) -> int:
@@ -380,7 +391,7 @@ class Scheduler:
         events: list[BatchEvent] = []
         for done in out.rounds:
             self._round(done, events)
-        self.steps_run += 1
+        self.clock += plan.iterations
         if plan.lockstep:
             return self.coda_ran(out.lockstep)
         ended = set(out.ended)
@@ -396,22 +407,22 @@ class Scheduler:
             if q.id in computed:
                 q.iteration += plan.iterations
         if plan.iterating:
-            self.since_look += 1
+            self.since_look += plan.iterations
         if out.found is not None:
             self.since_look = 0
             for q in self.with_status(Status.ITERATING):
                 if q.id in out.found:
-                    q.status, q.stopped_at, q.iteration = Status.AWAITING_CODA, self.steps_run, out.found[q.id]
+                    q.status, q.stopped_at, q.iteration = Status.AWAITING_CODA, self.clock, out.found[q.id]
         return events
 
     def coda_due(self) -> tuple[Done, ...] | None:
         """The rows found done whose coda runs now (in the order of the rows), or None: once one has waited
-        `coda_every` - 1 steps, or half the decoding rows wait, or no row still iterating could be done before
-        the wait ends (a row with an exit criterion may exit any time; one without ends at its cap)."""
+        `coda_every` - 1 core iterations, or half the decoding rows wait, or no row still iterating could be done
+        before the wait ends (a row with an exit criterion may exit any time; one without ends at its cap)."""
         done = self.with_status(Status.AWAITING_CODA)
         if not done:
             return None
-        wait = self.settings.coda_every - 1 - (self.steps_run - min(q.stopped_at for q in done))
+        wait = self._coda_wait(done)
         decoding = sum(q.status is not Status.PREFILLING for q in self.active)
         blocked = any(
             q.criterion is not None or q.cap - q.iteration <= wait for q in self.with_status(Status.ITERATING)
@@ -419,6 +430,10 @@ class Scheduler:
         if wait > 0 and 2 * len(done) < decoding and blocked:
             return None
         return tuple(Done(q.id, q.row, q.length, q.iteration) for q in done)  # (rows hold them in order)
+
+    def _coda_wait(self, done: list[Request]) -> int:
+        """The core iterations the rows found done (`done`) may still wait for their coda."""
+        return self.settings.coda_every - 1 - (self.clock - min(q.stopped_at for q in done))
 
     def coda_ran(self, chosen: list[Chosen]) -> list[BatchEvent]:
         """A coda ran over these requests' done tokens (each now in the cache) and chose their next tokens; the

@@ -33,8 +33,8 @@ class ServeConfig:
     max_length: int | None = None  # tokens per row (prompt + completion); default: the model's context
     num_slots: int = 32  # core cache slots per token: the largest r without a cache budget
     prefill_chunk: int = 256  # prompt token-iterations per step (and the longest chunk of a prompt)
-    coda_every: int = 8  # steps a done row may wait for others to run the coda with
-    exit_sync_every: int = 4  # steps between the batch's looks at the exit flags (rows found done
+    coda_every: int = 8  # core iterations a done row may wait for others to run the coda with
+    exit_sync_every: int = 4  # core iterations between the batch's looks at the exit flags (rows found done
     # then leave its calls: rdlm.inference.batching)
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=256))
     retry_after: int = 1  # seconds, in the Retry-After of a 503
