@@ -237,7 +237,7 @@ class StaticStep:
             k = writers.shape[0]
             t.state[:k].copy_(state)
             t.iterations[:k] += writers.long()
-            if read is not None:
+            if read is not None and self.exits.in_step:  # (compiled, it reads them whether any row has one)
                 self.exits.streak[:k].copy_(read[0])
                 self.exits.exited[:k].copy_(read[1])
             t.stopped |= self.decoding & done_iterating(self.exits.exited, t.iterations, t.cap, self.exits.runs_on)
