@@ -8,7 +8,15 @@ each mode. Run it in the vLLM environment (both servers then run on the same tor
 Each server runs as a subprocess on 127.0.0.1 (a free port); `--clients` threads send streamed completions
 of `--new-tokens` back to back from the same prompts until `--seconds` pass. The two servers alternate
 (rdlm, vLLM, then vLLM, rdlm, ...) for `--rounds` rounds per mode; printed per run: completion tokens/s, time
-to first token and time per output token (p50), and the ratio vLLM / rdlm of each round's pair.
+to first token and time per output token (p50), and the ratio vLLM / rdlm of each round's pair. Below each run,
+the server's own account of the first token (its /metrics, means): from the request's arrival and from its
+admission (rdlm: joining the batch; vLLM: first scheduled), and the other one's difference (waiting for the
+step in flight, queueing, tokenizing).
+
+Requests of the same length started together end together, so with `--spread 0` (the default) the clients
+send their next requests in bursts (a burst of 7 of 8, measured on two cores, either server), each server
+prefilling several prompts in one step. `--spread s` gives the k-th request of the run `--new-tokens` +/- s
+tokens (a fixed pattern in k, the same for both servers), so that requests end and arrive apart.
 
 Then, in this process, vLLM's engine alone (`vllm.LLM`) on the same prompts: tokens/s and the core iterations
 each decoded token ran, at fixed r and with the exit criterion (the plugin counts them: `model.stats`),
@@ -82,8 +90,30 @@ def start(kind: str, args, port: int, criterion: str | None, log: Path) -> subpr
     return proc
 
 
+def max_tokens(args, j: int) -> int:
+    """The j-th request's completion length: `--new-tokens`, spread by `--spread` (a fixed pattern in j)."""
+    return args.new_tokens + (j * 7919 + 13) % (2 * args.spread + 1) - args.spread
+
+
+# Each server's own histograms of a request's first token (/metrics): (from arrival, from admission).
+FIRST_TOKEN = {"rdlm": ("rdlm_time_to_first_token_seconds", "rdlm_prefill_seconds"),
+               "vllm": ("vllm:time_to_first_token_seconds", "vllm:request_prefill_time_seconds")}
+
+
+def server_means(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The mean of each histogram `names` in a Prometheus exposition `text` (labels summed over)."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        sums[key.split("{")[0]] = sums.get(key.split("{")[0], 0.0) + float(value)
+    return {name: sums.get(f"{name}_sum", float("nan")) / max(sums.get(f"{name}_count", 0.0), 1.0) for name in names}
+
+
 def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str], eos: int) -> dict:
-    """Completion tokens/s, TTFT (p50 and p90) and TPOT (p50) of `--clients` streaming clients for `--seconds`."""
+    """Completion tokens/s, TTFT (p50 and p90) and TPOT (p50) of `--clients` streaming clients for `--seconds`,
+    and the server's own mean first-token times (`FIRST_TOKEN`)."""
     httpx = http_client()
     port = free_port()
     proc = start(kind, args, port, criterion, log)
@@ -98,7 +128,7 @@ def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str],
             with httpx.Client(timeout=300) as http:
                 while time.perf_counter() < stop_at:
                     body = {"model": "bench", "prompt": texts[j % len(texts)], "stream": True, "temperature": 0,
-                            "max_tokens": args.new_tokens, "stream_options": {"include_usage": True}}
+                            "max_tokens": max_tokens(args, j), "stream_options": {"include_usage": True}}
                     if kind == "vllm":
                         body["stop_token_ids"] = [eos]  # where rdlm serve stops: the tokenizer's end of text
                     t0, stamps, used = time.perf_counter(), [], 0
@@ -125,14 +155,16 @@ def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str],
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - begin
+        means = server_means(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text, FIRST_TOKEN[kind])
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    arrival, admission = (means[name] for name in FIRST_TOKEN[kind])
     return {"tok_s": tokens[0] / elapsed, "ttft": percentile(ttft, 0.5), "ttft90": percentile(ttft, 0.9),
-            "tpot": percentile(tpot, 0.5)}
+            "tpot": percentile(tpot, 0.5), "server_ttft": arrival, "server_prefill": admission}
 
 
 def task_prompts(args, count: int | None = None) -> tuple[list[list[int]], list[str], list[str]] | None:
@@ -286,6 +318,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--rounds", type=int, default=2, help="rdlm/vLLM pairs per mode, alternated")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--spread", type=int, default=0,
+                        help="request k asks for --new-tokens +/- this many tokens (a fixed pattern in k), so that "
+                             "requests end and arrive apart (default 0: the same length, arrivals in bursts)")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--exit-criterion", default="latent-diff", help="the adaptive mode's ('none': fixed r only)")
     parser.add_argument("--exit-threshold", type=float, default=0.03)
@@ -308,6 +343,8 @@ def main() -> None:
     for name in ("num_steps", "clients", "rounds", "new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.spread < args.new_tokens:
+        parser.error(f"--spread must be at least 0 and less than --new-tokens ({args.new_tokens}), got {args.spread}")
     if not args.seconds > 0:
         parser.error("--seconds must be > 0")
     with tempfile.TemporaryDirectory() as tmp:
@@ -319,8 +356,10 @@ def main() -> None:
         eos = Tokenizer.load(args.model).eos_id
         task = task_prompts(args)
         texts = PROMPTS if task is None else task[2]
+        spread = f" +/- {args.spread}" if args.spread else ""
         print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; model {args.model}, r = "
-              f"{args.num_steps}, {args.clients} clients x {args.new_tokens} new tokens, {args.seconds:g} s per run")
+              f"{args.num_steps}, {args.clients} clients x {args.new_tokens}{spread} new tokens, {args.seconds:g} s "
+              "per run")
         for criterion in [] if args.no_servers else modes:
             label = "fixed r" if criterion is None else f"{criterion} < {args.exit_threshold:g}"
             ratios = []
@@ -333,6 +372,8 @@ def main() -> None:
                     print(f"{label:24} round {k + 1} {kind:5} {m['tok_s']:8.1f} tok/s  TTFT p50 {m['ttft'] * 1e3:7.1f}"
                           f" p90 {m['ttft90'] * 1e3:7.1f} ms"
                           f"  TPOT p50 {m['tpot'] * 1e3:6.1f} ms  (load {os.getloadavg()[0]:.2f})", flush=True)
+                    print(f"{'':24}   in the server, first token from arrival {m['server_ttft'] * 1e3:6.1f} ms, "
+                          f"from admission {m['server_prefill'] * 1e3:6.1f} ms (means)", flush=True)
             print(f"{label:24} vLLM / rdlm serve tokens/s: " + ", ".join(f"{r:.2f}" for r in ratios), flush=True)
         if args.no_engine:
             return
