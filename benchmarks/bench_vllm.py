@@ -10,8 +10,8 @@ of `--new-tokens` back to back from the same prompts until `--seconds` pass. The
 (rdlm, vLLM, then vLLM, rdlm, ...) for `--rounds` rounds per mode; printed per run: completion tokens/s, time
 to first token and time per output token (p50), and the ratio vLLM / rdlm of each round's pair. Below each run,
 the server's own account of the first token (its /metrics, means): from the request's arrival and from its
-admission (rdlm: joining the batch; vLLM: first scheduled), and the other one's difference (waiting for the
-step in flight, queueing, tokenizing).
+admission (rdlm: joining the batch; vLLM: first scheduled); between the two lie waiting for the step in
+flight, queueing and tokenizing (nan where a server's version lacks the histogram).
 
 Requests of the same length started together end together, so with `--spread 0` (the default) the clients
 send their next requests in bursts (a burst of 7 of 8, measured on two cores, either server), each server
