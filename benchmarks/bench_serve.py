@@ -176,11 +176,23 @@ def serve(args, prompts: list[str], exit_criterion: str | None, clients: int, ba
             phases[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("rdlm_batch_step_seconds_total "):
             phases["steps"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith(("rdlm_time_to_first_token_seconds_sum ", "rdlm_time_to_first_token_seconds_count ")):
-            phases[line.split()[0]] = float(line.rsplit(" ", 1)[1])
+    (server_ttft,) = histogram_means(exported, ("rdlm_time_to_first_token_seconds",)).values()
     return dict(tps=tokens[0] / elapsed, ttft=ttft, tpot=tpot, requests=len(ttft), seconds=elapsed,
-                mean_iterations=iterations[0] / max(tokens[0], 1), phases=phases, clients_cpu=clients_cpu,
-                server_cpu=server_cpu, prompt_per_token=prompted[0] / max(tokens[0], 1))
+                server_ttft=server_ttft, mean_iterations=iterations[0] / max(tokens[0], 1), phases=phases,
+                clients_cpu=clients_cpu, server_cpu=server_cpu, prompt_per_token=prompted[0] / max(tokens[0], 1))
+
+
+def histogram_means(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The mean of each Prometheus histogram `names` in a /metrics exposition `text` (its series summed over their
+    labels); nan for one the text lacks."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        series = key.split("{")[0]
+        sums[series] = sums.get(series, 0.0) + float(value)
+    return {name: sums.get(f"{name}_sum", float("nan")) / max(sums.get(f"{name}_count", 0.0), 1.0) for name in names}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -344,18 +356,16 @@ def report(args, name: str, served: dict, off: dict, batch: int) -> None:
           f"{percentile(served['ttft'], 0.5) * 1e3:.0f} ms p99 {percentile(served['ttft'], 0.99) * 1e3:.0f} ms | "
           f"per token p50 {percentile(served['tpot'], 0.5) * 1e3:.1f} ms p99 "
           f"{percentile(served['tpot'], 0.99) * 1e3:.1f} ms")
-    ph = served["phases"]
-    server_ttft = ph.get("rdlm_time_to_first_token_seconds_sum", float("nan")) / max(
-        ph.get("rdlm_time_to_first_token_seconds_count", 0), 1)
+    ph, server_ttft = served["phases"], served["server_ttft"]
     print(f"{name}: {served['seconds']:.1f} s: the batch stepped {ph.get('steps', float('nan')):.1f} s; "
           f"CPU seconds: server {served['server_cpu']:.1f}, clients {served['clients_cpu']:.1f}; "
           f"TTFT in the server (from submission) mean {server_ttft * 1e3:.0f} ms")
     if args.profile:
         steps = ph.get("steps", 0.0)
         for phase, seconds in ph.items():
-            if phase != "steps" and not phase.startswith("rdlm_"):
+            if phase != "steps":
                 print(f"    {phase:32s} {seconds:7.2f} s  {seconds / served['seconds']:6.1%}")
-        rest = steps - sum(v for p, v in ph.items() if p != "steps" and not p.startswith("rdlm_"))
+        rest = steps - sum(v for p, v in ph.items() if p != "steps")
         print(f"    {'host bookkeeping in steps':32s} {rest:7.2f} s  {rest / served['seconds']:6.1%}")
         print(f"    {'outside steps (idle, HTTP)':32s} {served['seconds'] - steps:7.2f} s  "
               f"{(served['seconds'] - steps) / served['seconds']:6.1%}")

@@ -45,7 +45,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_serve import free_port, http_client, percentile, wait_until_serving  # noqa: E402
+from benchmarks.bench_serve import (  # noqa: E402
+    free_port,
+    histogram_means,
+    http_client,
+    percentile,
+    wait_until_serving,
+)
 
 PROMPTS = ["The capital of France is", "Two plus two is", "Ravens are black birds and",
            "The sun rises in the", "Water boils at one hundred degrees", "A week has seven"]
@@ -100,20 +106,9 @@ FIRST_TOKEN = {"rdlm": ("rdlm_time_to_first_token_seconds", "rdlm_prefill_second
                "vllm": ("vllm:time_to_first_token_seconds", "vllm:request_prefill_time_seconds")}
 
 
-def server_means(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """The mean of each histogram `names` in a Prometheus exposition `text` (labels summed over)."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        key, value = line.rsplit(" ", 1)
-        sums[key.split("{")[0]] = sums.get(key.split("{")[0], 0.0) + float(value)
-    return {name: sums.get(f"{name}_sum", float("nan")) / max(sums.get(f"{name}_count", 0.0), 1.0) for name in names}
-
-
 def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str], eos: int) -> dict:
     """Completion tokens/s, TTFT (p50 and p90) and TPOT (p50) of `--clients` streaming clients for `--seconds`,
-    and the server's own mean first-token times (`FIRST_TOKEN`)."""
+    and the server's own mean first-token times (`FIRST_TOKEN`, bench_serve.histogram_means)."""
     httpx = http_client()
     port = free_port()
     proc = start(kind, args, port, criterion, log)
@@ -155,7 +150,7 @@ def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str],
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - begin
-        means = server_means(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text, FIRST_TOKEN[kind])
+        means = histogram_means(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text, FIRST_TOKEN[kind])
     finally:
         proc.terminate()
         try:
