@@ -2,6 +2,7 @@
 float32 and with quantized weights, never code frozen with other weights, the switches, and the thread count left
 as it was."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -100,19 +101,40 @@ def test_where_compiling_pays_by_default(compiling, monkeypatch):
 
 def test_weights_changed_in_place_are_compiled_again(compiling):
     """Compiled code holds the weights it was frozen with: after an in-place update (what an optimizer step
-    or load_state_dict does) the compiled step must give the new weights' tokens, not the old ones'."""
+    or load_state_dict does) the compiled step must give the new weights' tokens, not the old ones'. One engine
+    serves before and after (as `rdlm serve` keeps one): a call of shapes its step has run skips dynamo's full
+    guard check, so the update must reach it through the stamp, as must the other settings that check covers."""
     model = tiny(1)
     config = GenerationConfig(num_steps=4, max_new_tokens=8, seed=0)
-    before = run(model, config, True).tokens
-    assert before == run(model, config, False).tokens
+    batch = ContinuousBatch(model, max_batch=len(PROMPTS), max_length=32, num_slots=4, compile=True)
+
+    def served():
+        ids = [batch.add(prompt, config) for prompt in PROMPTS]
+        tokens: dict[int, list[int]] = {rid: [] for rid in ids}
+        while batch.busy:
+            for e in batch.step():
+                tokens[e.request].append(e.token)
+        return [tokens[rid] for rid in ids]
+
+    before = served()
+    assert before == run(model, config, False).tokens == served()  # (the second: shapes the step has run)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)
     eager = run(model, config, False).tokens
     assert eager != before  # (the update changes the tokens, so the check below can fail)
-    assert run(model, config, True).tokens == eager
+    assert served() == eager
     stamp = cpu_compile.weights_stamp(model)
     assert stamp == cpu_compile.weights_stamp(model) != cpu_compile.weights_stamp(tiny(1))  # another object
+    model.set_attention("eager")
+    assert cpu_compile.weights_stamp(model) != stamp
+    model.set_attention("sdpa")
+    assert cpu_compile.weights_stamp(model) == stamp
+    model.train()
+    assert cpu_compile.weights_stamp(model) != stamp
+    model.eval()
+    model.config = dataclasses.replace(model.config, test_time_noise=0.5)
+    assert cpu_compile.weights_stamp(model) != stamp
 
 
 def test_warm_up_compiles_without_changing_the_batch(compiling):
