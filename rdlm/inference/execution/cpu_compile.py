@@ -18,8 +18,9 @@ with the head, each over the batch's first rows (`compiled_parts`):
 - dynamo's guards are checked in full only at a call of argument shapes the step has not run yet; later
   calls of those shapes check only the guards that tell its compiled entries apart
   (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`). What the full check would catch cannot change
-  in between: the step's tensors are allocated once for the engine's life, and everything else the code
-  reads (the weights, the module tree, the configuration) is in the stamp, whose change compiles a new copy.
+  in between for what rdlm changes: the step's tensors are allocated once for the engine's life, and the model's
+  weights (so any layer swapped for one with other parameters: quantized, adapted), mode, configuration and
+  attention implementation are in the stamp, whose change compiles a new copy.
   The full check of a core iteration of `small` took ~75-190 µs of a 1.1-4 ms call on an Intel Cascade Lake;
   skipping it decoded 1.06x faster (batch 1 and 4, r = 32; docs/generation.md).
 
@@ -89,6 +90,10 @@ SINGLE_THREAD_ROWS = 16
 # SINGLE_THREAD_ROWS rows and at least this many core iterations per row (512 tokens at r = 32).
 COMPILE_MIN_ITERATIONS = 16384
 LENGTH_BUCKET = 128  # a compiled engine's cache length is rounded up to this, so calls of other lengths reuse it
+
+# A call of shapes a compiled part has run checks only dynamo's differentiating guards (the module doc); False
+# checks them all at every call (benchmarks/bench_cpu_compile.py measures the two).
+SKIP_GUARDS = True
 
 _serials = itertools.count(1)
 
@@ -217,7 +222,7 @@ class Compiled:
             return self.eager(*args)
         shapes = tuple(a.shape for a in args)
         if shapes in self._shapes:  # guards checked in full at these shapes' first call (the module doc)
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=SKIP_GUARDS):
                 return self._compiled(self.owner, *args)
         t0 = time.perf_counter()
         try:
