@@ -61,29 +61,36 @@ def alternated(modes: dict, batch: int, rounds: int) -> dict[str, list[float]]:
     return tps
 
 
+def with_setting(name: str, value, model, batch_prompts, config, compiled: bool = True):
+    """A run for `alternated`: `generate` with cpu_compile's module setting `name` at `value` (restored after)."""
+    def run():
+        before = getattr(cpu_compile, name)
+        setattr(cpu_compile, name, value)
+        try:
+            return generate(model, batch_prompts, config, engine=EngineArgs(compile=compiled))
+        finally:
+            setattr(cpu_compile, name, before)
+    return run
+
+
+def print_ratios(label: str, over: list[float], under: list[float]) -> None:
+    ratios = [a / b for a, b in zip(over, under, strict=True)]
+    print(f"{label} per round " + " / ".join(f"{x:.2f}" for x in ratios) + f", median {statistics.median(ratios):.2f}",
+          flush=True)
+
+
 def threads(model, args) -> None:
     torch.set_num_threads(args.threads)
-    single = cpu_compile.SINGLE_THREAD_ROWS
+    single, many = "compiled, 1 thread", f"compiled, {args.threads} threads"
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, num_steps=args.r, temperature=0.0)
-
-    def mode(rows: int, compiled: bool):
-        def run():
-            cpu_compile.SINGLE_THREAD_ROWS = rows
-            try:
-                return generate(model, batch_prompts, config, engine=EngineArgs(compile=compiled))
-            finally:
-                cpu_compile.SINGLE_THREAD_ROWS = single
-        return run
-
     for batch in args.batches:
         batch_prompts = prompts(batch)
-        modes = {"compiled, 1 thread": mode(single, True), f"compiled, {args.threads} threads": mode(0, True),
-                 "eager": mode(single, False)}
+        rows = cpu_compile.SINGLE_THREAD_ROWS
+        modes = {single: with_setting("SINGLE_THREAD_ROWS", rows, model, batch_prompts, config),
+                 many: with_setting("SINGLE_THREAD_ROWS", 0, model, batch_prompts, config),
+                 "eager": with_setting("SINGLE_THREAD_ROWS", rows, model, batch_prompts, config, compiled=False)}
         tps = alternated(modes, batch, args.rounds)
-        one, all_ = tps["compiled, 1 thread"], tps[f"compiled, {args.threads} threads"]
-        print(f"batch {batch}: 1 thread / {args.threads} threads per round "
-              + " / ".join(f"{a / b:.2f}" for a, b in zip(one, all_, strict=True))
-              + f", median {statistics.median(a / b for a, b in zip(one, all_, strict=True)):.2f}", flush=True)
+        print_ratios(f"batch {batch}: 1 thread / {args.threads} threads", tps[single], tps[many])
 
 
 def guards(model, args) -> None:
@@ -116,21 +123,12 @@ def guards(model, args) -> None:
         print(f"core iteration, {rows} rows: full guard check {full:.0f} us, differentiating guards only {skipped:.0f} "
               f"us, {full / skipped:.3f}x ({load()})", flush=True)
 
-    def mode(skip: bool):
-        def run():
-            cpu_compile.SKIP_GUARDS = skip
-            try:
-                return generate(model, batch_prompts, config, engine=EngineArgs(compile=True))
-            finally:
-                cpu_compile.SKIP_GUARDS = True
-        return run
-
     for batch in args.batches:
         batch_prompts = prompts(batch)
-        tps = alternated({"differentiating guards": mode(True), "full check": mode(False)}, batch, args.rounds)
-        ratios = [a / b for a, b in zip(tps["differentiating guards"], tps["full check"], strict=True)]
-        print(f"decode, batch {batch}: differentiating / full per round " + " / ".join(f"{x:.2f}" for x in ratios)
-              + f", median {statistics.median(ratios):.2f}", flush=True)
+        modes = {"differentiating guards": with_setting("SKIP_GUARDS", True, model, batch_prompts, config),
+                 "full check": with_setting("SKIP_GUARDS", False, model, batch_prompts, config)}
+        tps = alternated(modes, batch, args.rounds)
+        print_ratios(f"decode, batch {batch}: differentiating / full", tps["differentiating guards"], tps["full check"])
 
 
 def main() -> None:
