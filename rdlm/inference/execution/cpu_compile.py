@@ -153,13 +153,16 @@ def weights_stamp(model: RecurrentDepthLM) -> int:
     if serial is None:
         serial = next(_serials)
         model.__dict__["_rdlm_serial"] = serial
-    params = list(model.parameters()) + list(model.buffers())
-    settings = (
-        model.training,
-        repr(model.config),
-        tuple(m.implementation for m in model.modules() if isinstance(m, Attention)),
-    )
-    return hash((serial, tuple(p.data_ptr() for p in params), tuple(p._version for p in params), settings))
+    # One pass over the modules (a step's first act reads this: parameters() and buffers() would walk the tree
+    # twice more; on `small` the one pass took ~0.15-0.2 ms against ~0.45 ms)
+    parts: list[object] = [serial, model.training, repr(model.config)]
+    for module in model.modules():
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None:
+                parts += (tensor.data_ptr(), tensor._version)
+        if isinstance(module, Attention):
+            parts.append(module.implementation)
+    return hash(tuple(parts))
 
 
 def _iteration(step: Any, *args: Tensor) -> tuple[Tensor, Tensor]:
