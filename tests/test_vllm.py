@@ -115,21 +115,23 @@ def test_the_fixed_depth_forward_compiles_with_eagers_tokens(models):
 
 
 def test_the_exit_forward_compiles_with_rdlm_generates_tokens(models):
-    """With an exit criterion the compiled forward runs every iteration with exited tokens held (no host look),
-    and a decode step of at most rdlm_exit_eager_tokens tokens runs the eager loop instead: here the first
-    batch's decode steps (3 tokens) run compiled and the second batch's (1 token) eagerly, in one engine. On a
-    k-slot cache (an exited token's held entries in both kinds of slot) the tokens and log-probabilities of both
-    are `rdlm generate`'s with the same criterion (the eager loop alone:
-    test_shared_caches_with_exits_give_rdlm_generate_tokens)."""
+    """With an exit criterion the compiled forward runs the iterations between two looks as one torch.cond, which
+    skips them (filling the slots without attending) once every token of the step has exited, else runs them with
+    exited tokens held; a decode step of at most rdlm_exit_eager_tokens tokens runs the eager loop instead: here
+    the first batch's decode steps (3 tokens) run compiled and the second batch's (1 token) eagerly, in one
+    engine. On a k-slot cache (an exited token's held entries in both kinds of slot) the tokens and
+    log-probabilities of both are `rdlm generate`'s with the same criterion (the eager loop alone:
+    test_shared_caches_with_exits_give_rdlm_generate_tokens), and the compiled steps skipped iterations."""
     prompts = prompts_for(512, lengths=(4, 7, 10, 6), seed=9)
     exits = dict(exit_criterion="latent-diff", exit_threshold=0.5)
     got, stats = served(models["huginn"], [prompts[:3], prompts[3:]], engine=COMPILED, rdlm_num_steps=8,
-                        rdlm_cache_slots=3, rdlm_exit_eager_tokens=2, **{f"rdlm_{k}": v for k, v in exits.items()})
+                        rdlm_cache_slots=6, rdlm_exit_eager_tokens=2, **{f"rdlm_{k}": v for k, v in exits.items()})
     # the eager forward counts its steps: the second batch's decode steps only (r = 8: a shorter graph compiles
     # sooner); their tokens exited early
     assert stats.steps == NEW_TOKENS - 1 and stats.decoded_tokens == NEW_TOKENS - 1
     assert stats.token_iterations < 8 * stats.decoded_tokens
-    rdlm = dict(num_steps=8, cache_strategy="shared", cache_slots=3, **exits)
+    assert stats.compiled_fills > 0  # the compiled steps filled slots < 6 of iterations they skipped
+    rdlm = dict(num_steps=8, cache_strategy="shared", cache_slots=6, **exits)
     assert got == rdlm_tokens(models["huginn"], prompts, **rdlm)
     want = rdlm_logprobs(models["huginn"], prompts, **rdlm)
     # fp32 round-off of the same sums through other kernels (seen: 7e-7)

@@ -7,13 +7,14 @@ iterations with an exit criterion read after each, as `rdlm generate` reads it (
   yet (rdlm's `fill_missing`), else the ones already in the slot (a shared cache of k slots, from iteration k
   on). It holds them by holding its fused q/k/v projection: the rest of a layer's projection is a function of
   that and the token's position.
-- The host looks at the exit flags every `sync_every` iterations, never before a token can have exited: when
+- The loop looks at the exit flags every `sync_every` iterations, never before a token can have exited: when
   every token of the step has exited, the loop stops there and the remaining slots are filled with a cache
-  write (no attention, no MLP); when none has, the next iteration holds nothing. Between looks nothing waits
-  for the device. With tensor parallelism the ranks agree on each look's answer with one all-reduce, so no
-  rank leaves the loop (and its collectives) alone. A forward vLLM compiles has no looks: every iteration
-  runs, exited tokens held (the same tokens; a fixed-shape computation a graph can hold), and the decoded
-  tokens are read at run time by the `rdlm::vllm_decoding_tokens` operator.
+  write (no attention, no MLP). The eager loop looks from the host, and when no token has exited the next
+  iteration holds nothing; between looks nothing waits for the device. A forward vLLM compiles has no Python to
+  look with: each stretch of iterations between two looks is one `torch.cond`, which fills the stretch's slots
+  when every token has exited and otherwise runs it with exited tokens held (the same tokens; the decoded tokens
+  are read at run time by the `rdlm::vllm_decoding_tokens` operator). With tensor parallelism the ranks agree on
+  each look's answer with one all-reduce, so no rank leaves the loop (and its collectives) alone.
 - Prompt tokens run every iteration (with a learned gate the coda reads each one's state at the iteration
   where its gate fired, rdlm's gated prefill).
 """
@@ -21,13 +22,15 @@ iterations with an exit criterion read after each, as `rdlm generate` reads it (
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
 
 from rdlm.inference.execution.graphs import resolve_sync_every
 from rdlm.inference.exits.track import ExitTrack, done_iterating
@@ -37,16 +40,20 @@ from rdlm.integrations.vllm.options import RecurrenceOptionError
 
 @dataclasses.dataclass
 class ExitStats:
-    """What the forward ran since the model was loaded (read with `vllm.LLM.apply_model`; counted by the eager
-    forward only: a compiled one runs no Python): `steps` forwards and the core iterations they ran
-    (`step_iterations`, each over all of the step's tokens); with an exit criterion, the decoded tokens and the
-    iterations each ran before it exited (`token_iterations`), and the host's looks at the exit flags."""
+    """What the forward ran since the model was loaded (read with `vllm.LLM.apply_model`). The eager forward counts
+    `steps` forwards and the core iterations they ran (`step_iterations`, each over all of the step's tokens); with
+    an exit criterion, the decoded tokens and the iterations each ran before it exited (`token_iterations`), and
+    the host's looks at the exit flags. A compiled forward runs no Python and counts none of these; what it counts
+    is `compiled_fills`: the core caches' slots it filled without attending, in the iterations it skipped because
+    every token of its step had exited (one per core layer and skipped iteration, below the k slots of a shared
+    cache: the later slots hold the tokens' keys and values already)."""
 
     steps: int = 0
     step_iterations: int = 0
     decoded_tokens: int = 0
     token_iterations: int = 0
     looks: int = 0
+    compiled_fills: int = 0
 
     def count(self, iterations: int, token_steps: Tensor | None = None) -> None:
         self.steps += 1
@@ -99,63 +106,202 @@ def _(positions: Tensor, layer_name: str) -> Tensor:
     return torch.empty_like(positions, dtype=torch.bool)
 
 
+# Per core layer, the fused q/k/v projections a token wrote at its last iterations (the last k of a shared cache of
+# k < r slots, else the last one): what an exited token holds. Immutable, so that a block of iterations under
+# torch.cond is a function of its operands.
+Ring = tuple[tuple[Tensor, ...], ...]
+
+
+@torch.library.custom_op("rdlm::vllm_attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, layer_name: str) -> Tensor:
+    """A vLLM `Attention` layer's forward (this step's keys and values written into its cache, attention over
+    it) as an operator that takes the layer by its name as a string: what a branch of torch.cond can call.
+    vLLM's own attention operators take the name as an opaque object, which torch.cond does not pass into its
+    branches."""
+    return get_forward_context().no_compile_layers[layer_name](q.contiguous(), k.contiguous(), v.contiguous())
+
+
+@attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, layer_name: str) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("rdlm::vllm_write_cache", mutates_args=())
+def write_cache_op(k: Tensor, v: Tensor, layer_name: str) -> None:
+    """`write_cache` (keys and values into a layer's cache, no attention) as an operator, for the same reason;
+    counted in the model's `ExitStats.compiled_fills` (the model gives each of its Attentions its stats)."""
+    attention = get_forward_context().no_compile_layers[layer_name]
+    write_cache(attention, k, v)
+    stats = getattr(attention, "rdlm_stats", None)
+    if stats is not None:
+        stats.compiled_fills += 1
+
+
+@write_cache_op.register_fake
+def _(k: Tensor, v: Tensor, layer_name: str) -> None:
+    return None
+
+
+@torch.library.custom_op("rdlm::vllm_fixed_layout", mutates_args=())
+def fixed_layout(x: Tensor) -> Tensor:
+    """A contiguous copy of x whose layout the compiler cannot change. Inductor (torch 2.13) lowers torch.cond's
+    operands without holding them to the strides its branches were compiled for: an operand it lays out as a
+    view into a wider buffer (as it does with a tensor it also concatenates) would be read with the wrong
+    strides in the branch, silently. The operands of a forward's first torch.cond and the tensors its branches
+    read from the forward go through this; later ones are torch.cond's own outputs, whose strides it fixes."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@fixed_layout.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# Both write into a KV cache the graph does not see: never dropped for an unused output, never merged.
+torch.fx.node.has_side_effect(torch.ops.rdlm.vllm_attention.default)
+torch.fx.node.has_side_effect(torch.ops.rdlm.vllm_write_cache.default)
+
+
 class ExitLoop:
     """One forward's core iterations with an exit criterion (the module doc says what it keeps exact). With
-    `looks` False (a forward vLLM compiles) the host never looks: every iteration runs, exited tokens held, a
-    fixed-shape computation a graph can hold, whose tokens are the same."""
+    `looks` False (a forward vLLM compiles) the host never looks: each stretch of iterations between two looks
+    is one `torch.cond`, which fills the slots and skips the stretch when every token of the step has exited,
+    else runs it with exited tokens held; the same tokens, with no Python between the graph's kernels."""
 
     def __init__(self, model: Any, positions: Tensor, decoding: Tensor, looks: bool) -> None:
         # `model`: the served RecurrentDepthForCausalLM (rdlm.integrations.vllm.model, which imports this module)
         self.model, self.positions, self.decoding, self.looks = model, positions, decoding, looks
         recurrence = model.recurrence
         self.r, self.slots = recurrence.num_steps, recurrence.core_caches
-        # An exited token's held projection at iteration i: the one it wrote at i - k once its k slots have all
-        # been written (a shared cache of k < r slots), else the one it wrote last. A ring of the last k.
-        self.ring = self.slots if self.slots < self.r else 1
+        self.ring = self.slots if self.slots < self.r else 1  # how many projections a Ring keeps per layer
         self.core = cast("list[LayerWeights]", list(model.core))
-        self.written: list[list[Tensor]] = [[] for _ in self.core]
         # The held projections are kept for the decoded tokens only (a prompt's tokens never exit); without
         # looks (no host reads), for every token.
         self.rows = None if not looks or bool(decoding.all()) else decoding.nonzero().squeeze(-1)
         self.sync_every = resolve_sync_every(recurrence.sync_every, positions.device)
         self.tp = get_tensor_model_parallel_world_size()
-
-    def run(self, state: Tensor, embedded: Tensor) -> Tensor:
-        model, recurrence = self.model, self.model.recurrence
-        criterion, min_steps = recurrence.criterion, recurrence.min_steps
+        criterion = recurrence.criterion
         assert criterion is not None  # (the model comes here only with one)
-        gate: Callable[[Tensor], Tensor] | None = None
-        track = ExitTrack.start(state.shape[0], state.device, gate=criterion.uses_gate)
+        self.criterion, self.min_steps = criterion, recurrence.min_steps
+        self.gate: Callable[[Tensor], Tensor] | None = None
         if criterion.uses_gate:
-            track = dataclasses.replace(track, exit_state=state)
             exit_gate = model.exit_gate
             assert exit_gate is not None  # a criterion that reads a gate needs the model's (options.read)
-            gate = lambda s: torch.sigmoid(exit_gate(s)[0].squeeze(-1).float())  # noqa: E731
+            self.gate = lambda s: torch.sigmoid(exit_gate(s)[0].squeeze(-1).float())
         # The first iteration after which a token can have exited: a gate reads from the first, any other
         # criterion compares two iterations and holds min_steps.
-        first_exit = min_steps - 1 if criterion.uses_gate else max(1, min_steps - 1)
+        self.first_exit = self.min_steps - 1 if criterion.uses_gate else max(1, self.min_steps - 1)
+
+    def run(self, state: Tensor, embedded: Tensor) -> Tensor:
+        track = ExitTrack.start(state.shape[0], state.device, gate=self.criterion.uses_gate)
+        if self.criterion.uses_gate:
+            track = dataclasses.replace(track, exit_state=state)
         held: Tensor | None = None  # [T, 1] bool: decoded tokens that exited; None: none has (known at a look)
+        ring: Ring = tuple(() for _ in self.core)
+        # The looks: from the first iteration after which a token can have exited, every sync_every iterations.
+        looks = range(self.first_exit + 1, self.r, self.sync_every)
         run = self.r
-        for i in range(self.r):
-            if self.looks and i > first_exit and (i - first_exit - 1) % self.sync_every == 0:  # a look
-                exited = done_iterating(track.exited, track.iterations, self.r) & self.decoding  # rdlm's one rule
+        if not self.looks and looks:  # (the module doc of fixed_layout says why)
+            embedded = torch.ops.rdlm.vllm_fixed_layout(embedded)
+        for start, end in zip([0, *looks], [*looks, self.r], strict=True):
+            if start in looks:
+                exited = self.exited(track)
+                if not self.looks:
+                    state, track, held, ring = self.stretch_unless_all_exited(
+                        start, end, embedded, exited, state, track, held, ring
+                    )
+                    continue
                 seen = self.look(exited)
                 if seen == "all":
-                    self.fill(i)
-                    run = i
+                    self.fill(start, ring)
+                    run = start
                     break
                 held = None if seen == "none" else exited.unsqueeze(-1)
-            prev, state = state, self.iteration(state, embedded, i, held)
-            track = track.after_iteration(criterion, i, self.r, prev, state, min_steps=min_steps, gate=gate)
-            if i >= first_exit:  # from here a token may have exited: until the next look, every exit holds
-                held = (done_iterating(track.exited, track.iterations, self.r) & self.decoding).unsqueeze(-1)
+            state, track, held, ring = self.stretch(start, end, embedded, state, track, held, ring)
         assert track.iterations is not None  # ExitTrack.start counts the iterations
         if self.looks:  # (a compiled forward runs no Python: nothing counts)
-            model.stats.count(run, track.iterations[self.decoding])
-        if criterion.uses_gate:
+            self.model.stats.count(run, track.iterations[self.decoding])
+        if self.criterion.uses_gate:
             assert track.exit_state is not None  # set above, kept by every update
             return track.exit_state
         return state
+
+    def exited(self, track: ExitTrack) -> Tensor:
+        """[T] bool: the decoded tokens done iterating (rdlm's one rule)."""
+        return done_iterating(track.exited, track.iterations, self.r) & self.decoding
+
+    def stretch(
+        self, start: int, end: int, embedded: Tensor, state: Tensor, track: ExitTrack, held: Tensor | None, ring: Ring
+    ) -> tuple[Tensor, ExitTrack, Tensor | None, Ring]:
+        """Iterations start .. end-1 for every token, the exited ones held: from the first after which a token
+        can have exited, every exit holds until the next look."""
+        for i in range(start, end):
+            prev = state
+            state, ring = self.iteration(state, embedded, i, held, ring)
+            track = track.after_iteration(
+                self.criterion, i, self.r, prev, state, min_steps=self.min_steps, gate=self.gate
+            )
+            if i >= self.first_exit:
+                held = self.exited(track).unsqueeze(-1)
+        return state, track, held, ring
+
+    def stretch_unless_all_exited(
+        self,
+        start: int,
+        end: int,
+        embedded: Tensor,
+        exited: Tensor,
+        state: Tensor,
+        track: ExitTrack,
+        held: Tensor | None,
+        ring: Ring,
+    ) -> tuple[Tensor, ExitTrack, Tensor | None, Ring]:
+        """A compiled forward's look: one torch.cond on whether every token of the step has exited, which then
+        writes each slot of the stretch its held keys and values (rdlm's fill rule, no attention, no MLP) and
+        leaves the state, else runs the stretch. Tensor-parallel ranks agree through one all-reduce, as at the
+        eager loop's looks."""
+        assert held is not None  # (a look comes after the first iteration a token can exit at, which sets it)
+        count = exited.sum(dtype=torch.float32)
+        if self.tp > 1:
+            count = tensor_model_parallel_all_reduce(count)
+        every_token = count == self.tp * exited.shape[0]
+        names = [f.name for f in dataclasses.fields(track) if getattr(track, f.name) is not None]
+        lengths = [len(kept) for kept in ring]
+        grown = [min(n + end - start, self.ring) for n in lengths]
+
+        def flat(state: Tensor, track: ExitTrack, held: Tensor, ring: Ring) -> list[Tensor]:
+            return [state, held, *(getattr(track, name) for name in names), *(t for kept in ring for t in kept)]
+
+        def unflat(values: Sequence[Tensor], lengths: Sequence[int]) -> tuple[Tensor, ExitTrack, Tensor, Ring]:
+            state, held, *rest = values
+            fields = dict(zip(names, rest[: len(names)], strict=True))
+            kept, ring = rest[len(names) :], []
+            for n in lengths:
+                ring.append(tuple(kept[:n]))
+                kept = kept[n:]
+            return state, dataclasses.replace(track, **fields), held, tuple(ring)
+
+        def fresh(values: list[Tensor], operands: tuple[Tensor, ...]) -> list[Tensor]:
+            # a branch of torch.cond may not return one of its operands
+            return [t.clone() if any(t is o for o in operands) else t for t in values]
+
+        def skip(*operands: Tensor) -> list[Tensor]:
+            state, track, held, ring = unflat(operands, lengths)
+            for i in range(start, end):
+                ring = self.fill_iteration(i, ring)
+            return fresh(flat(state, track, held, ring), operands)
+
+        def go(*operands: Tensor) -> list[Tensor]:
+            state, track, held, ring = unflat(operands, lengths)
+            state, track, after, ring = self.stretch(start, end, embedded, state, track, held, ring)
+            assert after is not None
+            return fresh(flat(state, track, after, ring), operands)
+
+        operands = flat(state, track, held, ring)
+        if start == self.first_exit + 1:  # the first look's operands come from the forward (fixed_layout says why)
+            operands = [torch.ops.rdlm.vllm_fixed_layout(t) for t in operands]
+        out = torch.cond(every_token, skip, go, tuple(operands))
+        return unflat(out, grown)
 
     def look(self, exited: Tensor) -> str:
         """The host's look at the exit flags: "all" tokens of the step have exited (the loop stops), "none"
@@ -171,7 +317,9 @@ class ExitLoop:
             return "all"
         return "none" if total == 0 else "some"
 
-    def iteration(self, state: Tensor, embedded: Tensor, i: int, held: Tensor | None) -> Tensor:
+    def iteration(
+        self, state: Tensor, embedded: Tensor, i: int, held: Tensor | None, ring: Ring
+    ) -> tuple[Tensor, Ring]:
         """s_{i+1} = R(e, s_i) for every token, the `held` ones writing the keys and values they hold (and
         keeping their state)."""
         model = self.model
@@ -179,11 +327,19 @@ class ExitLoop:
         for layer, weights in enumerate(self.core):
             fused = weights.project(x)
             if held is not None:
-                fused = self.hold(fused, self.held_projection(layer, i), held)
-            self.remember(layer, i, fused)
-            x = weights.attend(x, *weights.heads_of(self.positions, fused), model.core_cache(layer, i))
+                fused = self.hold(fused, self.held_projection(ring, layer, i), held)
+            ring = self.remember(ring, layer, i, fused)
+            x = weights.attend(x, *weights.heads_of(self.positions, fused), self.cache(layer, i))
         new = model.final_norm(x) if model.config.final_norm == "loop" else x
-        return new if held is None else torch.where(held, state, new)
+        return (new if held is None else torch.where(held, state, new)), ring
+
+    def cache(self, layer: int, i: int) -> Attention | Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """What core layer `layer` attends with at iteration i: its Attention, or, in a compiled forward (whose
+        stretches are branches of torch.cond), the operator that calls it by name."""
+        attention = self.model.core_cache(layer, i)
+        if self.looks:
+            return attention
+        return functools.partial(torch.ops.rdlm.vllm_attention, layer_name=attention.layer_name)
 
     def hold(self, fused: Tensor, kept: Tensor, held: Tensor) -> Tensor:
         if self.rows is None:
@@ -191,20 +347,33 @@ class ExitLoop:
         ours = torch.where(held.index_select(0, self.rows), kept, fused.index_select(0, self.rows))
         return fused.index_copy(0, self.rows, ours)
 
-    def remember(self, layer: int, i: int, fused: Tensor) -> None:
+    def remember(self, ring: Ring, layer: int, i: int, fused: Tensor) -> Ring:
         kept = fused if self.rows is None else fused.index_select(0, self.rows)
-        ring = self.written[layer]
-        if len(ring) < self.ring:
-            ring.append(kept)
-        else:
-            ring[i % self.ring] = kept
+        mine = ring[layer]
+        mine = (
+            (*mine, kept)
+            if len(mine) < self.ring
+            else tuple(kept if j == i % self.ring else t for j, t in enumerate(mine))
+        )
+        return tuple(mine if j == layer else other for j, other in enumerate(ring))
 
-    def held_projection(self, layer: int, i: int) -> Tensor:
+    def held_projection(self, ring: Ring, layer: int, i: int) -> Tensor:
         """What an exited token writes at iteration i (the module doc)."""
         behind = i - self.slots if i >= self.slots else i - 1
-        return self.written[layer][behind % self.ring]
+        return ring[layer][behind % self.ring]
 
-    def fill(self, first: int) -> None:
+    def fill_iteration(self, i: int, ring: Ring) -> Ring:
+        """Iteration i when every token has exited: each slot not yet written gets the token's held keys and
+        values (rdlm's fill_missing), and the ring goes on as a held iteration's would."""
+        for layer, weights in enumerate(self.core):
+            kept = self.held_projection(ring, layer, i)
+            if i < self.slots:  # a later slot of a shared cache holds them already
+                _, k, v = weights.heads_of(self.positions, kept)
+                torch.ops.rdlm.vllm_write_cache(k, v, self.model.core_cache(layer, i).layer_name)
+            ring = self.remember(ring, layer, i, kept)
+        return ring
+
+    def fill(self, first: int, ring: Ring) -> None:
         """Every token exited before iteration `first`: the slots not yet written (first .. k-1; for
         per-iteration caches first .. r-1) get each token's last keys and values (rdlm's fill_missing); the
         later slots of a shared cache hold them already."""
@@ -212,6 +381,6 @@ class ExitLoop:
         for layer, weights in enumerate(self.core):
             if first >= self.slots:
                 break
-            _, k, v = weights.heads_of(self.positions, self.held_projection(layer, first))
+            _, k, v = weights.heads_of(self.positions, self.held_projection(ring, layer, first))
             for i in range(first, self.slots):
                 write_cache(model.core_cache(layer, i), k, v)

@@ -4,6 +4,7 @@ vLLM `Attention` passed per call, so one core layer serves every iteration with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,9 +101,11 @@ class LayerWeights(nn.Module):
         gathered = norm(tensor_model_parallel_all_gather(x.contiguous()))
         return gathered.chunk(self.tp, dim=-1)[get_tensor_model_parallel_rank()]
 
-    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, cache: Attention) -> Tensor:
-        """The rest of the layer after its queries, keys and values: attention with `cache`, the MLP, the
-        norms of the config's scheme (rdlm.model.layers.Block)."""
+    def attend(
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, cache: Attention | Callable[[Tensor, Tensor, Tensor], Tensor]
+    ) -> Tensor:
+        """The rest of the layer after its queries, keys and values: attention with `cache` (an Attention, or
+        a function that attends with one), the MLP, the norms of the config's scheme (rdlm.model.layers.Block)."""
         return self.after_attention(x, cache(q, k, v))
 
     def after_attention(self, x: Tensor, attended: Tensor) -> Tensor:

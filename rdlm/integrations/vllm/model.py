@@ -141,6 +141,8 @@ class CompiledRecurrentDepth(nn.Module):
         self.register_buffer("s0_table", table, persistent=False)
         self.embed_scale = config.embedding_scale
         self.stats = ExitStats()
+        for attention in self.kv:  # what rdlm::vllm_write_cache counts in (rdlm.integrations.vllm.adaptive)
+            attention.rdlm_stats = self.stats
 
     # ---------------------------------------------------------------------------------------------
     # vLLM's model interface
