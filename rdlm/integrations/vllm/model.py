@@ -142,7 +142,7 @@ class CompiledRecurrentDepth(nn.Module):
         self.embed_scale = config.embedding_scale
         self.stats = ExitStats()
         for attention in self.kv:  # what rdlm::vllm_write_cache counts in (rdlm.integrations.vllm.adaptive)
-            attention.rdlm_stats = self.stats
+            vars(attention)["rdlm_stats"] = self.stats  # a plain attribute, not a submodule
 
     # ---------------------------------------------------------------------------------------------
     # vLLM's model interface
