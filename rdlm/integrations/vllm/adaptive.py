@@ -261,10 +261,7 @@ class ExitLoop:
         leaves the state, else runs the stretch. Tensor-parallel ranks agree through one all-reduce, as at the
         eager loop's looks."""
         assert held is not None  # (a look comes after the first iteration a token can exit at, which sets it)
-        count = exited.sum(dtype=torch.float32)
-        if self.tp > 1:
-            count = tensor_model_parallel_all_reduce(count)
-        every_token = count == self.tp * exited.shape[0]
+        every_token = self.exited_count(exited) == self.tp * exited.shape[0]
         names = [f.name for f in dataclasses.fields(track) if getattr(track, f.name) is not None]
         lengths = [len(kept) for kept in ring]
         grown = [min(n + end - start, self.ring) for n in lengths]
@@ -303,15 +300,18 @@ class ExitLoop:
         out = torch.cond(every_token, skip, go, tuple(operands))
         return unflat(out, grown)
 
+    def exited_count(self, exited: Tensor) -> Tensor:
+        """The exited tokens of the step on every tensor-parallel rank, summed by one all-reduce, so that every
+        rank takes the same answer at a look. (A float32 count: vLLM's shared-memory all-reduce on the CPU sums
+        no integer tensors; exact below 2**24.)"""
+        count = exited.sum(dtype=torch.float32)
+        return tensor_model_parallel_all_reduce(count) if self.tp > 1 else count
+
     def look(self, exited: Tensor) -> str:
         """The host's look at the exit flags: "all" tokens of the step have exited (the loop stops), "none"
         has (the next iteration holds nothing) or "some". Tensor-parallel ranks take the same answer: "all"
         and "none" only where every rank's flags say so (their counts are summed by one all-reduce)."""
-        # (a float32 count: vLLM's shared-memory all-reduce on the CPU sums no integer tensors; exact below 2**24)
-        count = exited.sum(dtype=torch.float32)
-        if self.tp > 1:
-            count = tensor_model_parallel_all_reduce(count)
-        total = round(float(count))
+        total = round(float(self.exited_count(exited)))
         self.model.stats.looks += 1
         if total == self.tp * exited.shape[0]:
             return "all"
