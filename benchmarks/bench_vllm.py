@@ -177,8 +177,8 @@ def task_prompts(args, count: int | None = None) -> tuple[list[list[int]], list[
 
 def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_tokens: int, compiled: bool = False):
     """vLLM's engine in this process on `prompts` (one batch): tokens/s, iterations per decoded token, tokens.
-    `compiled`: vLLM's default compilation left on (the forward compiles; with an exit criterion every iteration
-    runs, exited tokens held, and decode steps of at most --exit-eager-tokens tokens run the eager loop)."""
+    `compiled`: vLLM's default compilation left on (the forward compiles; with an exit criterion it stops at a
+    look once every token has exited, and decode steps of at most --exit-eager-tokens tokens run the eager loop)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import gc
 

@@ -273,9 +273,8 @@ class RecurrentDepthForCausalLM(CompiledRecurrentDepth):
     OuroForCausalLM where vLLM has no model of that name: rdlm.integrations.vllm.register).
 
     With an exit criterion in a compiled engine, a decode step of at most `rdlm_exit_eager_tokens` tokens runs
-    the eager loop, whose host looks stop it once every token has exited, instead of the compiled forward,
-    which runs every iteration with exited tokens held: the same tokens, faster where the tokens exit early
-    enough to pay for the eager iterations (docs/vllm.md, "Compiled")."""
+    the eager loop (host looks) instead of the compiled forward (a torch.cond per look); both stop once every
+    token of the step has exited, with the same tokens (docs/vllm.md, "Compiled")."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         positions = kwargs["positions"] if "positions" in kwargs else args[1]  # vLLM's forward arguments
