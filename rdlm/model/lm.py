@@ -55,7 +55,14 @@ class RecurrentDepthLM(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.embedding = nn.Embedding(config.vocab_size, h)
+        # Built on the meta device to be loaded (rdlm.model.huginn), the model skips what only fills values: the
+        # embedding's own random init and the RoPE tables, which the loader puts in. On meta, normal_ and arange
+        # import torch._dynamo, seconds of every command's start. Elsewhere the embedding draws as before, so a
+        # seeded model keeps its weights.
+        on_meta = torch.empty(0).is_meta
+        self.embedding = nn.Embedding(
+            config.vocab_size, h, _weight=torch.empty(config.vocab_size, h) if on_meta else None
+        )
         self.embed_scale = config.embedding_scale
         self.prelude = nn.ModuleList(Block(config) for _ in range(config.prelude_layers))
         # Concatenating injection: adapter R^{2h} -> R^h over [state, embedding]; the others need none.
@@ -66,7 +73,10 @@ class RecurrentDepthLM(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(h, config.vocab_size, bias=False)
         # Ouro's learned exit gate: lambda_i = sigmoid(exit_gate(s_i)) after core iteration i.
         self.exit_gate = nn.Linear(h, 1) if config.exit_gate else None
-        cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base, config.rope_scaling)
+        if on_meta:
+            cos = sin = torch.empty(config.context_length, config.head_dim // 2)
+        else:
+            cos, sin = rope_tables(config.head_dim, config.context_length, config.rope_base, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
