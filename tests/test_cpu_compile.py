@@ -23,6 +23,14 @@ def compiling(monkeypatch):
     monkeypatch.setenv(cpu_compile.COMPILE_ENV, "1")  # (the suite's conftest keeps it off elsewhere)
 
 
+@pytest.fixture
+def without_autotune(monkeypatch):
+    """Tests of what the step does around its compiled code (guards, warm-up, exits, lengths) compile without
+    inductor's GEMM search (`max_autotune`, most of a compile's minute here); the tests of its tokens, in float32
+    and quantized, keep the settings rdlm ships."""
+    monkeypatch.setitem(cpu_compile.INDUCTOR, "max_autotune", False)
+
+
 def tiny(seed: int = 0) -> RecurrentDepthLM:
     torch.manual_seed(seed)
     return RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
@@ -49,7 +57,7 @@ def test_the_compiled_step_gives_the_eager_tokens_and_iterations(compiling):
     assert torch.get_num_threads() == threads  # the step's one thread was given back
 
 
-def test_state_only_exits_fuse_in_the_compiled_step_with_the_eager_tokens(compiling, monkeypatch):
+def test_state_only_exits_fuse_in_the_compiled_step_with_the_eager_tokens(compiling, without_autotune, monkeypatch):
     """latent-diff and cosine exits are read inside the compiled iteration (rdlm.inference.runner.row_exits), so
     their rows run up to `exit_sync_every` iterations a call, each frozen at its exit: every request's tokens,
     iterations and finish reason are the eager engine's (whose host reads the criteria), and the exits compile
@@ -99,7 +107,7 @@ def test_where_compiling_pays_by_default(compiling, monkeypatch):
     assert not pays(1, 10**6, rounds=False)
 
 
-def test_weights_changed_in_place_are_compiled_again(compiling):
+def test_weights_changed_in_place_are_compiled_again(compiling, without_autotune):
     """Compiled code holds the weights it was frozen with: after an in-place update (what an optimizer step
     or load_state_dict does) the compiled step must give the new weights' tokens, not the old ones'. One engine
     serves before and after (as `rdlm serve` keeps one): a call of shapes its step has run skips dynamo's full
@@ -137,7 +145,7 @@ def test_weights_changed_in_place_are_compiled_again(compiling):
     assert cpu_compile.weights_stamp(model) != stamp
 
 
-def test_warm_up_compiles_without_changing_the_batch(compiling):
+def test_warm_up_compiles_without_changing_the_batch(compiling, without_autotune):
     model = tiny()
     batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, compile=True)
     rid = batch.add([3, 1, 4, 1, 5], GenerationConfig(num_steps=4, max_new_tokens=6))
@@ -197,7 +205,7 @@ def test_the_compiled_step_gives_the_eager_tokens_with_quantized_weights(compili
         assert len({s for row in eager.iterations for s in row[1:]}) > 1  # the exits decide at different iterations
 
 
-def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_length(compiling, monkeypatch):
+def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_length(compiling, without_autotune, monkeypatch):
     """The compiled step attends to the buffer up to the decoding rows' end (rounded up to KEYS_STEP), not to
     the whole buffer, a length the compiler takes as dynamic: rows that grow past several multiples of it run
     one compiled graph per part (the core iteration, the prelude, the coda with the head), with the eager
