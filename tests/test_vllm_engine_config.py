@@ -75,15 +75,15 @@ def test_exits_under_vllms_defaults_give_rdlm_tokens_in_a_two_turn_chat(models):
     blocks (128 tokens): the first turn's 121-token prompt and its first 7 replies make a full block, which
     prefix caching would hand the second turn with the replies' exited cache entries (seen without the hook,
     eager: a log-probability 4e-4 off); the 128-token prompt sent again would be cached whole."""
+    settings = dict(num_steps=12, exit_criterion="latent-diff", exit_threshold=0.3)
     first = prompts_for(512, lengths=(121, 128), seed=23)
-    replies, stats = served(models["huginn"], [first], engine=DEFAULTS, **EXITS)
+    replies = rdlm_tokens(models["huginn"], first[:1], **settings)  # (vLLM's are asserted equal below)
     follow_up = prompts_for(512, lengths=(9,), seed=24)[0]
     second = [first[0] + replies[0] + follow_up, first[1]]
-    got, stats = served(models["huginn"], [first, second], engine=DEFAULTS, **EXITS)
+    got, stats = served(models["huginn"], [first, second], engine=DEFAULTS, **EXITS)  # both turns, one engine
     config = stats.vllm_config
     assert not config.cache_config.enable_prefix_caching
     assert not config.scheduler_config.enable_chunked_prefill
-    settings = dict(num_steps=12, exit_criterion="latent-diff", exit_threshold=0.3)
     assert got == rdlm_tokens(models["huginn"], first + second, **settings)
     want = rdlm_logprobs(models["huginn"], first + second, **settings)
     # fp32 round-off of the same sums through other kernels (seen: under 1e-6 per token)
@@ -154,8 +154,10 @@ def test_a_model_served_without_the_hook_is_refused_by_name(monkeypatch):
 
 def test_the_hook_makes_room_for_a_whole_prompt(models):
     """With chunked prefill off every prompt must fit one step: the hook raises max_num_batched_tokens to the
-    longest prompt the model takes, so a prompt longer than the default batch runs (and gives rdlm's tokens)."""
-    engine = {**DEFAULTS, "max_num_batched_tokens": 64, "max_num_seqs": 4}
+    longest prompt the model takes, so a prompt longer than the default batch runs (and gives rdlm's tokens).
+    Eager: what the hook sets does not depend on compiling (which the two-turn chat above keeps on), and a
+    compiled exit forward takes minutes to compile on a small CPU."""
+    engine = {**ENGINE, "max_num_batched_tokens": 64, "max_num_seqs": 4}
     prompts = prompts_for(512, lengths=(150,), seed=26)
     got, stats = served(models["huginn"], prompts, engine=engine, **EXITS)
     assert stats.vllm_config.scheduler_config.max_num_batched_tokens == ENGINE["max_model_len"]
