@@ -94,7 +94,7 @@ def test_a_part_past_its_budget_is_stopped_and_the_suite_goes_on(suite):
     t0 = time.perf_counter()
     context = suite.Context(torch.device("cpu"), smoke=True)
     report = suite.run_suite(parts, context, budget_s=10, progress=lambda line: None)
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 20  # not the stalled part's 30 s (8.6 s seen on a loaded 2-core machine)
     records = {p["name"]: p for p in report["parts"]}
     assert records["stalls"]["status"] == "overrun" and records["stalls"]["figures"] == {"before": 1}
     assert records["stalls"]["seconds"] < 2
