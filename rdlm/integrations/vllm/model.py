@@ -202,7 +202,8 @@ class CompiledRecurrentDepth(nn.Module):
     def iterate(self, state: Tensor, embedded: Tensor, positions: Tensor) -> Tensor:
         """The r core iterations; with an exit criterion, per token (rdlm.integrations.vllm.adaptive): eagerly
         with the host's looks, which stop the loop once every token has exited, or, in a forward vLLM
-        compiles, every iteration with exited tokens held. Returns the state the coda reads."""
+        compiles, in stretches between looks that are skipped (their cache slots filled) once every token has
+        exited, and else run with exited tokens held. Returns the state the coda reads."""
         criterion, layer_name = self.recurrence.criterion, self.core_cache(0, 0).layer_name
         if criterion is not None and torch.compiler.is_compiling():
             decoding = torch.ops.rdlm.vllm_decoding_tokens(positions, layer_name)
