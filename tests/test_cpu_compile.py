@@ -205,7 +205,9 @@ def test_the_compiled_step_gives_the_eager_tokens_with_quantized_weights(compili
         assert len({s for row in eager.iterations for s in row[1:]}) > 1  # the exits decide at different iterations
 
 
-def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_length(compiling, without_autotune, monkeypatch):
+def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_length(
+    compiling, without_autotune, monkeypatch
+):
     """The compiled step attends to the buffer up to the decoding rows' end (rounded up to KEYS_STEP), not to
     the whole buffer, a length the compiler takes as dynamic: rows that grow past several multiples of it run
     one compiled graph per part (the core iteration, the prelude, the coda with the head), with the eager
