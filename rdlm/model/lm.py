@@ -59,7 +59,7 @@ class RecurrentDepthLM(nn.Module):
         # embedding's own random init and the RoPE tables, which the loader puts in. On meta, normal_ and arange
         # import torch._dynamo, seconds of every command's start. Elsewhere the embedding draws as before, so a
         # seeded model keeps its weights.
-        on_meta = torch.empty(0).is_meta
+        on_meta = torch.get_default_device().type == "meta"
         self.embedding = nn.Embedding(
             config.vocab_size, h, _weight=torch.empty(config.vocab_size, h) if on_meta else None
         )
