@@ -40,6 +40,7 @@ def run(model, config: GenerationConfig, compile: bool):
     return generate(model, PROMPTS, config, engine=EngineArgs(compile=compile))
 
 
+@pytest.mark.slow  # compiles with inductor's GEMM search (minutes on 2 cores)
 def test_the_compiled_step_gives_the_eager_tokens_and_iterations(compiling):
     """A batch of three prompts of different lengths at a fixed r and with a KL exit (one compiled shape for
     both: the exits are read outside the compiled iteration), against the eager engine."""
@@ -107,6 +108,7 @@ def test_where_compiling_pays_by_default(compiling, monkeypatch):
     assert not pays(1, 10**6, rounds=False)
 
 
+@pytest.mark.slow  # compiles twice (minutes on 2 cores)
 def test_weights_changed_in_place_are_compiled_again(compiling, without_autotune):
     """Compiled code holds the weights it was frozen with: after an in-place update (what an optimizer step
     or load_state_dict does) the compiled step must give the new weights' tokens, not the old ones'. One engine
@@ -145,6 +147,7 @@ def test_weights_changed_in_place_are_compiled_again(compiling, without_autotune
     assert cpu_compile.weights_stamp(model) != stamp
 
 
+@pytest.mark.slow  # compiles every warm-up shape (minutes on 2 cores)
 def test_warm_up_compiles_without_changing_the_batch(compiling, without_autotune):
     model = tiny()
     batch = ContinuousBatch(model, max_batch=2, max_length=32, num_slots=4, compile=True)
@@ -184,6 +187,7 @@ KL_EXIT = GenerationConfig(num_steps=12, max_new_tokens=8, exit_criterion="kl", 
         ("w8a8", GenerationConfig(num_steps=4, max_new_tokens=8, seed=3)),
     ],
 )
+@pytest.mark.slow  # three compiles with the GEMM search (minutes)
 def test_the_compiled_step_gives_the_eager_tokens_with_quantized_weights(compiling, spec, config):
     """The prelude, core and coda quantized by each scheme and compiled (inductor's lowering of PyTorch's
     int8/int4 kernels; w8a8's FBGEMM product in tensor ops), against the eager quantized engine. The head stays
@@ -205,6 +209,7 @@ def test_the_compiled_step_gives_the_eager_tokens_with_quantized_weights(compili
         assert len({s for row in eager.iterations for s in row[1:]}) > 1  # the exits decide at different iterations
 
 
+@pytest.mark.slow  # compiles at several lengths (minutes)
 def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_length(
     compiling, without_autotune, monkeypatch
 ):

@@ -4,6 +4,9 @@ issue's claims with the defaults (slow)."""
 import dataclasses
 import json
 import os
+import queue
+import re
+import threading
 import time
 from pathlib import Path
 
@@ -176,14 +179,18 @@ def test_models_trained_side_by_side_in_processes_equal_one_process(tmp_path, ca
     assert printed and all(line.startswith("rdlm demo: recurrent") or line.startswith("rdlm demo: depth")
                            for line in printed)
     assert "twin done" in printed[-1] and "recurrent done" in printed[-1]
-    # A job that fails in its process fails the demo at once, with the job's own error.
+    # A job that fails in its process fails the demo at once, with the job's own error, not after the other
+    # job's million steps (days here: the bound below is generous for a loaded machine, yet far below that).
     splits["harder"][0] = T.Example(prompt="9:ab\u00e9?", answer="1", difficulty=13)
+    failing = dataclasses.replace(jobs[0], steps=0, cost=2.0)       # scored at once: fails on the bad prompt
+    endless = dataclasses.replace(jobs[1], steps=10**6, cost=1.0)
     start = time.perf_counter()
     with pytest.raises(ValueError, match="is not in the task alphabet"):
-        run_jobs(dataclasses.replace(base, workers=2, steps=200, progress=False), jobs, rows, splits)
-    assert time.perf_counter() - start < 60
+        run_jobs(dataclasses.replace(base, workers=2, progress=False), [failing, endless], rows, splits)
+    assert time.perf_counter() - start < 600
 
 
+@pytest.mark.slow  # a demo with spawned workers
 def test_a_script_without_a_main_guard_runs_the_demo_once(tmp_path):
     """Spawned workers do not re-run the calling script: docs/demo.md's three-line example, saved as a file
     with no `if __name__ == "__main__":`, trains its models in worker processes and finishes once."""
@@ -302,7 +309,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
-@pytest.mark.parametrize("number", [15, 9])  # SIGTERM: the demo kills its workers; SIGKILL: they exit on their own
+# SIGTERM: the demo kills its workers; SIGKILL: they exit on their own
+@pytest.mark.parametrize("number", [15, pytest.param(9, marks=pytest.mark.slow)])
 def test_no_worker_outlives_the_demo(tmp_path, number):
     """A scheduler's or `kill PID`'s SIGTERM ends the demo and its workers, as Ctrl-C does; and a worker whose
     demo is gone (even by SIGKILL) exits. The bound is fixed before the run: 10 s from the signal."""
@@ -313,16 +321,29 @@ def test_no_worker_outlives_the_demo(tmp_path, number):
     argv = [sys.executable, "-m", "rdlm", "demo", "--out", str(tmp_path / "report"), "--steps", "5000",
             "--batch-size", "8", "--hidden-size", "32", "--num-heads", "2", "--mean-recurrence", "2",
             "--backprop-depth", "1", "--eval-examples", "6", "--num-steps", "1,2", "--exit-max-steps", "2",
-            "--no-depth-matched", "--workers", "2", "--quiet"]
-    demo = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            "--no-depth-matched", "--workers", "2"]
+    demo = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    printed: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [printed.put(line) for line in demo.stdout], daemon=True).start()
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 120
         while len(workers := _workers_of(demo.pid)) < 2 and demo.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(workers) == 2, "the demo never started its two workers"
-        time.sleep(1)  # into their jobs
+        # Into their jobs (each has stepped, as its progress line shows): a worker still starting on a loaded
+        # machine would only show how long importing torch takes.
+        def both_stepped(line: str) -> bool:
+            return all(re.search(rf"\b{kind} [1-9]\d*/5000", line) for kind in ("recurrent", "twin"))
+
+        deadline, line = time.monotonic() + 300, ""
+        while not both_stepped(line) and time.monotonic() < deadline:
+            try:
+                line = printed.get(timeout=1)
+            except queue.Empty:
+                assert demo.poll() is None, demo.stderr.read()
+        assert both_stepped(line), f"no progress line with a step of both models: {line!r}"
         demo.send_signal(number)
         signalled = time.monotonic()
         while any(map(_alive, workers)) and time.monotonic() - signalled < 10:
@@ -330,7 +351,7 @@ def test_no_worker_outlives_the_demo(tmp_path, number):
         assert not any(map(_alive, workers)), f"workers {workers} outlived the demo by 10 s"
         assert demo.wait(timeout=10) == (128 + 15 if number == 15 else -9), demo.stderr.read()
         if number == 15:
-            assert "rdlm demo: stopped by SIGTERM" in demo.stderr.read().decode()
+            assert "rdlm demo: stopped by SIGTERM" in demo.stderr.read()
         assert not (tmp_path / "report" / "results.json").exists()
     finally:
         demo.kill()
@@ -339,6 +360,7 @@ def test_no_worker_outlives_the_demo(tmp_path, number):
             os.kill(pid, 9)
 
 
+@pytest.mark.slow  # demos with spawned workers
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 def test_stopping_demo_seeds_stops_its_demos_and_their_workers(tmp_path):
     """benchmarks/demo_seeds.py runs `rdlm demo` processes, each with its workers: a SIGTERM to the sweep stops
@@ -576,6 +598,7 @@ def test_training_takes_the_curriculum_in_order_with_muon(monkeypatch):
     assert first.shape[1] <= len("0:abcd?=0\n") < rows.row_length
 
 
+@pytest.mark.slow  # several demos
 def test_demo_seeds_runs_each_seed_and_tabulates_every_claim(tmp_path):
     """benchmarks/demo_seeds.py: each seed's demo in its own process, then the per-seed table and each
     claim's pass count and smallest margin, read back from the reports (a rerun reads, not retrains)."""

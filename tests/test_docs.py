@@ -14,7 +14,8 @@ comments that the rendered page does not show:
     <!-- docs-test: warns: REGEX -->        a warning the page explains (any other warning fails the block)
 
 In the fast run a slow block is left out, so no later block may need what it makes (give such a block a
-`tiny` form instead); `tiny` forms are run in the slow run too. A server listens on a free port, which
+`tiny` form instead); `tiny` forms are run in the slow run too. The pages in LONG_PAGES (over a minute each)
+run whole, with their slow blocks, only in the slow run; the README and the other pages run in every run. A server listens on a free port, which
 replaces the page's 8000 from the server block on. Pages run side by side (RDLM_DOCS_TEST_WORKERS, default
 the CPU count up to 4), each command on one thread. Every `rdlm` command of every block, whatever its
 markers, must parse with today's command line, and every relative link must name a file and heading that
@@ -370,19 +371,29 @@ def slow_runs(request, tmp_path_factory) -> dict[Path, str | None]:
                      tmp_path_factory.mktemp("docs-slow"), slow=True)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=page_id)
+# Pages whose fast run took over a minute on a 2-core machine (1-2.6 min each, two pages at a time, load 2):
+# together half of the suite's time on the docs. They run whole under `pytest -m slow`.
+LONG_PAGES = {"demo.md", "experiments.md", "fine-tuning.md", "generation.md", "integrations.md", "quantization.md",
+              "retrofit.md", "training.md"}
+
+
+def test_the_long_pages_are_pages():
+    assert LONG_PAGES <= {page.name for page in PAGES} and "README.md" not in LONG_PAGES
+
+
+@pytest.mark.parametrize("page", [page for page in PAGES if page.name not in LONG_PAGES], ids=page_id)
 def test_page_runs_top_to_bottom(page, fast_runs):
     """Every block not marked slow, skip or fragment runs as the page writes it (or in its tiny form)."""
     if fast_runs[page] is not None:
         pytest.fail(fast_runs[page], pytrace=False)
 
 
-SLOW_PAGES = [page for page in PAGES if any(b.mode == "slow" for b in page_blocks(page))]
+SLOW_PAGES = [page for page in PAGES if page.name in LONG_PAGES or any(b.mode == "slow" for b in page_blocks(page))]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", SLOW_PAGES, ids=page_id)
 def test_page_runs_with_its_slow_blocks(page, slow_runs):
-    """The same, with the blocks that need minutes."""
+    """The same, with the blocks that need minutes; the long pages run here only."""
     if slow_runs[page] is not None:
         pytest.fail(slow_runs[page], pytrace=False)

@@ -45,6 +45,7 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # imports lm-eval and scores a task (a minute)
 def test_eval_command_perplexity_and_lm_eval_accuracy(model_dir, tmp_path, capsys, monkeypatch):
     text = tmp_path / "docs.jsonl"
     text.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS[:3]))

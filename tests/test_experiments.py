@@ -125,6 +125,7 @@ def test_gate_claims_arithmetic():
         check_rows([("x", 1.0, 0.0, "==")])
 
 
+@pytest.mark.slow  # an experiment's training runs
 def test_tiny_retrofit_experiment_writes_its_report(tmp_path, capsys):
     argv = ["demo", "--experiment", "retrofit", "--out", str(tmp_path), "--batch-size", "8",
             "--hidden-size", "32", "--num-heads", "2", "--eval-examples", "12", "--num-steps", "1,2,4",
@@ -145,6 +146,7 @@ def test_tiny_retrofit_experiment_writes_its_report(tmp_path, capsys):
     assert len(res["checks"]) == 3 and "| claim |" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.slow  # an experiment's training runs
 def test_tiny_gate_experiment_compares_the_gate_with_kl_exits(tmp_path):
     cfg = DemoConfig(out_dir=str(tmp_path), **TINY)
     result = run_gate_experiment(cfg, GateSettings(loops=3, thresholds=(0.2, 0.5, 0.9)))
@@ -210,6 +212,7 @@ def test_the_gate_spends_depth_where_it_is_needed(seed, tmp_path):
     assert result.results["seconds"] < 600
 
 
+@pytest.mark.slow  # several experiment runs
 def test_demo_seeds_tabulates_an_experiment_with_its_own_columns(tmp_path):
     """benchmarks/demo_seeds.py -- --experiment gate: the gate's columns, its ratio claim's margin as a ratio;
     reports of two different experiments under one --out are refused."""

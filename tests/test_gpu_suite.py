@@ -97,7 +97,7 @@ def test_a_part_past_its_budget_is_stopped_and_the_suite_goes_on(suite):
     assert time.perf_counter() - t0 < 20  # not the stalled part's 30 s (8.6 s seen on a loaded 2-core machine)
     records = {p["name"]: p for p in report["parts"]}
     assert records["stalls"]["status"] == "overrun" and records["stalls"]["figures"] == {"before": 1}
-    assert records["stalls"]["seconds"] < 2
+    assert records["stalls"]["seconds"] < 10  # its 0.3 s budget, not the 30 s it sleeps (2.5 s seen under load)
     assert records["spins"]["status"] == "overrun"
     assert records["fails"]["status"] == "failed" and "ValueError: broken" in records["fails"]["reason"]
     assert records["fine"]["status"] == "ok" and ran == [True]

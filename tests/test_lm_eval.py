@@ -125,6 +125,7 @@ def write_tasks(directory: Path) -> Path:
     return directory
 
 
+@pytest.mark.slow  # the harness's own command line (a minute)
 def test_harness_command_line_runs_all_request_types_offline(model_dir, tmp_path):
     tasks = write_tasks(tmp_path / "tasks")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
@@ -221,6 +222,7 @@ def test_a_zero_batch_size_is_refused_not_replaced(model_dir, args):
         RDLMEvalModel(pretrained=str(model_dir), **args)
 
 
+@pytest.mark.slow  # loads the harness's task registry
 def test_the_shipped_example_task_loads_without_warnings(caplog):
     """examples/lm_eval_task defines each metric's aggregation and direction, so lm-eval guesses nothing."""
     import logging

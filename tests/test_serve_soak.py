@@ -15,6 +15,7 @@ pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a soak
 def test_a_short_soak_leaves_the_server_clean(tmp_path):
     out = tmp_path / "soak.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

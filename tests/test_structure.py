@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "rdlm"
 OPTIONAL = {"rdlm.integrations.lm_eval": "lm_eval", "rdlm.integrations.hf": "transformers",
             **{f"rdlm.integrations.vllm.{m}": "vllm" for m in ("adaptive", "engine_config", "layers", "model")},
@@ -146,6 +148,7 @@ def test_the_inference_package_has_no_flat_room():
     assert top == ["batching", "evaluate", "events", "generate", "params"]
 
 
+@pytest.mark.slow  # one interpreter per module (a minute)
 def test_every_module_imports_on_its_own():
     """Each module imported first, in a process where no other rdlm module has been imported."""
     names = [n for n in module_names() if not n.endswith("__main__")]

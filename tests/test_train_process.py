@@ -51,6 +51,7 @@ def history(out: Path) -> list[float]:
     return json.loads((latest_checkpoint(out) / "trainer.json").read_text())["losses"]
 
 
+@pytest.mark.slow  # three training processes
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(shards, tmp_path):
     steps = ["--steps", "14", "--checkpoint-every", "4"]
     run_cli(*train_args(shards, tmp_path / "straight", *steps))
@@ -98,6 +99,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # training processes killed mid-save
 def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(shards, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", KILL_IN_CHECKPOINT,
@@ -129,6 +131,7 @@ runpy.run_module("rdlm", run_name="__main__")
 """
 
 
+@pytest.mark.slow  # a two-rank process group
 def test_a_process_with_a_process_group_ends_without_the_interpreter_teardown(shards, tmp_path):
     """A gloo worker thread that releases a collective's buffers while the interpreter finalizes aborts
     the process after a successful run (seen under torchrun: rank 0 killed by SIGABRT). `python -m rdlm`
@@ -181,6 +184,7 @@ def test_two_workers_match_one_process(shards, tmp_path, strategy):
         assert ".metadata" in files and len([f for f in files if f.endswith(".distcp")]) == 2
 
 
+@pytest.mark.slow  # FSDP runs at two world sizes (minutes)
 def test_sharded_checkpoints_resume_across_world_sizes_and_convert(shards, tmp_path):
     """2 -> 1 and 1 -> 2 processes through a checkpoint, EMA included, match one straight run."""
     steps = ["--eval-every", "0", "--checkpoint-every", "3"]
@@ -231,6 +235,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # two-rank FSDP runs killed mid-save
 def test_kill_during_a_sharded_save_keeps_the_previous_step(shards, tmp_path):
     out = tmp_path / "run"
     script = tmp_path / "dying.py"
@@ -269,6 +274,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(shards, tmp_path):
     assert len(history(out)) == done + 2
 
 
+@pytest.mark.slow  # two-rank FSDP and one process
 def test_an_ouro_model_on_its_objective_trains_with_fsdp_as_in_one_process(shards, tmp_path):
     """The exit gate, grouped-query attention and the looped stack shard under FSDP2 like any model."""
     def args(out: Path, *extra: str) -> list[str]:
@@ -291,6 +297,7 @@ def test_an_ouro_model_on_its_objective_trains_with_fsdp_as_in_one_process(shard
     assert difference.max() <= 2 * 4 * 0.01
 
 
+@pytest.mark.slow  # two-rank LoRA runs and one process
 def test_two_workers_train_one_lora_adapter_as_one_process_does(shards, tmp_path):
     """LoRA under torchrun: ddp by default (the frozen base replicated, the adapters' gradients all-reduced),
     the same losses and adapter as one process with the same global batch."""

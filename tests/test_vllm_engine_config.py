@@ -67,8 +67,10 @@ def test_rdlm_s_own_architecture_name_serves_any_checkpoint(models):
     assert got == rdlm_tokens(models["ouro"], prompts, num_steps=3)
 
 
-def test_exits_under_vllms_defaults_give_rdlm_tokens_in_a_two_turn_chat(models):
-    """vLLM's defaults left on (prefix caching, chunked prefill, compilation: the exit forward compiled): with
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_exits_under_vllms_defaults_give_rdlm_tokens_in_a_two_turn_chat(models, compiled):
+    """vLLM's defaults left on (prefix caching, chunked prefill, and in the slow case compilation: the exit
+    forward compiled, about 8 minutes here; the eager case runs in CI): with
     an exit criterion the config hook turns off what would change the answers (on an accelerator CUDA graphs
     too), and a two-turn chat gives `rdlm generate`'s tokens and log-probabilities for every prompt (the same
     threshold exits after fewer than r iterations: test_vllm.py's exit tests). The lengths fill vLLM's CPU
@@ -80,7 +82,8 @@ def test_exits_under_vllms_defaults_give_rdlm_tokens_in_a_two_turn_chat(models):
     replies = rdlm_tokens(models["huginn"], first[:1], **settings)  # (vLLM's are asserted equal below)
     follow_up = prompts_for(512, lengths=(9,), seed=24)[0]
     second = [first[0] + replies[0] + follow_up, first[1]]
-    got, stats = served(models["huginn"], [first, second], engine=DEFAULTS, **EXITS)  # both turns, one engine
+    engine = DEFAULTS if compiled else ENGINE
+    got, stats = served(models["huginn"], [first, second], engine=engine, **EXITS)  # both turns, one engine
     config = stats.vllm_config
     assert not config.cache_config.enable_prefix_caching
     assert not config.scheduler_config.enable_chunked_prefill
