@@ -156,7 +156,7 @@ def weights(out: Path, which: str = "model") -> dict[str, torch.Tensor]:
     return dict(load_weights(latest_checkpoint(out), which).named_parameters())
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])  # DDP: a minute more
 def test_two_workers_match_one_process(shards, tmp_path, strategy):
     common = ["--steps", "5", "--ema-decay", "none", "--eval-every", "0"]
     run_cli(*train_args(shards, tmp_path / "one", *common, "--micro-batch-size", "4"))
