@@ -11,8 +11,6 @@ from rdlm.inference.runner.parallel import ParallelSampler
 
 from conftest import FIXTURES, HUGINN_TINY
 
-# Tokens compared with the reference sampler's, run elsewhere (CI reruns them with other CPU kernels).
-pytestmark = pytest.mark.numerics
 
 REFERENCE = json.loads((FIXTURES / "parallel_reference.json").read_text())
 # The reference's keyword arguments -> GenerationConfig fields.
@@ -66,6 +64,7 @@ def with_reference_bookkeeping(next_wave):
     return shifted_next_wave
 
 
+@pytest.mark.numerics  # the reference sampler's tokens, run elsewhere (CI reruns them with other CPU kernels)
 @pytest.mark.parametrize("case", REFERENCE["cases"], ids=lambda c: f"{c['name']}-{len(c['prompt'])}")
 def test_with_the_references_bookkeeping_it_reproduces_the_reference_exactly(fixture_model, case, monkeypatch):
     monkeypatch.setattr(ParallelSampler, "_next_wave", with_reference_bookkeeping(ParallelSampler._next_wave))
@@ -82,6 +81,7 @@ def test_with_the_references_bookkeeping_it_reproduces_the_reference_exactly(fix
 ALIGNED_DIFFERS = {("inner2_threshold0.3", 5)}
 
 
+@pytest.mark.numerics  # the reference sampler's tokens, run elsewhere (CI reruns them with other CPU kernels)
 @pytest.mark.parametrize("case", REFERENCE["cases"], ids=lambda c: f"{c['name']}-{len(c['prompt'])}")
 def test_reference_tokens(fixture_model, case):
     result = generate(fixture_model, case["prompt"], reference_config(case))
