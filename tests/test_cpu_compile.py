@@ -58,6 +58,7 @@ def test_the_compiled_step_gives_the_eager_tokens_and_iterations(compiling):
     assert torch.get_num_threads() == threads  # the step's one thread was given back
 
 
+@pytest.mark.slow  # an inductor compile (a minute or two on 2 cores, cold cache)
 def test_state_only_exits_fuse_in_the_compiled_step_with_the_eager_tokens(compiling, without_autotune, monkeypatch):
     """latent-diff and cosine exits are read inside the compiled iteration (rdlm.inference.runner.row_exits), so
     their rows run up to `exit_sync_every` iterations a call, each frozen at its exit: every request's tokens,

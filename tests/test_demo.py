@@ -148,6 +148,7 @@ def test_a_claim_met_exactly_holds_despite_rounding():
     assert all(c["holds"] for c in checks), [c for c in checks if not c["holds"]]
 
 
+@pytest.mark.slow  # the jobs in one process and in two spawned workers
 def test_models_trained_side_by_side_in_processes_equal_one_process(tmp_path, capsys):
     """`workers`: the models train and are scored in spawned processes, one thread each; the numbers
     (weights, losses, every accuracy, the exits) are those of the same jobs run one after another here."""

@@ -14,7 +14,7 @@ comments that the rendered page does not show:
     <!-- docs-test: warns: REGEX -->        a warning the page explains (any other warning fails the block)
 
 In the fast run a slow block is left out, so no later block may need what it makes (give such a block a
-`tiny` form instead); `tiny` forms are run in the slow run too. The pages in LONG_PAGES (over a minute each)
+`tiny` form instead); `tiny` forms are run in the slow run too. The pages in LONG_PAGES (over 40 s each)
 run whole, with their slow blocks, only in the slow run; the README and the other pages run in every run. A server listens on a free port, which
 replaces the page's 8000 from the server block on. Pages run side by side (RDLM_DOCS_TEST_WORKERS, default
 the CPU count up to 4), each command on one thread. Every `rdlm` command of every block, whatever its
@@ -371,10 +371,10 @@ def slow_runs(request, tmp_path_factory) -> dict[Path, str | None]:
                      tmp_path_factory.mktemp("docs-slow"), slow=True)
 
 
-# Pages whose fast run took over a minute on a 2-core machine (1-2.6 min each, two pages at a time, load 2):
-# together half of the suite's time on the docs. They run whole under `pytest -m slow`.
-LONG_PAGES = {"demo.md", "experiments.md", "fine-tuning.md", "generation.md", "integrations.md", "quantization.md",
-              "retrofit.md", "training.md"}
+# Pages whose fast run took over 40 s on a 2-core machine (47 s to 2.6 min each, two pages at a time, load 2):
+# together two thirds of the suite's time on the docs. They run whole under `pytest -m slow`.
+LONG_PAGES = {"analysis.md", "demo.md", "experiments.md", "fine-tuning.md", "generation.md", "integrations.md",
+              "model-families.md", "quantization.md", "retrofit.md", "training.md"}
 
 
 def test_the_long_pages_are_pages():

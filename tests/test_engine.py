@@ -17,6 +17,7 @@ PROMPTS = [[5, 17, 99, 3, 42, 7], [250, 11], [1, 2, 3, 4]]
 # thresholds at which exits fire at different iterations for different rows of the tiny model
 THRESHOLDS = {"kl": 3e-3, "entropy-diff": 1e-4, "latent-diff": 0.1, "minp-kl": 1e-2, "cosine": 5e-3,
               "argmax-stability": None}
+SLOW = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,13 @@ def assert_same(a, b):
     dict(continuous_cot=True),
     dict(num_steps=3, prefill_steps=6),                              # more slots than decode iterations
     dict(temperature=0.9, top_p=0.9),
-    *[dict(exit_criterion=name, exit_threshold=t, num_steps=12) for name, t in THRESHOLDS.items()],
-    dict(exit_criterion="kl", exit_threshold=3e-3, num_steps=12, cache_strategy="shared", cache_slots=4),
-    dict(exit_criterion="latent-diff", exit_threshold=0.1, num_steps=12, continuous_cot=True),
+    # the static step against the eager engine with one criterion in every run, the others (about 5 s each) under
+    # -m slow (each criterion still decodes in every run: test_every_criterion_is_exercised_with_mixed_exits)
+    *[pytest.param(dict(exit_criterion=name, exit_threshold=t, num_steps=12), marks=() if name == "kl" else SLOW)
+      for name, t in THRESHOLDS.items()],
+    pytest.param(dict(exit_criterion="kl", exit_threshold=3e-3, num_steps=12, cache_strategy="shared", cache_slots=4),
+                 marks=SLOW),
+    pytest.param(dict(exit_criterion="latent-diff", exit_threshold=0.1, num_steps=12, continuous_cot=True), marks=SLOW),
 ], ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()) or "fixed")
 def test_static_step_gives_the_eager_tokens_batched_and_alone(model, extra):
     config = GenerationConfig(**{"num_steps": 4, "max_new_tokens": 8, "seed": 3, **extra})

@@ -98,7 +98,7 @@ def test_the_server_reports_the_gates_saved_iterations(with_text):
     assert gated.usage.model_extra["latent_iterations"] < full.usage.model_extra["latent_iterations"]
 
 
-@pytest.mark.parametrize("name", ["retrofit-llama-tiny", "ouro-tiny"])
+@pytest.mark.parametrize("name", [pytest.param("retrofit-llama-tiny", marks=pytest.mark.slow), "ouro-tiny"])
 def test_rdlm_eval_text_and_analyze_run(with_text, name, tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat. " * 8)

@@ -35,6 +35,7 @@ def smoke(suite, tmp_path_factory):
     return out, report, time.perf_counter() - t0
 
 
+@pytest.mark.slow  # the suite's smoke run on the CPU (half a minute)
 def test_the_smoke_run_writes_json_and_markdown_with_a_status_for_every_part(smoke):
     out, report, _ = smoke
     written = json.loads((out / "gpu_suite.json").read_text())
@@ -50,6 +51,7 @@ def test_the_smoke_run_writes_json_and_markdown_with_a_status_for_every_part(smo
         assert f"| {name} |" in table
 
 
+@pytest.mark.slow  # the suite's smoke run on the CPU (half a minute)
 def test_every_correctness_case_that_claims_exactness_matches(smoke):
     _, report, _ = smoke
     cases = report["parts"][0]["figures"]["cases"]
@@ -61,6 +63,7 @@ def test_every_correctness_case_that_claims_exactness_matches(smoke):
     assert not bad, bad
 
 
+@pytest.mark.slow  # the suite's smoke run on the CPU (half a minute)
 def test_the_measurements_are_measured(smoke):
     _, report, _ = smoke
     parts = {p["name"]: p["figures"] for p in report["parts"]}

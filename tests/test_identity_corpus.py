@@ -50,6 +50,7 @@ def test_the_corpus_names_at_least_150_cases_once_over_every_model_and_feature(c
         assert any(feature in name for name in names), feature
 
 
+@pytest.mark.slow  # records a subset twice
 def test_a_subset_records_the_same_twice_and_compare_finds_a_change(corpus, tmp_path, capsys):
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}

@@ -192,6 +192,7 @@ def test_scores_are_a_function_of_the_request_at_the_default_init_scale(model_di
     assert lm.generate_until(prompts, disable_tqdm=True) == one
 
 
+@pytest.mark.slow  # imports the harness's registry in a fresh interpreter
 def test_importing_rdlm_lm_eval_keeps_the_harness_models():
     code = ("import rdlm.integrations.lm_eval\nfrom lm_eval.api.registry import get_model, model_registry\n"
             "assert get_model('rdlm').__name__ == 'RDLMEvalModel'\n"

@@ -58,6 +58,7 @@ def test_a_batch_of_prompts_decodes_speculatively_each_as_plain_greedy(model):
 
 
 @pytest.mark.numerics
+@pytest.mark.slow  # many decodes in bfloat16 (CPU bfloat16 is slow)
 def test_in_bfloat16_speculative_decoding_differs_from_plain_greedy_only_at_near_ties(huginn_tiny_bf16_dir):
     # The batched verification rounds differently from one-token decoding in bfloat16, so a top-2 tie
     # within a few units in the last place may go the other way; anything larger would be a bug.

@@ -255,6 +255,7 @@ def test_kill_during_a_sharded_save_keeps_the_previous_step(shards, tmp_path):
     assert len(history(out)) == 6
 
 
+@pytest.mark.slow  # a training process stopped mid-run
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(shards, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "rdlm", *train_args(shards, out, "--steps", "2000")],

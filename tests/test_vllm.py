@@ -100,6 +100,7 @@ def test_shared_caches_with_exits_give_rdlm_generate_tokens(models, slots):
 COMPILED = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}  # vLLM's default: compiled
 
 
+@pytest.mark.slow  # vLLM compiles the forward (minutes on 2 cores, cold cache)
 def test_the_fixed_depth_forward_compiles_with_eagers_tokens(models):
     """Without an exit criterion vLLM compiles the forward (vLLM's defaults: torch.compile, inductor on the
     CPU): the compiled forward runs no Python (the eager forward's counters stay at zero) and gives the eager
@@ -114,6 +115,7 @@ def test_the_fixed_depth_forward_compiles_with_eagers_tokens(models):
     assert got == eager == rdlm_tokens(models["huginn"], prompts, num_steps=5)
 
 
+@pytest.mark.slow  # compiles the exit forward (3-5 minutes on 2 cores)
 def test_the_exit_forward_compiles_with_rdlm_generates_tokens(models):
     """With an exit criterion the compiled forward runs the iterations between two looks as one torch.cond, which
     skips them (filling the slots without attending) once every token of the step has exited, else runs them with
@@ -248,6 +250,7 @@ def tokenized_model(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # lm-eval's harness and a vLLM engine (about a minute)
 def test_lm_eval_through_vllm_scores_as_rdlms_lm_eval_model(tokenized_model, monkeypatch):
     """lm-eval's `vllm` model on the project's task: per-choice log-likelihoods equal rdlm's lm-eval model's at
     the same r, within fp32 round-off, so the accuracies are equal. (s_0 = 0 on both sides: rdlm's model seeds
