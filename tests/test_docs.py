@@ -14,10 +14,12 @@ comments that the rendered page does not show:
     <!-- docs-test: warns: REGEX -->        a warning the page explains (any other warning fails the block)
 
 In the fast run a slow block is left out, so no later block may need what it makes (give such a block a
-`tiny` form instead); `tiny` forms are run in the slow run too. The pages in LONG_PAGES (over 40 s each)
-run whole, with their slow blocks, only in the slow run; the README and the other pages run in every run. A server listens on a free port, which
-replaces the page's 8000 from the server block on. Pages run side by side (RDLM_DOCS_TEST_WORKERS, default
-the CPU count up to 4), each command on one thread. Every `rdlm` command of every block, whatever its
+`tiny` form instead); `tiny` forms are run in the slow run too. The pages in LONG_PAGES (over 40 s each) run
+whole, with their slow blocks, only in the slow run; the README and the other pages run in every run. A server
+listens on a free port, which replaces the page's 8000 from the server block on. Pages run side by side
+(RDLM_DOCS_TEST_WORKERS, default the CPU count up to 4), each command on one thread; in a run of more than the
+docs tests, the fast run goes on in the background from the end of collection, one page at a time, and its
+tests run last (`Background`). Every `rdlm` command of every block, whatever its
 markers, must parse with today's command line, and every relative link must name a file and heading that
 exist.
 """
@@ -29,9 +31,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,13 +247,13 @@ def free_port() -> int:
 class PageRun:
     """One page's blocks run in order in `workdir`; a server block's process lives until `close`."""
 
-    def __init__(self, page: Path, workdir: Path, slow: bool):
+    def __init__(self, page: Path, workdir: Path, slow: bool, environ: dict[str, str] | None = None):
         self.page, self.workdir, self.slow = page, workdir, slow
         for name in SHIPPED:
             (workdir / name).symlink_to(ROOT / name)
         (workdir / ".venv").symlink_to(sys.prefix)          # the docs' `.venv/bin/...`: this environment
-        bindir = Path(sys.executable).parent
-        self.env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
+        bindir, base = Path(sys.executable).parent, dict(os.environ if environ is None else environ)
+        self.env = {**base, "PATH": f"{bindir}{os.pathsep}{base['PATH']}",
                     "VIRTUAL_ENV": sys.prefix, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
                     "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MPLBACKEND": "Agg",
                     "TOKENIZERS_PARALLELISM": "false"}
@@ -320,10 +323,13 @@ class PageRun:
             self.log.close()
 
 
-def run_page(page: Path, workdir: Path, slow: bool) -> list[str]:
-    runner = PageRun(page, workdir, slow)
+def run_page(page: Path, workdir: Path, slow: bool, stop: threading.Event | None = None,
+             environ: dict[str, str] | None = None) -> list[str]:
+    runner = PageRun(page, workdir, slow, environ)
     try:
         for block in page_blocks(page):
+            if stop is not None and stop.is_set():
+                pytest.fail(f"{page.name}: stopped before {block.where} (the test session ended)")
             runner.run(block)
     finally:
         runner.close()
@@ -334,7 +340,8 @@ def page_id(page: Path) -> str:
     return page.name
 
 
-def run_pages(pages: list[Path], root: Path, slow: bool) -> dict[Path, str | None]:
+def run_pages(pages: list[Path], root: Path, slow: bool, workers: int | None = None,
+              stop: threading.Event | None = None, environ: dict[str, str] | None = None) -> dict[Path, str | None]:
     """Each page in a directory of its own, several at a time (their commands are one-threaded processes, so
     pages side by side use the cores a single page leaves idle); None for a page that ran, else why not."""
     def one(page: Path) -> str | None:
@@ -342,13 +349,13 @@ def run_pages(pages: list[Path], root: Path, slow: bool) -> dict[Path, str | Non
         workdir.mkdir()
         started = time.monotonic()
         try:
-            ran = run_page(page, workdir, slow)
+            ran = run_page(page, workdir, slow, stop, environ)
         except BaseException as e:                          # pytest.fail raises a BaseException
             return str(e)
         print(f"{page.name} ({time.monotonic() - started:.0f} s): " + ", ".join(ran))   # shown by `pytest -s`
         return None
 
-    workers = int(os.environ.get("RDLM_DOCS_TEST_WORKERS", min(4, os.cpu_count() or 1)))
+    workers = int(os.environ.get("RDLM_DOCS_TEST_WORKERS", workers or min(4, os.cpu_count() or 1)))
     longest_first = sorted(pages, key=lambda page: -len(page_blocks(page)))
     with ThreadPoolExecutor(max(1, workers)) as pool:
         return dict(zip(longest_first, pool.map(one, longest_first)))
@@ -359,8 +366,48 @@ def selected_pages(request: pytest.FixtureRequest, test_name: str) -> list[Path]
             if item.originalname == test_name and hasattr(item, "callspec")]
 
 
+class Background:
+    """The fast run of the selected pages, started when collection ends (tests/conftest.py) in a thread of its
+    own with one page at a time, while the rest of the suite runs: the pages' commands are processes of one
+    thread each, so they take the core the suite's own process leaves idle. Their tests run last and wait for
+    it. The commands get the environment as it was before any test (a test's monkeypatched variable is not
+    theirs). Asked to stop (the session ends early), it stops between two blocks."""
+
+    def __init__(self, pages: list[Path], root: Path):
+        self.stop, self.result = threading.Event(), Future[dict[Path, str | None]]()
+        self.environ = dict(os.environ)
+        self.thread = threading.Thread(target=self.run, args=(pages, root), name="docs-pages", daemon=True)
+        self.thread.start()
+
+    def run(self, pages: list[Path], root: Path) -> None:
+        try:
+            self.result.set_result(run_pages(pages, root, slow=False, workers=1, stop=self.stop,
+                                             environ=self.environ))
+        except BaseException as e:
+            self.result.set_exception(e)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+background: Background | None = None
+
+
+def start_in_background(pages: list[Path], root: Path) -> None:
+    global background
+    background = Background(pages, root)
+
+
+def stop_background() -> None:
+    if background is not None:
+        background.close()
+
+
 @pytest.fixture(scope="module")
 def fast_runs(request, tmp_path_factory) -> dict[Path, str | None]:
+    if background is not None:
+        return background.result.result()
     return run_pages(selected_pages(request, "test_page_runs_top_to_bottom"), tmp_path_factory.mktemp("docs"),
                      slow=False)
 

@@ -39,20 +39,21 @@ def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+SLOW = pytest.mark.slow  # a command's process each (about 10 s on 2 cores); one per command runs in every run
 CASES = [
     (["train", "--model", "model", "--data", "shards", "--out-dir", "run", "--set", f"mean_recurrence={HUGE}"],
      "one step would take at least"),
-    (["train", "--model", "model", "--data", "shards", "--out-dir", "run", "--steps", "1000000000000"],
-     "would take at least"),
-    (["train", "--model", "tiny", "--data", "shards", "--out-dir", "run", "--micro-batch-size", "100000000"],
-     "--micro-batch-size 100000000"),
+    pytest.param(["train", "--model", "model", "--data", "shards", "--out-dir", "run", "--steps", "1000000000000"],
+                 "would take at least", marks=SLOW),
+    pytest.param(["train", "--model", "tiny", "--data", "shards", "--out-dir", "run", "--micro-batch-size",
+                  "100000000"], "--micro-batch-size 100000000", marks=SLOW),
     (["eval", "model", "--text", "text.txt", "--num-steps", f"1,{HUGE}"], "one batch would take at least"),
     (["analyze", "model", "--prompt-ids", "1,2,3", "--out", "an", "--limit-steps", HUGE],
      "one prompt would take at least"),
     # generate's r is bounded where it is declared (2**16), so these never reach an estimate: the bound refuses them
     (["generate", "--model", "model", "--prompt-ids", "1,2,3", "-r", HUGE], "num_steps must be at most 2**16"),
-    (["generate", "--model", "model", "--prompt-ids", "1,2,3", "-r", "30000000", "--max-new-tokens", "1"],
-     "num_steps must be at most 2**16"),
+    pytest.param(["generate", "--model", "model", "--prompt-ids", "1,2,3", "-r", "30000000", "--max-new-tokens", "1"],
+                 "num_steps must be at most 2**16", marks=SLOW),
 ]
 
 
