@@ -98,22 +98,25 @@ def write_training_run(tmp_path: Path, model: RecurrentDepthLM) -> tuple[Path, R
 FAST_DOCS_TEST = "test_page_runs_top_to_bottom"  # tests/test_docs.py
 
 
+def background_docs(items) -> list:
+    """The fast docs pages' tests, when other tests run beside them (their pages then run in the background)."""
+    docs = [item for item in items if getattr(item, "originalname", None) == FAST_DOCS_TEST]
+    return docs if len(docs) < len(items) else []
+
+
 def pytest_collection_modifyitems(config, items):
     """The docs pages' tests go last: their run goes on in the background meanwhile (tests/test_docs.py)."""
-    docs = [item for item in items if getattr(item, "originalname", None) == FAST_DOCS_TEST]
-    if docs and len(docs) < len(items):
+    if docs := background_docs(items):
         chosen = set(map(id, docs))
         items[:] = [item for item in items if id(item) not in chosen] + docs
 
 
 def pytest_collection_finish(session):
-    docs = [item for item in session.items if getattr(item, "originalname", None) == FAST_DOCS_TEST]
-    if docs and len(docs) < len(session.items) and not session.config.option.collectonly:
+    if (docs := background_docs(session.items)) and not session.config.option.collectonly:
         root = session.config._tmp_path_factory.mktemp("docs")
         docs[0].module.start_in_background([item.callspec.params["page"] for item in docs], root)
 
 
 def pytest_sessionfinish(session):
-    docs = [item for item in session.items if getattr(item, "originalname", None) == FAST_DOCS_TEST]
-    if docs:
+    if docs := background_docs(session.items):
         docs[0].module.stop_background()
