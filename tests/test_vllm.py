@@ -123,11 +123,14 @@ def test_the_exit_forward_compiles_with_rdlm_generates_tokens(models):
     the first batch's decode steps (3 tokens) run compiled and the second batch's (1 token) eagerly, in one
     engine. On a k-slot cache (an exited token's held entries in both kinds of slot) the tokens and
     log-probabilities of both are `rdlm generate`'s with the same criterion (the eager loop alone:
-    test_shared_caches_with_exits_give_rdlm_generate_tokens), and the compiled steps skipped iterations."""
+    test_shared_caches_with_exits_give_rdlm_generate_tokens), and the compiled steps skipped iterations. Looks
+    every 2 iterations (at 2, 4 and 6 of r = 8): stretches of more than one iteration, as the compiled default's
+    8, with looks enough to skip at."""
     prompts = prompts_for(512, lengths=(4, 7, 10, 6), seed=9)
     exits = dict(exit_criterion="latent-diff", exit_threshold=0.5)
     got, stats = served(models["huginn"], [prompts[:3], prompts[3:]], engine=COMPILED, rdlm_num_steps=8,
-                        rdlm_cache_slots=6, rdlm_exit_eager_tokens=2, **{f"rdlm_{k}": v for k, v in exits.items()})
+                        rdlm_cache_slots=6, rdlm_exit_eager_tokens=2, rdlm_exit_sync_every=2,
+                        **{f"rdlm_{k}": v for k, v in exits.items()})
     # the eager forward counts its steps: the second batch's decode steps only (r = 8: a shorter graph compiles
     # sooner); their tokens exited early
     assert stats.steps == NEW_TOKENS - 1 and stats.decoded_tokens == NEW_TOKENS - 1

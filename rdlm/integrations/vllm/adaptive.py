@@ -157,6 +157,11 @@ def _(x: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+# Iterations between two looks of a compiled forward, unless rdlm_exit_sync_every says otherwise: each look is a
+# torch.cond (a host read of its condition and a boundary the compiler does not fuse across), so looking every
+# iteration cost more than the iterations it skipped once a step held tens of tokens (docs/vllm.md, "Measured").
+COMPILED_SYNC_EVERY = 8
+
 # Both write into a KV cache the graph does not see: never dropped for an unused output, never merged.
 torch.fx.node.has_side_effect(torch.ops.rdlm.vllm_attention.default)
 torch.fx.node.has_side_effect(torch.ops.rdlm.vllm_write_cache.default)
@@ -178,7 +183,13 @@ class ExitLoop:
         # The held projections are kept for the decoded tokens only (a prompt's tokens never exit); without
         # looks (no host reads), for every token.
         self.rows = None if not looks or bool(decoding.all()) else decoding.nonzero().squeeze(-1)
-        self.sync_every = resolve_sync_every(recurrence.sync_every, positions.device)
+        self.sync_every = (
+            recurrence.sync_every
+            if recurrence.sync_every is not None
+            else resolve_sync_every(None, positions.device)
+            if looks
+            else COMPILED_SYNC_EVERY
+        )
         self.tp = get_tensor_model_parallel_world_size()
         criterion = recurrence.criterion
         assert criterion is not None  # (the model comes here only with one)

@@ -11,7 +11,7 @@ vLLM builds a model once per server, so these are per served model, not per requ
 | `rdlm_exit_criterion` | a per-token exit criterion read inside the forward: `"latent-diff"` or `"cosine"` (no readout needed), `"gate"` (a learned exit gate, Ouro); none: fixed r | none |
 | `rdlm_exit_threshold` | the criterion's threshold | the criterion's (latent-diff 0.03; gate: the checkpoint's) |
 | `rdlm_min_steps` | fewest iterations before a token may exit | 2 (1 for a gate), as `rdlm generate` |
-| `rdlm_exit_sync_every` | iterations between two looks at the exit flags (when every token of a step has exited, the loop stops at the next look: the eager loop's host looks, the compiled forward's `torch.cond`s); speed only, never the tokens, as `rdlm generate`'s `exit_sync_every` | 1 on the CPU, 4 on an accelerator |
+| `rdlm_exit_sync_every` | iterations between two looks at the exit flags (when every token of a step has exited, the loop stops at the next look: the eager loop's host looks, the compiled forward's `torch.cond`s); speed only, never the tokens, as `rdlm generate`'s `exit_sync_every` | the eager loop: 1 on the CPU, 4 on an accelerator; a compiled forward: 8 |
 | `rdlm_exit_eager_tokens` | in a compiled engine with an exit criterion, decode steps of at most this many tokens run the eager loop instead of the compiled forward (both stop once every token has exited); speed only, never the tokens | 0: every step compiled |
 | `rdlm_seed`, `rdlm_init_scale` | s_0 of the token at position p is row p of rdlm's table drawn from the seed (rdlm.inference.execution.noise) | 0 and 1, `rdlm generate`'s defaults |
 """  # noqa: E501 (a markdown table: its rows cannot wrap)
