@@ -28,9 +28,11 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.library import Library
 from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
+from vllm.utils.torch_utils import direct_register_custom_op
 
 from rdlm.inference.execution.graphs import resolve_sync_every
 from rdlm.inference.exits.track import ExitTrack, done_iterating
@@ -93,17 +95,29 @@ def decoding_tokens(positions: Tensor, layer_name: str) -> Tensor | None:
     return decoding
 
 
-@torch.library.custom_op("rdlm::vllm_decoding_tokens", mutates_args=())
+# rdlm's operators for a compiled forward, registered as vLLM registers its own (`direct_register_custom_op`):
+# straight into the dispatcher, which costs a few microseconds a call where `torch.library.custom_op`'s wrapper
+# cost about 15 more on the CPU, once per core layer and iteration for the attention below.
+_LIBRARY = Library("rdlm", "FRAGMENT")  # (must live as long as the operators)
+
+
+def _operator(name: str, function: Callable[..., Any], fake: Callable[..., Any]) -> None:
+    direct_register_custom_op(name, function, fake_impl=fake, target_lib=_LIBRARY)
+
+
 def decoding_tokens_op(positions: Tensor, layer_name: str) -> Tensor:
-    """`decoding_tokens` as an operator a compiled forward calls at run time (what it reads is the step's
-    forward context, which a graph traced once must not bake in); False everywhere without metadata."""
+    """`decoding_tokens` as an operator a compiled forward calls at run time (`rdlm::vllm_decoding_tokens`: what
+    it reads is the step's forward context, which a graph traced once must not bake in); False everywhere
+    without metadata."""
     decoding = decoding_tokens(positions, layer_name)
     return torch.zeros_like(positions, dtype=torch.bool) if decoding is None else decoding
 
 
-@decoding_tokens_op.register_fake
-def _(positions: Tensor, layer_name: str) -> Tensor:
+def _decoding_tokens_fake(positions: Tensor, layer_name: str) -> Tensor:
     return torch.empty_like(positions, dtype=torch.bool)
+
+
+_operator("vllm_decoding_tokens", decoding_tokens_op, _decoding_tokens_fake)
 
 
 # Per core layer, the fused q/k/v projections a token wrote at its last iterations (the last k of a shared cache of
@@ -112,24 +126,22 @@ def _(positions: Tensor, layer_name: str) -> Tensor:
 Ring = tuple[tuple[Tensor, ...], ...]
 
 
-@torch.library.custom_op("rdlm::vllm_attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, layer_name: str) -> Tensor:
     """A vLLM `Attention` layer's forward (this step's keys and values written into its cache, attention over
-    it) as an operator that takes the layer by its name as a string: what a branch of torch.cond can call.
-    vLLM's own attention operators take the name as an opaque object, which torch.cond does not pass into its
-    branches."""
+    it) as an operator that takes the layer by its name as a string (`rdlm::vllm_attention`): what a branch of
+    torch.cond can call. vLLM's own attention operators take the name as an opaque object, which torch.cond does
+    not pass into its branches."""
     return get_forward_context().no_compile_layers[layer_name](q.contiguous(), k.contiguous(), v.contiguous())
 
 
-@attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, layer_name: str) -> Tensor:
+def _attention_fake(q: Tensor, k: Tensor, v: Tensor, layer_name: str) -> Tensor:
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("rdlm::vllm_write_cache", mutates_args=())
 def write_cache_op(k: Tensor, v: Tensor, layer_name: str) -> None:
-    """`write_cache` (keys and values into a layer's cache, no attention) as an operator, for the same reason;
-    counted in the model's `ExitStats.compiled_fills` (the model gives each of its Attentions its stats)."""
+    """`write_cache` (keys and values into a layer's cache, no attention) as an operator
+    (`rdlm::vllm_write_cache`), for the same reason; counted in the model's `ExitStats.compiled_fills` (the
+    model gives each of its Attentions its stats)."""
     attention = get_forward_context().no_compile_layers[layer_name]
     write_cache(attention, k, v)
     stats = getattr(attention, "rdlm_stats", None)
@@ -137,24 +149,27 @@ def write_cache_op(k: Tensor, v: Tensor, layer_name: str) -> None:
         stats.compiled_fills += 1
 
 
-@write_cache_op.register_fake
-def _(k: Tensor, v: Tensor, layer_name: str) -> None:
+def _write_cache_fake(k: Tensor, v: Tensor, layer_name: str) -> None:
     return None
 
 
-@torch.library.custom_op("rdlm::vllm_fixed_layout", mutates_args=())
 def fixed_layout(x: Tensor) -> Tensor:
-    """A contiguous copy of x whose layout the compiler cannot change. Inductor (torch 2.13) lowers torch.cond's
-    operands without holding them to the strides its branches were compiled for: an operand it lays out as a
-    view into a wider buffer (as it does with a tensor it also concatenates) would be read with the wrong
-    strides in the branch, silently. The operands of a forward's first torch.cond and the tensors its branches
-    read from the forward go through this; later ones are torch.cond's own outputs, whose strides it fixes."""
+    """A contiguous copy of x whose layout the compiler cannot change (`rdlm::vllm_fixed_layout`). Inductor
+    (torch 2.13) lowers torch.cond's operands without holding them to the strides its branches were compiled
+    for: an operand it lays out as a view into a wider buffer (as it does with a tensor it also concatenates)
+    would be read with the wrong strides in the branch, silently. The operands of a forward's first torch.cond
+    and the tensors its branches read from the forward go through this; later ones are torch.cond's own
+    outputs, whose strides it fixes."""
     return x.clone(memory_format=torch.contiguous_format)
 
 
-@fixed_layout.register_fake
-def _(x: Tensor) -> Tensor:
+def _fixed_layout_fake(x: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_operator("vllm_attention", attention_op, _attention_fake)
+_operator("vllm_write_cache", write_cache_op, _write_cache_fake)
+_operator("vllm_fixed_layout", fixed_layout, _fixed_layout_fake)
 
 
 # Iterations between two looks of a compiled forward, unless rdlm_exit_sync_every says otherwise: each look is a
