@@ -24,6 +24,10 @@ alternated for `--rounds` rounds. A model `rdlm demo` trained (its directory has
 there on `--task-prompts` unseen test examples of its task instead (prompt, then the reply marker and the
 answer, then whatever the model goes on with up to `--new-tokens`): the answers' accuracy at fixed r and with
 exits, and whether every prompt's tokens equal `rdlm generate`'s with the same settings at batch 1.
+`--prompt-seed` draws those examples with another seed, for prompts a design run has not seen. Compiled exit
+runs also print the iterations a decode step skipped. `--compiled-only` measures vLLM's default (compiled)
+modes only, and `--engine-processes` runs each engine in a fresh process of its own: measure with
+`VLLM_DISABLE_COMPILE_CACHE=1`, since engines loaded from vLLM's compile cache were seen to run 2.5-3x slower.
 
 Without --model, a random model of rdlm's `small` shape (8 heads of 32: vLLM's CPU attention takes no
 narrower) with a tokenizer trained on examples/lm_eval_task is written to a temporary directory; exits mean
@@ -163,7 +167,8 @@ def measure(kind: str, args, criterion: str | None, log: Path, texts: list[str],
 
 
 def task_prompts(args, count: int | None = None) -> tuple[list[list[int]], list[str], list[str]] | None:
-    """Unseen test examples of a demo model's task (seed 1234, not the demo's 0): token ids, replies, prompts."""
+    """Unseen test examples of a demo model's task (--prompt-seed, 1234 unless said; the demo trains on seed 0):
+    token ids, replies, prompts."""
     path = Path(args.model) / "task_tokenizer.json"
     if not path.is_file():
         return None
@@ -171,14 +176,25 @@ def task_prompts(args, count: int | None = None) -> tuple[list[list[int]], list[
 
     spec = json.loads(path.read_text())
     tok = CharTokenizer(spec["alphabet"])
-    examples = generate(spec["task"], args.task_prompts if count is None else count, seed=1234, split="test")
+    examples = generate(spec["task"], args.task_prompts if count is None else count, seed=args.prompt_seed,
+                        split="test")
     return [tok.encode(e.prompt) for e in examples], [e.reply for e in examples], [e.prompt for e in examples]
 
 
 def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_tokens: int, compiled: bool = False):
     """vLLM's engine in this process on `prompts` (one batch): tokens/s, iterations per decoded token, tokens.
     `compiled`: vLLM's default compilation left on (the forward compiles; with an exit criterion it stops at a
-    look once every token has exited, and decode steps of at most --exit-eager-tokens tokens run the eager loop)."""
+    look once every token has exited, and decode steps of at most --exit-eager-tokens tokens run the eager loop).
+    With --engine-processes the engine runs in a fresh process of its own (this function, there)."""
+    if args.engine_processes and not os.environ.get("RDLM_BENCH_ENGINE_CHILD"):
+        import multiprocessing
+
+        os.environ["RDLM_BENCH_ENGINE_CHILD"] = "1"  # (inherited by the child: it runs the engine itself)
+        try:
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                return pool.apply(engine_alone, (args, criterion, prompts, new_tokens, compiled))
+        finally:
+            del os.environ["RDLM_BENCH_ENGINE_CHILD"]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import gc
 
@@ -189,6 +205,8 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
         overrides.update(rdlm_exit_criterion=criterion, rdlm_exit_threshold=args.exit_threshold)
         if args.exit_eager_tokens:
             overrides.update(rdlm_exit_eager_tokens=args.exit_eager_tokens)
+        if args.exit_sync_every:
+            overrides.update(rdlm_exit_sync_every=args.exit_sync_every)
     llm = vllm.LLM(args.model, dtype="float32", enforce_eager=not compiled, max_model_len=args.max_model_len,
                    kv_cache_memory_bytes=1 << 30, skip_tokenizer_init=True, hf_overrides=overrides,
                    enable_prefix_caching=False)  # repeated prompts: each is computed, as in rdlm serve
@@ -198,6 +216,7 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
     llm.generate(batch, params, use_tqdm=False)  # warm-up: the same batch once
     repeats = max(1, round(2.0 / (time.perf_counter() - t0)))  # about 2 s timed: a batch alone is too short
     before = llm.apply_model(lambda model: dict(vars(model.stats)))[0]
+    core_layers = llm.apply_model(lambda model: model.config.core_layers)[0]
     t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(repeats):
         out = llm.generate(batch, params, use_tqdm=False)
@@ -207,6 +226,11 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
     del llm
     gc.collect()
     tokens = [list(o.outputs[0].token_ids) for o in out]
+    # A compiled forward's skipped iterations: the core cache slots it filled without attending, one per core
+    # layer and skipped iteration of a decode step (below a shared cache's k slots: fewer), over the decode
+    # steps (a batch decodes its tokens after the first together: new_tokens - 1 steps a generation).
+    fills = after["compiled_fills"] - before["compiled_fills"]
+    skipped = fills / (core_layers * (new_tokens - 1) * repeats) if new_tokens > 1 else float("nan")
     decoded = after["decoded_tokens"] - before["decoded_tokens"]
     steps = after["steps"] - before["steps"]  # (counts over every repeat: the ratios are per token and step)
     # A compiled forward counts nothing (NaN here); an eager one at fixed r counts no decoded tokens (r each).
@@ -215,7 +239,7 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
     loop = (after["step_iterations"] - before["step_iterations"]) / steps if steps else float("nan")
     return {"tok_s": sum(map(len, tokens)) / seconds, "iterations_per_token": per_token, "caches": caches,
             "cpu_ms_per_token": 1e3 * cpu / sum(map(len, tokens)),
-            "loop_iterations_per_step": loop, "tokens": tokens,
+            "loop_iterations_per_step": loop, "tokens": tokens, "skipped_per_decode_step": skipped,
             "looks_per_step": (after["looks"] - before["looks"]) / steps if steps else float("nan")}
 
 
@@ -237,8 +261,9 @@ def engine_report(args, criteria: list) -> None:
     """vLLM's engine alone at each batch size of --batches: fixed r eager, fixed r compiled (vLLM's default)
     and each exit criterion, alternated in --rounds rounds (the best round of each kept), with the ratios of the
     exits to fixed r in the same run."""
-    modes = [(None, False), (None, True)] + [(c, compiled) for c in criteria if c is not None
-                                             for compiled in (False, True)]
+    settings = (True,) if args.compiled_only else (False, True)
+    modes = [(None, compiled) for compiled in settings] + [(c, compiled) for c in criteria if c is not None
+                                                             for compiled in settings]
     for batch in args.batches:
         engine_batch(args, modes, batch)
 
@@ -271,6 +296,8 @@ def engine_batch(args, modes: list, batch: int) -> None:
                 f"({e['cpu_ms_per_token']:.3f} CPU ms per token), "
                 f"{e['iterations_per_token']:.2f} iterations per decoded token, {e['loop_iterations_per_step']:.2f} "
                 f"loop iterations per step, {e['looks_per_step']:.2f} looks per step, {e['caches']} KV caches")
+        if mode[0] is not None and mode[1]:  # (the eager loop's stops are counted above)
+            line += f", {e['skipped_per_decode_step']:.2f} iterations a decode step skipped (compiled)"
         if mode[0] is not None:
             fixed = best[(None, mode[1])]  # the same compilation setting
             line += "; vs fixed r ({}) {:.2f}x tokens/s, {:.2f}x CPU time per token".format(
@@ -323,6 +350,17 @@ def main() -> None:
                         help="rdlm_exit_eager_tokens of the compiled engine-alone runs with exits: decode steps of at "
                              "most this many tokens run the eager loop (default 0: every step compiled)")
     parser.add_argument("--task-prompts", type=int, default=64, help="test examples for a demo model's servers")
+    parser.add_argument("--prompt-seed", type=int, default=1234,
+                        help="the seed a demo model's test examples are drawn with (default 1234; the demo trains "
+                             "on 0): a new seed gives prompts a design run has not seen")
+    parser.add_argument("--exit-sync-every", type=int, default=0,
+                        help="rdlm_exit_sync_every of the runs with exits (default 0: the plugin's own)")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="engine-alone runs: the compiled modes only (vLLM's default), not the eager ones")
+    parser.add_argument("--engine-processes", action="store_true",
+                        help="engine-alone runs: each engine in a fresh process of its own, so none inherits "
+                             "another's compiled state (measure with VLLM_DISABLE_COMPILE_CACHE=1: engines "
+                             "loaded from vLLM's compile cache were seen to run 2.5-3x slower, docs/vllm.md)")
     parser.add_argument("--batches", default="1,8,64",
                         help="prompts per batch of the engine-alone runs, comma-separated (a demo model: its test "
                              "examples; otherwise the fixed prompts, repeated)")
@@ -335,6 +373,8 @@ def main() -> None:
         parser.error(f"--batches must be comma-separated integers, got {args.batches!r}")
     if any(b < 1 for b in args.batches):
         parser.error("--batches must be at least 1 each")
+    if args.exit_sync_every < 0:
+        parser.error("--exit-sync-every must be at least 0")
     for name in ("num_steps", "clients", "rounds", "new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
