@@ -109,6 +109,20 @@ def test_where_compiling_pays_by_default(compiling, monkeypatch):
     assert not pays(1, 10**6, rounds=False)
 
 
+def test_where_a_server_compiles_by_default(compiling, monkeypatch):
+    """A server pays its compile back over its life: it compiles up to SERVER_COMPILE_ROWS rows (the compiled
+    step on every thread above SINGLE_THREAD_ROWS), a model with LoRA adapters never, and the switch wins."""
+    compiles = cpu_compile.server_compiles
+    assert cpu_compile.SERVER_COMPILE_ROWS > cpu_compile.SINGLE_THREAD_ROWS
+    assert compiles(1) and compiles(cpu_compile.SINGLE_THREAD_ROWS + 1) and compiles(cpu_compile.SERVER_COMPILE_ROWS)
+    assert not compiles(cpu_compile.SERVER_COMPILE_ROWS + 1)  # larger batches were not measured: eager
+    assert not compiles(8, adapters=True)
+    monkeypatch.setenv(cpu_compile.COMPILE_ENV, "force")
+    assert compiles(4 * cpu_compile.SERVER_COMPILE_ROWS) and not compiles(8, adapters=True)
+    monkeypatch.setenv(cpu_compile.COMPILE_ENV, "0")
+    assert not compiles(1)
+
+
 @pytest.mark.slow  # compiles twice (minutes on 2 cores)
 def test_weights_changed_in_place_are_compiled_again(compiling, without_autotune):
     """Compiled code holds the weights it was frozen with: after an in-place update (what an optimizer step

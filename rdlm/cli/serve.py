@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
     # --exit-sync-every: iterations between the host's looks, the batch's steps and a lockstep token's alike
-    # (by default every 4); --compile: the batch's static step (by default compiled on the CPU for at most 16 rows)
+    # (by default every 4); --compile: the batch's static step (by default compiled on the CPU for at most 64 rows)
     engine = engine_from_args(args)
     exit_sync_every = ServeConfig.exit_sync_every if engine.exit_sync_every is None else engine.exit_sync_every
     config = ServeConfig(

@@ -113,11 +113,19 @@ def compile_pays(rows: int, iterations_per_row: int, rounds: bool, adapters: boo
     return compile_forced() or (rows <= SINGLE_THREAD_ROWS and iterations_per_row >= COMPILE_MIN_ITERATIONS)
 
 
+# `rdlm serve` compiles its step by default for a batch of at most this many rows. Above SINGLE_THREAD_ROWS the
+# compiled step runs on every thread; served against the eager step on the same random `small` model at r = 8
+# (2-core AMD EPYC Zen 5, docs/serving.md "Compiled above 16 rows"), it gave 1.30x, 1.25x and 1.21x the tokens/s
+# at 24, 32 and 64 clients with the same time to first token (medians of two runs). Larger batches were not
+# measured, nor exits there, nor other CPUs.
+SERVER_COMPILE_ROWS = 64
+
+
 def server_compiles(rows: int, adapters: bool = False) -> bool:
     """Whether `rdlm serve` compiles a CPU batch of `rows` rows by default: a server lives long enough to pay
-    back its compile wherever the compiled step is faster (at most SINGLE_THREAD_ROWS rows), or always with
-    RDLM_COMPILE=force; never a model with LoRA adapters (`adapters`), which are not compiled."""
-    return compile_allowed() and not adapters and (rows <= SINGLE_THREAD_ROWS or compile_forced())
+    back its compile wherever the compiled step was measured faster (at most SERVER_COMPILE_ROWS rows), or always
+    with RDLM_COMPILE=force; never a model with LoRA adapters (`adapters`), which are not compiled."""
+    return compile_allowed() and not adapters and (rows <= SERVER_COMPILE_ROWS or compile_forced())
 
 
 @contextmanager
