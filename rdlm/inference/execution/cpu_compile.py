@@ -116,8 +116,8 @@ def compile_pays(rows: int, iterations_per_row: int, rounds: bool, adapters: boo
 # `rdlm serve` compiles its step by default for a batch of at most this many rows. Above SINGLE_THREAD_ROWS the
 # compiled step runs on every thread; served against the eager step on the same random `small` model at r = 8
 # (2-core AMD EPYC Zen 5, docs/serving.md "Compiled above 16 rows"), it gave 1.30x, 1.25x and 1.21x the tokens/s
-# at 24, 32 and 64 clients with the same time to first token (medians of two runs). Larger batches were not
-# measured, nor exits there, nor other CPUs.
+# at 24, 32 and 64 clients with the same time to first token (medians of two runs; with a latent-diff exit at 32
+# clients, 1.23x where it never fired and 1.03x where it did). Larger batches and other CPUs were not measured.
 SERVER_COMPILE_ROWS = 64
 
 
