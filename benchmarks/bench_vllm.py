@@ -186,15 +186,12 @@ def engine_alone(args, criterion: str | None, prompts: list[list[int]], new_toke
     `compiled`: vLLM's default compilation left on (the forward compiles; with an exit criterion it stops at a
     look once every token has exited, and decode steps of at most --exit-eager-tokens tokens run the eager loop).
     With --engine-processes the engine runs in a fresh process of its own (this function, there)."""
-    if args.engine_processes and not os.environ.get("RDLM_BENCH_ENGINE_CHILD"):
+    if args.engine_processes:
         import multiprocessing
 
-        os.environ["RDLM_BENCH_ENGINE_CHILD"] = "1"  # (inherited by the child: it runs the engine itself)
-        try:
-            with multiprocessing.get_context("spawn").Pool(1) as pool:
-                return pool.apply(engine_alone, (args, criterion, prompts, new_tokens, compiled))
-        finally:
-            del os.environ["RDLM_BENCH_ENGINE_CHILD"]
+        here = argparse.Namespace(**{**vars(args), "engine_processes": False})  # the child runs the engine itself
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(engine_alone, (here, criterion, prompts, new_tokens, compiled))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import gc
 

@@ -199,10 +199,8 @@ class ExitLoop:
         # looks (no host reads), for every token.
         self.rows = None if not looks or bool(decoding.all()) else decoding.nonzero().squeeze(-1)
         self.sync_every = (
-            recurrence.sync_every
-            if recurrence.sync_every is not None
-            else resolve_sync_every(None, positions.device)
-            if looks
+            resolve_sync_every(recurrence.sync_every, positions.device)
+            if looks or recurrence.sync_every is not None
             else COMPILED_SYNC_EVERY
         )
         self.tp = get_tensor_model_parallel_world_size()
