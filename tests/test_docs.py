@@ -336,6 +336,9 @@ def run_page(page: Path, workdir: Path, slow: bool, stop: threading.Event | None
     return runner.ran
 
 
+ran_summaries: dict[tuple[Path, bool], str] = {}  # per page run (fast or slow): its time and blocks (run_pages)
+
+
 def page_id(page: Path) -> str:
     return page.name
 
@@ -352,7 +355,9 @@ def run_pages(pages: list[Path], root: Path, slow: bool, workers: int | None = N
             ran = run_page(page, workdir, slow, stop, environ)
         except BaseException as e:                          # pytest.fail raises a BaseException
             return str(e)
-        print(f"{page.name} ({time.monotonic() - started:.0f} s): " + ", ".join(ran))   # shown by `pytest -s`
+        # kept for the page's own test to print (shown by `pytest -s`): printed here, from the background thread,
+        # it would land in whichever test's captured output is current (seen failing a test that reads capsys)
+        ran_summaries[page, slow] = f"{page.name} ({time.monotonic() - started:.0f} s): " + ", ".join(ran)
         return None
 
     workers = int(os.environ.get("RDLM_DOCS_TEST_WORKERS", workers or min(4, os.cpu_count() or 1)))
@@ -433,6 +438,7 @@ def test_page_runs_top_to_bottom(page, fast_runs):
     """Every block not marked slow, skip or fragment runs as the page writes it (or in its tiny form)."""
     if fast_runs[page] is not None:
         pytest.fail(fast_runs[page], pytrace=False)
+    print(ran_summaries[page, False])
 
 
 SLOW_PAGES = [page for page in PAGES if page.name in LONG_PAGES or any(b.mode == "slow" for b in page_blocks(page))]
@@ -444,3 +450,4 @@ def test_page_runs_with_its_slow_blocks(page, slow_runs):
     """The same, with the blocks that need minutes; the long pages run here only."""
     if slow_runs[page] is not None:
         pytest.fail(slow_runs[page], pytrace=False)
+    print(ran_summaries[page, True])
