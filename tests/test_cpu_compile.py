@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from rdlm import RDLMConfig, RecurrentDepthLM
-from rdlm.inference.execution import cpu_compile
 from rdlm.inference.batching import ContinuousBatch
+from rdlm.inference.execution import cpu_compile
+from rdlm.inference.execution.model_calls import ModelCalls, Pack
 from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
 from rdlm.inference.runner.static_step import StaticStep
 from rdlm.model.quantize import quantize
@@ -231,12 +232,21 @@ def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_
     """The compiled step attends to the buffer up to the decoding rows' end (rounded up to KEYS_STEP), not to
     the whole buffer, a length the compiler takes as dynamic: rows that grow past several multiples of it run
     one compiled graph per part (the core iteration, the prelude, the coda with the head), with the eager
-    engine's tokens."""
+    engine's tokens; the prompts' iteration adds the graphs of one compile (its pieces between attention calls),
+    whatever the prompts' lengths."""
     from torch._dynamo.utils import counters
 
     from rdlm.inference.runner.static_step import KEYS_STEP, StaticStep
 
     model = tiny()
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    calls = ModelCalls(model, 4, 16, 4, "full")
+    with torch.inference_mode():
+        calls.compiled_prompts = cpu_compile.CompiledPrompts(model)
+        calls.iterate_packed(packed_prompts(calls, 0)[0])
+    prompt_graphs = counters["stats"]["unique_graphs"] - graphs
+    assert prompt_graphs >= 1
     prompts = [list(range(1, 30)), [4, 2], list(range(3, 20))]
     config = GenerationConfig(num_steps=4, max_new_tokens=50, seed=1)
     lengths, keys = [], StaticStep.keys
@@ -245,6 +255,98 @@ def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_
     graphs = counters["stats"]["unique_graphs"]
     compiled = generate(model, prompts, config, engine=EngineArgs(compile=True))
     assert compiled.tokens == generate(model, prompts, config, engine=EngineArgs(compile=False)).tokens
-    assert counters["stats"]["unique_graphs"] - graphs == 3
+    assert counters["stats"]["unique_graphs"] - graphs == 3 + prompt_graphs
     ends = sorted(set(lengths) - {1})  # (1: the warm-up's)
     assert min(ends) <= 32 and max(ends) > 64 and len({-(-e // KEYS_STEP) for e in ends}) >= 3
+
+
+def packed_prompts(calls, seed: int) -> tuple[Pack, list[slice]]:
+    """Two prompt chunks in one pack as the continuous batch runs them: rows 0-1 with 5 tokens from position 0 at
+    iteration 2, row 3 with 3 tokens from position 4 at iteration 0 (random states, the keys before written)."""
+    g = torch.Generator().manual_seed(seed)
+    h = calls.model.config.hidden_size
+    pack, parts = Pack(), []
+    for start, n, rows, iteration in ((0, 5, [0, 1], 2), (4, 3, [3], 0)):
+        call = calls.prompt(start, n, calls.upload(rows), 4)
+        state, embedded = torch.randn(len(rows), n, h, generator=g), torch.randn(len(rows), n, h, generator=g)
+        parts.append(pack.add(call, state, embedded, iteration))
+    return pack, parts
+
+
+def test_the_prompts_iteration_compiled_computes_the_eager_one_for_any_token_count():
+    """`CompiledPrompts` (inductor's default settings, no GEMM search: seconds on two cores) against the eager
+    packed call: the same states and the same cache entries written, for packs of 13 and then 26 tokens, the second
+    without compiling again (the token count is a dynamic size)."""
+    model = tiny()
+    calls = ModelCalls(model, 4, 16, 4, "full")
+    calls.admit(0, 8, calls.upload([0, 1, 3]))
+    torch.manual_seed(1)
+    for cache in (calls.cache.core_k, calls.cache.core_v):
+        cache.normal_()  # the earlier keys of row 3 (positions 0-3) are read by its chunk
+    compiled = cpu_compile.CompiledPrompts(model)
+    for seed in (0, 1):
+        pack, _ = packed_prompts(calls, seed)
+        if seed == 1:  # twice the tokens: the same pack again after itself
+            pack.segments += [dataclasses.replace(s, tokens=slice(s.tokens.start + 13, s.tokens.stop + 13))
+                              for s in pack.segments]
+            pack.parts = [p + p for p in pack.parts]
+        before = [c.clone() for c in (calls.cache.core_k, calls.cache.core_v)]
+        with torch.inference_mode():
+            eager = calls.iterate_packed(pack)
+            written = [c.clone() for c in (calls.cache.core_k, calls.cache.core_v)]
+            calls.cache.core_k.copy_(before[0])
+            calls.cache.core_v.copy_(before[1])
+            calls.compiled_prompts = compiled
+            seconds = compiled.seconds
+            out = calls.iterate_packed(pack)
+            calls.compiled_prompts = None
+        assert out.shape == eager.shape == (1, 13 * (1 + seed), model.config.hidden_size)
+        torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+        for new, reference in zip((calls.cache.core_k, calls.cache.core_v), written, strict=True):
+            torch.testing.assert_close(new, reference, rtol=1e-5, atol=1e-5)
+        assert not compiled.failed
+        if seed == 1:
+            assert compiled.seconds == seconds  # 26 tokens ran the code compiled for 13
+
+
+def test_a_compiler_failure_in_the_prompts_iteration_warns_and_runs_eagerly(monkeypatch):
+    model = tiny()
+    calls = ModelCalls(model, 4, 16, 4, "full")
+    compiled = cpu_compile.CompiledPrompts(model)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled, "_compiled", broken)
+    pack, _ = packed_prompts(calls, 0)
+    with torch.inference_mode():
+        eager = calls.iterate_packed(pack)
+        calls.compiled_prompts = compiled
+        with pytest.warns(RuntimeWarning, match="prompts' iteration failed.*no C\\+\\+ compiler"):
+            out = calls.iterate_packed(pack)
+        again = calls.iterate_packed(pack)  # eager from then on, without another warning
+    assert compiled.failed and torch.equal(out, eager) and torch.equal(again, eager)
+
+
+@pytest.mark.slow  # the decode step's compile (a minute or two on 2 cores)
+def test_prompts_admitted_beside_decoding_rows_give_the_eager_tokens_compiled(compiling, without_autotune):
+    """Prompts of three lengths admitted while a row decodes (their iterations packed in chunks of their own, each
+    at its own iteration, and compiled): every request's tokens equal the eager engine's, and the warm-up compiled
+    the prompts' iteration ahead of them."""
+    model = tiny()
+
+    def tokens(compile: bool) -> tuple[list[list[int]], ContinuousBatch]:
+        batch = ContinuousBatch(model, max_batch=4, max_length=48, num_slots=8, compile=compile)
+        batch.warm_up()
+        config = GenerationConfig(num_steps=6, max_new_tokens=8)
+        ids = [batch.add([3, 1, 4, 1, 5], config)]
+        events = batch.step() + batch.step()
+        ids += [batch.add(p, config) for p in ([9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7], [1, 8, 2, 8])]
+        while batch.busy:
+            events += batch.step()
+        return [[e.token for e in events if e.request == i] for i in ids], batch
+
+    (eager, _), (compiled, batch) = tokens(False), tokens(True)
+    assert compiled == eager and all(len(t) == 8 for t in compiled)
+    prompts = batch.step_runner.calls.compiled_prompts
+    assert prompts is not None and prompts.seconds > 0 and not prompts.failed

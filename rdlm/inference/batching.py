@@ -254,9 +254,12 @@ class ContinuousBatch(Engine):
 
     def warm_up(self) -> float:
         """Compile the decode step now rather than at the first request (the CPU's compiled step; a no-op
-        elsewhere); the seconds it took."""
+        elsewhere), and, while no request holds a row, the prompts' iteration; the seconds it took."""
         with torch.inference_mode(), step_threads(self.settings.max_batch, self._compiled):
-            return self.step_runner.static_step.warm_up()
+            seconds = self.step_runner.static_step.warm_up()
+            if not self.busy:
+                seconds += self.step_runner.warm_up_prompts()
+            return seconds
 
     def take_failures(self) -> list[tuple[int, Exception]]:
         """The requests that failed since the last call, each with its error (their rows are free)."""

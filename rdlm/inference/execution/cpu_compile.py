@@ -24,6 +24,10 @@ with the head, each over the batch's first rows (`compiled_parts`):
   The full check of a core iteration of `small` took ~75-190 µs of a 1.1-4 ms call on an Intel Cascade Lake;
   skipping it decoded 1.06x faster (batch 1 and 4, r = 32; docs/generation.md).
 
+The prompts being prefilled run their core iterations in packed calls of their own (rdlm.inference.runner.prefill),
+compiled separately (`CompiledPrompts`): any number of tokens, inductor's default settings, attention per chunk
+left eager.
+
 Quantized layers (rdlm.model.quantize) compile with the rest: inductor lowers PyTorch's weight-only int8 and
 int4 kernels to its own C++ templates or keeps ATen's, whichever it measures faster per shape; a w8a8 layer
 computes FBGEMM's product in tensor ops (rdlm.model.w8a8: its quantization of the input and its int32 sums).
@@ -261,6 +265,55 @@ def compiled_iteration(step: Any, model: RecurrentDepthLM) -> Compiled:
     made traceable first (a w8a8 layer's FBGEMM weight is opaque to the compiler: rdlm.model.quantize.traceable)."""
     traceable(model)
     return Compiled(_iteration, step, model, step.iteration)
+
+
+def _packed_iteration(model: Any, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: Any) -> Tensor:
+    return model.step(states, embedded, 0, (cos, sin), None, packed)
+
+
+class CompiledPrompts:
+    """The prompts' packed core iteration (`ModelCalls.iterate_packed`) compiled for `model`, with the number of
+    tokens a dynamic size: inductor fuses each layer's per-token work (norms, RoPE, the MLP's gate, the residual
+    sums) around ATen's matrix products, and attention, which runs per prompt chunk against its own cache rows,
+    stays eager (`PackedCall.attend` is a graph break). Default inductor settings: no frozen weights (the
+    weights are read at each call, so a change to them needs no recompile) and no autotuning, whose choices
+    would be made for one size. `seconds`: time spent compiling; `failed`: the compiler raised, so this runs
+    eagerly from then on (with a warning)."""
+
+    def __init__(self, model: RecurrentDepthLM) -> None:
+        self.model = model
+        self.seconds = 0.0
+        self.failed = False
+        name = f"_packed_iteration_{next(_serials)}"  # a code object of its own (see `_compiled_copy`)
+        own = types.FunctionType(_packed_iteration.__code__.replace(co_name=name), _packed_iteration.__globals__, name)
+        self._compiled = torch.compile(own, dynamic=True)
+        self._sizes: set[bool] = set()  # whether a call of one token was compiled (the compiler specializes 1)
+
+    def __call__(self, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: Any) -> Tensor:
+        args = (self.model, states, embedded, cos, sin, packed)
+        if self.failed:
+            return _packed_iteration(*args)
+        first = (states.shape[1] == 1) not in self._sizes  # a new size class: this call compiles
+        t0 = time.perf_counter()
+        try:  # (every call: a later one may compile again, for another dtype, say)
+            with warnings.catch_warnings():
+                for message in QUIET:
+                    warnings.filterwarnings("ignore", message=message)
+                out = self._compiled(*args)
+        except Exception as err:  # noqa: BLE001  (any compiler failure: the eager code gives the same results)
+            self.failed = True
+            warnings.warn(
+                f"compiling the prompts' iteration failed, so this engine runs it eagerly (the same results, "
+                f"slower): {type(err).__name__}: {err}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return _packed_iteration(*args)
+        finally:
+            if first:
+                self.seconds += time.perf_counter() - t0
+        self._sizes.add(states.shape[1] == 1)
+        return out
 
 
 def compiled_parts(step: Any) -> tuple[Compiled, Compiled]:

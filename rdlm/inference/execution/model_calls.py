@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,6 +28,9 @@ from rdlm.model.layers import Rope, padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
 from rdlm.model.lora_serving import active_adapter, routed
+
+if TYPE_CHECKING:
+    from rdlm.inference.execution.cpu_compile import CompiledPrompts
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,9 @@ class ModelCalls:
         # LoRA adapters: their names (adapter i is names[i - 1]) and each row's, in place on the device (the static
         # step's graphs read it); a row runs the model as set (its active adapter, or the base) until routed
         self.adapter_names = loaded_adapters(model)
+        # the prompts' packed iteration compiled (rdlm.inference.execution.cpu_compile.CompiledPrompts), where the
+        # engine compiles on the CPU; None: `iterate_packed` calls the model eagerly
+        self.compiled_prompts: CompiledPrompts | None = None
         self.default_adapter = self.adapter_number(active_adapter(model))
         self.row_adapters: Tensor | None = None
         if self.adapter_names:
@@ -291,6 +298,8 @@ class ModelCalls:
         states, embedded, cos, sin = (torch.cat(part, dim=1) for part in pack.parts)
         packed = PackedCall(self.cache, pack.segments)  # read through its `attend` (Attention.forward), not `update`
         adapters = torch.cat(pack.adapters, dim=1) if pack.adapters else None  # [1, T]: each token's
+        if self.compiled_prompts is not None and adapters is None:
+            return self.compiled_prompts(states, embedded, cos, sin, packed)
         with self._routed(adapters):
             return self.model.step(states, embedded, 0, (cos, sin), None, packed)  # type: ignore[arg-type]
 

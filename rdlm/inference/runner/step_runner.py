@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rdlm.inference.execution.cpu_compile import CompiledPrompts
 from rdlm.inference.execution.graphs import PhaseTimes
 from rdlm.inference.execution.model_calls import Call, ModelCalls, Pack
 from rdlm.inference.exits.track import at_cap, done_iterating
@@ -76,6 +77,8 @@ class StepRunner:
         self.t = RowTensors.zeros(self.calls, max_batch)  # the rows' tensors
         self.exits = RowExits(self.calls, max_batch, c.vocab_size, self.t.state)  # the criteria's per-row carry
         self.static_step = StaticStep(self.calls, self.t, self.exits, max_batch, settings.static)
+        if self.static_step.compiled is not None:  # the prompts' iterations compiled too (not their attention)
+            self.calls.compiled_prompts = CompiledPrompts(model)
         self.lockstep = Lockstep(self.calls, settings.static, settings.exit_sync_every)
         self.rounds = Rounds(self.calls)  # the parallel sampler's waves
         self._last_inputs: tuple | None = None  # (rows and lengths, their inputs): reused while unchanged
@@ -90,7 +93,24 @@ class StepRunner:
             self.static_step.steps.capture_seconds
             + self.lockstep.static_steps.capture_seconds
             + self.static_step.compile_seconds
+            + (0.0 if self.calls.compiled_prompts is None else self.calls.compiled_prompts.seconds)
         )
+
+    def warm_up_prompts(self) -> float:
+        """Compile the prompts' iteration now (`CompiledPrompts`; a no-op where it is not compiled): one iteration
+        of a chunk of two tokens in row 0, which writes that row's core entries at buffer indices 0 and 1 (call
+        it while no request holds a row: one admitted there writes its own entries before it reads them). The
+        seconds it took."""
+        compiled = self.calls.compiled_prompts
+        if compiled is None:
+            return 0.0
+        before = compiled.seconds
+        call = self.calls.prompt(0, 2, self.calls.upload([0]), 1)
+        state = torch.zeros(1, 2, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        pack = Pack()
+        pack.add(call, state, state, 0)
+        self.calls.iterate_packed(pack)
+        return compiled.seconds - before
 
     # ---- the step
 
@@ -398,7 +418,7 @@ class StepRunner:
     def _prompts(self, pack: Pack, chunks: list[PromptChunk]) -> Tensor:
         """One core iteration of `pack` (the decoding rows' part, or nothing) and of the prompt `chunks`, in one
         call (a plain one for a chunk alone, as a prefill of the whole batch runs: `PromptChunk.run`)."""
-        if not pack.segments and len(chunks) == 1:
+        if not pack.segments and len(chunks) == 1 and self.calls.compiled_prompts is None:
             chunk = chunks[0]
             with self.phases.timed("core iteration"):
                 out = self.calls.iterate_once(chunk.state, chunk.embedded, chunk.iteration, chunk.call)
