@@ -274,9 +274,9 @@ def packed_prompts(calls, seed: int) -> tuple[Pack, list[slice]]:
 
 
 def test_the_prompts_iteration_compiled_computes_the_eager_one_for_any_token_count():
-    """`CompiledPrompts` (inductor's default settings, no GEMM search: seconds on two cores) against the eager
-    packed call: the same states and the same cache entries written, for packs of 13 and then 26 tokens, the second
-    without compiling again (the token count is a dynamic size)."""
+    """`CompiledPrompts` (frozen weights, no GEMM search: seconds on two cores) against the eager packed call: the
+    same states and the same cache entries written (by the chunks' attention, an opaque op), for packs of 13 and
+    then 26 tokens, the second without compiling again (the token count is a dynamic size)."""
     model = tiny()
     calls = ModelCalls(model, 4, 16, 4, "full")
     calls.admit(0, 8, calls.upload([0, 1, 3]))
@@ -304,7 +304,7 @@ def test_the_prompts_iteration_compiled_computes_the_eager_one_for_any_token_cou
         torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
         for new, reference in zip((calls.cache.core_k, calls.cache.core_v), written, strict=True):
             torch.testing.assert_close(new, reference, rtol=1e-5, atol=1e-5)
-        assert not compiled.failed
+        assert not compiled.failed and not cpu_compile._packed_calls  # (each call's registration dropped after it)
         if seed == 1:
             assert compiled.seconds == seconds  # 26 tokens ran the code compiled for 13
 
@@ -326,6 +326,7 @@ def test_a_compiler_failure_in_the_prompts_iteration_warns_and_runs_eagerly(monk
             out = calls.iterate_packed(pack)
         again = calls.iterate_packed(pack)  # eager from then on, without another warning
     assert compiled.failed and torch.equal(out, eager) and torch.equal(again, eager)
+    assert not cpu_compile._packed_calls
 
 
 @pytest.mark.slow  # the decode step's compile (a minute or two on 2 cores)
@@ -350,3 +351,25 @@ def test_prompts_admitted_beside_decoding_rows_give_the_eager_tokens_compiled(co
     assert compiled == eager and all(len(t) == 8 for t in compiled)
     prompts = batch.step_runner.calls.compiled_prompts
     assert prompts is not None and prompts.seconds > 0 and not prompts.failed
+
+
+def test_the_prompts_iteration_compiles_again_for_weights_changed_in_place():
+    """Its weights are frozen into the compiled code: after an in-place change, `refresh` (each step's first act)
+    compiles again, and the result is the new weights' (never the code frozen with the old ones)."""
+    model = tiny()
+    calls = ModelCalls(model, 4, 16, 4, "full")
+    compiled = cpu_compile.CompiledPrompts(model)
+    results = []
+    with torch.inference_mode():
+        for _ in range(2):
+            pack, _ = packed_prompts(calls, 0)
+            calls.compiled_prompts = None
+            eager = calls.iterate_packed(pack)
+            calls.compiled_prompts = compiled
+            compiled.refresh()
+            results.append((calls.iterate_packed(pack), eager))
+            model.core[0].mlp.fc.weight.mul_(1.5)
+    (first, first_eager), (second, second_eager) = results
+    torch.testing.assert_close(first, first_eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, second_eager, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(first, second, atol=1e-3)

@@ -107,7 +107,6 @@ class PackedCall:
     def __init__(self, cache: RecurrentKVCache, segments: list[Segment]) -> None:
         self.cache, self.segments = cache, segments
 
-    @torch.compiler.disable  # compiled (cpu_compile.CompiledPrompts), the per-token work around it is; this is not
     def attend(
         self,
         key: tuple[str, int, int],

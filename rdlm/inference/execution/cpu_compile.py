@@ -25,8 +25,8 @@ with the head, each over the batch's first rows (`compiled_parts`):
   skipping it decoded 1.06x faster (batch 1 and 4, r = 32; docs/generation.md).
 
 The prompts being prefilled run their core iterations in packed calls of their own (rdlm.inference.runner.prefill),
-compiled separately (`CompiledPrompts`): any number of tokens, inductor's default settings, attention per chunk
-left eager.
+compiled separately (`CompiledPrompts`): any number of tokens, frozen weights without the GEMM search, each chunk's
+attention an opaque op.
 
 Quantized layers (rdlm.model.quantize) compile with the rest: inductor lowers PyTorch's weight-only int8 and
 int4 kernels to its own C++ templates or keeps ATen's, whichever it measures faster per shape; a w8a8 layer
@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from rdlm.inference.execution.cache import PackedCall
 from rdlm.model.layers import Attention
 from rdlm.model.lora import loaded_adapters
 from rdlm.model.quantize import traceable
@@ -197,7 +198,8 @@ KEEP_COMPILED = 8
 _compiled: OrderedDict[tuple[str, int], Callable[..., Any]] = OrderedDict()
 
 
-def _compiled_copy(fn: Callable[..., Any], stamp: int) -> Callable[..., Any]:
+def _compiled_copy(fn: Callable[..., Any], stamp: int, dynamic: bool = False) -> Callable[..., Any]:
+    """`fn` compiled whole for the weights of `stamp` (fixed shapes, or `dynamic` sizes), shared while kept."""
     key = (fn.__name__, stamp)
     compiled = _compiled.get(key)
     if compiled is not None:
@@ -205,7 +207,7 @@ def _compiled_copy(fn: Callable[..., Any], stamp: int) -> Callable[..., Any]:
         return compiled
     name = f"{fn.__name__}_{next(_serials)}"
     own = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
-    compiled = torch.compile(own, fullgraph=True, dynamic=False)
+    compiled = torch.compile(own, fullgraph=True, dynamic=dynamic)
     _compiled[key] = compiled
     while len(_compiled) > KEEP_COMPILED:
         _compiled.popitem(last=False)
@@ -271,35 +273,83 @@ def _packed_iteration(model: Any, states: Tensor, embedded: Tensor, cos: Tensor,
     return model.step(states, embedded, 0, (cos, sin), None, packed)
 
 
+# The packed calls whose attention `rdlm::packed_attention` runs, by handle: (the call, its model), registered for
+# the length of one compiled call (`CompiledPrompts`).
+_packed_calls: dict[int, tuple[PackedCall, RecurrentDepthLM]] = {}
+_handles = itertools.count()
+
+
+@torch.library.custom_op("rdlm::packed_attention", mutates_args=())
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, handle: Tensor, layer: int) -> Tensor:
+    """Attention of core layer `layer` over the packed call registered under `handle` (`PackedCall.attend`: each
+    chunk against its own cache rows, its keys and values written there first), an op the compiler keeps whole:
+    its segments, slices and masks are the call's own, which a compiled graph would otherwise specialize on.
+    (It writes the cache, which is not among its arguments: nothing else in the compiled call reads it.)"""
+    packed, model = _packed_calls[int(handle)]
+    block = model.core[layer]
+    assert isinstance(block.attn, Attention)  # (a core layer's)
+    return packed.attend(("core", layer, 0), q, k, v, block.attn.attention)
+
+
+@packed_attention.register_fake
+def _packed_attention_fake(q: Tensor, k: Tensor, v: Tensor, handle: Tensor, layer: int) -> Tensor:
+    return q.new_empty(q.shape)  # (the real one: contiguous, from one `cat`)
+
+
+class _OpaquePack:
+    """What the compiled call sees of a packed call: attention as `rdlm::packed_attention` over its handle."""
+
+    def __init__(self, handle: Tensor) -> None:
+        self.handle = handle
+
+    def attend(self, key: tuple[str, int, int], q: Tensor, k: Tensor, v: Tensor, attention: Any) -> Tensor:
+        return torch.ops.rdlm.packed_attention(q, k, v, self.handle, key[1])
+
+
+# The inductor settings the prompts' iteration is compiled under: frozen weights (inductor packs them for oneDNN's
+# GEMMs, about 2x ATen's MKL calls at 8-334 rows on a 2-core AMD EPYC), no GEMM search (its choices would hold for
+# one token count only).
+PROMPT_INDUCTOR = {"freezing": True}
+
+
 class CompiledPrompts:
-    """The prompts' packed core iteration (`ModelCalls.iterate_packed`) compiled for `model`, with the number of
-    tokens a dynamic size: inductor fuses each layer's per-token work (norms, RoPE, the MLP's gate, the residual
-    sums) around ATen's matrix products, and attention, which runs per prompt chunk against its own cache rows,
-    stays eager (`PackedCall.attend` is a graph break). Default inductor settings: no frozen weights (the
-    weights are read at each call, so a change to them needs no recompile) and no autotuning, whose choices
-    would be made for one size. `seconds`: time spent compiling; `failed`: the compiler raised, so this runs
-    eagerly from then on (with a warning)."""
+    """The prompts' packed core iteration (`ModelCalls.iterate_packed`) compiled for `model`'s weights, whole, with
+    the number of tokens a dynamic size: inductor fuses each layer's per-token work (norms, RoPE, the MLP's gate,
+    the residual sums) around oneDNN's products with packed weights (`PROMPT_INDUCTOR`), and attention, which runs
+    per prompt chunk against its own cache rows, is one opaque op (`rdlm::packed_attention`). Like `Compiled`, the
+    code is kept per weights: `refresh()` re-reads their stamp, and weights changed since compile again.
+    `seconds`: time spent compiling; `failed`: the compiler raised, so this runs eagerly from then on (with a
+    warning)."""
 
     def __init__(self, model: RecurrentDepthLM) -> None:
         self.model = model
         self.seconds = 0.0
         self.failed = False
-        name = f"_packed_iteration_{next(_serials)}"  # a code object of its own (see `_compiled_copy`)
-        own = types.FunctionType(_packed_iteration.__code__.replace(co_name=name), _packed_iteration.__globals__, name)
-        self._compiled = torch.compile(own, dynamic=True)
-        self._sizes: set[bool] = set()  # whether a call of one token was compiled (the compiler specializes 1)
+        self._compiled: Callable[..., Any] | None = None
+        self._stamp: int | None = None
+        self._sizes: set[bool] = set()  # whether calls of one token were compiled (the compiler specializes 1)
+        self._handle = torch.zeros((), dtype=torch.long)
+        self.refresh()
 
-    def __call__(self, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: Any) -> Tensor:
-        args = (self.model, states, embedded, cos, sin, packed)
-        if self.failed:
-            return _packed_iteration(*args)
+    def refresh(self, stamp: int | None = None) -> None:
+        stamp = weights_stamp(self.model) if stamp is None else stamp
+        if stamp != self._stamp:
+            self._stamp, self._sizes = stamp, set()
+            self._compiled = _compiled_copy(_packed_iteration, stamp, dynamic=True)
+
+    def __call__(self, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: PackedCall) -> Tensor:
+        if self.failed or self._compiled is None:
+            return _packed_iteration(self.model, states, embedded, cos, sin, packed)
+        handle = next(_handles)
+        _packed_calls[handle] = (packed, self.model)
+        self._handle.fill_(handle)
         first = (states.shape[1] == 1) not in self._sizes  # a new size class: this call compiles
         t0 = time.perf_counter()
         try:  # (every call: a later one may compile again, for another dtype, say)
-            with warnings.catch_warnings():
+            with torch._inductor.config.patch(PROMPT_INDUCTOR), warnings.catch_warnings():
                 for message in QUIET:
                     warnings.filterwarnings("ignore", message=message)
-                out = self._compiled(*args)
+                out = self._compiled(self.model, states, embedded, cos, sin, _OpaquePack(self._handle))
         except Exception as err:  # noqa: BLE001  (any compiler failure: the eager code gives the same results)
             self.failed = True
             warnings.warn(
@@ -308,8 +358,9 @@ class CompiledPrompts:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return _packed_iteration(*args)
+            return _packed_iteration(self.model, states, embedded, cos, sin, packed)
         finally:
+            del _packed_calls[handle]
             if first:
                 self.seconds += time.perf_counter() - t0
         self._sizes.add(states.shape[1] == 1)

@@ -119,6 +119,8 @@ class StaticStep:
             stamp = weights_stamp(self.calls.model)
             for part in (self.compiled, *self.ends):
                 part.refresh(stamp)
+            if self.calls.compiled_prompts is not None:
+                self.calls.compiled_prompts.refresh(stamp)
 
     def prelude(self, rows: list[int], end: int) -> None:
         """Compiled on the CPU: the prelude of the tokens in `rows.token` of `rows` (at their buffer index, the
