@@ -59,6 +59,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.execution.cache import PackedCall
+from rdlm.inference.execution.model_calls import packed_iteration
 from rdlm.model.layers import Attention
 from rdlm.model.lora import loaded_adapters
 from rdlm.model.quantize import traceable
@@ -206,7 +207,7 @@ def _compiled_copy(fn: Callable[..., Any], stamp: int, dynamic: bool = False) ->
         _compiled.move_to_end(key)
         return compiled
     name = f"{fn.__name__}_{next(_serials)}"
-    own = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
+    own = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__)
     compiled = torch.compile(own, fullgraph=True, dynamic=dynamic)
     _compiled[key] = compiled
     while len(_compiled) > KEEP_COMPILED:
@@ -267,10 +268,6 @@ def compiled_iteration(step: Any, model: RecurrentDepthLM) -> Compiled:
     made traceable first (a w8a8 layer's FBGEMM weight is opaque to the compiler: rdlm.model.quantize.traceable)."""
     traceable(model)
     return Compiled(_iteration, step, model, step.iteration)
-
-
-def _packed_iteration(model: Any, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: Any) -> Tensor:
-    return model.step(states, embedded, 0, (cos, sin), None, packed)
 
 
 # The packed calls whose attention `rdlm::packed_attention` runs, by handle: (the call, its model), registered for
@@ -335,11 +332,11 @@ class CompiledPrompts:
         stamp = weights_stamp(self.model) if stamp is None else stamp
         if stamp != self._stamp:
             self._stamp, self._sizes = stamp, set()
-            self._compiled = _compiled_copy(_packed_iteration, stamp, dynamic=True)
+            self._compiled = _compiled_copy(packed_iteration, stamp, dynamic=True)
 
     def __call__(self, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: PackedCall) -> Tensor:
         if self.failed or self._compiled is None:
-            return _packed_iteration(self.model, states, embedded, cos, sin, packed)
+            return packed_iteration(self.model, states, embedded, cos, sin, packed)
         handle = next(_handles)
         _packed_calls[handle] = (packed, self.model)
         self._handle.fill_(handle)
@@ -358,7 +355,7 @@ class CompiledPrompts:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return _packed_iteration(self.model, states, embedded, cos, sin, packed)
+            return packed_iteration(self.model, states, embedded, cos, sin, packed)
         finally:
             del _packed_calls[handle]
             if first:

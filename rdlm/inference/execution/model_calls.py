@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -29,8 +29,26 @@ from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
 from rdlm.model.lora_serving import active_adapter, routed
 
-if TYPE_CHECKING:
-    from rdlm.inference.execution.cpu_compile import CompiledPrompts
+
+class PromptCompiler(Protocol):
+    """The prompts' packed iteration compiled (rdlm.inference.execution.cpu_compile.CompiledPrompts), as
+    `ModelCalls` and the engine use it."""
+
+    seconds: float
+    failed: bool
+
+    def __call__(self, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: PackedCall) -> Tensor: ...
+
+    def refresh(self, stamp: int | None = None) -> None: ...
+
+
+def packed_iteration(
+    model: RecurrentDepthLM, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, hook
+) -> Tensor:
+    """One core iteration of a packed call's tokens [1, T, h] (`ModelCalls.iterate_packed`) with `hook` as its
+    attention layers' cache: a `PackedCall`, or what the CPU's compiled prompts give it
+    (rdlm.inference.execution.cpu_compile compiles this function whole)."""
+    return model.step(states, embedded, 0, (cos, sin), None, hook)
 
 
 @dataclass(frozen=True)
@@ -129,7 +147,7 @@ class ModelCalls:
         self.adapter_names = loaded_adapters(model)
         # the prompts' packed iteration compiled (rdlm.inference.execution.cpu_compile.CompiledPrompts), where the
         # engine compiles on the CPU; None: `iterate_packed` calls the model eagerly
-        self.compiled_prompts: CompiledPrompts | None = None
+        self.compiled_prompts: PromptCompiler | None = None
         self.default_adapter = self.adapter_number(active_adapter(model))
         self.row_adapters: Tensor | None = None
         if self.adapter_names:
@@ -301,7 +319,7 @@ class ModelCalls:
         if self.compiled_prompts is not None and adapters is None:
             return self.compiled_prompts(states, embedded, cos, sin, packed)
         with self._routed(adapters):
-            return self.model.step(states, embedded, 0, (cos, sin), None, packed)  # type: ignore[arg-type]
+            return packed_iteration(self.model, states, embedded, cos, sin, packed)
 
     def readout(self, state: Tensor, call: Call) -> Tensor:
         """The coda and the head: float32 logits of the call's tokens."""
