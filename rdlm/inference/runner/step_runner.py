@@ -77,7 +77,7 @@ class StepRunner:
         self.t = RowTensors.zeros(self.calls, max_batch)  # the rows' tensors
         self.exits = RowExits(self.calls, max_batch, c.vocab_size, self.t.state)  # the criteria's per-row carry
         self.static_step = StaticStep(self.calls, self.t, self.exits, max_batch, settings.static)
-        if self.static_step.compiled is not None:  # the prompts' iterations compiled too (not their attention)
+        if self.static_step.compiled is not None:  # the prompts' iterations compiled too (cpu_compile)
             self.calls.compiled_prompts = CompiledPrompts(model)
         self.lockstep = Lockstep(self.calls, settings.static, settings.exit_sync_every)
         self.rounds = Rounds(self.calls)  # the parallel sampler's waves
@@ -417,7 +417,8 @@ class StepRunner:
 
     def _prompts(self, pack: Pack, chunks: list[PromptChunk]) -> Tensor:
         """One core iteration of `pack` (the decoding rows' part, or nothing) and of the prompt `chunks`, in one
-        call (a plain one for a chunk alone, as a prefill of the whole batch runs: `PromptChunk.run`)."""
+        call (a plain one for a chunk alone, as a prefill of the whole batch runs: `PromptChunk.run`; a packed one
+        always where the prompts' iteration is compiled, `ModelCalls.compiled_prompts`)."""
         if not pack.segments and len(chunks) == 1 and self.calls.compiled_prompts is None:
             chunk = chunks[0]
             with self.phases.timed("core iteration"):
