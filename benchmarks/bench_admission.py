@@ -7,7 +7,11 @@ compiled engine; each round draws its prompts afresh from the seed, and both pol
     python benchmarks/bench_admission.py                          # 8 prompts of 3-60 tokens, r = 8, `small`
     python benchmarks/bench_admission.py --prompts 16 --lengths 3-120 -r 32 --seed 12
 
-Prints the median admission step of each policy, their ratio (split / one chunk: below 1 is faster), whether
+`--compare prompts` compares instead the prompts' compiled iteration (`CompiledPrompts`, the CPU's compiled
+engine) against the eager prompt calls, in the same engine (its other compiled parts unchanged), split by length
+in both.
+
+Prints the median admission step of each policy, their ratio (the first over the second: below 1 is faster), whether
 every request's greedy tokens were equal under both, the load average and the CPU.
 """
 
@@ -37,6 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=6, help="turns of each policy")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--compile", choices=("on", "off"), default="on", help="the CPU's compiled step, as rdlm serve")
+    p.add_argument("--compare", choices=("chunks", "prompts"), default="chunks",
+                   help="chunks: split by length against one chunk; prompts: the prompts' iteration compiled "
+                        "against eager (needs --compile on)")
     args = p.parse_args(argv)
     lo, hi = (int(x) for x in args.lengths.split("-"))
     if not 1 <= lo <= hi:
@@ -50,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     from rdlm.inference.params import GenerationConfig
     from rdlm.inference.scheduling import scheduler
 
+    CHUNK_COST = scheduler.CHUNK_COST
+
     torch.manual_seed(0)
     model = rdlm.build_model(args.preset).eval()
     if hi + args.new_tokens > model.config.context_length:
@@ -59,7 +68,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     compile_seconds = batch.warm_up()
     config = GenerationConfig(num_steps=args.num_steps, max_new_tokens=args.new_tokens)
-    policies = {"split by length": scheduler.CHUNK_COST, "one chunk": ONE_CHUNK}
+    calls = batch.step_runner.calls
+    compiled_prompts = calls.compiled_prompts
+    if args.compare == "prompts" and compiled_prompts is None:
+        p.error("--compare prompts needs the compiled engine (--compile on, RDLM_COMPILE not 0)")
+    policies: dict = (
+        {"compiled prompts": compiled_prompts, "eager prompts": None}
+        if args.compare == "prompts"
+        else {"split by length": scheduler.CHUNK_COST, "one chunk": ONE_CHUNK}
+    )
     times: dict[str, list[float]] = {name: [] for name in policies}
     tokens: dict[str, list[list[list[int]]]] = {name: [] for name in policies}
     rng = random.Random(args.seed)
@@ -70,7 +87,10 @@ def main(argv: list[str] | None = None) -> None:
         ]
         order = list(policies) if k % 2 == 0 else list(policies)[::-1]
         for name in order:
-            scheduler.CHUNK_COST = policies[name]
+            if args.compare == "prompts":
+                calls.compiled_prompts = policies[name]
+            else:
+                scheduler.CHUNK_COST = policies[name]
             ids = [batch.add(prompt, config) for prompt in prompts]
             start = time.perf_counter()
             events = batch.step()
@@ -81,8 +101,9 @@ def main(argv: list[str] | None = None) -> None:
             if k:
                 times[name].append(seconds)
                 tokens[name].append([by_request[i] for i in ids])
-    scheduler.CHUNK_COST = policies["split by length"]
-    split, one = (statistics.median(times[name]) for name in policies)
+    scheduler.CHUNK_COST = CHUNK_COST
+    calls.compiled_prompts = compiled_prompts
+    first, second = (statistics.median(times[name]) for name in policies)
     print(
         f"# {args.preset}, float32, {args.prompts} prompts of {lo}-{hi} tokens, r = {args.num_steps}, seed "
         f"{args.seed}, compiled {args.compile} (warm-up {compile_seconds:.1f} s), {torch.get_num_threads()} threads"
@@ -93,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{name:16} admission step median {statistics.median(times[name]) * 1e3:7.1f} ms "
             f"(rounds: {', '.join(f'{t * 1e3:.0f}' for t in times[name])})"
         )
-    print(f"split / one chunk: {split / one:.3f}; the same tokens: {tokens['split by length'] == tokens['one chunk']}")
+    a, b = policies
+    print(f"{a} / {b}: {first / second:.3f}; the same tokens: {tokens[a] == tokens[b]}")
 
 
 if __name__ == "__main__":
