@@ -232,8 +232,7 @@ def test_the_compiled_step_reads_the_rows_keys_only_and_compiles_once_for_every_
     """The compiled step attends to the buffer up to the decoding rows' end (rounded up to KEYS_STEP), not to
     the whole buffer, a length the compiler takes as dynamic: rows that grow past several multiples of it run
     one compiled graph per part (the core iteration, the prelude, the coda with the head), with the eager
-    engine's tokens; the prompts' iteration adds the graphs of one compile (its pieces between attention calls),
-    whatever the prompts' lengths."""
+    engine's tokens; the prompts' iteration adds the graph of its one compile, whatever the prompts' lengths."""
     from torch._dynamo.utils import counters
 
     from rdlm.inference.runner.static_step import KEYS_STEP, StaticStep
@@ -336,21 +335,24 @@ def test_prompts_admitted_beside_decoding_rows_give_the_eager_tokens_compiled(co
     the prompts' iteration ahead of them."""
     model = tiny()
 
-    def tokens(compile: bool) -> tuple[list[list[int]], ContinuousBatch]:
+    def tokens(compile: bool) -> tuple[list[list[int]], ContinuousBatch, float]:
         batch = ContinuousBatch(model, max_batch=4, max_length=48, num_slots=8, compile=compile)
         batch.warm_up()
+        prompts = batch.step_runner.calls.compiled_prompts
+        warmed = 0.0 if prompts is None else prompts.seconds
         config = GenerationConfig(num_steps=6, max_new_tokens=8)
         ids = [batch.add([3, 1, 4, 1, 5], config)]
         events = batch.step() + batch.step()
         ids += [batch.add(p, config) for p in ([9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7], [1, 8, 2, 8])]
         while batch.busy:
             events += batch.step()
-        return [[e.token for e in events if e.request == i] for i in ids], batch
+        return [[e.token for e in events if e.request == i] for i in ids], batch, warmed
 
-    (eager, _), (compiled, batch) = tokens(False), tokens(True)
+    (eager, _, _), (compiled, batch, warmed) = tokens(False), tokens(True)
     assert compiled == eager and all(len(t) == 8 for t in compiled)
     prompts = batch.step_runner.calls.compiled_prompts
-    assert prompts is not None and prompts.seconds > 0 and not prompts.failed
+    assert prompts is not None and not prompts.failed
+    assert warmed > 0 and prompts.seconds == warmed  # compiled by the warm-up, not while the requests waited
 
 
 def test_the_prompts_iteration_compiles_again_for_weights_changed_in_place():
