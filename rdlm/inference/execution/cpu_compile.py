@@ -215,6 +215,37 @@ def _compiled_copy(fn: Callable[..., Any], stamp: int, dynamic: bool = False) ->
     return compiled
 
 
+def _compiling(
+    part: Any,
+    what: str,
+    settings: dict[str, Any],
+    compiled: Callable[[], Any],
+    eager: Callable[[], Any],
+    timed: bool = True,
+) -> Any:
+    """`compiled()`, a call that may compile, under the inductor `settings` with torch's own warnings from inside
+    the compiler kept quiet, its time added to `part.seconds` where `timed`. Where the compiler raises, `part.failed`
+    is set, a warning names `what`, and `eager()` gives the same results."""
+    t0 = time.perf_counter()
+    try:
+        with torch._inductor.config.patch(settings), warnings.catch_warnings():
+            for message in QUIET:  # torch's own deprecations from inside the compiler, not the user's code
+                warnings.filterwarnings("ignore", message=message)
+            return compiled()
+    except Exception as err:  # noqa: BLE001  (any compiler failure: the eager code gives the same results)
+        part.failed = True
+        warnings.warn(
+            f"compiling {what} failed, so this engine runs it eagerly (the same results, slower): "
+            f"{type(err).__name__}: {err}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return eager()
+    finally:
+        if timed:
+            part.seconds += time.perf_counter() - t0
+
+
 class Compiled:
     """`fn(owner, *args)` compiled for `model`'s weights (see the module doc); `eager` computes the same where
     the compiler failed. `seconds`: time spent compiling (each new shape's first call), `failed`: the compiler
@@ -242,23 +273,10 @@ class Compiled:
         if shapes in self._shapes:  # guards checked in full at these shapes' first call (the module doc)
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=SKIP_GUARDS):
                 return self._compiled(self.owner, *args)
-        t0 = time.perf_counter()
-        try:
-            with torch._inductor.config.patch(INDUCTOR), warnings.catch_warnings():
-                for message in QUIET:  # torch's own deprecations from inside the compiler, not the user's code
-                    warnings.filterwarnings("ignore", message=message)
-                out = self._compiled(self.owner, *args)
-        except Exception as err:  # noqa: BLE001  (any compiler failure: the eager code gives the same results)
-            self.failed = True
-            warnings.warn(
-                f"compiling the decode step failed, so this engine runs it eagerly (the same results, slower): "
-                f"{type(err).__name__}: {err}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return self.eager(*args)
-        finally:
-            self.seconds += time.perf_counter() - t0
+        compiled = self._compiled
+        out = _compiling(
+            self, "the decode step", INDUCTOR, lambda: compiled(self.owner, *args), lambda: self.eager(*args)
+        )
         self._shapes.add(shapes)
         return out
 
@@ -340,26 +358,18 @@ class CompiledPrompts:
         handle = next(_handles)
         _packed_calls[handle] = (packed, self.model)
         self._handle.fill_(handle)
-        first = (states.shape[1] == 1) not in self._sizes  # a new size class: this call compiles
-        t0 = time.perf_counter()
-        try:  # (every call: a later one may compile again, for another dtype, say)
-            with torch._inductor.config.patch(PROMPT_INDUCTOR), warnings.catch_warnings():
-                for message in QUIET:
-                    warnings.filterwarnings("ignore", message=message)
-                out = self._compiled(self.model, states, embedded, cos, sin, _OpaquePack(self._handle))
-        except Exception as err:  # noqa: BLE001  (any compiler failure: the eager code gives the same results)
-            self.failed = True
-            warnings.warn(
-                f"compiling the prompts' iteration failed, so this engine runs it eagerly (the same results, "
-                f"slower): {type(err).__name__}: {err}",
-                RuntimeWarning,
-                stacklevel=2,
+        compiled, hook = self._compiled, _OpaquePack(self._handle)
+        try:  # (every call guarded: a later one may compile again, for another dtype, say)
+            out = _compiling(
+                self,
+                "the prompts' iteration",
+                PROMPT_INDUCTOR,
+                lambda: compiled(self.model, states, embedded, cos, sin, hook),
+                lambda: packed_iteration(self.model, states, embedded, cos, sin, packed),
+                timed=(states.shape[1] == 1) not in self._sizes,  # a new size class: this call compiles
             )
-            return packed_iteration(self.model, states, embedded, cos, sin, packed)
         finally:
             del _packed_calls[handle]
-            if first:
-                self.seconds += time.perf_counter() - t0
         self._sizes.add(states.shape[1] == 1)
         return out
 
