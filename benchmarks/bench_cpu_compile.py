@@ -6,9 +6,9 @@
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_cpu_compile.py guards --rows 1,4,8 --batches 1,4 --rounds 8
 
 threads: random `--preset` weights (seed 0) greedily decode 32 new tokens from 64-token prompts at r = `-r`,
-compiled on one thread (the policy up to SINGLE_THREAD_ROWS rows), compiled on all of `--threads`, and eager,
-the three alternated in one process for `--rounds` rounds per batch size; prints the tokens/s of each round and
-whether every mode gave the same tokens.
+compiled on one thread (at any batch; the policy up to SINGLE_THREAD_ROWS rows), compiled on all of `--threads`,
+and eager, the three alternated in one process for `--rounds` rounds per batch size; prints the tokens/s of each
+round and whether every mode gave the same tokens.
 
 guards: the compiled step with dynamo's full guard check at every call against the differentiating guards only
 (the default: `Compiled` takes `torch.compiler.set_stance(skip_guard_eval_unsafe=True)` for shapes it has run),
@@ -86,7 +86,7 @@ def threads(model, args) -> None:
     for batch in args.batches:
         batch_prompts = prompts(batch)
         rows = cpu_compile.SINGLE_THREAD_ROWS
-        modes = {single: with_setting("SINGLE_THREAD_ROWS", rows, model, batch_prompts, config),
+        modes = {single: with_setting("SINGLE_THREAD_ROWS", max(rows, batch), model, batch_prompts, config),
                  many: with_setting("SINGLE_THREAD_ROWS", 0, model, batch_prompts, config),
                  "eager": with_setting("SINGLE_THREAD_ROWS", rows, model, batch_prompts, config, compiled=False)}
         tps = alternated(modes, batch, args.rounds)

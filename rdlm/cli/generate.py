@@ -101,7 +101,7 @@ def add_generation_args(p: argparse.ArgumentParser, named_adapters: bool = False
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the static decode step: captured in a CUDA graph (default on with CUDA), or compiled on the CPU "
-        "(default on for long jobs of at most 16 rows; rdlm serve: for at most 64 rows; RDLM_COMPILE=0 keeps it "
+        "(default on for long jobs of at most 32 rows; rdlm serve: for at most 64 rows; RDLM_COMPILE=0 keeps it "
         "eager)",
     )
     g = p.add_argument_group("model", "how the model is loaded and where it runs")

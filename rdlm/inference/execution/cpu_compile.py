@@ -85,10 +85,11 @@ INDUCTOR = {
 # Warnings torch 2.13's compiler raises from its own code while it compiles (nothing a user can act on).
 QUIET = (r".*TypedStorage is deprecated.*", r".*torch\.jit\.script_method.* is deprecated.*")
 
-# Up to this many rows, a compiled CPU step runs on one intra-op thread: its matrix-vector products are bound by
-# memory, and a second thread costs a wake-up per op (OMP_WAIT_POLICY=PASSIVE) for no gain (measured on two
-# cores: the `small` preset at batch 1, r = 32, 58 tokens/s on one thread against 24 on two).
-SINGLE_THREAD_ROWS = 16
+# Up to this many rows, a compiled CPU step runs on one intra-op thread: its products are small, and a second
+# thread costs a wake-up per op (OMP_WAIT_POLICY=PASSIVE) for little gain (measured on two cores: the `small`
+# preset at batch 1, r = 32, 58 tokens/s on one thread against 24 on two; `benchmarks/bench_cpu_compile.py
+# threads`, one thread over two: 1.16x at 32 rows, 1.39x at 24, 0.95x at 64; docs/generation.md).
+SINGLE_THREAD_ROWS = 32
 
 # `compile=None` on the CPU compiles where it pays back its compile time (~15-30 s for a new shape, ~12 s when
 # inductor's caches on disk have it, against ~2x faster decoding, measured when only the core iteration compiled;
@@ -119,11 +120,11 @@ def compile_pays(rows: int, iterations_per_row: int, rounds: bool, adapters: boo
     return compile_forced() or (rows <= SINGLE_THREAD_ROWS and iterations_per_row >= COMPILE_MIN_ITERATIONS)
 
 
-# `rdlm serve` compiles its step by default for a batch of at most this many rows. Above SINGLE_THREAD_ROWS the
-# compiled step runs on every thread; served against the eager step on the same random `small` model at r = 8
-# (2-core AMD EPYC Zen 5, docs/serving.md "Compiled above 16 rows"), it gave 1.30x, 1.25x and 1.21x the tokens/s
-# at 24, 32 and 64 clients with the same time to first token (medians of two runs; with a latent-diff exit at 32
-# clients, 1.23x where it never fired and 1.03x where it did). Larger batches and other CPUs were not measured.
+# `rdlm serve` compiles its step by default for a batch of at most this many rows. Served against the eager step
+# on the same random `small` model at r = 8 (2-core AMD EPYC Zen 5, docs/serving.md "Compiled above 16 rows";
+# the compiled step then ran on every thread above 16 rows), it gave 1.30x, 1.25x and 1.21x the tokens/s at 24, 32
+# and 64 clients with the same time to first token (medians of two runs; with a latent-diff exit at 32 clients,
+# 1.23x where it never fired and 1.03x where it did). Larger batches and other CPUs were not measured.
 SERVER_COMPILE_ROWS = 64
 
 
