@@ -438,3 +438,31 @@ def test_rows_that_sample_alike_are_chosen_together_in_one_host_read(monkeypatch
              for j, (c, g) in enumerate(zip(configs, generators()))]
     assert together == alone and together[1] is None and together[0] is not None
     assert together[2][1] is not None and len(together[2][1][1]) == 2   # the scores of the row that asked
+
+
+def test_the_finite_check_flags_exactly_the_rows_with_nan_or_infinity():
+    """`all_finite` (two reductions per row) agrees with the elementwise check on rows with NaN, +inf, -inf, the
+    largest finite floats and none, so a greedy row chosen without the NaN-scrubbing copy still fails exactly when
+    its logits are not finite, and a penalized greedy row still reads its seen tokens."""
+    from rdlm.inference.runner.sampling import all_finite, choose_rows
+
+    big = torch.finfo(torch.float32).max
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
+    logits[1, 7], logits[2, 0], logits[3, 39], logits[4, 5:7] = float("nan"), float("inf"), float("-inf"), big
+    logits[5, 9:11] = torch.tensor([-big, float("nan")])
+    expected = torch.isfinite(logits).all(dim=-1)
+    assert all_finite(logits).tolist() == expected.tolist() == [True, False, False, False, True, False]
+    assert all_finite(logits.view(2, 3, 40)).flatten().tolist() == expected.tolist()
+
+    greedy = GenerationConfig(num_steps=4, max_new_tokens=3)
+    rows = torch.arange(6)
+    chosen = choose_rows(logits, [greedy] * 6, [torch.Generator() for _ in range(6)], torch.zeros(6, 40, dtype=torch.bool),
+                         rows, torch.tensor)
+    assert [c is not None for c in chosen] == expected.tolist()
+    assert chosen[0][0] == int(logits[0].argmax()) and chosen[4][0] == 5   # the first of two equal maxima
+    seen = torch.zeros(6, 40, dtype=torch.bool)
+    top = int(logits[0].argmax())
+    seen[0, top] = True
+    penalized = replace(greedy, repetition_penalty=1e6)   # a seen token's logit shrinks: the next best wins
+    again = choose_rows(logits[:1], [penalized], [torch.Generator()], seen, rows[:1], torch.tensor)[0]
+    assert again is not None and again[0] == int(logits[0].masked_fill(seen[0], float("-inf")).argmax())

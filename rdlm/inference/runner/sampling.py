@@ -82,10 +82,17 @@ class NonFiniteLogitsError(FloatingPointError):
         )
 
 
+def all_finite(logits: Tensor) -> Tensor:
+    """Per row of logits [n, V]: whether every entry is finite. The row's largest and smallest entries are finite
+    exactly when all are (NaN propagates through both): two reductions, where `isfinite(logits).all(-1)` makes
+    and reduces a mask of the whole row (on one CPU thread at 32 x 8192: ~36 against ~370 µs)."""
+    return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
+
+
 def read_tokens(chosen: Tensor, logits: Tensor) -> tuple[list[int], bool]:
     """(chosen ids, whether every logit was finite), read in the one device-to-host copy the ids need
     anyway: the check costs no synchronization of its own (the CUDA-graph step included)."""
-    values = torch.cat([chosen.reshape(-1), torch.isfinite(logits).all().reshape(1).to(chosen.dtype)]).tolist()
+    values = torch.cat([chosen.reshape(-1), all_finite(logits).all().reshape(1).to(chosen.dtype)]).tolist()
     return values[:-1], bool(values[-1])
 
 
@@ -125,9 +132,14 @@ def choose_rows(
         else:
             pick = upload(members)
             part, part_rows = logits[pick], rows[pick]
-        chosen = sample(torch.nan_to_num(part), config, [generators[j] for j in members], seen[part_rows])
+        # Greedy, a row's NaN or infinity only marks it failed (`finite`), and the rows' seen tokens matter only
+        # with a repetition penalty: neither the copy nor the gather is made where it changes nothing.
+        drawn = config.temperature >= GREEDY_BELOW
+        penalized = config.repetition_penalty != 1
+        source = torch.nan_to_num(part) if drawn or penalized else part
+        chosen = sample(source, config, [generators[j] for j in members], seen[part_rows] if penalized else None)
         tokens.append(chosen.reshape(-1).to(exact))
-        finite.append(torch.isfinite(part).all(dim=-1).to(exact))
+        finite.append(all_finite(part).to(exact))
         if config.logprobs is not None:
             scores.append(_logprob_columns(part, chosen, config.logprobs).to(exact).flatten())
     values = torch.cat(tokens + finite + scores).tolist()  # the one host read
