@@ -128,13 +128,12 @@ def test_rows_of_different_adapters_with_exits_and_budgets_each_get_their_adapte
 
 
 def test_a_request_cancelled_in_a_prompt_chunk_leaves_the_others_their_adapters(served, alone):
-    """A chunk of prompts prefills beside a decoding row, a few iterations a step, and loses a request on the way:
+    """A chunk of prompts prefills beside a decoding row, an iteration a step, and loses a request on the way:
     the rows that stay keep their own adapters."""
     prompts = [list(range(10 + i, 30 + i)) for i in range(3)]
     requests = [(PROMPTS[0], replace(GREEDY, adapter="b", max_new_tokens=12))]
     requests += [(prompt, replace(GREEDY, adapter=name)) for prompt, name in zip(prompts, ("a", "b", None), strict=True)]
-    # chunks of 20 tokens (whole prompts): beside the decoding row a step runs 20 x r token-iterations of the 3 x 20
-    batch = ContinuousBatch(served, max_batch=4, max_length=64, num_slots=16, prefill_chunk=20)
+    batch = ContinuousBatch(served, max_batch=4, max_length=64, num_slots=16, prefill_chunk=60)  # 3 x 20 tokens
     out: dict[int, list[int]] = {}
 
     def step() -> None:

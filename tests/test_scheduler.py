@@ -73,21 +73,6 @@ def test_prompts_admitted_together_are_chunked_by_length_not_padded_to_the_longe
     assert plan.prompts == (0, 1) and plan.prompt_iterations == 8
 
 
-def test_beside_decoding_rows_a_step_prefills_prefill_chunk_tokens_through_their_whole_depth():
-    for prompts, share in ((((1, 2, 3), (4, 5, 6)), 10), (((1, 2, 3, 4, 5), (1, 2, 3, 4, 5, 6)), 5)):
-        s = scheduler(max_batch=3, prefill_chunk=8)
-        d = request(0, GenerationConfig(num_steps=8, max_new_tokens=5))
-        prefilled(s, d)
-        for i, prompt in enumerate(prompts, 1):
-            s.add(request(i, prompt=prompt))
-        plan = s.schedule()
-        assert [it.request for it in plan.iterating] == [0] and not plan.lockstep
-        tokens = sum(len(c.requests) * c.n for c in plan.chunks)
-        # 6 tokens: 8 x 8 // 6 = 10 >= the 8 iterations, so the whole prefill runs in this step (a chunk stops
-        # at its last); 2 x 6 padded tokens: 8 x 8 // 12 = 5 iterations now, the other 3 in the next step
-        assert (tokens, plan.prompt_iterations) == (2 * len(prompts[1]), share)
-
-
 def _partitions(items: list[int]):
     """Every set partition of `items`."""
     if not items:
@@ -391,12 +376,9 @@ def test_a_depth_budget_caps_each_token_and_ends_the_response():
 
 def test_the_prompts_share_of_a_step():
     s = scheduler(max_batch=2, prefill_chunk=64)
-    # 64 tokens through a prefill of `depth` iterations a step: 64 x depth token-iterations
-    assert s.extra_prompt_iterations(64, iterations_left=5, decoding=True, depth=1) == 0
-    assert s.extra_prompt_iterations(16, iterations_left=5, decoding=True, depth=1) == 3
-    assert s.extra_prompt_iterations(128, iterations_left=7, decoding=True, depth=8) == 3
-    assert s.extra_prompt_iterations(1024, iterations_left=7, decoding=True, depth=8) == 0   # at least one
-    assert s.extra_prompt_iterations(16, iterations_left=5, decoding=False, depth=1) == 5   # nobody waits for them
+    assert s.extra_prompt_iterations(64, iterations_left=5, decoding=True) == 0
+    assert s.extra_prompt_iterations(16, iterations_left=5, decoding=True) == 3
+    assert s.extra_prompt_iterations(16, iterations_left=5, decoding=False) == 5   # nobody waits for them
 
 
 def test_requests_that_decode_in_rounds_are_planned_apart_and_a_prefill_alone_ends_after_its_prompt():

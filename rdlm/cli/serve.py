@@ -57,9 +57,9 @@ def register(subparsers) -> None:
         "--prefill-chunk",
         type=int,
         default=256,
-        help="prompt tokens per step of the batch, each through all its iterations: prompts are prefilled "
-        "inside the steps (a longer prompt in chunks of this many tokens; more tokens in flight run "
-        "proportionally fewer iterations a step), so running requests keep decoding",
+        help="prompt token-iterations per step of the batch: prompts run their iterations inside the "
+        "steps (a longer prompt in chunks of this many tokens, one iteration per step), so running "
+        "requests keep decoding",
     )
     p.add_argument(
         "--coda-every",

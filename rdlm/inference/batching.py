@@ -7,11 +7,9 @@ its last token. Every `ContinuousBatch.step()`:
 1. admits waiting requests into free rows; their prompts start prefilling (rdlm.inference.runner.prefill:
    a chunk of each prompt runs its iterations inside the following steps, so the rows already decoding
    go on; a prompt's first new token is chosen when its last chunk is done). A step gives the prompts
-   `prefill_chunk` tokens' worth of their whole prefill (`prefill_chunk` x r token-iterations): prompts of
-   at most that many tokens in all run every iteration in the step they join (the first in the decoding
-   rows' call, the others in calls of their own), more tokens proportionally fewer a step (at least one),
-   so a burst of short prompts is prefilled in one step and a long one, in chunks, never stalls the batch
-   for more than a chunk;
+   `prefill_chunk` token-iterations: a chunk of that many tokens runs one iteration per step, in the
+   decoding rows' call; chunks of fewer tokens run proportionally more (the extra ones in calls of
+   their own), so a short prompt is prefilled within a few steps and a long one never stalls the batch;
 2. starts the next token on every row whose previous token is done (prelude, s_0);
 3. runs **one** core iteration for every iterating row and every prompt chunk, in one model call,
    although the rows are at different tokens and iterations, with different r, exit criteria, cache

@@ -28,12 +28,11 @@ class EngineSettings:
     `max_batch` rows over a cache of `max_length` entries and `num_slots` core slots per row;
     `exit_sync_every`: core iterations between the host's looks at the exit flags; `coda_every`: core
     iterations a done row may wait for others to run the coda with (a step runs one, or several fused);
-    `prefill_chunk`: prompt tokens per step, each through its whole prefill (`Scheduler.extra_prompt_iterations`);
-    `static`: the rows' iterations run as static steps (CUDA graphs on CUDA); `rides_along`: a row done on the
-    device since the last look stays in the core's calls, frozen (a static step, or a device where reading the
-    flags waits for the queued work); `lockstep`: a token every row starts together may run all its iterations
-    in one call (rdlm.inference.runner.lockstep; off where the static step is compiled for the CPU, which runs
-    every token through it)."""
+    `prefill_chunk`: prompt token-iterations per step; `static`: the rows' iterations run as static steps (CUDA
+    graphs on CUDA); `rides_along`: a row done on the device since the last look stays in the core's calls,
+    frozen (a static step, or a device where reading the flags waits for the queued work); `lockstep`: a token
+    every row starts together may run all its iterations in one call (rdlm.inference.runner.lockstep; off where
+    the static step is compiled for the CPU, which runs every token through it)."""
 
     max_batch: int
     max_length: int

@@ -203,9 +203,8 @@ class Scheduler:
         if self.chunks:
             tokens = sum(len(c.spec.requests) * c.spec.n for c in self.chunks)
             fewest_left = min(c.left for c in self.chunks)
-            depth = max(c.spec.cap for c in self.chunks)
-            share = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=True, depth=depth)
-            alone = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=False, depth=depth)
+            share = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=True)
+            alone = 1 + self.extra_prompt_iterations(tokens, fewest_left - 1, decoding=False)
         return replace(
             base,
             iterating=self._iterating(iterating),
@@ -375,16 +374,12 @@ class Scheduler:
             left = min(left, self._coda_wait(done))
         return 1 << (left.bit_length() - 1) if left > 1 else 1
 
-    def extra_prompt_iterations(self, chunk_tokens: int, iterations_left: int, decoding: bool, depth: int) -> int:
+    def extra_prompt_iterations(self, chunk_tokens: int, iterations_left: int, decoding: bool) -> int:
         """Prompt iterations to run beyond the step's one, in calls of their own: the prompts' share of a step
-        is `prefill_chunk` tokens through their whole prefill (`depth` iterations), `prefill_chunk` x `depth`
-        token-iterations, so chunks of at most `prefill_chunk` tokens in all are prefilled in one step beside the
-        decoding rows, and chunks of more tokens run proportionally fewer iterations a step (at least one). With
-        no row decoding (`decoding` False) nobody waits: they run on until a chunk is done (`iterations_left`:
-        the fewest a chunk has left). (A share of `prefill_chunk` token-iterations a step, one iteration a step
-        for a chunk that long, made each burst of prompts take r steps of the batch, with the decoding rows' fused
-        iterations split into single ones meanwhile: docs/serving.md measures both.)"""
-        extra = max(self.settings.prefill_chunk * depth // chunk_tokens - 1, 0)  # (the step runs one in any case)
+        is `prefill_chunk` token-iterations, so chunks of `chunk_tokens` (all together) fewer tokens run more,
+        and a short prompt's first token comes within a few steps. With no row decoding (`decoding` False)
+        nobody waits: they run on until a chunk is done (`iterations_left`: the fewest a chunk has left)."""
+        extra = self.settings.prefill_chunk // chunk_tokens - 1
         return extra if decoding else max(extra, iterations_left)
 
     # ---- what a step gave back
