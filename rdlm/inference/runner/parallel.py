@@ -65,7 +65,7 @@ from rdlm.inference.execution.model_calls import ModelCalls
 from rdlm.inference.exits.track import ExitTrack, at_cap
 from rdlm.inference.params import GenerationConfig
 from rdlm.inference.runner.row_state import RowState
-from rdlm.inference.runner.sampling import NonFiniteLogitsError, sample
+from rdlm.inference.runner.sampling import NonFiniteLogitsError, all_finite, sample
 from rdlm.model.lm import RecurrentDepthLM
 
 
@@ -192,7 +192,7 @@ class ParallelSampler:
         index = torch.arange(width, device=calls.device)
         settled = torch.where(read.exited, index, -1).max()
         done = torch.where(at_cap(self.iterations[a : a + width], c.num_steps), index + 1, -1).max()
-        finite = torch.isfinite(logits).all().long()
+        finite = all_finite(logits).all().long()
         settled, done, finite = torch.stack((settled, done, finite)).tolist()  # the one host sync of a step
         if not finite:
             raise NonFiniteLogitsError(self.model, a + 1 - self.prompt_length)

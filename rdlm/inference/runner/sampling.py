@@ -33,6 +33,11 @@ def _scores(row: list[float], k: int) -> tuple[float, tuple[tuple[int, float], .
     return row[0], tuple((int(i), v) for v, i in zip(row[1 : 1 + k], row[1 + k :], strict=True))
 
 
+def greedy(config: GenerationConfig) -> bool:
+    """Whether `config` chooses greedily: temperature 0, or any below GREEDY_BELOW (its limit)."""
+    return config.temperature < GREEDY_BELOW
+
+
 def sample(
     logits: Tensor,
     config: GenerationConfig,
@@ -45,7 +50,7 @@ def sample(
     if seen is not None and config.repetition_penalty != 1:
         p = config.repetition_penalty  # CTRL-style: shrink the logits of tokens already seen
         logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
-    if config.temperature < GREEDY_BELOW:  # the limit of sampling as the temperature falls (and no overflow)
+    if greedy(config):  # the limit of sampling as the temperature falls (and no overflow)
         return logits.argmax(dim=-1)
     logits = logits / config.temperature
     # A tiny temperature or penalty can take a logit to +inf, where softmax gives NaN: such a row draws among
@@ -100,9 +105,9 @@ def sampling_key(config: GenerationConfig) -> tuple:
     """What changes the sampling call of a row (`sample` and its scores): rows with the same key are chosen in
     one call whatever else their requests differ in (seed, lengths, stop strings, depth); each row still draws
     from its own generator."""
-    greedy = config.temperature < GREEDY_BELOW
-    drawn = () if greedy else (config.temperature, config.top_k, config.top_p, config.min_p)
-    return greedy, drawn, config.repetition_penalty, config.logprobs
+    chooses_greedily = greedy(config)
+    drawn = () if chooses_greedily else (config.temperature, config.top_k, config.top_p, config.min_p)
+    return chooses_greedily, drawn, config.repetition_penalty, config.logprobs
 
 
 def choose_rows(
@@ -134,7 +139,7 @@ def choose_rows(
             part, part_rows = logits[pick], rows[pick]
         # Greedy, a row's NaN or infinity only marks it failed (`finite`), and the rows' seen tokens matter only
         # with a repetition penalty: neither the copy nor the gather is made where it changes nothing.
-        drawn = config.temperature >= GREEDY_BELOW
+        drawn = not greedy(config)
         penalized = config.repetition_penalty != 1
         source = torch.nan_to_num(part) if drawn or penalized else part
         chosen = sample(source, config, [generators[j] for j in members], seen[part_rows] if penalized else None)
