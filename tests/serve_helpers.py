@@ -1,9 +1,11 @@
 """A live `rdlm serve` app for the server's tests: uvicorn in a thread of the test process on a real
 127.0.0.1 socket (the server `rdlm serve` runs), a tiny random model with a trained tokenizer."""
 
+import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,3 +88,41 @@ class LiveServer:
         config = replace(DEFAULTS, **options)
         result = generate(self.model, [ids], config)
         return self.tokenizer.decode(result.tokens[0], skip_special_tokens=True), result.iterations[0]
+
+
+def ask_concurrently(live: LiveServer) -> None:
+    """Six requests with different r, exit criteria, cache budgets and sampling at once; each gets the text
+    of its prompt decoded alone."""
+    requests = [("the cat", dict(num_steps=3)), ("the dog sat", dict(num_steps=12, exit_criterion="kl",
+                                                                      exit_threshold=3e-3)),
+                ("1 2 3", dict(num_steps=8, kv_cache_budget=2)), ("on the", dict(num_steps=5, seed=4)),
+                ("the mat", dict(num_steps=10, exit_criterion="latent-diff", exit_threshold=0.1)),
+                ("log", dict(num_steps=4, temperature=0.8, top_p=0.9, seed=9))]
+
+    def ask(item):
+        prompt, fields = item
+        extra = {k: v for k, v in fields.items() if k not in ("temperature", "top_p", "seed")}
+        out = live.client().completions.create(model="tiny", prompt=prompt, max_tokens=8, extra_body=extra,
+                                               temperature=fields.get("temperature", 0),
+                                               top_p=fields.get("top_p"), seed=fields.get("seed"))
+        return out.choices[0].text
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        texts = list(pool.map(ask, requests))
+    for (prompt, fields), text in zip(requests, texts):
+        options = dict(fields, stop_tokens=(live.tokenizer.eos_id,))
+        if "kv_cache_budget" in options:
+            options.update(cache_strategy="shared", cache_slots=options.pop("kv_cache_budget"))
+        assert text == live.expected(live.tokenizer.encode(prompt, add_bos=True), **options)[0], prompt
+
+
+def wait_gone(group: int) -> None:
+    """Every process of the group `group` has ended (the engine process with its server)."""
+    deadline = time.time() + 20
+    while True:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        assert time.time() < deadline, "a process of the server's group is still alive"
+        time.sleep(0.1)

@@ -320,15 +320,18 @@ def test_eval_and_the_lm_eval_model_take_the_adapter(capsys, tmp_path, base_dir,
 # rdlm serve
 
 
-def test_serve_mixed_adapters_share_the_batch_and_each_request_gets_its_adapters_tokens(base_dir, adapters, alone):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_serve_mixed_adapters_share_the_batch_and_each_request_gets_its_adapters_tokens(
+    base_dir, adapters, alone, engine_process
+):
     """Concurrent requests for the base and two adapters, spoken to with the official openai client: each
-    gets the text of its prompt alone on its adapter's merged model; an unknown model is refused, naming the
-    served ones."""
+    gets the text of its prompt alone on its adapter's merged model (the adapters travel with the model to the
+    batch's own process, where it has one); an unknown model is refused, naming the served ones."""
     pytest.importorskip("fastapi")
     openai = pytest.importorskip("openai")
     from tests.serve_helpers import DEFAULTS, LiveServer
 
-    with LiveServer(base_dir, adapters=adapters) as live:
+    with LiveServer(base_dir, adapters=adapters, engine_process=engine_process) as live:
         client = live.client()
         assert [m.id for m in client.models.list()] == ["tiny", "a", "b"]
         tok = live.tokenizer

@@ -330,7 +330,8 @@ def test_a_bad_quantize_flag_is_one_line(capsys):
     assert exit.value.code == 2 and "unknown scheme 'fp8'" in err and "Traceback" not in err
 
 
-def test_the_server_serves_a_quantized_model(tmp_path):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_the_server_serves_a_quantized_model(tmp_path, engine_process):
     pytest.importorskip("openai")
     from rdlm.demo.tasks import CharTokenizer
     from test_serve import LiveServer
@@ -339,7 +340,7 @@ def test_the_server_serves_a_quantized_model(tmp_path):
     alphabet = ALPHABET
     save_pretrained(model, tmp_path / "q")
     CharTokenizer(alphabet).to_tokenizer().save(str(tmp_path / "q" / "tokenizer.json"))
-    with LiveServer(tmp_path / "q") as live:
+    with LiveServer(tmp_path / "q", engine_process=engine_process) as live:
         assert live.model.quantization == model.quantization
         reply = live.client().completions.create(model="tiny", prompt="the cat", max_tokens=8, temperature=0)
         text, _ = live.expected(live.tokenizer.encode("the cat", add_bos=True), stop_tokens=(live.tokenizer.eos_id,))

@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 from rdlm.inference.generate import generate  # noqa: E402
-from tests.serve_helpers import DEFAULTS, ROOT, LiveServer, free_port, httpx, model_dir  # noqa: E402,F401
+from tests.serve_helpers import (  # noqa: E402,F401
+    DEFAULTS, ROOT, LiveServer, ask_concurrently, free_port, httpx, model_dir, wait_gone)
 
 
 @pytest.fixture(scope="module")
@@ -84,32 +85,6 @@ def test_the_static_step_serves_each_client_its_tokens_alone(model_dir):
     with LiveServer(model_dir, compile=True) as live:
         ask_concurrently(live)
     assert live.app.state.worker.batch.step_runner.static_step.steps.runs > 0
-
-
-def ask_concurrently(live: LiveServer) -> None:
-    """Six requests with different r, exit criteria, cache budgets and sampling at once; each gets the text
-    of its prompt decoded alone."""
-    requests = [("the cat", dict(num_steps=3)), ("the dog sat", dict(num_steps=12, exit_criterion="kl",
-                                                                      exit_threshold=3e-3)),
-                ("1 2 3", dict(num_steps=8, kv_cache_budget=2)), ("on the", dict(num_steps=5, seed=4)),
-                ("the mat", dict(num_steps=10, exit_criterion="latent-diff", exit_threshold=0.1)),
-                ("log", dict(num_steps=4, temperature=0.8, top_p=0.9, seed=9))]
-
-    def ask(item):
-        prompt, fields = item
-        extra = {k: v for k, v in fields.items() if k not in ("temperature", "top_p", "seed")}
-        out = live.client().completions.create(model="tiny", prompt=prompt, max_tokens=8, extra_body=extra,
-                                               temperature=fields.get("temperature", 0),
-                                               top_p=fields.get("top_p"), seed=fields.get("seed"))
-        return out.choices[0].text
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        texts = list(pool.map(ask, requests))
-    for (prompt, fields), text in zip(requests, texts):
-        options = dict(fields, stop_tokens=(live.tokenizer.eos_id,))
-        if "kv_cache_budget" in options:
-            options.update(cache_strategy="shared", cache_slots=options.pop("kv_cache_budget"))
-        assert text == live.expected(live.tokenizer.encode(prompt, add_bos=True), **options)[0], prompt
 
 
 def test_logprobs_and_iterations_per_token_equal_generate_s(live):
@@ -359,13 +334,17 @@ def test_serve_compile_turns_the_batch_s_static_step_on(model_dir, capsys, monke
         assert f"static step {static})" in capsys.readouterr().err
 
 
-def test_rdlm_serve_shuts_down_cleanly_on_sigterm(model_dir):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_rdlm_serve_shuts_down_cleanly_on_sigterm(model_dir, engine_process):
+    """SIGTERM to the server, or to its whole process group (systemd, a terminal's Ctrl-C) where the batch has a
+    process of its own: the stream in flight finishes, the server exits 0, no process is left."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("RDLM_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "rdlm", "serve", str(model_dir), "--port", str(port),
-                             "-r", "4", "--max-new-tokens", "4", "--shutdown-timeout", "5"],
-                            env=env, stderr=subprocess.PIPE, text=True)
+                             "-r", "4", "--max-new-tokens", "4", "--shutdown-timeout", "5",
+                             "--engine-process" if engine_process else "--no-engine-process"],
+                            env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 60
         while True:
@@ -385,11 +364,17 @@ def test_rdlm_serve_shuts_down_cleanly_on_sigterm(model_dir):
                                 "num_steps": 12, "stream": True}) as response:
             stream = response.iter_lines()
             first = next(stream)
-            proc.send_signal(signal.SIGTERM)
+            if engine_process:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
             lines = [first] + [line for line in stream if line]
         assert first.startswith("data: ") and lines[-1] == "data: [DONE]"
         assert proc.wait(timeout=30) == 0
-        assert "shut down on SIGTERM" in proc.stderr.read()
+        err = proc.stderr.read()
+        assert "shut down on SIGTERM" in err and ("its own process" in err) == engine_process, err
+        if engine_process:
+            wait_gone(proc.pid)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -99,6 +99,12 @@ def register(subparsers) -> None:
         default=256,
         help="the most core iterations per token (num_steps) a request may ask for (default 256)",
     )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the batch in a process of its own, the HTTP server in this one (a CPU model; default: off)",
+    )
     add_generation_args(p, named_adapters=True)
     p.set_defaults(func=run)
 
@@ -180,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_steps=args.max_num_steps,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        engine_process=args.engine_process,
     )
     if args.api_key is None and not _loopback(args.host):
         print(
@@ -189,15 +196,16 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     app = create_app(model, tokenizer, config)
-    batch = app.state.worker.batch
+    batch = app.state.worker.info
     static = "compiled" if batch.compiled else "on" if batch.static else "off"  # (compiled: the CPU's step)
-    if not batch.compiled and adapters and batch.device.type == "cpu":
+    if not batch.compiled and adapters and batch.device == "cpu":
         static += " (not compiled with LoRA adapters)"
     served = f", LoRA adapters {', '.join(adapters)}" if adapters else ""
+    own = ", the batch in its own process" if app.state.worker.engine is not None else ""
     print(
         f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
         f"per row, {num_slots} core slots, KV cache {batch.cache_bytes / 2**30:.2f} GiB, default r "
-        f"{defaults.num_steps}, static step {static}{served})",
+        f"{defaults.num_steps}, static step {static}{served}{own})",
         file=sys.stderr,
         flush=True,
     )

@@ -223,7 +223,17 @@ def quantized_lora_class() -> type:
                 "rounded into the integer weights; merge into the unquantized base (rdlm lora merge BASE ADAPTER)"
             )
 
+    # pickled by name as `rdlm.model.lora.QuantizedLoraLinear` (the module's __getattr__ builds it on demand), so a
+    # model with QLoRA adapters travels to another process (rdlm serve --engine-process)
+    QuantizedLoraLinear.__qualname__ = QuantizedLoraLinear.__name__
+    QuantizedLoraLinear.__module__ = __name__
     return QuantizedLoraLinear
+
+
+def __getattr__(name: str) -> type:
+    if name == "QuantizedLoraLinear":
+        return quantized_lora_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ and requests for different adapters share the batch, each row's tokens through i
 
 The request bodies, their translation and the response objects are in rdlm/inference/server/openai_api.py, the
 worker thread in rdlm/inference/server/worker.py.
-One worker thread owns a `ContinuousBatch` (rdlm/inference/batching.py): requests join and leave between core
+One worker thread (or, with `ServeConfig.engine_process`, a process of its own) owns a `ContinuousBatch`
+(rdlm/inference/batching.py): requests join and leave between core
 iterations, each row at its own depth, so a request whose tokens exit early makes room for others
 instead of waiting for them. A request's tokens are those of `rdlm.inference.generate` for its prompt alone.
 """
