@@ -14,7 +14,8 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 from rdlm.inference.server.app import create_app  # noqa: E402
-from rdlm.inference.server.worker import ServeConfig, engine_process  # noqa: E402
+from rdlm.inference.server.engine import engine_process  # noqa: E402
+from rdlm.inference.server.config import ServeConfig  # noqa: E402
 from tests.serve_helpers import (  # noqa: E402,F401
     DEFAULTS, ROOT, LiveServer, ask_concurrently, free_port, httpx, model_dir, wait_gone)
 

@@ -48,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rdlm.data.tokenizer import Tokenizer, TokenizerError
 from rdlm.inference.params import GenerationConfig
+from rdlm.inference.server.config import ServeConfig
 from rdlm.inference.server.http_guard import Guard, install_error_handlers
 from rdlm.inference.server.openai_api import (
     APIError,
@@ -57,7 +58,7 @@ from rdlm.inference.server.openai_api import (
     Options,
     generation_config,
 )
-from rdlm.inference.server.worker import Metrics, ServeConfig, Ticket, Worker
+from rdlm.inference.server.worker import Metrics, Ticket, Worker
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters, set_adapter
 
