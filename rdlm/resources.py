@@ -76,12 +76,19 @@ def check_device(device: str | torch.device, flag: str = "--device") -> torch.de
 SMALL_MODEL_PARAMETERS = 20_000_000
 
 
+def available_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity where the system has one, else every CPU)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def default_threads(num_parameters: int) -> int:
     """CPU threads for a model's work when none are asked for: 1 for a small model, else the cores not busy
     with other work (the one-minute load average) when it starts, at least 1."""
     if num_parameters < SMALL_MODEL_PARAMETERS:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(available_cpus())
     try:
         busy = os.getloadavg()[0]
     except (AttributeError, OSError):  # no load average on this system

@@ -107,11 +107,61 @@ def test_a_batch_the_child_cannot_build_is_an_error_naming_it(model_dir):
         create_app(model, tokenizer, ServeConfig(defaults=DEFAULTS, max_batch=0, engine_process=True))
 
 
-def test_the_batch_runs_in_the_server_s_thread_by_default_and_in_a_process_only_for_a_cpu_model():
-    assert not engine_process(ServeConfig(), torch.device("cpu"))
-    assert engine_process(ServeConfig(engine_process=True), torch.device("cpu"))
+def test_the_default_gives_a_process_to_a_compiled_one_thread_batch_with_a_cpu_to_spare(model_dir, monkeypatch):
+    from rdlm import load_pretrained
+    from rdlm.inference.server import engine
+
+    model = load_pretrained(model_dir).eval()
+    monkeypatch.setattr(engine, "available_cpus", lambda: [0, 1])
+    monkeypatch.setenv("RDLM_COMPILE", "0")  # an eager batch: its steps use every thread
+    assert not engine_process(ServeConfig(), model)
+    assert engine_process(ServeConfig(engine_process=True), model)  # asked for
+    monkeypatch.setenv("RDLM_COMPILE", "1")  # compiled, at most SINGLE_THREAD_ROWS rows: one thread a step
+    assert engine_process(ServeConfig(max_batch=8), model)
+    assert not engine_process(ServeConfig(max_batch=engine.SINGLE_THREAD_ROWS + 1), model)
+    assert not engine_process(ServeConfig(compile=False), model)
+    assert not engine_process(ServeConfig(engine_process=False), model)
+    monkeypatch.setattr(engine, "available_cpus", lambda: [3])  # no CPU to spare for the HTTP server
+    assert not engine_process(ServeConfig(), model)
     with pytest.raises(ValueError, match="CPU model"):
-        engine_process(ServeConfig(engine_process=True), torch.device("cuda"))
+        engine_process(ServeConfig(engine_process=True), torch.nn.Linear(2, 2, device="meta"))
+
+
+def _pinned(out) -> None:
+    from rdlm.inference.server.engine import pin_to_one_cpu
+
+    out.put((pin_to_one_cpu(), sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+
+
+def test_pinning_puts_a_process_on_its_last_cpu_with_one_thread():
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    child = context.Process(target=_pinned, args=(out,))
+    child.start()
+    cpu, cpus, threads = out.get(timeout=60)
+    child.join(timeout=30)
+    assert cpu == max(os.sched_getaffinity(0)) and cpus == [cpu] and threads == 1
+
+
+@pytest.mark.slow  # compiles the tiny model's step in the child (tens of seconds with a cold inductor cache)
+def test_a_compiled_one_thread_batch_s_process_runs_on_one_cpu_of_its_own(model_dir, monkeypatch):
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    monkeypatch.setenv("RDLM_COMPILE", "1")  # (the child inherits it; inductor compiles tiny's step once)
+    with LiveServer(model_dir, engine_process=None, max_batch=2) as live:
+        worker = live.app.state.worker
+        assert worker.engine is not None and worker.info.compiled
+        cpu = worker.info.cpu
+        assert cpu == max(os.sched_getaffinity(0))
+        assert os.sched_getaffinity(worker.engine.process.pid) == {cpu}
+        assert os.sched_getaffinity(0) != {cpu}  # the server itself is not pinned
+        out = live.client().completions.create(model="tiny", prompt="the cat", max_tokens=6, temperature=0)
+        ids = live.tokenizer.encode("the cat", add_bos=True)
+        assert out.choices[0].text == live.expected(ids, stop_tokens=(live.tokenizer.eos_id,))[0]
 
 
 def test_the_child_does_not_outlive_a_killed_server(model_dir):

@@ -102,8 +102,9 @@ def register(subparsers) -> None:
     p.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run the batch in a process of its own, the HTTP server in this one (a CPU model; default: off)",
+        default=None,
+        help="run the batch in a process of its own, the HTTP server in this one (a CPU model; default: where its "
+        "compiled step runs on one thread and a CPU is left for HTTP, pinned to its own CPU)",
     )
     add_generation_args(p, named_adapters=True)
     p.set_defaults(func=run)
@@ -201,7 +202,9 @@ def run(args: argparse.Namespace) -> int:
     if not batch.compiled and adapters and batch.device == "cpu":
         static += " (not compiled with LoRA adapters)"
     served = f", LoRA adapters {', '.join(adapters)}" if adapters else ""
-    own = ", the batch in its own process" if app.state.worker.engine is not None else ""
+    own = ""
+    if app.state.worker.engine is not None:
+        own = ", the batch in its own process" + (f" on CPU {batch.cpu}" if batch.cpu is not None else "")
     print(
         f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
         f"per row, {num_slots} core slots, KV cache {batch.cache_bytes / 2**30:.2f} GiB, default r "

@@ -28,4 +28,4 @@ class ServeConfig:
     body_timeout: float = 30.0  # seconds a request may take to send its body after its headers
     profile: bool = False  # time each phase of the batch's steps (/metrics: rdlm_batch_phase_seconds)
     compile: bool | None = None  # the batch's static core step (None: on with CUDA; rdlm.inference.batching)
-    engine_process: bool = False  # the batch in a process of its own (a CPU model's; Worker)
+    engine_process: bool | None = None  # the batch in a process of its own (None: where it pays; engine_process)

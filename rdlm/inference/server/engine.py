@@ -21,10 +21,11 @@ import torch.multiprocessing as mp
 
 from rdlm.data.tokenizer import Tokenizer
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.execution.cpu_compile import server_compiles
+from rdlm.inference.execution.cpu_compile import SINGLE_THREAD_ROWS, cpu_compiled, server_compiles
 from rdlm.inference.server.config import ServeConfig
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
+from rdlm.resources import available_cpus
 
 log = logging.getLogger("rdlm.serve")
 
@@ -38,6 +39,7 @@ class BatchInfo:
     static: bool  # the batch's static core step
     compiled: bool  # ... compiled (the CPU's step)
     compile_seconds: float  # spent compiling it before the first request
+    cpu: int | None = None  # the one CPU the engine process runs on (None: no pin)
 
 
 class BatchLoop:
@@ -52,14 +54,13 @@ class BatchLoop:
     def __init__(self, model: RecurrentDepthLM, decode, config: ServeConfig, inbox, emit) -> None:
         self.model, self.decode, self.config, self.inbox, self.emit = model, decode, config, inbox, emit
         self.batch = self._new_batch()
+        self.cpu: int | None = None  # the CPU the engine process is pinned to (pin_to_one_cpu)
         self.keys: dict[int, int] = {}  # the batch's request id -> the parent's key
         self.ids: dict[int, int] = {}  # key -> request id
 
     def _new_batch(self) -> ContinuousBatch:
         c = self.config
-        compile = c.compile
-        if compile is None and next(self.model.parameters()).device.type == "cpu":
-            compile = server_compiles(c.max_batch, adapters=bool(loaded_adapters(self.model)))
+        compile = batch_compiles(c, self.model)
         batch = ContinuousBatch(
             self.model,
             c.max_batch,
@@ -79,7 +80,7 @@ class BatchLoop:
 
     def info(self) -> BatchInfo:
         b = self.batch
-        return BatchInfo(str(b.device), b.cache_bytes, b.static, b.compiled, self.compile_seconds)
+        return BatchInfo(str(b.device), b.cache_bytes, b.static, b.compiled, self.compile_seconds, self.cpu)
 
     def run(self) -> None:
         while True:
@@ -157,9 +158,29 @@ class BatchLoop:
 # The engine process
 
 
-def engine_process(config: ServeConfig, device: torch.device) -> bool:
-    """Whether the batch runs in a process of its own (`config.engine_process`; off by default: measured on a
-    2-core CPU it did not pay, docs/serving.md). Only a CPU model's batch does."""
+def batch_compiles(config: ServeConfig, model: RecurrentDepthLM) -> bool | None:
+    """The server's `compile` for its batch: `config.compile`, by default on the CPU where it pays
+    (rdlm.inference.execution.cpu_compile.server_compiles; None: the batch's own default, on with CUDA)."""
+    if config.compile is None and next(model.parameters()).device.type == "cpu":
+        return server_compiles(config.max_batch, adapters=bool(loaded_adapters(model)))
+    return config.compile
+
+
+def one_thread_steps(config: ServeConfig, model: RecurrentDepthLM) -> bool:
+    """Whether the batch's steps run on one thread: its compiled CPU step of at most SINGLE_THREAD_ROWS rows."""
+    device = next(model.parameters()).device
+    compiled = cpu_compiled(bool(batch_compiles(config, model)), device, model)
+    return compiled and config.max_batch <= SINGLE_THREAD_ROWS
+
+
+def engine_process(config: ServeConfig, model: RecurrentDepthLM) -> bool:
+    """Whether the batch runs in a process of its own: `config.engine_process`, by default (None) where that was
+    measured to pay: a CPU model whose steps run on one thread (`one_thread_steps`), on a machine with a CPU to
+    spare for the HTTP server; the child then runs on one CPU of its own (docs/serving.md). Only a CPU model's batch
+    may."""
+    device = next(model.parameters()).device
+    if config.engine_process is None:
+        return device.type == "cpu" and one_thread_steps(config, model) and len(available_cpus()) > 1
     if config.engine_process and device.type != "cpu":
         raise ValueError(f"engine_process: only a CPU model's batch runs in a process of its own, not {device}'s")
     return config.engine_process
@@ -284,6 +305,18 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
 
+def pin_to_one_cpu() -> int | None:
+    """Run this process (the batch, whose steps run on one thread) on one CPU of its own, the last it may use, as
+    vLLM binds its engine's thread: the HTTP server and the clients then keep to the others rather than
+    interrupting it (docs/serving.md, measured on two cores). None where it has only one CPU."""
+    cpus = available_cpus()
+    if len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
+        return None
+    os.sched_setaffinity(0, {cpus[-1]})
+    torch.set_num_threads(1)
+    return cpus[-1]
+
+
 def _engine_main(model, tokenizer, config, threads, inbox, outbox) -> None:
     """The engine process: its batch's loop, until told to stop."""
     # The server's signals are the parent's to handle (a terminal's Ctrl-C, or systemd's SIGTERM, reach the whole
@@ -298,6 +331,8 @@ def _engine_main(model, tokenizer, config, threads, inbox, outbox) -> None:
         logging.getLogger("rdlm").addHandler(handler)
     try:
         loop = BatchLoop(model, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), config, inbox, outbox.put)
+        if loop.batch.compiled and config.max_batch <= SINGLE_THREAD_ROWS:
+            loop.cpu = pin_to_one_cpu()
     except Exception as err:  # any error building the batch: the parent raises it
         log.exception("the engine process could not build its batch")
         bad_value = isinstance(err, ValueError)  # a setting the batch refuses: the parent's ValueError too

@@ -124,8 +124,7 @@ class Worker:
         self.pending = 0  # submitted and not finished (inbox, waiting, running)
         self.lock = threading.Lock()
         self.closing = False  # shutting down: new requests are refused
-        device = next(model.parameters()).device
-        self.in_process = engine_process(config, device)
+        self.in_process = engine_process(config, model)
         if self.in_process:
             self.engine: EngineProcess | None = EngineProcess(model, tokenizer, config, self.handle)
             self.loop: BatchLoop | None = None
