@@ -196,12 +196,23 @@ def histogram_means(text: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc; nan elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+    """User + system CPU seconds so far of a process and the processes it started that are still running (the
+    server's engine process; Linux /proc; nan elsewhere)."""
+    stats: dict[int, list[str]] = {}
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stats[int(path.parent.name)] = path.read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
+            continue
+    if pid not in stats:
         return float("nan")
+    family, grew = {pid}, True
+    while grew:
+        children = {p for p, fields in stats.items() if int(fields[1]) in family} - family
+        family |= children
+        grew = bool(children)
+    ticks = sum(int(stats[p][11]) + int(stats[p][12]) for p in family)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 @functools.cache
