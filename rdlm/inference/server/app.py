@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server whose batches think at different depths (`rdlm serve`).
 
-    app = create_app(model, tokenizer, ServeConfig(model_name="huginn"))     # a FastAPI app
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    if __name__ == "__main__":  # (on the CPU the batch may run in a process of its own, which imports this module)
+        app = create_app(model, tokenizer, ServeConfig(model_name="huginn"))     # a FastAPI app
+        uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Endpoints: `/v1/completions` and `/v1/chat/completions` (the model's chat template), both streamed as
 server-sent events in OpenAI's chunk format (ending with `[DONE]`) or not; `/v1/models`; `/health`;

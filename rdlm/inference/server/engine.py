@@ -219,7 +219,9 @@ class EngineProcess:
             except queue.Empty:
                 if not self.process.is_alive():
                     raise RuntimeError(
-                        f"the engine process died while starting (exit code {self.process.exitcode})"
+                        f"the engine process died while starting (exit code {self.process.exitcode}; a script that "
+                        "calls create_app needs `if __name__ == '__main__':` around it, since the process imports "
+                        "the script's module; or ServeConfig(engine_process=False))"
                     ) from None
                 continue
             if message[0] == "ready":
