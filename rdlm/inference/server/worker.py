@@ -28,7 +28,7 @@ log = logging.getLogger("rdlm.serve")
 
 
 # --------------------------------------------------------------------------------------------------
-# The worker thread: the only place that touches the model.
+# The worker: requests to the batch, tokens and metrics back.
 
 
 @dataclass
@@ -124,8 +124,7 @@ class Worker:
         self.pending = 0  # submitted and not finished (inbox, waiting, running)
         self.lock = threading.Lock()
         self.closing = False  # shutting down: new requests are refused
-        self.in_process = engine_process(config, model)
-        if self.in_process:
+        if engine_process(config, model):
             self.engine: EngineProcess | None = EngineProcess(model, tokenizer, config, self.handle)
             self.loop: BatchLoop | None = None
             self.info = self.engine.info
