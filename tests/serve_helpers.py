@@ -118,11 +118,18 @@ def ask_concurrently(live: LiveServer) -> None:
 
 def wait_gone(group: int) -> None:
     """Every process of the group `group` has ended (the engine process with its server)."""
-    deadline = time.time() + 20
-    while True:
+    def gone() -> bool:
         try:
             os.killpg(group, 0)
         except ProcessLookupError:
-            return
-        assert time.time() < deadline, "a process of the server's group is still alive"
-        time.sleep(0.1)
+            return True
+        return False
+
+    wait_until(gone, what="a process of the server's group is still alive")
+
+
+def wait_until(condition, seconds: float = 20, what: str = "") -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.02)

@@ -20,7 +20,7 @@ from rdlm.checks import Integer  # noqa: E402
 from rdlm.data.tokenizer import Tokenizer  # noqa: E402
 from rdlm.inference.execution.noise import block_seed  # noqa: E402
 from rdlm.inference.server.openai_api import numeric_checks  # noqa: E402
-from tests.serve_helpers import LiveServer, httpx, model_dir  # noqa: E402,F401
+from tests.serve_helpers import LiveServer, httpx, model_dir, wait_until  # noqa: E402,F401
 
 POISON = 7   # a token id whose embedding the poisoned server's model holds as infinity
 
@@ -35,13 +35,6 @@ def stream_lines(url: str, body: dict, timeout: float = 60) -> list[str]:
 def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
-def wait_until(condition, seconds: float = 20, what: str = "") -> None:
-    deadline = time.time() + seconds
-    while not condition():
-        assert time.time() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,11 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 from rdlm.inference.server.app import create_app  # noqa: E402
+from rdlm.inference.execution.cpu_compile import SINGLE_THREAD_ROWS  # noqa: E402
 from rdlm.inference.server.engine import engine_process  # noqa: E402
 from rdlm.inference.server.config import ServeConfig  # noqa: E402
 from tests.serve_helpers import (  # noqa: E402,F401
-    DEFAULTS, ROOT, LiveServer, ask_concurrently, free_port, httpx, model_dir, wait_gone)
-
-
-def wait_until(condition, seconds: float = 20, what: str = "") -> None:
-    deadline = time.time() + seconds
-    while not condition():
-        assert time.time() < deadline, what
-        time.sleep(0.02)
+    DEFAULTS, ROOT, LiveServer, ask_concurrently, free_port, httpx, model_dir, wait_gone, wait_until)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +112,7 @@ def test_the_default_gives_a_process_to_a_compiled_one_thread_batch_with_a_cpu_t
     assert engine_process(ServeConfig(engine_process=True), model)  # asked for
     monkeypatch.setenv("RDLM_COMPILE", "1")  # compiled, at most SINGLE_THREAD_ROWS rows: one thread a step
     assert engine_process(ServeConfig(max_batch=8), model)
-    assert not engine_process(ServeConfig(max_batch=engine.SINGLE_THREAD_ROWS + 1), model)
+    assert not engine_process(ServeConfig(max_batch=SINGLE_THREAD_ROWS + 1), model)
     assert not engine_process(ServeConfig(compile=False), model)
     assert not engine_process(ServeConfig(engine_process=False), model)
     monkeypatch.setattr(engine, "available_cpus", lambda: [3])  # no CPU to spare for the HTTP server

@@ -135,12 +135,18 @@ def server_compiles(rows: int, adapters: bool = False) -> bool:
     return compile_allowed() and not adapters and (rows <= SERVER_COMPILE_ROWS or compile_forced())
 
 
+def one_thread_step(rows: int, compiled: bool) -> bool:
+    """Whether a CPU step of a batch of `rows` rows runs on one thread (`step_threads`): the compiled step's, up to
+    SINGLE_THREAD_ROWS rows."""
+    return compiled and rows <= SINGLE_THREAD_ROWS
+
+
 @contextmanager
 def step_threads(rows: int, compiled: bool) -> Iterator[None]:
-    """Run a CPU step of a batch of `rows` rows on one thread where that is faster (`SINGLE_THREAD_ROWS`, the
-    compiled step), then restore the thread count."""
+    """Run a CPU step of a batch of `rows` rows on one thread where that is faster (`one_thread_step`), then
+    restore the thread count."""
     before = torch.get_num_threads()
-    if not compiled or rows > SINGLE_THREAD_ROWS or before == 1:
+    if not one_thread_step(rows, compiled) or before == 1:
         yield
         return
     torch.set_num_threads(1)

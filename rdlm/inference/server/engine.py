@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from rdlm.data.tokenizer import Tokenizer
 from rdlm.inference.batching import ContinuousBatch
-from rdlm.inference.execution.cpu_compile import SINGLE_THREAD_ROWS, cpu_compiled, server_compiles
+from rdlm.inference.execution.cpu_compile import cpu_compiled, one_thread_step, server_compiles
 from rdlm.inference.server.config import ServeConfig
 from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
@@ -51,8 +51,9 @@ class BatchLoop:
     more comes for it), ("cancelled", key), ("events", [(key, BatchEvent), ...], step seconds, phase
     timings) and ("gauges", queued, running)."""
 
-    def __init__(self, model: RecurrentDepthLM, decode, config: ServeConfig, inbox, emit) -> None:
-        self.model, self.decode, self.config, self.inbox, self.emit = model, decode, config, inbox, emit
+    def __init__(self, model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig, inbox, emit) -> None:
+        self.model, self.config, self.inbox, self.emit = model, config, inbox, emit
+        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # (stop strings)
         self.batch = self._new_batch()
         self.cpu: int | None = None  # the CPU the engine process is pinned to (pin_to_one_cpu)
         self.keys: dict[int, int] = {}  # the batch's request id -> the parent's key
@@ -167,10 +168,9 @@ def batch_compiles(config: ServeConfig, model: RecurrentDepthLM) -> bool | None:
 
 
 def one_thread_steps(config: ServeConfig, model: RecurrentDepthLM) -> bool:
-    """Whether the batch's steps run on one thread: its compiled CPU step of at most SINGLE_THREAD_ROWS rows."""
+    """Whether the batch's steps will run on one thread (`one_thread_step`: compiled, few enough rows)."""
     device = next(model.parameters()).device
-    compiled = cpu_compiled(bool(batch_compiles(config, model)), device, model)
-    return compiled and config.max_batch <= SINGLE_THREAD_ROWS
+    return one_thread_step(config.max_batch, cpu_compiled(bool(batch_compiles(config, model)), device, model))
 
 
 def engine_process(config: ServeConfig, model: RecurrentDepthLM) -> bool:
@@ -332,8 +332,8 @@ def _engine_main(model, tokenizer, config, threads, inbox, outbox) -> None:
         handler.setFormatter(logging.Formatter("rdlm serve: %(levelname)s: %(message)s"))
         logging.getLogger("rdlm").addHandler(handler)
     try:
-        loop = BatchLoop(model, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), config, inbox, outbox.put)
-        if loop.batch.compiled and config.max_batch <= SINGLE_THREAD_ROWS:
+        loop = BatchLoop(model, tokenizer, config, inbox, outbox.put)
+        if one_thread_step(config.max_batch, loop.batch.compiled):
             loop.cpu = pin_to_one_cpu()
     except Exception as err:  # any error building the batch: the parent raises it
         log.exception("the engine process could not build its batch")

@@ -131,8 +131,7 @@ class Worker:
         else:
             self.engine = None
             self.inbox: queue.Queue = queue.Queue()
-            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-            self.loop = BatchLoop(model, decode, config, self.inbox, self.handle)
+            self.loop = BatchLoop(model, tokenizer, config, self.inbox, self.handle)
             self.info = self.loop.info()
             self.thread = threading.Thread(target=self.loop.run, name="rdlm-batch", daemon=True)
 
