@@ -15,7 +15,8 @@ model call of their own.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from rdlm.inference.execution.cache import CacheCall, PackedCall, RecurrentKVCache, Segment, Strategy, first_entries
+from rdlm.inference.execution.cpu_linear import OneDnnLinears
 from rdlm.inference.execution.noise import NoiseBlocks, noise_table
 from rdlm.model.layers import Rope, padded_causal_mask
 from rdlm.model.lm import RecurrentDepthLM
@@ -148,6 +150,8 @@ class ModelCalls:
         # the prompts' packed iteration compiled (rdlm.inference.execution.cpu_compile.CompiledPrompts), where the
         # engine compiles on the CPU; None: `iterate_packed` calls the model eagerly
         self.compiled_prompts: PromptCompiler | None = None
+        # eager float32 linear layers on the CPU through oneDNN where it measures faster (execution.cpu_linear)
+        self.linears = OneDnnLinears(model)
         self.default_adapter = self.adapter_number(active_adapter(model))
         self.row_adapters: Tensor | None = None
         if self.adapter_names:
@@ -181,10 +185,14 @@ class ModelCalls:
             return None
         return self.row_adapters if rows is None else self.row_adapters[rows]
 
-    def _routed(self, adapters: Tensor | None) -> AbstractContextManager:
-        """Where a model call runs each token through its adapter (`adapters` shaped as the call's leading
-        dimensions), or the model as it is set where there are none."""
-        return nullcontext() if adapters is None else routed(self.model, self.adapter_names, adapters)
+    def _routed(self, adapters: Tensor | None, rows: int) -> AbstractContextManager:
+        """Where a model call of `rows` tokens runs: each token through its adapter (`adapters` shaped as the call's
+        leading dimensions; the model as it is set where there are none), its linear layers' products on the kernel
+        measured faster for that many rows (`OneDnnLinears`)."""
+        linears = self.linears.over(rows)
+        if adapters is None:
+            return linears
+        return _both(routed(self.model, self.adapter_names, adapters), linears)
 
     # ---- which entries hold a token
 
@@ -297,12 +305,12 @@ class ModelCalls:
 
     def embed(self, ids: Tensor, call: Call) -> Tensor:
         """The prelude: e of the call's tokens."""
-        with self._routed(call.adapters):
+        with self._routed(call.adapters, ids.numel()):
             return self.model.embed(ids, call.rope, call.mask, call.cache)
 
     def iterate_once(self, state: Tensor, embedded: Tensor, iteration: int, call: Call) -> Tensor:
         """Core iteration `iteration`."""
-        with self._routed(call.adapters):
+        with self._routed(call.adapters, _rows(state)):
             return self.model.step(state, embedded, iteration, call.rope, call.mask, call.cache)
 
     def iterate(self, state: Tensor, embedded: Tensor, call: Call, iterations: range) -> Tensor:
@@ -318,25 +326,36 @@ class ModelCalls:
         adapters = torch.cat(pack.adapters, dim=1) if pack.adapters else None  # [1, T]: each token's
         if self.compiled_prompts is not None and adapters is None:
             return self.compiled_prompts(states, embedded, cos, sin, packed)
-        with self._routed(adapters):
+        with self._routed(adapters, states.shape[1]):
             return packed_iteration(self.model, states, embedded, cos, sin, packed)
 
     def readout(self, state: Tensor, call: Call) -> Tensor:
         """The coda and the head: float32 logits of the call's tokens."""
-        with self._routed(call.adapters):
+        with self._routed(call.adapters, _rows(state)):
             return self.model.readout(state, call.rope, call.mask, call.cache)
 
     def coda_output(self, state: Tensor, call: Call) -> Tensor:
         """The coda up to the head (its keys and values written): the head's input for the call's tokens."""
-        with self._routed(call.adapters):
+        with self._routed(call.adapters, _rows(state)):
             return self.model.coda_output(state, call.rope, call.mask, call.cache)
 
     def head(self, x: Tensor, adapters: Tensor | None) -> Tensor:
         """Float32 logits of coda outputs x [m, 1, h] (`coda_output`), each row through its adapter (`adapters`
         [m, 1], None: the model as it is set)."""
-        with self._routed(adapters):
+        with self._routed(adapters, _rows(x)):
             return self.model.head(x)
 
     def exit_probability(self, state: Tensor) -> Tensor:
         """A learned exit gate's probability of exiting at `state` (Ouro)."""
         return self.model.exit_probability(state)
+
+
+def _rows(x: Tensor) -> int:
+    """The tokens of a call's states or inputs [..., h]."""
+    return x.numel() // x.shape[-1]
+
+
+@contextmanager
+def _both(first: AbstractContextManager, second: AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield

@@ -1,0 +1,155 @@
+"""Eager float32 linear layers on the CPU through oneDNN where it measures faster than ATen's default
+(docs/generation.md, "Which GEMM runs the eager linear layers").
+
+An eager `nn.Linear` on the CPU runs ATen's GEMM (MKL in PyTorch's builds). MKL picks its code path by CPU vendor:
+on an AMD EPYC (Zen 5) a float32 product of 8-64 rows by one of the `small` preset's weights ran at less than half
+the rate of oneDNN's on the same call (`torch.ops.mkldnn._linear_pointwise`, the kernel inductor's frozen graphs
+use), while at one row MKL's matrix-vector product was the faster of the two for every shape. So no fixed rule fits
+every CPU: the first eager call of a weight shape at a given number of rows and threads times both kernels, alternated,
+and oneDNN runs such calls from then on only where its median took at most `KEEP` of MKL's. The decision is kept for
+the process (`_decisions`: a cache of measurements, as inductor keeps its autotuning); `RDLM_CPU_LINEAR=aten` or
+`=onednn` replaces it by a fixed choice.
+
+The engine's model calls (rdlm.inference.execution.model_calls) run under `OneDnnLinears.over(rows)`: for the
+duration of a call the model's plain float32 `nn.Linear` layers (a LoRA layer's base too) take their products
+through `_forward`, which asks the cache and falls back to the layer's own forward. Nothing is patched while
+inductor traces (the compiled step packs its own weights), for a call on another device or dtype, with gradients, or
+below `MIN_ROWS`. No packed copy of a weight is kept: oneDNN reorders the weight per call, which cost little beside
+MKL's slower path in the same measurements, and nothing can go stale when a weight changes in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# "auto" (the default): measured per shape; "aten": ATen's GEMM always; "onednn": oneDNN from MIN_ROWS rows on
+ENV = "RDLM_CPU_LINEAR"
+CHOICES = ("auto", "aten", "onednn")
+MIN_ROWS = 2  # one row is a matrix-vector product, where ATen's was the faster kernel for every shape measured
+KEEP = 0.9  # oneDNN is kept for a shape only if its median time is at most this fraction of ATen's
+_REPEATS, _CALLS = 5, 3  # the measurement: 5 alternated rounds of 3 calls of each kernel
+
+# (in features, out features, has bias, threads, rows bucket) -> oneDNN or not: measured once per process
+_decisions: dict[tuple[int, int, bool, int, int], bool] = {}
+
+
+def mode() -> str:
+    """The `RDLM_CPU_LINEAR` setting, checked: "auto", "aten" or "onednn"."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={value!r} is not one of {', '.join(CHOICES)}")
+    return value
+
+
+def available() -> bool:
+    """Whether this PyTorch has oneDNN (mkldnn) for the CPU."""
+    return torch.backends.mkldnn.is_available()
+
+
+def onednn_product(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """oneDNN's product of rows x2 [m, k] by `weight` [n, k] (plain or packed by oneDNN), plus `bias`."""
+    return torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+
+
+def _seconds_per_call(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def measure(weight: Tensor, bias: Tensor | None, rows: int) -> tuple[float, float]:
+    """Median seconds a call of ATen's and of oneDNN's product of `rows` rows by `weight` take, alternated in
+    `_REPEATS` rounds (after one warm-up call each) on random input."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    aten = functools.partial(F.linear, x, weight, bias)
+    onednn = functools.partial(onednn_product, x, weight, bias)
+    aten(), onednn()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(_REPEATS):
+        times[0].append(_seconds_per_call(aten, _CALLS))
+        times[1].append(_seconds_per_call(onednn, _CALLS))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def bucket(rows: int) -> int:
+    """The power of two at or above `rows`: calls of similar sizes share one measurement."""
+    return 1 << (rows - 1).bit_length()
+
+
+def use_onednn(weight: Tensor, bias: Tensor | None, rows: int, setting: str = "auto") -> bool:
+    """Whether a product of `rows` rows by `weight` runs on oneDNN: below MIN_ROWS never; otherwise as `setting`
+    (`mode`) fixes it, or as measured ("auto": once per shape, bias, threads and rows bucket, at the bucket's size)."""
+    if rows < MIN_ROWS:
+        return False
+    if setting != "auto":
+        return setting == "onednn"
+    key = (weight.shape[1], weight.shape[0], bias is not None, torch.get_num_threads(), bucket(rows))
+    decision = _decisions.get(key)
+    if decision is None:
+        with torch.no_grad():
+            aten, onednn = measure(weight.detach(), None if bias is None else bias.detach(), key[-1])
+        decision = _decisions[key] = onednn <= KEEP * aten
+    return decision
+
+
+def _forward(layer: nn.Linear, setting: str, x: Tensor) -> Tensor:
+    """`layer(x)`, its product on oneDNN where `use_onednn` says so."""
+    weight, bias = layer.weight, layer.bias
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    if (
+        x.dtype == weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+        and use_onednn(weight, bias, rows, setting)
+    ):
+        out = onednn_product(x.reshape(rows, x.shape[-1]), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def plain_linears(model: nn.Module) -> list[nn.Linear]:
+    """The model's float32 `nn.Linear` layers on the CPU (exactly that class: quantized layers and PEFT's wrappers are
+    other classes; a wrapper's base layer is one)."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    return [m for m in linears if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+
+
+class OneDnnLinears:
+    """A model's eager linear layers on oneDNN during model calls of enough rows (see the module doc). Built once per
+    engine; `over(rows)` is the context of one call."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.setting = mode()  # read once per engine
+        self.layers = plain_linears(model) if available() and self.setting != "aten" else []
+        self.forwards = {id(layer): functools.partial(_forward, layer, self.setting) for layer in self.layers}
+
+    def over(self, rows: int):
+        """The context a model call of `rows` rows (tokens) runs in: the layers patched, or nothing to do."""
+        if not self.layers or rows < MIN_ROWS or torch.compiler.is_compiling():
+            return nullcontext()
+        return _patched(self.layers, self.forwards)
+
+
+@contextmanager
+def _patched(layers: list[nn.Linear], forwards: dict[int, functools.partial]) -> Iterator[None]:
+    saved = [layer.__dict__.get("forward") for layer in layers]  # an outer call's patch, or none
+    try:
+        for layer in layers:
+            setattr(layer, "forward", forwards[id(layer)])  # noqa: B010 (an instance's forward, not the class's)
+        yield
+    finally:
+        for layer, forward in zip(layers, saved, strict=True):
+            if forward is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                setattr(layer, "forward", forward)  # noqa: B010

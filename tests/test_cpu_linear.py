@@ -1,0 +1,177 @@
+"""The eager linear layers' GEMM on the CPU (rdlm.inference.execution.cpu_linear): oneDNN's product equals ATen's within
+float32 round-off, the choice follows the measurement or the setting, the model's layers are patched only during a
+call and never with gradients, and the engine's tokens do not depend on which kernel ran."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rdlm import RDLMConfig, RecurrentDepthLM
+from rdlm.inference.execution import cpu_linear
+from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
+from rdlm.model.lora import LoraSpec, add_lora, lora_layers
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this PyTorch has no oneDNN")
+
+PROMPTS = [[5, 9, 2, 7, 1, 3], [11, 4], [8, 8, 6, 2, 9], [3, 1], [7, 7, 7, 2]]
+
+
+def tiny(seed: int = 0) -> RecurrentDepthLM:
+    torch.manual_seed(seed)
+    return RecurrentDepthLM(RDLMConfig.from_preset("tiny")).eval()
+
+
+def roundoff_bound(x: torch.Tensor, weight: torch.Tensor) -> float:
+    """Two float32 sums of the same K products in different orders differ by at most ~K * eps * sum |x_k w_k|; the
+    largest such sum over the outputs bounds every element."""
+    k = x.shape[-1]
+    return k * torch.finfo(torch.float32).eps * (x.abs().reshape(-1, k) @ weight.abs().T).max().item()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The products oneDNN ran: (rows, the weight's storage)."""
+    calls = []
+    real = cpu_linear.onednn_product
+
+    def onednn(x2, weight, bias):
+        calls.append((x2.shape[0], weight.data_ptr()))
+        return real(x2, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "onednn_product", onednn)
+    return calls
+
+
+@pytest.fixture
+def fresh_decisions(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_decisions", {})
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_gives_atens_product_within_float32_roundoff(bias, monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 80, bias=bias)
+    x = torch.randn(3, 20, 96)[..., ::2]  # three dimensions, not contiguous
+    with torch.no_grad():
+        out = cpu_linear._forward(layer, "onednn", x)
+        reference = F.linear(x, layer.weight, layer.bias)
+    assert out.shape == reference.shape == (3, 20, 80)
+    assert (out - reference).abs().max().item() <= roundoff_bound(x, layer.weight) + 1e-7
+
+
+def test_the_setting_is_checked_and_read(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "mkl")
+    with pytest.raises(ValueError, match="RDLM_CPU_LINEAR='mkl' is not one of auto, aten, onednn"):
+        cpu_linear.mode()
+    monkeypatch.setenv(cpu_linear.ENV, " ONEDNN ")
+    assert cpu_linear.mode() == "onednn"
+    monkeypatch.delenv(cpu_linear.ENV)
+    assert cpu_linear.mode() == "auto"
+    weight = torch.randn(16, 8)
+    assert not cpu_linear.use_onednn(weight, None, 1, "onednn")  # one row: ATen's matrix-vector product, always
+    assert cpu_linear.use_onednn(weight, None, 2, "onednn")
+    assert not cpu_linear.use_onednn(weight, None, 64, "aten")
+
+
+@pytest.mark.parametrize(("aten", "onednn", "chosen"), [(1.0, 0.5, True), (1.0, 0.9, True), (1.0, 0.95, False)])
+def test_auto_keeps_onednn_only_where_it_measured_faster_once_per_shape_and_size(
+    aten, onednn, chosen, monkeypatch, fresh_decisions
+):
+    measured = []
+
+    def measure(weight, bias, rows):
+        measured.append((tuple(weight.shape), bias is not None, rows))
+        return aten, onednn
+
+    monkeypatch.setattr(cpu_linear, "measure", measure)
+    weight, bias = torch.randn(32, 16), torch.randn(32)
+    assert cpu_linear.use_onednn(weight, None, 5) is chosen
+    assert cpu_linear.use_onednn(weight, None, 8) is chosen  # the same bucket (5..8 rows): measured once, at 8 rows
+    assert measured == [((32, 16), False, 8)]
+    cpu_linear.use_onednn(weight, bias, 8)  # another key: with a bias
+    cpu_linear.use_onednn(weight, None, 9)  # another bucket: 16 rows
+    cpu_linear.use_onednn(weight.T.contiguous(), None, 8)  # another shape
+    assert measured[1:] == [((32, 16), True, 8), ((32, 16), False, 16), ((16, 32), False, 8)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        cpu_linear.use_onednn(weight, None, 8)  # another thread count measures again
+    finally:
+        torch.set_num_threads(threads)
+    assert len(measured) == 5
+
+
+def test_the_measurement_times_both_kernels_on_the_weights_shape():
+    aten, onednn = cpu_linear.measure(torch.randn(64, 32), None, 16)
+    assert 0 < aten < 1 and 0 < onednn < 1
+
+
+def test_layers_are_patched_only_during_a_call_and_an_error_restores_them(counted, monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    model = tiny()
+    linears = cpu_linear.OneDnnLinears(model)
+    assert linears.layers and all(type(layer) is nn.Linear for layer in linears.layers)
+    layer = model.core[0].attn.qkv
+    x = torch.randn(4, 1, model.config.hidden_size)
+    with torch.no_grad():
+        with linears.over(1):  # one row: nothing to patch
+            assert "forward" not in layer.__dict__
+        with linears.over(4):
+            assert "forward" in layer.__dict__
+            layer(x)
+        assert counted == [(4, layer.weight.data_ptr())]
+        with pytest.raises(RuntimeError, match="in the call"), linears.over(4):
+            raise RuntimeError("in the call")
+    assert not any("forward" in m.__dict__ for m in linears.layers)
+
+
+def test_gradients_take_atens_path(counted, monkeypatch):
+    """mkldnn's linear has no backward here: a call that records gradients keeps the layer's own product."""
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    model = tiny()
+    linears = cpu_linear.OneDnnLinears(model)
+    layer = model.core[0].attn.qkv
+    x = torch.randn(4, model.config.hidden_size, requires_grad=True)
+    with linears.over(4):
+        layer(x).sum().backward()
+    assert counted == [] and layer.weight.grad is not None
+
+
+def test_the_aten_setting_patches_nothing(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "aten")
+    assert cpu_linear.OneDnnLinears(tiny()).layers == []
+
+
+@pytest.mark.parametrize("config", [
+    GenerationConfig(num_steps=6, max_new_tokens=8, seed=2),
+    GenerationConfig(num_steps=6, max_new_tokens=8, exit_criterion="kl", exit_threshold=1e-3, seed=2),
+])
+def test_the_engines_tokens_do_not_depend_on_the_kernel(config, counted, monkeypatch):
+    model = tiny(1)
+    runs = {}
+    for setting in ("aten", "onednn"):
+        monkeypatch.setenv(cpu_linear.ENV, setting)
+        out = generate(model, PROMPTS, config, engine=EngineArgs(compile=False))
+        runs[setting] = (out.tokens, out.iterations)
+        assert bool(counted) is (setting == "onednn")  # the prompts' chunks and the batch's steps went to oneDNN
+    assert runs["onednn"] == runs["aten"]
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing left patched
+
+
+def test_lora_layers_run_their_base_on_onednn_with_the_same_tokens(counted, monkeypatch):
+    model = add_lora(tiny(2), LoraSpec(rank=4, parts=("core",)))
+    torch.manual_seed(3)
+    for _, layer in lora_layers(model):
+        for weights in (layer.lora_A, layer.lora_B):
+            for module in weights.values():
+                nn.init.normal_(module.weight, std=0.2)  # an adapter that changes the tokens (B starts at zero)
+    config = GenerationConfig(num_steps=6, max_new_tokens=6)
+    runs = {}
+    for setting in ("aten", "onednn"):
+        monkeypatch.setenv(cpu_linear.ENV, setting)
+        runs[setting] = generate(model, PROMPTS, config, engine=EngineArgs(compile=False)).tokens
+    assert runs["onednn"] == runs["aten"]
+    bases = {layer.base_layer.weight.data_ptr() for _, layer in lora_layers(model)}
+    assert bases and bases <= {weight for _, weight in counted}  # every adapted layer's base ran on oneDNN
