@@ -49,16 +49,17 @@ def fresh_decisions(monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_gives_atens_product_within_float32_roundoff(bias, monkeypatch):
-    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+@pytest.mark.parametrize("rows", [5, 32, 60])
+def test_onednn_gives_atens_product_within_float32_roundoff(bias, rows, counted):
     torch.manual_seed(0)
     layer = nn.Linear(48, 80, bias=bias)
-    x = torch.randn(3, 20, 96)[..., ::2]  # three dimensions, not contiguous
+    x = torch.randn(rows, 1, 96)[..., ::2]  # three dimensions, not contiguous
     with torch.no_grad():
         out = cpu_linear._forward(layer, "onednn", x)
         reference = F.linear(x, layer.weight, layer.bias)
-    assert out.shape == reference.shape == (3, 20, 80)
+    assert out.shape == reference.shape == (rows, 1, 80)
     assert (out - reference).abs().max().item() <= roundoff_bound(x, layer.weight) + 1e-7
+    assert counted == [(64 if rows == 60 else rows, layer.weight.data_ptr())]  # above 32 rows, padded to a multiple
 
 
 def test_the_setting_is_checked_and_read(monkeypatch):
@@ -94,13 +95,16 @@ def test_auto_keeps_onednn_only_where_it_measured_faster_once_per_shape_and_size
     cpu_linear.use_onednn(weight, None, 9)  # another bucket: 16 rows
     cpu_linear.use_onednn(weight.T.contiguous(), None, 8)  # another shape
     assert measured[1:] == [((32, 16), True, 8), ((32, 16), False, 16), ((16, 32), False, 8)]
+    assert cpu_linear.use_onednn(weight, None, 64) is chosen
+    assert cpu_linear.use_onednn(weight, None, 1000) is chosen  # above 64 rows: the 64-row decision, not measured again
+    assert measured[-1] == ((32, 16), False, 64) and len(measured) == 5
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
         cpu_linear.use_onednn(weight, None, 8)  # another thread count measures again
     finally:
         torch.set_num_threads(threads)
-    assert len(measured) == 5
+    assert len(measured) == 6
 
 
 def test_the_measurement_times_both_kernels_on_the_weights_shape():

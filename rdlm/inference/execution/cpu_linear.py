@@ -5,17 +5,19 @@ An eager `nn.Linear` on the CPU runs ATen's GEMM (MKL in PyTorch's builds). MKL 
 on an AMD EPYC (Zen 5) a float32 product of 8-64 rows by one of the `small` preset's weights ran at less than half
 the rate of oneDNN's on the same call (`torch.ops.mkldnn._linear_pointwise`, the kernel inductor's frozen graphs
 use), while at one row MKL's matrix-vector product was the faster of the two for every shape. So no fixed rule fits
-every CPU: the first eager call of a weight shape at a given number of rows and threads times both kernels, alternated,
-and oneDNN runs such calls from then on only where its median took at most `KEEP` of MKL's. The decision is kept for
-the process (`_decisions`: a cache of measurements, as inductor keeps its autotuning); `RDLM_CPU_LINEAR=aten` or
-`=onednn` replaces it by a fixed choice.
+every CPU: the first eager call of a weight shape at a given number of rows (rounded up to a power of two, at most
+`MEASURED_ROWS`) and threads times both kernels, alternated, and oneDNN runs such calls from then on only where its
+median took at most `KEEP` of MKL's. The decision is kept for the process (`_decisions`: a cache of measurements, as
+inductor keeps its autotuning); `RDLM_CPU_LINEAR=aten` or `=onednn` replaces it by a fixed choice.
 
 The engine's model calls (rdlm.inference.execution.model_calls) run under `OneDnnLinears.over(rows)`: for the
 duration of a call the model's plain float32 `nn.Linear` layers (a LoRA layer's base too) take their products
 through `_forward`, which asks the cache and falls back to the layer's own forward. Nothing is patched while
 inductor traces (the compiled step packs its own weights), for a call on another device or dtype, with gradients, or
 below `MIN_ROWS`. No packed copy of a weight is kept: oneDNN reorders the weight per call, which cost little beside
-MKL's slower path in the same measurements, and nothing can go stale when a weight changes in place.
+MKL's slower path in the same measurements, and nothing can go stale when a weight changes in place. oneDNN builds
+a kernel for each number of rows it meets, so a call of more than `PAD_ROWS` rows (a prompt's, of a new length at
+nearly every step of a server) is padded with zero rows to a multiple of `PAD_ROWS`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ ENV = "RDLM_CPU_LINEAR"
 CHOICES = ("auto", "aten", "onednn")
 MIN_ROWS = 2  # one row is a matrix-vector product, where ATen's was the faster kernel for every shape measured
 KEEP = 0.9  # oneDNN is kept for a shape only if its median time is at most this fraction of ATen's
-_REPEATS, _CALLS = 5, 3  # the measurement: 5 alternated rounds of 3 calls of each kernel
+_REPEATS, _CALLS = 3, 2  # the measurement: 3 alternated rounds of 2 calls of each kernel
+MEASURED_ROWS = 64  # calls of more rows take the decision measured at this many (a measurement costs ~30 calls)
+PAD_ROWS = 32  # above this many rows, a call's rows are padded to a multiple of it (see `_forward`)
 
 # (in features, out features, has bias, threads, rows bucket) -> oneDNN or not: measured once per process
 _decisions: dict[tuple[int, int, bool, int, int], bool] = {}
@@ -82,8 +86,8 @@ def measure(weight: Tensor, bias: Tensor | None, rows: int) -> tuple[float, floa
 
 
 def bucket(rows: int) -> int:
-    """The power of two at or above `rows`: calls of similar sizes share one measurement."""
-    return 1 << (rows - 1).bit_length()
+    """The power of two at or above `rows`, at most MEASURED_ROWS: calls of similar sizes share one measurement."""
+    return min(1 << (rows - 1).bit_length(), MEASURED_ROWS)
 
 
 def use_onednn(weight: Tensor, bias: Tensor | None, rows: int, setting: str = "auto") -> bool:
@@ -112,7 +116,13 @@ def _forward(layer: nn.Linear, setting: str, x: Tensor) -> Tensor:
         and not (torch.is_grad_enabled() and weight.requires_grad)
         and use_onednn(weight, bias, rows, setting)
     ):
-        out = onednn_product(x.reshape(rows, x.shape[-1]), weight, bias)
+        # oneDNN builds a kernel for each number of rows it meets (~0.5 ms for a 256x1408 weight on one thread): long
+        # calls are padded with zero rows to one of few sizes, whose kernels are built once
+        x2 = x.reshape(rows, x.shape[-1])
+        padded = rows if rows <= PAD_ROWS else -(-rows // PAD_ROWS) * PAD_ROWS
+        if padded != rows:
+            x2 = F.pad(x2, (0, 0, 0, padded - rows))
+        out = onednn_product(x2, weight, bias)[:rows]
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
