@@ -7,10 +7,10 @@ layers"; rdlm.inference.execution.cpu_linear): ATen's (MKL) against oneDNN's, pe
 calls: µs a call of `F.linear` (ATen), of oneDNN's product on the plain weight (what rdlm runs) and on a weight
 packed once for it (what rdlm does not keep), for each weight shape of `--preset` at each of `--rows` and `--threads`.
 
-generate: an eager `generate` (random `--preset` weights, seed 0; `--batch` prompts of 9-17 tokens drawn from
-`--seed`, r = `-r`, `--new-tokens` greedy tokens, the whole call timed, prompt included) with RDLM_CPU_LINEAR=aten
-against the default measured choice, alternated in `--pairs` pairs in one process after one run of each; prints each
-pair's times, the speed-up and whether the tokens were the same.
+generate: an eager `generate` (random `--preset` weights, seed 0, with a LoRA adapter of `--lora-rank` if given;
+`--batches` of prompts of 9-17 tokens drawn from `--seed`, r = `-r`, `--new-tokens` greedy tokens, the whole call
+timed, prompt included) with RDLM_CPU_LINEAR=aten against the default measured choice, alternated in `--pairs` pairs
+in one process after one run of each; prints each pair's times, the speed-up and whether the tokens were the same.
 
 The CPU's name and the load average are printed beside every figure. This is a script, not a test.
 """
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from rdlm import build_model
 from rdlm.inference.execution import cpu_linear
 from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
+from rdlm.model.lora import LoraSpec, add_lora, lora_layers
 
 
 def load() -> str:
@@ -72,9 +73,17 @@ def calls(args) -> None:
 def generations(args) -> None:
     torch.manual_seed(0)
     model = build_model(args.preset).eval()
+    if args.lora_rank:
+        model = add_lora(model, LoraSpec(rank=args.lora_rank))
+        for _, layer in lora_layers(model):
+            for module in layer.lora_B.values():
+                torch.nn.init.normal_(module.weight, std=0.02)  # an adapter that does something (B starts at zero)
     torch.set_num_threads(args.threads)
     config = GenerationConfig(num_steps=args.r, max_new_tokens=args.new_tokens)
-    print(f"{cpu_name()}, {args.threads} threads, preset {args.preset}, r = {args.r}, {args.new_tokens} new tokens")
+    lora = f", a LoRA adapter of rank {args.lora_rank} (never compiled)" if args.lora_rank else ""
+    print(
+        f"{cpu_name()}, {args.threads} threads, preset {args.preset}{lora}, r = {args.r}, {args.new_tokens} new tokens"
+    )
     for batch in args.batches:
         torch.manual_seed(args.seed)
         prompts = [[1] + [int(t) for t in torch.randint(2, 500, (8 + k % 9,))] for k in range(batch)]
@@ -114,6 +123,7 @@ def main() -> None:
     whole.add_argument("-r", type=int, default=32)
     whole.add_argument("--new-tokens", type=int, default=16)
     whole.add_argument("--threads", type=int, default=2)
+    whole.add_argument("--lora-rank", type=int, default=0, help="decode with a LoRA adapter of this rank (0: none)")
     args = parser.parse_args()
     if not cpu_linear.available():
         raise SystemExit("this PyTorch has no oneDNN (mkldnn): nothing to compare")
