@@ -179,3 +179,24 @@ def test_lora_layers_run_their_base_on_onednn_with_the_same_tokens(counted, monk
     assert runs["onednn"] == runs["aten"]
     bases = {layer.base_layer.weight.data_ptr() for _, layer in lora_layers(model)}
     assert bases and bases <= {weight for _, weight in counted}  # every adapted layer's base ran on oneDNN
+
+
+def test_a_batchs_warm_up_measures_every_layer_shape_before_the_first_request(monkeypatch, fresh_decisions):
+    from rdlm.inference.batching import ContinuousBatch
+
+    measured = []
+    monkeypatch.setattr(cpu_linear, "measure", lambda weight, bias, rows: measured.append(rows) or (1.0, 0.5))
+    monkeypatch.delenv(cpu_linear.ENV, raising=False)
+    model = tiny()
+    batch = ContinuousBatch(model, max_batch=4, max_length=64, compile=False)
+    batch.warm_up()
+    layers = batch.calls.linears.layers
+    shapes = {(layer.weight.shape[1], layer.weight.shape[0], layer.bias is not None) for layer in layers}
+    buckets = [2, 4, 8, 16, 32, 64]
+    threads = torch.get_num_threads()
+    assert set(cpu_linear._decisions) == {(*shape, threads, b) for shape in shapes for b in buckets}
+    assert len(measured) == len(shapes) * len(buckets)  # each once, however many layers share a shape
+    batch.add([5, 9, 2], GenerationConfig(num_steps=4, max_new_tokens=3))
+    while batch.busy:
+        batch.step()
+    assert len(measured) == len(shapes) * len(buckets)  # the requests measured nothing more

@@ -254,9 +254,12 @@ class ContinuousBatch(Engine):
 
     def warm_up(self) -> float:
         """Compile the decode step now rather than at the first request (the CPU's compiled step; a no-op
-        elsewhere), and, while no request holds a row, the prompts' iteration; the seconds it took."""
+        elsewhere), and, while no request holds a row, the prompts' iteration; measure which GEMM the eager linear
+        layers run (rdlm.inference.execution.cpu_linear); the seconds it took."""
         with torch.inference_mode(), step_threads(self.settings.max_batch, self._compiled):
-            seconds = self.step_runner.static_step.warm_up()
+            start = time.perf_counter()
+            self.calls.linears.measure_all()
+            seconds = time.perf_counter() - start + self.step_runner.static_step.warm_up()
             if not self.busy:
                 seconds += self.step_runner.warm_up_prompts()
             return seconds

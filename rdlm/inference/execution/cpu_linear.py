@@ -143,6 +143,18 @@ class OneDnnLinears:
         self.layers = plain_linears(model) if available() and self.setting != "aten" else []
         self.forwards = {id(layer): functools.partial(_forward, layer, self.setting) for layer in self.layers}
 
+    def measure_all(self) -> None:
+        """Measure now what `auto` would measure at the first calls (every layer shape at every row bucket, at the
+        current thread count), so that a server's first requests do not wait for it."""
+        if self.setting != "auto":
+            return
+        with torch.no_grad():
+            for layer in self.layers:
+                rows = MIN_ROWS
+                while rows <= MEASURED_ROWS:
+                    use_onednn(layer.weight, layer.bias, rows)
+                    rows *= 2
+
     def over(self, rows: int):
         """The context a model call of `rows` rows (tokens) runs in: the layers patched, or nothing to do."""
         if not self.layers or rows < MIN_ROWS or torch.compiler.is_compiling():
