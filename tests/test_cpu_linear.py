@@ -132,7 +132,8 @@ def test_layers_are_patched_only_during_a_call_and_an_error_restores_them(counte
 
 
 def test_gradients_take_atens_path(counted, monkeypatch):
-    """mkldnn's linear has no backward here: a call that records gradients keeps the layer's own product."""
+    """mkldnn's linear has no backward here: a call that records gradients (for the weights or for the input) keeps
+    the layer's own product."""
     monkeypatch.setenv(cpu_linear.ENV, "onednn")
     model = tiny()
     linears = cpu_linear.OneDnnLinears(model)
@@ -141,6 +142,14 @@ def test_gradients_take_atens_path(counted, monkeypatch):
     with linears.over(4):
         layer(x).sum().backward()
     assert counted == [] and layer.weight.grad is not None
+    layer.requires_grad_(False)  # a gradient for the input only (an analysis of the latent states, say)
+    x.grad = None
+    with linears.over(4):
+        layer(x).sum().backward()
+    assert counted == [] and x.grad is not None
+    with torch.no_grad(), linears.over(4):
+        layer(x)
+    assert len(counted) == 1  # without gradients, oneDNN
 
 
 def test_the_aten_setting_patches_nothing(monkeypatch):

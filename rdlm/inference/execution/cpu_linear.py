@@ -106,6 +106,10 @@ def use_onednn(weight: Tensor, bias: Tensor | None, rows: int, setting: str = "a
     return decision
 
 
+def _records_grad(*tensors: Tensor | None) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
 def _forward(layer: nn.Linear, setting: str, x: Tensor) -> Tensor:
     """`layer(x)`, its product on oneDNN where `use_onednn` says so."""
     weight, bias = layer.weight, layer.bias
@@ -113,7 +117,8 @@ def _forward(layer: nn.Linear, setting: str, x: Tensor) -> Tensor:
     if (
         x.dtype == weight.dtype == torch.float32
         and x.device.type == "cpu"
-        and not (torch.is_grad_enabled() and weight.requires_grad)
+        and weight.is_contiguous()
+        and not (torch.is_grad_enabled() and _records_grad(x, weight, bias))  # (oneDNN's op has no backward here)
         and use_onednn(weight, bias, rows, setting)
     ):
         # oneDNN builds a kernel for each number of rows it meets (~0.5 ms for a 256x1408 weight on one thread): long
