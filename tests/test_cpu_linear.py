@@ -107,9 +107,15 @@ def test_auto_keeps_onednn_only_where_it_measured_faster_once_per_shape_and_size
     assert len(measured) == 6
 
 
-def test_the_measurement_times_both_kernels_on_the_weights_shape():
+def test_the_measurement_times_both_kernels_on_the_weights_shape_or_a_slice_of_a_large_one(monkeypatch):
     aten, onednn = cpu_linear.measure(torch.randn(64, 32), None, 16)
     assert 0 < aten < 1 and 0 < onednn < 1
+    shapes = []
+    real = cpu_linear.onednn_product
+    monkeypatch.setattr(cpu_linear, "onednn_product", lambda x2, w, b: shapes.append((x2.shape, w.shape)) or real(x2, w, b))
+    monkeypatch.setattr(cpu_linear, "SLOW_CALL", 0.0)  # every product "slow": one round of one call
+    cpu_linear.measure(torch.randn(5000, 8), torch.randn(5000), 4)
+    assert shapes == [((4, 8), (4096, 8))] * 2  # its kernel built once, then timed once, on the first 4096 outputs
 
 
 def test_layers_are_patched_only_during_a_call_and_an_error_restores_them(counted, monkeypatch):

@@ -41,6 +41,8 @@ KEEP = 0.9  # oneDNN is kept for a shape only if its median time is at most this
 _REPEATS, _CALLS = 3, 2  # the measurement: 3 alternated rounds of 2 calls of each kernel
 MEASURED_ROWS = 64  # calls of more rows take the decision measured at this many (a measurement costs ~30 calls)
 PAD_ROWS = 32  # above this many rows, a call's rows are padded to a multiple of it (see `_forward`)
+MEASURED_OUTPUTS = 4096  # a larger weight (a 65536-token head) is measured on this many of its output rows
+SLOW_CALL = 0.005  # seconds: a product slower than this is measured in one round of one call
 
 # (in features, out features, has bias, threads, rows bucket) -> oneDNN or not: measured once per process
 _decisions: dict[tuple[int, int, bool, int, int], bool] = {}
@@ -73,15 +75,21 @@ def _seconds_per_call(fn, calls: int) -> float:
 
 def measure(weight: Tensor, bias: Tensor | None, rows: int) -> tuple[float, float]:
     """Median seconds a call of ATen's and of oneDNN's product of `rows` rows by `weight` take, alternated in
-    `_REPEATS` rounds (after one warm-up call each) on random input."""
+    `_REPEATS` rounds (after one warm-up call each) on random input. A weight of more than MEASURED_OUTPUTS rows is
+    measured on its first MEASURED_OUTPUTS (the kernels' efficiency, not the full product's time, decides), and a
+    product that still takes more than SLOW_CALL seconds is measured once: a large model's first calls must not
+    spend seconds choosing."""
+    weight = weight[:MEASURED_OUTPUTS]
+    bias = None if bias is None else bias[:MEASURED_OUTPUTS]
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
     aten = functools.partial(F.linear, x, weight, bias)
     onednn = functools.partial(onednn_product, x, weight, bias)
-    aten(), onednn()
+    onednn()  # (oneDNN builds its kernel for this shape)
+    rounds, calls = (_REPEATS, _CALLS) if _seconds_per_call(aten, 1) < SLOW_CALL else (1, 1)
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(_REPEATS):
-        times[0].append(_seconds_per_call(aten, _CALLS))
-        times[1].append(_seconds_per_call(onednn, _CALLS))
+    for _ in range(rounds):
+        times[0].append(_seconds_per_call(aten, calls))
+        times[1].append(_seconds_per_call(onednn, calls))
     return statistics.median(times[0]), statistics.median(times[1])
 
 
