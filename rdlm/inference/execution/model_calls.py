@@ -185,7 +185,7 @@ class ModelCalls:
             return None
         return self.row_adapters if rows is None else self.row_adapters[rows]
 
-    def _routed(self, adapters: Tensor | None, rows: int) -> AbstractContextManager:
+    def _context(self, adapters: Tensor | None, rows: int) -> AbstractContextManager:
         """Where a model call of `rows` tokens runs: each token through its adapter (`adapters` shaped as the call's
         leading dimensions; the model as it is set where there are none), its linear layers' products on the kernel
         measured faster for that many rows (`OneDnnLinears`)."""
@@ -305,12 +305,12 @@ class ModelCalls:
 
     def embed(self, ids: Tensor, call: Call) -> Tensor:
         """The prelude: e of the call's tokens."""
-        with self._routed(call.adapters, ids.numel()):
+        with self._context(call.adapters, ids.numel()):
             return self.model.embed(ids, call.rope, call.mask, call.cache)
 
     def iterate_once(self, state: Tensor, embedded: Tensor, iteration: int, call: Call) -> Tensor:
         """Core iteration `iteration`."""
-        with self._routed(call.adapters, _rows(state)):
+        with self._context(call.adapters, _rows(state)):
             return self.model.step(state, embedded, iteration, call.rope, call.mask, call.cache)
 
     def iterate(self, state: Tensor, embedded: Tensor, call: Call, iterations: range) -> Tensor:
@@ -326,23 +326,23 @@ class ModelCalls:
         adapters = torch.cat(pack.adapters, dim=1) if pack.adapters else None  # [1, T]: each token's
         if self.compiled_prompts is not None and adapters is None:
             return self.compiled_prompts(states, embedded, cos, sin, packed)
-        with self._routed(adapters, states.shape[1]):
+        with self._context(adapters, states.shape[1]):
             return packed_iteration(self.model, states, embedded, cos, sin, packed)
 
     def readout(self, state: Tensor, call: Call) -> Tensor:
         """The coda and the head: float32 logits of the call's tokens."""
-        with self._routed(call.adapters, _rows(state)):
+        with self._context(call.adapters, _rows(state)):
             return self.model.readout(state, call.rope, call.mask, call.cache)
 
     def coda_output(self, state: Tensor, call: Call) -> Tensor:
         """The coda up to the head (its keys and values written): the head's input for the call's tokens."""
-        with self._routed(call.adapters, _rows(state)):
+        with self._context(call.adapters, _rows(state)):
             return self.model.coda_output(state, call.rope, call.mask, call.cache)
 
     def head(self, x: Tensor, adapters: Tensor | None) -> Tensor:
         """Float32 logits of coda outputs x [m, 1, h] (`coda_output`), each row through its adapter (`adapters`
         [m, 1], None: the model as it is set)."""
-        with self._routed(adapters, _rows(x)):
+        with self._context(adapters, _rows(x)):
             return self.model.head(x)
 
     def exit_probability(self, state: Tensor) -> Tensor:
