@@ -1,6 +1,6 @@
 """The bit-identity corpus of generation cases (benchmarks/identity_corpus.py), short: its cases are many and
 named once, a subset of every kind records the same lines twice, and `compare` finds a changed field or a
-missing case. The full record (all cases, about half a minute) is the script's `record`."""
+missing case. The full record (all 358 cases, over ten minutes on a 2-core AMD EPYC) is the script's `record`."""
 
 import importlib.util
 import json
