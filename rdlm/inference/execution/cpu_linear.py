@@ -27,7 +27,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ CHOICES = ("auto", "aten", "onednn")
 MIN_ROWS = 2  # one row is a matrix-vector product, where ATen's was the faster kernel for every shape measured
 KEEP = 0.9  # oneDNN is kept for a shape only if its median time is at most this fraction of ATen's
 _REPEATS, _CALLS = 3, 2  # the measurement: 3 alternated rounds of 2 calls of each kernel
-MEASURED_ROWS = 64  # calls of more rows take the decision measured at this many (a measurement costs ~30 calls)
+MEASURED_ROWS = 64  # calls of more rows take the decision measured at this many (a measurement is ~14 calls)
 PAD_ROWS = 32  # above this many rows, a call's rows are padded to a multiple of it (see `_forward`)
 MEASURED_OUTPUTS = 4096  # a larger weight (a 65536-token head) is measured on this many of its output rows
 SLOW_CALL = 0.005  # seconds: a product slower than this is measured in one round of one call
@@ -168,7 +168,7 @@ class OneDnnLinears:
                     use_onednn(layer.weight, layer.bias, rows)
                     rows *= 2
 
-    def over(self, rows: int):
+    def over(self, rows: int) -> AbstractContextManager:
         """The context a model call of `rows` rows (tokens) runs in: the layers patched, or nothing to do."""
         if not self.layers or rows < MIN_ROWS or torch.compiler.is_compiling():
             return nullcontext()
