@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
 from rdlm import build_model
+from rdlm.demo.run import cpu_model
 from rdlm.inference.execution import cpu_linear
 from rdlm.inference.generate import EngineArgs, GenerationConfig, generate
 from rdlm.model.lora import LoraSpec, add_lora, lora_layers
@@ -33,14 +33,6 @@ from rdlm.model.lora import LoraSpec, add_lora, lora_layers
 
 def load() -> str:
     return f"load {os.getloadavg()[0]:.2f}"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def per_call_us(fn, calls: int = 200) -> float:
@@ -56,7 +48,7 @@ def calls(args) -> None:
     model = build_model(args.preset)
     shapes = sorted({tuple(layer.weight.shape) for layer in cpu_linear.plain_linears(model)})
     shapes.append((model.config.vocab_size, model.config.hidden_size))  # the head (tied or not)
-    print(f"{cpu_name()}, {load()}; µs a call: ATen / oneDNN / oneDNN packed")
+    print(f"{cpu_model()}, {load()}; µs a call: ATen / oneDNN / oneDNN packed")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for rows in args.rows:
@@ -82,7 +74,7 @@ def generations(args) -> None:
     config = GenerationConfig(num_steps=args.r, max_new_tokens=args.new_tokens)
     lora = f", a LoRA adapter of rank {args.lora_rank} (never compiled)" if args.lora_rank else ""
     print(
-        f"{cpu_name()}, {args.threads} threads, preset {args.preset}{lora}, r = {args.r}, {args.new_tokens} new tokens"
+        f"{cpu_model()}, {args.threads} threads, preset {args.preset}{lora}, r = {args.r}, {args.new_tokens} new tokens"
     )
     for batch in args.batches:
         torch.manual_seed(args.seed)
