@@ -129,12 +129,33 @@ def test_layers_are_patched_only_during_a_call_and_an_error_restores_them(counte
         with linears.over(1):  # one row: nothing to patch
             assert "forward" not in layer.__dict__
         with linears.over(4):
-            assert "forward" in layer.__dict__
+            assert "forward" in layer.__dict__ and "head" in model.__dict__  # the tied head's product too
             layer(x)
         assert counted == [(4, layer.weight.data_ptr())]
         with pytest.raises(RuntimeError, match="in the call"), linears.over(4):
             raise RuntimeError("in the call")
-    assert not any("forward" in m.__dict__ for m in linears.layers)
+    assert not any("forward" in m.__dict__ for m in linears.layers) and "head" not in model.__dict__
+
+
+def test_a_tied_head_runs_on_onednn_within_roundoff_and_other_heads_are_left_alone(counted, monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    model = tiny()
+    assert model.lm_head is None
+    x = torch.randn(40, 1, model.config.hidden_size)
+    with torch.no_grad():
+        reference = model.head(x)
+        with cpu_linear.OneDnnLinears(model).over(40):
+            logits = model.head(x)
+    assert counted == [(64, model.embedding.weight.data_ptr())]  # 40 rows, padded to a multiple of 32
+    assert logits.dtype == torch.float32 and logits.shape == reference.shape == (40, 1, model.config.vocab_size)
+    assert (logits - reference).abs().max().item() <= roundoff_bound(x, model.embedding.weight)
+    # an untied head is one of the layers; a quantized copy of a tied head (rdlm.model.quantize) is no nn.Linear
+    untied = RecurrentDepthLM(RDLMConfig.from_preset("tiny", tie_embeddings=False))
+    linears = cpu_linear.OneDnnLinears(untied)
+    assert linears.head_model is None and untied.lm_head in linears.layers
+    quantized = tiny()
+    quantized.lm_head = nn.Identity()  # (stands for any module that is not a plain nn.Linear)
+    assert cpu_linear.OneDnnLinears(quantized).head_model is None
 
 
 def test_gradients_take_atens_path(counted, monkeypatch):
@@ -175,8 +196,9 @@ def test_the_engines_tokens_do_not_depend_on_the_kernel(config, counted, monkeyp
         out = generate(model, PROMPTS, config, engine=EngineArgs(compile=False))
         runs[setting] = (out.tokens, out.iterations)
         assert bool(counted) is (setting == "onednn")  # the prompts' chunks and the batch's steps went to oneDNN
+    assert model.embedding.weight.data_ptr() in {weight for _, weight in counted}  # the tied head's products too
     assert runs["onednn"] == runs["aten"]
-    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing left patched
+    assert not any("forward" in m.__dict__ or "head" in m.__dict__ for m in model.modules())  # nothing left patched
 
 
 def test_lora_layers_run_their_base_on_onednn_with_the_same_tokens(counted, monkeypatch):
@@ -207,6 +229,7 @@ def test_a_batchs_warm_up_measures_every_layer_shape_before_the_first_request(mo
     batch.warm_up()
     layers = batch.calls.linears.layers
     shapes = {(layer.weight.shape[1], layer.weight.shape[0], layer.bias is not None) for layer in layers}
+    shapes.add((model.config.hidden_size, model.config.vocab_size, False))  # the tied head
     buckets = [2, 4, 8, 16, 32, 64]
     threads = torch.get_num_threads()
     assert set(cpu_linear._decisions) == {(*shape, threads, b) for shape in shapes for b in buckets}
@@ -215,3 +238,22 @@ def test_a_batchs_warm_up_measures_every_layer_shape_before_the_first_request(mo
     while batch.busy:
         batch.step()
     assert len(measured) == len(shapes) * len(buckets)  # the requests measured nothing more
+
+
+def test_a_call_patches_only_the_products_measured_faster_on_onednn(monkeypatch, fresh_decisions):
+    """Where ATen wins a product, its layer is left as it is (no wrapper's cost in the call); a call patches only what
+    was measured faster for its number of rows, here the tied head at 2-8 rows and nothing at 64."""
+    monkeypatch.delenv(cpu_linear.ENV, raising=False)
+    model = tiny()
+    vocab = model.config.vocab_size
+
+    def measure(weight, bias, rows):
+        return (1.0, 0.5) if weight.shape[0] == vocab and rows <= 8 else (1.0, 2.0)
+
+    monkeypatch.setattr(cpu_linear, "measure", measure)
+    linears = cpu_linear.OneDnnLinears(model)
+    for rows, head_patched in ((5, True), (64, False)):
+        with linears.over(rows):
+            assert ("head" in model.__dict__) is head_patched
+            assert not any("forward" in layer.__dict__ for layer in linears.layers)
+    assert linears.chosen(3) == [linears.patches[-1]]
