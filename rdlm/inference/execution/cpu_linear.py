@@ -44,7 +44,7 @@ KEEP = 0.9  # oneDNN is kept for a shape only if its median time is at most this
 # the measurement: _REPEATS alternated rounds, each a sample of the calls of each kernel that take about SAMPLE seconds
 # (at most _CALLS): short samples of short calls misjudged 10-25 % gaps on a shared Zen 3 host
 _REPEATS, _CALLS, SAMPLE = 5, 16, 0.001
-MEASURED_ROWS = 64  # calls of more rows take the decision measured at this many (a measurement is ~14 calls)
+MEASURED_ROWS = 64  # calls of more rows take the decision measured at this many (a measurement: ~12 samples)
 PAD_ROWS = 32  # above this many rows, a call's rows are padded to a multiple of it (see `_forward`)
 MEASURED_OUTPUTS = 4096  # a larger weight (a 65536-token head) is measured on this many of its output rows
 SLOW_CALL = 0.005  # seconds: a product slower than this is measured in one round of one call
