@@ -226,8 +226,7 @@ class OneDnnLinears:
         key = (torch.get_num_threads(), bucket(rows))
         chosen = self._chosen.get(key)
         if chosen is None:
-            with torch.no_grad():
-                taken = [use_onednn(w.detach(), b, rows, self.setting) for w, b in self._products()]
+            taken = [use_onednn(w, b, rows, self.setting) for w, b in self._products()]  # (it measures without grad)
             chosen = self._chosen[key] = [patch for patch, take in zip(self.patches, taken, strict=True) if take]
         return chosen
 
