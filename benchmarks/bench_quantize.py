@@ -304,8 +304,12 @@ def compiled(args) -> dict:
     from rdlm import build_model
     from rdlm.demo.run import cpu_model
 
+    from rdlm.inference.execution import cpu_compile
+
     torch.set_num_threads(args.threads)
     settings = ["none", *args.settings]
+    # Every setting's compiled parts kept (four functions per model's weights), not compiled again at each round
+    cpu_compile.KEEP_COMPILED = max(cpu_compile.KEEP_COMPILED, 4 * len(settings))
     models = {}
     for setting in settings:
         model = speed_model(args) if args.preset == "speed" else build_model(args.preset, seed=0).eval()

@@ -1,3 +1,4 @@
+import time
 from dataclasses import replace
 
 import pytest
@@ -164,6 +165,27 @@ def test_a_prefill_alone_runs_the_prompts_and_times_them(model):
     result = generate(model, [[1, 2, 3], [4, 5]], GenerationConfig(num_steps=4, max_new_tokens=0))
     assert result.tokens == [[], []] and result.finish_reasons == ["length", "length"]
     assert result.prefill_seconds > 0 and result.prompt_tokens == 5
+
+
+def test_compiling_is_left_out_of_the_phase_it_happened_in(model, monkeypatch):
+    """A compile before the first token (the CPU's prompts' iteration) is taken out of the prefill's time, not the
+    decode's: a first step that spends 1 s "compiling" leaves both phases positive and short."""
+    from rdlm.inference.runner.step_runner import StepRunner
+
+    spent = {"seconds": 0.0}
+    execute = StepRunner.execute
+
+    def compiling_first(self, plan):
+        if not spent["seconds"]:
+            time.sleep(1.0)
+            spent["seconds"] = 1.0
+        return execute(self, plan)
+
+    monkeypatch.setattr(StepRunner, "execute", compiling_first)
+    monkeypatch.setattr(StepRunner, "capture_seconds", property(lambda self: spent["seconds"]))
+    result = generate(model, PROMPTS, GenerationConfig(num_steps=2, max_new_tokens=4))
+    assert result.compile_seconds == 1.0
+    assert 0 < result.decode_seconds < 0.9 and 0 < result.prefill_seconds < 0.9
 
 
 def test_streaming_iterator_and_callback_see_every_token(model):

@@ -157,6 +157,7 @@ class ContinuousBatch(Engine):
         self.cache_bytes = self.cache.nbytes
         self.ids = itertools.count()
         self.first_step: float | None = None  # time.perf_counter() at the first step
+        self._captured = 0.0  # capture_seconds at the first step
 
     # ---- requests
 
@@ -238,7 +239,7 @@ class ContinuousBatch(Engine):
         taken by the scheduler; the tokens it chose. The first step that chooses tokens (or that leaves the
         batch idle) ends the prefill of `generate`'s batch (`prefill_seconds`, `decode_start`)."""
         if self.first_step is None:
-            self.first_step = time.perf_counter()
+            self.first_step, self._captured = time.perf_counter(), self.capture_seconds
         with torch.inference_mode(), step_threads(self.settings.max_batch, self._compiled):
             plan = self.scheduler.schedule()
             out = self.step_runner.execute(plan)
@@ -248,8 +249,8 @@ class ContinuousBatch(Engine):
                 events += self.scheduler.coda_ran(self.step_runner.coda(done))
         if (events or not self.busy) and self.decode_start is None:  # (a prefill alone chooses no token)
             sync(self.device)
-            self.decode_start = time.perf_counter()
-            self.prefill_seconds = self.decode_start - self.first_step
+            self.decode_start, self.decode_capture = time.perf_counter(), self.capture_seconds
+            self.prefill_seconds = self.decode_start - self.first_step - (self.decode_capture - self._captured)
         return events
 
     def warm_up(self) -> float:

@@ -43,8 +43,9 @@ class Engine(Protocol):
 
     device: torch.device
     cache_bytes: int  # the KV cache's size
-    prefill_seconds: float = 0.0  # prefilling the prompts before the first token's step
+    prefill_seconds: float = 0.0  # prefilling the prompts before the first token's step (compiling left out)
     decode_start: float | None = None  # time.perf_counter() when decoding began; None: at the first step
+    decode_capture: float = 0.0  # capture_seconds at decode_start (what was compiled before decoding began)
 
     # read-only: an engine may compute them (ContinuousBatch's properties)
     @property
