@@ -375,3 +375,85 @@ def test_the_prompts_iteration_compiles_again_for_weights_changed_in_place():
     torch.testing.assert_close(first, first_eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second, second_eager, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(first, second, atol=1e-3)
+
+
+def _timed_threads(costs: dict[tuple[int, int], float], seen: list[int]):
+    """A stand-in for a packed call: it sleeps `costs[tokens, threads]` seconds and records its thread count."""
+    import time
+
+    def call(tokens: int) -> None:
+        seen.append(torch.get_num_threads())
+        time.sleep(costs[tokens, torch.get_num_threads()])
+
+    return call
+
+
+def test_the_prompts_calls_take_more_threads_from_the_fewest_tokens_where_they_paid(monkeypatch):
+    """`measure_threads` alternates each size on one thread and on all: more threads from the fewest tokens where
+    they paid at that size and every larger one; none where they lost at the largest; never on one thread."""
+    monkeypatch.setattr(cpu_compile, "PROMPT_THREAD_TOKENS", (8, 32, 128))
+    compiled = cpu_compile.CompiledPrompts(tiny())
+    before = torch.get_num_threads()
+    ms = 1e-3
+    seen: list[int] = []
+    pays_from_32 = {(8, 1): 2 * ms, (8, 2): 4 * ms, (32, 1): 6 * ms, (32, 2): 3 * ms, (128, 1): 12 * ms,
+                    (128, 2): 6 * ms}
+    compiled.measure_threads(2, _timed_threads(pays_from_32, seen))
+    assert (compiled.threads, compiled.wide_from) == (2, 32) and set(seen) == {1, 2}
+    assert torch.get_num_threads() == before
+    loses_at_128 = dict(pays_from_32)
+    loses_at_128[128, 2] = 14 * ms
+    compiled.measure_threads(2, _timed_threads(loses_at_128, seen))
+    assert compiled.wide_from is None
+    seen.clear()
+    compiled.measure_threads(1, _timed_threads(pays_from_32, seen))
+    assert compiled.wide_from is None and not seen
+
+
+def test_a_wide_prompts_call_compiles_for_its_thread_count_and_computes_the_eager_one():
+    """A pack of at least `wide_from` tokens runs the code compiled for `threads` threads (dynamo guards on the
+    count: one more compile), with the eager packed call's states, one thread restored after."""
+    model = tiny()
+    calls = ModelCalls(model, 4, 16, 4, "full")
+    calls.admit(0, 8, calls.upload([0, 1, 3]))
+    compiled = cpu_compile.CompiledPrompts(model)
+    compiled.threads, compiled.wide_from = 2, 13  # (the pack's 13 tokens)
+    pack, _ = packed_prompts(calls, 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            eager = calls.iterate_packed(pack)
+            calls.compiled_prompts = compiled
+            out = calls.iterate_packed(pack)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    # float32 round-off: the same terms summed in another order by another thread split
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    assert compiled._sizes == {(2, False)} and not compiled.failed
+
+
+def test_a_wide_prompts_call_runs_on_its_threads_and_cpus_then_restores_both(monkeypatch):
+    """Calls of at least `wide_from` tokens run on `threads` threads, on `cpus` (the engine process pinned to one CPU
+    widens to them for the call); smaller ones as the caller runs; both restored after."""
+    import os
+
+    compiled = cpu_compile.CompiledPrompts(tiny())
+    seen = []
+    monkeypatch.setattr(compiled, "_call", lambda states, *rest: seen.append(
+        (states.shape[1], torch.get_num_threads(), os.sched_getaffinity(0))))
+    own = os.sched_getaffinity(0)
+    pinned = {min(own)}
+    compiled.threads, compiled.wide_from, compiled.cpus = 2, 16, own
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, pinned)
+    try:
+        for tokens in (8, 16, 40):
+            compiled(torch.zeros(1, tokens, 4), None, None, None, None)
+            assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == pinned
+    finally:
+        os.sched_setaffinity(0, own)
+        torch.set_num_threads(before)
+    assert seen == [(8, 1, pinned), (16, 2, own), (40, 2, own)]

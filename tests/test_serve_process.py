@@ -153,6 +153,8 @@ def test_a_compiled_one_thread_batch_s_process_runs_on_one_cpu_of_its_own(model_
         assert cpu == max(os.sched_getaffinity(0))
         assert os.sched_getaffinity(worker.engine.process.pid) == {cpu}
         assert os.sched_getaffinity(0) != {cpu}  # the server itself is not pinned
+        # the prompts' calls measured faster on more threads (none, or some) widen to every CPU it had
+        assert worker.info.prompt_cpus == frozenset(os.sched_getaffinity(0))
         out = live.client().completions.create(model="tiny", prompt="the cat", max_tokens=6, temperature=0)
         ids = live.tokenizer.encode("the cat", add_bos=True)
         assert out.choices[0].text == live.expected(ids, stop_tokens=(live.tokenizer.eos_id,))[0]

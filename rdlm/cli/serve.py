@@ -205,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     own = ""
     if app.state.worker.engine is not None:
         own = ", the batch in its own process" + (f" on CPU {batch.cpu}" if batch.cpu is not None else "")
+    if batch.prompt_threads is not None:  # (measured at warm-up: docs/generation.md)
+        own += f", prompt calls of {batch.prompt_threads[1]}+ tokens on {batch.prompt_threads[0]} threads"
     print(
         f"rdlm serve: {name} on http://{args.host}:{args.port} (batch {args.max_batch}, {max_length} tokens "
         f"per row, {num_slots} core slots, KV cache {batch.cache_bytes / 2**30:.2f} GiB, default r "

@@ -68,7 +68,7 @@ import torch
 
 from rdlm.checks import check_int
 from rdlm.inference.events import BatchEvent, Engine
-from rdlm.inference.execution.cpu_compile import cpu_compiled, step_threads
+from rdlm.inference.execution.cpu_compile import cpu_compiled, one_thread_step, step_threads
 from rdlm.inference.execution.graphs import PhaseTimes, resolve_compile, resolve_sync_every, sync
 from rdlm.inference.params import Decode, GenerationConfig, check_request
 from rdlm.inference.runner.parallel import check_parallel
@@ -207,6 +207,27 @@ class ContinuousBatch(Engine):
         return self.step_runner.capture_seconds
 
     @property
+    def prompt_cpus(self) -> set[int] | None:
+        """The CPUs the prompts' iteration runs its calls on more threads on (`CompiledPrompts.cpus`): a process
+        pinned to one CPU for its one-thread steps widens to them for those calls; None: its own."""
+        compiled = self.calls.compiled_prompts
+        return None if compiled is None else compiled.cpus
+
+    @prompt_cpus.setter
+    def prompt_cpus(self, cpus: set[int] | None) -> None:
+        if self.calls.compiled_prompts is not None:
+            self.calls.compiled_prompts.cpus = cpus
+
+    @property
+    def prompt_threads(self) -> tuple[int, int] | None:
+        """(threads, tokens): the prompts' calls of at least that many tokens run on that many threads, as
+        `warm_up` measured (`CompiledPrompts.measure_threads`); None: on the step's own."""
+        compiled = self.calls.compiled_prompts
+        if compiled is None or compiled.wide_from is None:
+            return None
+        return compiled.threads, compiled.wide_from
+
+    @property
     def static(self) -> bool:
         """Whether the rows' iterations run as the static step (EngineArgs.compile)."""
         return self.step_runner.static
@@ -255,14 +276,17 @@ class ContinuousBatch(Engine):
 
     def warm_up(self) -> float:
         """Compile the decode step now rather than at the first request (the CPU's compiled step; a no-op
-        elsewhere), and, while no request holds a row, the prompts' iteration; measure which GEMM the eager linear
-        layers run (rdlm.inference.execution.cpu_linear); the seconds it took."""
+        elsewhere), and, while no request holds a row, the prompts' iteration, measuring which of its calls run on
+        every thread where the step runs on one (`CompiledPrompts.measure_threads`; on `prompt_cpus`, where set);
+        measure which GEMM the eager linear layers run (rdlm.inference.execution.cpu_linear); the seconds it
+        took."""
+        threads = torch.get_num_threads() if one_thread_step(self.settings.max_batch, self._compiled) else 1
         with torch.inference_mode(), step_threads(self.settings.max_batch, self._compiled):
             start = time.perf_counter()
             self.calls.linears.measure_all()
             seconds = time.perf_counter() - start + self.step_runner.static_step.warm_up()
             if not self.busy:
-                seconds += self.step_runner.warm_up_prompts()
+                seconds += self.step_runner.warm_up_prompts(threads)
             return seconds
 
     def take_failures(self) -> list[tuple[int, Exception]]:

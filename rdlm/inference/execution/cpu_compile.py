@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import statistics
 import time
 import types
 import warnings
@@ -333,6 +334,34 @@ class _OpaquePack:
 # one token count only).
 PROMPT_INDUCTOR = {"freezing": True}
 
+# Where the step runs on one thread, the prompts' iteration may run on all of them (`CompiledPrompts.wide_from`):
+# at warm-up, packed calls of these many tokens are timed on one thread and on all, alternated
+# (`CompiledPrompts.measure_threads`), and calls from the fewest tokens where all threads took at most
+# PROMPT_THREAD_GAIN of one thread's time, and at every larger size measured, run on all. Whether that pays
+# depends on the CPU: on a 2-core AMD EPYC Zen 3 a probe brought bursts of prompts to their first tokens in ~0.75x
+# the time (offline), on a Zen 5 two threads took 1.2-2.1x one thread's time at every size (docs/generation.md).
+PROMPT_THREAD_TOKENS = (8, 16, 32, 48, 64, 96, 128)
+PROMPT_THREAD_GAIN = 0.9
+PROMPT_THREAD_ROUNDS = 7
+
+
+@contextmanager
+def on_threads(threads: int, cpus: set[int] | None = None) -> Iterator[None]:
+    """Run on `threads` intra-op threads and, where `cpus` are given, on those CPUs (the calling thread's affinity,
+    which the threads it starts inherit, widened for the time: an engine process pinned to one CPU), then restore
+    both."""
+    before = torch.get_num_threads()
+    pinned = os.sched_getaffinity(0) if cpus is not None else None
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
+
 
 class CompiledPrompts:
     """The prompts' packed core iteration (`ModelCalls.iterate_packed`) compiled for `model`'s weights, whole, with
@@ -341,15 +370,22 @@ class CompiledPrompts:
     per prompt chunk against its own cache rows, is one opaque op (`rdlm::packed_attention`). Like `Compiled`, the
     code is kept per weights: `refresh()` re-reads their stamp, and weights changed since compile again.
     `seconds`: time spent compiling; `failed`: the compiler raised, so this runs eagerly from then on (with a
-    warning)."""
+    warning). Calls of at least `wide_from` tokens run on `threads` threads (and on `cpus`, where given:
+    `on_threads`), chosen by `measure_threads`; compiled code is kept per thread count (dynamo guards on it)."""
 
     def __init__(self, model: RecurrentDepthLM) -> None:
         self.model = model
         self.seconds = 0.0
         self.failed = False
+        self.threads = 1
+        self.wide_from: int | None = None
+        self.cpus: set[int] | None = None
+        # what `measure_threads` measured: tokens -> (median seconds on one thread, on `threads`)
+        self.measured: dict[int, tuple[float, float]] = {}
         self._compiled: Callable[..., Any] | None = None
         self._stamp: int | None = None
-        self._sizes: set[bool] = set()  # whether calls of one token were compiled (the compiler specializes 1)
+        # (threads, whether of one token) of the calls compiled (the compiler specializes a size of 1)
+        self._sizes: set[tuple[int, bool]] = set()
         self._handle = torch.zeros((), dtype=torch.long)
         self.refresh()
 
@@ -360,8 +396,15 @@ class CompiledPrompts:
             self._compiled = _compiled_copy(packed_iteration, stamp, dynamic=True)
 
     def __call__(self, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: PackedCall) -> Tensor:
+        if self.wide_from is not None and states.shape[1] >= self.wide_from:
+            with on_threads(self.threads, self.cpus):
+                return self._call(states, embedded, cos, sin, packed)
+        return self._call(states, embedded, cos, sin, packed)
+
+    def _call(self, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: PackedCall) -> Tensor:
         if self.failed or self._compiled is None:
             return packed_iteration(self.model, states, embedded, cos, sin, packed)
+        size = (torch.get_num_threads(), states.shape[1] == 1)
         handle = next(_handles)
         _packed_calls[handle] = (packed, self.model)
         self._handle.fill_(handle)
@@ -373,12 +416,40 @@ class CompiledPrompts:
                 PROMPT_INDUCTOR,
                 lambda: compiled(self.model, states, embedded, cos, sin, hook),
                 lambda: packed_iteration(self.model, states, embedded, cos, sin, packed),
-                timed=(states.shape[1] == 1) not in self._sizes,  # a new size class: this call compiles
+                timed=size not in self._sizes,  # a new size class or thread count: this call compiles
             )
         finally:
             del _packed_calls[handle]
-        self._sizes.add(states.shape[1] == 1)
+        self._sizes.add(size)
         return out
+
+    def measure_threads(self, threads: int, call: Callable[[int], Any]) -> None:
+        """Choose `wide_from` for calls on `threads` threads (module doc, PROMPT_THREAD_TOKENS): `call(tokens)` runs
+        one packed iteration of that many tokens through this. None where one thread was as fast at 128 tokens,
+        where `threads` is 1, or where the compiler failed."""
+        self.threads, self.wide_from, self.measured = threads, None, {}
+        if threads < 2 or self.failed:
+            return
+        times: dict[tuple[int, int], list[float]] = {(t, n): [] for t in PROMPT_THREAD_TOKENS for n in (1, threads)}
+        for round_ in range(PROMPT_THREAD_ROUNDS + 1):  # (the first round compiles each and is not counted)
+            order = (1, threads) if round_ % 2 else (threads, 1)
+            for tokens in PROMPT_THREAD_TOKENS:
+                for n in order:
+                    start = time.perf_counter()
+                    with on_threads(n, self.cpus if n > 1 else None):  # (switching in and back counted)
+                        call(tokens)
+                    if round_:
+                        times[tokens, n].append(time.perf_counter() - start)
+        if self.failed:
+            return
+        self.measured = {
+            t: (statistics.median(times[t, 1]), statistics.median(times[t, threads])) for t in PROMPT_THREAD_TOKENS
+        }
+        for tokens in reversed(PROMPT_THREAD_TOKENS):
+            one, wide = self.measured[tokens]
+            if wide > PROMPT_THREAD_GAIN * one:
+                break
+            self.wide_from = tokens
 
 
 def compiled_parts(step: Any) -> tuple[Compiled, Compiled]:

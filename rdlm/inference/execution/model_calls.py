@@ -15,10 +15,10 @@ model call of their own.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -38,10 +38,15 @@ class PromptCompiler(Protocol):
 
     seconds: float
     failed: bool
+    threads: int  # calls of at least `wide_from` tokens run on this many threads (None: none do), on `cpus`
+    wide_from: int | None
+    cpus: set[int] | None
 
     def __call__(self, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: PackedCall) -> Tensor: ...
 
     def refresh(self, stamp: int | None = None) -> None: ...
+
+    def measure_threads(self, threads: int, call: Callable[[int], Any]) -> None: ...
 
 
 def packed_iteration(

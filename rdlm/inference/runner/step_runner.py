@@ -31,6 +31,7 @@ out.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -96,21 +97,33 @@ class StepRunner:
             + (0.0 if self.calls.compiled_prompts is None else self.calls.compiled_prompts.seconds)
         )
 
-    def warm_up_prompts(self) -> float:
+    def warm_up_prompts(self, threads: int = 1) -> float:
         """Compile the prompts' iteration now (`CompiledPrompts`; a no-op where it is not compiled): one iteration
-        of a chunk of two tokens in row 0, which writes that row's core entries at buffer indices 0 and 1 (call
-        it while no request holds a row: one admitted there writes its own entries before it reads them). The
-        seconds it took."""
+        of a chunk of two tokens in row 0, and where the step runs on fewer than `threads` threads, calls of up to
+        128 tokens on one thread and on `threads` to choose which calls run on more (`measure_threads`). They write
+        core entries of the first rows (call it while no request holds a row: one admitted there writes its own
+        entries before it reads them). The seconds it took."""
         compiled = self.calls.compiled_prompts
         if compiled is None:
             return 0.0
-        before = compiled.seconds
-        call = self.calls.prompt(0, 2, self.calls.upload([0]), 1)
-        state = torch.zeros(1, 2, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        start = time.perf_counter()
+        self._prompt_call(1, 2)
+        compiled.measure_threads(threads, self._prompt_tokens)
+        return time.perf_counter() - start
+
+    def _prompt_tokens(self, tokens: int) -> None:
+        """`_prompt_call` of about `tokens` tokens: prompts of 8 tokens, or longer where the batch has few rows."""
+        rows = max(1, min(self.settings.max_batch, tokens // 8))
+        self._prompt_call(rows, tokens // rows)
+
+    def _prompt_call(self, rows: int, n: int) -> None:
+        """One packed core iteration of a chunk of `rows` x `n` zero states in the first rows."""
+        n = min(n, self.settings.max_length)
+        call = self.calls.prompt(0, n, self.calls.upload(list(range(rows))), 1)
+        state = torch.zeros(rows, n, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
         pack = Pack()
         pack.add(call, state, state, 0)
         self.calls.iterate_packed(pack)
-        return compiled.seconds - before
 
     # ---- the step
 

@@ -40,6 +40,8 @@ class BatchInfo:
     compiled: bool  # ... compiled (the CPU's step)
     compile_seconds: float  # spent compiling it before the first request
     cpu: int | None = None  # the one CPU the engine process runs on (None: no pin)
+    prompt_threads: tuple[int, int] | None = None  # ContinuousBatch.prompt_threads
+    prompt_cpus: frozenset[int] | None = None  # where those calls run (None: the process's own CPUs)
 
 
 class BatchLoop:
@@ -54,6 +56,7 @@ class BatchLoop:
     def __init__(self, model: RecurrentDepthLM, tokenizer: Tokenizer, config: ServeConfig, inbox, emit) -> None:
         self.model, self.config, self.inbox, self.emit = model, config, inbox, emit
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # (stop strings)
+        self.prompt_cpus: set[int] | None = None  # ContinuousBatch.prompt_cpus, set where the process is pinned
         self.batch = self._new_batch()
         self.cpu: int | None = None  # the CPU the engine process is pinned to (pin_to_one_cpu)
         self.keys: dict[int, int] = {}  # the batch's request id -> the parent's key
@@ -74,6 +77,7 @@ class BatchLoop:
             profile=c.profile,
             compile=compile,
         )
+        batch.prompt_cpus = self.prompt_cpus
         self.compile_seconds = batch.warm_up()  # the CPU's compiled step: compiled before the first request
         if self.compile_seconds:
             log.info("compiled the decode step in %.1f s", self.compile_seconds)
@@ -81,7 +85,10 @@ class BatchLoop:
 
     def info(self) -> BatchInfo:
         b = self.batch
-        return BatchInfo(str(b.device), b.cache_bytes, b.static, b.compiled, self.compile_seconds, self.cpu)
+        cpus = None if b.prompt_cpus is None else frozenset(b.prompt_cpus)
+        return BatchInfo(
+            str(b.device), b.cache_bytes, b.static, b.compiled, self.compile_seconds, self.cpu, b.prompt_threads, cpus
+        )
 
     def run(self) -> None:
         while True:
@@ -310,7 +317,8 @@ def _exit_with_parent() -> None:
 def pin_to_one_cpu() -> int | None:
     """Run this process (the batch, whose steps run on one thread) on one CPU of its own, the last it may use, as
     vLLM binds its engine's thread: the HTTP server and the clients then keep to the others rather than
-    interrupting it (docs/serving.md, measured on two cores). None where it has only one CPU."""
+    interrupting it (docs/serving.md, measured on two cores); the prompts' calls that measured faster on more
+    threads widen to the others for their time (`ContinuousBatch.prompt_cpus`). None where it has only one CPU."""
     cpus = available_cpus()
     if len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
         return None
@@ -334,7 +342,10 @@ def _engine_main(model, tokenizer, config, threads, inbox, outbox) -> None:
     try:
         loop = BatchLoop(model, tokenizer, config, inbox, outbox.put)
         if one_thread_step(config.max_batch, loop.batch.compiled):
+            cpus = set(available_cpus())
             loop.cpu = pin_to_one_cpu()
+            if loop.cpu is not None:  # the prompts' calls that run on more threads run on every CPU it had
+                loop.prompt_cpus = loop.batch.prompt_cpus = cpus
     except Exception as err:  # any error building the batch: the parent raises it
         log.exception("the engine process could not build its batch")
         bad_value = isinstance(err, ValueError)  # a setting the batch refuses: the parent's ValueError too
