@@ -106,3 +106,22 @@ def test_a_call_plan_is_an_argument_not_state_left_on_the_cache():
     budgeted.update(("core", 0, 1), *kv(value=3.0))            # iteration 1 in a budget of 1 slot: slot 0
     assert cache.core_k[0, 0, :, :, 1].eq(3).all() and cache.core_k[0, 1].eq(0).all()
     assert first.plan.budget is None and budgeted.plan.start == 1
+
+
+def test_a_call_of_rows_reads_up_to_its_end_and_from_index_0_reads_its_own_new_keys():
+    """Rows named by an index tensor: from index 0 the call reads the keys it wrote (no gather; the same values the
+    cache holds), padded with zeros up to `end`; from a later index the cache's entries up to `end`, those
+    past its tokens included (a mask hides them); `end` before the new tokens' end is refused by name."""
+    cache = RecurrentKVCache(CONFIG, 3, 16, num_slots=2)
+    cache.core_k.normal_()  # stale entries past every call's tokens
+    rows = torch.tensor([2, 0])
+    k, v = torch.randn(2, CONFIG.num_heads, 3, CONFIG.head_dim), torch.randn(2, CONFIG.num_heads, 3, CONFIG.head_dim)
+    ks, vs = cache.at(0, rows=rows).update(("core", 1, 0), k, v)
+    assert torch.equal(ks, k) and torch.equal(vs, v) and torch.equal(cache.core_k[1, 0][rows][:, :, :3], k)
+    ks, vs = cache.at(0, rows=rows, end=8).update(("core", 1, 1), k, v)
+    assert ks.shape[2] == vs.shape[2] == 8 and torch.equal(ks[:, :, :3], k) and ks[:, :, 3:].eq(0).all()
+    later = torch.randn(2, CONFIG.num_heads, 2, CONFIG.head_dim)
+    ks, _ = cache.at(3, rows=rows, end=8).update(("core", 1, 1), later, later)
+    assert torch.equal(ks, cache.core_k[1, 1][rows][:, :, :8]) and torch.equal(ks[:, :, 3:5], later)
+    with pytest.raises(ValueError, match="cannot read up to 4"):
+        cache.at(3, rows=rows, end=4).update(("core", 1, 1), later, later)

@@ -20,10 +20,12 @@ Each model call gets the cache with its write plan, `cache.at(start, rows=..., .
 which the model's attention layers call `update(key, k, v)` on): the plan says where the new tokens go
 and which rows take part, as an argument of the call, never as state set on the cache beforehand.
 - `start`: an int writes the new tokens at buffer index start.. and returns the keys/values up to
-  their end (slices: the eager path). A 0-dim index tensor on the device writes one token per row at
-  that index and returns the whole preallocated buffer, so every shape is fixed for the life of a
-  generation (the static decode step that `torch.compile` and CUDA graphs take whole; the attention
-  mask hides the entries not yet written).
+  their end, or up to `end` where given (slices: the eager path; rows named by an index tensor from index 0
+  read the new keys themselves, not a gather of what was just written; a CPU prompt chunk reads a little past
+  its tokens, masked, for the attention kernel's sake: rdlm.inference.execution.model_calls.KEY_MULTIPLE).
+  A 0-dim index tensor on the device writes one token per row at that index and returns the whole
+  preallocated buffer, so every shape is fixed for the life of a generation (the static decode step that
+  `torch.compile` and CUDA graphs take whole; the attention mask hides the entries not yet written).
 - `rows`: the batch rows of this call, a subset of the cache's rows (rows whose tokens exited early
   leave the core's matmuls): an index tensor, a slice for consecutive rows (read as views, without
   a gather), or None for all of them.
@@ -268,13 +270,21 @@ class RecurrentKVCache:
         stop = start + k.shape[2]
         if stop > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} tokens; writing up to {stop} does not fit")
+        read = stop if end is None else end  # (a call may read past its tokens: its mask hides those entries)
+        if not stop <= read <= self.max_length:
+            raise ValueError(f"a call writing up to buffer index {stop} cannot read up to {read}")
         if rows is None:
             cache_k[:, :, start:stop] = k
             cache_v[:, :, start:stop] = v
-            return cache_k[:, :, :stop], cache_v[:, :, :stop]
+            return cache_k[:, :, :read], cache_v[:, :, :read]
         cache_k[rows, :, start:stop] = k
         cache_v[rows, :, start:stop] = v
-        return cache_k[rows, :, :stop], cache_v[rows, :, :stop]
+        if start == 0 and isinstance(rows, Tensor):  # the rows hold just what was written: no gather of them
+            if read == stop:
+                return k, v
+            pad = (0, 0, 0, read - stop)  # zeros past the tokens (masked)
+            return torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
+        return cache_k[rows, :, :read], cache_v[rows, :, :read]
 
     @staticmethod
     def _entries(heads: int, length: int, rows: Tensor, index: Tensor) -> Tensor:

@@ -31,6 +31,12 @@ from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
 from rdlm.model.lora_serving import active_adapter, routed
 
+# A prompt chunk of several tokens on the CPU reads its keys in multiples of this many buffer entries (`prompt`):
+# ATen's CPU attention (its flash kernel, like its softmax) runs the last partial vector of each query's keys in
+# scalar code, so chunks with few keys paid up to 2.8x for it (13 keys against 16; 31 against 32: 2.0x; one
+# thread of an AMD EPYC Zen 5, docs/generation.md). A decoded token (one query) gained nothing from it.
+KEY_MULTIPLE = 16
+
 
 class PromptCompiler(Protocol):
     """The prompts' packed iteration compiled (rdlm.inference.execution.cpu_compile.CompiledPrompts), as
@@ -277,13 +283,18 @@ class ModelCalls:
 
     def prompt(self, start: int, n: int, rows: Tensor, budget: int) -> Call:
         """Prompt tokens at buffer indices (= positions) start .. start + n - 1 of `rows`, right-padded to
-        n, causal over the buffer (no real token attends to a pad); the core cycles through `budget` slots."""
+        n, causal over the buffer (no real token attends to a pad); the core cycles through `budget` slots.
+        On the CPU a chunk of several tokens reads its keys up to a multiple of KEY_MULTIPLE entries, the ones
+        past its tokens masked (causal: they lie after every query)."""
         positions = torch.arange(start, start + n, device=self.device).view(1, -1)
-        mask = torch.arange(start + n, device=self.device).view(1, -1) <= positions.view(-1, 1)
+        keys = start + n
+        if n > 1 and self.device.type == "cpu":
+            keys = min(-(-keys // KEY_MULTIPLE) * KEY_MULTIPLE, self.cache.max_length)
+        mask = torch.arange(keys, device=self.device).view(1, -1) <= positions.view(-1, 1)
         return Call(
             self.model.rope(positions, check=False),
-            mask.view(1, 1, n, start + n),
-            self.cache.at(start, rows=rows, budget=budget),
+            mask.view(1, 1, n, keys),
+            self.cache.at(start, rows=rows, budget=budget, end=keys),
             positions,
             self._adapters(rows),
         )

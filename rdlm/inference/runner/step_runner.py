@@ -307,8 +307,9 @@ class StepRunner:
     def _end_prompts(self, plan: StepPlan, out: StepOutput) -> None:
         """Chunks that ran their iterations, in order: the coda over their tokens, then, for each prompt whose
         last chunk this was (`ChunkSpec.ends`), its row's state set to its last token's and, where the plan says
-        so (`chooses`: not for a prefill alone), its first new token chosen from that token's logits; the other
-        prompts go on in a chunk the scheduler begins."""
+        so (`chooses`: not for a prefill alone), its first new token chosen from that token's logits (the head and
+        the choice once for every chunk's prompts); the other prompts go on in a chunk the scheduler begins."""
+        outputs, adapters, requests, caps = [], [], [], []  # the first tokens' coda outputs: one head for all
         for key in [k for k in plan.prompts if k in self.chunks and self.chunks[k].iterated]:
             chunk, spec = self.chunks.pop(key), self.specs.pop(key)
             out.ended.append(key)
@@ -322,14 +323,16 @@ class StepRunner:
                 choosing = [j for j in ended if spec.chooses[j]]
                 if choosing:
                     picked = index if len(choosing) == len(ended) else self.calls.upload([last[j] for j in choosing])
-                    adapters = chunk.call.adapters
-                    if adapters is not None:  # [g, 1], a chunk's row each
-                        adapters = adapters[self.calls.upload(choosing)]
-                    logits = self.calls.head(coda.flatten(0, 1)[picked].unsqueeze(1), adapters)[:, -1]
-                    requests = [chunk.requests[j] for j in choosing]
-                    positions = [len(q.prompt) - 1 for q in requests]
-                    out.first += self._choose(requests, logits, [chunk.cap] * len(requests), positions)
+                    outputs.append(coda.flatten(0, 1)[picked].unsqueeze(1))
+                    if chunk.call.adapters is not None:  # [g, 1], a chunk's row each
+                        adapters.append(chunk.call.adapters[self.calls.upload(choosing)])
+                    requests += [chunk.requests[j] for j in choosing]
+                    caps += [chunk.cap] * len(choosing)
             self._last_inputs = None
+        if requests:
+            logits = self.calls.head(torch.cat(outputs), torch.cat(adapters) if adapters else None)[:, -1]
+            positions = [len(q.prompt) - 1 for q in requests]
+            out.first += self._choose(requests, logits, caps, positions)
 
     def _look(self, plan: StepPlan, computing: list[Iterating], out: StepOutput) -> None:
         """The host reads the iterating rows' exit flags (one read) when the plan says so: at its interval, or
