@@ -591,12 +591,12 @@ def test_the_static_steps_reading_of_state_only_criteria_decides_as_the_hosts(mo
     assert len({n for _, n in fired}) > 1
 
 
-@pytest.mark.parametrize("start,n", [(0, 5), (4, 13), (0, 1)])
+@pytest.mark.parametrize("start,n", [(0, 5), (4, 13), (0, 1), (60, 9)])
 def test_a_cpu_prompt_chunk_reads_its_keys_to_a_multiple_of_16_and_computes_the_same(model, monkeypatch, start, n):
     """A chunk of several tokens reads its keys up to a multiple of KEY_MULTIPLE buffer entries (the CPU attention
     kernel's whole vectors), those past its tokens masked; its prelude, core iteration and coda compute what the
     call reading exactly its keys does, within float32 round-off (the kernel sums the same terms in other blocks).
-    A lone token reads its own keys."""
+    A lone token, or a chunk with many keys, reads its own keys."""
     from rdlm.inference.execution import model_calls
 
     g, h = 2, model.config.hidden_size
@@ -605,7 +605,7 @@ def test_a_cpu_prompt_chunk_reads_its_keys_to_a_multiple_of_16_and_computes_the_
     outputs = {}
     for multiple in (1, model_calls.KEY_MULTIPLE):
         monkeypatch.setattr(model_calls, "KEY_MULTIPLE", multiple)
-        calls = ModelCalls(model, 3, 32, 4, "full")
+        calls = ModelCalls(model, 3, 80, 4, "full")
         rows = calls.upload([2, 0])
         if start:  # earlier entries of the rows, read by the chunk
             calls.admit(0, start, rows)
@@ -613,7 +613,8 @@ def test_a_cpu_prompt_chunk_reads_its_keys_to_a_multiple_of_16_and_computes_the_
             calls.cache.core_v.normal_(generator=torch.Generator().manual_seed(2))
         call = calls.prompt(start, n, rows, 4)
         keys = call.mask.shape[-1]
-        want = start + n if n == 1 or multiple == 1 else -(-(start + n) // multiple) * multiple
+        padded = n > 1 and start + n < model_calls.KEY_PADDED_BELOW
+        want = -(-(start + n) // multiple) * multiple if padded else start + n
         assert keys == want and not call.mask[..., start + n:].any()
         with torch.inference_mode():
             e = calls.embed(ids, call)

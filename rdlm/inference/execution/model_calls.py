@@ -31,11 +31,13 @@ from rdlm.model.lm import RecurrentDepthLM
 from rdlm.model.lora import loaded_adapters
 from rdlm.model.lora_serving import active_adapter, routed
 
-# A prompt chunk of several tokens on the CPU reads its keys in multiples of this many buffer entries (`prompt`):
-# ATen's CPU attention (its flash kernel, like its softmax) runs the last partial vector of each query's keys in
-# scalar code, so chunks with few keys paid up to 2.8x for it (13 keys against 16; 31 against 32: 2.0x; one
-# thread of an AMD EPYC Zen 5, docs/generation.md). A decoded token (one query) gained nothing from it.
+# A prompt chunk of several tokens on the CPU that reads fewer than KEY_PADDED_BELOW keys reads them in multiples
+# of KEY_MULTIPLE buffer entries (`prompt`): ATen's CPU attention (its flash kernel, like its softmax) runs the
+# last partial vector of each query's keys in scalar code, so such chunks paid up to 2.8x for it (13 keys against
+# 16; 31 against 32: 2.0x; with AVX2 kernels 1.2-1.45x), where at 84-100 keys the padding cost 2-6% and a decoded
+# token (one query) gained nothing (one thread of an AMD EPYC Zen 5, docs/generation.md).
 KEY_MULTIPLE = 16
+KEY_PADDED_BELOW = 64
 
 
 class PromptCompiler(Protocol):
@@ -284,11 +286,11 @@ class ModelCalls:
     def prompt(self, start: int, n: int, rows: Tensor, budget: int) -> Call:
         """Prompt tokens at buffer indices (= positions) start .. start + n - 1 of `rows`, right-padded to
         n, causal over the buffer (no real token attends to a pad); the core cycles through `budget` slots.
-        On the CPU a chunk of several tokens reads its keys up to a multiple of KEY_MULTIPLE entries, the ones
-        past its tokens masked (causal: they lie after every query)."""
+        On the CPU a chunk of several tokens and few keys reads them up to a multiple of KEY_MULTIPLE entries, the
+        ones past its tokens masked (causal: they lie after every query)."""
         positions = torch.arange(start, start + n, device=self.device).view(1, -1)
         keys = start + n
-        if n > 1 and self.device.type == "cpu":
+        if n > 1 and keys < KEY_PADDED_BELOW and self.device.type == "cpu":
             keys = min(-(-keys // KEY_MULTIPLE) * KEY_MULTIPLE, self.cache.max_length)
         mask = torch.arange(keys, device=self.device).view(1, -1) <= positions.view(-1, 1)
         return Call(
