@@ -504,3 +504,23 @@ def test_resize_token_embeddings_resizes_the_tied_head_and_both_configs(text_mod
     assert again.config.vocab_size == 520 and again.model.embedding.weight.shape == (520, 64)
     assert model.resize_token_embeddings(500, pad_to_multiple_of=64).num_embeddings == 512
     assert model.config.vocab_size == 512 and torch.equal(model.model.embedding.weight, old)
+
+
+def test_a_hub_id_fetches_only_json_and_safetensors_with_the_hub_keywords(huginn_tiny_dir, monkeypatch):
+    """A repository id goes to huggingface_hub.snapshot_download (faked here: no network) with the JSON and
+    safetensors patterns and the hub keywords the caller gave, with the ones transformers' Auto classes pass
+    (force_download, proxies=None: the Auto classes themselves first fetch the config from the Hub); a proxies
+    mapping, which rdlm would not pass on, is refused by name."""
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, **kw: asked.append((repo_id, kw)) or str(huginn_tiny_dir))
+    model = RavenForCausalLM.from_pretrained("someone/huginn-tiny", revision="v1", force_download=True, proxies=None,
+                                             _from_auto=True)
+    assert isinstance(model, RavenForCausalLM)
+    (repo, kw), = asked
+    assert repo == "someone/huginn-tiny" and kw["allow_patterns"] == ["*.json", "*.safetensors"]
+    assert kw["revision"] == "v1" and kw["force_download"] is True and "proxies" not in kw
+    with pytest.raises(ValueError, match="proxies"):
+        RavenForCausalLM.from_pretrained(huginn_tiny_dir, proxies={"https": "http://proxy:3128"})

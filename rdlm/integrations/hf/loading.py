@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 # from_pretrained keywords for a Hub download.
-HUB_KEYWORDS = ("revision", "cache_dir", "token", "forcedownload_model", "local_files_only")
+HUB_KEYWORDS = ("revision", "cache_dir", "token", "force_download", "local_files_only")
 # from_pretrained keywords that change nothing for rdlm at these values (None: at any value):
 # safetensors are read whole onto one device, with no remote code and no pickle, so nothing is ever
 # offloaded; transformers' Auto classes and pipelines pass the private ones.
@@ -25,6 +25,7 @@ INERT_LOAD_KEYWORDS: dict[str, tuple | None] = {
     "max_memory": (None,),
     "variant": (None,),
     "gguf_file": (None,),
+    "proxies": (None,),  # (transformers' Auto classes pass it; huggingface_hub takes proxies from the environment)
     "tp_plan": (None,),
     "key_mapping": (None,),
     "adapter_kwargs": (None, {}),
@@ -69,7 +70,7 @@ def resolve_device(device_map: Any) -> torch.device:
 
 def download_model(repo_id: str, hub: dict[str, Any], subfolder: str = "") -> str:
     """A Hub repository id: fetch only its JSON and safetensors files (nothing pickled, no code)."""
-    from huggingface_hub import snapshotdownload_model
+    from huggingface_hub import snapshot_download
 
     prefix = f"{subfolder.strip('/')}/" if subfolder else ""
-    return snapshotdownload_model(repo_id, allow_patterns=[f"{prefix}*.json", f"{prefix}*.safetensors"], **hub)
+    return snapshot_download(repo_id, allow_patterns=[f"{prefix}*.json", f"{prefix}*.safetensors"], **hub)

@@ -103,7 +103,7 @@ class RavenForCausalLM(PreTrainedModel, GenerationMixin):
         device_map: None (cpu), one device ("cpu", "cuda:0", 0, {"": "cuda:0"}), or "auto" where the
             machine has one device (the GPU, else the CPU); rdlm never splits a model across devices.
         attn_implementation: "sdpa" (default) or "eager". generation_config: replaces the directory's
-            generation_config.json. Hub downloads take revision, cache_dir, token, forcedownload_model and
+            generation_config.json. Hub downloads take revision, cache_dir, token, force_download and
             local_files_only. Any other keyword is refused by name, never ignored.
         """
         if args:
