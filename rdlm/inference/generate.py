@@ -46,6 +46,7 @@ from rdlm.inference.batching import ContinuousBatch, EngineArgs
 from rdlm.inference.events import GenerationResult, TokenEvent
 from rdlm.inference.execution.cpu_compile import LENGTH_BUCKET, compile_pays
 from rdlm.inference.execution.graphs import sync
+from rdlm.inference.execution.model_calls import KEY_MULTIPLE
 from rdlm.inference.params import Decode, GenerationConfig, check_length, check_prompts, cut_at_stop
 from rdlm.inference.runner.parallel import wave_room
 from rdlm.inference.runner.sampling import sample
@@ -158,8 +159,10 @@ def _engine(
         if compile is None:  # compiled where it pays (rdlm.inference.execution.cpu_compile)
             iterations = config.max_new_tokens * config.num_steps
             compile = compile_pays(len(prompts), iterations, in_rounds(config), bool(loaded_adapters(model)))
-        if compile:  # a length compiled code can be reused at
-            max_length = min(model.config.context_length, -(-max_length // LENGTH_BUCKET) * LENGTH_BUCKET)
+        # a length compiled code can be reused at; else a multiple of KEY_MULTIPLE, so that the prompts read their
+        # keys as any batch with a longer buffer (`rdlm serve`'s) reads them, the same float32 sums
+        bucket = LENGTH_BUCKET if compile else KEY_MULTIPLE
+        max_length = min(model.config.context_length, -(-max_length // bucket) * bucket)
     return ContinuousBatch(
         model,
         max_batch=len(prompts),

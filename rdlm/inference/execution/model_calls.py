@@ -287,7 +287,8 @@ class ModelCalls:
         """Prompt tokens at buffer indices (= positions) start .. start + n - 1 of `rows`, right-padded to
         n, causal over the buffer (no real token attends to a pad); the core cycles through `budget` slots.
         On the CPU a chunk of several tokens and few keys reads them up to a multiple of KEY_MULTIPLE entries, the
-        ones past its tokens masked (causal: they lie after every query)."""
+        ones past its tokens masked (causal: they lie after every query), within the buffer: one whose length is
+        a multiple of KEY_MULTIPLE (`generate`'s) reads as many as any longer one."""
         positions = torch.arange(start, start + n, device=self.device).view(1, -1)
         keys = start + n
         if n > 1 and keys < KEY_PADDED_BELOW and self.device.type == "cpu":
