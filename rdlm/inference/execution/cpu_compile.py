@@ -143,18 +143,32 @@ def one_thread_step(rows: int, compiled: bool) -> bool:
 
 
 @contextmanager
-def step_threads(rows: int, compiled: bool) -> Iterator[None]:
-    """Run a CPU step of a batch of `rows` rows on one thread where that is faster (`one_thread_step`), then
-    restore the thread count."""
+def on_threads(threads: int, cpus: set[int] | None = None) -> Iterator[None]:
+    """Run on `threads` intra-op threads and, where `cpus` are given, on those CPUs (the calling thread's affinity,
+    which the threads it starts inherit, widened for the time: an engine process pinned to one CPU), then restore
+    both."""
     before = torch.get_num_threads()
-    if not one_thread_step(rows, compiled) or before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
+    pinned = os.sched_getaffinity(0) if cpus is not None else None
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
+
+
+@contextmanager
+def step_threads(rows: int, compiled: bool) -> Iterator[None]:
+    """Run a CPU step of a batch of `rows` rows on one thread where that is faster (`one_thread_step`), then
+    restore the thread count."""
+    if not one_thread_step(rows, compiled) or torch.get_num_threads() == 1:
+        yield
+        return
+    with on_threads(1):
+        yield
 
 
 def compile_allowed() -> bool:
@@ -343,24 +357,6 @@ PROMPT_INDUCTOR = {"freezing": True}
 PROMPT_THREAD_TOKENS = (8, 16, 32, 48, 64, 96, 128)
 PROMPT_THREAD_GAIN = 0.9
 PROMPT_THREAD_ROUNDS = 7
-
-
-@contextmanager
-def on_threads(threads: int, cpus: set[int] | None = None) -> Iterator[None]:
-    """Run on `threads` intra-op threads and, where `cpus` are given, on those CPUs (the calling thread's affinity,
-    which the threads it starts inherit, widened for the time: an engine process pinned to one CPU), then restore
-    both."""
-    before = torch.get_num_threads()
-    pinned = os.sched_getaffinity(0) if cpus is not None else None
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-        if pinned is not None:
-            os.sched_setaffinity(0, pinned)
 
 
 class CompiledPrompts:

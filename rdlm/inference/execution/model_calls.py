@@ -46,8 +46,8 @@ class PromptCompiler(Protocol):
 
     seconds: float
     failed: bool
-    threads: int  # calls of at least `wide_from` tokens run on this many threads (None: none do), on `cpus`
-    wide_from: int | None
+    threads: int  # calls of at least `wide_from` tokens run on this many threads, on `cpus` (None: its own)
+    wide_from: int | None  # (None: every call runs on the caller's threads)
     cpus: set[int] | None
 
     def __call__(self, states: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, packed: PackedCall) -> Tensor: ...
